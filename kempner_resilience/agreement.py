@@ -1,0 +1,139 @@
+"""Stop agreement: every rank leaves the training loop at the same step, whoever got the signal.
+
+SLURM may signal only some ranks, and each sees it at a different moment. The first rank whose
+step boundary finds a shutdown request publishes ``stop_at = n + 2`` to the key-value store that
+``init_process_group`` already runs (compare-and-set: the first writer wins, everyone reads the
+same value). Every rank checks that key once per step (one store round trip, ~20-50 us).
+
+Why ``n + 2`` is enough: a training step has a collective, so no rank can finish step ``n + 1``
+before every rank has started it. When the publisher is at boundary ``n``, no rank has passed
+boundary ``n + 1``, so each one reads the key at a boundary no later than ``n + 2``. Ranks that
+run no collective per step can drift further apart; ``StopAgreement`` then detects a rank that
+is already past ``stop_at`` and stops it where it is, with an error in the log.
+"""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from kempner_resilience.log import get_logger
+
+__all__ = ["StopAgreement", "StopDecision"]
+
+log = get_logger(__name__)
+
+KEY = "kempner_resilience/stop_at"
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """All ranks stop at boundary ``step`` because of ``signum`` (received by some rank)."""
+
+    step: int
+    signum: int
+    local: bool  # this rank received the signal itself
+
+
+class StopAgreement:
+    """Per-step stop check; cheap single-process path, one store lookup per step otherwise."""
+
+    def __init__(self, store: Any | None = None, *, rank: int = 0, world_size: int = 1,
+                 group: Any | None = None, lead_steps: int = 2) -> None:
+        self.store = store if world_size > 1 else None
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.lead_steps = lead_steps
+        self._decided: StopDecision | None = None
+        self._stop_at: int | None = None
+        self._signum = 0
+        self._agreed_now = False
+
+    @classmethod
+    def from_torch(cls) -> "StopAgreement":
+        """Use the default process group's store when torch.distributed is initialized."""
+        if "torch.distributed" not in sys.modules:  # no process group without the module
+            return cls()
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls()
+        store = dist.distributed_c10d._get_default_store()
+        return cls(store, rank=dist.get_rank(), world_size=dist.get_world_size())
+
+    @property
+    def distributed(self) -> bool:
+        return self.store is not None
+
+    def poll(self, step: int, local_signum: int | None) -> StopDecision | None:
+        """Call at every step boundary ``step``; returns the decision once this rank must stop."""
+        if self._decided is not None:
+            return self._decided
+        if self._agreed_now:
+            # every rank saw any_requested() return True at the same call: stop right here.
+            self._decided = StopDecision(step, self._signum, local_signum is not None)
+            return self._decided
+        if self.store is None:
+            if local_signum is None:
+                return None
+            self._decided = StopDecision(step, local_signum, True)
+            return self._decided
+        if self._stop_at is None:
+            if local_signum is not None:
+                self._publish(step, local_signum)
+            elif self.store.check([KEY]):
+                self._read()
+            if self._stop_at is None:
+                return None
+        if step < self._stop_at:
+            return None
+        if step > self._stop_at:
+            log.error("this rank reached step %d before it saw the agreed stop step %d: ranks "
+                      "are drifting apart (no collective per step?); stopping here", step,
+                      self._stop_at)
+        self._decided = StopDecision(step, self._signum, local_signum is not None)
+        return self._decided
+
+    def stop_at(self) -> int | None:
+        return self._stop_at
+
+    def _publish(self, step: int, signum: int) -> None:
+        want = f"{step + self.lead_steps}:{signum}"
+        got = self.store.compare_set(KEY, "", want)
+        self._parse(got)
+        if got.decode() == want:
+            log.info("%s here at step %d: all ranks stop at step %d",
+                     signal.Signals(signum).name, step, self._stop_at)
+
+    def _read(self) -> None:
+        self._parse(self.store.get(KEY))
+
+    def _parse(self, raw: bytes) -> None:
+        at, sig = raw.decode().split(":")
+        self._stop_at, self._signum = int(at), int(sig)
+
+    def any_requested(self, local_signum: int | None, timeout_s: float = 600.0) -> bool:
+        """Collective: True on every rank when any rank has a request (for ``should_stop``).
+
+        Every rank must call it the same number of times, like any collective. Once it returned
+        True, the next ``poll`` stops every rank at that boundary.
+        """
+        if self.store is None:
+            if local_signum is not None:
+                self._signum, self._agreed_now = self._signum or local_signum, True
+            return local_signum is not None or self._decided is not None
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([local_signum or self._signum or 0])
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work.wait(datetime.timedelta(seconds=timeout_s))
+        signum = int(flag.item())
+        if signum:
+            self._signum = self._signum or signum
+            self._agreed_now = True
+        return bool(signum)

@@ -1,0 +1,94 @@
+"""Exit codes: the contract between a training process, its batch script and the scheduler.
+
+``docs/exit-codes.md`` holds the same table; a test keeps the two in sync.
+
+HANG and DEADLINE equal ``SIGRTMIN + 8`` and ``SIGRTMIN + 9`` on Linux (42, 43) on purpose: when a
+hang holds the GIL no Python code can run, so the watchdogs' last resort is a kernel timer whose
+signal handler is libc's ``_exit`` itself, and a handler receives the signal number as its
+argument. The exit status is then exactly the documented code without any Python involved.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+
+__all__ = ["ExitCode", "describe", "for_signal_stop", "TABLE"]
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    ERROR = 1
+    USAGE = 2
+    HANG = 42
+    DEADLINE = 43
+    REQUEUE = 75
+    STOPPED = 76
+    NO_REQUEUE = 77
+    CONFIG = 78
+    REQUEUE_FAILED = 79
+    CHECKPOINT_FAILED = 80
+    SIGINT = 128 + signal.SIGINT
+    SIGTERM = 128 + signal.SIGTERM
+
+
+OK = ExitCode.OK
+ERROR = ExitCode.ERROR
+USAGE = ExitCode.USAGE
+HANG = ExitCode.HANG
+DEADLINE = ExitCode.DEADLINE
+REQUEUE = ExitCode.REQUEUE
+REQUEUED = ExitCode.REQUEUE
+STOPPED = ExitCode.STOPPED
+NO_REQUEUE = ExitCode.NO_REQUEUE
+CONFIG = ExitCode.CONFIG
+REQUEUE_FAILED = ExitCode.REQUEUE_FAILED
+CHECKPOINT_FAILED = ExitCode.CHECKPOINT_FAILED
+SIGINT = ExitCode.SIGINT
+SIGTERM = ExitCode.SIGTERM
+
+TABLE: dict[ExitCode, str] = {
+    ExitCode.OK: "all steps finished",
+    ExitCode.ERROR: "an unhandled exception in the training script (Python's own code)",
+    ExitCode.USAGE: "the command line was wrong (CLI only)",
+    ExitCode.HANG: "hang watchdog: no step finished within watchdog.hang_timeout_s; stacks were "
+                   "dumped to stderr; resume from the last committed checkpoint",
+    ExitCode.DEADLINE: "shutdown deadline: the graceful shutdown did not finish within the "
+                       "signal's grace; stacks were dumped to stderr",
+    ExitCode.REQUEUE: "emergency checkpoint committed and the job requeued (under SLURM) or to be "
+                      "relaunched (local launcher): run it again",
+    ExitCode.STOPPED: "stopped by a signal whose action is `stop` (not SIGINT/SIGTERM); "
+                      "checkpoint committed, not requeued",
+    ExitCode.NO_REQUEUE: "restart budget exhausted or no progress over several restarts: do not "
+                         "requeue; look at the job's log",
+    ExitCode.CONFIG: "invalid configuration or environment found at start",
+    ExitCode.REQUEUE_FAILED: "emergency checkpoint committed but `scontrol requeue` failed; "
+                             "resubmit the job by hand",
+    ExitCode.CHECKPOINT_FAILED: "the emergency checkpoint failed or could not fit before the "
+                                "deadline; the previous committed checkpoint is intact",
+    ExitCode.SIGINT: "stopped by SIGINT (Ctrl+C): checkpoint committed; a second Ctrl+C exits "
+                     "at once with this code",
+    ExitCode.SIGTERM: "stopped by SIGTERM (preemption, scancel): checkpoint committed; a second "
+                      "SIGTERM exits at once with this code",
+}
+
+
+def for_signal_stop(signum: int) -> ExitCode:
+    """The code for "stopped by ``signum``, not requeued": 130/143 by convention, else STOPPED."""
+    if signum == signal.SIGINT:
+        return ExitCode.SIGINT
+    if signum == signal.SIGTERM:
+        return ExitCode.SIGTERM
+    return ExitCode.STOPPED
+
+
+def describe(code: int) -> str:
+    try:
+        return f"{ExitCode(code).name} ({code}): {TABLE[ExitCode(code)]}"
+    except ValueError:
+        if code > 128:
+            try:
+                return f"{code}: killed by {signal.Signals(code - 128).name}"
+            except ValueError:
+                pass
+        return f"{code}: not a kempner_resilience code"

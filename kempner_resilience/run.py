@@ -1,0 +1,289 @@
+"""ResilientRun: the one object a training script needs.
+
+```python
+cfg = kempner_resilience.load_config("configs/default.yaml")
+with kempner_resilience.ResilientRun(cfg, state={"model": model, "optim": optim}) as run:
+    for step in run.steps(total_steps):   # starts after the newest committed checkpoint
+        train_step(step)
+```
+
+``run.steps()`` is the safe point: each boundary is a heartbeat for the hang watchdog, the place
+where periodic checkpoints are written and where all ranks agree to stop. On a shutdown signal
+every rank leaves at the same boundary; the run then writes the emergency checkpoint, requeues
+(rank 0, only after the commit), tears down and raises ``SystemExit`` with the documented code,
+so code after the loop (a "final" save of a model that is not final) never runs by mistake.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+from kempner_resilience import exitcodes
+from kempner_resilience.agreement import StopAgreement, StopDecision
+from kempner_resilience.config import Action, ResilienceConfig, load_config
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.log import get_logger
+from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
+from kempner_resilience.teardown import (
+    TeardownStack,
+    cuda_synchronize,
+    destroy_process_group,
+    flush_logs,
+)
+from kempner_resilience.watchdog import HangWatchdog
+
+__all__ = ["ResilientRun"]
+
+log = get_logger(__name__)
+
+
+class ResilientRun:
+    """Signals, deadline, hang watchdog, checkpoints, stop agreement and requeue for one run.
+
+    Args:
+        config: a ``ResilienceConfig``, a path to a YAML file, or None for the defaults.
+        state: what a checkpoint holds, e.g. ``{"model": m, "optim": o, "sched": s,
+            "data": it}``; values need ``state_dict()``/``load_state_dict()``. ``None``:
+            no checkpoints (signals, deadline and exit codes still work).
+        overrides: ``"section.key=value"`` strings applied on top of a config path.
+    """
+
+    def __init__(self, config: ResilienceConfig | str | os.PathLike[str] | None = None,
+                 state: Mapping[str, Any] | None = None, *, overrides: tuple[str, ...] = ()
+                 ) -> None:
+        if not isinstance(config, ResilienceConfig):
+            config = load_config(config, overrides)
+        self.config = config
+        self.state = state
+        self.step = 0
+        self.start_step = 0
+        self.resumed_from: Any = None
+        self.exit_code: int | None = None
+        self.timings: dict[str, float] = {}
+        self._handler = ShutdownHandler(config.signals)
+        self._hang = HangWatchdog(config.watchdog.hang_timeout_s,
+                                  busy_timeout_s=config.watchdog.checkpoint_timeout_s,
+                                  on_hang=self._on_hang)
+        self._teardown = TeardownStack(config.watchdog.cleanup_timeout_s)
+        self._agreement = StopAgreement()
+        self._ckpt: Any = None
+        self._slurm: Any = None
+        self._entered = False
+        self._shutting_down = False
+        self._done = False
+
+    # ------------------------------------------------------------------ context
+
+    def __enter__(self) -> "ResilientRun":
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("ResilientRun must be entered on the main thread (Python only "
+                               "delivers signals there)")
+        self._handler.install()
+        try:
+            self._agreement = StopAgreement.from_torch()
+            self._setup_slurm()
+            self._setup_checkpoints()
+            self._hang.start()
+        except BaseException:
+            self._hang.stop()
+            self._handler.uninstall()
+            raise
+        self._entered = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            if exc_type is None and self._handler.requested() and not self._shutting_down \
+                    and not self._done:
+                # The loop was left early (break) after a signal: finish the shutdown here.
+                decision = StopDecision(self.step, self._handler.request.signum, True)
+                self._shutdown(decision)  # raises SystemExit
+            if not self._shutting_down:
+                self._teardown.run()
+                if self._ckpt is not None:
+                    self._ckpt.close()
+        finally:
+            self._hang.stop()
+            self._handler.uninstall()
+        return False
+
+    # ------------------------------------------------------------------ user API
+
+    @property
+    def shutdown_request(self) -> ShutdownRequest | None:
+        """The first shutdown signal this process received, if any."""
+        return self._handler.request
+
+    @property
+    def rank(self) -> int:
+        return self._agreement.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._agreement.world_size
+
+    def should_stop(self) -> bool:
+        """Poll inside long phases (eval, warm-up): True once any rank asked to stop.
+
+        In a distributed run this is a collective: call it on every rank equally often. After
+        it returns True, leave the phase; the next ``steps()`` boundary stops every rank there.
+        """
+        return self._agreement.any_requested(self._local_signum())
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step indices from the resume point up to ``total - 1``.
+
+        Stops at the first boundary all ranks agree on after a shutdown signal, then checkpoints,
+        requeues and raises ``SystemExit`` with the exit code (see ``exitcodes``).
+        """
+        if not self._entered:
+            raise RuntimeError("use `with ResilientRun(...) as run:` before run.steps()")
+        if total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        step = self.step
+        while step < total:
+            decision = self._agreement.poll(step, self._local_signum())
+            if decision is not None:
+                self._shutdown(decision)
+            yield step
+            step += 1
+            self.step = step
+            self._hang.beat()
+            if self._ckpt is not None:
+                self._periodic_save(step)
+        self._done = True
+
+    def add_cleanup(self, fn: Callable[[], Any], *, name: str | None = None,
+                    timeout_s: float | None = None) -> Callable[[], Any]:
+        """Run ``fn`` at shutdown (newest first), at most ``timeout_s`` (config default)."""
+        return self._teardown.add(fn, name=name, timeout_s=timeout_s)
+
+    def add_executor(self, executor: Any, *, name: str | None = None,
+                     timeout_s: float | None = None) -> Any:
+        """Shut ``executor`` down at shutdown with ``cancel_futures=True``."""
+        return self._teardown.add_executor(executor, name=name, timeout_s=timeout_s)
+
+    def save(self) -> Any:
+        """Write a checkpoint now (collective); returns its info."""
+        if self._ckpt is None:
+            raise RuntimeError("no checkpoint state: pass state={...} to ResilientRun")
+        with self._hang.busy():
+            return self._ckpt.save(self.step, reason="manual")
+
+    # ------------------------------------------------------------------ internals
+
+    def _local_signum(self) -> int | None:
+        req = self._handler.request
+        return None if req is None else req.signum
+
+    def _setup_slurm(self) -> None:
+        try:
+            from kempner_resilience.slurm import SlurmJob
+        except ImportError:  # pragma: no cover - the slurm package is part of the product
+            return
+        self._slurm = SlurmJob.from_env()
+
+    def _setup_checkpoints(self) -> None:
+        if self.state is None:
+            return
+        from kempner_resilience.checkpoint import CheckpointManager
+
+        self._ckpt = CheckpointManager(self.config.checkpoint, self.state,
+                                       rank=self._agreement.rank,
+                                       world_size=self._agreement.world_size)
+        self._ckpt.check_dir()
+        if self.config.checkpoint.resume:
+            t0 = time.monotonic()
+            with self._hang.busy():
+                info = self._ckpt.resume()
+            if info is not None:
+                self.resumed_from = info
+                self.step = self.start_step = int(info.step)
+                self.timings["resume_s"] = time.monotonic() - t0
+                log.info("resumed from %s (step %d) in %.2f s", info.path, info.step,
+                         self.timings["resume_s"])
+
+    def _periodic_save(self, step: int) -> None:
+        if not self._ckpt.due(step):
+            return
+        with self._hang.busy():
+            self._ckpt.maybe_save(step)
+
+    def _on_hang(self) -> None:
+        pass  # requeue on hang is wired with the SLURM layer
+
+    def _shutdown(self, decision: StopDecision) -> None:
+        """Emergency checkpoint, requeue decision, teardown; always raises SystemExit."""
+        self._shutting_down = True
+        self._hang.stop()  # from here the shutdown deadline governs
+        req = self._handler.request
+        signum = decision.signum
+        name = _signame(signum)
+        if req is None:
+            # Another rank got the signal: this rank's deadline starts now.
+            grace = self.config.signals.grace_for(name)
+            self._handler.deadline.arm(time.monotonic() + grace, f"{name} on another rank")
+        action = self.config.signals.actions.get(name, Action.STOP)
+        log.warning("stopping at step %d (%s, action %s)", decision.step, name, action.value)
+        code = self._emergency_checkpoint(decision)
+        if code is None:
+            code = self._requeue(decision) if action is Action.REQUEUE \
+                else exitcodes.for_signal_stop(signum)
+        self._run_teardown()
+        self.exit_code = int(code)
+        log.warning("exiting with %s", exitcodes.describe(int(code)))
+        if _interactive():
+            # A notebook kernel survives SystemExit: a deadline left armed would kill it later.
+            self._handler.deadline.disarm()
+        else:
+            self._handler.deadline.finished(int(code), self.config.watchdog.exit_timeout_s)
+        raise SystemExit(int(code))
+
+    def _emergency_checkpoint(self, decision: StopDecision) -> ExitCode | None:
+        if self._ckpt is None:
+            return None
+        t0 = time.monotonic()
+        try:
+            info = self._ckpt.emergency_save(decision.step, deadline=self._handler.deadline.deadline)
+        except Exception:
+            log.exception("emergency checkpoint at step %d failed; the previous committed "
+                          "checkpoint is intact", decision.step)
+            return ExitCode.CHECKPOINT_FAILED
+        self.timings["emergency_save_s"] = time.monotonic() - t0
+        if info is None:
+            return ExitCode.CHECKPOINT_FAILED
+        log.info("emergency checkpoint for step %d committed in %.2f s: %s", decision.step,
+                 self.timings["emergency_save_s"], getattr(info, "path", info))
+        return None
+
+    def _requeue(self, decision: StopDecision) -> ExitCode:
+        return ExitCode.REQUEUE
+
+    def _run_teardown(self) -> None:
+        deadline = self._handler.deadline.deadline
+        t0 = time.monotonic()
+        results = self._teardown.run(deadline=deadline)  # the user's cleanups, newest first
+        builtin = TeardownStack(self.config.watchdog.cleanup_timeout_s)
+        builtin.add(flush_logs, name="flush logs")
+        builtin.add(destroy_process_group, name="destroy process group")
+        builtin.add(cuda_synchronize, name="cuda synchronize")
+        if self._ckpt is not None:
+            builtin.add(self._ckpt.close, name="drain checkpoint saves")
+        results += builtin.run(deadline=deadline)
+        self.cleanup_results = results
+        self.timings["teardown_s"] = time.monotonic() - t0
+
+
+def _interactive() -> bool:
+    return "ipykernel" in sys.modules or bool(sys.flags.interactive)
+
+
+def _signame(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name

@@ -1,0 +1,267 @@
+"""ShutdownHandler: see a shutdown signal at once, even while the main thread is stuck in C.
+
+Python runs signal handlers only on the main thread, between bytecodes, so a handler never runs
+while the main thread waits in a gloo/NCCL collective: exactly when the deadline matters most.
+The C-level part of CPython's handler runs at once, though, and with ``signal.set_wakeup_fd`` it
+writes the signal number to a pipe. A dedicated thread blocks on that pipe; it wakes within
+microseconds whenever the main thread has released the GIL (collectives, sleeps and I/O do) and
+arms the shutdown deadline. The Python-level handler only records and chains.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kempner_resilience.config import Action, SignalsConfig, normalize_signal
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.log import get_logger
+from kempner_resilience.watchdog import DeadlineWatchdog
+
+__all__ = ["ShutdownHandler", "ShutdownRequest"]
+
+log = get_logger(__name__)
+
+_STOP_BYTE = 0  # no signal has number 0: tells the reader thread to leave
+
+
+@dataclass(frozen=True)
+class ShutdownRequest:
+    """The first shutdown signal: what arrived, when, and what it asks for."""
+
+    signum: int
+    action: Action
+    received_at: float  # time.monotonic()
+    received_wall: float  # time.time(), for logs
+    grace_s: float
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def deadline(self) -> float:
+        """``time.monotonic()`` value by which the process must be gone."""
+        return self.received_at + self.grace_s
+
+
+_active: "weakref.WeakSet[ShutdownHandler]" = weakref.WeakSet()
+
+
+def _reset_in_forked_child() -> None:
+    # A forked child (a DataLoader worker) must not run our handlers: it would swallow the
+    # signal meant to end it, and its wakeup bytes would land in the parent's pipe.
+    for handler in list(_active):
+        handler._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_in_forked_child)
+
+
+class ShutdownHandler:
+    """Installs handlers for the configured signals and turns the first one into a request.
+
+    ``install()`` must run on the main thread. The first signal creates ``request``, arms the
+    deadline watchdog (forced ``os._exit(DEADLINE)`` when the grace runs out) and calls the
+    listeners from the signal thread. A repeated SIGINT, or a second SIGTERM, during a graceful
+    shutdown exits at once with 130/143; any other later signal only tightens the deadline (a
+    SIGTERM at the time limit must not throw away a checkpoint that is almost written).
+    """
+
+    def __init__(self, config: SignalsConfig | None = None, *,
+                 deadline: DeadlineWatchdog | None = None) -> None:
+        self.config = config or SignalsConfig()
+        self.deadline = deadline or DeadlineWatchdog()
+        self._actions = {getattr(signal, n): a for n, a in self.config.handled().items()}
+        self._previous: dict[int, Any] = {}
+        self._listeners: list[Callable[[ShutdownRequest], None]] = []
+        self._lock = threading.Lock()
+        self._request: ShutdownRequest | None = None
+        self._deliveries: list[int] = []
+        self._rfd = self._wfd = -1
+        self._old_wakeup_fd = -1
+        self._thread: threading.Thread | None = None
+        self._installed = False
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def request(self) -> ShutdownRequest | None:
+        """The first shutdown signal received, or None."""
+        return self._request
+
+    def requested(self) -> bool:
+        return self._request is not None
+
+    @property
+    def signals(self) -> list[int]:
+        return sorted(self._actions)
+
+    def add_listener(self, fn: Callable[[ShutdownRequest], None]) -> None:
+        """Call ``fn(request)`` from the signal thread on the first signal (must be quick)."""
+        self._listeners.append(fn)
+        if self._request is not None:
+            fn(self._request)
+
+    def install(self) -> "ShutdownHandler":
+        if self._installed:
+            return self
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("ShutdownHandler.install() must run on the main thread: Python "
+                               "only lets the main thread set signal handlers")
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._wfd, False)
+        for fd in (self._rfd, self._wfd):
+            os.set_inheritable(fd, False)
+        for signum in self._actions:
+            prev = signal.getsignal(signum)
+            self._previous[signum] = prev
+            signal.signal(signum, self._python_handler)
+        self._old_wakeup_fd = signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._reader, name="kempner-signal-thread",
+                                        daemon=True)
+        self._thread.start()
+        self._installed = True
+        _active.add(self)
+        log.debug("handling %s", ", ".join(f"{signal.Signals(s).name}={a.value}"
+                                           for s, a in self._actions.items()))
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and wakeup fd; leaves any armed deadline armed."""
+        if not self._installed:
+            return
+        self._installed = False
+        _active.discard(self)
+        if os.getpid() == self._pid and threading.current_thread() is threading.main_thread():
+            current = signal.set_wakeup_fd(self._old_wakeup_fd)
+            if current not in (self._wfd, -1):
+                # Someone set their own wakeup fd after us; leave theirs in place.
+                signal.set_wakeup_fd(current)
+            for signum, prev in self._previous.items():
+                signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
+        try:
+            os.write(self._wfd, bytes([_STOP_BYTE]))
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        for fd in (self._rfd, self._wfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._rfd = self._wfd = -1
+
+    def __enter__(self) -> "ShutdownHandler":
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # ------------------------------------------------------------------ internals
+
+    def _make_request(self, signum: int) -> ShutdownRequest:
+        with self._lock:
+            if self._request is None:
+                name = signal.Signals(signum).name
+                self._request = ShutdownRequest(
+                    signum=signum, action=self._actions.get(signum, Action.STOP),
+                    received_at=time.monotonic(), received_wall=time.time(),
+                    grace_s=self.config.grace_for(name))
+            return self._request
+
+    def _python_handler(self, signum: int, frame: Any) -> None:
+        # Only record, then chain. The reader thread does the rest (it usually got there first).
+        self._make_request(signum)
+        prev = self._previous.get(signum)
+        # default_int_handler would raise KeyboardInterrupt in the middle of a step.
+        if callable(prev) and prev is not signal.default_int_handler:
+            prev(signum, frame)
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                data = os.read(self._rfd, 256)
+            except InterruptedError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum == _STOP_BYTE:
+                    return
+                self._forward(signum)
+                if signum in self._actions:
+                    self._on_delivery(signum)
+
+    def _forward(self, signum: int) -> None:
+        # A wakeup fd installed before ours (another library's) still gets its bytes.
+        if self._old_wakeup_fd not in (-1, self._wfd):
+            try:
+                os.write(self._old_wakeup_fd, bytes([signum]))
+            except OSError:
+                pass
+
+    def _on_delivery(self, signum: int) -> None:
+        earlier = list(self._deliveries)
+        self._deliveries.append(signum)
+        name = signal.Signals(signum).name
+        if not earlier:
+            req = self._make_request(signum)
+            self.deadline.arm(req.deadline, f"{name} received")
+            log.warning("%s received: %s; graceful shutdown at the next step boundary, forced "
+                        "exit in %.0f s", name, _describe(req.action), req.grace_s)
+            for fn in list(self._listeners):
+                try:
+                    fn(req)
+                except Exception:  # a listener must never kill the signal thread
+                    log.exception("shutdown listener %r failed", fn)
+            return
+        if signum == signal.SIGINT or (signum == signal.SIGTERM and signal.SIGTERM in earlier):
+            code = 128 + signum
+            log.error("second %s during shutdown: exiting at once with %d", name, code)
+            os._exit(code)
+        new_deadline = time.monotonic() + self.config.grace_for(name)
+        if self.deadline.tighten(new_deadline):
+            log.warning("%s during shutdown: deadline moved to %.0f s from now", name,
+                        self.config.grace_for(name))
+
+    def _forget_after_fork(self) -> None:
+        self._installed = False
+        try:
+            if threading.current_thread() is threading.main_thread():
+                signal.set_wakeup_fd(-1)
+                for signum, prev in self._previous.items():
+                    signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
+        for fd in (self._rfd, self._wfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._rfd = self._wfd = -1
+        self._thread = None
+
+
+def _describe(action: Action) -> str:
+    return {Action.REQUEUE: "checkpoint and requeue", Action.STOP: "checkpoint and stop"}.get(
+        action, action.value)
+
+
+def signal_exit_code(request: ShutdownRequest) -> ExitCode:
+    """The exit code for a stop (not requeue) caused by ``request``."""
+    from kempner_resilience.exitcodes import for_signal_stop
+    return for_signal_stop(request.signum)
+
+
+def parse_signal(name: str | int) -> int:
+    return int(getattr(signal, normalize_signal(name)))

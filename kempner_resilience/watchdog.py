@@ -1,0 +1,342 @@
+"""Watchdogs that end a stuck process with a documented exit code and every thread's stack.
+
+Two layers, because a hang may or may not hold the GIL:
+
+* a Python thread waits for the deadline and then dumps stacks, runs a short last action (a
+  requeue) and calls ``os._exit``. It works whenever the main thread released the GIL, which
+  gloo/NCCL waits, sleeps and I/O do;
+* ``CExitTimer``, a kernel POSIX timer, is the backstop for a hang that holds the GIL, when no
+  Python thread can run. Its signal is handled by faulthandler (C code: dumps all stacks) chained
+  to libc's ``_exit`` installed as a plain signal handler. A handler receives the signal number
+  as its argument, so the exit status is the signal number, which is why ``ExitCode.HANG`` and
+  ``ExitCode.DEADLINE`` lie in the real-time signal range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Iterator
+
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.log import get_logger
+
+__all__ = ["CExitTimer", "DeadlineWatchdog", "HangWatchdog", "dump_all_stacks"]
+
+log = get_logger(__name__)
+
+# The C backstop fires this long after the Python watchdog would have, so the Python path
+# (which can requeue and log) wins whenever it can run at all.
+BACKSTOP_SLACK_S = 1.0
+
+
+def dump_all_stacks(header: str) -> None:
+    """Write ``header`` and every Python thread's stack to fd 2 (works with pytest capture too)."""
+    try:
+        os.write(2, f"\n=== kempner_resilience: {header} ===\n".encode())
+        faulthandler.dump_traceback(2, all_threads=True)
+    except OSError:
+        pass
+
+
+class _timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _timespec), ("it_value", _timespec)]
+
+
+class _sigevent(ctypes.Structure):
+    # glibc x86_64/aarch64 layout: sigval, signo, notify, then a union padding to 64 bytes.
+    _fields_ = [("sigev_value", ctypes.c_void_p), ("sigev_signo", ctypes.c_int),
+                ("sigev_notify", ctypes.c_int), ("_pad", ctypes.c_int * 12)]
+
+
+_CLOCK_MONOTONIC = 1
+_SIGEV_SIGNAL = 0
+_installed_codes: set[int] = set()
+_libc_cache: list[ctypes.CDLL | None] = []
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not _libc_cache:
+        lib = None
+        if sys.platform.startswith("linux"):
+            lib = ctypes.CDLL(None, use_errno=True)
+            if not hasattr(lib, "timer_create"):  # glibc < 2.34 keeps it in librt
+                rt = ctypes.util.find_library("rt")
+                lib = ctypes.CDLL(rt, use_errno=True) if rt else None
+        _libc_cache.append(lib)
+    return _libc_cache[0]
+
+
+def _install_exit_handler(code: int) -> None:
+    if code in _installed_codes:
+        return
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(code, ctypes.cast(libc._exit, ctypes.c_void_p).value)
+    # chain=True: after dumping, faulthandler restores the previous handler (_exit) and re-raises.
+    faulthandler.register(code, file=2, all_threads=True, chain=True)
+    _installed_codes.add(code)
+
+
+class CExitTimer:
+    """A kernel timer that, on expiry, dumps all stacks and ``_exit(code)``s without the GIL.
+
+    ``code`` must be a real-time signal number (``ExitCode.HANG``/``DEADLINE``). Where POSIX
+    timers are not available (not Linux) the timer is inert and ``available`` is False.
+    """
+
+    def __init__(self, code: int) -> None:
+        self.code = int(code)
+        self._timer = ctypes.c_void_p()
+        self._pid = os.getpid()
+        self.available = False
+        libc = _libc()
+        if libc is None or not (signal.SIGRTMIN <= self.code <= signal.SIGRTMAX):
+            return
+        _install_exit_handler(self.code)
+        ev = _sigevent()
+        ev.sigev_signo = self.code
+        ev.sigev_notify = _SIGEV_SIGNAL
+        if libc.timer_create(_CLOCK_MONOTONIC, ctypes.byref(ev), ctypes.byref(self._timer)) != 0:
+            log.warning("timer_create failed (errno %d): GIL-holding hangs are not covered",
+                        ctypes.get_errno())
+            return
+        self._settime = libc.timer_settime
+        self._spec = _itimerspec()
+        self._spec_ref = ctypes.byref(self._spec)
+        self.available = True
+
+    def arm(self, seconds: float) -> None:
+        """(Re)start the countdown: exit ``seconds`` from now unless re-armed or disarmed."""
+        if not self.available or os.getpid() != self._pid:
+            return
+        seconds = max(seconds, 1e-3)
+        whole = int(seconds)
+        self._spec.it_value.tv_sec = whole
+        self._spec.it_value.tv_nsec = int((seconds - whole) * 1e9)
+        self._settime(self._timer, 0, self._spec_ref, None)
+
+    def disarm(self) -> None:
+        if not self.available or os.getpid() != self._pid:
+            return
+        self._spec.it_value.tv_sec = 0
+        self._spec.it_value.tv_nsec = 0
+        self._settime(self._timer, 0, self._spec_ref, None)
+
+    def close(self) -> None:
+        if self.available and os.getpid() == self._pid:
+            self.disarm()
+            _libc().timer_delete(self._timer)  # type: ignore[union-attr]
+        self.available = False
+
+
+class _DeadlineThread:
+    """A daemon thread that calls ``fire()`` once ``time.monotonic()`` reaches a deadline."""
+
+    def __init__(self, name: str, fire: Callable[[], None]) -> None:
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._fire = fire
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def set(self, deadline: float | None) -> None:
+        with self._cond:
+            self._deadline = deadline
+            self._cond.notify()
+
+    def get(self) -> float | None:
+        return self._deadline
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._deadline = None
+                self._cond.release()
+                try:
+                    self._fire()
+                finally:
+                    self._cond.acquire()
+
+
+class DeadlineWatchdog:
+    """The shutdown deadline: armed at the first signal, it outlives checkpoint, requeue and exit.
+
+    When the deadline passes it dumps every thread's stack and ``os._exit``s with
+    ``ExitCode.DEADLINE``, or, once the shutdown itself finished (``finished(code)``), with the
+    code the shutdown chose: then only the interpreter's own exit was slow and the work is safe.
+    """
+
+    def __init__(self) -> None:
+        self._thread: _DeadlineThread | None = None
+        self._backstop: CExitTimer | None = None
+        self._code = int(ExitCode.DEADLINE)
+        self._reason = ""
+        self._lock = threading.Lock()
+
+    @property
+    def deadline(self) -> float | None:
+        return self._thread.get() if self._thread else None
+
+    @property
+    def armed(self) -> bool:
+        return self.deadline is not None
+
+    def remaining(self) -> float | None:
+        d = self.deadline
+        return None if d is None else d - time.monotonic()
+
+    def arm(self, deadline: float, reason: str) -> None:
+        """Arm at ``deadline`` (monotonic); if already armed, keep the earlier deadline."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = _DeadlineThread("kempner-deadline", self._expire)
+                self._backstop = CExitTimer(ExitCode.DEADLINE)
+            current = self._thread.get()
+            if current is not None and current <= deadline:
+                return
+            self._reason = reason
+            self._thread.set(deadline)
+            assert self._backstop is not None
+            self._backstop.arm(deadline - time.monotonic() + BACKSTOP_SLACK_S)
+
+    def tighten(self, deadline: float) -> bool:
+        """Move an armed deadline earlier; returns whether it moved."""
+        current = self.deadline
+        if current is None or deadline >= current:
+            return False
+        self.arm(deadline, self._reason)
+        return True
+
+    def finished(self, code: int, exit_timeout_s: float) -> None:
+        """Our shutdown is done: from now on a late exit uses ``code``, within ``exit_timeout_s``."""
+        self._code = int(code)
+        self._reason = "interpreter exit after a completed shutdown"
+        if self._thread is not None:
+            self.tighten(time.monotonic() + exit_timeout_s)
+
+    def disarm(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._thread.set(None)
+            if self._backstop is not None:
+                self._backstop.disarm()
+
+    def _expire(self) -> None:
+        if self._code == ExitCode.DEADLINE:
+            log.error("shutdown deadline passed (%s): forcing exit with %d", self._reason,
+                      self._code)
+            dump_all_stacks(f"shutdown deadline passed ({self._reason}); stacks of all threads")
+        else:
+            log.warning("%s exceeded its time: forcing exit with %d", self._reason, self._code)
+        os._exit(self._code)
+
+
+class HangWatchdog:
+    """Exits with ``ExitCode.HANG`` when no heartbeat arrives for ``timeout_s``.
+
+    ``beat()`` is the per-step heartbeat and must stay cheap: it stores a timestamp and re-arms
+    the kernel backstop only every ``rearm_every_s``. ``busy()`` widens the budget while a
+    checkpoint is written or read, so a slow save is never taken for a hang. ``on_hang`` runs in
+    the watchdog thread after the stack dump (for a requeue) and must be bounded in time.
+    """
+
+    def __init__(self, timeout_s: float, *, busy_timeout_s: float | None = None,
+                 on_hang: Callable[[], None] | None = None,
+                 on_hang_budget_s: float = 30.0) -> None:
+        self.timeout_s = float(timeout_s)
+        self.busy_timeout_s = float(busy_timeout_s if busy_timeout_s is not None else timeout_s)
+        self.on_hang = on_hang
+        self.on_hang_budget_s = on_hang_budget_s
+        self.rearm_every_s = min(0.5, self.timeout_s / 20)
+        self._budget = self.timeout_s
+        self._last = time.monotonic()
+        self._last_arm = 0.0
+        self._busy = 0
+        self._thread: _DeadlineThread | None = None
+        self._backstop: CExitTimer | None = None
+        self.enabled = self.timeout_s > 0
+
+    def start(self) -> "HangWatchdog":
+        if self.enabled and self._thread is None:
+            self._backstop = CExitTimer(ExitCode.HANG)
+            self._thread = _DeadlineThread("kempner-hang-watchdog", self._expire)
+            self.beat(force=True)
+        return self
+
+    def beat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        self._last = now
+        if self._thread is None:
+            return
+        if force or now - self._last_arm >= self.rearm_every_s:
+            self._last_arm = now
+            # Python path fires at exactly the budget; the kernel backstop a little later.
+            self._thread.set(now + self._budget)
+            self._backstop.arm(self._budget + BACKSTOP_SLACK_S)  # type: ignore[union-attr]
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Use the (longer) busy budget inside this block; a heartbeat is given on both ends."""
+        self._busy += 1
+        self._budget = max(self.timeout_s, self.busy_timeout_s)
+        self.beat(force=True)
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            if self._busy == 0:
+                self._budget = self.timeout_s
+            self.beat(force=True)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+        if self._backstop is not None:
+            self._backstop.close()
+            self._backstop = None
+
+    def _expire(self) -> None:
+        # The thread's deadline is only refreshed every rearm_every_s: check the real age.
+        idle = time.monotonic() - self._last
+        if idle < self._budget and self._thread is not None:
+            self._thread.set(self._last + self._budget)
+            return
+        if self._backstop is not None:
+            self._backstop.arm(self.on_hang_budget_s + BACKSTOP_SLACK_S)
+        log.error("no progress for %.1f s (budget %.1f s): hang detected, exiting with %d",
+                  idle, self._budget, int(ExitCode.HANG))
+        dump_all_stacks(f"hang detected: no step finished for {idle:.1f} s; stacks of all "
+                        "threads")
+        if self.on_hang is not None:
+            try:
+                self.on_hang()
+            except Exception:
+                log.exception("hang action failed")
+        os._exit(int(ExitCode.HANG))

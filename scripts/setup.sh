@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install the package with its test extras. Idempotent and quick when done.
+# torch goes in first, pinned to a CPU build that a later `torch>=2.4` requirement accepts, so
+# resolving the package's own dependencies pulls nothing more (no multi-GB CUDA wheels).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q "$TORCH_SPEC"
+fi
+if ! .venv/bin/python -c "import kempner_resilience, pytest, submitit, nbclient" 2>/dev/null; then
+  .venv/bin/pip install -q -e ".[test]"
+fi

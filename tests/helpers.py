@@ -1,0 +1,50 @@
+"""Shared test helpers: run real Python subprocesses and find free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_script(tmp_path: Path, body: str, name: str = "script.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e.pop("KEMPNER_RESILIENCE_CONFIG", None)
+    e["PYTHONUNBUFFERED"] = "1"
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def start(script: Path, *args: str, **extra_env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(**extra_env))
+
+
+def wait_for_file(path: Path, timeout: float = 60.0, contains: str | None = None) -> str:
+    """Wait until ``path`` exists (and holds ``contains``); returns its text."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            text = path.read_text()
+            if contains is None or contains in text:
+                return text
+        time.sleep(0.01)
+    raise TimeoutError(f"{path} did not appear (with {contains!r}) within {timeout} s")

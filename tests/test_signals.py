@@ -1,0 +1,267 @@
+"""Signals: seen while the main thread is stuck in C, chained, reset in children, escalated.
+
+Every test here uses real processes and real signals (os.kill); nothing about signals is mocked.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import free_port, start, wait_for_file, write_script
+from kempner_resilience import ShutdownHandler, load_config
+from kempner_resilience.exitcodes import ExitCode
+
+BLOCKED_IN_ALLREDUCE = """
+import os, sys, time
+import torch, torch.distributed as dist
+import kempner_resilience as kr
+
+rank, port, ready, grace = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=2)
+if rank == 1:
+    time.sleep(600)  # the peer that never joins the collective
+cfg = kr.load_config(overrides=[f"signals.grace_s={grace}", "watchdog.hang_timeout_s=0"])
+with kr.ResilientRun(cfg) as run:
+    for step in run.steps(10):
+        open(ready, "w").write("entering all_reduce")
+        dist.all_reduce(torch.ones(1))
+"""
+
+LOOP = """
+import os, signal, sys, time
+import kempner_resilience as kr
+
+total, sleep_s = int(sys.argv[1]), float(sys.argv[2])
+kill_at = {int(k): v for k, v in (a.split("=") for a in sys.argv[3:])}
+cfg = kr.load_config(overrides=["signals.grace_s=30", "watchdog.hang_timeout_s=0"])
+with kr.ResilientRun(cfg) as run:
+    for step in run.steps(total):
+        print(f"step {step}", flush=True)
+        if step in kill_at:
+            for name in kill_at[step].split(","):
+                os.kill(os.getpid(), getattr(signal, name))
+        time.sleep(sleep_s)
+print("loop finished", flush=True)
+"""
+
+
+def ran_steps(stdout: str) -> list[int]:
+    return [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+def test_signal_while_blocked_in_gloo_allreduce_exits_at_the_deadline_with_a_stack_dump(tmp_path):
+    grace = 3.0
+    script = write_script(tmp_path, BLOCKED_IN_ALLREDUCE)
+    port, ready = str(free_port()), tmp_path / "ready"
+    peer = start(script, "1", port, str(ready), str(grace))
+    proc = start(script, "0", port, str(ready), str(grace))
+    try:
+        wait_for_file(ready, timeout=120)
+        time.sleep(0.5)  # let it get inside the collective
+        assert proc.poll() is None
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGUSR1)
+        _, err = proc.communicate(timeout=grace + 30)
+        waited = time.monotonic() - sent
+    finally:
+        peer.kill()
+        proc.kill()
+        peer.communicate()
+    assert proc.returncode == ExitCode.DEADLINE, err
+    assert grace <= waited <= grace + 2.0, f"forced exit after {waited:.2f} s, grace {grace}"
+    assert "all_reduce" in err
+    assert "shutdown deadline passed" in err
+
+
+def test_usr1_in_a_normal_loop_stops_at_the_next_step_boundary_with_the_requeue_code(tmp_path):
+    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
+                           "5=SIGUSR1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.REQUEUE, proc.stderr
+    assert ran_steps(proc.stdout) == list(range(6))
+    assert "loop finished" not in proc.stdout  # code after the loop must not run
+
+
+def test_sigterm_stops_at_the_next_boundary_with_143(tmp_path):
+    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
+                           "3=SIGTERM"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    assert ran_steps(proc.stdout)[-1] == 3
+
+
+def test_a_signal_with_action_stop_exits_with_stopped(tmp_path):
+    script = write_script(tmp_path, LOOP.replace('"watchdog.hang_timeout_s=0"',
+                                                 '"watchdog.hang_timeout_s=0", '
+                                                 '"signals.actions.SIGUSR2=stop"'))
+    proc = subprocess.run([sys.executable, script, "100", "0.01", "2=SIGUSR2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.STOPPED, proc.stderr
+
+
+def test_single_ctrl_c_stops_gracefully_with_130_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
+                           "4=SIGINT"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130
+    assert ran_steps(proc.stdout)[-1] == 4
+    assert "Traceback" not in proc.stderr
+    assert "KeyboardInterrupt" not in proc.stderr
+
+
+def test_second_ctrl_c_within_a_second_exits_130_at_once(tmp_path):
+    # Each step takes 60 s, so only the forced exit can end the process quickly.
+    proc = start(write_script(tmp_path, LOOP), "10", "60")
+    try:
+        assert proc.stdout.readline().startswith("step 0")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        waited = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert waited < 20, "the second Ctrl+C must not wait for the step to finish"
+    assert "Traceback" not in err
+
+
+def test_second_sigterm_exits_143_at_once(tmp_path):
+    proc = start(write_script(tmp_path, LOOP), "10", "60")
+    try:
+        assert proc.stdout.readline().startswith("step 0")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143
+
+
+def test_sigterm_after_usr1_does_not_abort_the_graceful_shutdown(tmp_path):
+    # The SLURM time limit: USR1 first, SIGTERM later while the checkpoint may still be written.
+    # Forcing exit then would throw the checkpoint away; the step finishes and the run requeues.
+    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "1.0",
+                           "2=SIGUSR1,SIGTERM"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.REQUEUE, proc.stderr
+    assert ran_steps(proc.stdout)[-1] == 2
+
+
+def test_handler_installed_before_still_runs_and_is_restored_afterwards():
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGUSR2, mine)
+    try:
+        handler = ShutdownHandler(load_config().signals)
+        with handler:
+            assert signal.getsignal(signal.SIGUSR2) is not mine
+            os.kill(os.getpid(), signal.SIGUSR2)
+            for _ in range(100):  # the Python-level handler runs at the next bytecode
+                if seen and handler.deadline.armed:
+                    break
+                time.sleep(0.01)
+            assert handler.request is not None and handler.request.name == "SIGUSR2"
+        handler.deadline.disarm()
+        assert seen == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGUSR2) is mine
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_default_handlers_are_restored_after_the_run(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    with ShutdownHandler(load_config().signals):
+        assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+FORK = """
+import os, signal, sys, time
+import kempner_resilience as kr
+
+with kr.ResilientRun(kr.load_config(overrides=["watchdog.hang_timeout_s=0"])) as run:
+    pid = os.fork()
+    if pid == 0:
+        ok = signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        ok = ok and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        ok = ok and signal.set_wakeup_fd(-1) == -1
+        print("child handlers reset" if ok else "child inherited handlers", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # default action: the child dies of it
+        time.sleep(10)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child killed by", os.WTERMSIG(status) if os.WIFSIGNALED(status) else None)
+    time.sleep(0.2)
+    print("parent request", run.shutdown_request)
+"""
+
+
+def test_forked_child_does_not_inherit_the_handlers(tmp_path):
+    proc = subprocess.run([sys.executable, write_script(tmp_path, FORK)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "child handlers reset" in proc.stdout
+    assert f"child killed by {int(signal.SIGTERM)}" in proc.stdout
+    assert "parent request None" in proc.stdout  # the child's signal did not reach the parent
+
+
+def test_install_off_the_main_thread_is_a_clear_error():
+    import threading
+
+    box = []
+    t = threading.Thread(target=lambda: box.append(_try_install()))
+    t.start()
+    t.join()
+    assert "main thread" in box[0]
+
+
+def _try_install() -> str:
+    try:
+        ShutdownHandler(load_config().signals).install()
+    except RuntimeError as e:
+        return str(e)
+    return "installed"
+
+
+BLOCKED_ON_MUTEX = """
+import ctypes, os, signal, sys, threading, time
+import kempner_resilience as kr
+
+out, name = sys.argv[1], sys.argv[2]
+cfg = kr.load_config(overrides=["signals.grace_s=2", "signals.grace_per_signal_s.SIGTERM=2",
+                                "watchdog.hang_timeout_s=0"])
+with kr.ResilientRun(cfg) as run:
+    sent = []
+    run._handler.add_listener(
+        lambda req: open(out, "w").write(f"{time.monotonic() - sent[0]:.6f}"))
+
+    def send():
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), getattr(signal, name))
+
+    threading.Timer(0.3, send).start()
+    # A C call that blocks forever with the GIL released and that no signal interrupts
+    # (a self-deadlock on a pthread mutex): Python-level handlers never run here.
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)
+    libc.pthread_mutex_init(mutex, None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM"])
+def test_signal_is_observed_within_100ms_while_the_main_thread_blocks_in_c(tmp_path, name):
+    out = tmp_path / "latency"
+    proc = subprocess.run([sys.executable, write_script(tmp_path, BLOCKED_ON_MUTEX), str(out),
+                           name], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == ExitCode.DEADLINE, proc.stderr
+    assert float(out.read_text()) < 0.1
+    assert "shutdown deadline passed" in proc.stderr
