@@ -27,6 +27,7 @@ __all__ = ["StopAgreement", "StopDecision"]
 log = get_logger(__name__)
 
 KEY = "kempner_resilience/stop_at"
+CODE_KEY = "kempner_resilience/exit_code"
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class StopAgreement:
         got = self.store.compare_set(KEY, "", want)
         self._parse(got)
         if got.decode() == want:
-            log.info("%s here at step %d: all ranks stop at step %d",
+            log.warning("%s here at step %d: all ranks stop at step %d",
                      signal.Signals(signum).name, step, self._stop_at)
 
     def _read(self) -> None:
@@ -137,3 +138,18 @@ class StopAgreement:
             self._signum = self._signum or signum
             self._agreed_now = True
         return bool(signum)
+
+    def share_exit_code(self, code: int | None, timeout_s: float) -> int:
+        """Rank 0 passes its exit code (the requeue outcome), every other rank gets it back.
+
+        Only rank 0 decides about the requeue, but all ranks must exit with the same code.
+        """
+        if self.store is None:
+            assert code is not None
+            return int(code)
+        if self.rank == 0:
+            assert code is not None
+            self.store.set(CODE_KEY, str(int(code)))
+            return int(code)
+        self.store.wait([CODE_KEY], datetime.timedelta(seconds=max(timeout_s, 1.0)))
+        return int(self.store.get(CODE_KEY))

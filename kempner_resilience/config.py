@@ -212,7 +212,8 @@ class RequeueConfig:
     enabled: bool = field(default=True, metadata=_help(
         "requeue after a committed emergency checkpoint when the signal's action is requeue"))
     max_restarts: int = field(default=20, metadata=_help(
-        "restart budget: stop with NO_REQUEUE once the job has been restarted this often"))
+        "restart budget: stop with NO_REQUEUE once the job has been restarted this often; "
+        "0 = unlimited"))
     max_no_progress: int = field(default=2, metadata=_help(
         "stop with NO_REQUEUE after this many restarts in a row without a newer committed "
         "checkpoint; 0 = off"))

@@ -72,6 +72,7 @@ class ResilientRun:
         self._teardown = TeardownStack(config.watchdog.cleanup_timeout_s)
         self._agreement = StopAgreement()
         self._ckpt: Any = None
+        self._last_saved: Any = None
         self._slurm: Any = None
         self._entered = False
         self._shutting_down = False
@@ -177,16 +178,29 @@ class ResilientRun:
 
     # ------------------------------------------------------------------ internals
 
+    def _committed_step(self) -> int | None:
+        info = self._last_saved or self.resumed_from
+        return None if info is None else int(info.step)
+
     def _local_signum(self) -> int | None:
         req = self._handler.request
         return None if req is None else req.signum
 
     def _setup_slurm(self) -> None:
-        try:
-            from kempner_resilience.slurm import SlurmJob
-        except ImportError:  # pragma: no cover - the slurm package is part of the product
-            return
+        from kempner_resilience.slurm import SlurmJob, format_findings, preflight
+
         self._slurm = SlurmJob.from_env()
+        if self._slurm is None or self._slurm.procid != 0:
+            return
+        # Said once, by rank 0: a job whose signal never reaches the ranks loses its last hours.
+        try:
+            findings = [f for f in preflight(self.config) if f.level in ("warn", "error")]
+        except Exception:
+            log.exception("preflight checks failed to run")
+            return
+        if findings:
+            log.warning("preflight found problems (run `kempner-resilience doctor` inside the "
+                        "job for details):\n%s", format_findings(findings))
 
     def _setup_checkpoints(self) -> None:
         if self.state is None:
@@ -212,10 +226,21 @@ class ResilientRun:
         if not self._ckpt.due(step):
             return
         with self._hang.busy():
-            self._ckpt.maybe_save(step)
+            info = self._ckpt.maybe_save(step)
+        if info is not None:
+            self._last_saved = info
 
     def _on_hang(self) -> None:
-        pass  # requeue on hang is wired with the SLURM layer
+        """Runs in the hang watchdog's thread before the HANG exit: requeue if it is worth it.
+
+        Only rank 0, only under SLURM (a local launcher sees the HANG code and decides), only
+        with a committed checkpoint to come back to, and only within the restart budget.
+        """
+        if self._slurm is None or self.rank != 0 or self._committed_step() is None:
+            return
+        code = self._requeue_decision()
+        log.warning("hang: %s", "job requeued" if code == ExitCode.REQUEUE
+                    else exitcodes.describe(int(code)))
 
     def _shutdown(self, decision: StopDecision) -> None:
         """Emergency checkpoint, requeue decision, teardown; always raises SystemExit."""
@@ -257,12 +282,40 @@ class ResilientRun:
         self.timings["emergency_save_s"] = time.monotonic() - t0
         if info is None:
             return ExitCode.CHECKPOINT_FAILED
+        self._last_saved = info
         log.info("emergency checkpoint for step %d committed in %.2f s: %s", decision.step,
                  self.timings["emergency_save_s"], getattr(info, "path", info))
         return None
 
-    def _requeue(self, decision: StopDecision) -> ExitCode:
-        return ExitCode.REQUEUE
+    def _requeue(self, decision: StopDecision) -> int:
+        """Rank 0 applies the restart budget and requeues; every rank returns the same code."""
+        code: int | None = None
+        if self.rank == 0:
+            code = int(self._requeue_decision())
+        left = self._handler.deadline.remaining()
+        try:
+            return self._agreement.share_exit_code(code, left if left is not None else 60.0)
+        except Exception:  # rank 0 is gone or the store timed out: the checkpoint is safe
+            log.exception("did not learn rank 0's requeue outcome; exiting with REQUEUE_FAILED")
+            return int(ExitCode.REQUEUE_FAILED)
+
+    def _requeue_decision(self) -> ExitCode:
+        from kempner_resilience.slurm import decide_requeue, requeue_job
+        from kempner_resilience.slurm.requeue import RestartLedger
+
+        ledger = None
+        if self._ckpt is not None:
+            ledger = RestartLedger.for_checkpoint_dir(self.config.checkpoint.dir)
+        who = self._slurm if self._slurm is not None else _local_restart_count()
+        verdict = decide_requeue(who, ledger, self._committed_step(), self.config.requeue)
+        if not verdict.requeue:
+            return verdict.exit_code
+        if self._slurm is None:
+            return ExitCode.REQUEUE  # "run me again": the local launcher relaunches
+        t0 = time.monotonic()
+        result = requeue_job(self._slurm, self.config.requeue)
+        self.timings["requeue_s"] = time.monotonic() - t0
+        return result.exit_code
 
     def _run_teardown(self) -> None:
         deadline = self._handler.deadline.deadline
@@ -277,6 +330,12 @@ class ResilientRun:
         results += builtin.run(deadline=deadline)
         self.cleanup_results = results
         self.timings["teardown_s"] = time.monotonic() - t0
+
+
+def _local_restart_count() -> int | None:
+    """Restarts so far when a local launcher (the demo's) relaunches us; None if unknown."""
+    value = os.environ.get("KEMPNER_RESTART_COUNT")
+    return int(value) if value and value.isdigit() else None
 
 
 def _interactive() -> bool:

@@ -2,3 +2,5 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from slurm_fixtures import slurm_cluster  # noqa: E402,F401  (session fixture: a real cluster)

@@ -1,0 +1,163 @@
+"""The demo's training job: a small real model trained under ResilientRun.
+
+An MLP with dropout, Adam, a step LR schedule and a seeded shuffling data iterator, trained with
+DDP over gloo when there are several ranks. Everything that influences the result (weights,
+optimizer moments, scheduler, data position, every RNG stream) goes through the checkpoint, so
+an interrupted-and-resumed run ends bitwise equal to an uninterrupted one.
+
+Run one rank per process: ``python -m kempner_resilience.demo.train --steps 40 --out w.pt``.
+Rank and world come from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or from SLURM's srun
+variables. Prints one ``step N loss L`` line per step on rank 0 (``--quiet`` turns it off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import kempner_resilience as kr
+from kempner_resilience.log import configure
+
+__all__ = ["ShuffledBatches", "build", "main"]
+
+
+class ShuffledBatches:
+    """Endless batches of a synthetic regression set, reshuffled each epoch from ``seed``.
+
+    The order depends only on (seed, epoch), so ``state_dict`` needs just the position.
+    Each rank reads its own slice of every shuffled epoch, like DistributedSampler.
+    """
+
+    def __init__(self, n: int = 512, dim: int = 16, batch: int = 16, seed: int = 0,
+                 rank: int = 0, world: int = 1) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = (self.x @ torch.randn(dim, 1, generator=g)).tanh() + 0.1 * torch.randn(
+            n, 1, generator=g)
+        self.batch, self.seed, self.rank, self.world = batch, seed, rank, world
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 100003 + self.epoch)
+        return torch.randperm(len(self.x), generator=g)[self.rank::self.world]
+
+    def __iter__(self) -> "ShuffledBatches":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pos + self.batch > len(self._order):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._make_order()
+        idx = self._order[self.pos:self.pos + self.batch]
+        self.pos += self.batch
+        return self.x[idx], self.y[idx]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.epoch, self.pos, self.seed = int(sd["epoch"]), int(sd["pos"]), int(sd["seed"])
+        self._order = self._make_order()
+
+
+def build(rank: int = 0, world: int = 1, hidden: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Model, optimizer, scheduler and data for one rank, all seeded."""
+    torch.manual_seed(seed)
+    model: nn.Module = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(0.1),
+                                     nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.1),
+                                     nn.Linear(hidden, 1))
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.7)
+    data = ShuffledBatches(seed=seed, rank=rank, world=world)
+    # Per-rank RNG streams differ on purpose (dropout masks differ per rank, as in real runs).
+    torch.manual_seed(seed + 1000 * (rank + 1))
+    return {"model": model, "optim": optim, "sched": sched, "data": data}
+
+
+def _init_distributed() -> tuple[int, int]:
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        from kempner_resilience.slurm import SlurmJob, setup_torch_env
+
+        job = SlurmJob.from_env()
+        if job is not None:
+            setup_torch_env(job)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    return rank, world
+
+
+def _hang_forever() -> None:
+    # A C call that never returns (self-deadlock on a mutex), as a stuck NCCL kernel would.
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)
+    libc.pthread_mutex_init(mutex, None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kempner_resilience.demo.train",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=40, help="total training steps")
+    p.add_argument("--config", "-c", help="YAML config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--step-time", type=float, default=0.0,
+                   help="extra seconds per step, to make the run slow enough to interrupt")
+    p.add_argument("--out", help="rank 0 writes the final model weights here (torch.save)")
+    p.add_argument("--hang-at", type=int, default=-1,
+                   help="hang inside this step (first run only) to show the hang watchdog")
+    p.add_argument("--progress", help="append 'step N' lines here as steps complete")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure("WARNING" if args.quiet else "INFO")
+    rank, world = _init_distributed()
+    cfg = kr.load_config(args.config, args.overrides)
+    state = build(rank, world)
+    model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
+    loss_fn = nn.MSELoss()
+    progress = open(args.progress, "a", buffering=1) if args.progress else None
+    with kr.ResilientRun(cfg, state=state) as run:
+        if run.resumed_from is not None and rank == 0 and not args.quiet:
+            print(f"resumed at step {run.start_step}", flush=True)
+        for step in run.steps(args.steps):
+            if step == args.hang_at and run.resumed_from is None:
+                _hang_forever()
+            x, y = next(data)
+            optim.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optim.step()
+            sched.step()
+            if args.step_time:
+                time.sleep(args.step_time)
+            if progress is not None:
+                progress.write(f"rank {rank} step {step}\n")
+            if rank == 0 and not args.quiet:
+                print(f"step {step} loss {loss.item():.6f}", flush=True)
+    if args.out and rank == 0:
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        torch.save({"model": inner.state_dict(), "optim": optim.state_dict()}, args.out)
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

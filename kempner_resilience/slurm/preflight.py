@@ -1,0 +1,217 @@
+"""Checks that the shutdown signal can reach this process and the job can be requeued.
+
+Run at start-up (``ResilientRun``) and by ``kempner-resilience doctor``. Every problem becomes a
+``Finding`` naming the fix; nothing here raises or changes the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal as _signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from kempner_resilience.config import Action, ResilienceConfig
+from kempner_resilience.log import get_logger
+from kempner_resilience.slurm.env import SignalSpec, SlurmJob
+from kempner_resilience.slurm.scontrol import find_scontrol, show_job
+from kempner_resilience.slurm.templates import requeue_signal
+
+__all__ = ["Finding", "preflight", "format_findings"]
+
+_log = get_logger(__name__)
+
+LEVELS = ("error", "warn", "info")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One preflight result: ``level`` is error, warn or info; ``code`` a stable identifier."""
+
+    level: str
+    code: str
+    message: str
+    fix: str = ""
+
+
+def _parent_cmdline(pid: int | None = None) -> str:
+    try:
+        ppid = os.getppid() if pid is None else pid
+        raw = Path(f"/proc/{ppid}/cmdline").read_bytes()
+        return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _torchrun_parent(environ: Mapping[str, str]) -> str | None:
+    """Why we think torchrun (torch.distributed.run / elastic agent) started us, or None."""
+    for var in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        if var in environ:
+            return f"{var} is set"
+    cmd = _parent_cmdline()
+    if "torchrun" in cmd or "torch.distributed.run" in cmd or "torch.distributed.launch" in cmd:
+        return f"the parent process is `{cmd[:80]}`"
+    return None
+
+
+def _signal_numbers(config: ResilienceConfig) -> dict[int, str]:
+    out = {}
+    for name in config.signals.handled():
+        try:
+            out[int(_signal.Signals[name])] = name
+        except KeyError:
+            pass
+    return out
+
+
+def _reach_findings(job: SlurmJob, known: bool, spec: SignalSpec | None,
+                    config: ResilienceConfig, save_seconds: float | None,
+                    wanted: str) -> list[Finding]:
+    """Does the job's --signal reach this process, early enough?"""
+    out: list[Finding] = []
+    lead_hint = f"#SBATCH --signal={wanted.removeprefix('SIG')}@<seconds>"
+    is_batch_shell = not job.in_step and job.task_pid == os.getpid()
+    if not job.in_step and not is_batch_shell:
+        # A child of the batch shell: `--signal` goes to srun tasks, `B:` to the shell itself.
+        out.append(Finding(
+            "warn", "not-srun-task",
+            "this process is neither an srun task nor the batch shell (started from the batch "
+            "script without srun/exec): SLURM's --signal reaches neither it nor its ranks, "
+            "only the final SIGTERM/SIGKILL",
+            "launch the ranks with `srun` in the batch script (see slurm/single_node.sbatch), "
+            "or `exec` the Python command"))
+    if not known:
+        out.append(Finding(
+            "info", "signal-unknown",
+            "could not read the job's --signal (scontrol unavailable or batch script unreadable)",
+            f"make sure the batch script has `{lead_hint}` without `B:`"))
+        return out
+    if spec is None:
+        out.append(Finding(
+            "warn", "no-signal",
+            "the job has no --signal in its batch script: at the time limit it gets only "
+            "SIGTERM and SIGKILL KillWait later (often 30 s), too little for a checkpoint "
+            "(an `sbatch --signal` on the command line is not visible here)",
+            f"add `{lead_hint}` (render one with `kempner-resilience sbatch`)"))
+        return out
+    if job.in_step and spec.batch_only:
+        out.append(Finding(
+            "error", "signal-batch-only",
+            f"--signal={spec} has `B:`: only the batch shell gets {spec.signal}, never this srun "
+            "task, so no emergency checkpoint will be taken at the time limit",
+            f"drop `B:`: `#SBATCH --signal={spec.signal.removeprefix('SIG')}@{spec.lead_s}`"))
+    if is_batch_shell and not spec.batch_only:
+        out.append(Finding(
+            "warn", "signal-to-steps-only",
+            f"this process is the batch script itself, but --signal={spec} (no `B:`) goes only "
+            "to srun tasks",
+            "launch the training with `srun` (preferred), or use `B:` while the script execs "
+            "Python directly"))
+    handled = config.signals.handled()
+    if spec.signal not in handled:
+        out.append(Finding(
+            "warn", "signal-not-handled",
+            f"the job asks SLURM for {spec.signal}, which this config does not handle "
+            f"(handled: {', '.join(sorted(handled)) or 'none'}): its default action kills the "
+            "process without a checkpoint",
+            f"use `#SBATCH --signal={wanted.removeprefix('SIG')}@{spec.lead_s}` or set "
+            f"signals.actions.{spec.signal}: requeue"))
+    elif save_seconds is not None:
+        need = save_seconds + config.checkpoint.save_margin_s
+        if spec.lead_s < need:
+            out.append(Finding(
+                "warn", "signal-lead-short",
+                f"--signal lead time {spec.lead_s} s is shorter than the measured emergency "
+                f"save ({save_seconds:.0f} s) plus margin ({config.checkpoint.save_margin_s:.0f}"
+                " s)",
+                f"use `#SBATCH --signal={spec.signal.removeprefix('SIG')}@{int(need) + 1}` or "
+                "more"))
+    if spec.signal in handled and spec.lead_s < config.signals.grace_for(spec.signal):
+        out.append(Finding(
+            "info", "grace-exceeds-lead",
+            f"signals grace for {spec.signal} ({config.signals.grace_for(spec.signal):.0f} s) "
+            f"is longer than the --signal lead ({spec.lead_s} s): the time limit's SIGTERM may "
+            "arrive while the shutdown still runs",
+            "raise the --signal lead time or lower the grace"))
+    return out
+
+
+def preflight(config: ResilienceConfig | None = None,
+              environ: Mapping[str, str] | None = None, *,
+              save_seconds: float | None = None, timeout: float = 10.0) -> list[Finding]:
+    """Check this process's launch against what graceful shutdown and requeue need.
+
+    ``environ`` defaults to ``os.environ`` (its PATH is where ``scontrol`` is looked for);
+    ``save_seconds`` is a measured emergency-save time to compare with the signal lead time.
+    """
+    config = config or ResilienceConfig()
+    env = os.environ if environ is None else environ
+    out: list[Finding] = []
+    numbers = _signal_numbers(config)
+    nccl = env.get("NCCL_PROXY_DUMP_SIGNAL", "").strip()
+    if nccl.isdigit() and int(nccl) in numbers:
+        out.append(Finding(
+            "warn", "nccl-dump-signal",
+            f"NCCL_PROXY_DUMP_SIGNAL={nccl} is {numbers[int(nccl)]}, a shutdown signal here: "
+            "NCCL also reacts to it (dumps proxy state) and may hide it from us",
+            "unset NCCL_PROXY_DUMP_SIGNAL, or set it to a signal we do not handle"))
+    torchrun = _torchrun_parent(env)
+    if torchrun:
+        usr = [n for n, a in config.signals.handled().items() if n in ("SIGUSR1", "SIGUSR2")
+               and a is not Action.OFF]
+        out.append(Finding(
+            "warn", "torchrun",
+            f"started by torchrun ({torchrun}): torchrun forwards only TERM/INT/HUP/QUIT to its "
+            f"workers and its agent dies on {'/'.join(usr) or 'SIGUSR1'}, killing the ranks "
+            "without a checkpoint",
+            "launch one srun task per GPU without torchrun and call "
+            "kempner_resilience.slurm.setup_torch_env() (see slurm/multi_node.sbatch)"))
+    job = SlurmJob.from_env(env)
+    if job is None:
+        out.append(Finding("info", "not-slurm", "not running under SLURM (no SLURM_JOB_ID): "
+                           "a REQUEUE exit asks the local launcher to relaunch", ""))
+        return out
+    if find_scontrol(env) is None:
+        out.append(Finding(
+            "warn", "scontrol-missing",
+            "scontrol is not on PATH: the job cannot requeue itself (common inside "
+            "enroot/pyxis containers); it will exit with REQUEUE_FAILED (79)",
+            "bind-mount scontrol, /etc/slurm and the munge socket into the container, or "
+            "resubmit when the job exits with 79"))
+        known, spec = False, None
+        info = None
+    else:
+        info = show_job(job.requeue_id, timeout, environ=env)
+        known, spec = job.signal_spec(timeout, env) if info is not None else (False, None)
+    out += _reach_findings(job, known, spec, config, save_seconds, requeue_signal(config))
+    if info is not None and info.get("Requeue") == "0":
+        out.append(Finding(
+            "warn", "no-requeue",
+            f"job {job.requeue_id} cannot be requeued (Requeue=0: --no-requeue, or the cluster "
+            "default JobRequeue=0): `scontrol requeue` will fail",
+            "add `#SBATCH --requeue`"))
+    if job.open_mode != "a":
+        out.append(Finding(
+            "warn", "log-truncate",
+            "the job's log is not in append mode (SLURM_OPEN_MODE is not `a`): a requeued run "
+            "truncates the earlier runs' output, unless the cluster sets JobFileAppend=1",
+            "add `#SBATCH --open-mode=append`"))
+    for f in out:
+        _log.debug("preflight %s %s: %s", f.level, f.code, f.message)
+    return out
+
+
+def format_findings(findings: list[Finding]) -> str:
+    """Human-readable report, most severe first, for ``kempner-resilience doctor``."""
+    if not findings:
+        return "preflight: no problems found"
+    order = {lvl: i for i, lvl in enumerate(LEVELS)}
+    lines = []
+    for f in sorted(findings, key=lambda f: order.get(f.level, len(LEVELS))):
+        lines.append(f"{f.level.upper():5} [{f.code}] {f.message}")
+        if f.fix:
+            lines.append(f"      fix: {f.fix}")
+    counts = {lvl: sum(f.level == lvl for f in findings) for lvl in LEVELS}
+    lines.append("preflight: " + ", ".join(f"{n} {lvl}" for lvl, n in counts.items() if n))
+    return "\n".join(lines)

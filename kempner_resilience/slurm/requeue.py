@@ -1,0 +1,266 @@
+"""Putting the job back in the queue, and deciding whether it should be.
+
+Two separate jobs:
+
+* ``decide_requeue``: the restart budget. Pure logic plus a small JSON ledger next to the
+  checkpoints, so it works the same outside SLURM (there a "requeue" decision means "exit with
+  REQUEUE and let the local launcher relaunch").
+* ``requeue_job``: ``scontrol requeue <id>`` with a time limit and retries. Call it only after the
+  emergency checkpoint is committed: SLURM SIGTERMs every task of the job at once.
+
+Neither raises into the caller for an expected failure: they return a value carrying the exit
+code the process should end with.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kempner_resilience.config import RequeueConfig
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.log import get_logger
+from kempner_resilience.slurm.env import SlurmJob
+from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
+
+__all__ = ["RequeueResult", "requeue_job", "Outcome", "Decision", "RestartLedger",
+           "decide_requeue", "LEDGER_NAME"]
+
+_log = get_logger(__name__)
+
+LEDGER_NAME = ".kempner_restarts.json"
+
+
+# ------------------------------------------------------------------------ scontrol requeue
+
+@dataclass(frozen=True)
+class RequeueResult:
+    """What ``requeue_job`` did. ``exit_code`` is REQUEUE on success, REQUEUE_FAILED otherwise."""
+
+    ok: bool
+    job_id: str
+    message: str
+    attempts: int
+    returncode: int | None = None
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return ExitCode.REQUEUE if self.ok else ExitCode.REQUEUE_FAILED
+
+
+def _fix_for(res: ScontrolResult, job_id: str) -> str:
+    """A hint naming the fix for a failed ``scontrol requeue``."""
+    text = (res.stderr + res.stdout).lower()
+    if res.missing:
+        return ("scontrol is not on PATH (common inside enroot/pyxis containers): bind-mount "
+                "the host's scontrol, slurm.conf and munge socket into the container, or let "
+                "the batch script requeue when the job exits with code "
+                f"{int(ExitCode.REQUEUE_FAILED)}; until then resubmit the job by hand")
+    if res.timed_out:
+        return ("slurmctld did not answer: raise requeue.scontrol_timeout_s if the controller "
+                f"is just slow, else resubmit the job by hand (`sbatch` again; job {job_id} is "
+                "not requeued)")
+    if "presently disabled" in text:
+        return ("the job cannot be requeued: it was submitted with --no-requeue or the cluster "
+                "sets JobRequeue=0 without --requeue; submit with `#SBATCH --requeue`")
+    if "invalid job id" in text:
+        return (f"slurmctld does not know job {job_id} (already finished, or a wrong id); for "
+                "array tasks the id must be ARRAYJOBID_TASKID")
+    if "access/permission denied" in text or "not authorized" in text:
+        return "only the job's owner (or an operator) may requeue it; run as the job's user"
+    return "resubmit the job by hand; see the scontrol message above"
+
+
+def requeue_job(job: SlurmJob | str, config: RequeueConfig) -> RequeueResult:
+    """Run ``scontrol requeue <job.requeue_id>`` (argument list, no shell) with a time limit.
+
+    Retries ``config.retries`` extra times after a failure that may be transient (non-zero exit,
+    hang); a missing binary or a job that cannot be requeued is not retried. Never raises for
+    those failures: the result's ``message`` says what happened and how to fix it.
+    """
+    job_id = job.requeue_id if isinstance(job, SlurmJob) else str(job)
+    attempts = 0
+    res: ScontrolResult | None = None
+    for attempt in range(1 + max(0, int(config.retries))):
+        attempts = attempt + 1
+        res = run_scontrol(["requeue", job_id], float(config.scontrol_timeout_s))
+        if res.ok:
+            _log.info("requeued job %s (scontrol took %.2fs)", job_id, res.seconds)
+            return RequeueResult(True, job_id, f"job {job_id} requeued", attempts, 0)
+        permanent = res.missing or "presently disabled" in (res.stderr + res.stdout)
+        _log.warning("requeue attempt %d failed: %s", attempts, res.describe())
+        if permanent:
+            break
+        if attempt < config.retries:
+            time.sleep(min(1.0 * (attempt + 1), 5.0))
+    assert res is not None
+    message = f"requeue of job {job_id} failed: {res.describe()}. Fix: {_fix_for(res, job_id)}"
+    _log.error("%s", message)
+    return RequeueResult(False, job_id, message, attempts, res.returncode)
+
+
+# ------------------------------------------------------------------------ restart budget
+
+class Outcome(str, enum.Enum):
+    REQUEUE = "requeue"
+    NO_REQUEUE = "no_requeue"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The restart-budget verdict. ``exit_code`` is what the process should exit with if the
+    requeue itself succeeds (REQUEUE) or is refused (NO_REQUEUE, or STOPPED when disabled)."""
+
+    outcome: Outcome
+    reason: str
+    restart_count: int
+    committed_step: int | None
+    exit_code: ExitCode
+
+    @property
+    def requeue(self) -> bool:
+        return self.outcome is Outcome.REQUEUE
+
+
+@dataclass
+class RestartLedger:
+    """restart_count -> committed step at each requeue decision, in a small JSON file.
+
+    The no-progress guard needs this history across restarts (each restart is a new process).
+    Written atomically (temp file, fsync, rename) by the one process that decides (rank 0).
+    A ledger belonging to another job id (a fresh ``sbatch`` reusing the checkpoint directory)
+    is started over.
+    """
+
+    path: Path
+    job_id: str | None = None
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def for_checkpoint_dir(cls, checkpoint_dir: str | os.PathLike[str]) -> "RestartLedger":
+        return cls.load(Path(checkpoint_dir) / LEDGER_NAME)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "RestartLedger":
+        """Read the ledger; a missing or unreadable file gives an empty one (logged)."""
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+            entries = {int(k): dict(v) for k, v in data.get("restarts", {}).items()}
+            return cls(p, data.get("job_id"), entries)
+        except FileNotFoundError:
+            return cls(p)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            _log.warning("restart ledger %s unreadable (%s); starting a new one", p, e)
+            return cls(p)
+
+    def record(self, restart_count: int, committed_step: int | None, outcome: Outcome,
+               job_id: str | None = None) -> None:
+        if job_id is not None and self.job_id is not None and job_id != self.job_id:
+            self.entries.clear()
+        if job_id is not None:
+            self.job_id = job_id
+        self.entries[int(restart_count)] = {"step": committed_step, "outcome": outcome.value,
+                                            "time": time.time()}
+
+    def history(self, before: int, job_id: str | None = None) -> list[tuple[int, int | None]]:
+        """(restart_count, step) of earlier decisions of this job, oldest first."""
+        if job_id is not None and self.job_id is not None and job_id != self.job_id:
+            return []
+        return [(rc, e.get("step")) for rc, e in sorted(self.entries.items()) if rc < before]
+
+    def save(self) -> None:
+        """Atomic write: readers see the old or the new ledger, never half of one."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"version": 1, "job_id": self.job_id,
+                "restarts": {str(k): v for k, v in sorted(self.entries.items())}}
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp",
+                                   dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+
+def _no_progress_run(history: list[tuple[int, int | None]], step: int | None) -> int:
+    """How many decisions in a row, ending with the current one, saw no newer committed step."""
+    steps = [s for _, s in history] + [step]
+    run = 0
+    for prev, cur in zip(reversed(steps[:-1]), reversed(steps)):
+        if (cur if cur is not None else -1) > (prev if prev is not None else -1):
+            break
+        run += 1
+    return run
+
+
+def decide_requeue(job_or_restart_count: SlurmJob | int | None,
+                   ledger: RestartLedger | str | os.PathLike[str] | None,
+                   committed_step: int | None,
+                   config: RequeueConfig, *, save: bool = True) -> Decision:
+    """Whether this run may ask to be run again; records the decision in ``ledger``.
+
+    ``job_or_restart_count``: the SlurmJob, or the restart count (a local launcher's), or None
+    (then the number of earlier decisions in the ledger stands in for it). ``ledger``: a
+    RestartLedger, a ledger file path, or None (no no-progress guard). ``committed_step``: the
+    newest committed checkpoint's step (None: none yet). Does not need SLURM.
+
+    NO_REQUEUE when the budget is spent (``restart_count >= max_restarts``; 0 = unlimited) or
+    when the committed step did not advance over ``max_no_progress`` consecutive restarts.
+    """
+    if ledger is not None and not isinstance(ledger, RestartLedger):
+        ledger = RestartLedger.load(ledger)
+    job_id = None
+    if isinstance(job_or_restart_count, SlurmJob):
+        restart_count = job_or_restart_count.restart_count
+        job_id = job_or_restart_count.requeue_id
+    elif job_or_restart_count is None:
+        restart_count = len(ledger.entries) if ledger is not None else 0
+    else:
+        restart_count = int(job_or_restart_count)
+    history = ledger.history(restart_count, job_id) if ledger is not None else []
+    stalled = _no_progress_run(history, committed_step)
+
+    def done(outcome: Outcome, reason: str, code: ExitCode) -> Decision:
+        if ledger is not None:
+            ledger.record(restart_count, committed_step, outcome, job_id)
+            if save:
+                try:
+                    ledger.save()
+                except OSError as e:  # the decision stands; only the history is lost
+                    _log.warning("could not write restart ledger %s: %s", ledger.path, e)
+        log = _log.info if outcome is Outcome.REQUEUE else _log.warning
+        log("restart decision: %s (%s)", outcome, reason)
+        return Decision(outcome, reason, restart_count, committed_step, code)
+
+    if not config.enabled:
+        return done(Outcome.NO_REQUEUE, "requeue.enabled is false", ExitCode.STOPPED)
+    if config.max_restarts and restart_count >= config.max_restarts:
+        return done(Outcome.NO_REQUEUE,
+                    f"restart budget exhausted: restarted {restart_count} times, "
+                    f"requeue.max_restarts={config.max_restarts}", ExitCode.NO_REQUEUE)
+    if config.max_no_progress and stalled >= config.max_no_progress:
+        return done(Outcome.NO_REQUEUE,
+                    f"no progress: the committed step stayed at {committed_step} over {stalled} "
+                    f"restarts in a row (requeue.max_no_progress={config.max_no_progress}); "
+                    "the job probably dies before it can checkpoint", ExitCode.NO_REQUEUE)
+    return done(Outcome.REQUEUE,
+                f"restart {restart_count + 1}"
+                + (f" of {config.max_restarts}" if config.max_restarts else "")
+                + f", committed step {committed_step}", ExitCode.REQUEUE)

@@ -1,0 +1,22 @@
+"""Regenerate the files that mirror config.py and exitcodes.py (tests check they are in sync)."""
+
+import re
+from pathlib import Path
+
+from kempner_resilience.config import render_default_yaml, render_reference_markdown
+from kempner_resilience.exitcodes import TABLE
+
+ROOT = Path(__file__).resolve().parents[1]
+(ROOT / "configs" / "default.yaml").write_text(render_default_yaml())
+
+doc = ROOT / "docs" / "config.md"
+text = doc.read_text()
+table = re.compile(r"\| key \| default \| meaning \|\n(\|.*\|\n?)+")
+doc.write_text(table.sub(render_reference_markdown() + "\n", text))
+
+doc = ROOT / "docs" / "exit-codes.md"
+rows = "\n".join(f"| {int(c)} | `{c.name}` | {t} |" for c, t in TABLE.items())
+text = doc.read_text()
+doc.write_text(re.sub(r"\| code \| name \| meaning \|\n\| --- \| --- \| --- \|\n(\|.*\|\n?)+",
+                      "| code | name | meaning |\n| --- | --- | --- |\n" + rows + "\n", text))
+print("regenerated configs/default.yaml, docs/config.md, docs/exit-codes.md")

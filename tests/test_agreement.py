@@ -1,0 +1,87 @@
+"""Stop agreement: every rank leaves run.steps() at the same step, whoever got the signal."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import free_port, start, wait_for_file, write_script
+from kempner_resilience.exitcodes import ExitCode
+
+TWO_RANKS = """
+import os, sys, time
+import torch, torch.distributed as dist
+import kempner_resilience as kr
+
+rank, port, progress, eval_every = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank))
+dist.init_process_group("gloo", rank=rank, world_size=2)
+log = open(progress + f".{rank}", "a", buffering=1)
+cfg = kr.load_config(overrides=["watchdog.hang_timeout_s=60"])
+with kr.ResilientRun(cfg) as run:
+    for step in run.steps(10_000):
+        log.write(f"step {step}\\n")
+        dist.all_reduce(torch.ones(8))        # the step's collective
+        time.sleep(0.02 if rank == 0 else 0.03)
+        if eval_every and step % eval_every == eval_every - 1:
+            for batch in range(100_000):
+                log.write(f"eval {step} {batch}\\n")
+                dist.all_reduce(torch.ones(8))
+                time.sleep(0.01)
+                if run.should_stop():
+                    log.write(f"eval interrupted {step} {batch}\\n")
+                    break
+"""
+
+
+def last(path, prefix: str) -> str:
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith(prefix)]
+    return lines[-1] if lines else ""
+
+
+def run_two_ranks(tmp_path, eval_every: int, wait_for: str):
+    script = write_script(tmp_path, TWO_RANKS)
+    port, progress = str(free_port()), tmp_path / "progress"
+    procs = [start(script, str(r), port, str(progress), str(eval_every)) for r in (0, 1)]
+    try:
+        wait_for_file(tmp_path / "progress.1", timeout=120, contains=wait_for)
+        os.kill(procs[1].pid, signal.SIGUSR1)          # only rank 1 is signalled
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return procs, errs, [tmp_path / f"progress.{r}" for r in (0, 1)]
+
+
+def test_signal_to_one_rank_stops_both_at_the_same_step_with_the_same_code(tmp_path):
+    procs, errs, logs = run_two_ranks(tmp_path, eval_every=0, wait_for="step 5\n")
+    assert [p.returncode for p in procs] == [ExitCode.REQUEUE] * 2, errs
+    assert last(logs[0], "step") == last(logs[1], "step")
+    assert "all ranks stop at step" in errs[1]
+
+
+def test_signal_during_eval_stops_both_ranks_in_the_same_eval_batch(tmp_path):
+    procs, errs, logs = run_two_ranks(tmp_path, eval_every=3, wait_for="eval 2 5\n")
+    assert [p.returncode for p in procs] == [ExitCode.REQUEUE] * 2, errs
+    assert last(logs[0], "eval interrupted") == last(logs[1], "eval interrupted") != ""
+    assert last(logs[0], "step") == last(logs[1], "step")
+    # the run stopped at the boundary right after the interrupted eval, not later
+    assert last(logs[0], "step").split()[1] == last(logs[0], "eval interrupted").split()[2]
+
+
+def test_single_process_stop_needs_no_distributed_setup(tmp_path):
+    script = write_script(tmp_path, """
+        import os, signal
+        import kempner_resilience as kr
+        with kr.ResilientRun(kr.load_config(overrides=["watchdog.hang_timeout_s=0"])) as run:
+            assert run.world_size == 1 and run.rank == 0
+            for step in run.steps(100):
+                if step == 1:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                print("step", step, flush=True)
+    """)
+    proc = start(script)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == ExitCode.REQUEUE, err
+    assert out.split()[-1] == "1"
