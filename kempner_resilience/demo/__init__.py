@@ -1,0 +1,1 @@
+"""The demo: a small real training job and a local launcher that plays the scheduler."""

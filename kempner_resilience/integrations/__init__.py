@@ -1,0 +1,1 @@
+"""Adapters for launchers other than plain sbatch/srun."""
