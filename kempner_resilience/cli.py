@@ -84,7 +84,7 @@ def _load_verbs() -> None:
         __import__(mod)
 
 
-_VERB_MODULES: list[str] = []
+_VERB_MODULES = ["kempner_resilience.demo.cli"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ so code after the loop (a "final" save of a model that is not final) never runs 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -40,6 +41,8 @@ from kempner_resilience.watchdog import HangWatchdog
 __all__ = ["ResilientRun"]
 
 log = get_logger(__name__)
+
+REPORT_ENV = "KEMPNER_RESILIENCE_REPORT"
 
 
 class ResilientRun:
@@ -108,6 +111,9 @@ class ResilientRun:
                 self._teardown.run()
                 if self._ckpt is not None:
                     self._ckpt.close()
+                if exc_type is None:
+                    self.exit_code = 0
+                    self._write_report()
         finally:
             self._hang.stop()
             self._handler.uninstall()
@@ -178,6 +184,27 @@ class ResilientRun:
 
     # ------------------------------------------------------------------ internals
 
+    def _write_report(self) -> None:
+        """Rank 0 writes what happened as JSON to $KEMPNER_RESILIENCE_REPORT (for launchers)."""
+        path = os.environ.get(REPORT_ENV)
+        if not path or self.rank != 0:
+            return
+        info = self._last_saved
+        report = {"exit_code": self.exit_code, "start_step": self.start_step,
+                  "step": self.step, "stop_step": getattr(self, "stop_step", None),
+                  "resumed_from": None if self.resumed_from is None else int(
+                      self.resumed_from.step),
+                  "saved_step": None if info is None else int(info.step),
+                  "saved_path": None if info is None else str(info.path),
+                  "timings": self.timings, "world_size": self.world_size}
+        try:
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(report, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("could not write the run report %s: %s", path, e)
+
     def _committed_step(self) -> int | None:
         info = self._last_saved or self.resumed_from
         return None if info is None else int(info.step)
@@ -223,9 +250,12 @@ class ResilientRun:
                          self.timings["resume_s"])
 
     def _periodic_save(self, step: int) -> None:
-        if not self._ckpt.due(step):
-            return
-        with self._hang.busy():
+        cfg = self.config.checkpoint
+        if cfg.every_minutes > 0 or (cfg.every_steps > 0 and step % cfg.every_steps == 0):
+            # A save may run now: widen the hang budget so a slow save is not a hang.
+            with self._hang.busy():
+                info = self._ckpt.maybe_save(step)
+        else:
             info = self._ckpt.maybe_save(step)
         if info is not None:
             self._last_saved = info
@@ -261,6 +291,8 @@ class ResilientRun:
                 else exitcodes.for_signal_stop(signum)
         self._run_teardown()
         self.exit_code = int(code)
+        self.stop_step = decision.step
+        self._write_report()
         log.warning("exiting with %s", exitcodes.describe(int(code)))
         if _interactive():
             # A notebook kernel survives SystemExit: a deadline left armed would kill it later.

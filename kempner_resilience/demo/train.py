@@ -118,7 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra seconds per step, to make the run slow enough to interrupt")
     p.add_argument("--out", help="rank 0 writes the final model weights here (torch.save)")
     p.add_argument("--hang-at", type=int, default=-1,
-                   help="hang inside this step (first run only) to show the hang watchdog")
+                   help="hang inside this step, once (see --hang-marker), to show the hang "
+                        "watchdog")
+    p.add_argument("--hang-marker", default="hang.done",
+                   help="file created when the hang happens; no hang while it exists")
     p.add_argument("--progress", help="append 'step N' lines here as steps complete")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -137,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         if run.resumed_from is not None and rank == 0 and not args.quiet:
             print(f"resumed at step {run.start_step}", flush=True)
         for step in run.steps(args.steps):
-            if step == args.hang_at and run.resumed_from is None:
+            if step == args.hang_at and not os.path.exists(args.hang_marker):
+                if rank == 0:
+                    open(args.hang_marker, "w").close()
                 _hang_forever()
             x, y = next(data)
             optim.zero_grad()
