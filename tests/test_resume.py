@@ -1,0 +1,89 @@
+"""Exact resume through ResilientRun: interrupted by real signals, resumed in new processes.
+
+The job (kempner_resilience.demo.train) has dropout, Adam, a step LR schedule and a seeded
+shuffling data iterator; each launch is a fresh set of processes, as after a requeue.
+"""
+
+import json
+
+import pytest
+import torch
+
+from kempner_resilience.demo.launcher import LocalLauncher, train_command
+from kempner_resilience.exitcodes import ExitCode
+
+
+STEPS = 30
+
+
+def run_job(tmp_path, name, ranks, steps, interrupts=None, extra=(), relaunch=None):
+    work = tmp_path / name
+    work.mkdir()
+    out = work / "weights.pt"
+    cmd = train_command(steps, step_time=0.02, out=out,
+                        overrides=[f"checkpoint.dir={work / 'ckpt'}", "signals.grace_s=60",
+                                   "watchdog.hang_timeout_s=120", *extra])
+    kw = {} if relaunch is None else {"relaunch_codes": relaunch}
+    launches = LocalLauncher(cmd, ranks=ranks, workdir=work, interrupts=interrupts,
+                             max_launches=5, **kw).run()
+    return launches, torch.load(out, weights_only=True) if out.exists() else None, work
+
+
+def assert_bitwise_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"tensor differs at {where}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final state of uninterrupted runs, by rank count (computed once per module)."""
+    cache = {}
+
+    def get(ranks):
+        if ranks not in cache:
+            launches, ref, _ = run_job(tmp_path_factory.mktemp("ref"), "straight", ranks, STEPS)
+            assert [l.exit_code for l in launches] == [0]
+            cache[ranks] = ref
+        return cache[ranks]
+    return get
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_usr1_interrupted_and_resumed_run_ends_bitwise_equal_to_an_uninterrupted_one(
+        tmp_path, ranks, reference):
+    ref = reference(ranks)
+    launches, got, work = run_job(tmp_path, "interrupted", ranks, STEPS, {8: "SIGUSR1"})
+    assert [l.exit_code for l in launches] == [ExitCode.REQUEUE, 0]
+    stop = launches[0].report["stop_step"]
+    assert launches[1].report["resumed_from"] == stop > 8
+    assert launches[1].report["start_step"] == stop
+    assert (work / "ckpt" / f"step_{stop:09d}").is_dir()
+    assert_bitwise_equal(ref, got)
+
+
+def test_two_interruptions_with_periodic_saves_still_end_bitwise_equal(tmp_path, reference):
+    ref = reference(1)
+    launches, got, _ = run_job(tmp_path, "interrupted", 1, STEPS, {6: "SIGUSR1", 17: "SIGTERM"},
+                               extra=["checkpoint.every_steps=4"],
+                               relaunch={ExitCode.REQUEUE, ExitCode.SIGTERM})
+    # SIGTERM stops with 143; the launcher (like SLURM on preemption) runs the job again.
+    assert [l.exit_code for l in launches][:2] == [ExitCode.REQUEUE, ExitCode.SIGTERM]
+    assert_bitwise_equal(ref, got)
+
+
+def test_run_report_names_the_saved_checkpoint(tmp_path):
+    launches, _, work = run_job(tmp_path, "interrupted", 1, 20, {5: "SIGUSR1"})
+    report = launches[0].report
+    assert report["exit_code"] == ExitCode.REQUEUE
+    assert report["saved_path"].endswith(f"step_{report['stop_step']:09d}")
+    assert report["timings"]["emergency_save_s"] > 0
+    assert json.loads((work / "report.1.json").read_text())["exit_code"] == 0
