@@ -154,3 +154,12 @@ def test_exit_code_table_in_docs_matches_the_enum():
     text = (REPO / "docs" / "exit-codes.md").read_text()
     for code, meaning in TABLE.items():
         assert f"| {int(code)} | `{code.name}` | {meaning} |" in text
+
+
+def test_troubleshooting_explains_every_doctor_finding():
+    import re
+
+    source = (REPO / "kempner_resilience" / "slurm" / "preflight.py").read_text()
+    codes = set(re.findall(r'"(?:warn|error|info)", "([a-z-]+)"', source)) - {"error", "warn", "info"}
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    assert codes and all(f"`{c}`" in text for c in codes), codes
