@@ -16,6 +16,7 @@ so code after the loop (a "final" save of a model that is not final) never runs 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -43,6 +44,26 @@ __all__ = ["ResilientRun"]
 log = get_logger(__name__)
 
 REPORT_ENV = "KEMPNER_RESILIENCE_REPORT"
+
+# Set when a shutdown completed in this process: the interpreter's own finalization (torch's
+# module teardown takes 1-2 s) is then skipped. Registered at import, so atexit (LIFO) runs it
+# after the handlers registered later, i.e. after the user's and their libraries'.
+_completed_shutdown_code: list[int] = []
+
+
+def _fast_exit() -> None:
+    if not _completed_shutdown_code:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    flush_logs()
+    os._exit(_completed_shutdown_code[0])
+
+
+atexit.register(_fast_exit)
 
 
 class ResilientRun:
@@ -91,8 +112,9 @@ class ResilientRun:
         try:
             self._agreement = StopAgreement.from_torch()
             self._setup_slurm()
-            self._setup_checkpoints()
-            self._hang.start()
+            self._hang.start()  # before resuming: a load that hangs is a hang too
+            with self._hang.busy():  # imports, directory checks and the load may be slow
+                self._setup_checkpoints()
         except BaseException:
             self._hang.stop()
             self._handler.uninstall()
@@ -179,8 +201,9 @@ class ResilientRun:
         """Write a checkpoint now (collective); returns its info."""
         if self._ckpt is None:
             raise RuntimeError("no checkpoint state: pass state={...} to ResilientRun")
-        with self._hang.busy():
-            return self._ckpt.save(self.step, reason="manual")
+        info = self._ckpt.save(self.step, reason="manual")
+        self._last_saved = info
+        return info
 
     # ------------------------------------------------------------------ internals
 
@@ -237,11 +260,12 @@ class ResilientRun:
         self._ckpt = CheckpointManager(self.config.checkpoint, self.state,
                                        rank=self._agreement.rank,
                                        world_size=self._agreement.world_size)
+        # Saves and loads widen the hang budget, so a slow save is never taken for a hang.
+        self._ckpt.busy_hook = self._hang.busy
         self._ckpt.check_dir()
         if self.config.checkpoint.resume:
             t0 = time.monotonic()
-            with self._hang.busy():
-                info = self._ckpt.resume()
+            info = self._ckpt.resume()
             if info is not None:
                 self.resumed_from = info
                 self.step = self.start_step = int(info.step)
@@ -250,13 +274,7 @@ class ResilientRun:
                          self.timings["resume_s"])
 
     def _periodic_save(self, step: int) -> None:
-        cfg = self.config.checkpoint
-        if cfg.every_minutes > 0 or (cfg.every_steps > 0 and step % cfg.every_steps == 0):
-            # A save may run now: widen the hang budget so a slow save is not a hang.
-            with self._hang.busy():
-                info = self._ckpt.maybe_save(step)
-        else:
-            info = self._ckpt.maybe_save(step)
+        info = self._ckpt.maybe_save(step)
         if info is not None:
             self._last_saved = info
 
@@ -299,6 +317,7 @@ class ResilientRun:
             self._handler.deadline.disarm()
         else:
             self._handler.deadline.finished(int(code), self.config.watchdog.exit_timeout_s)
+            _completed_shutdown_code[:] = [int(code)]
         raise SystemExit(int(code))
 
     def _emergency_checkpoint(self, decision: StopDecision) -> ExitCode | None:

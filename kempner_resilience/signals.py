@@ -23,7 +23,7 @@ from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.log import get_logger
 from kempner_resilience.watchdog import DeadlineWatchdog
 
-__all__ = ["ShutdownHandler", "ShutdownRequest"]
+__all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers"]
 
 log = get_logger(__name__)
 
@@ -51,6 +51,11 @@ class ShutdownRequest:
 
 
 _active: "weakref.WeakSet[ShutdownHandler]" = weakref.WeakSet()
+
+
+def active_handlers() -> list["ShutdownHandler"]:
+    """The ShutdownHandlers installed in this process right now (for launcher adapters)."""
+    return [h for h in list(_active) if h._installed]
 
 
 def _reset_in_forked_child() -> None:

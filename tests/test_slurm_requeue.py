@@ -208,3 +208,19 @@ def test_real_no_requeue_job_fails_to_requeue_with_clear_message(slurm_cluster, 
     assert "presently disabled" in res["message"] and "#SBATCH --requeue" in res["message"]
     assert res["attempts"] == 1
     assert info["Restarts"] == "0" and info["ExitCode"].startswith(str(int(ExitCode.REQUEUE_FAILED)))
+
+
+def test_a_job_slurm_already_requeued_counts_as_requeued(tmp_path, monkeypatch):
+    # Preemption with PreemptMode=REQUEUE can requeue the job while we checkpoint.
+    from kempner_resilience.config import RequeueConfig
+    from kempner_resilience.slurm import requeue_job
+
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\necho 'scontrol: error: Job is pending execution for job 6' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    result = requeue_job("6", RequeueConfig(retries=1))
+    assert result.ok
+    assert result.attempts == 1
+    assert "already requeued" in result.message

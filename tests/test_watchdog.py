@@ -105,3 +105,35 @@ def test_steady_progress_is_not_a_hang(tmp_path):
 def test_stamp_file_helper_waits(tmp_path):
     (tmp_path / "x").write_text("ok")
     assert wait_for_file(tmp_path / "x") == "ok"
+
+
+SLOW_SAVE = """
+import sys, time
+import kempner_resilience as kr
+
+class SlowToSave:
+    # Stands in for a large state: writing its checkpoint takes longer than the hang timeout.
+    def state_dict(self):
+        time.sleep(3.0)
+        return {"x": 1}
+
+    def load_state_dict(self, sd):
+        pass
+
+cfg = kr.load_config(overrides=[f"checkpoint.dir={sys.argv[1]}", "checkpoint.every_steps=3",
+                                "watchdog.hang_timeout_s=1.5",
+                                "watchdog.checkpoint_timeout_s=60"])
+with kr.ResilientRun(cfg, state={"slow": SlowToSave()}) as run:
+    for step in run.steps(4):
+        time.sleep(0.05)
+print("finished", flush=True)
+"""
+
+
+def test_a_checkpoint_save_longer_than_the_hang_timeout_is_not_a_hang(tmp_path):
+    script = write_script(tmp_path, SLOW_SAVE)
+    proc = subprocess.run([sys.executable, script, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "finished" in proc.stdout
+    assert (tmp_path / "ckpt" / "step_000000003").is_dir()

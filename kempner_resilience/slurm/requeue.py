@@ -93,7 +93,14 @@ def requeue_job(job: SlurmJob | str, config: RequeueConfig) -> RequeueResult:
         if res.ok:
             _log.info("requeued job %s (scontrol took %.2fs)", job_id, res.seconds)
             return RequeueResult(True, job_id, f"job {job_id} requeued", attempts, 0)
-        permanent = res.missing or "presently disabled" in (res.stderr + res.stdout)
+        out = res.stderr + res.stdout
+        if "pending execution" in out:
+            # SLURM requeued the job itself already (preemption with PreemptMode=REQUEUE hit
+            # while we were checkpointing): the outcome we wanted.
+            _log.info("job %s was already requeued by SLURM", job_id)
+            return RequeueResult(True, job_id, f"job {job_id} already requeued by SLURM",
+                                 attempts, res.returncode)
+        permanent = res.missing or "presently disabled" in out
         _log.warning("requeue attempt %d failed: %s", attempts, res.describe())
         if permanent:
             break

@@ -1,0 +1,72 @@
+"""The few collectives the checkpoint manager needs, over one process group, and no-ops for a
+single process without ``torch.distributed`` initialized."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm"]
+
+
+class Comm:
+    """Collectives on ``group`` (a gloo group, so CPU objects and tensors work); world 1: local."""
+
+    def __init__(self, group: Any, rank: int, world_size: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def dcp_group(self) -> Any:
+        """What to pass as DCP's ``process_group`` (None runs DCP without collectives)."""
+        return self.group if self.distributed else None
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0)
+                                   if self.group is not None else 0, group=self.group)
+        return box[0]
+
+    def max(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
+
+    def max_async(self, value: float) -> "PendingMax":
+        """Start a MAX all-reduce now, read it later (hides the latency behind a training step)."""
+        return PendingMax(self, value)
+
+
+class PendingMax:
+    """An all-reduce in flight; ``result()`` waits for it."""
+
+    def __init__(self, comm: Comm, value: float) -> None:
+        self._t = torch.tensor([float(value)], dtype=torch.float64)
+        self._work = None
+        if comm.distributed:
+            self._work = dist.all_reduce(self._t, op=dist.ReduceOp.MAX, group=comm.group,
+                                         async_op=True)
+
+    def result(self) -> float:
+        if self._work is not None:
+            self._work.wait()
+        return float(self._t.item())

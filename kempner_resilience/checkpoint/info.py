@@ -1,0 +1,36 @@
+"""The public value types of the checkpoint subsystem: what a save returns and what it raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointInfo"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, found or loaded. The message names the problem and the fix."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's files do not match its manifest (checksum, size, owner) or cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint.
+
+    ``step`` is the number of completed training steps it holds: resuming from it continues with
+    step index ``step``. ``committed_at`` is wall-clock time (``time.time()``) of the commit,
+    ``nbytes`` the total size of its data files, ``save_seconds`` how long the save took (the
+    caller-blocked part for async saves is in ``blocked_seconds``).
+    """
+
+    step: int
+    path: Path
+    reason: str
+    committed_at: float
+    nbytes: int
+    world_size: int = 1
+    save_seconds: float = field(default=0.0, compare=False)
+    blocked_seconds: float = field(default=0.0, compare=False)

@@ -1,0 +1,259 @@
+"""On-disk layout: step directories, the commit manifest, discovery, validation and retention.
+
+A checkpoint lives in its own fresh directory ``<root>/step_<9 digits>[.<n>]``; the optional
+``.<n>`` appears only when a directory for that step already exists (we never write into an
+existing one: DCP rewrites shards in place before replacing ``.metadata``). The directory becomes
+a checkpoint only when ``MANIFEST.json`` appears in it, written last, atomically, by rank 0 after
+every rank's files are durable. Nothing else (``.metadata``, shard files) counts as a commit.
+
+Deletion renames the directory to ``.trash-...`` first (atomic, and the new name no longer matches
+the step pattern), then removes it, so a crash mid-delete never leaves a half-deleted directory
+that looks like a checkpoint. We only ever delete directories whose name matches our pattern and
+whose contents are only files we write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointInfo
+from kempner_resilience.log import get_logger
+
+log = get_logger(__name__)
+
+MANIFEST_NAME = "MANIFEST.json"
+FORMAT = "kempner_resilience.checkpoint/1"
+TRASH_PREFIX = ".trash-"
+_STEP_RE = re.compile(r"^step_(\d{9,})(?:\.(\d+))?$")
+# Every name our saves create inside a step directory; a directory holding anything else is not
+# touched by retention (somebody put it there).
+_OUR_FILES = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|\.metadata\.tmp|MANIFEST\.json(\.tmp)?)$")
+_READ_CHUNK = 16 << 20
+
+
+def dir_name(step: int, attempt: int = 0) -> str:
+    """``step_000000010`` for the first attempt at a step, ``step_000000010.1`` for the next."""
+    return f"step_{step:09d}" + (f".{attempt}" if attempt else "")
+
+
+def parse_name(name: str) -> tuple[int, int] | None:
+    """(step, attempt) for one of our step directory names, else None."""
+    m = _STEP_RE.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make renames/creations inside ``path`` durable (a file's fsync does not cover its name)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def create_step_dir(root: Path, step: int) -> Path:
+    """Create a fresh, empty directory for ``step`` (never an existing one) and make it durable."""
+    attempt = 0
+    while True:
+        path = root / dir_name(step, attempt)
+        try:
+            path.mkdir(parents=True)
+        except FileExistsError:
+            attempt += 1
+            continue
+        fsync_dir(root)
+        return path
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """The commit: tmp file, fsync, rename, fsync the directory and its parent."""
+    tmp = path / (MANIFEST_NAME + ".tmp")
+    data = json.dumps(manifest, separators=(",", ":")).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path / MANIFEST_NAME)
+    fsync_dir(path)
+    fsync_dir(path.parent)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed manifest of a step directory; CheckpointCorrupt if missing or malformed."""
+    try:
+        raw = (path / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{path}: no {MANIFEST_NAME} (never committed)") from None
+    try:
+        man = json.loads(raw)
+    except ValueError as e:
+        raise CheckpointCorrupt(f"{path / MANIFEST_NAME}: unreadable manifest ({e})") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT or not isinstance(
+            man.get("files"), dict) or not isinstance(man.get("step"), int):
+        raise CheckpointCorrupt(f"{path / MANIFEST_NAME}: not a {FORMAT} manifest")
+    return man
+
+
+@dataclass
+class Entry:
+    """One of our step directories as found on disk."""
+
+    path: Path
+    step: int
+    attempt: int
+    manifest: dict[str, Any] | None     # None: not committed (or manifest unreadable)
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+    def info(self) -> CheckpointInfo:
+        m = self.manifest or {}
+        return CheckpointInfo(step=self.step, path=self.path, reason=str(m.get("reason", "")),
+                              committed_at=float(m.get("committed_at", 0.0)),
+                              nbytes=int(m.get("nbytes", 0)),
+                              world_size=int(m.get("world_size", 1)),
+                              save_seconds=float(m.get("save_seconds", 0.0)),
+                              blocked_seconds=float(m.get("blocked_seconds", 0.0)))
+
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.step, float((self.manifest or {}).get("committed_at", 0.0)), self.attempt)
+
+
+def scan(root: Path) -> list[Entry]:
+    """Our step directories under ``root``, oldest first (by step, then commit time)."""
+    out: list[Entry] = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        parsed = parse_name(name)
+        path = root / name
+        if parsed is None or not path.is_dir():
+            continue
+        try:
+            manifest: dict[str, Any] | None = read_manifest(path)
+        except CheckpointCorrupt as e:
+            manifest = None
+            if (path / MANIFEST_NAME).exists():
+                log.warning("ignoring %s: %s", path, e)
+        out.append(Entry(path, parsed[0], parsed[1], manifest))
+    out.sort(key=Entry.sort_key)
+    return out
+
+
+def check_owner(path: Path, allow_foreign_owner: bool) -> None:
+    """Refuse files owned by another user: loading unpickles them (arbitrary code)."""
+    if allow_foreign_owner:
+        return
+    uid = os.geteuid()
+    st = path.stat()
+    if st.st_uid != uid:
+        raise CheckpointCorrupt(
+            f"{path} is owned by uid {st.st_uid}, not by us (uid {uid}); checkpoints are "
+            "unpickled on load, so foreign files are refused. If you trust it, chown it or set "
+            "checkpoint.allow_foreign_owner: true")
+
+
+def validate(entry: Entry, allow_foreign_owner: bool) -> None:
+    """Cheap checks (no data read): manifest sane, every file present, right size, our owner."""
+    man = entry.manifest
+    if man is None:
+        raise CheckpointCorrupt(f"{entry.path}: not committed")
+    if man["step"] != entry.step:
+        raise CheckpointCorrupt(f"{entry.path}: manifest says step {man['step']}")
+    check_owner(entry.path, allow_foreign_owner)
+    check_owner(entry.path / MANIFEST_NAME, allow_foreign_owner)
+    for name, meta in man["files"].items():
+        p = entry.path / name
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{p}: listed in the manifest but missing") from None
+        if st.st_size != meta.get("size"):
+            raise CheckpointCorrupt(f"{p}: {st.st_size} bytes, manifest says {meta.get('size')}")
+        check_owner(p, allow_foreign_owner)
+
+
+def file_crc(path: Path) -> int:
+    """CRC-32 of a whole file, streamed (used for small files and full verification)."""
+    crc = 0
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def verify_files(path: Path, manifest: dict[str, Any], names: Iterable[str] | None = None) -> None:
+    """Full verification: re-read files and compare CRCs with the manifest (CLI, tests, .metadata)."""
+    for name in (manifest["files"] if names is None else names):
+        meta = manifest["files"][name]
+        if file_crc(path / name) != meta["crc32"]:
+            raise CheckpointCorrupt(f"{path / name}: checksum mismatch (file damaged)")
+
+
+def looks_ours(path: Path) -> bool:
+    """Only files our saves create are inside (an empty directory also qualifies)."""
+    try:
+        return all(_OUR_FILES.match(n) for n in os.listdir(path))
+    except OSError:
+        return False
+
+
+def remove_dir(path: Path) -> None:
+    """Rename to a trash name (atomic, never matches the step pattern), then delete."""
+    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}"
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_trash(root: Path) -> None:
+    """Finish deletions a crash interrupted."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        p = root / name
+        if name.startswith(TRASH_PREFIX + "step_") and p.is_dir() and looks_ours(p):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def select_for_deletion(entries: list[Entry], keep_last: int, keep_every: int,
+                        protect: Iterable[Path] = ()) -> list[Entry]:
+    """What retention removes: committed ones beyond ``keep_last`` (except ``keep_every``
+    multiples), and partial ones no newer than the newest commit (a later commit proves their
+    save is over: saves of one job are serial). Never the newest committed one, never
+    ``protect``ed paths, never directories holding files we did not write."""
+    protected = {Path(p) for p in protect}
+    committed = [e for e in entries if e.committed]
+    if not committed:
+        return []
+    newest = max(committed, key=Entry.sort_key)
+    keep = {e.path for e in sorted(committed, key=Entry.sort_key)[-max(keep_last, 1):]}
+    keep.add(newest.path)
+    if keep_every > 0:
+        keep.update(e.path for e in committed if e.step % keep_every == 0)
+    out = []
+    for e in entries:
+        if e.path in keep or e.path in protected or not looks_ours(e.path):
+            continue
+        if e.committed or e.step <= newest.step:
+            out.append(e)
+    return out

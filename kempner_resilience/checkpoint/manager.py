@@ -1,0 +1,560 @@
+"""CheckpointManager: when to save, how (sync, async, emergency), and resuming exactly.
+
+Collectives: every public method except ``latest``, ``estimate_save_seconds`` and ``busy`` is
+collective (all ranks call it, in the same order). They run on gloo groups created here at
+construction (``dist.new_group`` is itself collective over the default group): one for foreground
+work (save, emergency save, resume, check_dir) and, with ``async``, one for the background writer,
+so a background save never interleaves its collectives with ours or with training's. Foreground
+work also never uses the training group, so an emergency save can run from a watchdog thread
+while the main thread is stuck in a training collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never on the emergency path
+from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
+
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.checkpoint.comm import Comm, PendingMax
+from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
+from kempner_resilience.checkpoint.reader import VerifyingReader
+from kempner_resilience.checkpoint.staging import Stager
+from kempner_resilience.checkpoint.state import TrainState
+from kempner_resilience.checkpoint.writer import ChecksummingWriter
+from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.log import get_logger
+
+log = get_logger(__name__)
+
+__all__ = ["CheckpointManager"]
+
+# Single-process saves/loads are intended; DCP warns about them on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
+
+# Before any save has been measured, assume a slow shared filesystem. Measured here: 0.4-2 GiB/s.
+CONSERVATIVE_BYTES_PER_S = 100 * 2**20
+CONSERVATIVE_OVERHEAD_S = 2.0
+_GIB = 2**30
+
+
+def _describe(err: BaseException | None) -> str | None:
+    """One line per cause; DCP wraps each rank's exception (with a traceback) in its own."""
+    if err is None:
+        return None
+    if isinstance(err, CheckpointException):
+        causes = [getattr(f, "exc", f) for _, f in sorted(err.failures.items())]
+        return "; ".join(f"rank {r}: {type(c).__name__}: {c}"
+                         for r, c in zip(sorted(err.failures), causes))[-4000:]
+    return f"{type(err).__name__}: {err}"[-4000:]
+
+
+def _disk_full(text: str) -> bool:
+    return "No space left on device" in text or "Disk quota exceeded" in text or \
+        "[Errno 28]" in text or "[Errno 122]" in text
+
+
+class _Background:
+    """One async save in flight."""
+
+    def __init__(self, step: int, nbytes: int) -> None:
+        self.step = step
+        self.nbytes = nbytes
+        self.started = time.monotonic()
+        self.abort = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.info: CheckpointInfo | None = None
+        self.error: BaseException | None = None
+
+
+class CheckpointManager:
+    """Saves and restores ``state`` under ``config.dir``; see the module docstring for collectives.
+
+    ``state`` maps names to ``nn.Module`` (plain or DDP), optimizers (paired with the module that
+    owns their parameters) and any object with ``state_dict()``/``load_state_dict()``. ``rank`` and
+    ``world_size`` are this process's place in ``process_group`` (default: the default group);
+    with ``world_size == 1`` torch.distributed need not be initialized.
+    """
+
+    def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
+                 world_size: int = 1, process_group: Any = None) -> None:
+        self.config = config
+        self.root = Path(config.dir).expanduser().absolute()
+        self.rank = rank
+        self.world_size = world_size
+        self.state = TrainState(state)
+        if world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise CheckpointError(f"world_size={world_size} but torch.distributed is not "
+                                      "initialized; call init_process_group first")
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            fg = dist.new_group(ranks=ranks, backend="gloo")
+            bg = dist.new_group(ranks=ranks, backend="gloo") if config.async_ else None
+        else:
+            fg = bg = None
+        self._fg = Comm(fg, rank, world_size)
+        self._bgcomm = Comm(bg, rank, world_size)
+        self._lock = threading.RLock()          # one foreground operation at a time
+        self._busy = 0
+        self._busy_lock = threading.Lock()
+        self._bg: _Background | None = None
+        self._stager = Stager()
+        self._writing: set[Path] = set()         # directories being written: retention skips them
+        self._rates: list[float] = []            # measured bytes/s of recent saves (this rank)
+        self._last_save_step = -1
+        self._last_save_time = time.monotonic()
+        self._pending_time: PendingMax | None = None
+        self._last_committed: CheckpointInfo | None = None
+        self._retention_thread: threading.Thread | None = None
+        self._closed = False
+        # Entered around every foreground save/load: ResilientRun widens the hang budget here.
+        self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
+
+    # ----------------------------------------------------------------------------------- status
+
+    @property
+    def busy(self) -> bool:
+        """True while a save, load or wait runs in a caller's thread (not for a background write
+        that does not block training)."""
+        return self._busy > 0
+
+    @property
+    def last_committed(self) -> CheckpointInfo | None:
+        """The newest checkpoint this manager committed or resumed from."""
+        return self._last_committed
+
+    @property
+    def async_in_flight(self) -> bool:
+        bg = self._bg
+        return bg is not None and bg.thread is not None and bg.thread.is_alive()
+
+    @contextlib.contextmanager
+    def _foreground(self) -> Iterator[None]:
+        with self._lock, self.busy_hook():
+            with self._busy_lock:
+                self._busy += 1
+            try:
+                yield
+            finally:
+                with self._busy_lock:
+                    self._busy -= 1
+
+    # -------------------------------------------------------------------------------- start-up
+
+    def check_dir(self) -> None:
+        """Fail early if checkpoints cannot be written: the directory's parent is missing, it is
+        not writable, or it lacks the space for about one save. Collective."""
+        problem: str | None = None
+        root = self.root
+        try:
+            if not root.exists():
+                if not root.parent.is_dir():
+                    raise CheckpointError(
+                        f"checkpoint.dir {root}: the parent directory {root.parent} does not "
+                        "exist; create it (mkdir -p) or set checkpoint.dir to an existing location")
+                root.mkdir(exist_ok=True)
+            elif not root.is_dir():
+                raise CheckpointError(f"checkpoint.dir {root} exists but is not a directory; "
+                                      "remove it or choose another checkpoint.dir")
+            self._probe_write(root)
+            st = os.statvfs(root)
+            free = st.f_bavail * st.f_frsize
+            need = int(self.state.nbytes() * 1.05) + (1 << 20)
+            if free < need:
+                raise CheckpointError(
+                    f"checkpoint.dir {root} is (nearly) full: {free / _GIB:.3f} GiB free, one "
+                    f"checkpoint needs ~{need / _GIB:.3f} GiB; free space there or point "
+                    "checkpoint.dir at a larger filesystem")
+            if self.rank == 0:
+                layout.clean_trash(root)
+        except CheckpointError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"checkpoint.dir {root}: {e}; fix it or choose another checkpoint.dir"
+        problems = self._fg.all_gather_object(problem)
+        bad = [f"rank {r}: {p}" if self.world_size > 1 else p
+               for r, p in enumerate(problems) if p]
+        if bad:
+            raise CheckpointError("; ".join(bad))
+
+    def _probe_write(self, root: Path) -> None:
+        probe = root / f".kempner_probe-{socket.gethostname()}-{self.rank}-{os.getpid()}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, b"\0" * 4096)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if _disk_full(str(e)):
+                raise CheckpointError(f"checkpoint.dir {root} is full ({e.strerror}); free space "
+                                      "there or point checkpoint.dir at a larger filesystem") from e
+            raise CheckpointError(f"checkpoint.dir {root} is not writable ({e.strerror}); fix "
+                                  "its permissions/mount or choose another checkpoint.dir") from e
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+
+    # ---------------------------------------------------------------------------- discovery
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint that passes the cheap checks (manifest, file sizes,
+        owner); bad ones are logged and skipped. Local (no collectives), reads no data."""
+        for entry in reversed(layout.scan(self.root)):
+            if not entry.committed:
+                continue
+            try:
+                layout.validate(entry, self.config.allow_foreign_owner)
+            except CheckpointCorrupt as e:
+                log.warning("skipping checkpoint %s: %s", entry.path, e)
+                continue
+            return entry.info()
+        return None
+
+    # ------------------------------------------------------------------------------- resume
+
+    def resume(self) -> CheckpointInfo | None:
+        """Load the newest good checkpoint into ``state`` on every rank and restore RNG streams.
+
+        A checkpoint that fails validation or checksum verification is skipped with a warning
+        and the previous one is tried. Returns None when there is none (fresh start) or when
+        ``config.resume`` is off; raises CheckpointError when checkpoints exist but none loads
+        (the model may then be partially overwritten). Collective.
+        """
+        if not self.config.resume:
+            log.info("checkpoint.resume is off: starting fresh")
+            return None
+        with self._foreground():
+            self._drain_background(raise_errors=False)
+            candidates = None
+            if self.rank == 0:
+                candidates = [str(e.path) for e in reversed(layout.scan(self.root))
+                              if e.committed]
+            candidates = self._fg.broadcast_object(candidates)
+            failures: list[str] = []
+            for p in candidates:
+                info, why = self._try_load(Path(p))
+                if info is not None:
+                    if failures:
+                        log.warning("resumed from the older checkpoint %s after skipping: %s",
+                                    p, "; ".join(failures))
+                    return info
+                failures.append(f"{p}: {why}")
+                log.warning("cannot resume from %s (%s); falling back to the previous checkpoint",
+                            p, why)
+            if failures:
+                raise CheckpointError(
+                    f"no committed checkpoint in {self.root} could be loaded ({'; '.join(failures)}). "
+                    "The model/optimizer may be partially overwritten: restart the process. To "
+                    "start fresh, move the step_* directories away or set checkpoint.resume: false")
+            log.info("no committed checkpoint in %s: starting fresh", self.root)
+            return None
+
+    def _try_load(self, path: Path) -> tuple[CheckpointInfo | None, str]:
+        t0 = time.monotonic()
+        local: str | None = None
+        entry = None
+        try:
+            parsed = layout.parse_name(path.name)
+            entry = layout.Entry(path, parsed[0] if parsed else -1, parsed[1] if parsed else 0,
+                                 layout.read_manifest(path))
+            layout.validate(entry, self.config.allow_foreign_owner)
+            if self.config.verify:
+                layout.verify_files(path, entry.manifest or {}, [".metadata"])
+        except (CheckpointError, OSError) as e:
+            local = str(e)
+        errors = [e for e in self._fg.all_gather_object(local) if e]
+        if errors or entry is None:
+            return None, "; ".join(errors)
+        reader = VerifyingReader(path, entry.manifest, verify=self.config.verify,
+                                 threads=self.config.io_threads)
+        try:
+            keys = set(reader.read_metadata().state_dict_metadata)
+            sd, blob_key = self.state.load_template(self.rank, keys)
+            dcp.load(sd, storage_reader=reader, process_group=self._fg.dcp_group)
+        except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
+            return None, _describe(e) or "load failed"
+        step = self.state.restore(sd, blob_key)
+        info = entry.info()
+        if step is not None and step != info.step:
+            log.warning("%s: manifest step %d, saved state says %d", path, info.step, step)
+        self._last_save_step = info.step
+        self._last_save_time = time.monotonic()
+        self._last_committed = info
+        dt = time.monotonic() - t0
+        log.info("resumed from %s (step %d): %.3f GiB read in %.2f s", path, info.step,
+                 reader.bytes_read / _GIB, dt)
+        return info, ""
+
+    # --------------------------------------------------------------------------------- saves
+
+    def maybe_save(self, step: int) -> CheckpointInfo | None:
+        """Save if the cadence says so (``every_steps`` multiples, or ``every_minutes`` since the
+        last save). Synchronous saves return their info; async ones return None (see ``wait``
+        and ``last_committed``). Collective: call it on every rank at every step."""
+        cfg = self.config
+        due = cfg.every_steps > 0 and step % cfg.every_steps == 0
+        if cfg.every_minutes > 0:
+            # Clocks differ across ranks: agree through an all-reduce started at the previous
+            # call and read now, so no rank waits on it inside a step.
+            if self._fg.distributed:
+                due = due or (self._pending_time is not None and self._pending_time.result() > 0)
+            else:
+                due = due or self._minutes_due()
+        info = None
+        if due and step != self._last_save_step:
+            if cfg.async_:
+                self._start_async(step)
+            else:
+                info = self.save(step, reason="periodic")
+        if cfg.every_minutes > 0 and self._fg.distributed:
+            self._pending_time = self._fg.max_async(1.0 if self._minutes_due() else 0.0)
+        return info
+
+    def _minutes_due(self) -> bool:
+        return time.monotonic() - self._last_save_time >= self.config.every_minutes * 60
+
+    def save(self, step: int, *, reason: str = "periodic") -> CheckpointInfo:
+        """Synchronous save of ``step`` completed steps into a fresh directory, committed when
+        this returns. Waits for an in-flight async save first. Collective."""
+        with self._foreground():
+            self._drain_background(raise_errors=False)
+            t0 = time.monotonic()
+            sd = self.state.capture(step, self.rank)
+            return self._save_state(sd, step, reason, self._fg, None, t0, 0.0)
+
+    def emergency_save(self, step: int, *, deadline: float | None = None) -> CheckpointInfo | None:
+        """The synchronous save before exiting. An in-flight async save is awaited if there is
+        time for it and this save, else abandoned. Returns None (logging why) without starting
+        when the save cannot finish before ``deadline`` (a ``time.monotonic()`` value) minus
+        ``save_margin_s``; raises CheckpointError if the save fails. Collective."""
+        with self._foreground():
+            margin = self.config.save_margin_s
+            bg = self._bg
+            if bg is not None and bg.thread is not None and bg.thread.is_alive():
+                left = self._bg_remaining(bg) + self.estimate_save_seconds()
+                fits = deadline is None or time.monotonic() + left <= deadline - margin
+                if self._fg.max(0.0 if fits else 1.0) > 0:
+                    log.warning("abandoning the in-flight async save of step %d: no time for it "
+                                "and the emergency save", bg.step)
+                    bg.abort.set()
+                bg.thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+                if bg.thread.is_alive():     # stuck: leave it behind, it writes elsewhere
+                    log.warning("async save of step %d did not stop; not waiting for it", bg.step)
+                    self._bg = None
+            self._drain_background(raise_errors=False)
+            last = self._last_committed
+            if last is not None and last.step == step:
+                log.info("emergency save: step %d is already committed at %s", step, last.path)
+                return last
+            est = self.estimate_save_seconds()
+            now = time.monotonic()
+            fits = deadline is None or now + est <= deadline - margin
+            if self._fg.max(0.0 if fits else 1.0) > 0:
+                left = float("inf") if deadline is None else deadline - margin - now
+                log.error("emergency save of step %d refused: it needs ~%.1f s and only %.1f s "
+                          "remain before the deadline minus save_margin_s (%.1f s); the last "
+                          "committed checkpoint stays the resume point", step, est, left, margin)
+                return None
+            sd = self.state.capture(step, self.rank)
+            return self._save_state(sd, step, "emergency", self._fg, None, now, 0.0)
+
+    def _start_async(self, step: int) -> None:
+        with self._foreground():
+            self._drain_background(raise_errors=False)
+            t0 = time.monotonic()
+            staged = self._stager.stage(self.state.capture(step, self.rank))
+            self._stager.synchronize()
+            blocked = time.monotonic() - t0
+            bg = _Background(step, self._stager.staged_bytes)
+            bg.thread = threading.Thread(target=self._run_background,
+                                         args=(bg, staged, step, t0, blocked),
+                                         name="ckpt-async-save", daemon=True)
+            self._bg = bg
+            self._last_save_step = step          # cadence: counts as saved when started
+            self._last_save_time = time.monotonic()
+            bg.thread.start()
+
+    def _run_background(self, bg: _Background, staged: dict[str, Any], step: int, t0: float,
+                        blocked: float) -> None:
+        try:
+            bg.info = self._save_state(staged, step, "periodic-async", self._bgcomm, bg.abort,
+                                       t0, blocked)
+        except BaseException as e:  # reported by wait()/logged here; never kills the thread
+            bg.error = e
+            log.error("async checkpoint of step %d failed: %s", step, e)
+
+    def _bg_remaining(self, bg: _Background) -> float:
+        total = bg.nbytes / self._rate() + CONSERVATIVE_OVERHEAD_S / 4
+        return max(total - (time.monotonic() - bg.started), 0.0)
+
+    def wait(self) -> None:
+        """Block until an in-flight async save is committed; CheckpointError if it failed."""
+        with self._foreground():
+            self._drain_background(raise_errors=True)
+
+    def _drain_background(self, raise_errors: bool) -> None:
+        bg = self._bg
+        if bg is None:
+            return
+        if bg.thread is not None:
+            bg.thread.join()
+        self._bg = None
+        if bg.error is not None and raise_errors:
+            if isinstance(bg.error, CheckpointError):
+                raise bg.error
+            raise CheckpointError(f"async checkpoint of step {bg.step} failed: {bg.error}")
+
+    # ------------------------------------------------------------------------- the save itself
+
+    def _save_state(self, sd: dict[str, Any], step: int, reason: str, comm: Comm,
+                    abort: threading.Event | None, t0: float, blocked: float) -> CheckpointInfo:
+        # Rank 0 picks a fresh directory; a failure there must reach every rank.
+        choice: tuple[str | None, str | None] = (None, None)
+        if self.rank == 0:
+            self._join_retention()     # it must not see our new, still partial directory
+            try:
+                choice = (str(layout.create_step_dir(self.root, step)), None)
+            except OSError as e:
+                choice = (None, _describe(e))
+        path_s, err = comm.broadcast_object(choice)
+        if path_s is None:
+            raise CheckpointError(self._failure_text(step, self.root, err or "?"))
+        path = Path(path_s)
+        self._writing.add(path)
+        try:
+            writer = ChecksummingWriter(path, threads=self.config.io_threads, abort=abort)
+            failure: BaseException | None = None
+            try:
+                dcp.save(sd, storage_writer=writer, process_group=comm.dcp_group)
+            except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
+                failure = e
+            gathered = comm.all_gather_object(
+                (writer.files if failure is None else None, _describe(failure)))
+            status: str | None = None
+            manifest: dict[str, Any] = {}
+            if self.rank == 0:
+                status = self._commit(path, step, reason, gathered, t0, blocked, manifest)
+            status, committed_at, nbytes = comm.broadcast_object(
+                (status, manifest.get("committed_at", 0.0), manifest.get("nbytes", 0)))
+            if status is not None:
+                if self.rank == 0:
+                    with contextlib.suppress(OSError):
+                        layout.remove_dir(path)
+                raise CheckpointError(self._failure_text(step, path, status))
+        finally:
+            self._writing.discard(path)
+        elapsed = time.monotonic() - t0
+        if writer.bytes_written and elapsed > 0:
+            self._rates = (self._rates + [writer.bytes_written / elapsed])[-3:]
+        info = CheckpointInfo(step=step, path=path, reason=reason, committed_at=committed_at,
+                              nbytes=nbytes, world_size=self.world_size, save_seconds=elapsed,
+                              blocked_seconds=blocked or elapsed)
+        self._last_committed = info
+        if reason != "periodic-async":
+            self._last_save_step = step
+            self._last_save_time = time.monotonic()
+        log.info("checkpoint step %d committed (%s): %.3f GiB in %.2f s (writing %.2f s) -> %s",
+                 step, reason, nbytes / _GIB, elapsed, writer.write_seconds, path)
+        if self.rank == 0 and reason != "emergency":
+            # In a thread: deleting a large checkpoint takes about a second here, and nobody
+            # needs to wait for it (a crash mid-delete leaves only a .trash-* directory). Not
+            # after an emergency save: the process is about to exit; the next run cleans up.
+            self._join_retention()
+            self._retention_thread = threading.Thread(target=self._retention,
+                                                      name="ckpt-retention", daemon=True)
+            self._retention_thread.start()
+        return info
+
+    def _join_retention(self) -> None:
+        t = self._retention_thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+        self._retention_thread = None
+
+    def _commit(self, path: Path, step: int, reason: str, gathered: list[Any], t0: float,
+                blocked: float, manifest: dict[str, Any]) -> str | None:
+        """Rank 0: write the manifest if every rank succeeded; returns an error text or None."""
+        errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+        if errors:
+            return "; ".join(errors)
+        files: dict[str, Any] = {}
+        for rank_files, _ in gathered:
+            files.update(rank_files)
+        manifest.update({
+            "format": layout.FORMAT, "step": step, "world_size": self.world_size,
+            "reason": reason, "committed_at": time.time(),
+            "nbytes": sum(m["size"] for n, m in files.items() if n.endswith(".distcp")),
+            "save_seconds": time.monotonic() - t0, "blocked_seconds": blocked,
+            "torch": torch.__version__, "host": socket.gethostname(), "files": files})
+        try:
+            layout.write_manifest(path, manifest)
+        except OSError as e:
+            return _describe(e)
+        return None
+
+    def _failure_text(self, step: int, path: Path, status: str) -> str:
+        prev = self._last_committed or self.latest()
+        keep = (f"the previous committed checkpoint {prev.path} (step {prev.step}) is intact"
+                if prev else "there is no previous committed checkpoint")
+        if _disk_full(status):
+            return (f"checkpoint of step {step} failed: the disk holding {self.root} is full "
+                    "(No space left on device). Free space there or point checkpoint.dir at a "
+                    f"larger filesystem; the partial {path.name} was removed and {keep}.")
+        return (f"checkpoint of step {step} into {path} failed: {status}. The partial directory "
+                f"was removed; {keep}.")
+
+    def _retention(self) -> None:
+        try:
+            layout.clean_trash(self.root)
+            victims = layout.select_for_deletion(layout.scan(self.root), self.config.keep_last,
+                                                 self.config.keep_every, set(self._writing))
+            for e in victims:
+                log.info("retention: removing %s checkpoint %s",
+                         "old" if e.committed else "abandoned partial", e.path)
+                with contextlib.suppress(FileNotFoundError):
+                    layout.remove_dir(e.path)
+        except OSError as e:
+            log.warning("retention in %s failed (checkpoints are unaffected): %s", self.root, e)
+
+    # ----------------------------------------------------------------------------- estimates
+
+    def _rate(self) -> float:
+        return min(self._rates) if self._rates else CONSERVATIVE_BYTES_PER_S
+
+    def estimate_save_seconds(self) -> float:
+        """Seconds a synchronous save of the current state should take on this rank: from the
+        slowest of the last three measured saves, or a conservative 100 MiB/s + 2 s before any."""
+        nbytes = self.state.nbytes()
+        if self._rates:
+            return 1.25 * nbytes / self._rate() + 0.25
+        return nbytes / CONSERVATIVE_BYTES_PER_S + CONSERVATIVE_OVERHEAD_S
+
+    # ------------------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Wait for an in-flight async save (errors are logged, not raised)."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._foreground():
+            self._drain_background(raise_errors=False)
+            self._join_retention()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,189 @@
+"""What a checkpoint holds, and how it is captured from and restored into the training objects.
+
+The DCP state dict has three kinds of entries:
+
+* ``<name>`` for each ``nn.Module`` (plain or DDP) and each optimizer, through
+  ``torch.distributed.checkpoint.state_dict`` (it strips DDP's ``module.`` prefix and keys
+  optimizer state by parameter name, so checkpoints move between plain and DDP models);
+* ``rank_state.rank<r>``: one opaque blob per rank with the step, the RNG states (python
+  ``random``, numpy, torch CPU, CUDA) and the ``state_dict()`` of every other object (scheduler,
+  data iterator, ...). The key is rank-unique on purpose: DCP deduplicates non-tensor values that
+  share a key across ranks, so with a shared key rank 0 could load rank 1's RNG or data position.
+
+A blob instead of nested entries because DCP can only load keys that the destination state dict
+already has with the same structure; a data iterator's state may change shape between saves.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from kempner_resilience.checkpoint.info import CheckpointError
+from kempner_resilience.log import get_logger
+
+try:  # numpy is optional
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy is installed here
+    _np = None
+
+log = get_logger(__name__)
+
+__all__ = ["TrainState", "capture_rng", "restore_rng", "rank_key"]
+
+_OPTS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def rank_key(rank: int) -> str:
+    """The DCP key of one rank's private blob."""
+    return f"rank_state.rank{rank}"
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every global RNG stream this process uses."""
+    out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if _np is not None:
+        out["numpy"] = _np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng(states: Mapping[str, Any]) -> None:
+    """Put back what ``capture_rng`` returned (streams missing on either side are skipped)."""
+    if "python" in states:
+        random.setstate(states["python"])
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "numpy" in states and _np is not None:
+        _np.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        cuda = states["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning("not restoring CUDA RNG: saved for %d devices, %d visible", len(cuda),
+                        torch.cuda.device_count())
+
+
+def _params(module: nn.Module) -> set[int]:
+    return {id(p) for p in module.parameters()}
+
+
+class TrainState:
+    """The user's ``{"model": ..., "optim": ..., "sched": ..., "data": ...}`` classified.
+
+    Modules and optimizers go through DCP's state_dict API; every other value must have
+    ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction otherwise).
+    """
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.modules: dict[str, nn.Module] = {}
+        self.optims: dict[str, tuple[torch.optim.Optimizer, nn.Module]] = {}
+        self.others: dict[str, Any] = {}
+        for name, value in state.items():
+            if not isinstance(name, str) or not name or "." in name or name.startswith("rank_state"):
+                raise CheckpointError(f"state key {name!r} is not allowed: use a plain name "
+                                      "without dots, e.g. 'model', 'optim'")
+            if isinstance(value, nn.Module):
+                self.modules[name] = value
+            elif isinstance(value, torch.optim.Optimizer):
+                pass    # paired with its module below
+            elif callable(getattr(value, "state_dict", None)) and callable(
+                    getattr(value, "load_state_dict", None)):
+                self.others[name] = value
+            else:
+                raise CheckpointError(
+                    f"state[{name!r}] is a {type(value).__name__}, which has no state_dict()/"
+                    "load_state_dict(); pass an nn.Module, an optimizer, or an object with both "
+                    "methods (wrap plain values in a small class)")
+        for name, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                self.optims[name] = (value, self._owner(name, value))
+
+    def _owner(self, name: str, optim: torch.optim.Optimizer) -> nn.Module:
+        ids = {id(p) for g in optim.param_groups for p in g["params"]}
+        for module in self.modules.values():
+            if ids <= _params(module):
+                return module
+        raise CheckpointError(f"state[{name!r}]: no module in the state owns all of this "
+                              "optimizer's parameters; add the model to the state too")
+
+    def nbytes(self) -> int:
+        """Bytes of tensor state on this rank (optimizer state not created yet counted as 2x
+        the parameters, as for Adam): the size estimate for space checks and deadlines."""
+        total = 0
+        for m in self.modules.values():
+            total += sum(t.numel() * t.element_size() for t in m.state_dict().values()
+                         if isinstance(t, torch.Tensor))
+        for optim, module in self.optims.values():
+            st = [t for s in optim.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor)]
+            if st:
+                total += sum(t.numel() * t.element_size() for t in st)
+            else:
+                total += 2 * sum(p.numel() * p.element_size() for p in module.parameters())
+        return total
+
+    def capture(self, step: int, rank: int) -> dict[str, Any]:
+        """The DCP state dict for a save. Tensors are the live ones (no copy)."""
+        sd: dict[str, Any] = {}
+        for name, module in self.modules.items():
+            sd[name] = get_model_state_dict(module, options=_OPTS)
+        for name, (optim, module) in self.optims.items():
+            sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+        blob = {"step": step, "rng": capture_rng(),
+                "objects": {n: o.state_dict() for n, o in self.others.items()}}
+        buf = io.BytesIO()
+        torch.save(blob, buf)
+        sd[rank_key(rank)] = buf.getvalue()
+        return sd
+
+    def load_template(self, rank: int, saved_keys: set[str]) -> tuple[dict[str, Any], str | None]:
+        """A state dict DCP loads into in place, and which rank's blob it holds.
+
+        Falls back to rank 0's blob (with a warning) when the checkpoint was written by fewer
+        ranks: DCP reshards tensors, but per-rank RNG and data positions cannot be resharded.
+        """
+        sd: dict[str, Any] = {}
+        for name, module in self.modules.items():
+            sd[name] = get_model_state_dict(module, options=_OPTS)
+        for name, (optim, module) in self.optims.items():
+            sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+        key = rank_key(rank)
+        if key not in saved_keys:
+            key = rank_key(0) if rank_key(0) in saved_keys else None
+            log.warning("checkpoint has no state for rank %d (saved with fewer ranks): %s",
+                        rank, "using rank 0's RNG/scheduler/data state" if key else
+                        "RNG/scheduler/data state not restored")
+        if key is not None:
+            sd[key] = b""
+        return sd, key
+
+    def restore(self, sd: dict[str, Any], blob_key: str | None) -> int | None:
+        """Apply a loaded state dict; returns the saved step (None without a blob)."""
+        for name, module in self.modules.items():
+            set_model_state_dict(module, sd[name], options=_OPTS)
+        for name, (optim, module) in self.optims.items():
+            set_optimizer_state_dict(module, optim, sd[name], options=_OPTS)
+        if blob_key is None:
+            return None
+        blob = torch.load(io.BytesIO(sd[blob_key]), map_location="cpu", weights_only=False)
+        for name, obj in self.others.items():
+            if name in blob["objects"]:
+                obj.load_state_dict(blob["objects"][name])
+            else:
+                log.warning("checkpoint has no state for %r; left as is", name)
+        restore_rng(blob["rng"])
+        return int(blob["step"])

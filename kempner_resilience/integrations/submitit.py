@@ -1,0 +1,579 @@
+"""submitit integration: resilient training jobs submitted from Python or a notebook.
+
+```python
+from kempner_resilience.integrations import submitit as krs
+
+job = krs.submit("my_pkg.train:main", folder="runs/%j", config="resilience.yaml",
+                 overrides=["checkpoint.dir=/scratch/me/ckpt"],
+                 slurm={"timeout_min": 240, "tasks_per_node": 4, "slurm_partition": "gpu"},
+                 steps=10_000)                      # keyword arguments for main()
+print(krs.wait(job).result())                      # or job.result()
+```
+
+The submitted function builds its model and trains under ``ResilientRun`` as any script would.
+What this module adds is the hand-over between submitit and ``ResilientRun``:
+
+* **Signals.** In the job process submitit installs its own handler for its preemption signal
+  (``SIGUSR2``, ``$SUBMITIT_PREEMPT_SIGNAL``) that calls ``checkpoint()`` and ``scontrol
+  requeue`` at once, from inside the Python signal handler, in the middle of a training step and
+  before any checkpoint of ours exists; it also ignores SIGTERM. ``ResilientJob.__call__``
+  replaces those handlers before the training function runs, so the ``ShutdownHandler`` of the
+  function's ``ResilientRun`` chains to ours (which does nothing while a run is active), never
+  to submitit's. The run then stops every rank at the same step boundary, commits the emergency
+  DCP checkpoint, and only then rank 0 requeues (``scontrol requeue``, with the restart budget)
+  and every rank exits with ``REQUEUE`` (75).
+* **Signals outside a run.** A preemption signal that arrives before the function has entered
+  ``ResilientRun`` (imports, building the model) is kept and re-sent to the process as soon as
+  a run is active, so it is handled at the first step boundary; one that arrives after the
+  function finished is logged and ignored (the result is about to be written).
+* **Resubmission.** The requeued job keeps its id and reruns submitit's unchanged
+  ``*_submitted.pkl``: the same small ``ResilientJob`` (a function reference or import path,
+  a config path, overrides, keyword arguments; never model state), whose function resumes from
+  the newest committed checkpoint. ``checkpoint()`` (used only if submitit's own handler ever
+  runs) returns a fresh instance with the same small arguments. ``ResilientJob`` refuses to be
+  created with tensors or modules among its arguments.
+* **Result.** The resumed run writes submitit's result pickle, so ``job.result()`` on the client
+  returns the final result of the resumed run. Without SLURM accounting ``job.state`` reads
+  UNKNOWN and ``job.result()`` would wait forever for a job that failed; ``wait(job)`` polls
+  ``scontrol show job`` and raises with the log's tail instead.
+
+SIGTERM: submitit ignores it (its preemption signal is USR2; ``job._interrupt()`` sends TERM,
+then USR2). ``sigterm="ignore"`` (default) keeps that contract, so ``_interrupt()`` and real
+preemption with ``preempt_send_user_signal`` checkpoint and requeue. ``sigterm="stop"`` makes
+SIGTERM checkpoint and stop for good (exit 143): right for sites that preempt with SIGTERM only
+and requeue by themselves (``PreemptMode=REQUEUE``), and for ``scancel``; but then
+``_interrupt()`` stops the job instead of requeueing it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import io
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from kempner_resilience.config import ResilienceConfig, load_config, normalize_signal
+from kempner_resilience.log import get_logger
+
+__all__ = ["ResilientJob", "submit", "make_executor", "wait", "preempt_signal",
+           "train_demo", "weights_digest", "MAX_PICKLE_BYTES"]
+
+log = get_logger(__name__)
+
+# A resubmission pickle is a function reference and a few paths and numbers: a few KiB. A
+# pickle much larger than this means model state (or a dataset) got captured by accident.
+MAX_PICKLE_BYTES = 1 << 20
+
+_SIGTERM_MODES = ("ignore", "stop")
+
+
+def preempt_signal() -> int:
+    """The signal submitit uses for preemption and time-outs (``SIGUSR2`` unless
+    ``$SUBMITIT_PREEMPT_SIGNAL`` says otherwise)."""
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    return int(getattr(signal, normalize_signal(name)))
+
+
+# ------------------------------------------------------------------------- the job object
+
+def _checkpointable_base() -> type:
+    try:
+        from submitit.helpers import Checkpointable
+    except ImportError:  # the class still works as a plain callable without submitit
+        return object
+    return Checkpointable
+
+
+class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
+    """A submitit-submittable callable that runs ``fn(*args, **kwargs)`` under our signal
+    handling; ``fn`` trains with ``ResilientRun`` and resumes from its checkpoints.
+
+    Args:
+        fn: a picklable top-level function, or its import path ``"pkg.module:function"``
+            (``"pkg.module.function"`` works too). Resolved in the job process.
+        config: a YAML config path (read in the job), a ``ResilienceConfig`` or a plain dict
+            (both stored as a small dict), or None for the defaults/``$KEMPNER_RESILIENCE_CONFIG``.
+        overrides: ``"section.key=value"`` strings applied on top of ``config``.
+        sigterm: ``"ignore"`` (submitit's contract, default) or ``"stop"``; see the module doc.
+        *args, **kwargs: passed to ``fn``; keep them small (numbers, strings, paths).
+
+    In the job, ``fn`` gets the resolved ``ResilienceConfig`` as ``config=`` when its signature
+    has a ``config`` parameter (or ``**kwargs``); the same configuration is also written to a
+    YAML file that ``$KEMPNER_RESILIENCE_CONFIG`` names, so ``load_config()`` without a path
+    inside ``fn`` sees it. Our defaults for a submitit job are put first: the preemption signal
+    requeues, SIGTERM per ``sigterm``; a signal action set in ``overrides`` wins over them.
+    """
+
+    def __init__(self, fn: Callable[..., Any] | str, *args: Any,
+                 config: str | os.PathLike[str] | ResilienceConfig | Mapping[str, Any] | None = None,
+                 overrides: Iterable[str] = (), sigterm: str = "ignore", **kwargs: Any) -> None:
+        if isinstance(fn, str):
+            if not fn.strip():
+                raise ValueError("fn: empty import path; give 'package.module:function'")
+        elif not callable(fn):
+            raise TypeError(f"fn must be callable or an import path, not {type(fn).__name__}")
+        if sigterm not in _SIGTERM_MODES:
+            raise ValueError(f"sigterm={sigterm!r}; allowed: {', '.join(_SIGTERM_MODES)}")
+        if isinstance(overrides, str):
+            overrides = [overrides]
+        self.fn = fn
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs)
+        if isinstance(config, ResilienceConfig):
+            config = config.to_dict()
+        elif isinstance(config, os.PathLike):
+            config = os.fspath(config)
+        elif isinstance(config, Mapping):
+            config = dict(config)
+        self.config = config
+        self.overrides = tuple(str(o) for o in overrides)
+        self.sigterm = sigterm
+        self.resolve_config()  # fail in the notebook, not minutes later in the queue...
+        check_small(self)  # ...and never ship model state in the pickle
+
+    # -------------------------------------------------------------- client side
+
+    def __repr__(self) -> str:
+        name = self.fn if isinstance(self.fn, str) else getattr(self.fn, "__qualname__", self.fn)
+        return (f"ResilientJob({name}, args={self.args!r}, kwargs={self.kwargs!r}, "
+                f"config={self.config!r}, overrides={list(self.overrides)!r}, "
+                f"sigterm={self.sigterm!r})")
+
+    def fresh(self) -> "ResilientJob":
+        """A new instance with the same (small) arguments: what a resubmission carries."""
+        return ResilientJob(self.fn, *self.args, config=self.config, overrides=self.overrides,
+                            sigterm=self.sigterm, **self.kwargs)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """What submitit pickles for the requeued job: a fresh instance, never live state.
+
+        Our own flow never calls this (the requeued job reruns the original pickle, which is
+        the same thing); submitit's handler does when its signal lands in the instant between
+        submitit installing its handlers and ``__call__`` replacing them.
+        """
+        from submitit.helpers import DelayedSubmission
+
+        log.warning("submitit checkpoint() called: resubmitting %r; the training resumes from "
+                    "the newest committed checkpoint", self)
+        return DelayedSubmission(self.fresh(), *args, **kwargs)
+
+    def signal_overrides(self) -> list[str]:
+        """The signal actions this adapter sets for a submitit job (before the user's)."""
+        preempt = signal.Signals(preempt_signal()).name
+        term = "off" if self.sigterm == "ignore" else "stop"
+        out = [f"signals.actions.{preempt}=requeue"]
+        if preempt != "SIGTERM":
+            out.append(f"signals.actions.SIGTERM={term}")
+        return out
+
+    def resolve_config(self) -> ResilienceConfig:
+        """The configuration the function runs with (reads the YAML file, if a path)."""
+        overrides = [*self.signal_overrides(), *self.overrides]
+        if isinstance(self.config, dict):
+            cfg = ResilienceConfig.from_dict(self.config, "config dict")
+            if not overrides:
+                return cfg
+            import yaml
+
+            fd, path = tempfile.mkstemp(prefix="kr_cfg_", suffix=".yaml")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    yaml.safe_dump(cfg.to_dict(), f)
+                return load_config(path, overrides)
+            finally:
+                os.unlink(path)
+        if self.config is not None and not Path(self.config).is_file() and not _in_job():
+            # Relative paths are read in the job's working directory; only warn here.
+            log.warning("config %s is not a file here; the job will look for it in its own "
+                        "working directory", self.config)
+            return load_config(None, overrides)
+        return load_config(self.config, overrides)
+
+    # -------------------------------------------------------------- job side
+
+    def __call__(self) -> Any:
+        fn = resolve_callable(self.fn)
+        cfg = self.resolve_config()
+        _setup_rank_env()
+        os.environ["KEMPNER_RESILIENCE_CONFIG"] = _write_config_file(cfg)
+        takeover = SignalTakeover(preempt_signal(), self.sigterm)
+        takeover.install()
+        kwargs = dict(self.kwargs)
+        if _accepts(fn, "config") and "config" not in kwargs:
+            kwargs["config"] = cfg
+        try:
+            return fn(*self.args, **kwargs)
+        finally:
+            takeover.finish()
+
+
+# ------------------------------------------------------------------------- signal takeover
+
+def _run_active() -> bool:
+    """True while a ``ResilientRun``'s ShutdownHandler is installed in this process."""
+    from kempner_resilience.signals import active_handlers
+
+    return bool(active_handlers())
+
+
+class SignalTakeover:
+    """Replaces submitit's job-process handlers for the preemption signal and SIGTERM.
+
+    * inside a ``ResilientRun``: its ShutdownHandler was installed on top of ours and chains to
+      us; we do nothing, the run checkpoints and requeues.
+    * before a run (the function is still importing/building): the signal is kept and re-sent
+      to this process as soon as a run is active, so the run handles it at its first boundary.
+    * after the function returned: logged and ignored (the result is about to be written).
+
+    SIGTERM with ``sigterm="ignore"`` is logged and ignored, as submitit does (ResilientRun is
+    configured with ``SIGTERM=off``); with ``"stop"`` it gets the default action outside a run
+    and ResilientRun's STOP inside one.
+    """
+
+    def __init__(self, preempt_signum: int, sigterm: str = "ignore", poll_s: float = 0.05
+                 ) -> None:
+        self.preempt = preempt_signum
+        self.sigterm = sigterm
+        self.poll_s = poll_s
+        self.pending: int | None = None
+        self.redelivered = False
+        self._done = threading.Event()
+        self._previous: dict[int, Any] = {}
+        self._thread: threading.Thread | None = None
+
+    def install(self) -> "SignalTakeover":
+        signums = [self.preempt]
+        if self.preempt != signal.SIGTERM:
+            signums.append(signal.SIGTERM)
+        for s in signums:
+            self._previous[s] = signal.getsignal(s)
+        signal.signal(self.preempt, self._on_preempt)
+        if self.preempt != signal.SIGTERM:
+            if self.sigterm == "ignore":
+                signal.signal(signal.SIGTERM, self._on_term_ignored)
+            else:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.debug("took over %s and SIGTERM from %s", signal.Signals(self.preempt).name,
+                  _describe_handler(self._previous.get(self.preempt)))
+        return self
+
+    def finish(self) -> None:
+        """The function returned (or raised). In a submitit job our handlers stay, so a late
+        signal cannot make submitit requeue a finished job; elsewhere the old ones come back."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        if not _in_job() and threading.current_thread() is threading.main_thread():
+            for s, prev in self._previous.items():
+                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+
+    # handlers (main thread, between bytecodes)
+
+    def _on_preempt(self, signum: int, frame: Any) -> None:
+        if _run_active():
+            return  # chained from ResilientRun's handler: the run handles it
+        if self._done.is_set():
+            log.warning("%s after the training function returned: ignored (the result is "
+                        "being written)", signal.Signals(signum).name)
+            return
+        if self.pending is not None:
+            return
+        self.pending = signum
+        log.warning("%s before the training entered ResilientRun: it is handled as soon as "
+                    "the run starts", signal.Signals(signum).name)
+        self._thread = threading.Thread(target=self._redeliver, args=(signum,),
+                                        name="kempner-submitit-redeliver", daemon=True)
+        self._thread.start()
+
+    def _on_term_ignored(self, signum: int, frame: Any) -> None:
+        log.warning("SIGTERM ignored, as submitit does (its preemption signal is %s; "
+                    "pass sigterm='stop' to act on SIGTERM)", signal.Signals(self.preempt).name)
+
+    def _redeliver(self, signum: int) -> None:
+        while not self._done.wait(self.poll_s):
+            if _run_active():
+                self.redelivered = True
+                os.kill(os.getpid(), signum)
+                return
+
+
+def _describe_handler(h: Any) -> str:
+    if callable(h):
+        owner = getattr(h, "__self__", None)
+        return f"{type(owner).__name__}.{h.__name__}" if owner is not None else repr(h)
+    return str(h)
+
+
+# ------------------------------------------------------------------------- helpers
+
+def _in_job() -> bool:
+    return bool(os.environ.get("SUBMITIT_FOLDER")) and bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def resolve_callable(fn: Callable[..., Any] | str) -> Callable[..., Any]:
+    """``"pkg.mod:fn"`` or ``"pkg.mod.fn"`` -> the function; a callable is returned as is."""
+    if callable(fn):
+        return fn
+    text = str(fn).strip()
+    if ":" in text:
+        mod_name, _, attr = text.partition(":")
+    else:
+        mod_name, _, attr = text.rpartition(".")
+    if not mod_name or not attr:
+        raise ValueError(f"{fn!r} is not an import path; write 'package.module:function'")
+    obj: Any = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{fn!r} resolves to {type(obj).__name__}, which is not callable")
+    return obj
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name and p.kind is not p.POSITIONAL_ONLY or p.kind is p.VAR_KEYWORD
+               for p in params)
+
+
+def _setup_rank_env() -> None:
+    """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from SLURM for srun-launched tasks
+    (submitit starts one task per rank with srun); kept where a launcher set them."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        return
+    from kempner_resilience.slurm import setup_torch_env
+
+    setup_torch_env()
+
+
+def _write_config_file(cfg: ResilienceConfig) -> str:
+    import yaml
+
+    folder = os.environ.get("SUBMITIT_FOLDER")
+    job = os.environ.get("SLURM_JOB_ID", "local")
+    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
+    base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
+    path = base / f"{job}_{rank}_resilience.yaml"
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+    return str(path)
+
+
+class _ScanPickler(pickle.Pickler):
+    """Pickles to nowhere, raising on anything that is model state."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.torch = sys.modules.get("torch")
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = self.torch
+        if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module,
+                                                  torch.optim.Optimizer)):
+            raise TypeError(f"a {type(obj).__module__}.{type(obj).__qualname__} would be "
+                            "pickled into the submission; pass paths and config, build the "
+                            "model inside the submitted function")
+        return NotImplemented
+
+
+def check_small(obj: Any, limit: int = MAX_PICKLE_BYTES) -> int:
+    """Raise TypeError if ``obj`` would pickle tensors/modules/optimizers, ValueError if its
+    pickle exceeds ``limit`` bytes; returns the pickle's size.
+
+    Uses cloudpickle (what submitit uses), so functions defined in a notebook are pickled by
+    value, with whatever globals they reference.
+    """
+    try:
+        import cloudpickle
+    except ImportError:  # pragma: no cover
+        cloudpickle = None
+    buf = io.BytesIO()
+    if cloudpickle is not None:
+        torch = sys.modules.get("torch")
+
+        class _Scan(cloudpickle.Pickler):  # type: ignore[misc, valid-type]
+            def reducer_override(self, o: Any) -> Any:
+                if torch is not None and isinstance(o, (torch.Tensor, torch.nn.Module,
+                                                        torch.optim.Optimizer)):
+                    raise TypeError(
+                        f"a {type(o).__module__}.{type(o).__qualname__} would be pickled into "
+                        "the submission; pass paths and config, build the model inside the "
+                        "submitted function")
+                return super().reducer_override(o)
+
+        _Scan(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    else:
+        _ScanPickler(buf).dump(obj)
+    size = buf.tell()
+    if size > limit:
+        raise ValueError(f"the submission pickles to {size} bytes (> {limit}): something large "
+                         "(data, model state) was captured; pass paths instead")
+    return size
+
+
+# ------------------------------------------------------------------------- client helpers
+
+def make_executor(folder: str | os.PathLike[str], *, timeout_min: int = 60,
+                  **params: Any) -> Any:
+    """A submitit ``AutoExecutor`` for SLURM with our defaults.
+
+    ``params`` are ``AutoExecutor.update_parameters`` names (``tasks_per_node``, ``nodes``,
+    ``cpus_per_task``, ``gpus_per_node``, ``slurm_partition``, ``slurm_additional_parameters``,
+    ``slurm_signal_delay_s``, ``name``, ...). ``timeout_min`` > 10: with 10 or less,
+    submitit's own accounting calls every interrupt a time-out. submitit's script already
+    asks for ``--signal=USR2@90`` and ``--open-mode=append`` (both runs in one log).
+    """
+    import submitit
+
+    if timeout_min <= 10:
+        log.warning("timeout_min=%s <= 10: submitit treats every interrupt of such a job as "
+                    "a time-out", timeout_min)
+    executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    executor.update_parameters(timeout_min=timeout_min, **params)
+    return executor
+
+
+def submit(fn: Callable[..., Any] | str, *args: Any,
+           folder: str | os.PathLike[str] | None = None, executor: Any = None,
+           config: str | os.PathLike[str] | ResilienceConfig | Mapping[str, Any] | None = None,
+           overrides: Iterable[str] = (), sigterm: str = "ignore",
+           slurm: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+    """Submit ``fn(*args, **kwargs)`` as a resilient submitit job; returns the ``submitit.Job``.
+
+    Either ``folder`` (logs and pickles; ``%j`` is the job id) with ``slurm`` executor
+    parameters (see ``make_executor``), or a ready ``executor``. ``config``/``overrides``/
+    ``sigterm`` as for ``ResilientJob``; ``kwargs`` go to ``fn``.
+    """
+    if executor is None:
+        if folder is None:
+            raise TypeError("submit() needs folder=... (or executor=...)")
+        executor = make_executor(folder, **dict(slurm or {}))
+    elif slurm:
+        executor.update_parameters(**dict(slurm))
+    job = ResilientJob(fn, *args, config=config, overrides=overrides, sigterm=sigterm, **kwargs)
+    return executor.submit(job)
+
+
+_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+             "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def _job_ids(job: Any) -> tuple[str, list[Any]]:
+    subs = list(getattr(job, "_sub_jobs", []) or [])
+    return str(job.job_id), subs or [job]
+
+
+def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
+    """Wait until ``job`` (a ``submitit.Job``) has written its result, through any number of
+    requeues; returns the job. Raises ``RuntimeError`` (with the log's tail) when SLURM says the
+    job ended without a result, ``TimeoutError`` after ``timeout`` seconds.
+
+    Needed because without accounting ``job.state`` is UNKNOWN and ``job.result()`` would wait
+    forever for a job that died; afterwards ``job.result()`` returns at once.
+    """
+    from kempner_resilience.slurm import show_job
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    job_id, tasks = _job_ids(job)
+    ended_since: float | None = None
+    last = ""
+    while True:
+        if all(t.paths.result_pickle.exists() for t in tasks):
+            return job
+        info = show_job(job_id, timeout=10.0)
+        state = (info or {}).get("JobState", "")
+        last = state or last
+        if state in _TERMINAL:
+            # The tasks may still be writing their pickles: give them a moment.
+            ended_since = ended_since or time.monotonic()
+            if time.monotonic() - ended_since > 15.0:
+                raise RuntimeError(f"job {job_id} ended ({state}) without a result:\n"
+                                   + _log_tail(job))
+        else:
+            ended_since = None
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} has no result after {timeout} s (state "
+                               f"{last or 'unknown'}):\n" + _log_tail(job))
+        time.sleep(poll)
+
+
+def _log_tail(job: Any, lines: int = 30) -> str:
+    out = []
+    for t in _job_ids(job)[1][:2]:
+        for path in (t.paths.stdout, t.paths.stderr):
+            try:
+                text = Path(path).read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            out.append(f"--- {path}\n" + "\n".join(text[-lines:]))
+    return "\n".join(out) or "(no log)"
+
+
+# ------------------------------------------------------------------------- demo function
+
+def weights_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 over every tensor (names, dtypes, shapes, bytes) in a ``torch.save`` file:
+    equal digests mean bitwise-equal weights and optimizer state."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous().reshape(-1)
+            h.update(f"{prefix}:{t.dtype}:{tuple(obj.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(obj, Mapping):
+            for k in sorted(obj, key=str):
+                walk(f"{prefix}.{k}", obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}[{i}]", v)
+        else:
+            h.update(f"{prefix}={obj!r}".encode())
+
+    walk("", torch.load(path, map_location="cpu", weights_only=True))
+    return h.hexdigest()
+
+
+def train_demo(steps: int = 40, step_time: float = 0.0, out: str | None = None,
+               progress: str | None = None, quiet: bool = False,
+               overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Run ``kempner_resilience.demo.train`` (an MLP under ResilientRun, DDP over gloo when the
+    job has several tasks) with the job's configuration; a ready-made function to submit.
+
+    Returns ``{"rank", "world", "steps", "restart_count", "digest"}``; ``digest`` (rank 0, with
+    ``out``) is ``weights_digest`` of the final weights.
+    """
+    from kempner_resilience.demo import train
+
+    argv = ["--steps", str(steps), "--step-time", str(step_time)]
+    if os.environ.get("KEMPNER_RESILIENCE_CONFIG"):
+        argv += ["--config", os.environ["KEMPNER_RESILIENCE_CONFIG"]]
+    for o in overrides:
+        argv += ["--set", o]
+    if out:
+        argv += ["--out", str(out)]
+    if progress:
+        argv += ["--progress", str(progress)]
+    if quiet:
+        argv.append("--quiet")
+    code = train.main(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    restart = os.environ.get("SLURM_RESTART_COUNT", "")
+    return {"rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")), "steps": steps,
+            "exit": code, "restart_count": int(restart) if restart.isdigit() else 0,
+            "digest": weights_digest(out) if out and rank == 0 else None}

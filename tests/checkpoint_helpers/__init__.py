@@ -1,0 +1,1 @@
+"""Helpers for the checkpoint tests: a toy training setup and subprocess entry points."""

@@ -1,0 +1,163 @@
+"""Damaged, foreign and unwritable storage: detected, reported with the fix, never fatal to the
+previous committed checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint_helpers import toy
+from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager
+from kempner_resilience.config import CheckpointConfig
+
+
+def _cfg(root: Path, **kw) -> CheckpointConfig:
+    return CheckpointConfig(dir=str(root), keep_last=5, **kw)
+
+
+def _two_checkpoints(root: Path) -> tuple[dict, dict]:
+    """Saves step 1 and step 2; returns the model weights at each."""
+    state = toy.build(0)
+    mgr = CheckpointManager(_cfg(root), state)
+    toy.train_step(state)
+    mgr.save(1)
+    w1 = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    toy.train_step(state)
+    mgr.save(2)
+    w2 = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    mgr.close()
+    return w1, w2
+
+
+def _resume(root: Path, **kw) -> tuple[object, dict]:
+    fresh = toy.build(0)
+    info = CheckpointManager(_cfg(root, **kw), fresh).resume()
+    return info, fresh["model"].state_dict()
+
+
+def _flip_byte_in_largest_shard(ckpt: Path) -> None:
+    shard = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path):
+    """Mount small tmpfs file systems (needs root); skip with the reason when not permitted."""
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount tmpfs here ({r.stderr.strip()})")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_corrupted_shard_is_detected_and_the_previous_checkpoint_loaded(tmp_path, caplog):
+    w1, _ = _two_checkpoints(tmp_path)
+    _flip_byte_in_largest_shard(tmp_path / "step_000000002")
+    info, weights = _resume(tmp_path)
+    assert info.step == 1
+    assert all(torch.equal(weights[k], w1[k]) for k in w1)
+    assert "checksum mismatch" in caplog.text and "falling back" in caplog.text
+
+
+def test_a_truncated_shard_is_skipped_without_reading_data(tmp_path, caplog):
+    _two_checkpoints(tmp_path)
+    shard = next((tmp_path / "step_000000002").glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size - 1)
+    mgr = CheckpointManager(_cfg(tmp_path), toy.build(0))
+    assert mgr.latest().step == 1
+    assert "bytes, manifest says" in caplog.text
+
+
+def test_a_damaged_manifest_hides_the_checkpoint(tmp_path):
+    _two_checkpoints(tmp_path)
+    (tmp_path / "step_000000002" / MANIFEST_NAME).write_text("{not json")
+    info, _ = _resume(tmp_path)
+    assert info.step == 1
+
+
+def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(tmp_path):
+    _two_checkpoints(tmp_path)
+    for d in ("step_000000001", "step_000000002"):
+        _flip_byte_in_largest_shard(tmp_path / d)
+    with pytest.raises(CheckpointError, match="could be loaded.*checkpoint.resume: false"):
+        _resume(tmp_path)
+
+
+def test_files_owned_by_another_user_are_refused_unless_allowed(tmp_path, caplog):
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    w1, w2 = _two_checkpoints(tmp_path)
+    os.chown(next((tmp_path / "step_000000002").glob("*.distcp")), 4242, 4242)
+    info, weights = _resume(tmp_path)
+    assert info.step == 1 and "owned by uid 4242" in caplog.text
+    assert "allow_foreign_owner" in caplog.text
+    info, weights = _resume(tmp_path, allow_foreign_owner=True)
+    assert info.step == 2 and all(torch.equal(weights[k], w2[k]) for k in w2)
+
+
+def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(mount_tmpfs):
+    root = mount_tmpfs("small", "size=2m")
+    state = toy.build(0)
+    mgr = CheckpointManager(_cfg(root / "ckpt"), state)
+    mgr.check_dir()
+    first = mgr.save(1)
+    w1 = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
+    (root / "filler").write_bytes(b"\0" * (free - 8192))       # leave less than one save
+    toy.train_step(state)
+    with pytest.raises(CheckpointError) as exc:
+        mgr.save(2)
+    msg = str(exc.value)
+    assert "is full" in msg and str(root / "ckpt") in msg and "Free space" in msg
+    assert str(first.path) in msg and "intact" in msg
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_000000001"]
+    with pytest.raises(CheckpointError, match="full"):
+        mgr.check_dir()
+    fresh = toy.build(0)
+    assert CheckpointManager(_cfg(root / "ckpt"), fresh).resume().step == 1
+    assert all(torch.equal(fresh["model"].state_dict()[k], w1[k]) for k in w1)
+
+
+def test_check_dir_names_a_missing_parent_and_the_fix(tmp_path):
+    mgr = CheckpointManager(_cfg(tmp_path / "nope" / "ckpt"), toy.build(0))
+    with pytest.raises(CheckpointError, match=r"parent directory .*nope does not exist.*mkdir"):
+        mgr.check_dir()
+
+
+def test_check_dir_names_an_unwritable_directory_and_the_fix(mount_tmpfs):
+    root = mount_tmpfs("ro", "size=1m,ro")
+    mgr = CheckpointManager(_cfg(root), toy.build(0))
+    with pytest.raises(CheckpointError, match=r"not writable.*choose another checkpoint.dir"):
+        mgr.check_dir()
+
+
+def test_check_dir_creates_a_missing_directory(tmp_path):
+    CheckpointManager(_cfg(tmp_path / "ckpt"), toy.build(0)).check_dir()
+    assert (tmp_path / "ckpt").is_dir()
+
+
+def test_manifest_records_checksums_sizes_step_world_and_reason(tmp_path):
+    _two_checkpoints(tmp_path)
+    man = json.loads((tmp_path / "step_000000002" / MANIFEST_NAME).read_text())
+    assert man["step"] == 2 and man["world_size"] == 1 and man["reason"] == "periodic"
+    assert ".metadata" in man["files"]
+    for name, meta in man["files"].items():
+        assert (tmp_path / "step_000000002" / name).stat().st_size == meta["size"]
+        assert isinstance(meta["crc32"], int)

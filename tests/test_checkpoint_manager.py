@@ -1,0 +1,167 @@
+"""CheckpointManager behaviour in one process (world size 1, torch.distributed not initialized)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from checkpoint_helpers import toy
+from kempner_resilience.checkpoint import (MANIFEST_NAME, CheckpointError, CheckpointInfo,
+                                           CheckpointManager)
+from kempner_resilience.config import CheckpointConfig
+
+
+def _cfg(tmp_path: Path, **kw) -> CheckpointConfig:
+    return CheckpointConfig(dir=str(tmp_path / "ckpt"), **kw)
+
+
+def _trained(steps: int = 3) -> dict:
+    state = toy.build(0)
+    for _ in range(steps):
+        toy.train_step(state)
+    return state
+
+
+def _params(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state["model"].state_dict().items()}
+
+
+def test_save_commits_a_fresh_step_directory_with_a_manifest(tmp_path: Path) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path), _trained())
+    info = mgr.save(3)
+    assert isinstance(info, CheckpointInfo) and info.step == 3 and info.nbytes > 0
+    assert info.path.name == "step_000000003" and (info.path / MANIFEST_NAME).exists()
+    assert mgr.latest() == info
+
+
+def test_resume_restores_model_optimizer_scheduler_data_and_rng(tmp_path: Path) -> None:
+    state = _trained()
+    CheckpointManager(_cfg(tmp_path), state).save(3)
+    expected = toy.snapshot(state)          # also draws from each RNG after the save
+    fresh = toy.build(0)
+    info = CheckpointManager(_cfg(tmp_path), fresh).resume()
+    assert info is not None and info.step == 3
+    got = toy.snapshot(fresh)
+    for k in expected["params"]:
+        assert torch.equal(expected["params"][k], got["params"][k])
+    assert got["sched"] == expected["sched"] and got["data"] == expected["data"]
+    assert torch.equal(got["torch_rng"], expected["torch_rng"])
+    assert (got["py_rng"], got["np_rng"]) == (expected["py_rng"], expected["np_rng"])
+    assert str(got["optim"]) == str(expected["optim"])
+
+
+def test_resume_with_no_checkpoint_starts_fresh(tmp_path: Path) -> None:
+    assert CheckpointManager(_cfg(tmp_path), toy.build(0)).resume() is None
+
+
+def test_stock_dcp_load_reads_our_checkpoint(tmp_path: Path) -> None:
+    state = _trained()
+    info = CheckpointManager(_cfg(tmp_path), state).save(3)
+    fresh = toy.build(0)
+    msd, osd = get_state_dict(fresh["model"], fresh["optim"])
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(info.path))   # FileSystemReader
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(msd[k], v)
+    exp = get_state_dict(state["model"], state["optim"])[1]["state"]
+    for name, st in osd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, exp[name][k])
+
+
+def test_a_value_without_state_dict_is_refused_at_construction(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"state\['epoch'\].*state_dict"):
+        CheckpointManager(_cfg(tmp_path), {"model": torch.nn.Linear(2, 2), "epoch": 3})
+
+
+def test_maybe_save_follows_every_steps(tmp_path: Path) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path, every_steps=2, keep_last=10), _trained(1))
+    saved = [s for s in range(1, 7) if mgr.maybe_save(s) is not None]
+    assert saved == [2, 4, 6]
+
+
+def test_maybe_save_follows_every_minutes(tmp_path: Path) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path, every_minutes=0.5 / 60), _trained(1))
+    assert mgr.maybe_save(1) is None
+    time.sleep(0.6)
+    assert mgr.maybe_save(2) is not None and mgr.maybe_save(3) is None
+
+
+def test_busy_is_true_while_saving(tmp_path: Path) -> None:
+    seen = []
+
+    class Probe:
+        def state_dict(self):
+            seen.append(mgr.busy)
+            return {}
+
+        def load_state_dict(self, sd):
+            seen.append(mgr.busy)
+
+    state = _trained()
+    state["probe"] = Probe()
+    mgr = CheckpointManager(_cfg(tmp_path), state)
+    assert not mgr.busy
+    mgr.save(1)
+    mgr.resume()
+    assert seen == [True, True] and not mgr.busy
+
+
+def test_async_save_blocks_the_caller_briefly_and_commits_on_wait(tmp_path: Path) -> None:
+    state = _trained()
+    mgr = CheckpointManager(_cfg(tmp_path, every_steps=1, **{"async_": True}), state)
+    before = _params(state)
+    assert mgr.maybe_save(1) is None
+    toy.train_step(state)                     # training goes on while the snapshot is written
+    mgr.wait()
+    info = mgr.last_committed
+    assert info is not None and info.step == 1 and info.blocked_seconds < info.save_seconds
+    fresh = toy.build(0)
+    CheckpointManager(_cfg(tmp_path), fresh).resume()
+    for k, v in before.items():
+        assert torch.equal(fresh["model"].state_dict()[k], v)
+
+
+def test_emergency_save_refuses_when_the_deadline_is_too_close(tmp_path: Path,
+                                                               caplog) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path, save_margin_s=5.0), _trained())
+    assert mgr.emergency_save(3, deadline=time.monotonic() + 4.0) is None
+    assert "refused" in caplog.text and mgr.latest() is None
+
+
+def test_emergency_save_uses_measured_throughput(tmp_path: Path) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path, save_margin_s=0.5), _trained())
+    before = mgr.estimate_save_seconds()
+    mgr.save(1)
+    assert mgr.estimate_save_seconds() < before            # measured beats the conservative guess
+    info = mgr.emergency_save(2, deadline=time.monotonic() + 3.0)
+    assert info is not None and info.reason == "emergency" and mgr.latest() == info
+
+
+def test_emergency_save_waits_for_an_in_flight_async_save(tmp_path: Path) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path, every_steps=1, keep_last=5, **{"async_": True}),
+                            _trained())
+    mgr.maybe_save(1)
+    info = mgr.emergency_save(2)
+    steps = [s for s in (1, 2) if (tmp_path / "ckpt" / f"step_{s:09d}" / MANIFEST_NAME).exists()]
+    assert info is not None and steps == [1, 2]
+
+
+def test_emergency_save_of_an_already_committed_step_writes_nothing(tmp_path: Path) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path), _trained())
+    first = mgr.save(3)
+    assert mgr.emergency_save(3) == first
+    assert len(list((tmp_path / "ckpt").iterdir())) == 1
+
+
+def test_retention_keeps_keep_last_committed(tmp_path: Path) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path, keep_last=2), _trained())
+    for s in range(1, 5):
+        mgr.save(s)
+    mgr.close()                                   # retention runs in a thread: let it finish
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step_000000003", "step_000000004"]

@@ -1,0 +1,247 @@
+"""The submitit integration: signal takeover, small resubmission pickles, and the whole
+preempt -> emergency checkpoint -> requeue -> resume flow against the real local cluster
+(plain pytest with 2 tasks over gloo, and the notebook ``docs/submitit.ipynb`` run by nbclient).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, env
+from kempner_resilience.integrations import submitit as krs
+
+submitit = pytest.importorskip("submitit")
+
+NOTEBOOK = REPO / "docs" / "submitit.ipynb"
+
+
+def _noop_fn(a: int = 0, config=None) -> int:
+    return a
+
+
+# ------------------------------------------------------------------------ no cluster needed
+
+def test_job_pickle_small_and_refuses_model_state():
+    torch = pytest.importorskip("torch")
+    job = krs.ResilientJob("kempner_resilience.integrations.submitit:train_demo",
+                           overrides=["checkpoint.dir=/tmp/ck"], steps=10, out="/tmp/w.pt")
+    assert krs.check_small(job) < 4096
+    data = pickle.dumps(job)
+    assert b"_rebuild_tensor" not in data
+    with pytest.raises(TypeError, match="torch.nn"):
+        krs.ResilientJob(_noop_fn, model=torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="Tensor"):
+        krs.ResilientJob(_noop_fn, [torch.zeros(3)])
+    with pytest.raises(ValueError, match="bytes"):
+        krs.ResilientJob(_noop_fn, b"x" * (krs.MAX_PICKLE_BYTES + 1))
+
+
+def test_checkpoint_returns_fresh_small_instance():
+    job = krs.ResilientJob(_noop_fn, 3, config={"checkpoint": {"every_steps": 5}},
+                           overrides=["requeue.max_restarts=4"])
+    delayed = job.checkpoint()
+    assert isinstance(delayed, submitit.helpers.DelayedSubmission)
+    fresh = delayed.function
+    assert isinstance(fresh, krs.ResilientJob) and fresh is not job
+    assert (fresh.fn, fresh.args, fresh.config, fresh.overrides) == \
+        (job.fn, job.args, job.config, job.overrides)
+    assert fresh() == 3
+
+
+def test_config_gets_submitit_signal_actions_user_overrides_win():
+    cfg = krs.ResilientJob(_noop_fn).resolve_config()
+    assert cfg.signals.actions["SIGUSR2"].value == "requeue"
+    assert cfg.signals.actions["SIGTERM"].value == "off"
+    cfg = krs.ResilientJob(_noop_fn, sigterm="stop").resolve_config()
+    assert cfg.signals.actions["SIGTERM"].value == "stop"
+    cfg = krs.ResilientJob(_noop_fn, overrides=["signals.actions.SIGUSR2=stop"]).resolve_config()
+    assert cfg.signals.actions["SIGUSR2"].value == "stop"
+    with pytest.raises(ValueError, match="sigterm"):
+        krs.ResilientJob(_noop_fn, sigterm="later")
+
+
+def test_resolve_callable_import_paths():
+    assert krs.resolve_callable("kempner_resilience.integrations.submitit:train_demo") \
+        is krs.train_demo
+    assert krs.resolve_callable("kempner_resilience.integrations.submitit.train_demo") \
+        is krs.train_demo
+    with pytest.raises(ValueError):
+        krs.resolve_callable("nodots")
+
+
+_TAKEOVER_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+marker = Path(sys.argv[1]); mode = sys.argv[2]
+
+# What submitit's process_job installs before calling the job: its USR2 handler requeues at once.
+def submitit_handler(signum, frame):
+    marker.write_text("submitit handler ran")
+signal.signal(signal.SIGUSR2, submitit_handler)
+
+import kempner_resilience as kr
+from kempner_resilience.integrations.submitit import ResilientJob
+
+def train(config):
+    if mode == "before":   # the signal comes while the function is still building
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.3)
+    with kr.ResilientRun(config) as run:
+        for step in run.steps(1000):
+            if mode == "inside" and step == 3:
+                os.kill(os.getpid(), signal.SIGUSR2)
+            if mode.startswith("term") and step == 3:  # job._interrupt(): TERM, then USR2
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mode == "term-ignore" and step == 5:
+                os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(0.02)
+            print("step", step, flush=True)
+    return "finished"
+
+ResilientJob(train, sigterm="stop" if mode == "term-stop" else "ignore")()
+"""
+
+
+@pytest.mark.parametrize("mode,code", [("inside", 75), ("before", 75), ("term-ignore", 75),
+                                       ("term-stop", 143)])
+def test_takeover_submitit_handler_never_runs(tmp_path, mode, code):
+    """USR2 inside the run, or before it, is handled by ResilientRun (exit REQUEUE=75 outside
+    SLURM, where a local launcher relaunches), never by submitit's immediate requeue. SIGTERM is
+    ignored by default (so TERM-then-USR2 requeues), or stops the run with sigterm='stop'."""
+    script = tmp_path / "takeover.py"
+    script.write_text(textwrap.dedent(_TAKEOVER_SCRIPT))
+    marker = tmp_path / "marker"
+    e = env()
+    for k in [k for k in e if k.startswith(("SLURM_", "SUBMITIT_"))]:
+        e.pop(k)
+    res = subprocess.run([sys.executable, str(script), str(marker), mode], capture_output=True,
+                         text=True, timeout=120, env=e)
+    assert res.returncode == code, res.stdout[-2000:] + res.stderr[-3000:]
+    assert not marker.exists(), "submitit's handler was chained"
+    steps = [int(m) for m in re.findall(r"^step (\d+)", res.stdout, re.M)]
+    if mode != "before":
+        assert steps and max(steps) < 20, res.stdout[-500:]
+    else:  # stopped at the run's first boundary, before any step
+        assert max(steps, default=0) < 3, res.stdout[-500:]
+        assert "handled as soon as the run starts" in res.stderr
+
+
+# ------------------------------------------------------------------------ real cluster
+
+def _progress_steps(path: Path) -> dict[int, int]:
+    """rank -> highest step written to the demo's --progress file."""
+    out: dict[int, int] = {}
+    if path.exists():
+        for m in re.finditer(r"rank (\d+) step (\d+)", path.read_text()):
+            r, s = int(m.group(1)), int(m.group(2))
+            out[r] = max(out.get(r, -1), s)
+    return out
+
+
+def _assert_pickle_small(path: Path) -> int:
+    data = path.read_bytes()
+    assert len(data) < 64 * 1024, f"{path} is {len(data)} bytes"
+    assert b"_rebuild_tensor" not in data and b"torch.nn.modules" not in data
+    delayed = pickle.loads(data)
+    assert isinstance(delayed.function, krs.ResilientJob)
+    krs.check_small(delayed)  # raises on any tensor/module/optimizer inside
+    return len(data)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_submitit_two_tasks_preempt_requeue_resume(slurm_cluster, tmp_path):
+    """2 tasks over gloo: USR2 (job._interrupt(): TERM, then USR2) mid-training -> all-rank DCP
+    emergency checkpoint -> requeue -> resume; the final weights equal an uninterrupted run's."""
+    from slurm_fixtures import job_info
+
+    steps, ntasks = 30, 2
+    slurm = dict(timeout_min=30, tasks_per_node=ntasks, cpus_per_task=1, name="kr-submitit")
+    runs = {}
+    for name in ("ref", "int"):
+        d = tmp_path / name
+        (d / "ck").mkdir(parents=True)
+        runs[name] = (d, krs.submit(
+            krs.train_demo, folder=d / "logs", slurm=slurm,
+            overrides=[f"checkpoint.dir={d / 'ck'}"], steps=steps, step_time=0.25,
+            out=str(d / "w.pt"), progress=str(d / "progress.txt")))
+    d, job = runs["int"]
+    t0 = time.monotonic()
+    while True:  # interrupt once both ranks are a few steps in (and well before the end)
+        seen = _progress_steps(d / "progress.txt")
+        if len(seen) == ntasks and min(seen.values()) >= 5:
+            break
+        assert time.monotonic() - t0 < 240, f"no progress: {seen}"
+        time.sleep(0.2)
+    job._interrupt()
+    results = {}
+    for name, (_, j) in runs.items():
+        krs.wait(j, timeout=300)
+        results[name] = j.results()
+    ref, res = results["ref"], results["int"]
+    assert [r["rank"] for r in res] == [0, 1] and res[0]["world"] == 2
+    assert res[0]["restart_count"] >= 1, res  # it ran (at least) twice
+    info = job_info(job.job_id)
+    if info:
+        assert int(info.get("Restarts", "0")) >= 1, info
+    # Resumed from a committed emergency checkpoint at step k > 0.
+    out = (d / "logs" / f"{job.job_id}_0_log.out").read_text()
+    resumed = [int(k) for k in re.findall(r"resumed at step (\d+)", out)]
+    assert resumed and resumed[0] > 0, out[-2000:]
+    err = (d / "logs" / f"{job.job_id}_0_log.err").read_text()
+    assert re.search(r"emergency checkpoint for step \d+ committed", err), err[-3000:]
+    assert "requeued job" in err or "DUE TO PREEMPTION" in err, err[-3000:]
+    committed = sorted(p.name for p in (d / "ck").glob("step_*") if (p / "MANIFEST.json").exists())
+    assert committed, list((d / "ck").iterdir())
+    assert f"step_{resumed[0]:09d}" in committed
+    # Exact resume: same final weights and optimizer state as the uninterrupted run.
+    assert ref[0]["digest"] and res[0]["digest"] == ref[0]["digest"]
+    # The resubmission pickle: a few KiB of paths and config, no tensors.
+    _assert_pickle_small(d / "logs" / f"{job.job_id}_submitted.pkl")
+
+
+def _inject_parameters(nb, params: dict) -> None:
+    """papermill-style: a cell with the values goes right after the cell tagged 'parameters'."""
+    import nbformat
+
+    src = "# injected by the test\n" + "\n".join(f"{k} = {v!r}" for k, v in params.items())
+    for i, cell in enumerate(nb.cells):
+        if "parameters" in cell.get("metadata", {}).get("tags", []):
+            nb.cells.insert(i + 1, nbformat.v4.new_code_cell(src))
+            return
+    raise AssertionError("notebook has no cell tagged 'parameters'")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_notebook_runs_against_cluster(slurm_cluster, tmp_path):
+    """docs/submitit.ipynb, executed by nbclient in a python3 kernel of this interpreter (the
+    kernelspec ipykernel ships; jupyter_client starts it with sys.executable)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    _inject_parameters(nb, {"workdir": str(tmp_path / "nb"), "steps": 24, "step_time": 0.25,
+                            "wait_timeout_s": 240})
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    t0 = time.monotonic()
+    client.execute()
+    elapsed = time.monotonic() - t0
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []) if o.get("output_type") == "stream")
+    m = re.search(r"resumed at step (\d+)", text)
+    assert m and int(m.group(1)) > 0, text[-3000:]
+    assert re.search(r"final result: .*'restart_count': [1-9]", text), text[-3000:]
+    folder = tmp_path / "nb" / "logs"
+    pkls = list(folder.glob("*_submitted.pkl"))
+    assert len(pkls) == 1
+    _assert_pickle_small(pkls[0])
+    print(f"notebook ran in {elapsed:.1f} s")
