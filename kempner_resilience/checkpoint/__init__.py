@@ -3,11 +3,23 @@
 ``CheckpointManager`` is the entry point; see ``manager.py``. Files are standard DCP checkpoints
 (``torch.distributed.checkpoint.load`` with a stock ``FileSystemReader`` reads them); a step
 directory counts only once its ``MANIFEST.json`` commit exists.
+
+``CheckpointManager`` is imported on first use: it pulls in torch and DCP (about a second),
+which `kempner-resilience ls`/`verify` do not need.
 """
+
+from typing import Any
 
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
 from kempner_resilience.checkpoint.layout import MANIFEST_NAME
-from kempner_resilience.checkpoint.manager import CheckpointManager
 
 __all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointError", "CheckpointCorrupt",
            "MANIFEST_NAME"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CheckpointManager":
+        from kempner_resilience.checkpoint.manager import CheckpointManager
+
+        return CheckpointManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
