@@ -84,7 +84,8 @@ def _load_verbs() -> None:
         __import__(mod)
 
 
-_VERB_MODULES = ["kempner_resilience.demo.cli"]
+_VERB_MODULES = ["kempner_resilience.demo.cli", "kempner_resilience.checkpoint.cli",
+                 "kempner_resilience.slurm.cli"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,7 +22,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from kempner_resilience import exitcodes

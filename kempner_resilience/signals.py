@@ -18,8 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kempner_resilience.config import Action, SignalsConfig, normalize_signal
-from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.config import Action, SignalsConfig
 from kempner_resilience.log import get_logger
 from kempner_resilience.watchdog import DeadlineWatchdog
 
@@ -157,6 +156,9 @@ class ShutdownHandler:
             pass
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
         for fd in (self._rfd, self._wfd):
             try:
                 os.close(fd)
@@ -248,25 +250,10 @@ class ShutdownHandler:
                     signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
         except (ValueError, OSError):
             pass
-        for fd in (self._rfd, self._wfd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._rfd = self._wfd = -1
+        self._close_pipe()
         self._thread = None
 
 
 def _describe(action: Action) -> str:
     return {Action.REQUEUE: "checkpoint and requeue", Action.STOP: "checkpoint and stop"}.get(
         action, action.value)
-
-
-def signal_exit_code(request: ShutdownRequest) -> ExitCode:
-    """The exit code for a stop (not requeue) caused by ``request``."""
-    from kempner_resilience.exitcodes import for_signal_stop
-    return for_signal_stop(request.signum)
-
-
-def parse_signal(name: str | int) -> int:
-    return int(getattr(signal, normalize_signal(name)))

@@ -2,9 +2,7 @@
 
 import os
 import signal
-import time
 
-import pytest
 
 from helpers import free_port, start, wait_for_file, write_script
 from kempner_resilience.exitcodes import ExitCode

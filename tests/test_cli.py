@@ -35,3 +35,59 @@ def test_defaults_print_the_commented_default_file():
     proc = run("config", "--defaults")
     assert proc.returncode == 0
     assert "hang_timeout_s" in proc.stdout
+
+
+import shutil
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoints(tmp_path_factory):
+    """Checkpoints written by the demo's training job (steps 3 and 6, plus a partial one)."""
+    root = tmp_path_factory.mktemp("ckpts") / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "kempner_resilience.demo.train", "--steps", "7",
+                           "--quiet", "--set", f"checkpoint.dir={root}",
+                           "--set", "checkpoint.every_steps=3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    partial = root / "step_000000009"
+    shutil.copytree(root / "step_000000006", partial)
+    (partial / "MANIFEST.json").unlink()   # as if killed before the commit
+    return root
+
+
+def test_ls_lists_step_time_size_reason_committed_verified(demo_checkpoints):
+    proc = run("ls", str(demo_checkpoints))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["step", "time", "size", "reason", "committed", "verified", "path"]
+    assert lines[1].split()[0] == "9" and "no (partial)" in lines[1]
+    assert [ln.split()[0] for ln in lines[2:]] == ["6", "3"]
+    assert all("periodic" in ln and "yes" in ln and "sizes ok" in ln for ln in lines[2:])
+
+
+def test_verify_checks_every_committed_checkpoint(demo_checkpoints):
+    proc = run("verify", str(demo_checkpoints))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("OK ") == 2
+
+
+def test_verify_fails_on_a_corrupted_shard(demo_checkpoints, tmp_path):
+    step = tmp_path / "step_000000006"
+    shutil.copytree(demo_checkpoints / "step_000000006", step)
+    shard = sorted(step.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = run("verify", str(step))
+    assert proc.returncode == 1
+    assert "checksum mismatch" in proc.stdout
+    assert run("ls", "--checksums", str(tmp_path)).returncode == 1
+
+
+def test_verify_of_a_missing_directory_is_a_clear_error(tmp_path):
+    proc = run("verify", str(tmp_path / "nope"))
+    assert proc.returncode != 0
+    assert "no such directory" in proc.stderr
+    assert "Traceback" not in proc.stderr

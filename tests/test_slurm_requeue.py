@@ -80,7 +80,7 @@ def test_requeue_hang_times_out_and_kills_the_hung_process(fake_scontrol):
     elapsed = time.monotonic() - t0
     assert not res.ok and res.attempts == 2 and res.returncode is None
     assert "no answer" in res.message and "scontrol_timeout_s" in res.message
-    assert elapsed < 6
+    assert elapsed < 25  # well below the 2 x 30 s the hung scontrol would have taken
 
 
 def test_requeue_of_disabled_job_names_the_sbatch_fix_and_is_not_retried(fake_scontrol):

@@ -28,7 +28,7 @@ def test_package_template_is_identical_to_repo_slurm_dir(name):
 def test_templates_signal_srun_tasks_not_the_batch_shell(name):
     text = render_sbatch(template=name, array="0-3" if name == "job_array" else None)
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
-    assert "#SBATCH --signal=USR1@100" in directives  # default signals.grace_s
+    assert "#SBATCH --signal=USR1@120" in directives  # default signals.grace_s 100 + 20
     assert not any("B:" in d for d in directives)
     assert "#SBATCH --requeue" in directives and "#SBATCH --open-mode=append" in directives
     assert "srun --kill-on-bad-exit=1 python train.py" in text
@@ -37,12 +37,60 @@ def test_templates_signal_srun_tasks_not_the_batch_shell(name):
     assert "{{" not in text
 
 
-def test_lead_time_covers_measured_save_plus_margin():
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_raw_templates_are_usable_scripts_with_concrete_defaults(name):
+    text = (ROOT / "slurm" / f"{name}.sbatch").read_text()
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/bash" and "{{" not in text and "#%" not in text
+    for line in ("#SBATCH --signal=USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "#SBATCH --time=04:00:00", "#SBATCH --ntasks-per-node=4",
+                 "#SBATCH --gpus-per-node=4",
+                 "srun --kill-on-bad-exit=1 python train.py --config configs/default.yaml"):
+        assert line in lines, line
+    # Every #SBATCH line sits in the header (sbatch ignores those after the first command).
+    first_cmd = next(i for i, l in enumerate(lines[1:], 1) if l.strip() and not l.startswith("#"))
+    assert all(i < first_cmd for i, l in enumerate(lines) if l.startswith("#SBATCH"))
+    # The explanations users rely on stay in the file.
+    for words in ("No `B:` prefix", "srun, not torchrun", "append to the log", "75 = ",
+                  "77 = ", "79 = "):
+        assert words in text, words
+    assert subprocess.run(["bash", "-n", str(ROOT / "slurm" / f"{name}.sbatch")]).returncode == 0
+
+
+def test_render_with_the_raw_defaults_reproduces_the_raw_template():
+    for name in TEMPLATES:
+        raw = (ROOT / "slurm" / f"{name}.sbatch").read_text()
+        text = render_sbatch(template=name, time="04:00:00", ntasks_per_node=4, gpus_per_node=4,
+                             nodes=2 if name == "multi_node" else 1,
+                             array="0-3" if name == "job_array" else None,
+                             command="python train.py --config configs/default.yaml")
+        assert text == raw, name
+
+
+def test_lead_time_covers_grace_or_measured_save_plus_margin():
+    assert signal_lead_time(ResilienceConfig()) == 120  # grace 100 + 20 s before the limit
     cfg = load_config(overrides=["signals.grace_s=60", "checkpoint.save_margin_s=10"])
-    assert signal_lead_time(cfg) == 60
-    assert signal_lead_time(cfg, save_seconds=95.2) == 106  # 95.2 + 10, rounded up
+    assert signal_lead_time(cfg) == 80
+    assert signal_lead_time(cfg, save_seconds=20) == 80  # the grace still dominates
+    # 95.2 s save + 10 s margin + 20 s requeue/teardown, rounded up
+    assert signal_lead_time(cfg, save_seconds=95.2) == 126
     assert signal_lead_time(cfg, lead_time_s=300) == 300
-    assert "--signal=USR1@106" in render_sbatch(cfg, save_seconds=95.2)
+    text = render_sbatch(cfg, save_seconds=95.2)
+    assert "#SBATCH --signal=USR1@126" in text.splitlines()
+    assert "# USR1 126 s before the time limit" in text
+    usr2 = load_config(overrides=["signals.actions.SIGUSR1=off"])
+    assert "#SBATCH --signal=USR2@120" in render_sbatch(usr2).splitlines()
+
+
+def test_render_replaces_in_place_and_drops_optional_lines():
+    text = render_sbatch(template="single_node", extra={"time": "00:10:00", "partition": "low"})
+    lines = text.splitlines()
+    assert [l for l in lines if l.startswith("#SBATCH --time")] == ["#SBATCH --time=00:10:00"]
+    assert not any("--gpus-per-node" in l for l in lines if l.startswith("#SBATCH"))
+    assert "# export KEMPNER_RESILIENCE_CONFIG=configs/default.yaml" in lines
+    assert sum(l.startswith("srun ") for l in lines) == 1
+    first_cmd = next(i for i, l in enumerate(lines[1:], 1) if l.strip() and not l.startswith("#"))
+    assert lines.index("#SBATCH --partition=low") < first_cmd
 
 
 def test_render_fills_options_extra_and_quotes_command():
@@ -66,13 +114,29 @@ def test_render_rejects_bad_arguments():
         render_sbatch(template="job_array")
     with pytest.raises(ValueError, match="unknown template"):
         render_sbatch(template="nope")
+    with pytest.raises(ValueError, match="one non-empty line"):
+        render_sbatch(command="a\nb")
+    with pytest.raises(ValueError, match="newline"):
+        render_sbatch(job_name="a\nb")
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_raw_template_passes_sbatch_test_only(slurm_cluster, tmp_path, name):
+    # As shipped (GPUs and 4 tasks); only what this CPU test cluster lacks is overridden.
+    res = subprocess.run(["sbatch", "--test-only", "--gpus-per-node=0", "--nodes=1",
+                          "--ntasks-per-node=2", str(ROOT / "slurm" / f"{name}.sbatch")],
+                         capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "to start at" in res.stderr
 
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_rendered_template_passes_sbatch_test_only(slurm_cluster, tmp_path, name):
     script = tmp_path / f"{name}.sbatch"
-    script.write_text(render_sbatch(template=name, array="0-1", ntasks_per_node=2,
+    script.write_text(render_sbatch(template=name, array="0-1" if name == "job_array" else None,
+                                    ntasks_per_node=2,
                                     time="00:05:00", output=str(tmp_path / "x.out")))
     res = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True,
                          timeout=30)

@@ -1,9 +1,13 @@
 """Render the sbatch templates shipped in ``kempner_resilience/templates/``.
 
-The repository's ``slurm/*.sbatch`` are the source; the package copies must be byte-identical
-(a test checks; after editing ``slurm/``, run ``cp slurm/*.sbatch kempner_resilience/templates/``).
-Placeholders look like ``{{name}}`` so they never clash with the shell's ``${VAR}``; lines
-starting with ``#%`` are notes for people reading the raw template and are dropped.
+The templates are complete, directly usable batch scripts with concrete defaults (``sbatch
+slurm/single_node.sbatch`` works as is on a GPU cluster). The repository's ``slurm/*.sbatch`` are
+the source; the package copies must be byte-identical (a test checks; after editing ``slurm/``,
+run ``cp slurm/*.sbatch kempner_resilience/templates/``).
+
+``render_sbatch`` rewrites a template's values in place: it replaces ``#SBATCH --key=value``
+lines, adds or removes the optional ones (GPUs, extra site options, the config export) and
+replaces the ``srun --kill-on-bad-exit=1 ...`` command line; every comment stays.
 """
 
 from __future__ import annotations
@@ -17,18 +21,30 @@ from typing import Mapping
 from kempner_resilience.config import Action, ResilienceConfig
 from kempner_resilience.log import get_logger
 
-__all__ = ["TEMPLATES", "template_text", "signal_lead_time", "requeue_signal", "render_sbatch"]
+__all__ = ["TEMPLATES", "template_text", "signal_lead_time", "requeue_signal", "render_sbatch",
+           "LIMIT_MARGIN_S", "REQUEUE_TEARDOWN_S"]
 
 _log = get_logger(__name__)
 
 TEMPLATES = ("single_node", "multi_node", "job_array")
-_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
-# SLURM's time-limit check runs every 30 s: the warning lands lead..lead+30 s before the end, so
-# the lead itself is the worst case and needs no extra slack for it.
+
+# The shutdown may take the signal's whole grace before the deadline watchdog forces the exit;
+# this much more keeps that forced exit before the time limit (SLURM's own SIGTERM/SIGKILL).
+# SLURM's time-limit check runs every 30 s, so the warning lands lead..lead+30 s (up to ~60 s)
+# before the end: the lead itself is the worst case and needs no extra slack for that.
+LIMIT_MARGIN_S = 20.0
+# What comes after the emergency save: `scontrol requeue` (milliseconds, up to its timeout when
+# slurmctld is slow), teardown (process group, log flush) and the processes' exit.
+REQUEUE_TEARDOWN_S = 20.0
+
+_SBATCH = re.compile(r"^#SBATCH\s+--([\w-]+)(?:[=\s](.*))?$")
+_SRUN = "srun --kill-on-bad-exit=1 "
+_CONFIG_EXPORT = re.compile(r"^#?\s*export KEMPNER_RESILIENCE_CONFIG=")
+_SIGNAL_COMMENT = re.compile(r"^# (?:SIG)?[A-Z0-9]+ \d+ s before the time limit")
 
 
 def template_text(name: str) -> str:
-    """The raw template ``name`` (one of TEMPLATES) as shipped in the package."""
+    """The template ``name`` (one of TEMPLATES) as shipped in the package: a usable script."""
     if name not in TEMPLATES:
         raise ValueError(f"unknown template {name!r}; choose one of {', '.join(TEMPLATES)}")
     return (resources.files("kempner_resilience") / "templates" / f"{name}.sbatch").read_text()
@@ -51,24 +67,72 @@ def signal_lead_time(config: ResilienceConfig, save_seconds: float | None = None
                      lead_time_s: float | None = None) -> int:
     """Seconds before the time limit at which SLURM should signal (whole seconds, >= 1).
 
-    ``lead_time_s`` wins when given. Otherwise the signal's grace period from the config (the
-    time our shutdown may take), raised to a measured emergency-save time plus
-    ``checkpoint.save_margin_s`` when ``save_seconds`` is given.
+    ``lead_time_s`` wins when given. Otherwise the signal's grace period (after which the
+    deadline watchdog forces the exit) plus ``LIMIT_MARGIN_S``, so even a forced exit comes
+    before the time limit: 100 + 20 = 120 s with the defaults. With a measured emergency-save
+    time ``save_seconds``, at least ``save_seconds + checkpoint.save_margin_s +
+    REQUEUE_TEARDOWN_S``.
     """
     if lead_time_s is not None:
         return max(1, math.ceil(lead_time_s))
     sig = requeue_signal(config)
-    lead = config.signals.grace_for(sig)
+    lead = config.signals.grace_for(sig) + LIMIT_MARGIN_S
     if save_seconds is not None:
-        lead = max(lead, save_seconds + config.checkpoint.save_margin_s)
-    return max(1, math.ceil(lead))
+        lead = max(lead, save_seconds + config.checkpoint.save_margin_s + REQUEUE_TEARDOWN_S)
+    return max(1, math.ceil(lead - 1e-9))
 
 
 def _sbatch_value(value: object) -> str:
     text = str(value)
-    if "\n" in text:
+    if "\n" in text or "\r" in text:
         raise ValueError(f"sbatch option value {text!r} contains a newline")
     return text
+
+
+def _key(line: str) -> str | None:
+    m = _SBATCH.match(line)
+    return m.group(1) if m else None
+
+
+class _Script:
+    """A batch script as lines, with in-place edits of its #SBATCH directives."""
+
+    def __init__(self, text: str, name: str) -> None:
+        self.lines = text.splitlines()
+        self.name = name
+
+    def index(self, key: str) -> int | None:
+        for i, line in enumerate(self.lines):
+            if _key(line) == key:
+                return i
+        return None
+
+    def header_end(self) -> int:
+        """Index just after the last #SBATCH/##SBATCH line (sbatch reads only the header)."""
+        last = 0
+        for i, line in enumerate(self.lines):
+            if line.startswith("#SBATCH") or line.startswith("##SBATCH"):
+                last = i
+            elif line.strip() and not line.startswith("#"):
+                break
+        return last + 1
+
+    def set(self, key: str, value: object | None, after: str | None = None) -> None:
+        """Replace ``--key`` in place, or add it (after ``--after`` or at the header's end)."""
+        line = f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={_sbatch_value(value)}"
+        i = self.index(key)
+        if i is not None:
+            self.lines[i] = line
+            return
+        j = self.index(after) if after else None
+        self.lines.insert(j + 1 if j is not None else self.header_end(), line)
+
+    def remove(self, key: str) -> None:
+        self.lines = [line for line in self.lines if _key(line) != key]
+
+    def require(self, key: str) -> None:
+        if self.index(key) is None:
+            raise ValueError(f"template {self.name!r} has no `#SBATCH --{key}` line")
 
 
 def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "single_node",
@@ -78,14 +142,18 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
                   output: str | None = None, config_path: str | None = None,
                   save_seconds: float | None = None, lead_time_s: float | None = None,
                   extra: Mapping[str, object | None] | None = None) -> str:
-    """Fill a template; the result is a complete batch script for ``sbatch``.
+    """Rewrite a template's values; the result is a complete batch script for ``sbatch``.
 
     ``command``: what each srun task runs (a string, used as written, or an argument list,
-    shell-quoted). ``extra``: more ``#SBATCH --key=value`` lines (``{"partition": "gpu"}``; a
-    value of None gives a bare ``--key``). ``config_path`` is exported as
-    ``KEMPNER_RESILIENCE_CONFIG``. The ``--signal`` lead time comes from ``signal_lead_time``.
+    shell-quoted). ``gpus_per_node=None`` drops the template's ``--gpus-per-node`` line (a
+    CPU-only cluster). ``extra``: more ``#SBATCH --key=value`` lines (``{"partition": "gpu"}``;
+    a value of None gives a bare ``--key``; a key the template already has is replaced in
+    place). ``config_path`` is exported as ``KEMPNER_RESILIENCE_CONFIG``. The ``--signal`` lead
+    time comes from ``signal_lead_time``.
     """
     config = config or ResilienceConfig()
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; choose one of {', '.join(TEMPLATES)}")
     if template == "multi_node" and nodes < 1:
         raise ValueError("nodes must be >= 1")
     if template != "multi_node" and nodes != 1:
@@ -93,50 +161,54 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
                          f"for nodes={nodes}")
     if template == "job_array" and not array:
         raise ValueError("template 'job_array' needs array='0-9' (an sbatch --array spec)")
+    if template != "job_array" and array:
+        raise ValueError(f"array={array!r} needs template='job_array'")
     if ntasks_per_node < 1:
         raise ValueError("ntasks_per_node must be >= 1 (one task per GPU)")
+    if gpus_per_node is not None and int(gpus_per_node) < 0:
+        raise ValueError("gpus_per_node must be >= 0")
     if isinstance(command, (list, tuple)):
         command = shlex.join(str(c) for c in command)
-    if not str(command).strip() or "\n" in str(command):
+    command = str(command)
+    if not command.strip() or "\n" in command or "\r" in command:
         raise ValueError("command must be one non-empty line")
     if output is None:
         output = "slurm-%x-%A_%a.out" if template == "job_array" else "slurm-%x-%j.out"
-    extra_lines = []
+    lead = signal_lead_time(config, save_seconds, lead_time_s)
+    sig = requeue_signal(config).removeprefix("SIG")
+
+    s = _Script(template_text(template), template)
+    for key in ("job-name", "time", "nodes", "ntasks-per-node", "signal", "output"):
+        s.require(key)
+    s.set("job-name", job_name)
+    s.set("time", time)
+    s.set("nodes", int(nodes))
+    s.set("ntasks-per-node", int(ntasks_per_node))
+    if gpus_per_node:
+        s.set("gpus-per-node", int(gpus_per_node), after="ntasks-per-node")
+    else:
+        s.remove("gpus-per-node")
+    if template == "job_array":
+        s.set("array", array, after="gpus-per-node" if gpus_per_node else "ntasks-per-node")
+    s.set("signal", f"{sig}@{lead}")
+    s.set("output", output)
     for key, val in (extra or {}).items():
         key = str(key).lstrip("-")
-        extra_lines.append(f"#SBATCH --{key}" if val is None else
-                           f"#SBATCH --{key}={_sbatch_value(val)}")
-    lead = signal_lead_time(config, save_seconds, lead_time_s)
-    values = {
-        "job_name": _sbatch_value(job_name),
-        "time": _sbatch_value(time),
-        "nodes": str(int(nodes)),
-        "ntasks_per_node": str(int(ntasks_per_node)),
-        "gpu_line": f"#SBATCH --gpus-per-node={int(gpus_per_node)}" if gpus_per_node else "",
-        "signal": requeue_signal(config).removeprefix("SIG"),
-        "lead_s": str(lead),
-        "output": _sbatch_value(output),
-        "array": _sbatch_value(array or ""),
-        "extra": "\n".join(extra_lines),
-        "config_line": (f"export KEMPNER_RESILIENCE_CONFIG={shlex.quote(config_path)}"
-                        if config_path else ""),
-        "command": str(command),
-    }
-
-    def fill(m: re.Match[str]) -> str:
-        try:
-            return values[m.group(1)]
-        except KeyError:
-            raise ValueError(f"template {template!r} has unknown placeholder {m.group(0)}"
-                             ) from None
+        if not re.fullmatch(r"[A-Za-z][\w-]*", key):
+            raise ValueError(f"extra sbatch option {key!r} is not an option name")
+        s.set(key, val)
 
     out = []
-    for line in template_text(template).splitlines():
-        if line.startswith("#%"):
-            continue  # a note about the template itself
-        has_placeholder = _PLACEHOLDER.search(line) is not None
-        line = _PLACEHOLDER.sub(fill, line)
-        if has_placeholder and not line.strip():
-            continue  # an optional line left empty (no GPUs, no extras, no config path)
+    srun_seen = False
+    for line in s.lines:
+        if _SIGNAL_COMMENT.match(line):
+            line = _SIGNAL_COMMENT.sub(f"# {sig} {lead} s before the time limit", line)
+        elif _CONFIG_EXPORT.match(line) and config_path:
+            line = f"export KEMPNER_RESILIENCE_CONFIG={shlex.quote(config_path)}"
+        elif line.startswith(_SRUN):
+            line = _SRUN + command
+            srun_seen = True
         out.append(line)
+    if not srun_seen:
+        raise ValueError(f"template {template!r} has no `{_SRUN.strip()} ...` line")
     return "\n".join(out) + "\n"

@@ -1,0 +1,455 @@
+"""`kempner-resilience demo --slurm`: the demo's story on a real SLURM cluster.
+
+The same story as the local demo (an uninterrupted reference run, then a run interrupted by
+signals, checkpointed, requeued and resumed, then a bitwise comparison), but the interrupted run
+is the shipped sbatch template rendered for the demo trainer, and every step of the story is
+SLURM's own: ``scancel --signal`` delivers the signal to the srun tasks, rank 0 calls
+``scontrol requeue``, SLURM reruns the batch script with ``SLURM_RESTART_COUNT`` incremented.
+
+The helpers here (``write_job``, ``submit``, ``job_info``, ``run_reference``, ...) are also what
+the end-to-end tests and ``bench/slurm_latency_bench.py`` drive the cluster with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from kempner_resilience.exitcodes import ExitCode, describe
+
+__all__ = ["DemoJob", "check_cluster", "write_job", "submit", "job_info", "wait_until",
+           "run_reference", "compare_weights", "run_slurm_demo", "TERMINAL"]
+
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                      "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+
+
+class ClusterError(RuntimeError):
+    """No usable SLURM cluster (sinfo missing or failing, sbatch refusing)."""
+
+
+def _run(args: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def check_cluster(timeout: float = 15.0) -> str:
+    """``sinfo`` output when a cluster answers; raises ClusterError naming the problem."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        raise ClusterError("no SLURM cluster: `sinfo`/`sbatch` are not on PATH (on this "
+                           "project's test machines: bash tests/cluster/slurm_cluster.sh start)")
+    try:
+        res = _run(["sinfo", "-h", "-o", "%P %a %D %t"], timeout)
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"no SLURM cluster: `sinfo` did not answer within {timeout:.0f} s"
+                           ) from None
+    if res.returncode != 0:
+        msg = (res.stderr or res.stdout).strip().splitlines()
+        raise ClusterError("no SLURM cluster: `sinfo` failed: " + (msg[-1] if msg else
+                                                                   f"exit {res.returncode}"))
+    return res.stdout
+
+
+def submit(script: Path | str, *args: str, cwd: Path | str | None = None) -> str:
+    """``sbatch --parsable [args] script`` -> job id."""
+    res = subprocess.run(["sbatch", "--parsable", *args, str(script)], capture_output=True,
+                         text=True, timeout=30, cwd=cwd, stdin=subprocess.DEVNULL)
+    job_id = res.stdout.strip().split(";")[0]
+    if res.returncode != 0 or not re.fullmatch(r"\d+", job_id):
+        raise ClusterError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}")
+    return job_id
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """``scontrol show -o job`` as a dict; {} when slurmctld does not know the job (any more)."""
+    from kempner_resilience.slurm.scontrol import parse_show_job
+
+    try:
+        res = _run(["scontrol", "show", "-o", "job", str(job_id)], 15)
+    except subprocess.TimeoutExpired:
+        return {}
+    if res.returncode != 0:
+        return {}
+    jobs = parse_show_job(res.stdout)
+    return jobs[0] if jobs else {}
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
+               poll: float = 0.1) -> Any:
+    """Poll ``predicate()`` until it is truthy; returns it. TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def _demo_env() -> dict[str, str]:
+    # One intra-op thread: results independent of how many cores srun hands a task, and the
+    # 2-core test machines stay usable.
+    return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass
+class DemoJob:
+    """A demo training job rendered from the sbatch template into ``workdir``."""
+
+    workdir: Path
+    script: Path
+    ranks: int
+    steps: int
+    job_id: str | None = None
+    signals_sent: list[tuple[str, float, int | None]] = field(default_factory=list)
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "job.out"
+
+    @property
+    def weights(self) -> Path:
+        return self.workdir / "weights.pt"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.workdir / "checkpoints"
+
+    @property
+    def progress(self) -> Path:
+        return self.workdir / "progress.txt"
+
+    def submit(self, *args: str) -> str:
+        self.job_id = submit(self.script, *args, cwd=self.workdir)
+        return self.job_id
+
+    def info(self) -> dict[str, str]:
+        assert self.job_id is not None
+        return job_info(self.job_id)
+
+    def last_step(self) -> int | None:
+        """The newest step rank 0 finished (over all runs of the job), from the progress file."""
+        try:
+            text = self.progress.read_text()
+        except FileNotFoundError:
+            return None
+        steps = re.findall(r"^rank 0 step (\d+)$", text, re.M)
+        return int(steps[-1]) if steps else None
+
+    def steps_done_in_run(self, restart: int) -> int | None:
+        """Rank 0's newest step in the run with SLURM_RESTART_COUNT ``restart``."""
+        marker = f"# run {restart}\n"
+        try:
+            text = self.progress.read_text()
+        except FileNotFoundError:
+            return None
+        if marker not in text:
+            return None
+        steps = re.findall(r"^rank 0 step (\d+)$", text.split(marker, 1)[1].split("# run ")[0],
+                           re.M)
+        return int(steps[-1]) if steps else None
+
+    def report(self, restart: int) -> dict[str, Any] | None:
+        """Rank 0's KEMPNER_RESILIENCE_REPORT for run ``restart`` (0 = first run)."""
+        try:
+            return json.loads((self.workdir / f"report.{restart}.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def signal(self, sig: str = "USR1") -> float:
+        """``scancel --signal=SIG`` to every srun task; returns the wall time it was sent."""
+        assert self.job_id is not None
+        t = time.time()
+        res = _run(["scancel", f"--signal={sig}", self.job_id], 30)
+        if res.returncode != 0:
+            raise ClusterError(f"scancel --signal={sig} {self.job_id}: {res.stderr.strip()}")
+        self.signals_sent.append((sig, t, self.last_step()))
+        return t
+
+    def wait_state(self, states: Iterable[str] = TERMINAL, timeout: float = 120.0,
+                   restarts: int | None = None, poll: float = 0.2) -> dict[str, str]:
+        """Wait for JobState in ``states`` (and Restarts == ``restarts`` when given)."""
+        want = set(states)
+
+        def ok() -> dict[str, str] | None:
+            info = self.info()
+            if info.get("JobState") in want and (
+                    restarts is None or info.get("Restarts") == str(restarts)):
+                return info
+            return None
+        try:
+            return wait_until(ok, timeout, f"job {self.job_id} in {sorted(want)}"
+                              + (f" with Restarts={restarts}" if restarts is not None else ""),
+                              poll)
+        except TimeoutError as e:
+            info = self.info()
+            raise TimeoutError(f"{e}; last JobState={info.get('JobState')} "
+                               f"Restarts={info.get('Restarts')} Reason={info.get('Reason')}"
+                               f"\n--- log tail ---\n{self.log_text()[-3000:]}") from None
+
+    def wait_step(self, step: int, timeout: float = 120.0) -> int:
+        def reached() -> int | None:
+            s = self.last_step()
+            return s if s is not None and s >= step else None
+        try:
+            return wait_until(reached, timeout, f"job {self.job_id} reaching step {step}", 0.05)
+        except TimeoutError as e:
+            info = self.info()
+            raise TimeoutError(f"{e}; JobState={info.get('JobState')} "
+                               f"Reason={info.get('Reason')}\n--- log tail ---\n"
+                               f"{self.log_text()[-3000:]}") from None
+
+    def cancel(self) -> None:
+        if self.job_id is not None:
+            _run(["scancel", self.job_id], 30)
+
+
+def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time: float = 0.1,
+              every_steps: int = 5, sets: Iterable[str] = (), time_limit: str = "00:10:00",
+              lead_time_s: float | None = None, partition: str | None = None,
+              job_name: str = "kr-demo", python: str = sys.executable,
+              extra: dict[str, object | None] | None = None) -> DemoJob:
+    """Render ``single_node`` for the demo trainer into ``workdir/job.sbatch``.
+
+    Checkpoints go to ``workdir/checkpoints``, final weights to ``workdir/weights.pt``, rank 0's
+    report of run k (``SLURM_RESTART_COUNT``, 0 first) to ``workdir/report.k.json``, completed
+    steps to ``workdir/progress.txt`` (``# run k`` before each run's lines), the job's log to
+    ``workdir/job.out``. ``sets`` are extra ``--set KEY=VALUE`` config overrides.
+    """
+    from kempner_resilience.config import load_config
+    from kempner_resilience.slurm.templates import render_sbatch
+
+    work = Path(workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    overrides = [f"checkpoint.dir={work / 'checkpoints'}", f"checkpoint.every_steps={every_steps}",
+                 *sets]
+    cfg = load_config(None, overrides)
+    train = [python, "-u", "-m", "kempner_resilience.demo.train", "--steps", str(steps),
+             "--step-time", str(step_time), "--out", str(work / "weights.pt"),
+             "--progress", str(work / "progress.txt")]
+    for o in overrides:
+        train += ["--set", o]
+    env = " ".join(f"{k}={v}" for k, v in _demo_env().items())
+    run = "${SLURM_RESTART_COUNT:-0}"
+    # One srun line (the template's). Each task's bash marks where a run starts in the progress
+    # file (rank 0 only) and execs the trainer, so the signals reach Python directly; the batch
+    # shell expands the restart count in the report's name.
+    mark = (f'[ "$SLURM_PROCID" = 0 ] && echo "# run {run}" >> '
+            f'{shlex.quote(str(work / "progress.txt"))}; exec "$@"')
+    command = (f"bash -c {shlex.quote(mark)} _ env {env} "
+               f"KEMPNER_RESILIENCE_REPORT={shlex.quote(str(work))}/report.{run}.json "
+               + shlex.join(train))
+    all_extra: dict[str, object | None] = {"cpus-per-task": 1}
+    if partition:
+        all_extra["partition"] = partition
+    all_extra.update(extra or {})
+    text = render_sbatch(cfg, template="single_node", job_name=job_name, command=command,
+                         time=time_limit, ntasks_per_node=ranks, output=str(work / "job.out"),
+                         lead_time_s=lead_time_s, extra=all_extra)
+    script = work / "job.sbatch"
+    script.write_text(text)
+    return DemoJob(work, script, ranks, steps)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_reference(workdir: Path | str, *, ranks: int, steps: int, python: str = sys.executable,
+                  timeout: float = 300.0) -> Path:
+    """The uninterrupted run: the same trainer, ``ranks`` plain processes (RANK/WORLD_SIZE/
+    MASTER_ADDR/MASTER_PORT, no SLURM, no torchrun, no checkpoints). Returns the weights path."""
+    work = Path(workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "weights.pt"
+    port = str(_free_port())
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    base.pop("KEMPNER_RESILIENCE_REPORT", None)
+    base.pop("KEMPNER_RESILIENCE_CONFIG", None)
+    procs = []
+    for rank in range(ranks):
+        env = dict(base, **_demo_env(), RANK=str(rank), WORLD_SIZE=str(ranks),
+                   LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [python, "-m", "kempner_resilience.demo.train", "--steps", str(steps), "--quiet",
+               "--out", str(out), "--set", f"checkpoint.dir={work / 'checkpoints'}",
+               "--set", "checkpoint.every_steps=0", "--set", "checkpoint.resume=false"]
+        log = open(work / f"rank{rank}.log", "w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, cwd=work), log))
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p, log in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+            raise
+        finally:
+            log.close()
+    if any(codes) or not out.exists():
+        raise RuntimeError(f"reference run failed with exit codes {codes}; see {work}/rank*.log")
+    return out
+
+
+def compare_weights(a: Path | str, b: Path | str) -> tuple[int, int, list[str]]:
+    """(equal tensors, total, keys that differ) of two saved dicts, compared bitwise."""
+    import torch
+
+    from kempner_resilience.demo.cli import _flatten
+
+    fa: dict[str, Any] = {}
+    fb: dict[str, Any] = {}
+    _flatten(torch.load(a, weights_only=True), "", fa)
+    _flatten(torch.load(b, weights_only=True), "", fb)
+    diff = []
+    for k in sorted(set(fa) | set(fb)):
+        if k not in fa or k not in fb:
+            diff.append(k)
+        elif isinstance(fa[k], torch.Tensor):
+            if not (isinstance(fb[k], torch.Tensor) and torch.equal(fa[k], fb[k])):
+                diff.append(k)
+        elif fa[k] != fb[k]:
+            diff.append(k)
+    total = len(set(fa) | set(fb))
+    return total - len(diff), total, diff
+
+
+# ------------------------------------------------------------------------------ the demo verb
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _describe_run(job: DemoJob, restart: int, total: int) -> str:
+    r = job.report(restart) or {}
+    parts = [f"run {restart + 1} (SLURM_RESTART_COUNT={restart}):"]
+    if r.get("resumed_from") is not None:
+        t = (r.get("timings") or {}).get("resume_s")
+        parts.append(f"resumed at step {r.get('start_step')}" +
+                     (f" (load {t:.2f} s)" if t else "") + ";")
+    else:
+        parts.append("fresh start;")
+    if r.get("stop_step") is not None:
+        timings = r.get("timings") or {}
+        parts.append(f"all ranks stopped at step {r['stop_step']};")
+        if r.get("saved_step") is not None and timings.get("emergency_save_s") is not None:
+            parts.append(f"checkpoint step {r['saved_step']} committed in "
+                         f"{timings['emergency_save_s']:.2f} s;")
+        if timings.get("requeue_s") is not None:
+            parts.append(f"scontrol requeue {timings['requeue_s'] * 1000:.0f} ms;")
+    elif r.get("exit_code") == 0:
+        parts.append(f"completed {total} steps;")
+    if "exit_code" in r:
+        parts.append(f"exit {describe(int(r['exit_code'])).split(':')[0]}")
+    else:
+        parts.append("no report (see the job log)")
+    return " ".join(parts)
+
+
+def run_slurm_demo(args: Any) -> int:
+    """``kempner-resilience demo --slurm``: returns the process exit code."""
+    from kempner_resilience.cli import CliError
+
+    if args.ranks < 1 or args.steps < 1:
+        raise CliError("--ranks and --steps must be >= 1", 2)
+    if getattr(args, "hang_at", -1) >= 0:
+        raise CliError("--hang-at is not supported with --slurm (use the local demo)", 2)
+    try:
+        check_cluster()
+    except ClusterError as e:
+        raise CliError(str(e)) from None
+    sig = args.signal
+    try:
+        steps_at = sorted({int(s) for s in str(args.interrupt_at).split(",") if s.strip()})
+    except ValueError:
+        raise CliError(f"--interrupt-at {args.interrupt_at!r}: give steps like 10,25", 2) from None
+    if any(s >= args.steps for s in steps_at):
+        raise CliError("--interrupt-at steps must be below --steps", 2)
+
+    work = Path(args.workdir).resolve()
+    for sub in ("reference", "slurm"):
+        shutil.rmtree(work / sub, ignore_errors=True)
+    (work / "reference").mkdir(parents=True)
+    _say(f"kempner-resilience demo --slurm: {args.ranks} srun tasks (gloo), {args.steps} steps, "
+         f"scancel --signal={sig} at steps {','.join(map(str, steps_at)) or '(none)'}; "
+         f"workdir {work}")
+    t0 = time.monotonic()
+    try:
+        ref = run_reference(work / "reference", ranks=args.ranks, steps=args.steps)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        raise CliError(f"the uninterrupted reference run failed: {e}") from None
+    _say(f"reference: uninterrupted run of {args.steps} steps done "
+         f"[{time.monotonic() - t0:.1f} s]")
+
+    job = write_job(work / "slurm", ranks=args.ranks, steps=args.steps,
+                    step_time=args.step_time, every_steps=args.every_steps,
+                    sets=["signals.grace_s=60"], job_name="kr-demo")
+    _say(f"batch script: {job.script} (the single_node template, rendered); log: {job.log}")
+    t_job = time.monotonic()
+    job.submit()
+    _say(f"submitted job {job.job_id}")
+    try:
+        for i, step in enumerate(steps_at):
+            job.wait_step(step, timeout=max(120.0, args.steps * args.step_time * 4))
+            if job.info().get("JobState") != "RUNNING":
+                job.wait_state({"RUNNING"}, timeout=120)
+            t_sig = job.signal(sig)
+            _say(f"  scancel --signal={sig} {job.job_id} at step {job.last_step()}")
+            report = wait_until(lambda: job.report(i), 120 + args.steps * args.step_time,
+                                f"run {i + 1}'s exit report")
+            _say("  " + _describe_run(job, i, args.steps)
+                 + f" (signal to report {time.time() - t_sig:.2f} s)")
+            code = int(report.get("exit_code", -1))
+            if code != int(ExitCode.REQUEUE) and code != int(ExitCode.SIGTERM):
+                info = job.wait_state(timeout=60)
+                raise CliError(f"the job was not requeued: {describe(code)}; JobState "
+                               f"{info.get('JobState')}; log {job.log}")
+            t_req = time.monotonic()
+            job.wait_state({"RUNNING", "COMPLETING", "COMPLETED"}, restarts=i + 1, timeout=180)
+            _say(f"  SLURM requeued job {job.job_id}: running again after "
+                 f"{time.monotonic() - t_req:.1f} s (Restarts={i + 1})")
+        info = job.wait_state(timeout=120 + args.steps * args.step_time * 4)
+    except TimeoutError as e:
+        job.cancel()
+        raise CliError(f"{e}".splitlines()[0] + f"; log {job.log}") from None
+    except KeyboardInterrupt:
+        job.cancel()
+        raise
+    _say("  " + _describe_run(job, len(steps_at), args.steps))
+    _say(f"job {job.job_id}: {info.get('JobState')} exit {info.get('ExitCode')} after "
+         f"{info.get('Restarts')} requeue(s) [{time.monotonic() - t_job:.1f} s]")
+    if info.get("JobState") != "COMPLETED" or not job.weights.exists():
+        for line in job.log_text().splitlines()[-15:]:
+            _say("    | " + line)
+        raise CliError(f"the SLURM job ended {info.get('JobState')} ({info.get('ExitCode')}); "
+                       f"log {job.log}")
+    same, total, diff = compare_weights(ref, job.weights)
+    _say(f"checkpoints kept in {job.checkpoints}")
+    if not diff:
+        _say(f"RESULT: final weights and optimizer state are bitwise IDENTICAL to the "
+             f"uninterrupted run ({total} tensors) after {info.get('Restarts')} requeue(s)")
+        return 0
+    _say(f"RESULT: final weights DIFFER from the uninterrupted run: {len(diff)} of {total} "
+         f"tensors ({', '.join(diff[:5])})")
+    return 1
