@@ -22,7 +22,7 @@ from kempner_resilience.config import Action, SignalsConfig
 from kempner_resilience.log import get_logger
 from kempner_resilience.watchdog import DeadlineWatchdog
 
-__all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers"]
+__all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers", "install_early_recorder"]
 
 log = get_logger(__name__)
 
@@ -50,6 +50,28 @@ class ShutdownRequest:
 
 
 _active: "weakref.WeakSet[ShutdownHandler]" = weakref.WeakSet()
+
+
+_early: list[tuple[int, float]] = []
+
+
+def _early_record(signum: int, frame: Any) -> None:
+    _early.append((signum, time.monotonic()))
+
+
+def install_early_recorder(signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)) -> None:
+    """Record ``signals`` that arrive before a ShutdownHandler is installed, instead of dying.
+
+    Python start-up and model building can take longer than a short ``--signal`` lead leaves:
+    USR1's default action would kill the rank without a checkpoint, and a job killed at its time
+    limit is never requeued. ``import kempner_resilience`` calls this inside SLURM jobs; the
+    first ShutdownHandler replays what was recorded. Only default dispositions are replaced.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in signals:
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _early_record)
 
 
 def active_handlers() -> list["ShutdownHandler"]:
@@ -125,7 +147,8 @@ class ShutdownHandler:
             os.set_inheritable(fd, False)
         for signum in self._actions:
             prev = signal.getsignal(signum)
-            self._previous[signum] = prev
+            # The early recorder's job ends here: restore the default afterwards, never chain it.
+            self._previous[signum] = signal.SIG_DFL if prev is _early_record else prev
             signal.signal(signum, self._python_handler)
         self._old_wakeup_fd = signal.set_wakeup_fd(self._wfd, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._reader, name="kempner-signal-thread",
@@ -133,6 +156,7 @@ class ShutdownHandler:
         self._thread.start()
         self._installed = True
         _active.add(self)
+        self._replay_early()
         log.debug("handling %s", ", ".join(f"{signal.Signals(s).name}={a.value}"
                                            for s, a in self._actions.items()))
         return self
@@ -174,15 +198,29 @@ class ShutdownHandler:
 
     # ------------------------------------------------------------------ internals
 
-    def _make_request(self, signum: int) -> ShutdownRequest:
+    def _make_request(self, signum: int, at: float | None = None) -> ShutdownRequest:
         with self._lock:
             if self._request is None:
                 name = signal.Signals(signum).name
+                now = time.monotonic()
+                at = now if at is None else at
                 self._request = ShutdownRequest(
                     signum=signum, action=self._actions.get(signum, Action.STOP),
-                    received_at=time.monotonic(), received_wall=time.time(),
+                    received_at=at, received_wall=time.time() - (now - at),
                     grace_s=self.config.grace_for(name))
             return self._request
+
+    def _replay_early(self) -> None:
+        pending = [(s, t) for s, t in _early if s in self._actions]
+        _early.clear()
+        for signum, at in pending:
+            log.warning("%s arrived %.1f s before the run started; handling it now",
+                        signal.Signals(signum).name, time.monotonic() - at)
+            self._make_request(signum, at)  # the deadline counts from the real arrival
+            try:
+                os.write(self._wfd, bytes([signum]))
+            except OSError:
+                pass
 
     def _python_handler(self, signum: int, frame: Any) -> None:
         # Only record, then chain. The reader thread does the rest (it usually got there first).

@@ -265,3 +265,28 @@ def test_signal_is_observed_within_100ms_while_the_main_thread_blocks_in_c(tmp_p
     assert proc.returncode == ExitCode.DEADLINE, proc.stderr
     assert float(out.read_text()) < 0.1
     assert "shutdown deadline passed" in proc.stderr
+
+
+EARLY = """
+import os, signal, sys, time
+os.environ["SLURM_JOB_ID"] = "1"      # as inside a SLURM job
+import kempner_resilience as kr
+os.kill(os.getpid(), signal.SIGUSR1)  # the warning lands while the model is still being built
+time.sleep(0.2)
+print("survived", flush=True)
+with kr.ResilientRun(kr.load_config(overrides=["watchdog.hang_timeout_s=0"])) as run:
+    for step in run.steps(100):
+        print("step", step, flush=True)
+"""
+
+
+def test_a_signal_during_start_up_under_slurm_is_handled_once_the_run_starts(tmp_path):
+    env = dict(os.environ, SLURM_JOB_ID="1")
+    env.pop("SLURM_PROCID", None)
+    proc = subprocess.run([sys.executable, write_script(tmp_path, EARLY)], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert "survived" in proc.stdout
+    assert "step 0" not in proc.stdout  # stopped at the very first boundary
+    assert "before the run started" in proc.stderr
+    # The job id is made up, so the requeue that follows fails cleanly.
+    assert proc.returncode == ExitCode.REQUEUE_FAILED, proc.stderr
