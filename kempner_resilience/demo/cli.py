@@ -86,6 +86,9 @@ def _describe_launch(launch: Launch, total: int) -> str:
             parts.append(f"checkpoint {Path(r['saved_path']).name} committed in {save:.2f} s;")
     elif launch.exit_code == 0:
         parts.append(f"completed {total} steps;")
+    elif launch.exit_code == ExitCode.HANG:
+        parts.append("hang detected by the watchdog (stacks in rank*.log); resuming from the "
+                     "last periodic checkpoint;")
     parts.append(f"exit {describe(launch.exit_code).split(':')[0]}")
     if launch.signal_to_exit_s is not None:
         parts.append(f"(signal to exit {launch.signal_to_exit_s:.2f} s)")
