@@ -425,10 +425,11 @@ def _apply_override(data: dict[str, Any], text: str) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | os.PathLike[str] | None = None,
+def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
                 overrides: Iterable[str] = ()) -> ResilienceConfig:
     """Read a YAML config (defaults for anything missing) and apply ``key.path=value`` overrides.
 
+    ``path`` may also be a mapping with the YAML file's structure (``{"checkpoint": {...}}``).
     ``path=None`` uses ``$KEMPNER_RESILIENCE_CONFIG`` when set, else the built-in defaults
     (identical to ``configs/default.yaml``). Raises ``ConfigError`` naming every bad key path,
     the bad value and what is allowed; ``FileNotFoundError`` when the file does not exist.
@@ -439,7 +440,11 @@ def load_config(path: str | os.PathLike[str] | None = None,
         path = os.environ[ENV_CONFIG]
     data: dict[str, Any] = {}
     source = None
-    if path is not None:
+    if isinstance(path, Mapping):
+        import copy
+
+        data = copy.deepcopy(dict(path))
+    elif path is not None:
         p = Path(path)
         source = str(p)
         if not p.is_file():

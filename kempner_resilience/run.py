@@ -69,14 +69,16 @@ class ResilientRun:
     """Signals, deadline, hang watchdog, checkpoints, stop agreement and requeue for one run.
 
     Args:
-        config: a ``ResilienceConfig``, a path to a YAML file, or None for the defaults.
+        config: a ``ResilienceConfig``, a path to a YAML file, a mapping shaped like one, or
+            None for the defaults.
         state: what a checkpoint holds, e.g. ``{"model": m, "optim": o, "sched": s,
             "data": it}``; values need ``state_dict()``/``load_state_dict()``. ``None``:
             no checkpoints (signals, deadline and exit codes still work).
         overrides: ``"section.key=value"`` strings applied on top of a config path.
     """
 
-    def __init__(self, config: ResilienceConfig | str | os.PathLike[str] | None = None,
+    def __init__(self, config: ResilienceConfig | str | os.PathLike[str] | Mapping[str, Any]
+                 | None = None,
                  state: Mapping[str, Any] | None = None, *, overrides: tuple[str, ...] = ()
                  ) -> None:
         if not isinstance(config, ResilienceConfig):

@@ -163,3 +163,11 @@ def test_troubleshooting_explains_every_doctor_finding():
     codes = set(re.findall(r'"(?:warn|error|info)", "([a-z-]+)"', source)) - {"error", "warn", "info"}
     text = (REPO / "docs" / "troubleshooting.md").read_text()
     assert codes and all(f"`{c}`" in text for c in codes), codes
+
+
+def test_a_mapping_works_like_a_file():
+    cfg = load_config({"checkpoint": {"dir": "/tmp/x", "every_steps": 5}},
+                      overrides=["signals.grace_s=30"])
+    assert cfg.checkpoint.every_steps == 5 and cfg.signals.grace_s == 30.0
+    with pytest.raises(ConfigError, match="checkpoint.evry_steps: unknown key"):
+        load_config({"checkpoint": {"evry_steps": 5}})
