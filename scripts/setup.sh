@@ -6,10 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+# pip warns once per package about find-links/index entries that do not exist on this machine.
+quiet_pip() { .venv/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install -q "$TORCH_SPEC"
+  quiet_pip "$TORCH_SPEC"
 fi
 if ! .venv/bin/python -c "import kempner_resilience, pytest, submitit, nbclient" 2>/dev/null; then
-  .venv/bin/pip install -q -e ".[test]"
+  quiet_pip -e ".[test]"
 fi
