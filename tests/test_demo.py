@@ -25,7 +25,7 @@ def test_demo_interrupted_twice_ends_with_identical_weights_and_says_so(tmp_path
 
 
 def test_demo_hang_is_detected_and_the_run_resumes(tmp_path):
-    proc = demo(tmp_path, "--ranks", "2", "--interrupt-at", "", "--hang-at", "12")
+    proc = demo(tmp_path, "--ranks", "1", "--steps", "24", "--interrupt-at", "", "--hang-at", "12")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "exit HANG (42)" in proc.stdout
     assert "resumed at step 10" in proc.stdout  # the last periodic checkpoint before the hang
