@@ -48,3 +48,21 @@ def wait_for_file(path: Path, timeout: float = 60.0, contains: str | None = None
                 return text
         time.sleep(0.01)
     raise TimeoutError(f"{path} did not appear (with {contains!r}) within {timeout} s")
+
+
+def assert_bitwise_equal(a, b, where: str = "") -> None:
+    """Nested dicts/lists of tensors and plain values are identical, bit for bit."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"tensor differs at {where}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -46,31 +46,29 @@ def released(path) -> set[str]:
     return {line for line in path.read_text().splitlines() if line.startswith("released")}
 
 
-def test_sigterm_cancels_all_fifty_tasks_and_releases_their_resources(tmp_path):
+def signal_when_all_open(tmp_path, sig):
     log, ready = tmp_path / "log", tmp_path / "ready"
     proc = start(write_script(tmp_path, FIFTY_TASKS), str(log), str(ready), "ok")
     try:
         wait_for_file(ready, timeout=60)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 143, err
-    assert len(released(log)) == 50
+    return proc.returncode, err, released(log)
+
+
+def test_sigterm_cancels_all_fifty_tasks_and_releases_their_resources(tmp_path):
+    code, err, freed = signal_when_all_open(tmp_path, signal.SIGTERM)
+    assert code == 143, err
+    assert len(freed) == 50
     assert "Traceback" not in err
 
 
 def test_sigint_cancels_all_tasks_and_exits_130_without_traceback(tmp_path):
-    log, ready = tmp_path / "log", tmp_path / "ready"
-    proc = start(write_script(tmp_path, FIFTY_TASKS), str(log), str(ready), "ok")
-    try:
-        wait_for_file(ready, timeout=60)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, err
-    assert len(released(log)) == 50
+    code, err, freed = signal_when_all_open(tmp_path, signal.SIGINT)
+    assert code == 130, err
+    assert len(freed) == 50
     assert "KeyboardInterrupt" not in err
 
 

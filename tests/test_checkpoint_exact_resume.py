@@ -15,24 +15,10 @@ import pytest
 import torch
 
 from checkpoint_helpers import toy
+from helpers import assert_bitwise_equal
 from checkpoint_helpers.launch import run_ranks
 
 STEPS, SAVE_AT = 10, 4
-
-
-def _assert_same(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _never_saved_run() -> dict:
@@ -56,9 +42,9 @@ def _saved_then_resumed(tmp_path: Path, world: int, extra: list[str]) -> None:
     for rank in range(world):
         a = torch.load(tmp_path / f"straight.rank{rank}.pt", weights_only=False)
         b = torch.load(tmp_path / f"resumed.rank{rank}.pt", weights_only=False)
-        _assert_same(a, b, f"rank{rank}")
+        assert_bitwise_equal(a, b, f"rank{rank}")
     if world == 1:
-        _assert_same(_never_saved_run(), a, "never-saved vs saved")
+        assert_bitwise_equal(_never_saved_run(), a, "never-saved vs saved")
 
 
 def test_resume_in_new_process_is_bitwise_exact_1_rank(tmp_path: Path) -> None:
@@ -76,4 +62,4 @@ def test_resume_in_new_processes_is_bitwise_exact_2_ranks_ddp(tmp_path: Path) ->
     a1 = torch.load(tmp_path / "straight.rank1.pt", weights_only=False)
     # Per-rank state really is per rank (so a rank-shared key would have broken it).
     assert a0["data"] != a1["data"] and not torch.equal(a0["torch_rng"], a1["torch_rng"])
-    _assert_same(a0["params"], a1["params"], "DDP replicas")
+    assert_bitwise_equal(a0["params"], a1["params"], "DDP replicas")

@@ -7,6 +7,7 @@ shuffling data iterator; each launch is a fresh set of processes, as after a req
 import pytest
 import torch
 
+from helpers import assert_bitwise_equal
 from kempner_resilience.demo.launcher import LocalLauncher, train_command
 from kempner_resilience.exitcodes import ExitCode
 
@@ -25,20 +26,6 @@ def run_job(tmp_path, name, ranks, steps, interrupts=None, extra=(), relaunch=No
     launches = LocalLauncher(cmd, ranks=ranks, workdir=work, interrupts=interrupts,
                              max_launches=5, **kw).run()
     return launches, torch.load(out, weights_only=True) if out.exists() else None, work
-
-
-def assert_bitwise_equal(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), f"tensor differs at {where}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 @pytest.fixture(scope="module")
