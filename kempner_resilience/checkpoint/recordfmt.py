@@ -54,10 +54,16 @@ class Record:
 
 
 def bytes_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy (works for every dense dtype)."""
-    if t.numel() == 0:
+    """The raw bytes of a contiguous CPU tensor, without a copy (works for every dense dtype).
+
+    The view does not keep ``t`` alive: the caller must hold ``t`` while the bytes are used.
+    (A ctypes array over the data pointer costs ~4 us; going through numpy ~12-16 us, which is
+    most of the per-tensor cost for small tensors.)
+    """
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
         return memoryview(b"")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def fast_path_ok(t: torch.Tensor) -> bool:
@@ -158,9 +164,16 @@ def tensor_record(t: torch.Tensor) -> Record:
     suffix[a:a + 4] = packed
     suffix[b:b + 4] = packed
     suffix_b = bytes(suffix)
-    crc = crc32_combine(crc32_combine(prefix_crc, data_crc, data.nbytes),
-                        zlib.crc32(suffix_b), len(suffix_b))
+    if data.nbytes <= _RECRC_BELOW:
+        # A second pass over a small buffer is cheaper than two combine calls through ctypes.
+        crc = zlib.crc32(suffix_b, zlib.crc32(data, prefix_crc))
+    else:
+        crc = crc32_combine(crc32_combine(prefix_crc, data_crc, data.nbytes),
+                            zlib.crc32(suffix_b), len(suffix_b))
     return Record(prefix, data, suffix_b, crc)
+
+
+_RECRC_BELOW = 16 << 10
 
 
 # --- crc32_combine: zlib has it in C but Python's zlib module does not expose it -----------------

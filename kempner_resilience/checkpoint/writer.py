@@ -105,17 +105,20 @@ class ChecksummingWriter(FileSystemWriter):
 
     def _buckets(self, items: list[WriteItem]) -> list[list[WriteItem]]:
         """Balance tensor bytes over ``threads`` files; small byte items go to the first file."""
-        tensor_bytes = sum(_item_nbytes(i) for i in items)
+        byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        sized = [(_item_nbytes(i), i) for i in items if i.type != WriteItemType.BYTE_IO]
+        tensor_bytes = sum(n for n, _ in sized)
         # Small states gain nothing from parallel files and pay an fsync per file.
         n = max(1, min(self.threads, tensor_bytes // _MIN_FILE_BYTES + 1))
+        if n == 1:
+            return [byte_items + [i for _, i in sized]] if items else []
         buckets: list[list[WriteItem]] = [[] for _ in range(n)]
         sizes = [0] * n
-        buckets[0] += [i for i in items if i.type == WriteItemType.BYTE_IO]
-        for item in sorted((i for i in items if i.type != WriteItemType.BYTE_IO),
-                           key=_item_nbytes, reverse=True):
+        buckets[0] += byte_items
+        for nbytes, item in sorted(sized, key=lambda p: p[0], reverse=True):
             k = sizes.index(min(sizes))
             buckets[k].append(item)
-            sizes[k] += _item_nbytes(item)
+            sizes[k] += nbytes
         return [b for b in buckets if b]
 
     def _write_file(self, name: str, items: list[WriteItem],
