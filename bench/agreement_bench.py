@@ -105,7 +105,7 @@ def main() -> None:
     b, w = statistics.median(base), statistics.median(with_run)
     print(f"2 ranks, {args.step_ms:.0f} ms step + all_reduce, median of {args.rounds} rounds x "
           f"{args.steps} steps: plain {b * 1e3:.3f} ms/step, run.steps() {w * 1e3:.3f} ms/step")
-    print(f"  per-round overhead: " + ", ".join(f"{(wr / br - 1) * 100:+.2f}%"
+    print("  per-round overhead: " + ", ".join(f"{(wr / br - 1) * 100:+.2f}%"
                                                  for br, wr in zip(base, with_run)))
     print(f"  micro overhead as share of the step: {(ours2 - plain2) / (b * 1e6) * 100:.3f}% "
           f"(target <= 0.5%)")

@@ -118,7 +118,7 @@ class ResilientRun:
                 self._setup_checkpoints()
         except BaseException:
             self._hang.stop()
-            self._handler.uninstall()
+            self._handler.uninstall(keep_deadline=self._handler.requested())
             raise
         self._entered = True
         return self
@@ -139,7 +139,9 @@ class ResilientRun:
                     self._write_report()
         finally:
             self._hang.stop()
-            self._handler.uninstall()
+            # Past a completed shutdown the deadline still bounds the interpreter's exit.
+            self._handler.uninstall(keep_deadline=self._shutting_down
+                                    and not _caller_survives_system_exit())
         return False
 
     # ------------------------------------------------------------------ user API
@@ -313,8 +315,9 @@ class ResilientRun:
         self.stop_step = decision.step
         self._write_report()
         log.warning("exiting with %s", exitcodes.describe(int(code)))
-        if _interactive():
-            # A notebook kernel survives SystemExit: a deadline left armed would kill it later.
+        if _caller_survives_system_exit():
+            # A notebook kernel or a test runner catches SystemExit and carries on: a deadline
+            # left armed, or a forced exit code, would kill or mislabel it later.
             self._handler.deadline.disarm()
         else:
             self._handler.deadline.finished(int(code), self.config.watchdog.exit_timeout_s)
@@ -390,8 +393,10 @@ def _local_restart_count() -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
-def _interactive() -> bool:
-    return "ipykernel" in sys.modules or bool(sys.flags.interactive)
+def _caller_survives_system_exit() -> bool:
+    """Notebook kernels, interactive shells and test runners outlive a SystemExit."""
+    return ("ipykernel" in sys.modules or bool(sys.flags.interactive)
+            or "pytest" in sys.modules or "unittest" in sys.argv[0])
 
 
 def _signame(signum: int) -> str:

@@ -161,8 +161,14 @@ class ShutdownHandler:
                                            for s, a in self._actions.items()))
         return self
 
-    def uninstall(self) -> None:
-        """Restore the previous handlers and wakeup fd; leaves any armed deadline armed."""
+    def uninstall(self, *, keep_deadline: bool = False) -> None:
+        """Restore the previous handlers and wakeup fd, and disarm the deadline.
+
+        ``keep_deadline=True`` leaves an armed deadline armed: ResilientRun uses it to bound the
+        interpreter's exit after a completed shutdown.
+        """
+        if not keep_deadline:
+            self.deadline.disarm()
         if not self._installed:
             return
         self._installed = False

@@ -168,7 +168,7 @@ def test_handler_installed_before_still_runs_and_is_restored_afterwards():
                     break
                 time.sleep(0.01)
             assert handler.request is not None and handler.request.name == "SIGUSR2"
-        handler.deadline.disarm()
+        assert not handler.deadline.armed  # the deadline ends with the handler's block
         assert seen == [signal.SIGUSR2]
         assert signal.getsignal(signal.SIGUSR2) is mine
     finally:
@@ -290,3 +290,25 @@ def test_a_signal_during_start_up_under_slurm_is_handled_once_the_run_starts(tmp
     assert "before the run started" in proc.stderr
     # The job id is made up, so the requeue that follows fails cleanly.
     assert proc.returncode == ExitCode.REQUEUE_FAILED, proc.stderr
+
+
+def test_a_run_used_in_process_by_a_test_runner_does_not_kill_it_later():
+    # pytest catches SystemExit and goes on; the exit deadline must not fire in its process.
+    import kempner_resilience as kr
+
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        with pytest.raises(SystemExit) as exc:
+            cfg = kr.load_config(overrides=["watchdog.exit_timeout_s=0.5",
+                                            "watchdog.hang_timeout_s=0"])
+            with kr.ResilientRun(cfg) as run:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                for _ in run.steps(10):
+                    pass
+        assert exc.value.code == ExitCode.REQUEUE
+        assert seen == [signal.SIGUSR1]  # chained
+        assert signal.getsignal(signal.SIGUSR1) is not None and not run._handler.deadline.armed
+        time.sleep(1.5)  # past exit_timeout_s: still alive
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
