@@ -171,3 +171,25 @@ def test_demo_slurm_tells_the_story_through_the_template(slurm_cluster, tmp_path
     assert "scancel --signal=USR1" in out and "SLURM requeued job" in out
     assert "exit REQUEUE (75)" in out and "resumed at step" in out
     assert "bitwise IDENTICAL" in out
+
+
+def test_hang_under_slurm_is_detected_requeued_by_rank_0_and_resumed(slurm_cluster, tmp_path,
+                                                                    reference, jobs):
+    # Periodic checkpoints every 5 steps; the first run hangs inside step 22 (a C call that never
+    # returns). The hang watchdog dumps stacks, rank 0 requeues (a committed checkpoint exists),
+    # and the process exits with HANG; the requeued run resumes from step 20.
+    job = _new_job(jobs, tmp_path, ranks=1, step_time=0.05,
+                   sets=["watchdog.hang_timeout_s=4"],
+                   train_args=["--hang-at", "22", "--hang-marker", tmp_path / "hang.done"])
+    job.submit()
+    info = job.wait_state(timeout=240)
+    log = job.log_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert info["Restarts"] == "1"
+    assert "hang detected" in log
+    assert f"requeued job {job.job_id}" in log
+    assert "hang: job requeued" in log
+    second = job.report(1)
+    assert second is not None and second["resumed_from"] == 20, log[-3000:]
+    same, total, diff = compare_weights(reference(1), job.weights)
+    assert not diff, f"{len(diff)} of {total} tensors differ: {diff[:5]}"

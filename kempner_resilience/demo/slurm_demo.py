@@ -225,13 +225,15 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
               every_steps: int = 5, sets: Iterable[str] = (), time_limit: str = "00:10:00",
               lead_time_s: float | None = None, partition: str | None = None,
               job_name: str = "kr-demo", python: str = sys.executable,
-              extra: dict[str, object | None] | None = None) -> DemoJob:
+              extra: dict[str, object | None] | None = None,
+              train_args: Iterable[str] = ()) -> DemoJob:
     """Render ``single_node`` for the demo trainer into ``workdir/job.sbatch``.
 
     Checkpoints go to ``workdir/checkpoints``, final weights to ``workdir/weights.pt``, rank 0's
     report of run k (``SLURM_RESTART_COUNT``, 0 first) to ``workdir/report.k.json``, completed
     steps to ``workdir/progress.txt`` (``# run k`` before each run's lines), the job's log to
-    ``workdir/job.out``. ``sets`` are extra ``--set KEY=VALUE`` config overrides.
+    ``workdir/job.out``. ``sets`` are extra ``--set KEY=VALUE`` config overrides, ``train_args``
+    extra trainer arguments (``--hang-at``).
     """
     from kempner_resilience.config import load_config
     from kempner_resilience.slurm.templates import render_sbatch
@@ -246,6 +248,7 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
              "--progress", str(work / "progress.txt")]
     for o in overrides:
         train += ["--set", o]
+    train += [str(a) for a in train_args]
     env = " ".join(f"{k}={v}" for k, v in _demo_env().items())
     run = "${SLURM_RESTART_COUNT:-0}"
     # One srun line (the template's). Each task's bash marks where a run starts in the progress
