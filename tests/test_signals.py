@@ -269,27 +269,28 @@ def test_signal_is_observed_within_100ms_while_the_main_thread_blocks_in_c(tmp_p
 
 EARLY = """
 import os, signal, sys, time
-os.environ["SLURM_JOB_ID"] = "1"      # as inside a SLURM job
+os.environ["SLURM_JOB_ID"] = "999999999"  # as inside a SLURM job (one that does not exist)
 import kempner_resilience as kr
 os.kill(os.getpid(), signal.SIGUSR1)  # the warning lands while the model is still being built
 time.sleep(0.2)
 print("survived", flush=True)
-with kr.ResilientRun(kr.load_config(overrides=["watchdog.hang_timeout_s=0"])) as run:
+cfg = kr.load_config(overrides=["watchdog.hang_timeout_s=0", "requeue.enabled=false"])
+with kr.ResilientRun(cfg) as run:
     for step in run.steps(100):
         print("step", step, flush=True)
 """
 
 
 def test_a_signal_during_start_up_under_slurm_is_handled_once_the_run_starts(tmp_path):
-    env = dict(os.environ, SLURM_JOB_ID="1")
+    env = dict(os.environ, SLURM_JOB_ID="999999999")
     env.pop("SLURM_PROCID", None)
     proc = subprocess.run([sys.executable, write_script(tmp_path, EARLY)], capture_output=True,
                           text=True, timeout=60, env=env)
     assert "survived" in proc.stdout
     assert "step 0" not in proc.stdout  # stopped at the very first boundary
     assert "before the run started" in proc.stderr
-    # The job id is made up, so the requeue that follows fails cleanly.
-    assert proc.returncode == ExitCode.REQUEUE_FAILED, proc.stderr
+    # requeue.enabled is off (the job id is made up): the run stops without requeueing.
+    assert proc.returncode == ExitCode.STOPPED, proc.stderr
 
 
 def test_a_run_used_in_process_by_a_test_runner_does_not_kill_it_later():
