@@ -102,6 +102,14 @@ class StopAgreement:
     def stop_at(self) -> int | None:
         return self._stop_at
 
+    def agreed_signum(self) -> int | None:
+        """The signal behind a stop this rank has agreed to (via ``poll`` or ``any_requested``)."""
+        if self._decided is not None:
+            return self._decided.signum
+        if self._agreed_now or self._stop_at is not None:
+            return self._signum or None
+        return None
+
     def _publish(self, step: int, signum: int) -> None:
         want = f"{step + self.lead_steps}:{signum}"
         got = self.store.compare_set(KEY, "", want)

@@ -125,11 +125,11 @@ class ResilientRun:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
-            if exc_type is None and self._handler.requested() and not self._shutting_down \
-                    and not self._done:
-                # The loop was left early (break) after a signal: finish the shutdown here.
-                decision = StopDecision(self.step, self._handler.request.signum, True)
-                self._shutdown(decision)  # raises SystemExit
+            signum = self._local_signum() or self._agreement.agreed_signum()
+            if exc_type is None and signum and not self._shutting_down and not self._done:
+                # The loop was left early (a break after should_stop()) on a stop this rank
+                # received or agreed to: finish the shutdown here, on every rank alike.
+                self._shutdown(StopDecision(self.step, signum, self._local_signum() is not None))
             if not self._shutting_down:
                 self._teardown.run()
                 if self._ckpt is not None:

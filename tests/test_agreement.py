@@ -13,6 +13,7 @@ import torch, torch.distributed as dist
 import kempner_resilience as kr
 
 rank, port, progress, eval_every = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+leave_loop = len(sys.argv) > 5
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank))
 dist.init_process_group("gloo", rank=rank, world_size=2)
 log = open(progress + f".{rank}", "a", buffering=1)
@@ -30,6 +31,9 @@ with kr.ResilientRun(cfg) as run:
                 if run.should_stop():
                     log.write(f"eval interrupted {step} {batch}\\n")
                     break
+            if leave_loop and run.should_stop():
+                break   # leave training too: the with-block finishes the shutdown
+log.write("after the run\\n")
 """
 
 
@@ -38,10 +42,10 @@ def last(path, prefix: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run_two_ranks(tmp_path, eval_every: int, wait_for: str):
+def run_two_ranks(tmp_path, eval_every: int, wait_for: str, *extra: str):
     script = write_script(tmp_path, TWO_RANKS)
     port, progress = str(free_port()), tmp_path / "progress"
-    procs = [start(script, str(r), port, str(progress), str(eval_every)) for r in (0, 1)]
+    procs = [start(script, str(r), port, str(progress), str(eval_every), *extra) for r in (0, 1)]
     try:
         wait_for_file(tmp_path / "progress.1", timeout=120, contains=wait_for)
         os.kill(procs[1].pid, signal.SIGUSR1)          # only rank 1 is signalled
@@ -66,6 +70,14 @@ def test_signal_during_eval_stops_both_ranks_in_the_same_eval_batch(tmp_path):
     assert last(logs[0], "step") == last(logs[1], "step")
     # the run stopped at the boundary right after the interrupted eval, not later
     assert last(logs[0], "step").split()[1] == last(logs[0], "eval interrupted").split()[2]
+
+
+def test_leaving_the_loop_after_should_stop_shuts_down_every_rank_alike(tmp_path):
+    procs, errs, logs = run_two_ranks(tmp_path, 3, "eval 2 5\n", "leave-loop")
+    assert [p.returncode for p in procs] == [ExitCode.REQUEUE] * 2, errs
+    assert last(logs[0], "step") == last(logs[1], "step")
+    # the SystemExit left the with-block: code after it did not run on either rank
+    assert all("after the run" not in log.read_text() for log in logs)
 
 
 def test_single_process_stop_needs_no_distributed_setup(tmp_path):
