@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -66,3 +67,19 @@ def assert_bitwise_equal(a, b, where: str = "") -> None:
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+@contextlib.contextmanager
+def rank0_with_stuck_peer(script: Path, *args: str):
+    """Run ``script`` as ranks 0 and 1 of a gloo job (``script RANK PORT *args``); yields rank
+    0's process. The script makes rank 1 the peer that stops joining collectives. Both are
+    killed on the way out."""
+    port = str(free_port())
+    peer = start(script, "1", port, *args)
+    proc = start(script, "0", port, *args)
+    try:
+        yield proc
+    finally:
+        for p in (peer, proc):
+            p.kill()
+        peer.communicate()

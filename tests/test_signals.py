@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import free_port, start, wait_for_file, write_script
+from helpers import rank0_with_stuck_peer, start, wait_for_file, write_script
 from kempner_resilience import ShutdownHandler, load_config
 from kempner_resilience.exitcodes import ExitCode
 
@@ -56,11 +56,8 @@ def ran_steps(stdout: str) -> list[int]:
 
 def test_signal_while_blocked_in_gloo_allreduce_exits_at_the_deadline_with_a_stack_dump(tmp_path):
     grace = 3.0
-    script = write_script(tmp_path, BLOCKED_IN_ALLREDUCE)
-    port, ready = str(free_port()), tmp_path / "ready"
-    peer = start(script, "1", port, str(ready), str(grace))
-    proc = start(script, "0", port, str(ready), str(grace))
-    try:
+    script, ready = write_script(tmp_path, BLOCKED_IN_ALLREDUCE), tmp_path / "ready"
+    with rank0_with_stuck_peer(script, str(ready), str(grace)) as proc:
         wait_for_file(ready, timeout=120)
         time.sleep(0.5)  # let it get inside the collective
         assert proc.poll() is None
@@ -68,10 +65,6 @@ def test_signal_while_blocked_in_gloo_allreduce_exits_at_the_deadline_with_a_sta
         os.kill(proc.pid, signal.SIGUSR1)
         _, err = proc.communicate(timeout=grace + 30)
         waited = time.monotonic() - sent
-    finally:
-        peer.kill()
-        proc.kill()
-        peer.communicate()
     assert proc.returncode == ExitCode.DEADLINE, err
     assert grace <= waited <= grace + 2.0, f"forced exit after {waited:.2f} s, grace {grace}"
     assert "all_reduce" in err

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from helpers import free_port, start, wait_for_file, write_script
+from helpers import rank0_with_stuck_peer, wait_for_file, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 HANG_IN_ALLREDUCE = """
@@ -54,17 +54,10 @@ with kr.ResilientRun(cfg) as run:
 
 def test_hang_in_a_gloo_collective_exits_with_hang_code_and_stacks(tmp_path):
     timeout = 3.0
-    script = write_script(tmp_path, HANG_IN_ALLREDUCE)
-    port, stamp = str(free_port()), tmp_path / "stamp"
-    peer = start(script, "1", port, str(stamp), str(timeout))
-    proc = start(script, "0", port, str(stamp), str(timeout))
-    try:
+    script, stamp = write_script(tmp_path, HANG_IN_ALLREDUCE), tmp_path / "stamp"
+    with rank0_with_stuck_peer(script, str(stamp), str(timeout)) as proc:
         _, err = proc.communicate(timeout=120)
         ended = time.monotonic()
-    finally:
-        peer.kill()
-        proc.kill()
-        peer.communicate()
     assert proc.returncode == ExitCode.HANG, err
     # CLOCK_MONOTONIC is system-wide on Linux: the child's stamp compares with our clock.
     stuck_for = ended - float(stamp.read_text())
