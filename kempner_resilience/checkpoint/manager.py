@@ -1,7 +1,7 @@
 """CheckpointManager: when to save, how (sync, async, emergency), and resuming exactly.
 
-Collectives: every public method except ``latest``, ``estimate_save_seconds`` and ``busy`` is
-collective (all ranks call it, in the same order). They run on gloo groups created here at
+Collectives: every public method except ``latest``, ``estimate``, ``estimate_save_seconds`` and
+``busy`` is collective (all ranks call it, in the same order). They run on gloo groups created here at
 construction (``dist.new_group`` is itself collective over the default group): one for foreground
 work (save, emergency save, resume, check_dir) and, with ``async``, one for the background writer,
 so a background save never interleaves its collectives with ours or with training's. Foreground
@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException   # a BaseExcep
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.checkpoint.comm import Comm, PendingMax
+from kempner_resilience.checkpoint.estimate import Estimate, SaveEstimator
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.staging import Stager
@@ -44,9 +45,6 @@ __all__ = ["CheckpointManager"]
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized", category=UserWarning)
 
-# Before any save has been measured, assume a slow shared filesystem. Measured here: 0.4-2 GiB/s.
-CONSERVATIVE_BYTES_PER_S = 100 * 2**20
-CONSERVATIVE_OVERHEAD_S = 2.0
 _GIB = 2**30
 
 
@@ -112,7 +110,7 @@ class CheckpointManager:
         self._bg: _Background | None = None
         self._stager = Stager()
         self._writing: set[Path] = set()         # directories being written: retention skips them
-        self._rates: list[float] = []            # measured bytes/s of recent saves (this rank)
+        self._estimator = SaveEstimator()         # measured saves of this rank
         self._last_save_step = -1
         self._last_save_time = time.monotonic()
         self._pending_time: PendingMax | None = None
@@ -294,6 +292,8 @@ class CheckpointManager:
         self._last_save_step = info.step
         self._last_save_time = time.monotonic()
         self._last_committed = info
+        # The previous attempt's save time is the best evidence until this one saves.
+        self._estimator.seed(info.save_seconds, self.state.nbytes())
         dt = time.monotonic() - t0
         log.info("resumed from %s (step %d): %.3f GiB read in %.2f s", path, info.step,
                  reader.bytes_read / _GIB, dt)
@@ -339,15 +339,18 @@ class CheckpointManager:
     def emergency_save(self, step: int, *, deadline: float | None = None) -> CheckpointInfo | None:
         """The synchronous save before exiting. An in-flight async save is awaited if there is
         time for it and this save, else abandoned. Returns None (logging why) without starting
-        when the save cannot finish before ``deadline`` (a ``time.monotonic()`` value) minus
-        ``save_margin_s``; raises CheckpointError if the save fails. Collective."""
+        only when measured saves say it cannot finish before ``deadline`` (a
+        ``time.monotonic()`` value) minus ``save_margin_s``; without a measurement it tries (the
+        deadline watchdog is the backstop). Raises CheckpointError if the save fails.
+        Collective."""
         with self._foreground():
             margin = self.config.save_margin_s
             bg = self._bg
             if bg is not None and bg.thread is not None and bg.thread.is_alive():
-                left = self._bg_remaining(bg) + self.estimate_save_seconds()
-                fits = deadline is None or time.monotonic() + left <= deadline - margin
-                if self._fg.max(0.0 if fits else 1.0) > 0:
+                left = self._agreed_estimate(self._bg_remaining(bg), self.estimate())
+                fits = deadline is None or left is None or \
+                    time.monotonic() + left <= deadline - margin
+                if not fits:
                     log.warning("abandoning the in-flight async save of step %d: no time for it "
                                 "and the emergency save", bg.step)
                     bg.abort.set()
@@ -360,17 +363,24 @@ class CheckpointManager:
             if last is not None and last.step == step:
                 log.info("emergency save: step %d is already committed at %s", step, last.path)
                 return last
-            est = self.estimate_save_seconds()
+            est = self._agreed_estimate(self.estimate())
             now = time.monotonic()
-            fits = deadline is None or now + est <= deadline - margin
-            if self._fg.max(0.0 if fits else 1.0) > 0:
-                left = float("inf") if deadline is None else deadline - margin - now
-                log.error("emergency save of step %d refused: it needs ~%.1f s and only %.1f s "
-                          "remain before the deadline minus save_margin_s (%.1f s); the last "
-                          "committed checkpoint stays the resume point", step, est, left, margin)
+            if deadline is not None and est is not None and now + est > deadline - margin:
+                log.error("emergency save of step %d refused: measured saves say it needs "
+                          "~%.1f s and only %.1f s remain before the deadline minus "
+                          "save_margin_s (%.1f s); the last committed checkpoint stays the resume "
+                          "point", step, est, deadline - margin - now, margin)
                 return None
             sd = self.state.capture(step, self.rank)
             return self._save_state(sd, step, "emergency", self._fg, None, now, 0.0)
+
+    def _agreed_estimate(self, *parts: Estimate) -> float | None:
+        """The slowest rank's estimate of ``sum(parts)``, or None when no rank measured a save
+        (collective): the save then is tried, not refused on a guess."""
+        measured = all(p.measured for p in parts)
+        local = sum(p.seconds for p in parts) if measured else -1.0
+        agreed = self._fg.max(local)
+        return agreed if agreed >= 0 else None
 
     def _start_async(self, step: int) -> None:
         with self._foreground():
@@ -397,9 +407,8 @@ class CheckpointManager:
             bg.error = e
             log.error("async checkpoint of step %d failed: %s", step, e)
 
-    def _bg_remaining(self, bg: _Background) -> float:
-        total = bg.nbytes / self._rate() + CONSERVATIVE_OVERHEAD_S / 4
-        return max(total - (time.monotonic() - bg.started), 0.0)
+    def _bg_remaining(self, bg: _Background) -> Estimate:
+        return self._estimator.remaining(self.state.nbytes(), time.monotonic() - bg.started)
 
     def wait(self) -> None:
         """Block until an in-flight async save is committed; CheckpointError if it failed."""
@@ -461,8 +470,7 @@ class CheckpointManager:
         finally:
             self._writing.discard(path)
         elapsed = time.monotonic() - t0
-        if writer.bytes_written and elapsed > 0:
-            self._rates = (self._rates + [writer.bytes_written / elapsed])[-3:]
+        self._estimator.record(elapsed, writer.write_seconds, self.state.nbytes())
         info = CheckpointInfo(step=step, path=path, reason=reason, committed_at=committed_at,
                               nbytes=nbytes, world_size=self.world_size, save_seconds=elapsed,
                               blocked_seconds=blocked or elapsed)
@@ -535,16 +543,15 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------------- estimates
 
-    def _rate(self) -> float:
-        return min(self._rates) if self._rates else CONSERVATIVE_BYTES_PER_S
+    def estimate(self) -> Estimate:
+        """This rank's estimate of a synchronous save of the current state, from the last
+        measured saves (see ``checkpoint.estimate``); ``measured`` is False before any."""
+        return self._estimator.estimate(self.state.nbytes())
 
     def estimate_save_seconds(self) -> float:
-        """Seconds a synchronous save of the current state should take on this rank: from the
-        slowest of the last three measured saves, or a conservative 100 MiB/s + 2 s before any."""
-        nbytes = self.state.nbytes()
-        if self._rates:
-            return 1.25 * nbytes / self._rate() + 0.25
-        return nbytes / CONSERVATIVE_BYTES_PER_S + CONSERVATIVE_OVERHEAD_S
+        """Seconds a synchronous save of the current state should take on this rank (a
+        conservative guess of 100 MiB/s + 2 s before any save was measured)."""
+        return self.estimate().seconds
 
     # ------------------------------------------------------------------------------ shutdown
 
