@@ -28,6 +28,7 @@ log = get_logger(__name__)
 
 KEY = "kempner_resilience/stop_at"
 CODE_KEY = "kempner_resilience/exit_code"
+FORCED_KEY = "kempner_resilience/forced_exit"
 
 
 @dataclass(frozen=True)
@@ -161,3 +162,22 @@ class StopAgreement:
             return int(code)
         self.store.wait([CODE_KEY], datetime.timedelta(seconds=max(timeout_s, 1.0)))
         return int(self.store.get(CODE_KEY))
+
+    def announce_forced_exit(self, code: int) -> None:
+        """This rank is about to be forced out with ``code`` (a repeated SIGTERM/SIGINT): tell
+        the others, so every rank's exit code says what happened to the job, not only this one's."""
+        if self.store is not None:
+            self.store.set(FORCED_KEY, f"{int(code)}:{self.rank}")
+
+    def forced_exit(self) -> tuple[int, int] | None:
+        """(code, rank) when some rank announced a forced exit; None otherwise or when the store
+        cannot be reached (its host, rank 0, may be the one that left)."""
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([FORCED_KEY]):
+                return None
+            code, rank = self.store.get(FORCED_KEY).decode().split(":")
+            return int(code), int(rank)
+        except Exception:
+            return None

@@ -112,6 +112,8 @@ class ResilientRun:
         self._handler.install()
         try:
             self._agreement = StopAgreement.from_torch()
+            self._handler.add_forced_exit_hook(
+                lambda code: self._agreement.announce_forced_exit(code))
             self._setup_slurm()
             self._hang.start()  # before resuming: a load that hangs is a hang too
             with self._hang.busy():  # imports, directory checks and the load may be slow
@@ -125,6 +127,8 @@ class ResilientRun:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
+            if exc_type is not None and not issubclass(exc_type, SystemExit):
+                self._exit_if_a_peer_was_forced_out(exc)
             signum = self._local_signum() or self._agreement.agreed_signum()
             if exc_type is None and signum and not self._shutting_down and not self._done:
                 # The loop was left early (a break after should_stop()) on a stop this rank
@@ -310,6 +314,7 @@ class ResilientRun:
         if code is None:
             code = self._requeue(decision) if action is Action.REQUEUE \
                 else exitcodes.for_signal_stop(signum)
+        code = self._peer_forced_code() or code
         self._run_teardown()
         self.exit_code = int(code)
         self.stop_step = decision.step
@@ -323,6 +328,30 @@ class ResilientRun:
             self._handler.deadline.finished(int(code), self.config.watchdog.exit_timeout_s)
             _completed_shutdown_code[:] = [int(code)]
         raise SystemExit(int(code))
+
+    def _peer_forced_code(self) -> int | None:
+        """The code another rank was forced out with (a repeated SIGTERM/SIGINT), if any: the
+        job ends the way that rank did, so SLURM's record says 143/130 on every rank."""
+        forced = self._agreement.forced_exit()
+        if forced is None or forced[1] == self.rank:
+            return None
+        log.error("rank %d was forced out with %s; this rank exits with the same code",
+                  forced[1], exitcodes.describe(forced[0]))
+        return forced[0]
+
+    def _exit_if_a_peer_was_forced_out(self, exc: BaseException) -> None:
+        """An error in the loop caused by a peer that was forced out (its collectives fail here)
+        ends with that peer's code and one log line instead of a traceback and exit 1."""
+        code = self._peer_forced_code()
+        if code is None:
+            return
+        log.error("the loop ended with %s: %s", type(exc).__name__, str(exc).splitlines()[0]
+                  if str(exc) else "")
+        self.exit_code = code
+        if not _caller_survives_system_exit():
+            self._handler.deadline.finished(code, self.config.watchdog.exit_timeout_s)
+            _completed_shutdown_code[:] = [code]
+        raise SystemExit(code) from None
 
     def _emergency_checkpoint(self, decision: StopDecision) -> ExitCode | None:
         if self._ckpt is None:

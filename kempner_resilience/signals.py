@@ -106,6 +106,7 @@ class ShutdownHandler:
         self._actions = {getattr(signal, n): a for n, a in self.config.handled().items()}
         self._previous: dict[int, Any] = {}
         self._listeners: list[Callable[[ShutdownRequest], None]] = []
+        self._forced_exit_hooks: list[Callable[[int], None]] = []
         self._lock = threading.Lock()
         self._request: ShutdownRequest | None = None
         self._deliveries: list[int] = []
@@ -134,6 +135,12 @@ class ShutdownHandler:
         self._listeners.append(fn)
         if self._request is not None:
             fn(self._request)
+
+    def add_forced_exit_hook(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(code)`` just before a repeated signal forces the process out with ``code``
+        (130/143). Hooks get about a second in all, in a thread of their own, so one that
+        blocks (a store whose other end is busy or gone) cannot delay the exit for long."""
+        self._forced_exit_hooks.append(fn)
 
     def install(self) -> "ShutdownHandler":
         if self._installed:
@@ -279,11 +286,26 @@ class ShutdownHandler:
         if signum == signal.SIGINT or (signum == signal.SIGTERM and signal.SIGTERM in earlier):
             code = 128 + signum
             log.error("second %s during shutdown: exiting at once with %d", name, code)
+            self._run_forced_exit_hooks(code)
             os._exit(code)
         new_deadline = time.monotonic() + self.config.grace_for(name)
         if self.deadline.tighten(new_deadline):
             log.warning("%s during shutdown: deadline moved to %.0f s from now", name,
                         self.config.grace_for(name))
+
+    def _run_forced_exit_hooks(self, code: int, budget_s: float = 1.0) -> None:
+        def run() -> None:
+            for fn in list(self._forced_exit_hooks):
+                try:
+                    fn(code)
+                except Exception as e:  # the exit goes ahead whatever a hook does
+                    log.warning("forced-exit hook %r failed: %s", fn, e)
+
+        if not self._forced_exit_hooks:
+            return
+        t = threading.Thread(target=run, name="kempner-forced-exit", daemon=True)
+        t.start()
+        t.join(budget_s)
 
     def _forget_after_fork(self) -> None:
         self._installed = False

@@ -1,0 +1,64 @@
+"""A rank forced out by a repeated signal takes every rank's exit code with it.
+
+Two real gloo ranks under ResilientRun; only rank 1 is signalled, three SIGTERMs in ~100 ms, as
+an impatient `scancel` or a node agent would. Rank 1 leaves at once with 143 (documented); rank 0
+must not report something else (a failed checkpoint, a crash) for the same event.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import env, free_port, wait_for_file, write_script
+
+SCRIPT = """
+import os, sys, time
+import kempner_resilience as kr
+import torch, torch.distributed as dist
+from torch import nn
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Linear(64, 64))
+optim = torch.optim.SGD(model.parameters(), lr=1e-3)
+cfg = kr.load_config(None, [f"checkpoint.dir={sys.argv[1]}", "signals.grace_s=30"])
+progress = open(sys.argv[2] + f".{rank}", "a", buffering=1)
+with kr.ResilientRun(cfg, state={"model": model, "optim": optim}) as run:
+    for step in run.steps(10_000):
+        optim.zero_grad()
+        model(torch.randn(4, 64)).sum().backward()
+        optim.step()
+        time.sleep(0.02)
+        progress.write(f"step {step}\\n")
+"""
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 0.05])
+def test_when_one_rank_is_forced_out_by_repeated_sigterm_every_rank_exits_143(tmp_path, gap_s):
+    script = write_script(tmp_path, SCRIPT)
+    port = str(free_port())
+    progress = tmp_path / "progress"
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"),
+                               str(progress)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env(RANK=str(r), WORLD_SIZE="2",
+                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in (0, 1)]
+    try:
+        wait_for_file(tmp_path / "progress.1", contains="step 5")
+        for _ in range(3):
+            os.kill(procs[1].pid, signal.SIGTERM)
+            time.sleep(gap_s)
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    codes = [p.returncode for p in procs]
+    assert codes == [143, 143], outs[0][1][-3000:]
+    assert "rank 1 was forced out" in outs[0][1]
