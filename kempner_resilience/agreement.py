@@ -65,7 +65,11 @@ class StopAgreement:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
         store = dist.distributed_c10d._get_default_store()
-        return cls(store, rank=dist.get_rank(), world_size=dist.get_world_size())
+        # Our own gloo group for should_stop(): the default group may be NCCL-only (no CPU
+        # tensors), and nothing of ours may ever enqueue work on the user's communicator.
+        # new_group is collective over the default group, like __enter__ (every rank runs it).
+        group = dist.new_group(backend="gloo")
+        return cls(store, rank=dist.get_rank(), world_size=dist.get_world_size(), group=group)
 
     @property
     def distributed(self) -> bool:

@@ -15,18 +15,23 @@ import kempner_resilience as kr
 rank, port, progress, eval_every = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 leave_loop = len(sys.argv) > 5
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank))
-dist.init_process_group("gloo", rank=rank, world_size=2)
+# "cuda:gloo" makes a default group with no CPU backend, as a GPU job's NCCL group is: the
+# package must never run its own collectives on it. The step's collective then uses a group
+# the script makes, as a GPU job's would run on CUDA tensors over NCCL.
+dist.init_process_group(os.environ.get("DEFAULT_BACKEND", "gloo"), rank=rank, world_size=2)
+train = None if os.environ.get("DEFAULT_BACKEND", "gloo") == "gloo" else dist.new_group(
+    backend="gloo")
 log = open(progress + f".{rank}", "a", buffering=1)
 cfg = kr.load_config(overrides=["watchdog.hang_timeout_s=60"])
 with kr.ResilientRun(cfg) as run:
     for step in run.steps(10_000):
         log.write(f"step {step}\\n")
-        dist.all_reduce(torch.ones(8))        # the step's collective
+        dist.all_reduce(torch.ones(8), group=train)        # the step's collective
         time.sleep(0.02 if rank == 0 else 0.03)
         if eval_every and step % eval_every == eval_every - 1:
             for batch in range(100_000):
                 log.write(f"eval {step} {batch}\\n")
-                dist.all_reduce(torch.ones(8))
+                dist.all_reduce(torch.ones(8), group=train)
                 time.sleep(0.01)
                 if run.should_stop():
                     log.write(f"eval interrupted {step} {batch}\\n")
@@ -42,10 +47,12 @@ def last(path, prefix: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run_two_ranks(tmp_path, eval_every: int, wait_for: str, *extra: str):
+def run_two_ranks(tmp_path, eval_every: int, wait_for: str, *extra: str,
+                  default_backend: str = "gloo"):
     script = write_script(tmp_path, TWO_RANKS)
     port, progress = str(free_port()), tmp_path / "progress"
-    procs = [start(script, str(r), port, str(progress), str(eval_every), *extra) for r in (0, 1)]
+    procs = [start(script, str(r), port, str(progress), str(eval_every), *extra,
+                   DEFAULT_BACKEND=default_backend) for r in (0, 1)]
     try:
         wait_for_file(tmp_path / "progress.1", timeout=120, contains=wait_for)
         os.kill(procs[1].pid, signal.SIGUSR1)          # only rank 1 is signalled
@@ -70,6 +77,13 @@ def test_signal_during_eval_stops_both_ranks_in_the_same_eval_batch(tmp_path):
     assert last(logs[0], "step") == last(logs[1], "step")
     # the run stopped at the boundary right after the interrupted eval, not later
     assert last(logs[0], "step").split()[1] == last(logs[0], "eval interrupted").split()[2]
+
+
+def test_should_stop_works_when_the_default_group_cannot_take_cpu_tensors(tmp_path):
+    procs, errs, logs = run_two_ranks(tmp_path, eval_every=3, wait_for="eval 2 5\n",
+                                      default_backend="cuda:gloo")
+    assert [p.returncode for p in procs] == [ExitCode.REQUEUE] * 2, errs
+    assert last(logs[0], "eval interrupted") == last(logs[1], "eval interrupted") != ""
 
 
 def test_leaving_the_loop_after_should_stop_shuts_down_every_rank_alike(tmp_path):
