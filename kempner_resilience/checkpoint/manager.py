@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException   # a BaseExcep
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.checkpoint.comm import Comm, PendingMax
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
+from kempner_resilience.checkpoint.info import CheckpointDirError
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
@@ -155,7 +156,8 @@ class CheckpointManager:
 
     def check_dir(self) -> None:
         """Fail early if checkpoints cannot be written: the directory's parent is missing, it is
-        not writable, or it lacks the space for about one save. Collective."""
+        not writable, or it lacks the space for about one save. Collective: every rank raises
+        the same ``CheckpointDirError`` (exit code 78 when a script leaves it uncaught)."""
         problem: str | None = None
         root = self.root
         try:
@@ -187,7 +189,7 @@ class CheckpointManager:
         bad = [f"rank {r}: {p}" if self.world_size > 1 else p
                for r, p in enumerate(problems) if p]
         if bad:
-            raise CheckpointError("; ".join(bad))
+            raise CheckpointDirError("; ".join(bad))
 
     def _probe_write(self, root: Path) -> None:
         probe = root / f".kempner_probe-{socket.gethostname()}-{self.rank}-{os.getpid()}"
