@@ -1,24 +1,32 @@
 """kempner_resilience: keep long PyTorch training jobs on SLURM alive without losing work.
 
 The public surface: ``load_config`` and ``ResilienceConfig`` (configuration), ``ResilientRun``
-(the object a training script uses), ``ShutdownHandler`` (signals alone), ``exitcodes``.
+(the object a training script uses), ``ShutdownHandler`` (signals alone), ``exitcodes``,
+``StartupError`` (what ends a script with exit code 78).
+
+Import it first in a training script: the start-up guards below are then in place while torch
+and the model load.
 """
 
 import os as _os
 
-from kempner_resilience import exitcodes
-from kempner_resilience.config import Action, ConfigError, ResilienceConfig, load_config
-from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.run import ResilientRun
-from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
+# First, before this package or the script imports anything heavy: a --signal warning that
+# arrives during the rest of start-up (torch, the model) is recorded instead of killing the rank.
+from kempner_resilience import startup as _startup
+
+if "SLURM_JOB_ID" in _os.environ:
+    _startup.install_early_recorder()
+_startup.install_exit_hook()
+
+from kempner_resilience import exitcodes  # noqa: E402
+from kempner_resilience.config import Action, ConfigError, ResilienceConfig, load_config  # noqa: E402
+from kempner_resilience.exitcodes import ExitCode  # noqa: E402
+from kempner_resilience.run import ResilientRun  # noqa: E402
+from kempner_resilience.signals import ShutdownHandler, ShutdownRequest  # noqa: E402
+from kempner_resilience.startup import StartupError  # noqa: E402
 
 __version__ = "0.1.0"
 
-if "SLURM_JOB_ID" in _os.environ:
-    # A --signal warning during start-up (imports, model build) must not kill the rank.
-    from kempner_resilience.signals import install_early_recorder as _early
-
-    _early()
 __all__ = [
     "Action",
     "ConfigError",
@@ -27,6 +35,7 @@ __all__ = [
     "ResilientRun",
     "ShutdownHandler",
     "ShutdownRequest",
+    "StartupError",
     "exitcodes",
     "load_config",
     "__version__",

@@ -12,8 +12,9 @@ import sys
 from typing import Callable, Sequence
 
 from kempner_resilience import __version__
-from kempner_resilience.config import ConfigError, load_config
+from kempner_resilience.config import load_config
 from kempner_resilience.exitcodes import TABLE, ExitCode
+from kempner_resilience.startup import StartupError
 
 __all__ = ["main"]
 
@@ -101,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(_VERBS[args.verb][2](args))
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    except ConfigError as e:
+    except StartupError as e:  # a bad config or a missing config file, as for a training script
         sys.stderr.write(f"kempner-resilience {args.verb}: {e}\n")
         return int(ExitCode.CONFIG)
     except (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError) as e:

@@ -18,10 +18,13 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from kempner_resilience.startup import StartupError
+
 __all__ = [
     "Action",
     "CheckpointConfig",
     "ConfigError",
+    "ConfigFileNotFoundError",
     "RequeueConfig",
     "ResilienceConfig",
     "SignalsConfig",
@@ -33,8 +36,11 @@ __all__ = [
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
 
 
-class ConfigError(ValueError):
-    """A configuration problem. ``problems`` holds one ``(key_path, message)`` per mistake."""
+class ConfigError(ValueError, StartupError):
+    """A configuration problem. ``problems`` holds one ``(key_path, message)`` per mistake.
+
+    Uncaught in a script, it ends the process with exit code 78 (CONFIG) and this message.
+    """
 
     def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
         self.problems = problems
@@ -47,6 +53,10 @@ class ConfigError(ValueError):
         return ConfigError(
             [(f"{prefix}.{p}" if p else prefix, m) for p, m in self.problems], self.source
         )
+
+
+class ConfigFileNotFoundError(FileNotFoundError, StartupError):
+    """The config file does not exist (exit code 78 when uncaught in a script)."""
 
 
 class Action(str, enum.Enum):
@@ -432,7 +442,9 @@ def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     ``path`` may also be a mapping with the YAML file's structure (``{"checkpoint": {...}}``).
     ``path=None`` uses ``$KEMPNER_RESILIENCE_CONFIG`` when set, else the built-in defaults
     (identical to ``configs/default.yaml``). Raises ``ConfigError`` naming every bad key path,
-    the bad value and what is allowed; ``FileNotFoundError`` when the file does not exist.
+    the bad value and what is allowed; ``ConfigFileNotFoundError`` (a ``FileNotFoundError``)
+    when the file does not exist. Both are ``StartupError``: a script that does not catch them
+    exits with 78 (CONFIG) and the message, without a traceback.
     """
     if isinstance(overrides, str):
         overrides = [overrides]
@@ -448,8 +460,8 @@ def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
         p = Path(path)
         source = str(p)
         if not p.is_file():
-            raise FileNotFoundError(f"config file not found: {p} (pass an existing YAML file, or "
-                                    "no path for the built-in defaults)")
+            raise ConfigFileNotFoundError(f"config file not found: {p} (pass an existing YAML "
+                                          "file, or no path for the built-in defaults)")
         try:
             loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:

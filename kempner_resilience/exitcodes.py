@@ -61,7 +61,9 @@ TABLE: dict[ExitCode, str] = {
                       "checkpoint committed, not requeued",
     ExitCode.NO_REQUEUE: "restart budget exhausted or no progress over several restarts: do not "
                          "requeue; look at the job's log",
-    ExitCode.CONFIG: "invalid configuration or environment found at start",
+    ExitCode.CONFIG: "the run could not start: an invalid configuration (a wrong or unknown key, "
+                     "a missing config file) or a checkpoint.dir that cannot hold checkpoints; "
+                     "stderr names the problem and the fix, without a traceback",
     ExitCode.REQUEUE_FAILED: "emergency checkpoint committed but `scontrol requeue` failed; "
                              "resubmit the job by hand",
     ExitCode.CHECKPOINT_FAILED: "the emergency checkpoint failed or could not fit before the "

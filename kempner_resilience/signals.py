@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from kempner_resilience.config import Action, SignalsConfig
 from kempner_resilience.log import get_logger
+from kempner_resilience.startup import _early, _early_record, install_early_recorder
 from kempner_resilience.watchdog import DeadlineWatchdog
 
 __all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers", "install_early_recorder"]
@@ -50,28 +51,6 @@ class ShutdownRequest:
 
 
 _active: "weakref.WeakSet[ShutdownHandler]" = weakref.WeakSet()
-
-
-_early: list[tuple[int, float]] = []
-
-
-def _early_record(signum: int, frame: Any) -> None:
-    _early.append((signum, time.monotonic()))
-
-
-def install_early_recorder(signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)) -> None:
-    """Record ``signals`` that arrive before a ShutdownHandler is installed, instead of dying.
-
-    Python start-up and model building can take longer than a short ``--signal`` lead leaves:
-    USR1's default action would kill the rank without a checkpoint, and a job killed at its time
-    limit is never requeued. ``import kempner_resilience`` calls this inside SLURM jobs; the
-    first ShutdownHandler replays what was recorded. Only default dispositions are replaced.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum in signals:
-        if signal.getsignal(signum) == signal.SIG_DFL:
-            signal.signal(signum, _early_record)
 
 
 def active_handlers() -> list["ShutdownHandler"]:

@@ -24,9 +24,9 @@ def test_config_error_is_one_clear_message_without_traceback():
     assert "Traceback" not in proc.stderr
 
 
-def test_missing_config_file_is_reported_without_traceback(tmp_path):
+def test_missing_config_file_is_reported_without_traceback_with_the_config_code(tmp_path):
     proc = run("config", "--config", str(tmp_path / "missing.yaml"))
-    assert proc.returncode != 0
+    assert proc.returncode == 78
     assert "config file not found" in proc.stderr
     assert "Traceback" not in proc.stderr
 

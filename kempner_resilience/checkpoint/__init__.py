@@ -10,11 +10,16 @@ which `kempner-resilience ls`/`verify` do not need.
 
 from typing import Any
 
-from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
+from kempner_resilience.checkpoint.info import (
+    CheckpointCorrupt,
+    CheckpointDirError,
+    CheckpointError,
+    CheckpointInfo,
+)
 from kempner_resilience.checkpoint.layout import MANIFEST_NAME
 
 __all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointError", "CheckpointCorrupt",
-           "MANIFEST_NAME"]
+           "CheckpointDirError", "MANIFEST_NAME"]
 
 
 def __getattr__(name: str) -> Any:

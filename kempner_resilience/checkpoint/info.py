@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointInfo"]
+from kempner_resilience.startup import StartupError
+
+__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDirError", "CheckpointInfo"]
 
 
 class CheckpointError(RuntimeError):
@@ -14,6 +16,11 @@ class CheckpointError(RuntimeError):
 
 class CheckpointCorrupt(CheckpointError):
     """A checkpoint's files do not match its manifest (checksum, size, owner) or cannot be parsed."""
+
+
+class CheckpointDirError(CheckpointError, StartupError):
+    """``checkpoint.dir`` cannot hold checkpoints (missing parent, not a directory, not writable,
+    full), found at start: uncaught in a script, the process exits with 78 (CONFIG)."""
 
 
 @dataclass(frozen=True)

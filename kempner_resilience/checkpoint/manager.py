@@ -30,6 +30,7 @@ from kempner_resilience.checkpoint import layout
 from kempner_resilience.checkpoint.comm import Comm, PendingMax
 from kempner_resilience.checkpoint.estimate import Estimate, SaveEstimator
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
+from kempner_resilience.checkpoint.info import CheckpointDirError
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
@@ -153,7 +154,8 @@ class CheckpointManager:
 
     def check_dir(self) -> None:
         """Fail early if checkpoints cannot be written: the directory's parent is missing, it is
-        not writable, or it lacks the space for about one save. Collective."""
+        not writable, or it lacks the space for about one save. Collective: every rank raises
+        the same ``CheckpointDirError`` (exit code 78 when a script leaves it uncaught)."""
         problem: str | None = None
         root = self.root
         try:
@@ -185,7 +187,7 @@ class CheckpointManager:
         bad = [f"rank {r}: {p}" if self.world_size > 1 else p
                for r, p in enumerate(problems) if p]
         if bad:
-            raise CheckpointError("; ".join(bad))
+            raise CheckpointDirError("; ".join(bad))
 
     def _probe_write(self, root: Path) -> None:
         probe = root / f".kempner_probe-{socket.gethostname()}-{self.rank}-{os.getpid()}"

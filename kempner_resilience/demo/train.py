@@ -19,12 +19,14 @@ import sys
 import time
 from typing import Any
 
+# Before torch: a SIGUSR1 that arrives while torch loads is then recorded, not fatal (see
+# kempner_resilience.startup). Scripts copied from this one keep the order.
+import kempner_resilience as kr
+from kempner_resilience.log import configure
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-import kempner_resilience as kr
-from kempner_resilience.log import configure
 
 __all__ = ["ShuffledBatches", "build", "main"]
 

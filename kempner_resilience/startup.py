@@ -1,0 +1,127 @@
+"""What ``import kempner_resilience`` sets up before anything else: the process's start-up guards.
+
+This module imports only the standard library, so the package can install it first, before its
+own heavier imports (YAML, the config schema) and before the user's (torch, the model).
+
+Two guards:
+
+* The early signal recorder (SLURM jobs only). A ``--signal`` warning that arrives while the
+  script is still importing torch or building the model would kill the rank (SIGUSR1's default
+  action) without a checkpoint; recorded instead, it is handled by the first ShutdownHandler.
+* The start-up error exit. A ``StartupError`` (an invalid configuration, a checkpoint directory
+  that cannot hold checkpoints) that nothing catches ends a batch script with exit code 78
+  (CONFIG) and its message on stderr instead of exit 1 and a traceback. Python consults
+  ``sys.excepthook`` only for an exception that reached the top level of a script, never for one
+  a notebook cell, a test runner or the user's own ``try`` caught, so those callers see the
+  exception exactly as raised; under ``python -i`` the traceback is kept for the session.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+__all__ = ["StartupError", "install_early_recorder", "install_exit_hook"]
+
+# ExitCode.CONFIG; exitcodes.py is not imported here so this module stays first and light.
+CONFIG_EXIT_CODE = 78
+
+
+class StartupError(Exception):
+    """Marks an error that means "this run cannot start as configured": the process exits with
+    78 (CONFIG) when a script lets it go uncaught.
+
+    ``ConfigError`` and ``CheckpointDirError`` carry it. Their messages name the problem and the
+    fix; in-process callers (notebooks, tests, a ``try`` around the set-up) catch them as usual.
+    """
+
+
+# ------------------------------------------------------------------------ early signal recorder
+
+_early: list[tuple[int, float]] = []
+
+
+def _early_record(signum: int, frame: Any) -> None:
+    _early.append((signum, time.monotonic()))
+
+
+def install_early_recorder(signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)) -> None:
+    """Record ``signals`` that arrive before a ShutdownHandler is installed, instead of dying.
+
+    Python start-up and model building can take longer than a short ``--signal`` lead leaves:
+    USR1's default action would kill the rank without a checkpoint, and a job killed at its time
+    limit is never requeued. ``import kempner_resilience`` calls this inside SLURM jobs, before
+    it imports anything else; the first ShutdownHandler replays what was recorded. Only default
+    dispositions are replaced.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in signals:
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _early_record)
+
+
+# ----------------------------------------------------------------------------- start-up errors
+
+_exit_code: list[int] = []
+_installed: list[bool] = []
+
+
+def _interactive_session_follows() -> bool:
+    # `python -i` / PYTHONINSPECT: the user gets a prompt after the error and wants the
+    # traceback there, not an exit.
+    return bool(sys.flags.interactive or sys.flags.inspect or os.environ.get("PYTHONINSPECT"))
+
+
+def _make_excepthook(previous: Any) -> Any:
+    def excepthook(exc_type: type[BaseException], exc: BaseException,
+                   tb: TracebackType | None) -> None:
+        if not isinstance(exc, StartupError) or _interactive_session_follows():
+            previous(exc_type, exc, tb)
+            return
+        # This replaces Python's traceback, which goes to stderr whatever logging is set up to
+        # do, so the message goes there too.
+        stream = sys.stderr or sys.__stderr__
+        if stream is not None:
+            try:
+                stream.write(f"kempner_resilience: {exc}\nThe run did not start; exiting with "
+                             f"{CONFIG_EXIT_CODE} (CONFIG).\n")
+                stream.flush()
+            except Exception:
+                pass
+        _exit_code[:] = [CONFIG_EXIT_CODE]
+
+    return excepthook
+
+
+def _exit_with_startup_code() -> None:
+    # Registered at import, so atexit (last in, first out) runs it after the handlers the user
+    # and their libraries register later; the interpreter would otherwise exit with 1.
+    if not _exit_code:
+        return
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            pass
+    logging.shutdown()
+    os._exit(_exit_code[0])
+
+
+def install_exit_hook() -> None:
+    """Chain ``sys.excepthook`` so that an uncaught ``StartupError`` exits with 78 (CONFIG) and
+    its message, without a traceback. Any other exception goes to the previous hook. Idempotent."""
+    if _installed:
+        return
+    _installed.append(True)
+    sys.excepthook = _make_excepthook(sys.excepthook)
+    atexit.register(_exit_with_startup_code)
