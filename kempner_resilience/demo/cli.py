@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
                                         "checkpoint.every_steps=0"]),
         ranks=args.ranks, workdir=work / "reference", max_launches=1)
     ref_launch = ref.run()[-1]
+    if ref_launch.interrupted:
+        return _interrupted(ref_launch, work / "reference")
     if ref_launch.exit_code != 0:
         raise CliError(f"the uninterrupted reference run failed with {ref_launch.exit_code}; "
                        f"see {work / 'reference'}/rank0.0.log")
@@ -143,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
                              relaunch_codes=RERUN)
     launches = launcher.run()
     final = launches[-1]
+    if final.interrupted:
+        return _interrupted(final, work / "resilient")
     if final.exit_code != 0:
         for line in final.stderr_tail:
             _say("    | " + line)
@@ -160,6 +164,15 @@ def run(args: argparse.Namespace) -> int:
     _say(f"RESULT: final weights DIFFER from the uninterrupted run: {total - same} of {total} "
          "tensors")
     return 1
+
+
+def _interrupted(launch: Launch, where: Path) -> int:
+    """Ctrl+C: the ranks got one SIGINT each and stopped (checkpoint, 130), or were forced."""
+    killed = f"; ranks {launch.killed} did not stop in time and were killed" if launch.killed \
+        else ""
+    _say(f"\ninterrupted (Ctrl+C): rank exit codes {launch.exit_codes}{killed}; logs and "
+         f"checkpoints in {where}")
+    return 130
 
 
 def _compare(a, b) -> tuple[int, int]:
