@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint_helpers import toy
+from helpers import free_port
 from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager
 from kempner_resilience.config import CheckpointConfig
 
@@ -161,3 +164,88 @@ def test_manifest_records_checksums_sizes_step_world_and_reason(tmp_path):
     for name, meta in man["files"].items():
         assert (tmp_path / "step_000000002" / name).stat().st_size == meta["size"]
         assert isinstance(meta["crc32"], int)
+
+
+# --- a newest checkpoint this process cannot read -------------------------------------------
+
+HELPERS = Path(__file__).resolve().parent / "checkpoint_helpers"
+# Root reads any file regardless of its mode through these two capabilities: without them a
+# chmod 000 file is as unreadable to root as to any job user.
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+          "--inh-caps=-dac_override,-dac_read_search"]
+
+
+def _needs_setpriv() -> None:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a process that file modes apply to")
+
+
+def _resume_ranks(root: Path, probe: Path, restricted: set[int], world: int) -> list[tuple]:
+    """Run tests/checkpoint_helpers/resume_only.py on ``world`` gloo ranks, the ranks in
+    ``restricted`` without the power to bypass file modes; (exit code, stdout, stderr) each."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, str(HELPERS / "resume_only.py"), "--dir", str(root),
+               "--probe", str(probe)]
+        procs.append(subprocess.Popen((NO_DAC if rank in restricted else []) + cmd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            out.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def test_an_unreadable_newest_manifest_is_skipped_with_a_warning(tmp_path):
+    _needs_setpriv()
+    _two_checkpoints(tmp_path)
+    manifest = tmp_path / "step_000000002" / MANIFEST_NAME
+    manifest.chmod(0)
+    [(code, stdout, stderr)] = _resume_ranks(tmp_path, manifest, restricted={0}, world=1)
+    assert "probe readable: no" in stdout            # the permissions really apply
+    assert code == 0, stderr
+    assert "resumed 1" in stdout
+    assert "Traceback" not in stderr
+    warning = next(ln for ln in stderr.splitlines() if "WARNING" in ln and "step_000000002" in ln)
+    assert "Permission denied" in warning and "falling back" in warning
+
+
+def test_every_rank_falls_back_together_when_only_rank_0_cannot_read_the_newest(tmp_path):
+    _needs_setpriv()
+    _two_checkpoints(tmp_path)
+    manifest = tmp_path / "step_000000002" / MANIFEST_NAME
+    manifest.chmod(0)
+    results = _resume_ranks(tmp_path, manifest, restricted={0}, world=2)
+    assert "probe readable: no" in results[0][1] and "probe readable: yes" in results[1][1]
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stderr}"
+        assert "resumed 1" in stdout, f"rank {rank}: {stdout}{stderr}"
+
+
+def test_a_manifest_that_is_a_directory_is_skipped_with_a_warning(tmp_path, caplog):
+    w1, _ = _two_checkpoints(tmp_path)
+    manifest = tmp_path / "step_000000002" / MANIFEST_NAME
+    manifest.unlink()
+    manifest.mkdir()
+    info, weights = _resume(tmp_path)
+    assert info.step == 1
+    assert all(torch.equal(weights[k], w1[k]) for k in w1)
+    assert "step_000000002" in caplog.text and "Is a directory" in caplog.text
+    assert "falling back" in caplog.text
+
+
+def test_a_manifest_present_but_unparsable_is_an_error_not_a_fresh_start(tmp_path):
+    _two_checkpoints(tmp_path)
+    shutil.rmtree(tmp_path / "step_000000001")
+    (tmp_path / "step_000000002" / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"step_000000002.*unreadable manifest"):
+        _resume(tmp_path)

@@ -65,3 +65,12 @@ def test_deleting_renames_to_trash_first(tmp_path: Path) -> None:
     assert layout.scan(tmp_path) == []                  # nothing looks committed
     layout.clean_trash(tmp_path)
     assert not trash.exists()
+
+
+def test_a_damaged_manifest_is_reported_and_left_alone_by_retention(tmp_path: Path) -> None:
+    damaged = _commit(tmp_path, 1)
+    (damaged / layout.MANIFEST_NAME).write_text("{not json")    # committed once, now unreadable
+    _commit(tmp_path, 2)
+    entry = next(e for e in layout.scan(tmp_path) if e.path == damaged)
+    assert entry.damaged and not entry.committed and "MANIFEST.json" in entry.problem
+    assert layout.select_for_deletion(layout.scan(tmp_path), keep_last=1, keep_every=0) == []

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-import zlib
 from datetime import datetime
 from pathlib import Path
 
-from kempner_resilience.checkpoint import layout
+from kempner_resilience.checkpoint import integrity, layout
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
 from kempner_resilience.cli import CliError, register
-
-_CHUNK = 16 << 20
 
 
 def _size(n: int) -> str:
@@ -24,7 +20,10 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def _root(path: str) -> Path:
+_SEARCH_DEPTH = 3
+
+
+def _target(path: str) -> Path:
     p = Path(path)
     if not p.exists():
         raise CliError(f"{p}: no such directory (give checkpoint.dir, or one step_* directory)")
@@ -33,19 +32,39 @@ def _root(path: str) -> Path:
     return p
 
 
-def _entries(p: Path) -> list[layout.Entry]:
-    """``p`` is a checkpoint root, or one step directory."""
+def _groups(p: Path) -> tuple[list[tuple[Path, list[layout.Entry]]], str]:
+    """What ``p`` names: one step directory, a checkpoint root, or a directory with roots below
+    it (found by a bounded search). Returns (root, entries) pairs, and, when nothing is found, a
+    sentence saying where we looked."""
     if layout.parse_name(p.name) is not None:
-        return [e for e in layout.scan(p.parent) if e.path.name == p.name]
-    return layout.scan(p)
+        entry = layout.scan_one(p)
+        return ([(p.parent, [entry])] if entry else []), ""
+    roots, complete = layout.find_roots(p, _SEARCH_DEPTH)
+    if roots:
+        return [(r, layout.scan(r)) for r in roots], ""
+    where = (f"{p}: no checkpoints (no step_* directories in it or up to {_SEARCH_DEPTH} levels "
+             "below")
+    if not complete:
+        where += "; the search stopped early: give checkpoint.dir itself"
+    return [], where + ")"
 
 
-def _check(entry: layout.Entry, checksums: bool, progress=None) -> str | None:
-    """None when intact, else what is wrong."""
+def _quick_check(entry: layout.Entry) -> None:
+    """What `ls` checks without --checksums: resume's pre-load checks that read no tensor data
+    (manifest, sizes, .metadata checksum)."""
+    layout.validate(entry, allow_foreign_owner=True)
+    layout.verify_files(entry.path, entry.manifest or {}, [integrity.METADATA_NAME])
+
+
+def _problem(entry: layout.Entry, full: bool, progress=None) -> str | None:
+    """None when intact, else what is wrong (never raises for a problem of this checkpoint)."""
+    if entry.damaged:
+        return entry.problem
     try:
-        layout.validate(entry, allow_foreign_owner=True)
-        if checksums:
-            _verify_crcs(entry, progress)
+        if full:
+            layout.verify_entry(entry, progress)
+        else:
+            _quick_check(entry)
     except CheckpointCorrupt as e:
         return str(e)
     except OSError as e:
@@ -53,98 +72,112 @@ def _check(entry: layout.Entry, checksums: bool, progress=None) -> str | None:
     return None
 
 
-def _verify_crcs(entry: layout.Entry, progress=None) -> None:
-    files = entry.manifest["files"]  # type: ignore[index]
-    total = sum(int(m.get("size", 0)) for m in files.values())
-    done, t0 = 0, time.monotonic()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    for name, meta in sorted(files.items()):
-        crc = 0
-        with open(entry.path / name, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                crc = zlib.crc32(view[:n], crc)
-                done += n
-                if progress:
-                    progress(done, total, time.monotonic() - t0)
-        if crc != meta["crc32"]:
-            raise CheckpointCorrupt(f"{entry.path / name}: checksum mismatch (file damaged)")
-
-
 def setup_ls(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help="checkpoint directory (checkpoint.dir)")
+    p.add_argument("dir", help="checkpoint directory (checkpoint.dir), one step_* directory, or "
+                               f"a directory with checkpoint directories up to {_SEARCH_DEPTH} "
+                               "levels below it")
     p.add_argument("--checksums", action="store_true",
                    help="re-read every file and compare checksums (slow for large checkpoints)")
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    root = _root(args.dir)
-    entries = _entries(root)
-    if not entries:
-        sys.stdout.write(f"{root}: no checkpoints\n")
+    given = _target(args.dir)
+    groups, nothing = _groups(given)
+    if not groups:
+        sys.stdout.write(nothing + "\n")
         return 0
-    rows = [("step", "time", "size", "reason", "committed", "verified", "path")]
     bad = 0
+    for i, (root, entries) in enumerate(groups):
+        if root != given and layout.parse_name(given.name) is None:
+            sys.stdout.write(("\n" if i else "") + f"{root}:\n")
+        bad += _ls_table(entries, args.checksums)
+    if bad:
+        sys.stdout.write(f"{bad} checkpoint(s) DAMAGED: resume skips them; run "
+                         f"`kempner-resilience verify {given}` for a full check\n")
+    return 1 if bad else 0
+
+
+def _ls_table(entries: list[layout.Entry], checksums: bool) -> int:
+    rows = [("step", "time", "size", "reason", "committed", "verified", "path")]
+    problems = []
     for e in reversed(entries):  # newest first
         m = e.manifest or {}
         when = (datetime.fromtimestamp(m["committed_at"]).strftime("%Y-%m-%d %H:%M:%S")
                 if m.get("committed_at") else "-")
-        if not e.committed:
+        if not e.committed and not e.damaged:
             verdict = "-"
         else:
-            problem = _check(e, args.checksums)
-            verdict = ("checksums ok" if args.checksums else "sizes ok") if problem is None \
-                else "BAD"
-            bad += problem is not None
+            problem = _problem(e, checksums)
+            verdict = ("checksums ok" if checksums else "sizes ok") if problem is None \
+                else "DAMAGED"
+            if problem is not None:
+                problems.append(f"  {e.path.name}: {problem}")
+        # A manifest exists only once committed (atomic rename): a damaged one was committed.
+        committed = "yes" if e.committed or e.damaged else "no (partial)"
         rows.append((str(e.step), when, _size(int(m.get("nbytes", 0))) if m else "-",
-                     str(m.get("reason", "-")), "yes" if e.committed else "no (partial)",
-                     verdict, e.path.name))
+                     str(m.get("reason", "-")), committed, verdict, e.path.name))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
-    if bad:
-        sys.stdout.write(f"{bad} committed checkpoint(s) failed verification: run "
-                         f"`kempner-resilience verify {root}` for details\n")
-    return 1 if bad else 0
+    for line in problems:
+        sys.stdout.write(line + "\n")
+    return len(problems)
 
 
 def setup_verify(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="one step_* directory, or a checkpoint directory (checks every "
-                                "committed checkpoint in it)")
+    p.add_argument("path", help="one step_* directory, a checkpoint directory (checks every "
+                                "committed checkpoint in it), or a directory with checkpoint "
+                                f"directories up to {_SEARCH_DEPTH} levels below it")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    root = _root(args.path)
-    entries = [e for e in _entries(root) if e.committed]
-    if not entries:
-        raise CliError(f"{root}: no committed checkpoint here (a step directory without "
-                       f"{layout.MANIFEST_NAME} was never committed and is never resumed from)")
+    given = _target(args.path)
+    groups, nothing = _groups(given)
+    if not groups:
+        raise CliError(nothing)
     tty = sys.stderr.isatty() and not args.quiet
-    failed = 0
-    for e in entries:
-        def progress(done: int, total: int, took: float, name=e.path.name) -> None:
+    failed = checked = 0
+    for root, entries in groups:
+        if root != given and layout.parse_name(given.name) is None:
+            sys.stdout.write(f"{root}:\n")
+        todo = [e for e in entries if e.committed or e.damaged]
+        partial = len(entries) - len(todo)
+        if not todo:
+            if layout.parse_name(given.name) is not None or len(groups) == 1:
+                raise CliError(f"{given}: no committed checkpoint here (a step directory without "
+                               f"{layout.MANIFEST_NAME} was never committed and is never resumed "
+                               "from)")
+        for e in todo:
+            def progress(done: int, total: int, took: float, name=e.path.name) -> None:
+                if tty:
+                    rate = done / took / 2**30 if took > 0 else 0.0
+                    sys.stderr.write(f"\r{name}: {100 * done / max(total, 1):5.1f}% of "
+                                     f"{_size(total)} ({rate:.2f} GiB/s)")
+                    sys.stderr.flush()
+            problem = _problem(e, True, progress)
             if tty:
-                rate = done / took / 2**30 if took > 0 else 0.0
-                sys.stderr.write(f"\r{name}: {100 * done / max(total, 1):5.1f}% of "
-                                 f"{_size(total)} ({rate:.2f} GiB/s)")
-                sys.stderr.flush()
-        problem = _check(e, True, progress)
-        if tty:
-            sys.stderr.write("\r\033[K")
-        if problem is None:
-            sys.stdout.write(f"OK   {e.path} (step {e.step}, {len(e.manifest['files'])} files, "
-                             f"{_size(int(e.manifest.get('nbytes', 0)))})\n")
-        else:
-            failed += 1
-            sys.stdout.write(f"BAD  {e.path}: {problem}\n")
+                sys.stderr.write("\r\033[K")
+            checked += 1
+            if problem is None:
+                man = e.manifest or {}
+                sys.stdout.write(f"OK       {e.path} (step {e.step}, {len(man['files'])} files, "
+                                 f"{_size(int(man.get('nbytes', 0)))})\n")
+            else:
+                failed += 1
+                sys.stdout.write(f"DAMAGED  {e.path}: {problem}\n")
+        if partial:
+            sys.stdout.write(f"         ({partial} partial step director"
+                             f"{'y' if partial == 1 else 'ies'} in {root} not checked: never "
+                             "committed, never resumed from)\n")
     if failed:
-        sys.stdout.write(f"{failed} of {len(entries)} checkpoint(s) damaged; resume skips them "
-                         "and falls back to the newest intact one\n")
+        sys.stdout.write(f"{failed} of {checked} checkpoint(s) DAMAGED; resume skips them and "
+                         "falls back to the newest intact one\n")
     return 1 if failed else 0
 
 
 register("ls", "list the checkpoints in a directory: step, time, size, reason, committed, "
          "verified", setup_ls, run_ls)
-register("verify", "re-read a checkpoint and check every file against its checksums; non-zero "
-         "exit when anything is wrong", setup_verify, run_verify)
+register("verify", "re-read checkpoints and check the manifest, .metadata and every record and "
+         "file against their checksums; exit 1 when anything is damaged", setup_verify,
+         run_verify)

@@ -5,6 +5,8 @@ A checkpoint lives in its own fresh directory ``<root>/step_<9 digits>[.<n>]``; 
 existing one: DCP rewrites shards in place before replacing ``.metadata``). The directory becomes
 a checkpoint only when ``MANIFEST.json`` appears in it, written last, atomically, by rank 0 after
 every rank's files are durable. Nothing else (``.metadata``, shard files) counts as a commit.
+Because the commit is an atomic rename, a ``MANIFEST.json`` that is present but cannot be read or
+parsed is damage, not an interrupted save: such a directory is listed as damaged, never as partial.
 
 Deletion renames the directory to ``.trash-...`` first (atomic, and the new name no longer matches
 the step pattern), then removes it, so a crash mid-delete never leaves a half-deleted directory
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from kempner_resilience.checkpoint import integrity
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointInfo
 from kempner_resilience.log import get_logger
 
@@ -90,12 +93,20 @@ def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     fsync_dir(path.parent)
 
 
+class NotCommitted(CheckpointCorrupt):
+    """The step directory has no manifest: a save that never finished (not damage)."""
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
-    """The parsed manifest of a step directory; CheckpointCorrupt if missing or malformed."""
+    """The parsed manifest of a step directory. NotCommitted if there is none; CheckpointCorrupt
+    if it cannot be read (permissions, I/O, not a file) or is malformed."""
     try:
         raw = (path / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
-        raise CheckpointCorrupt(f"{path}: no {MANIFEST_NAME} (never committed)") from None
+        raise NotCommitted(f"{path}: no {MANIFEST_NAME} (never committed)") from None
+    except OSError as e:
+        raise CheckpointCorrupt(f"{path / MANIFEST_NAME}: cannot be read ({e.strerror}); check "
+                                "its permissions and the filesystem") from None
     try:
         man = json.loads(raw)
     except ValueError as e:
@@ -113,11 +124,18 @@ class Entry:
     path: Path
     step: int
     attempt: int
-    manifest: dict[str, Any] | None     # None: not committed (or manifest unreadable)
+    manifest: dict[str, Any] | None     # None: not committed, or damaged
+    problem: str | None = None          # why a present manifest cannot be used (damaged)
 
     @property
     def committed(self) -> bool:
+        """It has a manifest that parsed (its files may still turn out damaged)."""
         return self.manifest is not None
+
+    @property
+    def damaged(self) -> bool:
+        """It has a manifest that cannot be read or parsed: committed once, now unusable."""
+        return self.problem is not None
 
     def info(self) -> CheckpointInfo:
         m = self.manifest or {}
@@ -132,27 +150,72 @@ class Entry:
         return (self.step, float((self.manifest or {}).get("committed_at", 0.0)), self.attempt)
 
 
+def scan_one(path: Path) -> Entry | None:
+    """The step directory ``path`` as an Entry (None if it is not one of ours). Never raises for
+    a problem of this one directory: that is the Entry's ``problem``."""
+    parsed = parse_name(path.name)
+    if parsed is None:
+        return None
+    try:
+        if not path.is_dir():
+            return None
+        return Entry(path, parsed[0], parsed[1], read_manifest(path))
+    except NotCommitted:
+        return Entry(path, parsed[0], parsed[1], None)
+    except CheckpointCorrupt as e:
+        return Entry(path, parsed[0], parsed[1], None, str(e))
+    except OSError as e:
+        return Entry(path, parsed[0], parsed[1], None,
+                     f"{e.filename or path}: cannot be read ({e.strerror}); check its "
+                     "permissions and the filesystem")
+
+
 def scan(root: Path) -> list[Entry]:
-    """Our step directories under ``root``, oldest first (by step, then commit time)."""
+    """Our step directories under ``root``, oldest first (by step, then commit time). A
+    directory whose manifest is present but unusable is included with its ``problem``. Raises
+    OSError only when ``root`` itself cannot be listed (a missing root has no entries)."""
     out: list[Entry] = []
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return out
     for name in names:
-        parsed = parse_name(name)
-        path = root / name
-        if parsed is None or not path.is_dir():
-            continue
-        try:
-            manifest: dict[str, Any] | None = read_manifest(path)
-        except CheckpointCorrupt as e:
-            manifest = None
-            if (path / MANIFEST_NAME).exists():
-                log.warning("ignoring %s: %s", path, e)
-        out.append(Entry(path, parsed[0], parsed[1], manifest))
+        entry = scan_one(root / name)
+        if entry is not None:
+            out.append(entry)
     out.sort(key=Entry.sort_key)
     return out
+
+
+def find_roots(top: Path, max_depth: int = 3, max_dirs: int = 2000) -> tuple[list[Path], bool]:
+    """Checkpoint roots (directories holding step directories) at or below ``top``, at most
+    ``max_depth`` levels down, looking at no more than ``max_dirs`` directories; and whether the
+    search was complete. Step directories, symlinks and hidden directories are not entered: a
+    user may point `ls` at a work directory (the demo's keeps ``resilient/checkpoints``)."""
+    roots: list[Path] = []
+    queue = [(top, 0)]
+    seen = 0
+    complete = True
+    while queue:
+        here, depth = queue.pop(0)
+        seen += 1
+        try:
+            with os.scandir(here) as it:
+                children = [(c.name, c.is_dir(), c.is_symlink()) for c in it]
+        except OSError:
+            continue
+        if any(is_dir and parse_name(name) for name, is_dir, _ in children):
+            roots.append(here)
+            continue
+        if depth >= max_depth:
+            continue
+        for name, is_dir, link in sorted(children):
+            if is_dir and not link and not name.startswith("."):
+                if seen + len(queue) >= max_dirs:
+                    complete = False
+                    break
+                queue.append((here / name, depth + 1))
+    return roots, complete
 
 
 def check_owner(path: Path, allow_foreign_owner: bool) -> None:
@@ -169,23 +232,32 @@ def check_owner(path: Path, allow_foreign_owner: bool) -> None:
 
 
 def validate(entry: Entry, allow_foreign_owner: bool) -> None:
-    """Cheap checks (no data read): manifest sane, every file present, right size, our owner."""
+    """Cheap checks (no data read), the ones resume runs before loading: the manifest is
+    consistent (``integrity.check_manifest``) and names this directory's step, every file is
+    present with its size, and everything is ours. Any failure is a CheckpointCorrupt."""
     man = entry.manifest
     if man is None:
-        raise CheckpointCorrupt(f"{entry.path}: not committed")
+        raise CheckpointCorrupt(entry.problem or f"{entry.path}: not committed")
     if man["step"] != entry.step:
-        raise CheckpointCorrupt(f"{entry.path}: manifest says step {man['step']}")
-    check_owner(entry.path, allow_foreign_owner)
-    check_owner(entry.path / MANIFEST_NAME, allow_foreign_owner)
-    for name, meta in man["files"].items():
-        p = entry.path / name
-        try:
-            st = p.stat()
-        except FileNotFoundError:
-            raise CheckpointCorrupt(f"{p}: listed in the manifest but missing") from None
-        if st.st_size != meta.get("size"):
-            raise CheckpointCorrupt(f"{p}: {st.st_size} bytes, manifest says {meta.get('size')}")
-        check_owner(p, allow_foreign_owner)
+        raise CheckpointCorrupt(f"{entry.path}: the manifest says step {man['step']}, the "
+                                f"directory name step {entry.step} (manifest damaged or "
+                                "directory renamed)")
+    integrity.check_manifest(entry.path, man)
+    try:
+        check_owner(entry.path, allow_foreign_owner)
+        check_owner(entry.path / MANIFEST_NAME, allow_foreign_owner)
+        for name, meta in man["files"].items():
+            p = entry.path / name
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                raise CheckpointCorrupt(f"{p}: listed in the manifest but missing") from None
+            if st.st_size != meta["size"]:
+                raise CheckpointCorrupt(f"{p}: {st.st_size} bytes, manifest says {meta['size']}")
+            check_owner(p, allow_foreign_owner)
+    except OSError as e:
+        raise CheckpointCorrupt(f"{e.filename or entry.path}: cannot be read ({e.strerror}); "
+                                "check its permissions and the filesystem") from None
 
 
 def file_crc(path: Path) -> int:
@@ -199,12 +271,23 @@ def file_crc(path: Path) -> int:
     return crc
 
 
-def verify_files(path: Path, manifest: dict[str, Any], names: Iterable[str] | None = None) -> None:
-    """Full verification: re-read files and compare CRCs with the manifest (CLI, tests, .metadata)."""
-    for name in (manifest["files"] if names is None else names):
-        meta = manifest["files"][name]
-        if file_crc(path / name) != meta["crc32"]:
-            raise CheckpointCorrupt(f"{path / name}: checksum mismatch (file damaged)")
+def verify_files(path: Path, manifest: dict[str, Any], names: Iterable[str] | None = None,
+                 progress: integrity.Progress | None = None) -> None:
+    """Re-read files (default: all) and check every record's and file's CRC against the manifest
+    (resume: .metadata; `verify`: everything). See ``integrity.verify_data``."""
+    integrity.verify_data(path, manifest, names, progress)
+
+
+def verify_entry(entry: Entry, progress: integrity.Progress | None = None) -> None:
+    """Every check there is, for `kempner-resilience verify`: the cheap ones resume runs first
+    (any owner accepted: nothing is loaded), the ``.metadata`` CRC, ``.metadata`` parsed and
+    matched against the manifest's records, then every byte of every file."""
+    validate(entry, allow_foreign_owner=True)
+    man = entry.manifest or {}
+    verify_files(entry.path, man, [integrity.METADATA_NAME])
+    integrity.check_metadata(entry.path, integrity.load_metadata(entry.path), man)
+    verify_files(entry.path, man, [n for n in man["files"] if n != integrity.METADATA_NAME],
+                 progress)
 
 
 def looks_ours(path: Path) -> bool:
@@ -252,7 +335,9 @@ def select_for_deletion(entries: list[Entry], keep_last: int, keep_every: int,
         keep.update(e.path for e in committed if e.step % keep_every == 0)
     out = []
     for e in entries:
-        if e.path in keep or e.path in protected or not looks_ours(e.path):
+        # A damaged manifest might be a transient read error; it is not ours to judge, and
+        # `ls`/`verify` report it.
+        if e.damaged or e.path in keep or e.path in protected or not looks_ours(e.path):
             continue
         if e.committed or e.step <= newest.step:
             out.append(e)

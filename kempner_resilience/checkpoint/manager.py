@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never on the emergency path
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 
-from kempner_resilience.checkpoint import layout
+from kempner_resilience.checkpoint import integrity, layout
 from kempner_resilience.checkpoint.comm import Comm, PendingMax
 from kempner_resilience.checkpoint.estimate import Estimate, SaveEstimator
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
@@ -54,7 +54,9 @@ def _describe(err: BaseException | None) -> str | None:
     if err is None:
         return None
     if isinstance(err, CheckpointException):
-        causes = [getattr(f, "exc", f) for _, f in sorted(err.failures.items())]
+        # Each failure is (exception, traceback frames) in current torch, else the exception.
+        causes = [f[0] if isinstance(f, tuple) and f else getattr(f, "exc", f)
+                  for _, f in sorted(err.failures.items())]
         return "; ".join(f"rank {r}: {type(c).__name__}: {c}"
                          for r, c in zip(sorted(err.failures), causes))[-4000:]
     return f"{type(err).__name__}: {err}"[-4000:]
@@ -214,6 +216,9 @@ class CheckpointManager:
         """The newest committed checkpoint that passes the cheap checks (manifest, file sizes,
         owner); bad ones are logged and skipped. Local (no collectives), reads no data."""
         for entry in reversed(layout.scan(self.root)):
+            if entry.damaged:
+                log.warning("skipping checkpoint %s: %s", entry.path, entry.problem)
+                continue
             if not entry.committed:
                 continue
             try:
@@ -239,11 +244,20 @@ class CheckpointManager:
             return None
         with self._foreground():
             self._drain_background(raise_errors=False)
-            candidates = None
+            # Rank 0 lists, every rank tries the same list: all make the same choice. Damaged
+            # entries are tried too, so the warning below names them and the fall-back is
+            # the same as for any other per-checkpoint error.
+            listing: tuple[list[str] | None, str | None] = (None, None)
             if self.rank == 0:
-                candidates = [str(e.path) for e in reversed(layout.scan(self.root))
-                              if e.committed]
-            candidates = self._fg.broadcast_object(candidates)
+                try:
+                    listing = ([str(e.path) for e in reversed(layout.scan(self.root))
+                                if e.committed or e.damaged], None)
+                except OSError as e:
+                    listing = (None, f"{e.strerror}")
+            candidates, err = self._fg.broadcast_object(listing)
+            if candidates is None:
+                raise CheckpointError(f"cannot list the checkpoints in {self.root} ({err}); fix "
+                                      "its permissions or set checkpoint.resume: false")
             failures: list[str] = []
             for p in candidates:
                 info, why = self._try_load(Path(p))
@@ -266,24 +280,32 @@ class CheckpointManager:
     def _try_load(self, path: Path) -> tuple[CheckpointInfo | None, str]:
         t0 = time.monotonic()
         local: str | None = None
-        entry = None
+        entry = reader = None
+        sd: dict[str, Any] = {}
+        blob_key: str | None = None
+        # Everything before dcp.load is local: any error on any rank is gathered, so every rank
+        # skips this checkpoint together (dcp.load itself fails on all ranks together).
         try:
             parsed = layout.parse_name(path.name)
             entry = layout.Entry(path, parsed[0] if parsed else -1, parsed[1] if parsed else 0,
                                  layout.read_manifest(path))
             layout.validate(entry, self.config.allow_foreign_owner)
             if self.config.verify:
-                layout.verify_files(path, entry.manifest or {}, [".metadata"])
+                layout.verify_files(path, entry.manifest or {}, [integrity.METADATA_NAME])
+            reader = VerifyingReader(path, entry.manifest, verify=self.config.verify,
+                                     threads=self.config.io_threads)
+            metadata = reader.read_metadata()
+            integrity.check_metadata(path, metadata, entry.manifest or {})
+            sd, blob_key = self.state.load_template(self.rank, set(metadata.state_dict_metadata))
         except (CheckpointError, OSError) as e:
-            local = str(e)
-        errors = [e for e in self._fg.all_gather_object(local) if e]
-        if errors or entry is None:
+            local = str(e) if isinstance(e, CheckpointError) else \
+                f"{e.filename or path}: {e.strerror or e}"
+        except Exception as e:   # noqa: BLE001 - unpickling a damaged .metadata raises anything
+            local = f"{path}: {_describe(e)}"
+        errors = list(dict.fromkeys(e for e in self._fg.all_gather_object(local) if e))
+        if errors or entry is None or reader is None:
             return None, "; ".join(errors)
-        reader = VerifyingReader(path, entry.manifest, verify=self.config.verify,
-                                 threads=self.config.io_threads)
         try:
-            keys = set(reader.read_metadata().state_dict_metadata)
-            sd, blob_key = self.state.load_template(self.rank, keys)
             dcp.load(sd, storage_reader=reader, process_group=self._fg.dcp_group)
         except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
             return None, _describe(e) or "load failed"

@@ -1,0 +1,223 @@
+"""Integrity checks of one checkpoint against its manifest: one implementation for resume and
+`kempner-resilience verify`, so what they accept cannot drift apart.
+
+Three levels, each reading more than the one before:
+
+* ``check_manifest`` reads nothing but the manifest: file names, sizes, checksums present, the
+  records of each data file tiling it exactly, and their CRCs combining to the file's CRC.
+* ``check_metadata`` compares DCP's ``.metadata`` with the manifest: every storage entry DCP
+  would read (file, offset, length) is exactly one manifest record, and every record is read.
+* ``verify_data`` reads every byte: each record's CRC and each file's size and CRC.
+
+Resume runs the first two before loading (``.metadata`` CRC included when ``checkpoint.verify``)
+and checks record CRCs while it loads (``VerifyingReader``); `verify` runs all three.
+Every failure is a ``CheckpointCorrupt`` naming the file and what is wrong with it.
+
+Nothing here imports torch: `ls` and `verify` start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from kempner_resilience.checkpoint.crc import crc32_combine
+from kempner_resilience.checkpoint.info import CheckpointCorrupt
+
+__all__ = ["METADATA_NAME", "check_manifest", "check_metadata", "load_metadata", "verify_data"]
+
+METADATA_NAME = ".metadata"
+_DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
+_READ_CHUNK = 16 << 20
+
+# (bytes done, bytes total, seconds since start): progress of ``verify_data``.
+Progress = Callable[[int, int, float], None]
+
+
+def _uint(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Whether the manifest of ``path`` describes a checkpoint our writer could have produced;
+    reads no file. A record CRC or a file CRC edited alone is caught here: they stop adding up."""
+    files = manifest["files"]
+    if METADATA_NAME not in files:
+        raise CheckpointCorrupt(f"{path}: the manifest lists no {METADATA_NAME} (manifest damaged)")
+    for name, meta in files.items():
+        if name != METADATA_NAME and not _DATA_RE.match(name):
+            raise CheckpointCorrupt(f"{path}: the manifest lists {name!r}, which is not a "
+                                    "checkpoint file (manifest damaged)")
+        where = path / name
+        if not isinstance(meta, dict) or not _uint(meta.get("size")) or not _uint(
+                meta.get("crc32")):
+            raise CheckpointCorrupt(f"{where}: the manifest has no valid size and checksum for "
+                                    "it (manifest damaged)")
+        if name == METADATA_NAME:
+            continue
+        records = meta.get("records")
+        if not isinstance(records, list):
+            raise CheckpointCorrupt(f"{where}: the manifest has no record list for it "
+                                    "(manifest damaged)")
+        pos = crc = 0
+        for rec in records:
+            if not (isinstance(rec, list) and len(rec) >= 3 and all(_uint(x) for x in rec[:3])):
+                raise CheckpointCorrupt(f"{where}: malformed record {rec!r} in the manifest "
+                                        "(manifest damaged)")
+            if rec[0] != pos:
+                raise CheckpointCorrupt(f"{where}: the manifest's records do not tile the file "
+                                        f"(a record at byte {rec[0]}, expected one at {pos}; "
+                                        "manifest damaged)")
+            crc = crc32_combine(crc, rec[2], rec[1])
+            pos += rec[1]
+        if pos != meta["size"]:
+            raise CheckpointCorrupt(f"{where}: the manifest's records cover {pos} bytes but it "
+                                    f"gives the file {meta['size']} (manifest damaged)")
+        if crc != meta["crc32"]:
+            raise CheckpointCorrupt(f"{where}: the record checksums in the manifest do not "
+                                    "combine to its file checksum (manifest damaged)")
+
+
+def check_metadata(path: Path, metadata: Any, manifest: dict[str, Any]) -> None:
+    """Whether DCP's parsed ``.metadata`` (``metadata``) and the manifest describe the same bytes:
+    a load reads exactly the (file, offset, length) that ``.metadata`` names, so each must be one
+    CRC-checked manifest record, and a record nobody reads means the two disagree."""
+    where = path / METADATA_NAME
+    storage = getattr(metadata, "storage_data", None)
+    tensors = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(storage, dict) or not isinstance(tensors, dict):
+        raise CheckpointCorrupt(f"{where}: not the metadata of a DCP checkpoint (file damaged)")
+    records = {(name, rec[0]): rec[1] for name, meta in manifest["files"].items()
+               for rec in meta.get("records", ())}
+    seen: set[tuple[str, int]] = set()
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", index)
+        key = (getattr(info, "relative_path", None), getattr(info, "offset", None))
+        length = getattr(info, "length", None)
+        if key not in records:
+            raise CheckpointCorrupt(f"{where}: {fqn!r} is stored at {key[0]}@{key[1]}, where the "
+                                    "manifest has no record (.metadata or manifest damaged)")
+        if records[key] != length:
+            raise CheckpointCorrupt(f"{where}: {fqn!r} is {length} bytes at {key[0]}@{key[1]}, "
+                                    f"the manifest's record there is {records[key]} bytes "
+                                    "(.metadata or manifest damaged)")
+        if key in seen:
+            raise CheckpointCorrupt(f"{where}: two entries share {key[0]}@{key[1]} "
+                                    "(file damaged)")
+        if fqn not in tensors:
+            raise CheckpointCorrupt(f"{where}: {fqn!r} has stored data but no entry in the "
+                                    "state dict metadata (file damaged)")
+        seen.add(key)
+    unread = sorted(set(records) - seen)
+    if unread:
+        name, offset = unread[0]
+        raise CheckpointCorrupt(f"{path / name}@{offset}: a record in the manifest that "
+                                f"{METADATA_NAME} does not name ({len(unread)} such; .metadata "
+                                "or manifest damaged)")
+
+
+class _Stub:
+    """Stands in for a torch type or value a ``.metadata`` pickle names, keeping what it was
+    given (constructor arguments, attributes): enough for ``check_metadata``, and unpickling
+    it runs no code and needs no torch import."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_args"] = args
+
+    def __setstate__(self, state: Any) -> None:
+        parts = state if isinstance(state, tuple) and len(state) == 2 and all(
+            s is None or isinstance(s, dict) for s in state) else (state,)
+        for part in parts:
+            if isinstance(part, dict):
+                self.__dict__.update(part)
+            elif part is not None:
+                self.__dict__["_state"] = part
+
+
+# Harmless builtins a .metadata may hold as themselves; torch and pathlib names become stubs;
+# anything else is refused: a DCP .metadata never names it, and importing it could run code.
+_REAL = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+         ("builtins", "slice"), ("builtins", "complex")}
+
+
+def load_metadata(path: Path) -> Any:
+    """DCP's ``.metadata`` of checkpoint ``path``, parsed without importing what it names (see
+    ``_Stub``): the storage entries and state dict keys ``check_metadata`` compares."""
+    where = path / METADATA_NAME
+    stubs: dict[tuple[str, str], type] = {}
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) in _REAL:
+                return super().find_class(module, name)
+            if module == "torch" or module.startswith("torch.") or module == "pathlib":
+                return stubs.setdefault((module, name), type(name, (_Stub,), {}))
+            raise CheckpointCorrupt(f"{where}: refers to {module}.{name}, which a DCP "
+                                    ".metadata never holds; not loaded (file damaged or not "
+                                    "ours)")
+
+    try:
+        with open(where, "rb") as f:
+            return _Unpickler(f).load()
+    except CheckpointCorrupt:
+        raise
+    except OSError as e:
+        raise CheckpointCorrupt(f"{where}: cannot be read ({e.strerror}); check its permissions "
+                                "and the filesystem") from None
+    except Exception as e:      # noqa: BLE001 - unpickling damaged bytes raises anything
+        raise CheckpointCorrupt(f"{where}: does not parse ({type(e).__name__}: {e}; file "
+                                "damaged)") from None
+
+
+def verify_data(path: Path, manifest: dict[str, Any], names: Iterable[str] | None = None,
+                progress: Progress | None = None) -> None:
+    """Re-read files of checkpoint ``path`` (default: all) and check each record's CRC, then the
+    file's size and CRC. Call ``check_manifest`` first: records are assumed to tile each file."""
+    import time
+
+    files = manifest["files"]
+    chosen = sorted(files if names is None else names)
+    total = sum(int(files[n]["size"]) for n in chosen)
+    buf = bytearray(min(_READ_CHUNK, max(total, 1)))
+    view = memoryview(buf)
+    done, t0 = 0, time.monotonic()
+    for name in chosen:
+        meta = files[name]
+        p = path / name
+        records = meta.get("records")
+        if records is None:          # .metadata: one whole-file checksum
+            records = [[0, meta["size"], meta["crc32"]]]
+        got = 0
+        try:
+            with open(p, "rb", buffering=0) as f:
+                for rec in records:
+                    offset, length, want = rec[0], rec[1], rec[2]
+                    crc, left = 0, length
+                    while left:
+                        n = f.readinto(view[:min(left, len(buf))])
+                        if not n:
+                            raise CheckpointCorrupt(
+                                f"{p}: ends at byte {offset + length - left}, the manifest "
+                                f"says {meta['size']} bytes (truncated)")
+                        crc = zlib.crc32(view[:n], crc)
+                        left -= n
+                        done += n
+                        if progress is not None:
+                            progress(done, total, time.monotonic() - t0)
+                    if crc != want:
+                        at = f"@{offset}" if "records" in meta else ""
+                        raise CheckpointCorrupt(f"{p}{at}: checksum mismatch (file damaged)")
+                    got = crc32_combine(got, crc, length)
+                if f.read(1):
+                    raise CheckpointCorrupt(f"{p}: longer than the {meta['size']} bytes the "
+                                            "manifest says (file damaged)")
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"{p}: listed in the manifest but missing") from None
+        except OSError as e:
+            raise CheckpointCorrupt(f"{p}: cannot be read ({e.strerror}); check its "
+                                    "permissions and the filesystem") from None
+        if got != meta["crc32"]:
+            raise CheckpointCorrupt(f"{p}: checksum mismatch (file damaged)")
