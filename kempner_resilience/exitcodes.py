@@ -28,6 +28,7 @@ class ExitCode(enum.IntEnum):
     CONFIG = 78
     REQUEUE_FAILED = 79
     CHECKPOINT_FAILED = 80
+    PEER_LOST = 81
     SIGINT = 128 + signal.SIGINT
     SIGTERM = 128 + signal.SIGTERM
 
@@ -44,12 +45,15 @@ NO_REQUEUE = ExitCode.NO_REQUEUE
 CONFIG = ExitCode.CONFIG
 REQUEUE_FAILED = ExitCode.REQUEUE_FAILED
 CHECKPOINT_FAILED = ExitCode.CHECKPOINT_FAILED
+PEER_LOST = ExitCode.PEER_LOST
 SIGINT = ExitCode.SIGINT
 SIGTERM = ExitCode.SIGTERM
 
 TABLE: dict[ExitCode, str] = {
     ExitCode.OK: "all steps finished",
-    ExitCode.ERROR: "an unhandled exception in the training script (Python's own code)",
+    ExitCode.ERROR: "an unhandled exception in the training script (Python's own code and "
+                    "traceback); the process is forced out watchdog.exit_timeout_s after the "
+                    "cleanups if something (an executor thread, a collective) holds it",
     ExitCode.USAGE: "the command line was wrong (CLI only)",
     ExitCode.HANG: "hang watchdog: no step finished within watchdog.hang_timeout_s; stacks were "
                    "dumped to stderr; resume from the last committed checkpoint",
@@ -68,6 +72,10 @@ TABLE: dict[ExitCode, str] = {
                              "resubmit the job by hand",
     ExitCode.CHECKPOINT_FAILED: "the emergency checkpoint failed or could not fit before the "
                                 "deadline; the previous committed checkpoint is intact",
+    ExitCode.PEER_LOST: "another rank is gone (killed, its node died or its link was cut): a "
+                        "collective or the store failed; this rank left within "
+                        "watchdog.exit_timeout_s without a traceback, and rank 0 requeued the "
+                        "job under SLURM when a committed checkpoint exists; resume from it",
     ExitCode.SIGINT: "stopped by SIGINT (Ctrl+C): checkpoint committed; a second Ctrl+C exits "
                      "at once with this code",
     ExitCode.SIGTERM: "stopped by SIGTERM (preemption, scancel): checkpoint committed; a second "

@@ -101,6 +101,7 @@ class ResilientRun:
         self._slurm: Any = None
         self._entered = False
         self._shutting_down = False
+        self._failed = False          # an exception ended the loop: the exit is bounded too
         self._done = False
 
     # ------------------------------------------------------------------ context
@@ -127,8 +128,11 @@ class ResilientRun:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
-            if exc_type is not None and not issubclass(exc_type, SystemExit):
+            if exc_type is not None and not issubclass(exc_type, SystemExit) \
+                    and not self._shutting_down:
                 self._exit_if_a_peer_was_forced_out(exc)
+                self._end_after_error(exc)      # raises SystemExit for a lost peer
+                return False
             signum = self._local_signum() or self._agreement.agreed_signum()
             if exc_type is None and signum and not self._shutting_down and not self._done:
                 # The loop was left early (a break after should_stop()) on a stop this rank
@@ -144,7 +148,7 @@ class ResilientRun:
         finally:
             self._hang.stop()
             # Past a completed shutdown the deadline still bounds the interpreter's exit.
-            self._handler.uninstall(keep_deadline=self._shutting_down
+            self._handler.uninstall(keep_deadline=(self._shutting_down or self._failed)
                                     and not _caller_survives_system_exit())
         return False
 
@@ -291,11 +295,7 @@ class ResilientRun:
         Only rank 0, only under SLURM (a local launcher sees the HANG code and decides), only
         with a committed checkpoint to come back to, and only within the restart budget.
         """
-        if self._slurm is None or self.rank != 0 or self._committed_step() is None:
-            return
-        code = self._requeue_decision()
-        log.warning("hang: %s", "job requeued" if code == ExitCode.REQUEUE
-                    else exitcodes.describe(int(code)))
+        self._requeue_after_failure("hang")
 
     def _shutdown(self, decision: StopDecision) -> None:
         """Emergency checkpoint, requeue decision, teardown; always raises SystemExit."""
@@ -352,6 +352,57 @@ class ResilientRun:
             self._handler.deadline.finished(code, self.config.watchdog.exit_timeout_s)
             _completed_shutdown_code[:] = [code]
         raise SystemExit(code) from None
+
+    def _end_after_error(self, exc: BaseException) -> None:
+        """An exception ended the loop. A collective that failed because a peer is gone ends
+        with PEER_LOST and one log line (rank 0 requeues under SLURM when a committed checkpoint
+        exists); anything else is the user's error and keeps its traceback and exit code 1.
+        Either way the exit is bounded: cleanups within the grace, the interpreter's exit
+        (executor threads, gloo/NCCL teardown waiting for dead peers) within exit_timeout_s."""
+        from kempner_resilience.faults import first_line, is_peer_failure
+
+        peer = is_peer_failure(exc)
+        code = ExitCode.PEER_LOST if peer else ExitCode.ERROR
+        survives = _caller_survives_system_exit()
+        self._failed = True
+        self._hang.stop()
+        if not survives:
+            self._handler.deadline.expect_exit(int(code), self.config.signals.grace_s,
+                                               f"exit after {type(exc).__name__}")
+        if peer:
+            log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), self.step)
+            self._requeue_after_failure("peer lost")
+        results = self._teardown.run(deadline=self._handler.deadline.deadline)
+        builtin = TeardownStack(self.config.watchdog.cleanup_timeout_s)
+        builtin.add(flush_logs, name="flush logs")
+        if not peer:     # with a peer gone, gloo/NCCL teardown would wait for it
+            builtin.add(destroy_process_group, name="destroy process group")
+        builtin.add(cuda_synchronize, name="cuda synchronize")
+        if self._ckpt is not None:
+            builtin.add(self._ckpt.close, name="drain checkpoint saves")
+        self.cleanup_results = results + builtin.run(deadline=self._handler.deadline.deadline)
+        self.exit_code = int(code)
+        self._write_report()
+        if survives:
+            return           # a notebook or test runner gets the exception itself
+        self._handler.deadline.finished(int(code), self.config.watchdog.exit_timeout_s)
+        if peer:
+            log.error("exiting with %s", exitcodes.describe(int(code)))
+            _completed_shutdown_code[:] = [int(code)]
+            raise SystemExit(int(code)) from None
+
+    def _requeue_after_failure(self, why: str) -> None:
+        """Rank 0, under SLURM, with a committed checkpoint to come back to, within the restart
+        budget: requeue now, since nobody else will (a local launcher sees the exit code)."""
+        if self._slurm is None or self.rank != 0 or self._committed_step() is None:
+            return
+        try:
+            code = self._requeue_decision()
+        except Exception as e:      # never let the requeue attempt stop the exit
+            log.error("%s: requeue failed: %s", why, e)
+            return
+        log.warning("%s: %s", why, "job requeued" if code == ExitCode.REQUEUE
+                    else exitcodes.describe(int(code)))
 
     def _emergency_checkpoint(self, decision: StopDecision) -> ExitCode | None:
         if self._ckpt is None:

@@ -184,6 +184,9 @@ class _DeadlineThread:
                     self._cond.acquire()
 
 
+_COMPLETED = "interpreter exit after a completed shutdown"
+
+
 class DeadlineWatchdog:
     """The shutdown deadline: armed at the first signal, it outlives checkpoint, requeue and exit.
 
@@ -233,10 +236,17 @@ class DeadlineWatchdog:
         self.arm(deadline, self._reason)
         return True
 
+    def expect_exit(self, code: int, within_s: float, reason: str) -> None:
+        """No signal came, but the process is on its way out (an error ended the loop): arm the
+        deadline ``within_s`` from now (an earlier one stays) and exit with ``code`` at it."""
+        self.arm(time.monotonic() + within_s, reason)
+        self._code = int(code)
+        self._reason = reason
+
     def finished(self, code: int, exit_timeout_s: float) -> None:
         """Our shutdown is done: from now on a late exit uses ``code``, within ``exit_timeout_s``."""
         self._code = int(code)
-        self._reason = "interpreter exit after a completed shutdown"
+        self._reason = _COMPLETED
         if self._thread is not None:
             self.tighten(time.monotonic() + exit_timeout_s)
 
@@ -254,6 +264,8 @@ class DeadlineWatchdog:
             dump_all_stacks(f"shutdown deadline passed ({self._reason}); stacks of all threads")
         else:
             log.warning("%s exceeded its time: forcing exit with %d", self._reason, self._code)
+            if self._reason != _COMPLETED:
+                dump_all_stacks(f"{self._reason}: forced exit; stacks of all threads")
         os._exit(self._code)
 
 

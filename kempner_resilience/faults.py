@@ -1,0 +1,64 @@
+"""What an exception that ended the training loop says about the job: a lost peer, or a bug.
+
+A rank whose peer died (a killed process, a dead node, a cut link) learns it only through its
+own collectives: gloo raises ``Connection closed by peer``/``reset by peer``, NCCL an aborted
+communicator or a watchdog timeout, the TCPStore a broken connection. That is not a bug in the
+training script and deserves its own exit code (``PEER_LOST``) and one log line, not a traceback:
+the job resumes from its last committed checkpoint. Anything else is the user's error and keeps
+Python's traceback and exit code 1.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["is_peer_failure", "first_line"]
+
+# Seen from gloo, NCCL and c10d's store when the other side of a collective is gone.
+_PEER_TEXT = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "socket timeout",
+    "timed out",
+    "nccl communicator was aborted",
+    "ncclremoteerror",
+    "ncclsystemerror",
+    "remote process exited",
+    "peer",                      # gloo's enforce messages name the peer in various words
+)
+
+
+def _dist_error_types() -> tuple[type[BaseException], ...]:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:                   # torch.distributed never imported: no collective ran
+        return ()
+    return tuple(t for t in (getattr(dist, n, None) for n in
+                             ("DistBackendError", "DistNetworkError", "DistStoreError"))
+                 if isinstance(t, type))
+
+
+def is_peer_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a collective or store failure
+    caused by another rank being gone, rather than a bug in the training code."""
+    seen = 0
+    types = _dist_error_types()
+    while exc is not None and seen < 8:
+        if types and isinstance(exc, types):
+            return True
+        if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)):
+            text = str(exc).lower()
+            if any(t in text for t in _PEER_TEXT) and ("gloo" in text or "nccl" in text
+                                                       or "c10d" in text or "peer" in text
+                                                       or "store" in text):
+                return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``, for one-line logs."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
