@@ -85,12 +85,17 @@ class CheckpointManager:
     ``state`` maps names to ``nn.Module`` (plain or DDP), optimizers (paired with the module that
     owns their parameters) and any object with ``state_dict()``/``load_state_dict()``. ``rank`` and
     ``world_size`` are this process's place in ``process_group`` (default: the default group);
-    with ``world_size == 1`` torch.distributed need not be initialized.
+    with ``world_size == 1`` torch.distributed need not be initialized. ``run_id``, when given,
+    is written into each step directory's ownership marker, and retention then leaves alone
+    directories whose marker names another run (it never deletes what this package did not
+    write, see ``layout.why_not_ours``).
     """
 
     def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
-                 world_size: int = 1, process_group: Any = None) -> None:
+                 world_size: int = 1, process_group: Any = None,
+                 run_id: str | None = None) -> None:
         self.config = config
+        self.run_id = run_id
         self.root = Path(config.dir).expanduser().absolute()
         self.rank = rank
         self.world_size = world_size
@@ -118,6 +123,7 @@ class CheckpointManager:
         self._pending_time: PendingMax | None = None
         self._last_committed: CheckpointInfo | None = None
         self._retention_thread: threading.Thread | None = None
+        self._left_alone: set[Path] = set()       # what retention already said it leaves alone
         self._closed = False
         # Entered around every foreground save/load: ResilientRun widens the hang budget here.
         self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
@@ -178,7 +184,7 @@ class CheckpointManager:
                     f"checkpoint needs ~{need / _GIB:.3f} GiB; free space there or point "
                     "checkpoint.dir at a larger filesystem")
             if self.rank == 0:
-                layout.clean_trash(root)
+                layout.clean_trash(root, self.run_id, self._leave_alone)
         except CheckpointError as e:
             problem = str(e)
         except OSError as e:
@@ -427,7 +433,7 @@ class CheckpointManager:
         if self.rank == 0:
             self._join_retention()     # it must not see our new, still partial directory
             try:
-                choice = (str(layout.create_step_dir(self.root, step)), None)
+                choice = (str(layout.create_step_dir(self.root, step, self.run_id)), None)
             except OSError as e:
                 choice = (None, _describe(e))
         path_s, err = comm.broadcast_object(choice)
@@ -497,6 +503,13 @@ class CheckpointManager:
         files: dict[str, Any] = {}
         for rank_files, _ in gathered:
             files.update(rank_files)
+        try:
+            # Listed like the data files, so verify and resume check it the same way.
+            marker = path / layout.MARKER_NAME
+            files[layout.MARKER_NAME] = {"size": marker.stat().st_size,
+                                         "crc32": layout.file_crc(marker), "rank": 0}
+        except OSError as e:
+            return _describe(e)
         manifest.update({
             "format": layout.FORMAT, "step": step, "world_size": self.world_size,
             "reason": reason, "committed_at": time.time(),
@@ -522,9 +535,10 @@ class CheckpointManager:
 
     def _retention(self) -> None:
         try:
-            layout.clean_trash(self.root)
+            layout.clean_trash(self.root, self.run_id, self._leave_alone)
             victims = layout.select_for_deletion(layout.scan(self.root), self.config.keep_last,
-                                                 self.config.keep_every, set(self._writing))
+                                                 self.config.keep_every, set(self._writing),
+                                                 run_id=self.run_id, on_skip=self._leave_alone)
             for e in victims:
                 log.info("retention: removing %s checkpoint %s",
                          "old" if e.committed else "abandoned partial", e.path)
@@ -532,6 +546,11 @@ class CheckpointManager:
                     layout.remove_dir(e.path)
         except OSError as e:
             log.warning("retention in %s failed (checkpoints are unaffected): %s", self.root, e)
+
+    def _leave_alone(self, path: Path, why: str) -> None:
+        if path not in self._left_alone:       # once per directory, not at every save
+            self._left_alone.add(path)
+            log.warning("retention: leaving %s alone: %s", path, why)
 
     # ----------------------------------------------------------------------------- estimates
 
