@@ -65,7 +65,8 @@ TABLE: dict[ExitCode, str] = {
     ExitCode.REQUEUE_FAILED: "emergency checkpoint committed but `scontrol requeue` failed; "
                              "resubmit the job by hand",
     ExitCode.CHECKPOINT_FAILED: "the emergency checkpoint failed or could not fit before the "
-                                "deadline; the previous committed checkpoint is intact",
+                                "deadline, or checkpoint.max_failed_saves periodic checkpoints "
+                                "in a row failed; the previous committed checkpoint is intact",
     ExitCode.SIGINT: "stopped by SIGINT (Ctrl+C): checkpoint committed; a second Ctrl+C exits "
                      "at once with this code",
     ExitCode.SIGTERM: "stopped by SIGTERM (preemption, scancel): checkpoint committed; a second "

@@ -89,6 +89,10 @@ class CheckpointManager:
     is written into each step directory's ownership marker, and retention then leaves alone
     directories whose marker names another run (it never deletes what this package did not
     write, see ``layout.why_not_ours``).
+
+    A failed periodic save (full disk, I/O error) does not raise: it is logged, the partial
+    directory removed, and the next periodic save tries again; ``maybe_save`` raises
+    ``CheckpointError`` once ``config.max_failed_saves`` periodic saves in a row have failed.
     """
 
     def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
@@ -124,6 +128,8 @@ class CheckpointManager:
         self._last_committed: CheckpointInfo | None = None
         self._retention_thread: threading.Thread | None = None
         self._left_alone: set[Path] = set()       # what retention already said it leaves alone
+        self._failed_saves = 0                    # periodic saves failed in a row (all ranks alike)
+        self._last_failure = ""
         self._closed = False
         # Entered around every foreground save/load: ResilientRun widens the hang budget here.
         self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
@@ -140,6 +146,11 @@ class CheckpointManager:
     def last_committed(self) -> CheckpointInfo | None:
         """The newest checkpoint this manager committed or resumed from."""
         return self._last_committed
+
+    @property
+    def failed_saves(self) -> int:
+        """Periodic saves that failed in a row since the last commit (the same on every rank)."""
+        return self._failed_saves
 
     @property
     def async_in_flight(self) -> bool:
@@ -310,7 +321,10 @@ class CheckpointManager:
     def maybe_save(self, step: int) -> CheckpointInfo | None:
         """Save if the cadence says so (``every_steps`` multiples, or ``every_minutes`` since the
         last save). Synchronous saves return their info; async ones return None (see ``wait``
-        and ``last_committed``). Collective: call it on every rank at every step."""
+        and ``last_committed``). A failed save is logged and returns None: the previous
+        checkpoint stays, the next periodic save tries again. Raises CheckpointError once
+        ``config.max_failed_saves`` in a row have failed (for async saves: when the next one is
+        due). Collective: call it on every rank at every step."""
         cfg = self.config
         due = cfg.every_steps > 0 and step % cfg.every_steps == 0
         if cfg.every_minutes > 0:
@@ -325,10 +339,30 @@ class CheckpointManager:
             if cfg.async_:
                 self._start_async(step)
             else:
-                info = self.save(step, reason="periodic")
+                try:
+                    info = self.save(step, reason="periodic")
+                except CheckpointError as e:     # raised on every rank together
+                    self._last_save_time = time.monotonic()   # retry at the next cadence
+                    self._periodic_failed(e)
         if cfg.every_minutes > 0 and self._fg.distributed:
             self._pending_time = self._fg.max_async(1.0 if self._minutes_due() else 0.0)
         return info
+
+    def _periodic_failed(self, err: BaseException) -> None:
+        self._failed_saves += 1
+        self._last_failure = str(err)
+        self._check_failures()
+        log.warning("%s Training goes on; the next periodic save tries again (%d of "
+                    "checkpoint.max_failed_saves=%d failed in a row).", err, self._failed_saves,
+                    self.config.max_failed_saves)
+
+    def _check_failures(self) -> None:
+        n, limit = self._failed_saves, self.config.max_failed_saves
+        if n >= limit:
+            raise CheckpointError(
+                f"{n} periodic checkpoints in a row failed (checkpoint.max_failed_saves={limit}), "
+                f"the last with: {self._last_failure} Fix the cause and restart the job; it "
+                "resumes from the newest committed checkpoint.")
 
     def _minutes_due(self) -> bool:
         return time.monotonic() - self._last_save_time >= self.config.every_minutes * 60
@@ -381,6 +415,7 @@ class CheckpointManager:
     def _start_async(self, step: int) -> None:
         with self._foreground():
             self._drain_background(raise_errors=False)
+            self._check_failures()
             t0 = time.monotonic()
             staged = self._stager.stage(self.state.capture(step, self.rank))
             self._stager.synchronize()
@@ -401,7 +436,15 @@ class CheckpointManager:
                                        t0, blocked)
         except BaseException as e:  # reported by wait()/logged here; never kills the thread
             bg.error = e
-            log.error("async checkpoint of step %d failed: %s", step, e)
+            if bg.abort.is_set():
+                log.info("async checkpoint of step %d abandoned for the emergency save", step)
+            elif isinstance(e, CheckpointError):
+                # Counted when the next save is due, in the foreground, where all ranks agree.
+                log.warning("async %s Training goes on; the next periodic save tries again (%d "
+                            "of checkpoint.max_failed_saves=%d failed in a row).", e,
+                            self._failed_saves + 1, self.config.max_failed_saves)
+            else:
+                log.error("async checkpoint of step %d failed: %s", step, _describe(e))
 
     def _bg_remaining(self, bg: _Background) -> float:
         total = bg.nbytes / self._rate() + CONSERVATIVE_OVERHEAD_S / 4
@@ -419,6 +462,9 @@ class CheckpointManager:
         if bg.thread is not None:
             bg.thread.join()
         self._bg = None
+        if bg.error is not None:
+            self._failed_saves += 1
+            self._last_failure = str(bg.error)
         if bg.error is not None and raise_errors:
             if isinstance(bg.error, CheckpointError):
                 raise bg.error
@@ -473,6 +519,7 @@ class CheckpointManager:
                               nbytes=nbytes, world_size=self.world_size, save_seconds=elapsed,
                               blocked_seconds=blocked or elapsed)
         self._last_committed = info
+        self._failed_saves = 0
         if reason != "periodic-async":
             self._last_save_step = step
             self._last_save_time = time.monotonic()
@@ -527,9 +574,11 @@ class CheckpointManager:
         keep = (f"the previous committed checkpoint {prev.path} (step {prev.step}) is intact"
                 if prev else "there is no previous committed checkpoint")
         if _disk_full(status):
+            partial = "no partial directory was left" if path == self.root else \
+                f"the partial {path} was removed"
             return (f"checkpoint of step {step} failed: the disk holding {self.root} is full "
                     "(No space left on device). Free space there or point checkpoint.dir at a "
-                    f"larger filesystem; the partial {path.name} was removed and {keep}.")
+                    f"larger filesystem; {partial} and {keep}.")
         return (f"checkpoint of step {step} into {path} failed: {status}. The partial directory "
                 f"was removed; {keep}.")
 
