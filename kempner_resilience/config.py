@@ -134,6 +134,9 @@ class CheckpointConfig:
         "writer threads per rank for saves; >= 1"))
     resume: bool = field(default=True, metadata=_help(
         "resume from the newest committed checkpoint in dir at start"))
+    max_failed_saves: int = field(default=3, metadata=_help(
+        "periodic saves that may fail in a row (full disk, I/O error) while training goes on and "
+        "retries at the next cadence; at this many the run stops with 80 CHECKPOINT_FAILED; >= 1"))
 
     def __post_init__(self) -> None:
         problems = _problems_nonneg(self, ["every_steps", "every_minutes", "keep_every",
@@ -145,6 +148,9 @@ class CheckpointConfig:
                              "(the newest committed checkpoint is always kept)"))
         if isinstance(self.io_threads, int) and self.io_threads < 1:
             problems.append(("io_threads", f"{self.io_threads!r} is not allowed; must be >= 1"))
+        if isinstance(self.max_failed_saves, int) and self.max_failed_saves < 1:
+            problems.append(("max_failed_saves", f"{self.max_failed_saves!r} is not allowed; must "
+                             "be >= 1 (1 stops at the first failed periodic save)"))
         if problems:
             raise ConfigError(problems)
         self.dir = str(self.dir)

@@ -71,7 +71,8 @@ TABLE: dict[ExitCode, str] = {
     ExitCode.REQUEUE_FAILED: "emergency checkpoint committed but `scontrol requeue` failed; "
                              "resubmit the job by hand",
     ExitCode.CHECKPOINT_FAILED: "the emergency checkpoint failed or could not fit before the "
-                                "deadline; the previous committed checkpoint is intact",
+                                "deadline, or checkpoint.max_failed_saves periodic checkpoints "
+                                "in a row failed; the previous committed checkpoint is intact",
     ExitCode.PEER_LOST: "another rank is gone (killed, its node died or its link was cut): a "
                         "collective or the store failed; this rank left within "
                         "watchdog.exit_timeout_s without a traceback, and rank 0 requeued the "

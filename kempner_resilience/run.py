@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 from kempner_resilience import exitcodes
 from kempner_resilience.agreement import StopAgreement, StopDecision
@@ -285,9 +285,24 @@ class ResilientRun:
                          self.timings["resume_s"])
 
     def _periodic_save(self, step: int) -> None:
-        info = self._ckpt.maybe_save(step)
+        from kempner_resilience.checkpoint import CheckpointError
+
+        try:
+            info = self._ckpt.maybe_save(step)
+        except CheckpointError as e:
+            # Raised on every rank at the same step (failures are agreed across ranks), once
+            # checkpoint.max_failed_saves periodic saves in a row failed: stop every rank alike.
+            self._stop_checkpoints_failing(step, e)
         if info is not None:
             self._last_saved = info
+
+    def _stop_checkpoints_failing(self, step: int, err: BaseException) -> NoReturn:
+        """Too many failed periodic saves: stop with CHECKPOINT_FAILED (no emergency save: it
+        would fail the same way). Always raises SystemExit."""
+        self._shutting_down = True
+        self._hang.stop()
+        log.error("stopping at step %d: %s", step, err)
+        self._finish(ExitCode.CHECKPOINT_FAILED, step)
 
     def _on_hang(self) -> None:
         """Runs in the hang watchdog's thread before the HANG exit: requeue if it is worth it.
@@ -314,10 +329,14 @@ class ResilientRun:
         if code is None:
             code = self._requeue(decision) if action is Action.REQUEUE \
                 else exitcodes.for_signal_stop(signum)
+        self._finish(code, decision.step)
+
+    def _finish(self, code: int, step: int) -> NoReturn:
+        """Teardown, report and the bounded exit with ``code``; always raises SystemExit."""
         code = self._peer_forced_code() or code
         self._run_teardown()
         self.exit_code = int(code)
-        self.stop_step = decision.step
+        self.stop_step = step
         self._write_report()
         log.warning("exiting with %s", exitcodes.describe(int(code)))
         if _caller_survives_system_exit():
@@ -325,6 +344,9 @@ class ResilientRun:
             # left armed, or a forced exit code, would kill or mislabel it later.
             self._handler.deadline.disarm()
         else:
+            if not self._handler.deadline.armed:    # a stop no signal started: bound the exit too
+                self._handler.deadline.arm(time.monotonic() + self.config.watchdog.exit_timeout_s,
+                                           "interpreter exit after a completed shutdown")
             self._handler.deadline.finished(int(code), self.config.watchdog.exit_timeout_s)
             _completed_shutdown_code[:] = [int(code)]
         raise SystemExit(int(code))
@@ -407,9 +429,15 @@ class ResilientRun:
     def _emergency_checkpoint(self, decision: StopDecision) -> ExitCode | None:
         if self._ckpt is None:
             return None
+        from kempner_resilience.checkpoint import CheckpointError
+
         t0 = time.monotonic()
         try:
             info = self._ckpt.emergency_save(decision.step, deadline=self._handler.deadline.deadline)
+        except (CheckpointError, OSError) as e:
+            # Expected (full disk, quota, I/O error): the message names the cause and the fix.
+            log.error("emergency checkpoint at step %d failed: %s", decision.step, e)
+            return ExitCode.CHECKPOINT_FAILED
         except Exception:
             log.exception("emergency checkpoint at step %d failed; the previous committed "
                           "checkpoint is intact", decision.step)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from checkpoint_helpers import toy
-from helpers import free_port
-from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager
+from helpers import free_port, start, write_script
+from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager, layout
 from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.exitcodes import ExitCode
 
 
 def _cfg(root: Path, **kw) -> CheckpointConfig:
@@ -249,3 +250,142 @@ def test_a_manifest_present_but_unparsable_is_an_error_not_a_fresh_start(tmp_pat
     (tmp_path / "step_000000002" / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(CheckpointError, match=r"step_000000002.*unreadable manifest"):
         _resume(tmp_path)
+
+
+# A training job under ResilientRun whose checkpoint disk fills up and frees at chosen steps.
+# The script itself creates and removes the filler inside its loop; with async saves it first
+# waits (bounded) for the outcome it needs in its own log, so nothing depends on timing.
+FULL_DISK_JOB = """
+import kempner_resilience as kr
+import json, logging, os, signal, sys, threading
+import torch, torch.distributed as dist
+from kempner_resilience.log import configure
+
+a = json.loads(sys.argv[1])
+rank = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+world = a.get("world", 1)
+if world > 1:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]), RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+configure()
+seen, cond = [], threading.Condition()
+
+class Seen(logging.Handler):
+    def emit(self, record):
+        with cond:
+            seen.append(record.getMessage())
+            cond.notify_all()
+
+logging.getLogger("kempner_resilience").addHandler(Seen())
+
+def wait_logged(text):
+    with cond:
+        if not cond.wait_for(lambda: any(text in m for m in seen), timeout=60):
+            sys.exit(f"never logged: {text}")
+
+disk = os.path.dirname(a["dir"])
+filler = os.path.join(disk, "filler")
+model = torch.nn.Linear(64, 64)          # 16 KiB of weights: more than the 8 KiB left free
+cfg = kr.load_config(overrides=[
+    f"checkpoint.dir={a['dir']}", f"checkpoint.every_steps={a['every']}",
+    f"checkpoint.async={a.get('async', False)}", "checkpoint.keep_last=10",
+    "watchdog.hang_timeout_s=120", "signals.grace_s=60"]
+    + ([f"checkpoint.max_failed_saves={a['max_failed']}"] if "max_failed" in a else []))
+with kr.ResilientRun(cfg, state={"model": model}) as run:
+    for step in run.steps(a["steps"]):
+        print(f"step {step}", flush=True)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if rank == 0 and step == a.get("fill_at"):
+            if "fill_after" in a:
+                wait_logged(a["fill_after"])
+            st = os.statvfs(disk)
+            with open(filler, "wb") as f:
+                f.write(b"\\0" * (st.f_bavail * st.f_frsize - 8192))
+        if rank == 0 and step == a.get("free_at"):
+            wait_logged(a["free_after"])
+            with open(a["dir"] + ".listing", "w") as f:
+                json.dump(sorted(os.listdir(a["dir"])), f)
+            os.unlink(filler)
+        if step == a.get("usr1_at"):
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if world > 1:
+            dist.all_reduce(torch.ones(1))      # the step's collective
+print("finished", flush=True)
+"""
+
+
+def _run_job(tmp_path: Path, args: dict, ranks: int = 1) -> list[subprocess.CompletedProcess]:
+    script = write_script(tmp_path, FULL_DISK_JOB)
+    args = {**args, "world": ranks, "port": free_port()}
+    procs = [start(script, json.dumps(args), str(r)) for r in range(ranks)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs)]
+
+
+def _steps_run(out: str) -> list[int]:
+    return [int(ln.split()[1]) for ln in out.splitlines() if ln.startswith("step ")]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_at_a_periodic_save_warns_training_goes_on_and_the_next_save_commits(
+        mount_tmpfs, mode):
+    disk = mount_tmpfs("small", "size=2m")
+    ckpt = disk / "ckpt"
+    # Saves after steps 2, 4, 6, 8: the disk is full for the one at 4, freed before 6.
+    [proc] = _run_job(disk.parent, {
+        "dir": str(ckpt), "every": 2, "steps": 8, "async": mode == "async",
+        "fill_at": 3, "fill_after": "checkpoint step 2 committed",
+        "free_at": 5, "free_after": "checkpoint of step 4 failed"})
+    assert proc.returncode == 0, proc.stderr
+    assert _steps_run(proc.stdout) == list(range(8)) and "finished" in proc.stdout
+    warnings = [ln for ln in proc.stderr.splitlines() if "checkpoint of step 4 failed" in ln]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], proc.stderr
+    assert "is full (No space left on device)" in warnings[0] and str(ckpt) in warnings[0]
+    assert "Training goes on" in warnings[0] and "Traceback" not in proc.stderr
+    # While the disk was full only the previous checkpoint was there, the partial one removed.
+    assert json.loads(Path(str(ckpt) + ".listing").read_text()) == ["step_000000002"]
+    entries = layout.scan(ckpt)
+    assert [(e.step, e.committed) for e in entries] == [(2, True), (6, True), (8, True)]
+    for e in entries:
+        layout.verify_files(e.path, e.manifest)
+
+
+@pytest.mark.parametrize("mode,ranks", [("sync", 2), ("async", 1)])
+def test_consecutive_failed_periodic_saves_stop_every_rank_with_80_and_no_traceback(
+        mount_tmpfs, mode, ranks):
+    disk = mount_tmpfs("small", "size=2m")
+    ckpt = disk / "ckpt"
+    procs = _run_job(disk.parent, {"dir": str(ckpt), "every": 2, "steps": 40, "fill_at": 0,
+                                   "async": mode == "async", "max_failed": 2}, ranks)
+    for p in procs:
+        assert p.returncode == ExitCode.CHECKPOINT_FAILED, p.stderr
+        assert "Traceback" not in p.stderr
+        assert "2 periodic checkpoints in a row failed (checkpoint.max_failed_saves=2)" in \
+            p.stderr and "No space left on device" in p.stderr
+        assert "finished" not in p.stdout
+    # Sync: the saves at 2 and 4 fail, the run stops there. Async: the failure of the save
+    # started at 4 is known when the next one is due, at 6. Every rank stops at the same step.
+    last = 3 if mode == "sync" else 5
+    assert all(_steps_run(p.stdout)[-1] == last for p in procs)
+    assert layout.scan(ckpt) == []
+
+
+def test_a_failed_emergency_save_exits_80_with_one_error_line_and_no_traceback(mount_tmpfs):
+    disk = mount_tmpfs("small", "size=2m")
+    ckpt = disk / "ckpt"
+    [proc] = _run_job(disk.parent, {"dir": str(ckpt), "every": 2, "steps": 40, "fill_at": 2,
+                                    "usr1_at": 2})
+    assert proc.returncode == ExitCode.CHECKPOINT_FAILED, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if "emergency checkpoint at step 3" in ln]
+    assert len(errors) == 1 and "ERROR" in errors[0] and "is full" in errors[0], proc.stderr
+    assert "step_000000002 (step 2) is intact" in errors[0]
+    [entry] = layout.scan(ckpt)
+    assert entry.step == 2 and entry.committed
+    layout.verify_files(entry.path, entry.manifest)

@@ -92,6 +92,13 @@ def test_zero_keep_last_is_rejected(tmp_path):
         load_config(overrides=["checkpoint.keep_last=0"])
 
 
+def test_zero_max_failed_saves_is_rejected_and_the_default_tolerates_three(tmp_path):
+    assert load_config().checkpoint.max_failed_saves == 3
+    with pytest.raises(ConfigError, match="checkpoint.max_failed_saves: 0 is not allowed; must "
+                       "be >= 1"):
+        load_config(overrides=["checkpoint.max_failed_saves=0"])
+
+
 def test_unknown_signal_name_is_rejected(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, "signals:\n  actions:\n    SIGFOO: stop\n"))

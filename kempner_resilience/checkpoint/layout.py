@@ -10,21 +10,29 @@ parsed is damage, not an interrupted save: such a directory is listed as damaged
 
 Deletion renames the directory to ``.trash-...`` first (atomic, and the new name no longer matches
 the step pattern), then removes it, so a crash mid-delete never leaves a half-deleted directory
-that looks like a checkpoint. We only ever delete directories whose name matches our pattern and
-whose contents are only files we write.
+that looks like a checkpoint.
+
+Retention deletes only what this package wrote: right after creating a step directory, before any
+data, rank 0 writes ``OWNER.json`` into it (format, uid, host, pid, time, run id). A directory is
+deleted only when it is a real directory (never a symlink), it and everything in it belong to our
+uid, it holds only files our saves write, and it carries our marker, or, for checkpoints written
+before the marker existed, a committed manifest of ours. Anything else is left alone and said so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
+import stat
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from kempner_resilience.checkpoint import integrity
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointInfo
@@ -34,11 +42,14 @@ log = get_logger(__name__)
 
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT = "kempner_resilience.checkpoint/1"
+MARKER_NAME = "OWNER.json"
+MARKER_FORMAT = "kempner_resilience.step-owner/1"
 TRASH_PREFIX = ".trash-"
 _STEP_RE = re.compile(r"^step_(\d{9,})(?:\.(\d+))?$")
 # Every name our saves create inside a step directory; a directory holding anything else is not
 # touched by retention (somebody put it there).
-_OUR_FILES = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|\.metadata\.tmp|MANIFEST\.json(\.tmp)?)$")
+_OUR_FILES = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|\.metadata\.tmp|MANIFEST\.json(\.tmp)?"
+                        r"|OWNER\.json)$")
 _READ_CHUNK = 16 << 20
 
 
@@ -62,8 +73,9 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def create_step_dir(root: Path, step: int) -> Path:
-    """Create a fresh, empty directory for ``step`` (never an existing one) and make it durable."""
+def create_step_dir(root: Path, step: int, run_id: str | None = None) -> Path:
+    """Create a fresh directory for ``step`` (never an existing one) holding only our ownership
+    marker (see ``write_marker``), and make it durable. On failure nothing is left behind."""
     attempt = 0
     while True:
         path = root / dir_name(step, attempt)
@@ -72,8 +84,49 @@ def create_step_dir(root: Path, step: int) -> Path:
         except FileExistsError:
             attempt += 1
             continue
-        fsync_dir(root)
+        try:
+            write_marker(path, step, run_id)
+            fsync_dir(root)
+        except BaseException:
+            # A full disk often fails right here: leave no empty directory nobody would delete.
+            with contextlib.suppress(OSError):
+                (path / MARKER_NAME).unlink(missing_ok=True)
+                path.rmdir()
+            raise
         return path
+
+
+def write_marker(path: Path, step: int, run_id: str | None = None) -> None:
+    """Mark ``path`` as written by this package, before its first data byte: retention deletes
+    only directories carrying it. ``run_id`` (None when unknown) names the run that owns it."""
+    marker = {"format": MARKER_FORMAT, "step": step, "uid": os.geteuid(),
+              "host": socket.gethostname(), "pid": os.getpid(), "created_at": time.time(),
+              "run_id": run_id}
+    data = json.dumps(marker, separators=(",", ":")).encode()
+    fd = os.open(path / MARKER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """The ownership marker of a step directory; None if it has none; CheckpointCorrupt if it is
+    not one of ours."""
+    try:
+        raw = (path / MARKER_NAME).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        marker = json.loads(raw)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
+        raise CheckpointCorrupt(f"{path / MARKER_NAME} is not a {MARKER_FORMAT} marker")
+    return marker
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
@@ -290,42 +343,106 @@ def verify_entry(entry: Entry, progress: integrity.Progress | None = None) -> No
                  progress)
 
 
-def looks_ours(path: Path) -> bool:
-    """Only files our saves create are inside (an empty directory also qualifies)."""
+def why_not_ours(path: Path, manifest: dict[str, Any] | None = None,
+                 run_id: str | None = None) -> str | None:
+    """None when retention may delete ``path``, else why it must leave it alone.
+
+    Ours means: a real directory (a symlink never is; nothing is followed), owned by our uid, as
+    is everything in it; holding only regular files our saves write; carrying our marker (with
+    our ``run_id`` when both are known). A directory from before the marker existed is ours only
+    when committed with our manifest (``manifest``, as ``scan`` parsed it): a committed
+    checkpoint names its writer, a partial one without a marker names nobody.
+    """
+    uid = os.geteuid()
     try:
-        return all(_OUR_FILES.match(n) for n in os.listdir(path))
-    except OSError:
-        return False
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            return "it is a symbolic link (retention never follows or removes links)"
+        if not stat.S_ISDIR(st.st_mode):
+            return "it is not a directory"
+        if st.st_uid != uid:
+            return f"it is owned by uid {st.st_uid}, not by us (uid {uid})"
+        for name in os.listdir(path):
+            if not _OUR_FILES.match(name):
+                return f"it holds {name!r}, which our saves never write"
+            fst = os.lstat(path / name)
+            if not stat.S_ISREG(fst.st_mode):
+                return f"its {name!r} is not a regular file"
+            if fst.st_uid != uid:
+                return f"its {name!r} is owned by uid {fst.st_uid}, not by us (uid {uid})"
+        if manifest is None and os.path.lexists(path / MANIFEST_NAME):
+            # Damage, not a partial save (the commit is an atomic rename): keep it to inspect.
+            return f"its {MANIFEST_NAME} is unreadable (check it with `kempner-resilience verify`)"
+        marker = read_marker(path)
+    except CheckpointCorrupt as e:
+        return str(e)
+    except OSError as e:
+        return f"it cannot be inspected ({e.strerror or e})"
+    if marker is None:
+        if manifest is None:
+            return (f"it has no {MARKER_NAME} and no {MANIFEST_NAME}: not created by a save of "
+                    "this package")
+        return None
+    theirs = marker.get("run_id")
+    if run_id is not None and theirs is not None and theirs != run_id:
+        return f"it belongs to run {theirs!r}, not to this run ({run_id!r})"
+    return None
 
 
 def remove_dir(path: Path) -> None:
-    """Rename to a trash name (atomic, never matches the step pattern), then delete."""
+    """Rename to a trash name (atomic, never matches the step pattern), then delete.
+    Never a symlink: renaming one would only hide it, deleting through it would reach elsewhere."""
+    if stat.S_ISLNK(os.lstat(path).st_mode):
+        raise OSError(f"{path} is a symbolic link; retention never removes links")
     trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}"
     os.rename(path, trash)
     fsync_dir(path.parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def clean_trash(root: Path) -> None:
-    """Finish deletions a crash interrupted."""
+def clean_trash(root: Path, run_id: str | None = None,
+                on_skip: Callable[[Path, str], None] | None = None) -> None:
+    """Finish deletions a crash interrupted (only of directories that are ours, as retention
+    decides it; ``on_skip(path, why)`` hears about the others)."""
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return
     for name in names:
+        if not name.startswith(TRASH_PREFIX + "step_"):
+            continue
         p = root / name
-        if name.startswith(TRASH_PREFIX + "step_") and p.is_dir() and looks_ours(p):
+        try:
+            manifest: dict[str, Any] | None = read_manifest(p)
+        except (CheckpointCorrupt, OSError):
+            manifest = None
+        why = why_not_ours(p, manifest, run_id)
+        if why is None:
             shutil.rmtree(p, ignore_errors=True)
+        elif on_skip is not None:
+            on_skip(p, why)
 
 
 def select_for_deletion(entries: list[Entry], keep_last: int, keep_every: int,
-                        protect: Iterable[Path] = ()) -> list[Entry]:
+                        protect: Iterable[Path] = (), *, run_id: str | None = None,
+                        on_skip: Callable[[Path, str], None] | None = None) -> list[Entry]:
     """What retention removes: committed ones beyond ``keep_last`` (except ``keep_every``
     multiples), and partial ones no newer than the newest commit (a later commit proves their
-    save is over: saves of one job are serial). Never the newest committed one, never
-    ``protect``ed paths, never directories holding files we did not write."""
+    save is over: saves of one job are serial). Only directories that are ours (``why_not_ours``)
+    count or are removed; ``on_skip(path, why)`` hears about the others. Never the newest
+    committed one, never ``protect``ed paths."""
     protected = {Path(p) for p in protect}
-    committed = [e for e in entries if e.committed]
+    ours: list[Entry] = []
+    for e in entries:
+        if e.path in protected:
+            continue
+        why = why_not_ours(e.path, e.manifest, run_id)
+        if why is None:
+            ours.append(e)
+        elif on_skip is not None:
+            on_skip(e.path, why)
+    # Only our commits count: a foreign checkpoint with a higher step must not push ours out.
+    committed = [e for e in ours if e.committed]
     if not committed:
         return []
     newest = max(committed, key=Entry.sort_key)
@@ -334,10 +451,10 @@ def select_for_deletion(entries: list[Entry], keep_last: int, keep_every: int,
     if keep_every > 0:
         keep.update(e.path for e in committed if e.step % keep_every == 0)
     out = []
-    for e in entries:
+    for e in ours:
         # A damaged manifest might be a transient read error; it is not ours to judge, and
         # `ls`/`verify` report it.
-        if e.damaged or e.path in keep or e.path in protected or not looks_ours(e.path):
+        if e.damaged or e.path in keep:
             continue
         if e.committed or e.step <= newest.step:
             out.append(e)

@@ -86,12 +86,21 @@ class CheckpointManager:
     ``state`` maps names to ``nn.Module`` (plain or DDP), optimizers (paired with the module that
     owns their parameters) and any object with ``state_dict()``/``load_state_dict()``. ``rank`` and
     ``world_size`` are this process's place in ``process_group`` (default: the default group);
-    with ``world_size == 1`` torch.distributed need not be initialized.
+    with ``world_size == 1`` torch.distributed need not be initialized. ``run_id``, when given,
+    is written into each step directory's ownership marker, and retention then leaves alone
+    directories whose marker names another run (it never deletes what this package did not
+    write, see ``layout.why_not_ours``).
+
+    A failed periodic save (full disk, I/O error) does not raise: it is logged, the partial
+    directory removed, and the next periodic save tries again; ``maybe_save`` raises
+    ``CheckpointError`` once ``config.max_failed_saves`` periodic saves in a row have failed.
     """
 
     def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
-                 world_size: int = 1, process_group: Any = None) -> None:
+                 world_size: int = 1, process_group: Any = None,
+                 run_id: str | None = None) -> None:
         self.config = config
+        self.run_id = run_id
         self.root = Path(config.dir).expanduser().absolute()
         self.rank = rank
         self.world_size = world_size
@@ -119,6 +128,9 @@ class CheckpointManager:
         self._pending_time: PendingMax | None = None
         self._last_committed: CheckpointInfo | None = None
         self._retention_thread: threading.Thread | None = None
+        self._left_alone: set[Path] = set()       # what retention already said it leaves alone
+        self._failed_saves = 0                    # periodic saves failed in a row (all ranks alike)
+        self._last_failure = ""
         self._closed = False
         # Entered around every foreground save/load: ResilientRun widens the hang budget here.
         self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
@@ -135,6 +147,11 @@ class CheckpointManager:
     def last_committed(self) -> CheckpointInfo | None:
         """The newest checkpoint this manager committed or resumed from."""
         return self._last_committed
+
+    @property
+    def failed_saves(self) -> int:
+        """Periodic saves that failed in a row since the last commit (the same on every rank)."""
+        return self._failed_saves
 
     @property
     def async_in_flight(self) -> bool:
@@ -180,7 +197,7 @@ class CheckpointManager:
                     f"checkpoint needs ~{need / _GIB:.3f} GiB; free space there or point "
                     "checkpoint.dir at a larger filesystem")
             if self.rank == 0:
-                layout.clean_trash(root)
+                layout.clean_trash(root, self.run_id, self._leave_alone)
         except CheckpointError as e:
             problem = str(e)
         except OSError as e:
@@ -328,7 +345,10 @@ class CheckpointManager:
     def maybe_save(self, step: int) -> CheckpointInfo | None:
         """Save if the cadence says so (``every_steps`` multiples, or ``every_minutes`` since the
         last save). Synchronous saves return their info; async ones return None (see ``wait``
-        and ``last_committed``). Collective: call it on every rank at every step."""
+        and ``last_committed``). A failed save is logged and returns None: the previous
+        checkpoint stays, the next periodic save tries again. Raises CheckpointError once
+        ``config.max_failed_saves`` in a row have failed (for async saves: when the next one is
+        due). Collective: call it on every rank at every step."""
         cfg = self.config
         due = cfg.every_steps > 0 and step % cfg.every_steps == 0
         if cfg.every_minutes > 0:
@@ -343,10 +363,30 @@ class CheckpointManager:
             if cfg.async_:
                 self._start_async(step)
             else:
-                info = self.save(step, reason="periodic")
+                try:
+                    info = self.save(step, reason="periodic")
+                except CheckpointError as e:     # raised on every rank together
+                    self._last_save_time = time.monotonic()   # retry at the next cadence
+                    self._periodic_failed(e)
         if cfg.every_minutes > 0 and self._fg.distributed:
             self._pending_time = self._fg.max_async(1.0 if self._minutes_due() else 0.0)
         return info
+
+    def _periodic_failed(self, err: BaseException) -> None:
+        self._failed_saves += 1
+        self._last_failure = str(err)
+        self._check_failures()
+        log.warning("%s Training goes on; the next periodic save tries again (%d of "
+                    "checkpoint.max_failed_saves=%d failed in a row).", err, self._failed_saves,
+                    self.config.max_failed_saves)
+
+    def _check_failures(self) -> None:
+        n, limit = self._failed_saves, self.config.max_failed_saves
+        if n >= limit:
+            raise CheckpointError(
+                f"{n} periodic checkpoints in a row failed (checkpoint.max_failed_saves={limit}), "
+                f"the last with: {self._last_failure} Fix the cause and restart the job; it "
+                "resumes from the newest committed checkpoint.")
 
     def _minutes_due(self) -> bool:
         return time.monotonic() - self._last_save_time >= self.config.every_minutes * 60
@@ -409,6 +449,7 @@ class CheckpointManager:
     def _start_async(self, step: int) -> None:
         with self._foreground():
             self._drain_background(raise_errors=False)
+            self._check_failures()
             t0 = time.monotonic()
             staged = self._stager.stage(self.state.capture(step, self.rank))
             self._stager.synchronize()
@@ -429,7 +470,15 @@ class CheckpointManager:
                                        t0, blocked)
         except BaseException as e:  # reported by wait()/logged here; never kills the thread
             bg.error = e
-            log.error("async checkpoint of step %d failed: %s", step, e)
+            if bg.abort.is_set():
+                log.info("async checkpoint of step %d abandoned for the emergency save", step)
+            elif isinstance(e, CheckpointError):
+                # Counted when the next save is due, in the foreground, where all ranks agree.
+                log.warning("async %s Training goes on; the next periodic save tries again (%d "
+                            "of checkpoint.max_failed_saves=%d failed in a row).", e,
+                            self._failed_saves + 1, self.config.max_failed_saves)
+            else:
+                log.error("async checkpoint of step %d failed: %s", step, _describe(e))
 
     def _bg_remaining(self, bg: _Background) -> Estimate:
         return self._estimator.remaining(self.state.nbytes(), time.monotonic() - bg.started)
@@ -446,6 +495,9 @@ class CheckpointManager:
         if bg.thread is not None:
             bg.thread.join()
         self._bg = None
+        if bg.error is not None:
+            self._failed_saves += 1
+            self._last_failure = str(bg.error)
         if bg.error is not None and raise_errors:
             if isinstance(bg.error, CheckpointError):
                 raise bg.error
@@ -460,7 +512,7 @@ class CheckpointManager:
         if self.rank == 0:
             self._join_retention()     # it must not see our new, still partial directory
             try:
-                choice = (str(layout.create_step_dir(self.root, step)), None)
+                choice = (str(layout.create_step_dir(self.root, step, self.run_id)), None)
             except OSError as e:
                 choice = (None, _describe(e))
         path_s, err = comm.broadcast_object(choice)
@@ -499,6 +551,7 @@ class CheckpointManager:
                               nbytes=nbytes, world_size=self.world_size, save_seconds=elapsed,
                               blocked_seconds=blocked or elapsed)
         self._last_committed = info
+        self._failed_saves = 0
         if reason != "periodic-async":
             self._last_save_step = step
             self._last_save_time = time.monotonic()
@@ -529,6 +582,13 @@ class CheckpointManager:
         files: dict[str, Any] = {}
         for rank_files, _ in gathered:
             files.update(rank_files)
+        try:
+            # Listed like the data files, so verify and resume check it the same way.
+            marker = path / layout.MARKER_NAME
+            files[layout.MARKER_NAME] = {"size": marker.stat().st_size,
+                                         "crc32": layout.file_crc(marker), "rank": 0}
+        except OSError as e:
+            return _describe(e)
         manifest.update({
             "format": layout.FORMAT, "step": step, "world_size": self.world_size,
             "reason": reason, "committed_at": time.time(),
@@ -546,17 +606,20 @@ class CheckpointManager:
         keep = (f"the previous committed checkpoint {prev.path} (step {prev.step}) is intact"
                 if prev else "there is no previous committed checkpoint")
         if _disk_full(status):
+            partial = "no partial directory was left" if path == self.root else \
+                f"the partial {path} was removed"
             return (f"checkpoint of step {step} failed: the disk holding {self.root} is full "
                     "(No space left on device). Free space there or point checkpoint.dir at a "
-                    f"larger filesystem; the partial {path.name} was removed and {keep}.")
+                    f"larger filesystem; {partial} and {keep}.")
         return (f"checkpoint of step {step} into {path} failed: {status}. The partial directory "
                 f"was removed; {keep}.")
 
     def _retention(self) -> None:
         try:
-            layout.clean_trash(self.root)
+            layout.clean_trash(self.root, self.run_id, self._leave_alone)
             victims = layout.select_for_deletion(layout.scan(self.root), self.config.keep_last,
-                                                 self.config.keep_every, set(self._writing))
+                                                 self.config.keep_every, set(self._writing),
+                                                 run_id=self.run_id, on_skip=self._leave_alone)
             for e in victims:
                 log.info("retention: removing %s checkpoint %s",
                          "old" if e.committed else "abandoned partial", e.path)
@@ -564,6 +627,11 @@ class CheckpointManager:
                     layout.remove_dir(e.path)
         except OSError as e:
             log.warning("retention in %s failed (checkpoints are unaffected): %s", self.root, e)
+
+    def _leave_alone(self, path: Path, why: str) -> None:
+        if path not in self._left_alone:       # once per directory, not at every save
+            self._left_alone.add(path)
+            log.warning("retention: leaving %s alone: %s", path, why)
 
     # ----------------------------------------------------------------------------- estimates
 
