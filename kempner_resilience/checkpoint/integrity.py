@@ -30,6 +30,7 @@ from kempner_resilience.checkpoint.info import CheckpointCorrupt
 __all__ = ["METADATA_NAME", "check_manifest", "check_metadata", "load_metadata", "verify_data"]
 
 METADATA_NAME = ".metadata"
+MARKER_NAME = "OWNER.json"        # layout's ownership marker: a whole-file checksum, no records
 _DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
 _READ_CHUNK = 16 << 20
 
@@ -48,7 +49,7 @@ def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
     if METADATA_NAME not in files:
         raise CheckpointCorrupt(f"{path}: the manifest lists no {METADATA_NAME} (manifest damaged)")
     for name, meta in files.items():
-        if name != METADATA_NAME and not _DATA_RE.match(name):
+        if name not in (METADATA_NAME, MARKER_NAME) and not _DATA_RE.match(name):
             raise CheckpointCorrupt(f"{path}: the manifest lists {name!r}, which is not a "
                                     "checkpoint file (manifest damaged)")
         where = path / name
@@ -56,7 +57,7 @@ def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
                 meta.get("crc32")):
             raise CheckpointCorrupt(f"{where}: the manifest has no valid size and checksum for "
                                     "it (manifest damaged)")
-        if name == METADATA_NAME:
+        if name in (METADATA_NAME, MARKER_NAME):
             continue
         records = meta.get("records")
         if not isinstance(records, list):

@@ -42,7 +42,7 @@ log = get_logger(__name__)
 
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT = "kempner_resilience.checkpoint/1"
-MARKER_NAME = "OWNER.json"
+MARKER_NAME = integrity.MARKER_NAME
 MARKER_FORMAT = "kempner_resilience.step-owner/1"
 TRASH_PREFIX = ".trash-"
 _STEP_RE = re.compile(r"^step_(\d{9,})(?:\.(\d+))?$")
