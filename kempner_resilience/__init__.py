@@ -19,7 +19,8 @@ if "SLURM_JOB_ID" in _os.environ:
 _startup.install_exit_hook()
 
 from kempner_resilience import exitcodes  # noqa: E402
-from kempner_resilience.config import Action, ConfigError, ResilienceConfig, load_config  # noqa: E402
+from kempner_resilience.config import (Action, ConfigError, ExitMode, ResilienceConfig,  # noqa: E402
+                                       load_config)
 from kempner_resilience.exitcodes import ExitCode  # noqa: E402
 from kempner_resilience.run import ResilientRun  # noqa: E402
 from kempner_resilience.signals import ShutdownHandler, ShutdownRequest  # noqa: E402
@@ -31,6 +32,7 @@ __all__ = [
     "Action",
     "ConfigError",
     "ExitCode",
+    "ExitMode",
     "ResilienceConfig",
     "ResilientRun",
     "ShutdownHandler",

@@ -65,11 +65,7 @@ class StopAgreement:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
         store = dist.distributed_c10d._get_default_store()
-        # Our own gloo group for should_stop(): the default group may be NCCL-only (no CPU
-        # tensors), and nothing of ours may ever enqueue work on the user's communicator.
-        # new_group is collective over the default group, like __enter__ (every rank runs it).
-        group = dist.new_group(backend="gloo")
-        return cls(store, rank=dist.get_rank(), world_size=dist.get_world_size(), group=group)
+        return cls(store, rank=dist.get_rank(), world_size=dist.get_world_size())
 
     @property
     def distributed(self) -> bool:
@@ -143,6 +139,12 @@ class StopAgreement:
         import torch
         import torch.distributed as dist
 
+        if self.group is None:
+            # Our own gloo group: the default group may be NCCL-only (no CPU tensors), and
+            # nothing of ours may enqueue work on the user's communicator. Made here, at the
+            # first call, because new_group is collective over the default group and so is
+            # this method (every rank reaches it at the same point); entering a run is not.
+            self.group = dist.new_group(backend="gloo")
         flag = torch.tensor([local_signum or self._signum or 0])
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         work.wait(datetime.timedelta(seconds=timeout_s))

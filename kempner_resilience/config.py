@@ -23,6 +23,7 @@ from kempner_resilience.startup import StartupError
 __all__ = [
     "Action",
     "CheckpointConfig",
+    "ExitMode",
     "ConfigError",
     "ConfigFileNotFoundError",
     "RequeueConfig",
@@ -65,6 +66,17 @@ class Action(str, enum.Enum):
     REQUEUE = "requeue"  # emergency checkpoint, then requeue the job (exit code REQUEUE)
     STOP = "stop"  # emergency checkpoint, then stop for good (130/143, or STOPPED)
     OFF = "off"  # not handled by us: the signal keeps whatever handler it had
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ExitMode(str, enum.Enum):
+    """How a run that ended leaves (see ``kempner_resilience.shutdown.exit``)."""
+
+    AUTO = "auto"    # raise in IPython/interactive sessions, exit in SLURM/launched ranks
+    EXIT = "exit"    # the process ends with the run: exit bounded, slow finalisation skipped
+    RAISE = "raise"  # the caller lives on after SystemExit: nothing stays armed
 
     def __str__(self) -> str:
         return self.value
@@ -260,9 +272,19 @@ class WatchdogConfig:
     exit_timeout_s: float = field(default=15.0, metadata=_help(
         "after our shutdown finished, time left to the interpreter's own exit before it is "
         "forced (with the intended exit code); > 0"))
+    exit_mode: ExitMode = field(default=ExitMode.AUTO, metadata=_help(
+        "after the run ends: exit (the process ends with it: exit bounded, slow finalisation "
+        "skipped), raise (the caller lives on after SystemExit: notebooks, test runners), auto "
+        "(raise in IPython/interactive sessions, exit when SLURM_JOB_ID or RANK is set)"))
 
     def __post_init__(self) -> None:
         problems = _problems_nonneg(self, ["hang_timeout_s", "checkpoint_timeout_s"])
+        try:
+            self.exit_mode = ExitMode(str(getattr(self.exit_mode, "value", self.exit_mode))
+                                      .lower())
+        except ValueError:
+            problems.append(("exit_mode", f"{self.exit_mode!r} is not allowed; use one of "
+                             + ", ".join(m.value for m in ExitMode)))
         for n in ("cleanup_timeout_s", "exit_timeout_s"):
             v = getattr(self, n)
             if isinstance(v, (int, float)) and v <= 0:

@@ -1,0 +1,108 @@
+"""Leaving: how a run that ended hands its exit code to the process, within a bounded time.
+
+Two ways to leave, chosen by ``watchdog.exit_mode`` (or ``ResilientRun(exit_mode=...)``):
+
+* ``exit``: the process ends with the run (a batch rank). The exit deadline stays armed while
+  the interpreter exits (executor threads, gloo/NCCL teardown, torch's finalisation) and fires
+  with the run's code after ``watchdog.exit_timeout_s``; once the ``SystemExit`` has unwound the
+  stack, the interpreter's slow finalisation is skipped (``os._exit`` with the same code).
+* ``raise``: the caller lives on after the ``SystemExit`` (a notebook, a test runner, a program
+  that catches it): nothing of the run stays armed. Only if the interpreter really exits later
+  is that exit bounded, from the moment it starts (``threading``'s exit hook), never before.
+* ``auto`` (default): ``raise`` in an IPython shell or kernel (``get_ipython`` in builtins, which
+  IPython puts there) and in an interactive interpreter; ``exit`` in a scheduled or launched rank
+  (``SLURM_JOB_ID`` or ``RANK`` in the environment); ``raise`` otherwise. Nothing is inferred
+  from which modules are loaded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import os
+import sys
+import threading
+import time
+from typing import NoReturn
+
+from kempner_resilience.config import ExitMode
+from kempner_resilience.log import get_logger
+from kempner_resilience.teardown import flush_logs
+from kempner_resilience.watchdog import DeadlineWatchdog
+
+__all__ = ["ExitMode", "resolve", "leave", "bound_exit"]
+
+log = get_logger(__name__)
+
+# Set when a run left in `exit` mode: atexit (registered at import, so it runs after the handlers
+# registered later, the user's and their libraries') then skips torch's 1-2 s finalisation.
+_fast_exit_code: list[int] = []
+
+
+def _fast_exit() -> None:
+    if not _fast_exit_code:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    flush_logs()
+    os._exit(_fast_exit_code[0])
+
+
+atexit.register(_fast_exit)
+
+
+def _in_ipython() -> bool:
+    get_ipython = getattr(builtins, "get_ipython", None)
+    return callable(get_ipython) and get_ipython() is not None
+
+
+def resolve(mode: ExitMode) -> ExitMode:
+    """``auto`` made concrete (see the module docstring)."""
+    if mode is not ExitMode.AUTO:
+        return mode
+    if _in_ipython() or sys.flags.interactive or hasattr(sys, "ps1"):
+        return ExitMode.RAISE
+    if "SLURM_JOB_ID" in os.environ or "RANK" in os.environ:
+        return ExitMode.EXIT
+    return ExitMode.RAISE
+
+
+def bound_exit(deadline: DeadlineWatchdog, code: int, mode: ExitMode,
+               exit_timeout_s: float) -> None:
+    """Bound the rest of this process's life (``exit``) or its interpreter exit (``raise``)."""
+    if mode is ExitMode.EXIT:
+        if not deadline.armed:       # a stop no signal started: bound the exit too
+            deadline.arm(time.monotonic() + exit_timeout_s,
+                         "interpreter exit after a completed shutdown")
+        deadline.finished(code, exit_timeout_s)
+        return
+    deadline.disarm()
+    # Runs when the main thread is done and the interpreter starts to join threads: only then is
+    # it certain the process is going away. Private but stable since Python 3.9; atexit (after
+    # the joins) is the fallback.
+    register = getattr(threading, "_register_atexit", atexit.register)
+    try:
+        register(lambda: _arm_at_interpreter_exit(deadline, code, exit_timeout_s))
+    except RuntimeError:             # the interpreter is already shutting down
+        pass
+
+
+def _arm_at_interpreter_exit(deadline: DeadlineWatchdog, code: int, exit_timeout_s: float) -> None:
+    deadline.arm(time.monotonic() + exit_timeout_s, "interpreter exit after a run ended")
+    deadline.finished(code, exit_timeout_s)
+
+
+def leave(deadline: DeadlineWatchdog, code: int, mode: ExitMode, exit_timeout_s: float,
+          error: BaseException | None = None, keep_traceback: bool = False) -> NoReturn:
+    """Raise ``SystemExit(code)`` with the exit bounded. An ``error`` that ended the run is
+    re-raised instead when ``keep_traceback`` (the user's bug: Python prints it, exit 1) or in
+    ``raise`` mode (an in-process caller sees what happened)."""
+    bound_exit(deadline, code, mode, exit_timeout_s)
+    if mode is ExitMode.EXIT:
+        _fast_exit_code[:] = [int(code)]
+    if error is not None and (keep_traceback or mode is ExitMode.RAISE):
+        raise error
+    raise SystemExit(int(code)) from None

@@ -1,0 +1,257 @@
+"""The way from "the loop must end" to "the process is gone", one step per line.
+
+``stop`` is the path a shutdown signal takes once every rank agreed on the step (agreement.py):
+
+    deadline → emergency save (checkpoint/) → requeue decision (slurm/requeue.py)
+             → teardown (teardown.py) → exit code (outcome.py) → leave (exit.py)
+
+``fail`` is the path of an exception that ended the loop (a lost peer, or a bug), ``give_up``
+the one of periodic saves that keep failing, ``complete`` the normal end. Each step is a small
+function below with its own time budget: the shutdown deadline armed by the first signal (or
+here, for ranks that only agreed to someone else's), per-cleanup limits inside it, and
+``watchdog.exit_timeout_s`` for the interpreter's exit after it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from kempner_resilience import exitcodes
+from kempner_resilience.agreement import StopAgreement, StopDecision
+from kempner_resilience.config import Action, ExitMode, ResilienceConfig
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.log import get_logger
+from kempner_resilience.shutdown import exit as leaving
+from kempner_resilience.shutdown.outcome import Ending, Outcome, Saved, exit_code
+from kempner_resilience.shutdown.report import write_report
+from kempner_resilience.signals import ShutdownHandler
+from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
+                                         destroy_process_group, flush_logs)
+from kempner_resilience.watchdog import HangWatchdog
+
+__all__ = ["RunParts", "stop", "fail", "give_up", "complete", "requeue_after_failure"]
+
+log = get_logger(__name__)
+
+
+@dataclass
+class RunParts:
+    """What the shutdown works with; ``ResilientRun`` builds it and keeps it current."""
+
+    config: ResilienceConfig
+    handler: ShutdownHandler
+    hang: HangWatchdog
+    teardown: TeardownStack
+    exit_mode: ExitMode
+    agreement: StopAgreement = field(default_factory=StopAgreement)
+    ckpt: Any = None                  # CheckpointManager, when the run has state
+    slurm: Any = None                 # SlurmJob, inside a SLURM job
+    last_saved: Any = None            # CheckpointInfo of the newest commit by this process
+    resumed_from: Any = None          # CheckpointInfo the run resumed from
+    start_step: int = 0
+    step: int = 0                     # completed steps: the current step boundary
+    timings: dict[str, float] = field(default_factory=dict)
+    cleanup_results: list[Any] = field(default_factory=list)
+    outcome: Outcome | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.agreement.rank
+
+    def committed_step(self) -> int | None:
+        info = self.last_saved or self.resumed_from
+        return None if info is None else int(info.step)
+
+
+# ------------------------------------------------------------------------------ the paths
+
+def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
+    """Every rank stops at ``decision.step``: save, requeue, tear down, leave."""
+    o = Outcome(Ending.SIGNAL, decision.step, decision.signum, _action(parts, decision.signum))
+    log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), o.action.value)
+    _start_deadline(parts, decision)
+    o.saved = _emergency_save(parts, decision.step)
+    if o.saved is Saved.COMMITTED or o.saved is Saved.NOTHING:
+        o.requeue_code = _requeue(parts) if o.action is Action.REQUEUE else None
+    o.peer_forced_code = _peer_forced_code(parts)
+    _teardown(parts, peers_alive=True)
+    _leave(parts, o)
+
+
+def fail(parts: RunParts, exc: BaseException) -> None:
+    """An exception ended the loop. Returns (the caller re-raises it) only for the user's own
+    error in ``raise`` mode; otherwise leaves with the outcome's code."""
+    from kempner_resilience.faults import first_line, is_peer_failure
+
+    parts.hang.stop()
+    forced = _peer_forced_code(parts)
+    lost = forced is not None or is_peer_failure(exc)
+    o = Outcome(Ending.PEER_LOST if lost else Ending.ERROR, parts.step,
+                peer_forced_code=forced)
+    if parts.exit_mode is ExitMode.EXIT:
+        parts.handler.deadline.expect_exit(int(exit_code(o)), parts.config.signals.grace_s,
+                                           f"exit after {type(exc).__name__}")
+    if lost:
+        log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), o.step)
+        requeue_after_failure(parts, "peer lost")
+    _teardown(parts, peers_alive=not lost)
+    # A bug keeps its traceback; a lost peer is one line and the code (but an in-process caller
+    # in `raise` mode gets the exception itself either way).
+    _leave(parts, o, error=exc, keep_traceback=not lost)
+
+
+def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
+    """``checkpoint.max_failed_saves`` periodic saves in a row failed (on every rank alike): stop
+    with CHECKPOINT_FAILED, without an emergency save that would fail the same way."""
+    parts.hang.stop()
+    log.error("stopping at step %d: %s", step, err)
+    _teardown(parts, peers_alive=True)
+    _leave(parts, Outcome(Ending.SAVES_FAILING, step))
+
+
+def complete(parts: RunParts, step: int) -> None:
+    """All steps ran: cleanups, drain saves, report; the caller's code goes on."""
+    parts.teardown.run()
+    if parts.ckpt is not None:
+        parts.ckpt.close()
+    parts.outcome = Outcome(Ending.COMPLETED, step)
+    write_report(parts, int(ExitCode.OK))
+
+
+def requeue_after_failure(parts: RunParts, why: str) -> None:
+    """Rank 0, under SLURM, with a committed checkpoint to come back to, within the restart
+    budget: requeue now, since nobody else will (a local launcher sees the exit code)."""
+    if parts.slurm is None or parts.rank != 0 or parts.committed_step() is None:
+        return
+    try:
+        code = _requeue_decision(parts)
+    except Exception as e:      # never let the requeue attempt stop the exit
+        log.error("%s: requeue failed: %s", why, e)
+        return
+    log.warning("%s: %s", why, "job requeued" if code == ExitCode.REQUEUE
+                else exitcodes.describe(int(code)))
+
+
+# ------------------------------------------------------------------------------ the steps
+
+def _start_deadline(parts: RunParts, decision: StopDecision) -> None:
+    """The rank that got the signal armed its deadline then; the others start theirs now."""
+    parts.hang.stop()            # from here the shutdown deadline governs
+    if parts.handler.request is None:
+        name = _name(decision.signum)
+        parts.handler.deadline.arm(time.monotonic() + parts.config.signals.grace_for(name),
+                                   f"{name} on another rank")
+
+
+def _emergency_save(parts: RunParts, step: int) -> Saved:
+    """Budget: the shutdown deadline (the manager refuses a save measured not to fit)."""
+    if parts.ckpt is None:
+        return Saved.NOTHING
+    from kempner_resilience.checkpoint import CheckpointError
+
+    t0 = time.monotonic()
+    try:
+        info = parts.ckpt.emergency_save(step, deadline=parts.handler.deadline.deadline)
+    except (CheckpointError, OSError) as e:
+        # Expected (full disk, quota, I/O, a peer gone mid-save): the message names the cause.
+        log.error("emergency checkpoint at step %d failed: %s", step, e)
+        return Saved.FAILED
+    except Exception:
+        log.exception("emergency checkpoint at step %d failed; the previous committed "
+                      "checkpoint is intact", step)
+        return Saved.FAILED
+    if info is None:
+        return Saved.FAILED
+    parts.timings["emergency_save_s"] = time.monotonic() - t0
+    parts.last_saved = info
+    log.info("emergency checkpoint for step %d committed in %.2f s: %s", step,
+             parts.timings["emergency_save_s"], getattr(info, "path", info))
+    return Saved.COMMITTED
+
+
+def _requeue(parts: RunParts) -> int:
+    """Rank 0 decides (budget, scontrol with its own timeout); every rank learns its code
+    through the store within what is left of the deadline."""
+    code = int(_requeue_decision(parts)) if parts.rank == 0 else None
+    left = parts.handler.deadline.remaining()
+    try:
+        return parts.agreement.share_exit_code(code, left if left is not None else 60.0)
+    except Exception as e:  # rank 0 is gone or the store timed out: the checkpoint is safe
+        log.error("did not learn rank 0's requeue outcome (%s); exiting with REQUEUE_FAILED", e)
+        return int(ExitCode.REQUEUE_FAILED)
+
+
+def _requeue_decision(parts: RunParts) -> ExitCode:
+    from kempner_resilience.slurm import decide_requeue, requeue_job
+    from kempner_resilience.slurm.requeue import RestartLedger
+
+    ledger = None
+    if parts.ckpt is not None:
+        ledger = RestartLedger.for_checkpoint_dir(parts.config.checkpoint.dir)
+    who = parts.slurm if parts.slurm is not None else _local_restart_count()
+    verdict = decide_requeue(who, ledger, parts.committed_step(), parts.config.requeue)
+    if not verdict.requeue:
+        return verdict.exit_code
+    if parts.slurm is None:
+        return ExitCode.REQUEUE  # "run me again": the local launcher relaunches
+    t0 = time.monotonic()
+    result = requeue_job(parts.slurm, parts.config.requeue)
+    parts.timings["requeue_s"] = time.monotonic() - t0
+    return result.exit_code
+
+
+def _peer_forced_code(parts: RunParts) -> int | None:
+    """The code another rank was forced out with (a repeated SIGTERM/SIGINT), if any."""
+    forced = parts.agreement.forced_exit()
+    if forced is None or forced[1] == parts.rank:
+        return None
+    log.error("rank %d was forced out with %s; this rank exits with the same code",
+              forced[1], exitcodes.describe(forced[0]))
+    return forced[0]
+
+
+def _teardown(parts: RunParts, *, peers_alive: bool) -> None:
+    """The user's cleanups (newest first), then ours; each bounded, all within the deadline."""
+    deadline = parts.handler.deadline.deadline
+    t0 = time.monotonic()
+    results = parts.teardown.run(deadline=deadline)
+    builtin = TeardownStack(parts.config.watchdog.cleanup_timeout_s)
+    builtin.add(flush_logs, name="flush logs")
+    if peers_alive:     # with a peer gone, gloo/NCCL teardown would wait for it
+        builtin.add(destroy_process_group, name="destroy process group")
+    builtin.add(cuda_synchronize, name="cuda synchronize")
+    if parts.ckpt is not None:
+        builtin.add(parts.ckpt.close, name="drain checkpoint saves")
+    parts.cleanup_results = results + builtin.run(deadline=deadline)
+    parts.timings["teardown_s"] = time.monotonic() - t0
+
+
+def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
+           keep_traceback: bool = False) -> NoReturn:
+    code = int(exit_code(o))
+    parts.outcome = o
+    write_report(parts, code)
+    if not keep_traceback:
+        log.warning("exiting with %s", exitcodes.describe(code))
+    leaving.leave(parts.handler.deadline, code, parts.exit_mode,
+                  parts.config.watchdog.exit_timeout_s, error, keep_traceback)
+
+
+# ------------------------------------------------------------------------------ small helpers
+
+def _action(parts: RunParts, signum: int) -> Action:
+    return parts.config.signals.actions.get(_name(signum), Action.STOP)
+
+
+def _name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum else "?"
+
+
+def _local_restart_count() -> int | None:
+    """Restarts so far when a local launcher (the demo's) relaunches us; None if unknown."""
+    value = os.environ.get("KEMPNER_RESTART_COUNT")
+    return int(value) if value and value.isdigit() else None

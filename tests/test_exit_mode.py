@@ -1,0 +1,92 @@
+"""How a run that ended leaves: `exit` ends the process within its bound, `raise` leaves the
+caller alive, `auto` picks `raise` in a notebook kernel. Real processes, a real signal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import env, write_script
+from kempner_resilience.exitcodes import ExitCode
+
+EXIT_TIMEOUT_S = 1.0
+
+# A caller that catches the SystemExit of a requeue-stop and goes on working for a while.
+CATCHES_SYSTEM_EXIT = """
+import os, signal, sys, time
+import kempner_resilience as kr
+
+cfg = kr.load_config(overrides=["watchdog.exit_timeout_s=%s", "watchdog.hang_timeout_s=0",
+                                f"watchdog.exit_mode={sys.argv[1]}"])
+try:
+    with kr.ResilientRun(cfg) as run:
+        for step in run.steps(100):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+except SystemExit as e:
+    print("caught", e.code, "mode", run.exit_mode.value, flush=True)
+time.sleep(%s)            # well past exit_timeout_s
+print("still alive", flush=True)
+""" % (EXIT_TIMEOUT_S, 4 * EXIT_TIMEOUT_S)
+
+
+def _run(tmp_path, mode: str, **extra_env: str) -> subprocess.CompletedProcess:
+    script = write_script(tmp_path, CATCHES_SYSTEM_EXIT)
+    e = env(**extra_env)
+    for k in ("SLURM_JOB_ID", "RANK"):
+        if k not in extra_env:
+            e.pop(k, None)
+    return subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True,
+                          timeout=120, env=e)
+
+
+def test_raise_mode_leaves_a_caller_that_catches_system_exit_alive_and_its_exit_code_alone(
+        tmp_path):
+    proc = _run(tmp_path, "raise")
+    assert f"caught {int(ExitCode.REQUEUE)} mode raise" in proc.stdout, proc.stderr
+    assert "still alive" in proc.stdout
+    assert proc.returncode == 0
+
+
+def test_exit_mode_ends_the_process_with_the_run_code_within_exit_timeout(tmp_path):
+    proc = _run(tmp_path, "exit")
+    assert f"caught {int(ExitCode.REQUEUE)} mode exit" in proc.stdout, proc.stderr
+    assert "still alive" not in proc.stdout
+    assert proc.returncode == ExitCode.REQUEUE
+
+
+@pytest.mark.parametrize("variables, mode", [({}, "raise"), ({"RANK": "0"}, "exit")])
+def test_auto_mode_exits_in_a_launched_rank_and_raises_otherwise(tmp_path, variables, mode):
+    proc = _run(tmp_path, "auto", **variables)
+    assert f"mode {mode}" in proc.stdout, proc.stderr
+    assert ("still alive" in proc.stdout) == (mode == "raise")
+
+
+def test_auto_mode_in_a_notebook_kernel_raises_and_the_kernel_lives_on(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    cells = [
+        "import os, signal\nimport kempner_resilience as kr\n"
+        f"cfg = kr.load_config(overrides=['watchdog.exit_timeout_s={EXIT_TIMEOUT_S}',"
+        " 'watchdog.hang_timeout_s=0'])\n"
+        "try:\n"
+        "    with kr.ResilientRun(cfg) as run:\n"
+        "        for step in run.steps(100):\n"
+        "            if step == 2:\n"
+        "                os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "except SystemExit as e:\n"
+        "    print('caught', e.code, 'mode', run.exit_mode.value)",
+        f"import time\ntime.sleep({4 * EXIT_TIMEOUT_S})\nprint('kernel still alive')",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    e = env()
+    for k in ("SLURM_JOB_ID", "RANK"):
+        e.pop(k, None)
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=e)
+    text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert f"caught {int(ExitCode.REQUEUE)} mode raise" in text
+    assert "kernel still alive" in text
