@@ -1,38 +1,23 @@
-"""Typed configuration: dataclass sections, YAML loading, dotted overrides, precise errors.
+"""The configuration's schema: dataclass sections, their defaults, help texts and validation.
 
 Every field carries a one-line ``help`` in its metadata. That text is the single source for
-``configs/default.yaml``'s comments and ``docs/config.md``; tests keep all three in sync.
+``configs/default.yaml``'s comments and ``docs/config.md`` (see ``render``); tests keep all
+three in sync. ``__post_init__`` validates each section and names every mistake at once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import enum
 import os
 import signal as _signal
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Mapping
-
-import yaml
 
 from kempner_resilience.startup import StartupError
 
-__all__ = [
-    "Action",
-    "CheckpointConfig",
-    "ExitMode",
-    "ConfigError",
-    "ConfigFileNotFoundError",
-    "RequeueConfig",
-    "ResilienceConfig",
-    "SignalsConfig",
-    "WatchdogConfig",
-    "load_config",
-    "normalize_signal",
-]
+__all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
+           "RequeueConfig", "ResilienceConfig", "SignalsConfig", "WatchdogConfig",
+           "normalize_signal", "ENV_CONFIG"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
 
@@ -310,241 +295,15 @@ class ResilienceConfig:
     def from_dict(cls, data: Mapping[str, Any] | None, source: str | None = None
                   ) -> "ResilienceConfig":
         """Build from plain data (as YAML gives it); raises one ``ConfigError`` for all mistakes."""
+        from kempner_resilience.config.serial import build
+
         try:
-            return _build(cls, {} if data is None else data, "")
+            return build(cls, {} if data is None else data, "")
         except ConfigError as e:
             raise ConfigError(e.problems, source) from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data with YAML key names, the inverse of ``from_dict``."""
-        return _dump(self)
+        from kempner_resilience.config.serial import dump
 
-
-# ---------------------------------------------------------------- generic (de)serialization
-
-def _yaml_name(f: dataclasses.Field) -> str:
-    return f.metadata.get("yaml", f.name)
-
-
-def _fields_by_yaml(cls: type) -> dict[str, dataclasses.Field]:
-    return {_yaml_name(f): f for f in dataclasses.fields(cls)}
-
-
-def _type_name(tp: Any) -> str:
-    if tp is bool:
-        return "true or false"
-    if tp is int:
-        return "an integer"
-    if tp is float:
-        return "a number"
-    if tp is str:
-        return "a string"
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return "one of " + ", ".join(m.value for m in tp)
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError([(path, f"{value!r} is not a mapping; write `key: value` lines")])
-        _, vt = typing.get_args(tp)
-        problems, out = [], {}
-        for k, v in value.items():
-            try:
-                out[str(k)] = _coerce(vt, v, f"{path}.{k}")
-            except ConfigError as e:
-                problems += e.problems
-        if problems:
-            raise ConfigError(problems)
-        return out
-    bad = ConfigError([(path, f"{value!r} has the wrong type; expected {_type_name(tp)}")])
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-            raise bad
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, os.PathLike)):
-            raise bad
-        return str(value)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(value, bool):  # YAML 1.1 reads a bare `off` as False, `on` as True
-            value = "on" if value else "off"
-        try:
-            return tp(str(value).lower())
-        except ValueError:
-            raise bad from None
-    return value
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    where = prefix or "top level"
-    if not isinstance(data, Mapping):
-        raise ConfigError([(prefix, f"{where} must be a mapping of keys, got {data!r}")])
-    fields = _fields_by_yaml(cls)
-    hints = typing.get_type_hints(cls)
-    problems: list[tuple[str, str]] = []
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        f = fields.get(str(key))
-        if f is None:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            problems.append((path, f"unknown key; {hint}allowed keys in {where}: "
-                             + ", ".join(fields)))
-            continue
-        try:
-            kwargs[f.name] = _coerce(hints[f.name], value, path)
-        except ConfigError as e:
-            problems += e.problems
-    if problems:
-        raise ConfigError(problems)
-    if cls is SignalsConfig and "actions" in kwargs:
-        # A partial `actions` mapping must not silently unhandle SIGTERM & co.
-        kwargs["actions"] = {**_default_actions(), **{normalize_or_keep(k): v
-                                                      for k, v in kwargs["actions"].items()}}
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise (e.prefixed(prefix) if prefix else e) from None
-
-
-def normalize_or_keep(name: str) -> str:
-    try:
-        return normalize_signal(name)
-    except ValueError:
-        return name
-
-
-def _dump(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {_yaml_name(f): _dump(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {k: _dump(v) for k, v in obj.items()}
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    return obj
-
-
-# ---------------------------------------------------------------- loading
-
-def _apply_override(data: dict[str, Any], text: str) -> None:
-    if "=" not in text:
-        raise ConfigError([(text, "override must look like section.key=value, "
-                            "e.g. signals.grace_s=90")])
-    dotted, raw = text.split("=", 1)
-    parts = [p.strip() for p in dotted.strip().split(".")]
-    if not all(parts):
-        raise ConfigError([(dotted, "empty key in override; write section.key=value")])
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError([(dotted, f"value {raw!r} is not valid YAML: {e}")]) from None
-    node = data
-    for p in parts[:-1]:
-        nxt = node.get(p)
-        if nxt is None:
-            nxt = node[p] = {}
-        if not isinstance(nxt, dict):
-            raise ConfigError([(dotted, f"'{p}' is not a section; cannot set a key inside it")])
-        node = nxt
-    node[parts[-1]] = value
-
-
-def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-                overrides: Iterable[str] = ()) -> ResilienceConfig:
-    """Read a YAML config (defaults for anything missing) and apply ``key.path=value`` overrides.
-
-    ``path`` may also be a mapping with the YAML file's structure (``{"checkpoint": {...}}``).
-    ``path=None`` uses ``$KEMPNER_RESILIENCE_CONFIG`` when set, else the built-in defaults
-    (identical to ``configs/default.yaml``). Raises ``ConfigError`` naming every bad key path,
-    the bad value and what is allowed; ``ConfigFileNotFoundError`` (a ``FileNotFoundError``)
-    when the file does not exist. Both are ``StartupError``: a script that does not catch them
-    exits with 78 (CONFIG) and the message, without a traceback.
-    """
-    if isinstance(overrides, str):
-        overrides = [overrides]
-    if path is None and os.environ.get(ENV_CONFIG):
-        path = os.environ[ENV_CONFIG]
-    data: dict[str, Any] = {}
-    source = None
-    if isinstance(path, Mapping):
-        import copy
-
-        data = copy.deepcopy(dict(path))
-    elif path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise ConfigFileNotFoundError(f"config file not found: {p} (pass an existing YAML "
-                                          "file, or no path for the built-in defaults)")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or str(e)
-            raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the file's syntax "
-                                "(indentation, `key: value`, quotes)")], source) from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError([("", f"the file must hold a mapping of sections (checkpoint:, "
-                                f"signals:, ...), not {type(loaded).__name__}")], source)
-        data = loaded
-    for text in overrides:
-        try:
-            _apply_override(data, text)
-        except ConfigError as e:
-            raise ConfigError(e.problems, source or "overrides") from None
-    return ResilienceConfig.from_dict(data, source)
-
-
-# ---------------------------------------------------------------- documentation from metadata
-
-def _yaml_scalar(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_yaml_scalar(v)}" for k, v in value.items()) + "}"
-    text = yaml.safe_dump(_dump(value), default_flow_style=True).strip()
-    return text[:-4].strip() if text.endswith("...") else text
-
-
-def render_default_yaml() -> str:
-    """``configs/default.yaml``: every key with its default and a one-line comment."""
-    lines = ["# kempner_resilience configuration: every key, its default and what it does.",
-             "# Load with kempner_resilience.load_config(path, overrides=['section.key=value']).",
-             "# docs/config.md has the same reference; both are generated from config.py.", ""]
-    root = ResilienceConfig()
-    for sec in dataclasses.fields(root):
-        lines.append(f"{_yaml_name(sec)}:  # {sec.metadata['help']}")
-        obj = getattr(root, sec.name)
-        for f in dataclasses.fields(obj):
-            value = _yaml_scalar(getattr(obj, f.name))
-            lines.append(f"  {_yaml_name(f)}: {value}  # {f.metadata['help']}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def render_reference_markdown() -> str:
-    """The body of ``docs/config.md``'s reference table."""
-    out = ["| key | default | meaning |", "| --- | --- | --- |"]
-    root = ResilienceConfig()
-    for sec in dataclasses.fields(root):
-        obj = getattr(root, sec.name)
-        for f in dataclasses.fields(obj):
-            value = _yaml_scalar(getattr(obj, f.name)).replace("|", "\\|")
-            out.append(f"| `{_yaml_name(sec)}.{_yaml_name(f)}` | `{value}` | "
-                       f"{f.metadata['help'].replace('|', chr(92) + '|')} |")
-    return "\n".join(out)
+        return dump(self)

@@ -1,0 +1,86 @@
+"""``load_config``: a YAML file (or a mapping, or the defaults) plus dotted overrides."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from kempner_resilience.config.schema import (ENV_CONFIG, ConfigError, ConfigFileNotFoundError,
+                                              ResilienceConfig)
+
+__all__ = ["load_config"]
+
+
+def _apply_override(data: dict[str, Any], text: str) -> None:
+    if "=" not in text:
+        raise ConfigError([(text, "override must look like section.key=value, "
+                            "e.g. signals.grace_s=90")])
+    dotted, raw = text.split("=", 1)
+    parts = [p.strip() for p in dotted.strip().split(".")]
+    if not all(parts):
+        raise ConfigError([(dotted, "empty key in override; write section.key=value")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError([(dotted, f"value {raw!r} is not valid YAML: {e}")]) from None
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError([(dotted, f"'{p}' is not a section; cannot set a key inside it")])
+        node = nxt
+    node[parts[-1]] = value
+
+
+def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+                overrides: Iterable[str] = ()) -> ResilienceConfig:
+    """Read a YAML config (defaults for anything missing) and apply ``key.path=value`` overrides.
+
+    ``path`` may also be a mapping with the YAML file's structure (``{"checkpoint": {...}}``).
+    ``path=None`` uses ``$KEMPNER_RESILIENCE_CONFIG`` when set, else the built-in defaults
+    (identical to ``configs/default.yaml``). Raises ``ConfigError`` naming every bad key path,
+    the bad value and what is allowed; ``ConfigFileNotFoundError`` (a ``FileNotFoundError``)
+    when the file does not exist. Both are ``StartupError``: a script that does not catch them
+    exits with 78 (CONFIG) and the message, without a traceback.
+    """
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    if path is None and os.environ.get(ENV_CONFIG):
+        path = os.environ[ENV_CONFIG]
+    data: dict[str, Any] = {}
+    source = None
+    if isinstance(path, Mapping):
+        import copy
+
+        data = copy.deepcopy(dict(path))
+    elif path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigFileNotFoundError(f"config file not found: {p} (pass an existing YAML "
+                                          "file, or no path for the built-in defaults)")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e)
+            raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the file's syntax "
+                                "(indentation, `key: value`, quotes)")], source) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError([("", f"the file must hold a mapping of sections (checkpoint:, "
+                                f"signals:, ...), not {type(loaded).__name__}")], source)
+        data = loaded
+    for text in overrides:
+        try:
+            _apply_override(data, text)
+        except ConfigError as e:
+            raise ConfigError(e.problems, source or "overrides") from None
+    return ResilienceConfig.from_dict(data, source)
