@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never on the emergency path
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 
-from kempner_resilience.checkpoint import integrity, layout
+from kempner_resilience.checkpoint import integrity, layout, retention
 from kempner_resilience.checkpoint.comm import Comm, PendingMax
 from kempner_resilience.checkpoint.estimate import Estimate, SaveEstimator
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
@@ -89,7 +89,7 @@ class CheckpointManager:
     with ``world_size == 1`` torch.distributed need not be initialized. ``run_id``, when given,
     is written into each step directory's ownership marker, and retention then leaves alone
     directories whose marker names another run (it never deletes what this package did not
-    write, see ``layout.why_not_ours``).
+    write, see ``retention.why_not_ours``).
 
     A failed periodic save (full disk, I/O error) does not raise: it is logged, the partial
     directory removed, and the next periodic save tries again; ``maybe_save`` raises
@@ -197,7 +197,7 @@ class CheckpointManager:
                     f"checkpoint needs ~{need / _GIB:.3f} GiB; free space there or point "
                     "checkpoint.dir at a larger filesystem")
             if self.rank == 0:
-                layout.clean_trash(root, self.run_id, self._leave_alone)
+                retention.clean_trash(root, self.run_id, self._leave_alone)
         except CheckpointError as e:
             problem = str(e)
         except OSError as e:
@@ -541,7 +541,7 @@ class CheckpointManager:
             if status is not None:
                 if self.rank == 0:
                     with contextlib.suppress(OSError):
-                        layout.remove_dir(path)
+                        retention.remove_dir(path)
                 raise CheckpointError(self._failure_text(step, path, status))
         finally:
             self._writing.discard(path)
@@ -616,15 +616,15 @@ class CheckpointManager:
 
     def _retention(self) -> None:
         try:
-            layout.clean_trash(self.root, self.run_id, self._leave_alone)
-            victims = layout.select_for_deletion(layout.scan(self.root), self.config.keep_last,
+            retention.clean_trash(self.root, self.run_id, self._leave_alone)
+            victims = retention.select_for_deletion(layout.scan(self.root), self.config.keep_last,
                                                  self.config.keep_every, set(self._writing),
                                                  run_id=self.run_id, on_skip=self._leave_alone)
             for e in victims:
                 log.info("retention: removing %s checkpoint %s",
                          "old" if e.committed else "abandoned partial", e.path)
                 with contextlib.suppress(FileNotFoundError):
-                    layout.remove_dir(e.path)
+                    retention.remove_dir(e.path)
         except OSError as e:
             log.warning("retention in %s failed (checkpoints are unaffected): %s", self.root, e)
 

@@ -1,0 +1,146 @@
+"""Retention: which step directories may be deleted, and deleting them safely.
+
+Retention deletes only what this package wrote: a directory is deleted only when it is a real
+directory (never a symlink), it and everything in it belong to our uid, it holds only files our
+saves write, and it carries our ``OWNER.json`` marker, or, for checkpoints written before the
+marker existed, a committed manifest of ours. Anything else is left alone and said so. Never the
+newest committed checkpoint.
+
+Deletion renames the directory to ``.trash-...`` first (atomic, and the new name no longer matches
+the step pattern), then removes it, so a crash mid-delete never leaves a half-deleted directory
+that looks like a checkpoint; ``clean_trash`` finishes such deletions later.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from kempner_resilience.checkpoint.info import CheckpointCorrupt
+from kempner_resilience.checkpoint.layout import (_OUR_FILES, MANIFEST_NAME, MARKER_NAME,
+                                                  TRASH_PREFIX, Entry, fsync_dir, read_manifest,
+                                                  read_marker)
+
+__all__ = ["why_not_ours", "remove_dir", "clean_trash", "select_for_deletion"]
+
+
+def why_not_ours(path: Path, manifest: dict[str, Any] | None = None,
+                 run_id: str | None = None) -> str | None:
+    """None when retention may delete ``path``, else why it must leave it alone.
+
+    Ours means: a real directory (a symlink never is; nothing is followed), owned by our uid, as
+    is everything in it; holding only regular files our saves write; carrying our marker (with
+    our ``run_id`` when both are known). A directory from before the marker existed is ours only
+    when committed with our manifest (``manifest``, as ``scan`` parsed it): a committed
+    checkpoint names its writer, a partial one without a marker names nobody.
+    """
+    uid = os.geteuid()
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            return "it is a symbolic link (retention never follows or removes links)"
+        if not stat.S_ISDIR(st.st_mode):
+            return "it is not a directory"
+        if st.st_uid != uid:
+            return f"it is owned by uid {st.st_uid}, not by us (uid {uid})"
+        for name in os.listdir(path):
+            if not _OUR_FILES.match(name):
+                return f"it holds {name!r}, which our saves never write"
+            fst = os.lstat(path / name)
+            if not stat.S_ISREG(fst.st_mode):
+                return f"its {name!r} is not a regular file"
+            if fst.st_uid != uid:
+                return f"its {name!r} is owned by uid {fst.st_uid}, not by us (uid {uid})"
+        if manifest is None and os.path.lexists(path / MANIFEST_NAME):
+            # Damage, not a partial save (the commit is an atomic rename): keep it to inspect.
+            return f"its {MANIFEST_NAME} is unreadable (check it with `kempner-resilience verify`)"
+        marker = read_marker(path)
+    except CheckpointCorrupt as e:
+        return str(e)
+    except OSError as e:
+        return f"it cannot be inspected ({e.strerror or e})"
+    if marker is None:
+        if manifest is None:
+            return (f"it has no {MARKER_NAME} and no {MANIFEST_NAME}: not created by a save of "
+                    "this package")
+        return None
+    theirs = marker.get("run_id")
+    if run_id is not None and theirs is not None and theirs != run_id:
+        return f"it belongs to run {theirs!r}, not to this run ({run_id!r})"
+    return None
+
+
+def remove_dir(path: Path) -> None:
+    """Rename to a trash name (atomic, never matches the step pattern), then delete.
+    Never a symlink: renaming one would only hide it, deleting through it would reach elsewhere."""
+    if stat.S_ISLNK(os.lstat(path).st_mode):
+        raise OSError(f"{path} is a symbolic link; retention never removes links")
+    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}"
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_trash(root: Path, run_id: str | None = None,
+                on_skip: Callable[[Path, str], None] | None = None) -> None:
+    """Finish deletions a crash interrupted (only of directories that are ours, as retention
+    decides it; ``on_skip(path, why)`` hears about the others)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if not name.startswith(TRASH_PREFIX + "step_"):
+            continue
+        p = root / name
+        try:
+            manifest: dict[str, Any] | None = read_manifest(p)
+        except (CheckpointCorrupt, OSError):
+            manifest = None
+        why = why_not_ours(p, manifest, run_id)
+        if why is None:
+            shutil.rmtree(p, ignore_errors=True)
+        elif on_skip is not None:
+            on_skip(p, why)
+
+
+def select_for_deletion(entries: list[Entry], keep_last: int, keep_every: int,
+                        protect: Iterable[Path] = (), *, run_id: str | None = None,
+                        on_skip: Callable[[Path, str], None] | None = None) -> list[Entry]:
+    """What retention removes: committed ones beyond ``keep_last`` (except ``keep_every``
+    multiples), and partial ones no newer than the newest commit (a later commit proves their
+    save is over: saves of one job are serial). Only directories that are ours (``why_not_ours``)
+    count or are removed; ``on_skip(path, why)`` hears about the others. Never the newest
+    committed one, never ``protect``ed paths."""
+    protected = {Path(p) for p in protect}
+    ours: list[Entry] = []
+    for e in entries:
+        if e.path in protected:
+            continue
+        why = why_not_ours(e.path, e.manifest, run_id)
+        if why is None:
+            ours.append(e)
+        elif on_skip is not None:
+            on_skip(e.path, why)
+    # Only our commits count: a foreign checkpoint with a higher step must not push ours out.
+    committed = [e for e in ours if e.committed]
+    if not committed:
+        return []
+    newest = max(committed, key=Entry.sort_key)
+    keep = {e.path for e in sorted(committed, key=Entry.sort_key)[-max(keep_last, 1):]}
+    keep.add(newest.path)
+    if keep_every > 0:
+        keep.update(e.path for e in committed if e.step % keep_every == 0)
+    out = []
+    for e in ours:
+        # A damaged manifest might be a transient read error; it is not ours to judge, and
+        # `ls`/`verify` report it.
+        if e.damaged or e.path in keep:
+            continue
+        if e.committed or e.step <= newest.step:
+            out.append(e)
+    return out
