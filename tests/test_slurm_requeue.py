@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,10 @@ def test_requeue_hang_times_out_and_kills_the_hung_process(fake_scontrol, tmp_pa
     assert "no answer" in res.message and "scontrol_timeout_s" in res.message
     hung = [int(p) for p in pids.read_text().split()]
     assert len(hung) == 2
+    # SIGKILL to the process group is delivered asynchronously: allow the kernel a moment.
+    end = time.monotonic() + 5.0
+    while any(_alive(pid) for pid in hung) and time.monotonic() < end:
+        time.sleep(0.02)
     assert not any(_alive(pid) for pid in hung), "the hung scontrol's child was left running"
 
 
