@@ -3,7 +3,8 @@ slurm/ <- run, shutdown/ <- cli/, demo/, integrations/), the shutdown steps neve
 nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names every module.
 
 Imports are read with ``ast`` (every import in a module, at the top or inside a function), so a
-lazy import counts as much as a top-level one.
+lazy import counts as much as a top-level one; only the cycle check leaves out imports under
+``if TYPE_CHECKING:``, which never run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "kempner_resilience"
 
-# Every module's layer, by the first part of its path ("" is the package's own __init__.py).
+# Every module's layer, by the first part of its path ("" is the package's own __init__.py;
+# "ctimer", the kernel-timer backstop, arrives with the watchdog split of the run.py rewrite).
 LAYERS = {
     "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer",
              "agreement", "teardown", "faults"},
