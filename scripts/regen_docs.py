@@ -1,10 +1,12 @@
-"""Regenerate the files that mirror config.py and exitcodes.py (tests check they are in sync)."""
+"""Regenerate the files that mirror config.py and exitcodes.py, and slurm/*.sbatch, which the
+config's signal settings render into (tests check they are all in sync)."""
 
 import re
 from pathlib import Path
 
 from kempner_resilience.config import render_default_yaml, render_reference_markdown
 from kempner_resilience.exitcodes import TABLE
+from regen_slurm import regenerate as regen_slurm  # scripts/, next to this file
 
 ROOT = Path(__file__).resolve().parents[1]
 (ROOT / "configs" / "default.yaml").write_text(render_default_yaml())
@@ -19,4 +21,5 @@ rows = "\n".join(f"| {int(c)} | `{c.name}` | {t} |" for c, t in TABLE.items())
 text = doc.read_text()
 doc.write_text(re.sub(r"\| code \| name \| meaning \|\n\| --- \| --- \| --- \|\n(\|.*\|\n?)+",
                       "| code | name | meaning |\n| --- | --- | --- |\n" + rows + "\n", text))
-print("regenerated configs/default.yaml, docs/config.md, docs/exit-codes.md")
+regen_slurm()
+print("regenerated configs/default.yaml, docs/config.md, docs/exit-codes.md, slurm/*.sbatch")

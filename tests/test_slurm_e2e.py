@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kempner_resilience.demo.slurm_demo import DemoJob, compare_weights, run_reference, write_job
+from kempner_resilience.demo.compare import compare_weights
+from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
 from slurm_fixtures import slurm_cluster, submit, wait_for, wait_job  # noqa: F401
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +17,33 @@ from slurm_fixtures import slurm_cluster, submit, wait_for, wait_job  # noqa: F4
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBES = ROOT / "tests" / "cluster"
+TEMPLATE_DIR = ROOT / "kempner_resilience" / "templates"  # the source; slurm/ is rendered from it
+CLI = str(Path(sys.executable).parent / "kempner-resilience")
+
+
+def _regen_slurm():
+    spec = importlib.util.spec_from_file_location("regen_slurm",
+                                                  ROOT / "scripts" / "regen_slurm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
-def test_package_template_is_identical_to_repo_slurm_dir(name):
-    src = (ROOT / "slurm" / f"{name}.sbatch").read_bytes()
-    shipped = (ROOT / "kempner_resilience" / "templates" / f"{name}.sbatch").read_bytes()
-    assert src == shipped, f"run: cp slurm/{name}.sbatch kempner_resilience/templates/"
+def test_shipped_slurm_file_is_what_the_sbatch_verb_renders(name):
+    args = _regen_slurm().SHIPPED_ARGS[name]
+    env = {k: v for k, v in os.environ.items() if k != "KEMPNER_RESILIENCE_CONFIG"}
+    proc = subprocess.run([CLI, "sbatch", *args], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (ROOT / "slurm" / f"{name}.sbatch").read_text() == proc.stdout, (
+        f"slurm/{name}.sbatch is generated: edit kempner_resilience/templates/{name}.sbatch, "
+        "then run: PYTHONPATH=. python scripts/regen_slurm.py")
+
+
+def test_slurm_dir_holds_exactly_one_rendered_file_per_packaged_template():
+    assert sorted(p.stem for p in (ROOT / "slurm").iterdir()) == sorted(TEMPLATES)
+    assert sorted(p.stem for p in TEMPLATE_DIR.iterdir()) == sorted(TEMPLATES)
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -39,7 +61,7 @@ def test_templates_signal_srun_tasks_not_the_batch_shell(name):
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_raw_templates_are_usable_scripts_with_concrete_defaults(name):
-    text = (ROOT / "slurm" / f"{name}.sbatch").read_text()
+    text = (TEMPLATE_DIR / f"{name}.sbatch").read_text()
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash" and "{{" not in text and "#%" not in text
     for line in ("#SBATCH --signal=USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
@@ -54,12 +76,12 @@ def test_raw_templates_are_usable_scripts_with_concrete_defaults(name):
     for words in ("No `B:` prefix", "srun, not torchrun", "append to the log", "75 = ",
                   "77 = ", "79 = "):
         assert words in text, words
-    assert subprocess.run(["bash", "-n", str(ROOT / "slurm" / f"{name}.sbatch")]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(TEMPLATE_DIR / f"{name}.sbatch")]).returncode == 0
 
 
 def test_render_with_the_raw_defaults_reproduces_the_raw_template():
     for name in TEMPLATES:
-        raw = (ROOT / "slurm" / f"{name}.sbatch").read_text()
+        raw = (TEMPLATE_DIR / f"{name}.sbatch").read_text()
         text = render_sbatch(template=name, time="04:00:00", ntasks_per_node=4, gpus_per_node=4,
                              nodes=2 if name == "multi_node" else 1,
                              array="0-3" if name == "job_array" else None,

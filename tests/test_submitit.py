@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, env
+from kempner_resilience.demo.submitit_job import train_demo
 from kempner_resilience.integrations import submitit as krs
 
 submitit = pytest.importorskip("submitit")
@@ -31,7 +32,7 @@ def _noop_fn(a: int = 0, config=None) -> int:
 
 def test_job_pickle_small_and_refuses_model_state():
     torch = pytest.importorskip("torch")
-    job = krs.ResilientJob("kempner_resilience.integrations.submitit:train_demo",
+    job = krs.ResilientJob("kempner_resilience.demo.submitit_job:train_demo",
                            overrides=["checkpoint.dir=/tmp/ck"], steps=10, out="/tmp/w.pt")
     assert krs.check_small(job) < 4096
     data = pickle.dumps(job)
@@ -69,10 +70,8 @@ def test_config_gets_submitit_signal_actions_user_overrides_win():
 
 
 def test_resolve_callable_import_paths():
-    assert krs.resolve_callable("kempner_resilience.integrations.submitit:train_demo") \
-        is krs.train_demo
-    assert krs.resolve_callable("kempner_resilience.integrations.submitit.train_demo") \
-        is krs.train_demo
+    assert krs.resolve_callable("kempner_resilience.demo.submitit_job:train_demo") is train_demo
+    assert krs.resolve_callable("kempner_resilience.demo.submitit_job.train_demo") is train_demo
     with pytest.raises(ValueError):
         krs.resolve_callable("nodots")
 
@@ -170,7 +169,7 @@ def test_submitit_two_tasks_preempt_requeue_resume(slurm_cluster, tmp_path):
         d = tmp_path / name
         (d / "ck").mkdir(parents=True)
         runs[name] = (d, krs.submit(
-            krs.train_demo, folder=d / "logs", slurm=slurm,
+            train_demo, folder=d / "logs", slurm=slurm,
             overrides=[f"checkpoint.dir={d / 'ck'}"], steps=steps, step_time=0.25,
             out=str(d / "w.pt"), progress=str(d / "progress.txt")))
     d, job = runs["int"]

@@ -17,9 +17,9 @@ What this module adds is the hand-over between submitit and ``ResilientRun``:
   (``SIGUSR2``, ``$SUBMITIT_PREEMPT_SIGNAL``) that calls ``checkpoint()`` and ``scontrol
   requeue`` at once, from inside the Python signal handler, in the middle of a training step and
   before any checkpoint of ours exists; it also ignores SIGTERM. ``ResilientJob.__call__``
-  replaces those handlers before the training function runs, so the ``ShutdownHandler`` of the
-  function's ``ResilientRun`` chains to ours (which does nothing while a run is active), never
-  to submitit's. The run then stops every rank at the same step boundary, commits the emergency
+  replaces those handlers (``submitit_signals.SignalTakeover``) before the training function
+  runs, so the ``ShutdownHandler`` of the function's ``ResilientRun`` chains to ours (which does
+  nothing while a run is active), never to submitit's. The run then stops every rank at the same step boundary, commits the emergency
   DCP checkpoint, and only then rank 0 requeues (``scontrol requeue``, with the restart budget)
   and every rank exits with ``REQUEUE`` (75).
 * **Signals outside a run.** A preemption signal that arrives before the function has entered
@@ -55,16 +55,16 @@ import pickle
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 from kempner_resilience.config import ResilienceConfig, load_config, normalize_signal
+from kempner_resilience.integrations.submitit_signals import SignalTakeover, in_submitit_job
 from kempner_resilience.log import get_logger
 
 __all__ = ["ResilientJob", "submit", "make_executor", "wait", "preempt_signal",
-           "train_demo", "weights_digest", "MAX_PICKLE_BYTES"]
+           "check_small", "resolve_callable", "MAX_PICKLE_BYTES"]
 
 log = get_logger(__name__)
 
@@ -190,7 +190,7 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
                 return load_config(path, overrides)
             finally:
                 os.unlink(path)
-        if self.config is not None and not Path(self.config).is_file() and not _in_job():
+        if self.config is not None and not Path(self.config).is_file() and not in_submitit_job():
             # Relative paths are read in the job's working directory; only warn here.
             log.warning("config %s is not a file here; the job will look for it in its own "
                         "working directory", self.config)
@@ -215,108 +215,7 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
             takeover.finish()
 
 
-# ------------------------------------------------------------------------- signal takeover
-
-def _run_active() -> bool:
-    """True while a ``ResilientRun``'s ShutdownHandler is installed in this process."""
-    from kempner_resilience.signals import active_handlers
-
-    return bool(active_handlers())
-
-
-class SignalTakeover:
-    """Replaces submitit's job-process handlers for the preemption signal and SIGTERM.
-
-    * inside a ``ResilientRun``: its ShutdownHandler was installed on top of ours and chains to
-      us; we do nothing, the run checkpoints and requeues.
-    * before a run (the function is still importing/building): the signal is kept and re-sent
-      to this process as soon as a run is active, so the run handles it at its first boundary.
-    * after the function returned: logged and ignored (the result is about to be written).
-
-    SIGTERM with ``sigterm="ignore"`` is logged and ignored, as submitit does (ResilientRun is
-    configured with ``SIGTERM=off``); with ``"stop"`` it gets the default action outside a run
-    and ResilientRun's STOP inside one.
-    """
-
-    def __init__(self, preempt_signum: int, sigterm: str = "ignore", poll_s: float = 0.05
-                 ) -> None:
-        self.preempt = preempt_signum
-        self.sigterm = sigterm
-        self.poll_s = poll_s
-        self.pending: int | None = None
-        self.redelivered = False
-        self._done = threading.Event()
-        self._previous: dict[int, Any] = {}
-        self._thread: threading.Thread | None = None
-
-    def install(self) -> "SignalTakeover":
-        signums = [self.preempt]
-        if self.preempt != signal.SIGTERM:
-            signums.append(signal.SIGTERM)
-        for s in signums:
-            self._previous[s] = signal.getsignal(s)
-        signal.signal(self.preempt, self._on_preempt)
-        if self.preempt != signal.SIGTERM:
-            if self.sigterm == "ignore":
-                signal.signal(signal.SIGTERM, self._on_term_ignored)
-            else:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        log.debug("took over %s and SIGTERM from %s", signal.Signals(self.preempt).name,
-                  _describe_handler(self._previous.get(self.preempt)))
-        return self
-
-    def finish(self) -> None:
-        """The function returned (or raised). In a submitit job our handlers stay, so a late
-        signal cannot make submitit requeue a finished job; elsewhere the old ones come back."""
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
-        if not _in_job() and threading.current_thread() is threading.main_thread():
-            for s, prev in self._previous.items():
-                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
-
-    # handlers (main thread, between bytecodes)
-
-    def _on_preempt(self, signum: int, frame: Any) -> None:
-        if _run_active():
-            return  # chained from ResilientRun's handler: the run handles it
-        if self._done.is_set():
-            log.warning("%s after the training function returned: ignored (the result is "
-                        "being written)", signal.Signals(signum).name)
-            return
-        if self.pending is not None:
-            return
-        self.pending = signum
-        log.warning("%s before the training entered ResilientRun: it is handled as soon as "
-                    "the run starts", signal.Signals(signum).name)
-        self._thread = threading.Thread(target=self._redeliver, args=(signum,),
-                                        name="kempner-submitit-redeliver", daemon=True)
-        self._thread.start()
-
-    def _on_term_ignored(self, signum: int, frame: Any) -> None:
-        log.warning("SIGTERM ignored, as submitit does (its preemption signal is %s; "
-                    "pass sigterm='stop' to act on SIGTERM)", signal.Signals(self.preempt).name)
-
-    def _redeliver(self, signum: int) -> None:
-        while not self._done.wait(self.poll_s):
-            if _run_active():
-                self.redelivered = True
-                os.kill(os.getpid(), signum)
-                return
-
-
-def _describe_handler(h: Any) -> str:
-    if callable(h):
-        owner = getattr(h, "__self__", None)
-        return f"{type(owner).__name__}.{h.__name__}" if owner is not None else repr(h)
-    return str(h)
-
-
 # ------------------------------------------------------------------------- helpers
-
-def _in_job() -> bool:
-    return bool(os.environ.get("SUBMITIT_FOLDER")) and bool(os.environ.get("SLURM_JOB_ID"))
-
 
 def resolve_callable(fn: Callable[..., Any] | str) -> Callable[..., Any]:
     """``"pkg.mod:fn"`` or ``"pkg.mod.fn"`` -> the function; a callable is returned as is."""
@@ -370,21 +269,13 @@ def _write_config_file(cfg: ResilienceConfig) -> str:
     return str(path)
 
 
-class _ScanPickler(pickle.Pickler):
-    """Pickles to nowhere, raising on anything that is model state."""
-
-    def __init__(self, file: Any) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.torch = sys.modules.get("torch")
-
-    def reducer_override(self, obj: Any) -> Any:
-        torch = self.torch
-        if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module,
-                                                  torch.optim.Optimizer)):
-            raise TypeError(f"a {type(obj).__module__}.{type(obj).__qualname__} would be "
-                            "pickled into the submission; pass paths and config, build the "
-                            "model inside the submitted function")
-        return NotImplemented
+def _refuse_model_state(obj: Any) -> None:
+    torch = sys.modules.get("torch")  # no tensor can exist unless the caller imported torch
+    if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module,
+                                              torch.optim.Optimizer)):
+        raise TypeError(f"a {type(obj).__module__}.{type(obj).__qualname__} would be pickled "
+                        "into the submission; pass paths and config, build the model inside "
+                        "the submitted function")
 
 
 def check_small(obj: Any, limit: int = MAX_PICKLE_BYTES) -> int:
@@ -395,26 +286,18 @@ def check_small(obj: Any, limit: int = MAX_PICKLE_BYTES) -> int:
     value, with whatever globals they reference.
     """
     try:
-        import cloudpickle
+        from cloudpickle import Pickler
     except ImportError:  # pragma: no cover
-        cloudpickle = None
+        Pickler = pickle.Pickler  # type: ignore[misc, assignment]
+
+    class _Scan(Pickler):  # type: ignore[misc, valid-type]
+        def reducer_override(self, o: Any) -> Any:
+            _refuse_model_state(o)
+            parent = getattr(super(), "reducer_override", None)
+            return parent(o) if parent is not None else NotImplemented
+
     buf = io.BytesIO()
-    if cloudpickle is not None:
-        torch = sys.modules.get("torch")
-
-        class _Scan(cloudpickle.Pickler):  # type: ignore[misc, valid-type]
-            def reducer_override(self, o: Any) -> Any:
-                if torch is not None and isinstance(o, (torch.Tensor, torch.nn.Module,
-                                                        torch.optim.Optimizer)):
-                    raise TypeError(
-                        f"a {type(o).__module__}.{type(o).__qualname__} would be pickled into "
-                        "the submission; pass paths and config, build the model inside the "
-                        "submitted function")
-                return super().reducer_override(o)
-
-        _Scan(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    else:
-        _ScanPickler(buf).dump(obj)
+    _Scan(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     size = buf.tell()
     if size > limit:
         raise ValueError(f"the submission pickles to {size} bytes (> {limit}): something large "
@@ -518,62 +401,3 @@ def _log_tail(job: Any, lines: int = 30) -> str:
                 continue
             out.append(f"--- {path}\n" + "\n".join(text[-lines:]))
     return "\n".join(out) or "(no log)"
-
-
-# ------------------------------------------------------------------------- demo function
-
-def weights_digest(path: str | os.PathLike[str]) -> str:
-    """sha256 over every tensor (names, dtypes, shapes, bytes) in a ``torch.save`` file:
-    equal digests mean bitwise-equal weights and optimizer state."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256()
-
-    def walk(prefix: str, obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach().cpu().contiguous().reshape(-1)
-            h.update(f"{prefix}:{t.dtype}:{tuple(obj.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(obj, Mapping):
-            for k in sorted(obj, key=str):
-                walk(f"{prefix}.{k}", obj[k])
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(f"{prefix}[{i}]", v)
-        else:
-            h.update(f"{prefix}={obj!r}".encode())
-
-    walk("", torch.load(path, map_location="cpu", weights_only=True))
-    return h.hexdigest()
-
-
-def train_demo(steps: int = 40, step_time: float = 0.0, out: str | None = None,
-               progress: str | None = None, quiet: bool = False,
-               overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Run ``kempner_resilience.demo.train`` (an MLP under ResilientRun, DDP over gloo when the
-    job has several tasks) with the job's configuration; a ready-made function to submit.
-
-    Returns ``{"rank", "world", "steps", "restart_count", "digest"}``; ``digest`` (rank 0, with
-    ``out``) is ``weights_digest`` of the final weights.
-    """
-    from kempner_resilience.demo import train
-
-    argv = ["--steps", str(steps), "--step-time", str(step_time)]
-    if os.environ.get("KEMPNER_RESILIENCE_CONFIG"):
-        argv += ["--config", os.environ["KEMPNER_RESILIENCE_CONFIG"]]
-    for o in overrides:
-        argv += ["--set", o]
-    if out:
-        argv += ["--out", str(out)]
-    if progress:
-        argv += ["--progress", str(progress)]
-    if quiet:
-        argv.append("--quiet")
-    code = train.main(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    restart = os.environ.get("SLURM_RESTART_COUNT", "")
-    return {"rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")), "steps": steps,
-            "exit": code, "restart_count": int(restart) if restart.isdigit() else 0,
-            "digest": weights_digest(out) if out and rank == 0 else None}

@@ -1,9 +1,9 @@
 """Render the sbatch templates shipped in ``kempner_resilience/templates/``.
 
 The templates are complete, directly usable batch scripts with concrete defaults (``sbatch
-slurm/single_node.sbatch`` works as is on a GPU cluster). The repository's ``slurm/*.sbatch`` are
-the source; the package copies must be byte-identical (a test checks; after editing ``slurm/``,
-run ``cp slurm/*.sbatch kempner_resilience/templates/``).
+slurm/single_node.sbatch`` works as is on a GPU cluster). The package copies are the source: the
+repository's ``slurm/*.sbatch`` are what ``kempner-resilience sbatch`` renders from them with
+those defaults, written by ``scripts/regen_slurm.py`` (a test checks they are in sync).
 
 ``render_sbatch`` rewrites a template's values in place: it replaces ``#SBATCH --key=value``
 lines, adds or removes the optional ones (GPUs, extra site options, the config export) and

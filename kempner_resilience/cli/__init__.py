@@ -2,6 +2,10 @@
 
 Every verb has ``--help``. Errors are one line on stderr and a non-zero exit, never a traceback:
 a user reading a SLURM log at 3 a.m. needs the problem and the fix, not our stack.
+
+The small verbs (``config``, ``exit-codes``) live here; the others in their own modules, which
+only use the library: ``checkpoints.py`` (ls, verify), ``slurm.py`` (doctor, sbatch),
+``demo.py`` and ``demo_slurm.py`` (demo). ``common.py`` holds what they share.
 """
 
 from __future__ import annotations
@@ -12,31 +16,24 @@ import sys
 from typing import Callable, Sequence
 
 from kempner_resilience import __version__
+from kempner_resilience.cli.common import CliError, Verb, config_args
 from kempner_resilience.config import load_config
 from kempner_resilience.exitcodes import TABLE, ExitCode
 from kempner_resilience.startup import StartupError
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "register", "CliError"]
 
-_VERBS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
-                        Callable[[argparse.Namespace], int]]] = {}
+_VERBS: dict[str, Verb] = {}
 
 
 def register(name: str, help: str, setup: Callable[[argparse.ArgumentParser], None],
              run: Callable[[argparse.Namespace], int]) -> None:
     """Add the subcommand ``name``: ``setup(parser)`` adds its flags, ``run(args)`` -> exit code."""
-    _VERBS[name] = (help, setup, run)
-
-
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", metavar="YAML", help="config file (default: built-in "
-                   "defaults or $KEMPNER_RESILIENCE_CONFIG)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set signals.grace_s=90 (repeatable)")
+    _VERBS[name] = Verb(name, help, setup, run)
 
 
 def _setup_config(p: argparse.ArgumentParser) -> None:
-    _config_args(p)
+    config_args(p)
     p.add_argument("--defaults", action="store_true",
                    help="print the commented default config (configs/default.yaml)")
 
@@ -74,19 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
-    for name, (help_text, setup, _) in _VERBS.items():
-        setup(sub.add_parser(name, help=help_text, description=help_text))
+    for verb in _VERBS.values():
+        verb.setup(sub.add_parser(verb.name, help=verb.help, description=verb.help))
     return parser
 
 
 def _load_verbs() -> None:
-    # Verbs with heavier imports live in their own modules and call register() on import.
-    for mod in _VERB_MODULES:
-        __import__(mod)
+    # Verbs with heavier imports live in their own modules, loaded only to run the command.
+    from kempner_resilience.cli import checkpoints, demo, slurm
 
-
-_VERB_MODULES = ["kempner_resilience.demo.cli", "kempner_resilience.checkpoint.cli",
-                 "kempner_resilience.slurm.cli"]
+    for module in (demo, checkpoints, slurm):
+        for verb in module.VERBS:
+            _VERBS.setdefault(verb.name, verb)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure("DEBUG" if args.verbose else "INFO")
     try:
-        return int(_VERBS[args.verb][2](args))
+        return int(_VERBS[args.verb].run(args))
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except StartupError as e:  # a bad config or a missing config file, as for a training script
@@ -111,15 +107,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as e:
         sys.stderr.write(f"kempner-resilience {args.verb}: {e}\n")
         return e.code
-
-
-class CliError(Exception):
-    """A user-facing failure: printed as one line, exits with ``code``."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

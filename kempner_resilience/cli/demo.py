@@ -1,4 +1,8 @@
-"""`kempner-resilience demo`: the main job, interrupted, checkpointed, relaunched and resumed."""
+"""`kempner-resilience demo`: the main job, interrupted, checkpointed, relaunched and resumed.
+
+The local story (a launcher plays the scheduler) is here; ``--slurm`` tells the same story on a
+real cluster (``demo_slurm.py``). The trainer, the launcher and the comparison are ``demo/``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from kempner_resilience.cli import CliError, register
+from kempner_resilience.cli.common import CliError, Verb
+from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.launcher import LocalLauncher, Launch, train_command
 from kempner_resilience.exitcodes import ExitCode, describe
 
@@ -98,13 +103,11 @@ def _describe_launch(launch: Launch, total: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.slurm:
-        from kempner_resilience.demo.slurm_demo import run_slurm_demo
+        from kempner_resilience.cli.demo_slurm import run_slurm_demo
 
         return run_slurm_demo(args)
     if args.ranks < 1 or args.steps < 1:
         raise CliError("--ranks and --steps must be >= 1", 2)
-    import torch
-
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     for sub in ("reference", "resilient"):
@@ -153,9 +156,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"the resilient run ended with {describe(final.exit_code)}; logs in "
                        f"{work / 'resilient'}")
 
-    ref_w = torch.load(work / "reference" / "weights.pt", weights_only=True)
-    res_w = torch.load(work / "resilient" / "weights.pt", weights_only=True)
-    same, total = _compare(ref_w, res_w)
+    same, total, _ = compare_weights(work / "reference" / "weights.pt",
+                                     work / "resilient" / "weights.pt")
     _say(f"checkpoints kept in {ckpt_dir} (try: kempner-resilience ls {ckpt_dir})")
     if same == total:
         _say(f"RESULT: final weights and optimizer state are bitwise IDENTICAL to the "
@@ -175,29 +177,7 @@ def _interrupted(launch: Launch, where: Path) -> int:
     return 130
 
 
-def _compare(a, b) -> tuple[int, int]:
-    import torch
-
-    flat_a, flat_b = {}, {}
-    _flatten(a, "", flat_a)
-    _flatten(b, "", flat_b)
-    keys = set(flat_a) | set(flat_b)
-    same = sum(1 for k in keys if k in flat_a and k in flat_b and (
-        torch.equal(flat_a[k], flat_b[k]) if isinstance(flat_a[k], torch.Tensor)
-        else flat_a[k] == flat_b[k]))
-    return same, len(keys)
-
-
-def _flatten(obj, prefix: str, out: dict) -> None:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}[{i}]", out)
-    else:
-        out[prefix] = obj
-
-
-register("demo", "run the main job: a small training run that is interrupted, checkpoints, is "
-         "relaunched and resumes, then compared with an uninterrupted run", setup, run)
+VERBS = [
+    Verb("demo", "run the main job: a small training run that is interrupted, checkpoints, is "
+         "relaunched and resumes, then compared with an uninterrupted run", setup, run),
+]

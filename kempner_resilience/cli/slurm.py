@@ -13,16 +13,16 @@ import os
 import sys
 from pathlib import Path
 
-from kempner_resilience.cli import CliError, _config_args, register
+from kempner_resilience.cli.common import CliError, Verb, config_args
 from kempner_resilience.config import load_config
 
-__all__ = ["doctor", "sbatch"]
+__all__ = ["doctor", "sbatch", "VERBS"]
 
 
 # ------------------------------------------------------------------------------------ doctor
 
 def _setup_doctor(p: argparse.ArgumentParser) -> None:
-    _config_args(p)
+    config_args(p)
     p.add_argument("--save-seconds", type=float, metavar="S",
                    help="a measured emergency-save time, compared with the job's --signal lead")
     p.epilog = ("Exit status 0 when no error-level finding, 1 otherwise. Run it inside the job "
@@ -61,7 +61,7 @@ def _setup_sbatch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--template", "-t", choices=TEMPLATES,
                    help="single_node (default), multi_node (default when --nodes > 1) or "
                         "job_array (default when --array is given)")
-    _config_args(p)
+    config_args(p)
     p.add_argument("--job-name", default="train", help="default: train")
     p.add_argument("--time", default="01:00:00", help="time limit; default 01:00:00")
     p.add_argument("--nodes", type=int, default=1, help="default 1 (>1: multi_node)")
@@ -124,7 +124,10 @@ def sbatch(args: argparse.Namespace) -> int:
     return 0
 
 
-register("doctor", "check that shutdown signals reach this process and the job can requeue "
-         "itself (run it inside the job: srun kempner-resilience doctor)", _setup_doctor, doctor)
-register("sbatch", "write a batch script from a template (single_node, multi_node, job_array) "
-         "with the right --signal, --requeue and srun launch", _setup_sbatch, sbatch)
+VERBS = [
+    Verb("doctor", "check that shutdown signals reach this process and the job can requeue "
+         "itself (run it inside the job: srun kempner-resilience doctor)", _setup_doctor,
+         doctor),
+    Verb("sbatch", "write a batch script from a template (single_node, multi_node, job_array) "
+         "with the right --signal, --requeue and srun launch", _setup_sbatch, sbatch),
+]

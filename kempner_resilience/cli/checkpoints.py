@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kempner_resilience.checkpoint import integrity, layout
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
-from kempner_resilience.cli import CliError, register
+from kempner_resilience.cli.common import CliError, Verb
 
 
 def _size(n: int) -> str:
@@ -176,8 +176,10 @@ def run_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-register("ls", "list the checkpoints in a directory: step, time, size, reason, committed, "
-         "verified", setup_ls, run_ls)
-register("verify", "re-read checkpoints and check the manifest, .metadata and every record and "
+VERBS = [
+    Verb("ls", "list the checkpoints in a directory: step, time, size, reason, committed, "
+         "verified", setup_ls, run_ls),
+    Verb("verify", "re-read checkpoints and check the manifest, .metadata and every record and "
          "file against their checksums; exit 1 when anything is damaged", setup_verify,
-         run_verify)
+         run_verify),
+]

@@ -1,0 +1,121 @@
+"""submitit's signals in the job process, taken over so that ``ResilientRun`` handles them.
+
+submitit installs, in the job process, a handler for its preemption signal (``SIGUSR2``) that
+checkpoints and requeues at once from inside the handler, mid-step, and ignores SIGTERM.
+``SignalTakeover`` replaces both before the submitted function runs (see
+``integrations/submitit.py`` for the whole hand-over).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from kempner_resilience.log import get_logger
+
+__all__ = ["SignalTakeover", "in_submitit_job"]
+
+# One logger for the whole integration, as before the split: users filter their logs on it.
+log = get_logger("kempner_resilience.integrations.submitit")
+
+
+def in_submitit_job() -> bool:
+    """True in a job process that submitit started under SLURM."""
+    return bool(os.environ.get("SUBMITIT_FOLDER")) and bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def _run_active() -> bool:
+    """True while a ``ResilientRun``'s ShutdownHandler is installed in this process."""
+    from kempner_resilience.signals import active_handlers
+
+    return bool(active_handlers())
+
+
+class SignalTakeover:
+    """Replaces submitit's job-process handlers for the preemption signal and SIGTERM.
+
+    * inside a ``ResilientRun``: its ShutdownHandler was installed on top of ours and chains to
+      us; we do nothing, the run checkpoints and requeues.
+    * before a run (the function is still importing/building): the signal is kept and re-sent
+      to this process as soon as a run is active, so the run handles it at its first boundary.
+    * after the function returned: logged and ignored (the result is about to be written).
+
+    SIGTERM with ``sigterm="ignore"`` is logged and ignored, as submitit does (ResilientRun is
+    configured with ``SIGTERM=off``); with ``"stop"`` it gets the default action outside a run
+    and ResilientRun's STOP inside one.
+    """
+
+    def __init__(self, preempt_signum: int, sigterm: str = "ignore", poll_s: float = 0.05
+                 ) -> None:
+        self.preempt = preempt_signum
+        self.sigterm = sigterm
+        self.poll_s = poll_s
+        self.pending: int | None = None
+        self.redelivered = False
+        self._done = threading.Event()
+        self._previous: dict[int, Any] = {}
+        self._thread: threading.Thread | None = None
+
+    def install(self) -> "SignalTakeover":
+        signums = [self.preempt]
+        if self.preempt != signal.SIGTERM:
+            signums.append(signal.SIGTERM)
+        for s in signums:
+            self._previous[s] = signal.getsignal(s)
+        signal.signal(self.preempt, self._on_preempt)
+        if self.preempt != signal.SIGTERM:
+            if self.sigterm == "ignore":
+                signal.signal(signal.SIGTERM, self._on_term_ignored)
+            else:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.debug("took over %s and SIGTERM from %s", signal.Signals(self.preempt).name,
+                  _describe_handler(self._previous.get(self.preempt)))
+        return self
+
+    def finish(self) -> None:
+        """The function returned (or raised). In a submitit job our handlers stay, so a late
+        signal cannot make submitit requeue a finished job; elsewhere the old ones come back."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        if not in_submitit_job() and threading.current_thread() is threading.main_thread():
+            for s, prev in self._previous.items():
+                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+
+    # handlers (main thread, between bytecodes)
+
+    def _on_preempt(self, signum: int, frame: Any) -> None:
+        if _run_active():
+            return  # chained from ResilientRun's handler: the run handles it
+        if self._done.is_set():
+            log.warning("%s after the training function returned: ignored (the result is "
+                        "being written)", signal.Signals(signum).name)
+            return
+        if self.pending is not None:
+            return
+        self.pending = signum
+        log.warning("%s before the training entered ResilientRun: it is handled as soon as "
+                    "the run starts", signal.Signals(signum).name)
+        self._thread = threading.Thread(target=self._redeliver, args=(signum,),
+                                        name="kempner-submitit-redeliver", daemon=True)
+        self._thread.start()
+
+    def _on_term_ignored(self, signum: int, frame: Any) -> None:
+        log.warning("SIGTERM ignored, as submitit does (its preemption signal is %s; "
+                    "pass sigterm='stop' to act on SIGTERM)", signal.Signals(self.preempt).name)
+
+    def _redeliver(self, signum: int) -> None:
+        while not self._done.wait(self.poll_s):
+            if _run_active():
+                self.redelivered = True
+                os.kill(os.getpid(), signum)
+                return
+
+
+def _describe_handler(h: Any) -> str:
+    if callable(h):
+        owner = getattr(h, "__self__", None)
+        return f"{type(owner).__name__}.{h.__name__}" if owner is not None else repr(h)
+    return str(h)

@@ -1,0 +1,238 @@
+"""The package's shape, checked from its source: dependencies point one way (core <- checkpoint/,
+slurm/ <- run, shutdown/ <- cli/, demo/, integrations/), the shutdown steps never reach forward,
+nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names every module.
+
+Imports are read with ``ast`` (every import in a module, at the top or inside a function), so a
+lazy import counts as much as a top-level one; only the cycle check leaves out imports under
+``if TYPE_CHECKING:``, which never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "kempner_resilience"
+
+# Every module's layer, by the first part of its path ("" is the package's own __init__.py;
+# "ctimer", the kernel-timer backstop, arrives with the watchdog split of the run.py rewrite).
+LAYERS = {
+    "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer",
+             "agreement", "teardown", "faults"},
+    "library": {"checkpoint", "slurm"},
+    "run": {"", "run", "shutdown", "aio"},
+    "top": {"cli", "demo", "integrations"},
+}
+ABOVE = {  # what each layer must never import
+    "core": LAYERS["library"] | LAYERS["run"] | LAYERS["top"],
+    "library": LAYERS["run"] | LAYERS["top"],
+    "run": LAYERS["top"],
+}
+
+# The shutdown path in order; each step's module imports nothing of the steps after it.
+SHUTDOWN_STEPS = ["signals", "agreement", "checkpoint.manager", "slurm.requeue", "teardown",
+                  "shutdown.exit"]
+
+# (module, the name it looks up in sys.modules) -> why that is not sniffing the caller.
+SYS_MODULES_ALLOWED = {
+    ("faults", "torch.distributed"): "a collective error can only come from torch.distributed if "
+                                     "it is loaded; looking it up avoids importing torch",
+    ("agreement", "torch.distributed"): "no process group exists unless torch.distributed is "
+                                        "loaded; from_torch must not import torch to find out",
+    ("teardown", "torch"): "no CUDA work to synchronize unless torch is loaded; teardown must "
+                           "not import torch (seconds) while the deadline runs",
+    ("teardown", "torch.distributed"): "no process group to destroy unless torch.distributed "
+                                       "is loaded",
+    ("integrations.submitit", "torch"): "no tensor can be in a submission unless torch is "
+                                        "loaded; the check must not import torch",
+}
+# The run.py rewrite (issue 12, shutdown/) removes run.py's "pytest"/"ipykernel" checks; until
+# it is merged into this branch, they are the only sniffing tolerated.
+PENDING_SNIFFERS = set() if (PKG / "shutdown").is_dir() else {"run"}
+
+
+def _modules() -> dict[str, Path]:
+    """'checkpoint.manager' -> its file; the package's __init__ is ''."""
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
+    """Imports under ``if TYPE_CHECKING:``: annotations only, never executed."""
+    return {n for node in ast.walk(tree) if isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test)
+            for stmt in node.body for n in ast.walk(stmt)}
+
+
+def _imports(name: str, runtime_only: bool = False) -> set[str]:
+    """The package modules ``name`` imports ('' for ``kempner_resilience`` itself)."""
+    path = MODULES[name]
+    parts = name.split(".") if name else []
+    package = parts if path.name == "__init__.py" else parts[:-1]
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_checking_only(tree) if runtime_only else set()
+    found = set()
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                module = ".".join(["kempner_resilience", *base, *filter(None, [node.module])])
+            else:
+                module = node.module or ""
+            # `from pkg import sub` imports the submodule; `from pkg import name` the package.
+            targets = [f"{module}.{a.name}" if _local(f"{module}.{a.name}") in MODULES else module
+                       for a in node.names]
+        else:
+            continue
+        found |= {_local(t) for t in targets
+                  if t == "kempner_resilience" or t.startswith("kempner_resilience.")}
+    found.discard(name)
+    return found
+
+
+def _local(dotted: str) -> str:
+    return dotted.removeprefix("kempner_resilience").removeprefix(".")
+
+
+IMPORTS = {name: _imports(name) for name in MODULES}
+RUNTIME_IMPORTS = {name: _imports(name, runtime_only=True) for name in MODULES}
+
+
+def _layer(name: str) -> str | None:
+    head = name.split(".")[0]
+    return next((layer for layer, heads in LAYERS.items() if head in heads), None)
+
+
+def _violations(layer: str) -> list[str]:
+    return [f"{name or '__init__'} ({layer}) imports {dep or 'kempner_resilience'}"
+            for name in MODULES if _layer(name) == layer
+            for dep in sorted(IMPORTS[name]) if dep.split(".")[0] in ABOVE[layer]]
+
+
+def test_every_module_belongs_to_a_layer():
+    known = set().union(*LAYERS.values())
+    assert [n for n in MODULES if n.split(".")[0] not in known] == [], \
+        "add the new module's package to LAYERS (and to docs/design.md)"
+
+
+def test_core_modules_import_nothing_from_the_layers_above():
+    assert _violations("core") == []
+
+
+def test_checkpoint_and_slurm_import_nothing_from_the_run_or_above():
+    assert _violations("library") == []
+
+
+def test_run_and_shutdown_import_nothing_from_the_cli_demo_or_integrations():
+    assert _violations("run") == []
+
+
+def test_only_the_cli_imports_the_cli():
+    assert [f"{name} imports {dep}" for name in MODULES if name.split(".")[0] != "cli"
+            for dep in IMPORTS[name] if dep.split(".")[0] == "cli"] == []
+
+
+def test_the_package_has_no_import_cycles():
+    cycles, state, stack = [], {}, []
+
+    def visit(name: str) -> None:
+        state[name] = "open"
+        stack.append(name)
+        for dep in sorted(RUNTIME_IMPORTS[name]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[name] = "done"
+
+    for name in MODULES:
+        if name not in state:
+            visit(name)
+    assert cycles == []
+
+
+def _reachable(name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for dep in IMPORTS[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_each_shutdown_step_imports_nothing_from_the_steps_after_it():
+    steps = [s for s in SHUTDOWN_STEPS if s in MODULES]  # shutdown/ may not be merged yet
+    assert steps[:5] == SHUTDOWN_STEPS[:5]
+    assert [f"{step} reaches {later}" for i, step in enumerate(steps)
+            for later in steps[i + 1:] if later in _reachable(step)] == []
+
+
+def _sys_modules_lookups(name: str) -> list[tuple[int, str | None]]:
+    """(line, the module name looked up, or None when it is not one string) of every use of
+    ``sys.modules`` in ``name``."""
+    tree = ast.parse(MODULES[name].read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "sys" and any(
+                a.name == "modules" for a in node.names):
+            out.append((node.lineno, None))
+        if not (isinstance(node, ast.Attribute) and node.attr == "modules"
+                and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+            continue
+        use = node
+        while use in parents and not isinstance(use, (ast.Compare, ast.Call, ast.Subscript)):
+            use = parents[use]
+        keys = [c.value for c in ast.walk(use)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+        out.append((node.lineno, keys[0] if len(keys) == 1 else None))
+    return out
+
+
+def test_no_module_sniffs_sys_modules_outside_the_allowlist():
+    found = [f"{MODULES[name].relative_to(ROOT)}:{line}: sys.modules lookup of {key!r}"
+             for name in MODULES if name not in PENDING_SNIFFERS
+             for line, key in _sys_modules_lookups(name)
+             if (name, key) not in SYS_MODULES_ALLOWED]
+    assert found == [], ("behaviour must not depend on which modules the caller loaded; make it "
+                         "an explicit option, or allowlist a lookup that only avoids an import")
+
+
+def _design_picture_names() -> set[str]:
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert "\n## Architecture\n" in text, "docs/design.md has no ## Architecture section"
+    section = text.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```\n(.*?)^```", section, re.M | re.S)
+    assert blocks, "docs/design.md: no picture under ## Architecture"
+    return {m for b in blocks for m in re.findall(r"(?<![\w./-])((?:\w+/)*\w+\.py)\b", b)}
+
+
+def test_the_design_picture_names_only_modules_that_exist():
+    files = {str(p.relative_to(PKG)) for p in MODULES.values()}
+    pending = () if (PKG / "shutdown").is_dir() else ("shutdown/",)  # the run.py rewrite
+    assert sorted(n for n in _design_picture_names()
+                  if n not in files and not n.startswith(pending)) == []
+
+
+def test_the_design_picture_names_every_module():
+    names = _design_picture_names()
+    missing = [str(p.relative_to(PKG)) for p in MODULES.values()
+               if p.name not in ("__init__.py", "__main__.py")
+               and str(p.relative_to(PKG)) not in names]
+    assert missing == [], "add them to the picture in docs/design.md (## Architecture)"
