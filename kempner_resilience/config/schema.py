@@ -13,36 +13,14 @@ import signal as _signal
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from kempner_resilience.startup import StartupError
+from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundError
+from kempner_resilience.config.serial import build, dump
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
            "RequeueConfig", "ResilienceConfig", "SignalsConfig", "WatchdogConfig",
            "normalize_signal", "ENV_CONFIG"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
-
-
-class ConfigError(ValueError, StartupError):
-    """A configuration problem. ``problems`` holds one ``(key_path, message)`` per mistake.
-
-    Uncaught in a script, it ends the process with exit code 78 (CONFIG) and this message.
-    """
-
-    def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
-        self.problems = problems
-        self.source = source
-        head = f"invalid configuration in {source}" if source else "invalid configuration"
-        lines = [f"{path}: {msg}" if path else msg for path, msg in problems]
-        super().__init__(head + ":\n  " + "\n  ".join(lines))
-
-    def prefixed(self, prefix: str) -> "ConfigError":
-        return ConfigError(
-            [(f"{prefix}.{p}" if p else prefix, m) for p, m in self.problems], self.source
-        )
-
-
-class ConfigFileNotFoundError(FileNotFoundError, StartupError):
-    """The config file does not exist (exit code 78 when uncaught in a script)."""
 
 
 class Action(str, enum.Enum):
@@ -153,6 +131,13 @@ class CheckpointConfig:
         self.dir = str(self.dir)
 
 
+def _normalize_or_keep(name: str) -> str:
+    try:
+        return normalize_signal(name)
+    except ValueError:
+        return name
+
+
 def _default_actions() -> dict[str, Action]:
     return {"SIGUSR1": Action.REQUEUE, "SIGUSR2": Action.REQUEUE,
             "SIGTERM": Action.STOP, "SIGINT": Action.STOP}
@@ -171,6 +156,16 @@ class SignalsConfig:
     grace_per_signal_s: dict[str, float] = field(
         default_factory=lambda: {"SIGTERM": 25.0, "SIGINT": 30.0}, metadata=_help(
             "per-signal grace overriding grace_s (SIGTERM: SLURM sends SIGKILL KillWait later)"))
+
+    @classmethod
+    def complete_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """A partial ``actions`` mapping is merged over the defaults, so that listing one
+        signal never silently unhandles SIGTERM & co."""
+        if "actions" in fields:
+            fields = {**fields, "actions": {**_default_actions(),
+                                            **{_normalize_or_keep(k): v
+                                               for k, v in fields["actions"].items()}}}
+        return fields
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
@@ -295,8 +290,6 @@ class ResilienceConfig:
     def from_dict(cls, data: Mapping[str, Any] | None, source: str | None = None
                   ) -> "ResilienceConfig":
         """Build from plain data (as YAML gives it); raises one ``ConfigError`` for all mistakes."""
-        from kempner_resilience.config.serial import build
-
         try:
             return build(cls, {} if data is None else data, "")
         except ConfigError as e:
@@ -304,6 +297,4 @@ class ResilienceConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data with YAML key names, the inverse of ``from_dict``."""
-        from kempner_resilience.config.serial import dump
-
         return dump(self)

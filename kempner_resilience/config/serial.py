@@ -9,8 +9,7 @@ import os
 import typing
 from typing import Any, Mapping
 
-from kempner_resilience.config.schema import (ConfigError, SignalsConfig, _default_actions,
-                                              normalize_signal)
+from kempner_resilience.config.errors import ConfigError
 
 __all__ = ["build", "dump", "yaml_name"]
 
@@ -104,21 +103,14 @@ def build(cls: type, data: Any, prefix: str) -> Any:
             problems += e.problems
     if problems:
         raise ConfigError(problems)
-    if cls is SignalsConfig and "actions" in kwargs:
-        # A partial `actions` mapping must not silently unhandle SIGTERM & co.
-        kwargs["actions"] = {**_default_actions(), **{normalize_or_keep(k): v
-                                                      for k, v in kwargs["actions"].items()}}
+    # A section may complete partial data (SignalsConfig merges `actions` over the defaults).
+    complete = getattr(cls, "complete_fields", None)
+    if complete is not None:
+        kwargs = complete(kwargs)
     try:
         return cls(**kwargs)
     except ConfigError as e:
         raise (e.prefixed(prefix) if prefix else e) from None
-
-
-def normalize_or_keep(name: str) -> str:
-    try:
-        return normalize_signal(name)
-    except ValueError:
-        return name
 
 
 def dump(obj: Any) -> Any:
