@@ -134,6 +134,10 @@ class CheckpointConfig:
         "writer threads per rank for saves; >= 1"))
     resume: bool = field(default=True, metadata=_help(
         "resume from the newest committed checkpoint in dir at start"))
+    ddp_buckets: bool = field(default=True, metadata=_help(
+        "save DDP's gradient bucket layout and restore it at resume, so a resumed run with 3+ "
+        "ranks reduces gradients in the same order as an uninterrupted one (bitwise equal); "
+        "false leaves DDP's reducer untouched"))
 
     def __post_init__(self) -> None:
         problems = _problems_nonneg(self, ["every_steps", "every_minutes", "keep_every",
