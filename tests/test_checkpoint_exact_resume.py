@@ -2,6 +2,10 @@
 identical (weights, Adam state, scheduler, data position, RNG streams) to a run that never
 stopped. Real processes, real DCP files; 2-rank runs use gloo and DDP.
 
+With 3+ ranks the order in which DDP's all-reduce adds the ranks' gradients depends on its
+gradient bucket layout, which DDP rebuilds after a process's first step: the checkpoint carries
+that layout and resume restores it (``ddp_train.py``, several buckets).
+
 Each scenario starts two launches (process start costs seconds here): the first trains all N
 steps, saving after k (it is the uninterrupted run: saving must not perturb training, which the
 1-rank tests also check against a run without any save); the second resumes from that save.
@@ -63,3 +67,33 @@ def test_resume_in_new_processes_is_bitwise_exact_2_ranks_ddp(tmp_path: Path) ->
     # Per-rank state really is per rank (so a rank-shared key would have broken it).
     assert a0["data"] != a1["data"] and not torch.equal(a0["torch_rng"], a1["torch_rng"])
     assert_bitwise_equal(a0["params"], a1["params"], "DDP replicas")
+
+
+@pytest.fixture(scope="module")
+def ddp_3_ranks(tmp_path_factory) -> Path:
+    """3 DDP ranks trained 8 steps with a save after 4 (``straight.pt``), computed once."""
+    work = tmp_path_factory.mktemp("ddp3")
+    run_ranks("ddp_train.py", ["--dir", str(work / "ckpt"), "--steps", "8", "--save-at", "4",
+                               "--bucket-cap-mb", "0.005", "--out", str(work / "straight.pt")], 3)
+    return work
+
+
+@pytest.mark.slow
+def test_resume_in_new_processes_is_bitwise_exact_3_ranks_ddp_several_buckets(
+        ddp_3_ranks: Path) -> None:
+    work = ddp_3_ranks
+    run_ranks("ddp_train.py", ["--dir", str(work / "ckpt"), "--steps", "8", "--resume",
+                               "--bucket-cap-mb", "0.005", "--out", str(work / "resumed.pt")], 3)
+    assert_bitwise_equal(torch.load(work / "straight.pt"), torch.load(work / "resumed.pt"))
+
+
+@pytest.mark.slow
+def test_a_bucket_layout_that_does_not_match_the_model_is_skipped_with_a_warning(
+        ddp_3_ranks: Path, tmp_path: Path) -> None:
+    # Resumed with the first layer frozen: DDP reduces 4 parameters, the record names 6.
+    outs = run_ranks("ddp_train.py", ["--dir", str(ddp_3_ranks / "ckpt"), "--steps", "6",
+                                      "--resume", "--freeze-first", "--bucket-cap-mb", "0.005",
+                                      "--out", str(tmp_path / "frozen.pt")], 3)
+    assert "gradient bucket layout not restored: the recorded layout does not match" in outs[0]
+    assert "not trained by this DDP: 0.bias, 0.weight" in outs[0]
+    assert (tmp_path / "frozen.pt").exists()

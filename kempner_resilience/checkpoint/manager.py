@@ -104,7 +104,7 @@ class CheckpointManager:
         self.root = Path(config.dir).expanduser().absolute()
         self.rank = rank
         self.world_size = world_size
-        self.state = TrainState(state)
+        self.state = TrainState(state, ddp_buckets=config.ddp_buckets)
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise CheckpointError(f"world_size={world_size} but torch.distributed is not "
@@ -327,6 +327,7 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
             return None, _describe(e) or "load failed"
         step = self.state.restore(sd, blob_key)
+        self._restore_ddp_buckets()
         info = entry.info()
         if step is not None and step != info.step:
             log.warning("%s: manifest step %d, saved state says %d", path, info.step, step)
@@ -340,6 +341,34 @@ class CheckpointManager:
                  reader.bytes_read / _GIB, dt)
         return info, ""
 
+    def _restore_ddp_buckets(self) -> None:
+        """Give each DDP the gradient bucket layout it had when the checkpoint was written (see
+        ``ddp_buckets``), on every rank or on none: ranks reducing in different layouts would
+        deadlock. Collective when the state holds a DDP."""
+        layouts = self.state.buckets
+        if not layouts.ddps:
+            return
+        plan = layouts.plan(self.state.loaded_buckets)
+        plans = self._fg.all_gather_object(plan)
+        for key in sorted(plan):
+            indices, why = plan[key]
+            if any(p.get(key) != plan[key] for p in plans):
+                indices, why = None, "the ranks' checkpoints hold different layouts"
+            if indices is None:
+                if why and self.rank == 0:
+                    log.warning("DDP %s: gradient bucket layout not restored: %s. With 3 or "
+                                "more ranks the first steps after this resume may differ from an "
+                                "uninterrupted run in the last bits", key, why)
+                continue
+            old = layouts.apply(key, indices)
+            if not all(self._fg.all_gather_object(old is not None)):
+                if old is not None:
+                    layouts.revert(key, old)
+                continue
+            if self.rank == 0:
+                log.info("DDP %s: restored its gradient bucket layout (%d buckets) from the "
+                         "checkpoint", key, len(indices))
+
     # --------------------------------------------------------------------------------- saves
 
     def maybe_save(self, step: int) -> CheckpointInfo | None:
@@ -350,6 +379,7 @@ class CheckpointManager:
         ``config.max_failed_saves`` in a row have failed (for async saves: when the next one is
         due). Collective: call it on every rank at every step."""
         cfg = self.config
+        self.state.buckets.observe()
         due = cfg.every_steps > 0 and step % cfg.every_steps == 0
         if cfg.every_minutes > 0:
             # Clocks differ across ranks: agree through an all-reduce started at the previous

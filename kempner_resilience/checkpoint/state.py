@@ -6,9 +6,10 @@ The DCP state dict has three kinds of entries:
   ``torch.distributed.checkpoint.state_dict`` (it strips DDP's ``module.`` prefix and keys
   optimizer state by parameter name, so checkpoints move between plain and DDP models);
 * ``rank_state.rank<r>``: one opaque blob per rank with the step, the RNG states (python
-  ``random``, numpy, torch CPU, CUDA) and the ``state_dict()`` of every other object (scheduler,
-  data iterator, ...). The key is rank-unique on purpose: DCP deduplicates non-tensor values that
-  share a key across ranks, so with a shared key rank 0 could load rank 1's RNG or data position.
+  ``random``, numpy, torch CPU, CUDA), the ``state_dict()`` of every other object (scheduler,
+  data iterator, ...) and each DDP's gradient bucket layout (see ``ddp_buckets``). The key is
+  rank-unique on purpose: DCP deduplicates non-tensor values that share a key across ranks, so
+  with a shared key rank 0 could load rank 1's RNG or data position.
 
 A blob instead of nested entries because DCP can only load keys that the destination state dict
 already has with the same structure; a data iterator's state may change shape between saves.
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.info import CheckpointError
 from kempner_resilience.log import get_logger
 
@@ -86,9 +88,11 @@ class TrainState:
 
     Modules and optimizers go through DCP's state_dict API; every other value must have
     ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction otherwise).
+    With ``ddp_buckets``, the gradient bucket layout of every DDP among the modules is saved and
+    offered back at resume (``buckets``, ``loaded_buckets``).
     """
 
-    def __init__(self, state: Mapping[str, Any]) -> None:
+    def __init__(self, state: Mapping[str, Any], *, ddp_buckets: bool = True) -> None:
         self.modules: dict[str, nn.Module] = {}
         self.optims: dict[str, tuple[torch.optim.Optimizer, nn.Module]] = {}
         self.others: dict[str, Any] = {}
@@ -111,6 +115,8 @@ class TrainState:
         for name, value in state.items():
             if isinstance(value, torch.optim.Optimizer):
                 self.optims[name] = (value, self._owner(name, value))
+        self.buckets = BucketLayouts(self.modules if ddp_buckets else {})
+        self.loaded_buckets: dict[str, Any] | None = None
 
     def _owner(self, name: str, optim: torch.optim.Optimizer) -> nn.Module:
         ids = {id(p) for g in optim.param_groups for p in g["params"]}
@@ -145,6 +151,8 @@ class TrainState:
             sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
         blob = {"step": step, "rng": capture_rng(),
                 "objects": {n: o.state_dict() for n, o in self.others.items()}}
+        if self.buckets.ddps:
+            blob[RECORD_KEY] = self.buckets.record()
         buf = io.BytesIO()
         torch.save(blob, buf)
         sd[rank_key(rank)] = buf.getvalue()
@@ -186,4 +194,5 @@ class TrainState:
             else:
                 log.warning("checkpoint has no state for %r; left as is", name)
         restore_rng(blob["rng"])
+        self.loaded_buckets = blob.get(RECORD_KEY)
         return int(blob["step"])

@@ -112,6 +112,10 @@ class CheckpointConfig:
     max_failed_saves: int = field(default=3, metadata=_help(
         "periodic saves that may fail in a row (full disk, I/O error) while training goes on and "
         "retries at the next cadence; at this many the run stops with 80 CHECKPOINT_FAILED; >= 1"))
+    ddp_buckets: bool = field(default=True, metadata=_help(
+        "save DDP's gradient bucket layout and restore it at resume, so a resumed run with 3+ "
+        "ranks reduces gradients in the same order as an uninterrupted one (bitwise equal); "
+        "false leaves DDP's reducer untouched"))
 
     def __post_init__(self) -> None:
         problems = _problems_nonneg(self, ["every_steps", "every_minutes", "keep_every",

@@ -18,8 +18,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, args: list[str], world: int, timeout: float = 120) -> None:
-    """Run ``script`` on ``world`` ranks; raise with every rank's output if any fails."""
+def run_ranks(script: str, args: list[str], world: int, timeout: float = 120) -> list[str]:
+    """Run ``script`` on ``world`` ranks; raise with every rank's output if any fails, else
+    return each rank's output (stdout and stderr)."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -40,3 +41,4 @@ def run_ranks(script: str, args: list[str], world: int, timeout: float = 120) ->
     if any(p.returncode for p in procs):
         raise AssertionError("\n".join(f"--- rank {r} exit {p.returncode}:\n{o}"
                                        for r, (p, o) in enumerate(zip(procs, outs))))
+    return outs
