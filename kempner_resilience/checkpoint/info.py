@@ -7,7 +7,8 @@ from pathlib import Path
 
 from kempner_resilience.startup import StartupError
 
-__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDirError", "CheckpointInfo"]
+__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDirError", "CheckpointInfo",
+           "describe_error"]
 
 
 class CheckpointError(RuntimeError):
@@ -41,3 +42,17 @@ class CheckpointInfo:
     world_size: int = 1
     save_seconds: float = field(default=0.0, compare=False)
     blocked_seconds: float = field(default=0.0, compare=False)
+
+
+def describe_error(err: BaseException | None) -> str | None:
+    """One line per cause. DCP wraps each rank's exception (with a traceback) in a
+    ``CheckpointException`` whose ``failures`` map rank -> (exception, frames) or exception."""
+    if err is None:
+        return None
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and type(err).__name__ == "CheckpointException":
+        causes = [f[0] if isinstance(f, tuple) and f else getattr(f, "exc", f)
+                  for _, f in sorted(failures.items())]
+        return "; ".join(f"rank {r}: {type(c).__name__}: {c}"
+                         for r, c in zip(sorted(failures), causes))[-4000:]
+    return f"{type(err).__name__}: {err}"[-4000:]

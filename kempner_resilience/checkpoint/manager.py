@@ -12,26 +12,23 @@ while the main thread is stuck in a training collective.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never on the emergency path
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 
-from kempner_resilience.checkpoint import integrity, layout, retention
+from kempner_resilience.checkpoint import commit, dircheck, layout, loader, retention
 from kempner_resilience.checkpoint.comm import Comm, PendingMax
 from kempner_resilience.checkpoint.estimate import Estimate, SaveEstimator
-from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointError, CheckpointInfo
+from kempner_resilience.checkpoint.info import (CheckpointCorrupt, CheckpointError, CheckpointInfo,
+                                               describe_error)
 from kempner_resilience.checkpoint.info import CheckpointDirError
-from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.writer import ChecksummingWriter
@@ -47,24 +44,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         "uninitialized", category=UserWarning)
 
 _GIB = 2**30
-
-
-def _describe(err: BaseException | None) -> str | None:
-    """One line per cause; DCP wraps each rank's exception (with a traceback) in its own."""
-    if err is None:
-        return None
-    if isinstance(err, CheckpointException):
-        # Each failure is (exception, traceback frames) in current torch, else the exception.
-        causes = [f[0] if isinstance(f, tuple) and f else getattr(f, "exc", f)
-                  for _, f in sorted(err.failures.items())]
-        return "; ".join(f"rank {r}: {type(c).__name__}: {c}"
-                         for r, c in zip(sorted(err.failures), causes))[-4000:]
-    return f"{type(err).__name__}: {err}"[-4000:]
-
-
-def _disk_full(text: str) -> bool:
-    return "No space left on device" in text or "Disk quota exceeded" in text or \
-        "[Errno 28]" in text or "[Errno 122]" in text
 
 
 class _Background:
@@ -175,57 +154,14 @@ class CheckpointManager:
         """Fail early if checkpoints cannot be written: the directory's parent is missing, it is
         not writable, or it lacks the space for about one save. Collective: every rank raises
         the same ``CheckpointDirError`` (exit code 78 when a script leaves it uncaught)."""
-        problem: str | None = None
-        root = self.root
-        try:
-            if not root.exists():
-                if not root.parent.is_dir():
-                    raise CheckpointError(
-                        f"checkpoint.dir {root}: the parent directory {root.parent} does not "
-                        "exist; create it (mkdir -p) or set checkpoint.dir to an existing location")
-                root.mkdir(exist_ok=True)
-            elif not root.is_dir():
-                raise CheckpointError(f"checkpoint.dir {root} exists but is not a directory; "
-                                      "remove it or choose another checkpoint.dir")
-            self._probe_write(root)
-            st = os.statvfs(root)
-            free = st.f_bavail * st.f_frsize
-            need = int(self.state.nbytes() * 1.05) + (1 << 20)
-            if free < need:
-                raise CheckpointError(
-                    f"checkpoint.dir {root} is (nearly) full: {free / _GIB:.3f} GiB free, one "
-                    f"checkpoint needs ~{need / _GIB:.3f} GiB; free space there or point "
-                    "checkpoint.dir at a larger filesystem")
-            if self.rank == 0:
-                retention.clean_trash(root, self.run_id, self._leave_alone)
-        except CheckpointError as e:
-            problem = str(e)
-        except OSError as e:
-            problem = f"checkpoint.dir {root}: {e}; fix it or choose another checkpoint.dir"
+        clean = (lambda: retention.clean_trash(self.root, self.run_id, self._leave_alone)) \
+            if self.rank == 0 else None
+        problem = dircheck.local_problem(self.root, self.state.nbytes(), self.rank, clean)
         problems = self._fg.all_gather_object(problem)
         bad = [f"rank {r}: {p}" if self.world_size > 1 else p
                for r, p in enumerate(problems) if p]
         if bad:
             raise CheckpointDirError("; ".join(bad))
-
-    def _probe_write(self, root: Path) -> None:
-        probe = root / f".kempner_probe-{socket.gethostname()}-{self.rank}-{os.getpid()}"
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, b"\0" * 4096)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            if _disk_full(str(e)):
-                raise CheckpointError(f"checkpoint.dir {root} is full ({e.strerror}); free space "
-                                      "there or point checkpoint.dir at a larger filesystem") from e
-            raise CheckpointError(f"checkpoint.dir {root} is not writable ({e.strerror}); fix "
-                                  "its permissions/mount or choose another checkpoint.dir") from e
-        finally:
-            with contextlib.suppress(OSError):
-                probe.unlink()
 
     # ---------------------------------------------------------------------------- discovery
 
@@ -264,13 +200,7 @@ class CheckpointManager:
             # Rank 0 lists, every rank tries the same list: all make the same choice. Damaged
             # entries are tried too, so the warning below names them and the fall-back is
             # the same as for any other per-checkpoint error.
-            listing: tuple[list[str] | None, str | None] = (None, None)
-            if self.rank == 0:
-                try:
-                    listing = ([str(e.path) for e in reversed(layout.scan(self.root))
-                                if e.committed or e.damaged], None)
-                except OSError as e:
-                    listing = (None, f"{e.strerror}")
+            listing = loader.candidates(self.root) if self.rank == 0 else (None, None)
             candidates, err = self._fg.broadcast_object(listing)
             if candidates is None:
                 raise CheckpointError(f"cannot list the checkpoints in {self.root} ({err}); fix "
@@ -296,78 +226,18 @@ class CheckpointManager:
 
     def _try_load(self, path: Path) -> tuple[CheckpointInfo | None, str]:
         t0 = time.monotonic()
-        local: str | None = None
-        entry = reader = None
-        sd: dict[str, Any] = {}
-        blob_key: str | None = None
-        # Everything before dcp.load is local: any error on any rank is gathered, so every rank
-        # skips this checkpoint together (dcp.load itself fails on all ranks together).
-        try:
-            parsed = layout.parse_name(path.name)
-            entry = layout.Entry(path, parsed[0] if parsed else -1, parsed[1] if parsed else 0,
-                                 layout.read_manifest(path))
-            layout.validate(entry, self.config.allow_foreign_owner)
-            if self.config.verify:
-                layout.verify_files(path, entry.manifest or {}, [integrity.METADATA_NAME])
-            reader = VerifyingReader(path, entry.manifest, verify=self.config.verify,
-                                     threads=self.config.io_threads)
-            metadata = reader.read_metadata()
-            integrity.check_metadata(path, metadata, entry.manifest or {})
-            sd, blob_key = self.state.load_template(self.rank, set(metadata.state_dict_metadata))
-        except (CheckpointError, OSError) as e:
-            local = str(e) if isinstance(e, CheckpointError) else \
-                f"{e.filename or path}: {e.strerror or e}"
-        except Exception as e:   # noqa: BLE001 - unpickling a damaged .metadata raises anything
-            local = f"{path}: {_describe(e)}"
-        errors = list(dict.fromkeys(e for e in self._fg.all_gather_object(local) if e))
-        if errors or entry is None or reader is None:
-            return None, "; ".join(errors)
-        try:
-            dcp.load(sd, storage_reader=reader, process_group=self._fg.dcp_group)
-        except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
-            return None, _describe(e) or "load failed"
-        step = self.state.restore(sd, blob_key)
-        self._restore_ddp_buckets()
-        info = entry.info()
-        if step is not None and step != info.step:
-            log.warning("%s: manifest step %d, saved state says %d", path, info.step, step)
+        info, why, nread = loader.try_load(path, self.config, self.state, self.rank, self._fg)
+        if info is None:
+            return None, why
+        loader.restore_ddp_buckets(self.state, self._fg, self.rank)
         self._last_save_step = info.step
         self._last_save_time = time.monotonic()
         self._last_committed = info
         # The previous attempt's save time is the best evidence until this one saves.
         self._estimator.seed(info.save_seconds, self.state.nbytes())
-        dt = time.monotonic() - t0
         log.info("resumed from %s (step %d): %.3f GiB read in %.2f s", path, info.step,
-                 reader.bytes_read / _GIB, dt)
+                 nread / _GIB, time.monotonic() - t0)
         return info, ""
-
-    def _restore_ddp_buckets(self) -> None:
-        """Give each DDP the gradient bucket layout it had when the checkpoint was written (see
-        ``ddp_buckets``), on every rank or on none: ranks reducing in different layouts would
-        deadlock. Collective when the state holds a DDP."""
-        layouts = self.state.buckets
-        if not layouts.ddps:
-            return
-        plan = layouts.plan(self.state.loaded_buckets)
-        plans = self._fg.all_gather_object(plan)
-        for key in sorted(plan):
-            indices, why = plan[key]
-            if any(p.get(key) != plan[key] for p in plans):
-                indices, why = None, "the ranks' checkpoints hold different layouts"
-            if indices is None:
-                if why and self.rank == 0:
-                    log.warning("DDP %s: gradient bucket layout not restored: %s. With 3 or "
-                                "more ranks the first steps after this resume may differ from an "
-                                "uninterrupted run in the last bits", key, why)
-                continue
-            old = layouts.apply(key, indices)
-            if not all(self._fg.all_gather_object(old is not None)):
-                if old is not None:
-                    layouts.revert(key, old)
-                continue
-            if self.rank == 0:
-                log.info("DDP %s: restored its gradient bucket layout (%d buckets) from the "
-                         "checkpoint", key, len(indices))
 
     # --------------------------------------------------------------------------------- saves
 
@@ -508,7 +378,7 @@ class CheckpointManager:
                             "of checkpoint.max_failed_saves=%d failed in a row).", e,
                             self._failed_saves + 1, self.config.max_failed_saves)
             else:
-                log.error("async checkpoint of step %d failed: %s", step, _describe(e))
+                log.error("async checkpoint of step %d failed: %s", step, describe_error(e))
 
     def _bg_remaining(self, bg: _Background) -> Estimate:
         return self._estimator.remaining(self.state.nbytes(), time.monotonic() - bg.started)
@@ -544,7 +414,7 @@ class CheckpointManager:
             try:
                 choice = (str(layout.create_step_dir(self.root, step, self.run_id)), None)
             except OSError as e:
-                choice = (None, _describe(e))
+                choice = (None, describe_error(e))
         path_s, err = comm.broadcast_object(choice)
         if path_s is None:
             raise CheckpointError(self._failure_text(step, self.root, err or "?"))
@@ -561,11 +431,12 @@ class CheckpointManager:
             except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
                 failure = e
             gathered = comm.all_gather_object(
-                (writer.files if failure is None else None, _describe(failure)))
+                (writer.files if failure is None else None, describe_error(failure)))
             status: str | None = None
             manifest: dict[str, Any] = {}
             if self.rank == 0:
-                status = self._commit(path, step, reason, gathered, t0, blocked, manifest)
+                status = commit.commit(path, step, reason, gathered, t0, blocked,
+                                       self.world_size, manifest)
             status, committed_at, nbytes = comm.broadcast_object(
                 (status, manifest.get("committed_at", 0.0), manifest.get("nbytes", 0)))
             if status is not None:
@@ -603,46 +474,9 @@ class CheckpointManager:
             t.join()
         self._retention_thread = None
 
-    def _commit(self, path: Path, step: int, reason: str, gathered: list[Any], t0: float,
-                blocked: float, manifest: dict[str, Any]) -> str | None:
-        """Rank 0: write the manifest if every rank succeeded; returns an error text or None."""
-        errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
-        if errors:
-            return "; ".join(errors)
-        files: dict[str, Any] = {}
-        for rank_files, _ in gathered:
-            files.update(rank_files)
-        try:
-            # Listed like the data files, so verify and resume check it the same way.
-            marker = path / layout.MARKER_NAME
-            files[layout.MARKER_NAME] = {"size": marker.stat().st_size,
-                                         "crc32": layout.file_crc(marker), "rank": 0}
-        except OSError as e:
-            return _describe(e)
-        manifest.update({
-            "format": layout.FORMAT, "step": step, "world_size": self.world_size,
-            "reason": reason, "committed_at": time.time(),
-            "nbytes": sum(m["size"] for n, m in files.items() if n.endswith(".distcp")),
-            "save_seconds": time.monotonic() - t0, "blocked_seconds": blocked,
-            "torch": torch.__version__, "host": socket.gethostname(), "files": files})
-        try:
-            layout.write_manifest(path, manifest)
-        except OSError as e:
-            return _describe(e)
-        return None
-
     def _failure_text(self, step: int, path: Path, status: str) -> str:
-        prev = self._last_committed or self.latest()
-        keep = (f"the previous committed checkpoint {prev.path} (step {prev.step}) is intact"
-                if prev else "there is no previous committed checkpoint")
-        if _disk_full(status):
-            partial = "no partial directory was left" if path == self.root else \
-                f"the partial {path} was removed"
-            return (f"checkpoint of step {step} failed: the disk holding {self.root} is full "
-                    "(No space left on device). Free space there or point checkpoint.dir at a "
-                    f"larger filesystem; {partial} and {keep}.")
-        return (f"checkpoint of step {step} into {path} failed: {status}. The partial directory "
-                f"was removed; {keep}.")
+        return commit.failure_text(step, path, status, self.root,
+                                   self._last_committed or self.latest())
 
     def _retention(self) -> None:
         try:

@@ -1,0 +1,67 @@
+"""The commit: rank 0 writes the manifest once every rank's files are durable, and the words
+for a save that did not commit.
+
+The manifest lists every file with its size and CRC-32 (data files also per record), the
+ownership marker included, so ``verify`` and resume check everything the same way. Writing it
+is the atomic rename in ``layout.write_manifest``: before it the directory is a partial save,
+after it a checkpoint.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.checkpoint.dircheck import disk_full
+from kempner_resilience.checkpoint.info import CheckpointInfo, describe_error
+
+__all__ = ["commit", "failure_text"]
+
+
+def commit(path: Path, step: int, reason: str, gathered: list[Any], t0: float, blocked: float,
+           world_size: int, manifest: dict[str, Any]) -> str | None:
+    """Rank 0: write the manifest (filled into ``manifest``) if every rank succeeded, given
+    each rank's ``(files, error)``; returns an error text or None."""
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+    if errors:
+        return "; ".join(errors)
+    files: dict[str, Any] = {}
+    for rank_files, _ in gathered:
+        files.update(rank_files)
+    try:
+        marker = path / layout.MARKER_NAME
+        files[layout.MARKER_NAME] = {"size": marker.stat().st_size,
+                                     "crc32": layout.file_crc(marker), "rank": 0}
+    except OSError as e:
+        return describe_error(e)
+    manifest.update({
+        "format": layout.FORMAT, "step": step, "world_size": world_size,
+        "reason": reason, "committed_at": time.time(),
+        "nbytes": sum(m["size"] for n, m in files.items() if n.endswith(".distcp")),
+        "save_seconds": time.monotonic() - t0, "blocked_seconds": blocked,
+        "torch": torch.__version__, "host": socket.gethostname(), "files": files})
+    try:
+        layout.write_manifest(path, manifest)
+    except OSError as e:
+        return describe_error(e)
+    return None
+
+
+def failure_text(step: int, path: Path, status: str, root: Path,
+                 previous: CheckpointInfo | None) -> str:
+    """What failed, the fix, and that the previous checkpoint is intact."""
+    keep = (f"the previous committed checkpoint {previous.path} (step {previous.step}) is intact"
+            if previous else "there is no previous committed checkpoint")
+    if disk_full(status):
+        partial = "no partial directory was left" if path == root else \
+            f"the partial {path} was removed"
+        return (f"checkpoint of step {step} failed: the disk holding {root} is full "
+                "(No space left on device). Free space there or point checkpoint.dir at a "
+                f"larger filesystem; {partial} and {keep}.")
+    return (f"checkpoint of step {step} into {path} failed: {status}. The partial directory "
+            f"was removed; {keep}.")

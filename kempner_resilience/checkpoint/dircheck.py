@@ -1,0 +1,77 @@
+"""Can checkpoints be written under ``checkpoint.dir``? Checked at start, before any training.
+
+A missing parent, a file where the directory should be, no write permission, or too little
+space for about one save: each is one sentence naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Callable
+
+from kempner_resilience.checkpoint.info import CheckpointError
+
+__all__ = ["local_problem", "disk_full"]
+
+_GIB = 2**30
+
+
+def disk_full(text: str) -> bool:
+    """Whether an error text says the filesystem is full (or the quota spent)."""
+    return "No space left on device" in text or "Disk quota exceeded" in text or \
+        "[Errno 28]" in text or "[Errno 122]" in text
+
+
+def local_problem(root: Path, state_nbytes: int, rank: int,
+                  on_ok: Callable[[], None] | None = None) -> str | None:
+    """What keeps this rank from writing checkpoints into ``root`` (created when missing), or
+    None; ``on_ok`` runs when the directory is usable (rank 0 finishes old deletions there)."""
+    try:
+        if not root.exists():
+            if not root.parent.is_dir():
+                raise CheckpointError(
+                    f"checkpoint.dir {root}: the parent directory {root.parent} does not "
+                    "exist; create it (mkdir -p) or set checkpoint.dir to an existing location")
+            root.mkdir(exist_ok=True)
+        elif not root.is_dir():
+            raise CheckpointError(f"checkpoint.dir {root} exists but is not a directory; "
+                                  "remove it or choose another checkpoint.dir")
+        _probe_write(root, rank)
+        st = os.statvfs(root)
+        free = st.f_bavail * st.f_frsize
+        need = int(state_nbytes * 1.05) + (1 << 20)
+        if free < need:
+            raise CheckpointError(
+                f"checkpoint.dir {root} is (nearly) full: {free / _GIB:.3f} GiB free, one "
+                f"checkpoint needs ~{need / _GIB:.3f} GiB; free space there or point "
+                "checkpoint.dir at a larger filesystem")
+        if on_ok is not None:
+            on_ok()
+    except CheckpointError as e:
+        return str(e)
+    except OSError as e:
+        return f"checkpoint.dir {root}: {e}; fix it or choose another checkpoint.dir"
+    return None
+
+
+def _probe_write(root: Path, rank: int) -> None:
+    probe = root / f".kempner_probe-{socket.gethostname()}-{rank}-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if disk_full(str(e)):
+            raise CheckpointError(f"checkpoint.dir {root} is full ({e.strerror}); free space "
+                                  "there or point checkpoint.dir at a larger filesystem") from e
+        raise CheckpointError(f"checkpoint.dir {root} is not writable ({e.strerror}); fix "
+                              "its permissions/mount or choose another checkpoint.dir") from e
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()

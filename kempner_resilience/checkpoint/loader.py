@@ -1,0 +1,104 @@
+"""Loading one checkpoint into the state, on every rank alike, or skipping it on every rank.
+
+Everything before ``dcp.load`` (manifest, cheap checks, ``.metadata`` against the manifest, the
+load template) runs locally and any rank's error is gathered, so all ranks skip a damaged or
+unreadable checkpoint together; ``dcp.load`` itself fails on all ranks together. The caller
+(``CheckpointManager.resume``) walks the candidates newest first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
+
+from kempner_resilience.checkpoint import integrity, layout
+from kempner_resilience.checkpoint.comm import Comm
+from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo, describe_error
+from kempner_resilience.checkpoint.reader import VerifyingReader
+from kempner_resilience.checkpoint.state import TrainState
+from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.log import get_logger
+
+__all__ = ["candidates", "try_load", "restore_ddp_buckets"]
+
+log = get_logger(__name__)
+
+
+def candidates(root: Path) -> tuple[list[str] | None, str | None]:
+    """Rank 0's list of what to try, newest first: committed checkpoints and damaged ones (so
+    the fall-back warning names them), or (None, why) when ``root`` cannot be listed."""
+    try:
+        return [str(e.path) for e in reversed(layout.scan(root))
+                if e.committed or e.damaged], None
+    except OSError as e:
+        return None, f"{e.strerror}"
+
+
+def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
+             comm: Comm) -> tuple[CheckpointInfo | None, str, int]:
+    """Load ``path`` into ``state`` (collective): (info, "", bytes read) or (None, why, 0)."""
+    local: str | None = None
+    entry = reader = None
+    sd: dict[str, Any] = {}
+    blob_key: str | None = None
+    try:
+        parsed = layout.parse_name(path.name)
+        entry = layout.Entry(path, parsed[0] if parsed else -1, parsed[1] if parsed else 0,
+                             layout.read_manifest(path))
+        layout.validate(entry, config.allow_foreign_owner)
+        if config.verify:
+            layout.verify_files(path, entry.manifest or {}, [integrity.METADATA_NAME])
+        reader = VerifyingReader(path, entry.manifest, verify=config.verify,
+                                 threads=config.io_threads)
+        metadata = reader.read_metadata()
+        integrity.check_metadata(path, metadata, entry.manifest or {})
+        sd, blob_key = state.load_template(rank, set(metadata.state_dict_metadata))
+    except (CheckpointError, OSError) as e:
+        local = str(e) if isinstance(e, CheckpointError) else \
+            f"{e.filename or path}: {e.strerror or e}"
+    except Exception as e:   # noqa: BLE001 - unpickling a damaged .metadata raises anything
+        local = f"{path}: {describe_error(e)}"
+    errors = list(dict.fromkeys(e for e in comm.all_gather_object(local) if e))
+    if errors or entry is None or reader is None:
+        return None, "; ".join(errors), 0
+    try:
+        dcp.load(sd, storage_reader=reader, process_group=comm.dcp_group)
+    except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
+        return None, describe_error(e) or "load failed", 0
+    step = state.restore(sd, blob_key)
+    info = entry.info()
+    if step is not None and step != info.step:
+        log.warning("%s: manifest step %d, saved state says %d", path, info.step, step)
+    return info, "", reader.bytes_read
+
+
+def restore_ddp_buckets(state: TrainState, comm: Comm, rank: int) -> None:
+    """Give each DDP the gradient bucket layout it had when the checkpoint was written (see
+    ``ddp_buckets``), on every rank or on none: ranks reducing in different layouts would
+    deadlock. Collective when the state holds a DDP."""
+    layouts = state.buckets
+    if not layouts.ddps:
+        return
+    plan = layouts.plan(state.loaded_buckets)
+    plans = comm.all_gather_object(plan)
+    for key in sorted(plan):
+        indices, why = plan[key]
+        if any(p.get(key) != plan[key] for p in plans):
+            indices, why = None, "the ranks' checkpoints hold different layouts"
+        if indices is None:
+            if why and rank == 0:
+                log.warning("DDP %s: gradient bucket layout not restored: %s. With 3 or "
+                            "more ranks the first steps after this resume may differ from an "
+                            "uninterrupted run in the last bits", key, why)
+            continue
+        old = layouts.apply(key, indices)
+        if not all(comm.all_gather_object(old is not None)):
+            if old is not None:
+                layouts.revert(key, old)
+            continue
+        if rank == 0:
+            log.info("DDP %s: restored its gradient bucket layout (%d buckets) from the "
+                     "checkpoint", key, len(indices))
