@@ -94,15 +94,8 @@ def write_marker(path: Path, step: int, run_id: str | None = None) -> None:
     marker = {"format": MARKER_FORMAT, "step": step, "uid": os.geteuid(),
               "host": socket.gethostname(), "pid": os.getpid(), "created_at": time.time(),
               "run_id": run_id}
-    data = json.dumps(marker, separators=(",", ":")).encode()
-    fd = os.open(path / MARKER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_synced(path / MARKER_NAME, json.dumps(marker, separators=(",", ":")).encode(),
+                  os.O_EXCL)
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
@@ -121,11 +114,9 @@ def read_marker(path: Path) -> dict[str, Any] | None:
     return marker
 
 
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """The commit: tmp file, fsync, rename, fsync the directory and its parent."""
-    tmp = path / (MANIFEST_NAME + ".tmp")
-    data = json.dumps(manifest, separators=(",", ":")).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+def _write_synced(path: Path, data: bytes, mode_flag: int) -> None:
+    """All of ``data`` into ``path`` (``O_EXCL``: a new file; ``O_TRUNC``: replace), fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode_flag | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -133,6 +124,12 @@ def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """The commit: tmp file, fsync, rename, fsync the directory and its parent."""
+    tmp = path / (MANIFEST_NAME + ".tmp")
+    _write_synced(tmp, json.dumps(manifest, separators=(",", ":")).encode(), os.O_TRUNC)
     os.rename(tmp, path / MANIFEST_NAME)
     fsync_dir(path)
     fsync_dir(path.parent)
