@@ -64,7 +64,8 @@ setup_bridge() {
     if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
         ip link add "$BRIDGE" type bridge || die "cannot create bridge $BRIDGE (ip link add)"
     fi
-    ip addr show dev "$BRIDGE" | grep -q "inet $NET.1/24" \
+    # Not `ip ... | grep -q`: with pipefail, grep's early exit can fail the pipeline (SIGPIPE).
+    [[ $(ip addr show dev "$BRIDGE") == *"inet $NET.1/24"* ]] \
         || ip addr add "$NET.1/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
 }
