@@ -1,16 +1,22 @@
-"""Pytest fixtures and helpers for tests against a real single-node SLURM cluster.
+"""Pytest fixtures and helpers for tests against real SLURM clusters on this machine.
 
 Use from ``tests/conftest.py``::
 
-    from slurm_fixtures import slurm_cluster  # noqa: F401  (session fixture)
+    from slurm_fixtures import slurm_cluster, multinode_cluster  # noqa: F401  (session fixtures)
 
 and in tests ``from slurm_fixtures import submit, wait_job, job_info``.
 
-``slurm_cluster`` starts the cluster with ``tests/cluster/slurm_cluster.sh start`` once per
-session (installing slurm with apt-get when missing) and stops it at the end, unless it was
-started by hand before (then it is left alone), another pytest session still uses it, or
-``KR_SLURM_KEEP=1`` is set. It skips, with the reason, where the cluster cannot be installed or
-started (not root, apt-get failing).
+``slurm_cluster`` starts the single-node cluster with ``tests/cluster/slurm_cluster.sh start``
+once per session (installing slurm with apt-get when missing); ``multinode_cluster`` starts the
+multi-node one (``tests/cluster/multinode_cluster.sh``: a slurmd per network namespace, its own
+config, reached through ``SLURM_CONF``; pass ``env=cluster.env`` to the helpers here). Each is
+stopped at the end of the session, unless it was started by hand before (then it is left
+alone), another pytest session still uses it, or ``KR_SLURM_KEEP=1`` is set.
+
+Where a cluster cannot be installed or started (not root, apt-get failing, no network
+namespaces), its tests skip with the reason -- except under CI (``CI`` set, as ``.ci/run``
+does), where they fail with it: a skipped end-to-end test is a hidden failure.
+``KR_SLURM_SKIP=1`` skips them on purpose, CI or not.
 """
 
 from __future__ import annotations
@@ -23,15 +29,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NoReturn
 
 import pytest
 
 from kempner_resilience.slurm.scontrol import parse_show_job
 
-__all__ = ["slurm_cluster", "submit", "wait_job", "job_info", "wait_for", "SlurmCluster",
-           "CLUSTER_SCRIPT", "TERMINAL_STATES"]
+__all__ = ["slurm_cluster", "multinode_cluster", "submit", "wait_job", "job_info", "wait_for",
+           "SlurmCluster", "MultiNodeCluster", "CLUSTER_SCRIPT", "MULTINODE_SCRIPT",
+           "TERMINAL_STATES", "in_ci"]
 
 CLUSTER_SCRIPT = Path(__file__).resolve().parent / "cluster" / "slurm_cluster.sh"
+MULTINODE_SCRIPT = Path(__file__).resolve().parent / "cluster" / "multinode_cluster.sh"
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                              "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
 
@@ -46,83 +55,194 @@ class SlurmCluster:
     partitions: tuple[str, ...] = ("low", "high")
 
 
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+@dataclass(frozen=True)
+class MultiNodeCluster:
+    """The running multi-node cluster: ``nodes`` (``krnode1``...) in partition ``mn``.
+
+    Its clients need ``SLURM_CONF=conf``: ``env`` is this process's environment with it, for
+    ``submit``/``job_info``/``wait_job`` and for any SLURM command a test runs.
+    """
+
+    script: Path
+    conf: str
+    nodes: tuple[str, ...]
+    start_seconds: float
+    started_here: bool
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, SLURM_CONF=self.conf)
+
+    def kill_node(self, node: str) -> None:
+        """Every process of ``node`` (slurmd, slurmstepd, the job's tasks) stopped, then
+        SIGKILLed: the node is dead for SLURM and for its peers."""
+        res = _run(["bash", str(self.script), "kill-node", self._number(node)], 60)
+        if res.returncode != 0:
+            raise RuntimeError(f"kill-node {node} failed: {res.stderr.strip()}")
+
+    def restart_node(self, node: str) -> None:
+        """Start ``node``'s slurmd again and wait until the node is idle."""
+        res = _run(["bash", str(self.script), "restart-node", self._number(node)], 90)
+        if res.returncode != 0:
+            raise RuntimeError(f"restart-node {node} failed: {res.stderr.strip()}")
+
+    def node_pids(self, node: str) -> list[int]:
+        """The pids of every process in ``node``'s network namespace (``ip netns pids``)."""
+        res = _run(["ip", "netns", "pids", node], 15)
+        return [int(p) for p in res.stdout.split() if p.isdigit()]
+
+    def _number(self, node: str) -> str:
+        if node not in self.nodes:
+            raise ValueError(f"{node!r} is not one of {self.nodes}")
+        return node.removeprefix("krnode")
+
+
+def _run(args: list[str], timeout: float, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, env=env)
 
 
-# The fixture may be registered twice (tests/conftest.py and a test module importing it): both
-# registrations share this state, so the cluster starts once and stops after the last user.
-_state: dict[str, object] = {"cluster": None, "users": 0, "lock": None}
-
-# Several pytest sessions (engineers working side by side) may share the one cluster: each holds
-# a shared lock while it runs, and only the last one out stops the cluster -- and only if a
-# fixture started it (the marker file), never a cluster someone started by hand.
-LOCK_FILE = Path("/run/kempner_slurm_fixture.lock")
-STARTED_MARKER = Path("/run/kempner_slurm_fixture.started")
+def in_ci() -> bool:
+    """True under CI (``CI`` set to anything but empty/0/false, as CI services and .ci/run do)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _start_cluster() -> SlurmCluster:
-    if os.geteuid() != 0:
-        pytest.skip("SLURM tests need root to install and start slurmctld/slurmd")
-    if os.environ.get("KR_SLURM_SKIP") == "1":
-        pytest.skip("KR_SLURM_SKIP=1")
-    lock = open(LOCK_FILE, "a+")
-    fcntl.flock(lock, fcntl.LOCK_SH)
-    _state["lock"] = lock
-    was_up = _run(["bash", str(CLUSTER_SCRIPT), "status"], 30).returncode == 0
-    t0 = time.monotonic()
-    try:
-        res = _run(["bash", str(CLUSTER_SCRIPT), "start"], 600)
-    except subprocess.TimeoutExpired:
-        pytest.skip("SLURM cluster did not start within 600 s (apt-get or daemons hung)")
-    if res.returncode != 0:
-        tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-5:])
-        pytest.skip(f"SLURM cluster could not be installed/started: {tail}")
-    if not was_up:
-        STARTED_MARKER.touch()
-    return SlurmCluster(CLUSTER_SCRIPT, time.monotonic() - t0, not was_up)
+def _unavailable(reason: str) -> NoReturn:
+    """Skip the test with ``reason``; under CI fail it instead."""
+    if in_ci():
+        pytest.fail(f"{reason} [CI is set: a SLURM test that cannot run fails instead of "
+                    "skipping]", pytrace=False)
+    pytest.skip(reason)
 
 
-def _release_cluster() -> None:
-    lock = _state["lock"]
-    _state["lock"] = None
-    if lock is None:
-        return
-    try:
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        if os.environ.get("KR_SLURM_KEEP") == "1" or not STARTED_MARKER.exists():
+class _SharedCluster:
+    """One cluster started by a script, shared by every test of the session and by concurrent
+    pytest sessions.
+
+    The fixture may be registered twice (tests/conftest.py and a test module importing it): both
+    registrations share this object, so the cluster starts once and stops after the last user.
+    Several pytest sessions (engineers working side by side) may share the cluster: each holds a
+    shared lock while it runs, and only the last one out stops the cluster -- and only if a
+    fixture started it (the marker file), never a cluster someone started by hand.
+    """
+
+    def __init__(self, script: Path, name: str, lock_file: Path, marker: Path,
+                 make: Callable[[float, bool], object]) -> None:
+        self.script, self.name, self.lock_file, self.marker = script, name, lock_file, marker
+        self.make = make
+        self.cluster: object | None = None
+        self.users = 0
+        self.lock = None
+        self.failure: BaseException | None = None
+
+    def acquire(self) -> object:
+        if self.cluster is None:
+            if self.failure is not None:  # no second 600 s attempt per test
+                raise self.failure
+            try:
+                self.cluster = self._start()
+            except (pytest.fail.Exception, pytest.skip.Exception) as e:
+                self.failure = e
+                raise
+        self.users += 1
+        return self.cluster
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.cluster = None
+            self._release()
+
+    def _start(self) -> object:
+        if os.environ.get("KR_SLURM_SKIP") == "1":
+            pytest.skip("KR_SLURM_SKIP=1")
+        if os.geteuid() != 0:
+            _unavailable(f"the {self.name} needs root to install and start slurmctld/slurmd")
+        lock = open(self.lock_file, "a+")
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        self.lock = lock
+        was_up = _run(["bash", str(self.script), "status"], 30).returncode == 0
+        t0 = time.monotonic()
+        try:
+            res = _run(["bash", str(self.script), "start"], 600)
+        except subprocess.TimeoutExpired:
+            self._release()
+            _unavailable(f"the {self.name} did not start within 600 s (apt-get or daemons "
+                         f"hung): {self.script} start")
+        if res.returncode != 0:
+            self._release()
+            tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-5:])
+            _unavailable(f"the {self.name} could not be installed/started ({self.script} "
+                         f"start exited {res.returncode}): {tail}")
+        if not was_up:
+            self.marker.touch()
+        return self.make(time.monotonic() - t0, not was_up)
+
+    def _release(self) -> None:
+        lock = self.lock
+        self.lock = None
+        if lock is None:
             return
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return  # another session still uses the cluster; it stops it when done
-        STARTED_MARKER.unlink(missing_ok=True)
-        _run(["bash", str(CLUSTER_SCRIPT), "stop"], 120)
-    finally:
-        lock.close()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if os.environ.get("KR_SLURM_KEEP") == "1" or not self.marker.exists():
+                return
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return  # another session still uses the cluster; it stops it when done
+            self.marker.unlink(missing_ok=True)
+            _run(["bash", str(self.script), "stop"], 120)
+        finally:
+            lock.close()
+
+
+def _make_single(seconds: float, started: bool) -> SlurmCluster:
+    return SlurmCluster(CLUSTER_SCRIPT, seconds, started)
+
+
+def _make_multi(seconds: float, started: bool) -> MultiNodeCluster:
+    env = _run(["bash", str(MULTINODE_SCRIPT), "env"], 30).stdout.strip()
+    conf = env.removeprefix("export SLURM_CONF=")
+    res = _run(["sinfo", "-h", "-N", "-o", "%N"], 30, dict(os.environ, SLURM_CONF=conf))
+    nodes = tuple(sorted(set(res.stdout.split())))
+    return MultiNodeCluster(MULTINODE_SCRIPT, conf, nodes, seconds, started)
+
+
+_single = _SharedCluster(CLUSTER_SCRIPT, "single-node SLURM cluster",
+                         Path("/run/kempner_slurm_fixture.lock"),
+                         Path("/run/kempner_slurm_fixture.started"), _make_single)
+_multi = _SharedCluster(MULTINODE_SCRIPT, "multi-node SLURM cluster",
+                        Path("/run/kempner_multinode_fixture.lock"),
+                        Path("/run/kempner_multinode_fixture.started"), _make_multi)
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> SlurmCluster:
     """The running single-node cluster (partitions ``low`` default, ``high`` preempts it).
     Set ``KR_SLURM_KEEP=1`` to leave it running after the session."""
-    if _state["cluster"] is None:
-        _state["cluster"] = _start_cluster()
-    cluster = _state["cluster"]
+    cluster = _single.acquire()
     assert isinstance(cluster, SlurmCluster)
-    _state["users"] = int(_state["users"]) + 1  # type: ignore[call-overload]
     yield cluster
-    _state["users"] = int(_state["users"]) - 1  # type: ignore[call-overload]
-    if _state["users"] == 0:
-        _state["cluster"] = None
-        _release_cluster()
+    _single.release()
 
 
-def submit(script: str | os.PathLike[str], *args: str, cwd: str | os.PathLike[str] | None = None
-           ) -> str:
+@pytest.fixture(scope="session")
+def multinode_cluster() -> MultiNodeCluster:
+    """The running multi-node cluster (3 nodes ``krnode1..3``, partition ``mn``; clients need
+    ``env=cluster.env``). Set ``KR_SLURM_KEEP=1`` to leave it running after the session."""
+    cluster = _multi.acquire()
+    assert isinstance(cluster, MultiNodeCluster)
+    yield cluster
+    _multi.release()
+
+
+def submit(script: str | os.PathLike[str], *args: str, cwd: str | os.PathLike[str] | None = None,
+           env: dict[str, str] | None = None) -> str:
     """``sbatch --parsable [args] script`` -> job id. ``script`` is a path or the script text
-    (text is written to a temporary file first). Raises with sbatch's message on failure."""
+    (text is written to a temporary file first). Raises with sbatch's message on failure.
+    ``env``: sbatch's environment (``MultiNodeCluster.env`` for the multi-node cluster)."""
     text = str(script)
     if isinstance(script, str) and (script.startswith("#!") or "\n" in script):
         fd, path = tempfile.mkstemp(prefix="kr_job_", suffix=".sbatch",
@@ -130,7 +250,7 @@ def submit(script: str | os.PathLike[str], *args: str, cwd: str | os.PathLike[st
         with os.fdopen(fd, "w") as f:
             f.write(script)
         text = path
-    res = _run(["sbatch", "--parsable", *args, text], 30)
+    res = _run(["sbatch", "--parsable", *args, text], 30, env)
     if res.returncode != 0:
         raise RuntimeError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}")
     job_id = res.stdout.strip().split(";")[0]
@@ -139,10 +259,10 @@ def submit(script: str | os.PathLike[str], *args: str, cwd: str | os.PathLike[st
     return job_id
 
 
-def job_info(job_id: str) -> dict[str, str]:
+def job_info(job_id: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """``scontrol show -o job <id>`` as a dict ({} when slurmctld no longer knows the job).
     For an array's parent id the first task's record is returned."""
-    res = _run(["scontrol", "show", "-o", "job", str(job_id)], 15)
+    res = _run(["scontrol", "show", "-o", "job", str(job_id)], 15, env)
     if res.returncode != 0:
         return {}
     jobs = parse_show_job(res.stdout)
@@ -150,13 +270,14 @@ def job_info(job_id: str) -> dict[str, str]:
 
 
 def wait_job(job_id: str, states: set[str] | frozenset[str] = TERMINAL_STATES,
-             timeout: float = 60.0, poll: float = 0.25) -> dict[str, str]:
+             timeout: float = 60.0, poll: float = 0.25, env: dict[str, str] | None = None
+             ) -> dict[str, str]:
     """Poll ``scontrol show job`` until JobState is in ``states``; returns the job's dict.
     Raises TimeoutError with the last state seen."""
     deadline = time.monotonic() + timeout
     info: dict[str, str] = {}
     while time.monotonic() < deadline:
-        info = job_info(job_id)
+        info = job_info(job_id, env)
         if info.get("JobState") in states:
             return info
         time.sleep(poll)

@@ -34,9 +34,10 @@ class ClusterError(RuntimeError):
     """No usable SLURM cluster (sinfo missing or failing, sbatch refusing)."""
 
 
-def _run(args: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], timeout: float = 30.0, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, env=env)
 
 
 def check_cluster(timeout: float = 15.0) -> str:
@@ -56,22 +57,24 @@ def check_cluster(timeout: float = 15.0) -> str:
     return res.stdout
 
 
-def submit(script: Path | str, *args: str, cwd: Path | str | None = None) -> str:
-    """``sbatch --parsable [args] script`` -> job id."""
+def submit(script: Path | str, *args: str, cwd: Path | str | None = None,
+           env: dict[str, str] | None = None) -> str:
+    """``sbatch --parsable [args] script`` -> job id. ``env``: sbatch's environment (the job
+    inherits it; ``SLURM_CONF`` there picks the cluster)."""
     res = subprocess.run(["sbatch", "--parsable", *args, str(script)], capture_output=True,
-                         text=True, timeout=30, cwd=cwd, stdin=subprocess.DEVNULL)
+                         text=True, timeout=30, cwd=cwd, stdin=subprocess.DEVNULL, env=env)
     job_id = res.stdout.strip().split(";")[0]
     if res.returncode != 0 or not re.fullmatch(r"\d+", job_id):
         raise ClusterError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}")
     return job_id
 
 
-def job_info(job_id: str) -> dict[str, str]:
+def job_info(job_id: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """``scontrol show -o job`` as a dict; {} when slurmctld does not know the job (any more)."""
     from kempner_resilience.slurm.scontrol import parse_show_job
 
     try:
-        res = _run(["scontrol", "show", "-o", "job", str(job_id)], 15)
+        res = _run(["scontrol", "show", "-o", "job", str(job_id)], 15, env)
     except subprocess.TimeoutExpired:
         return {}
     if res.returncode != 0:
@@ -101,13 +104,21 @@ def _demo_env() -> dict[str, str]:
 
 @dataclass
 class DemoJob:
-    """A demo training job rendered from the sbatch template into ``workdir``."""
+    """A demo training job rendered from the sbatch template into ``workdir``.
+
+    ``env``: the environment of every SLURM command run for the job (None: this process's);
+    ``SLURM_CONF`` in it picks the cluster.
+    """
 
     workdir: Path
     script: Path
     ranks: int
     steps: int
     job_id: str | None = None
+    env: dict[str, str] | None = None
+    nodes: int = 1
+    #: ``kempner-resilience`` arguments that render the same batch script (``sbatch ...``).
+    sbatch_args: list[str] = field(default_factory=list)
     signals_sent: list[tuple[str, float, int | None]] = field(default_factory=list)
 
     @property
@@ -127,12 +138,12 @@ class DemoJob:
         return self.workdir / "progress.txt"
 
     def submit(self, *args: str) -> str:
-        self.job_id = submit(self.script, *args, cwd=self.workdir)
+        self.job_id = submit(self.script, *args, cwd=self.workdir, env=self.env)
         return self.job_id
 
     def info(self) -> dict[str, str]:
         assert self.job_id is not None
-        return job_info(self.job_id)
+        return job_info(self.job_id, self.env)
 
     def last_step(self) -> int | None:
         """The newest step rank 0 finished (over all runs of the job), from the progress file."""
@@ -163,6 +174,21 @@ class DemoJob:
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
+    def rank_exit(self, restart: int, rank: int) -> int | None:
+        """Rank ``rank``'s exit status in run ``restart`` (``rank_files`` jobs); None when the
+        rank has not exited, or died with its node."""
+        try:
+            return int((self.workdir / f"rank.{restart}.{rank}.exit").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def rank_stderr(self, restart: int, rank: int) -> str:
+        """Rank ``rank``'s stderr in run ``restart`` (``rank_files`` jobs)."""
+        try:
+            return (self.workdir / f"rank.{restart}.{rank}.err").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
     def log_text(self) -> str:
         try:
             return self.log.read_text(errors="replace")
@@ -173,7 +199,7 @@ class DemoJob:
         """``scancel --signal=SIG`` to every srun task; returns the wall time it was sent."""
         assert self.job_id is not None
         t = time.time()
-        res = _run(["scancel", f"--signal={sig}", self.job_id], 30)
+        res = _run(["scancel", f"--signal={sig}", self.job_id], 30, self.env)
         if res.returncode != 0:
             raise ClusterError(f"scancel --signal={sig} {self.job_id}: {res.stderr.strip()}")
         self.signals_sent.append((sig, t, self.last_step()))
@@ -214,7 +240,7 @@ class DemoJob:
 
     def cancel(self) -> None:
         if self.job_id is not None:
-            _run(["scancel", self.job_id], 30)
+            _run(["scancel", self.job_id], 30, self.env)
 
 
 def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time: float = 0.1,
@@ -222,18 +248,24 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
               lead_time_s: float | None = None, partition: str | None = None,
               job_name: str = "kr-demo", python: str = sys.executable,
               extra: dict[str, object | None] | None = None,
-              train_args: Iterable[str] = ()) -> DemoJob:
-    """Render ``single_node`` for the demo trainer into ``workdir/job.sbatch``.
+              train_args: Iterable[str] = (), nodes: int = 1, rank_files: bool = False,
+              env: dict[str, str] | None = None) -> DemoJob:
+    """Render ``single_node`` (``multi_node`` when ``nodes > 1``) for the demo trainer into
+    ``workdir/job.sbatch``: ``ranks`` srun tasks in all, ``ranks / nodes`` on each node.
 
     Checkpoints go to ``workdir/checkpoints``, final weights to ``workdir/weights.pt``, rank 0's
     report of run k (``SLURM_RESTART_COUNT``, 0 first) to ``workdir/report.k.json``, completed
     steps to ``workdir/progress.txt`` (``# run k`` before each run's lines), the job's log to
     ``workdir/job.out``. ``sets`` are extra ``--set KEY=VALUE`` config overrides, ``train_args``
-    extra trainer arguments (``--hang-at``).
+    extra trainer arguments (``--hang-at``, ``--no-ddp``). ``rank_files``: each rank's stderr goes
+    to ``workdir/rank.k.R.err`` and its exit status to ``workdir/rank.k.R.exit`` instead (what a
+    rank on a surviving node saw when another node died). ``env``: see ``DemoJob``.
     """
     from kempner_resilience.config import load_config
     from kempner_resilience.slurm.templates import render_sbatch
 
+    if nodes < 1 or ranks % nodes:
+        raise ValueError(f"ranks={ranks} cannot be spread evenly over nodes={nodes}")
     work = Path(workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     overrides = [f"checkpoint.dir={work / 'checkpoints'}", f"checkpoint.every_steps={every_steps}",
@@ -245,26 +277,51 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     for o in overrides:
         train += ["--set", o]
     train += [str(a) for a in train_args]
-    env = " ".join(f"{k}={v}" for k, v in _demo_env().items())
     run = "${SLURM_RESTART_COUNT:-0}"
-    # One srun line (the template's). Each task's bash marks where a run starts in the progress
-    # file (rank 0 only) and execs the trainer, so the signals reach Python directly; the batch
-    # shell expands the restart count in the report's name.
-    mark = (f'[ "$SLURM_PROCID" = 0 ] && echo "# run {run}" >> '
-            f'{shlex.quote(str(work / "progress.txt"))}; exec "$@"')
-    command = (f"bash -c {shlex.quote(mark)} _ env {env} "
-               f"KEMPNER_RESILIENCE_REPORT={shlex.quote(str(work))}/report.{run}.json "
-               + shlex.join(train))
+    # One srun line (the template's). Each task's bash names the report after the restart count,
+    # marks where a run starts in the progress file (rank 0 only) and execs the trainer, so the
+    # signals reach Python directly. Everything that needs a shell is inside that `bash -c`:
+    # the command is a plain argument list, which `kempner-resilience sbatch -- ...` renders
+    # the same way.
+    mark = (f'export KEMPNER_RESILIENCE_REPORT={shlex.quote(str(work))}/report.{run}.json; '
+            f'[ "$SLURM_PROCID" = 0 ] && echo "# run {run}" >> '
+            f'{shlex.quote(str(work / "progress.txt"))}; ')
+    if rank_files:
+        # This shell stays, to write the trainer's exit status. SLURM signals only the task
+        # itself (slurmstepd's children), so it forwards the signals to the trainer; `wait`
+        # returns early (> 128) on each of them while the trainer still runs.
+        rank = f'{shlex.quote(str(work))}/rank.{run}.$SLURM_PROCID'
+        fwd = " ".join(f"trap 'kill -{s} $p 2>/dev/null' {s};" for s in
+                       ("USR1", "USR2", "TERM", "INT"))
+        mark += (f'"$@" 2>> {rank}.err & p=$!; {fwd} '
+                 'while :; do wait $p; rc=$?; kill -0 $p 2>/dev/null || break; done; '
+                 'if [ $rc -gt 128 ]; then wait $p; r=$?; [ $r = 127 ] || rc=$r; fi; '
+                 f'echo $rc > {rank}.exit; exit $rc')
+    else:
+        mark += 'exec "$@"'
+    command = ["bash", "-c", mark, "_", "env",
+               *(f"{k}={v}" for k, v in _demo_env().items()), *train]
     all_extra: dict[str, object | None] = {"cpus-per-task": 1}
     if partition:
         all_extra["partition"] = partition
     all_extra.update(extra or {})
-    text = render_sbatch(cfg, template="single_node", job_name=job_name, command=command,
-                         time=time_limit, ntasks_per_node=ranks, output=str(work / "job.out"),
-                         lead_time_s=lead_time_s, extra=all_extra)
+    template = "multi_node" if nodes > 1 else "single_node"
+    text = render_sbatch(cfg, template=template, job_name=job_name, command=command,
+                         time=time_limit, nodes=nodes, ntasks_per_node=ranks // nodes,
+                         output=str(work / "job.out"), lead_time_s=lead_time_s, extra=all_extra)
     script = work / "job.sbatch"
     script.write_text(text)
-    return DemoJob(work, script, ranks, steps)
+    cli = ["sbatch", "--template", template, "--job-name", job_name, "--time", time_limit,
+           "--nodes", str(nodes), "--ntasks-per-node", str(ranks // nodes),
+           "--log", str(work / "job.out")]
+    if lead_time_s is not None:
+        cli += ["--lead-time", str(lead_time_s)]
+    for o in overrides:
+        cli += ["--set", o]
+    for key, val in all_extra.items():
+        cli += ["--extra", key if val is None else f"{key}={val}"]
+    cli += ["--", *command]
+    return DemoJob(work, script, ranks, steps, env=env, nodes=nodes, sbatch_args=cli)
 
 
 def _free_port() -> int:
@@ -274,9 +331,10 @@ def _free_port() -> int:
 
 
 def run_reference(workdir: Path | str, *, ranks: int, steps: int, python: str = sys.executable,
-                  timeout: float = 300.0) -> Path:
+                  timeout: float = 300.0, train_args: Iterable[str] = ()) -> Path:
     """The uninterrupted run: the same trainer, ``ranks`` plain processes (RANK/WORLD_SIZE/
-    MASTER_ADDR/MASTER_PORT, no SLURM, no torchrun, no checkpoints). Returns the weights path."""
+    MASTER_ADDR/MASTER_PORT, no SLURM, no torchrun, no checkpoints). Returns the weights path.
+    ``train_args``: extra trainer arguments (``--no-ddp``)."""
     work = Path(workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     out = work / "weights.pt"
@@ -290,7 +348,8 @@ def run_reference(workdir: Path | str, *, ranks: int, steps: int, python: str = 
                    LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         cmd = [python, "-m", "kempner_resilience.demo.train", "--steps", str(steps), "--quiet",
                "--out", str(out), "--set", f"checkpoint.dir={work / 'checkpoints'}",
-               "--set", "checkpoint.every_steps=0", "--set", "checkpoint.resume=false"]
+               "--set", "checkpoint.every_steps=0", "--set", "checkpoint.resume=false",
+               *(str(a) for a in train_args)]
         log = open(work / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, cwd=work), log))

@@ -1,9 +1,10 @@
 """The demo's training job: a small real model trained under ResilientRun.
 
 An MLP with dropout, Adam, a step LR schedule and a seeded shuffling data iterator, trained with
-DDP over gloo when there are several ranks. Everything that influences the result (weights,
-optimizer moments, scheduler, data position, every RNG stream) goes through the checkpoint, so
-an interrupted-and-resumed run ends bitwise equal to an uninterrupted one.
+DDP over gloo when there are several ranks (``--no-ddp``: the gradients are all-reduced one
+parameter at a time instead, in the same order every step). Everything that influences the
+result (weights, optimizer moments, scheduler, data position, every RNG stream) goes through the
+checkpoint, so an interrupted-and-resumed run ends bitwise equal to an uninterrupted one.
 
 Run one rank per process: ``python -m kempner_resilience.demo.train --steps 40 --out w.pt``.
 Rank and world come from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, or from SLURM's srun
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["ShuffledBatches", "build", "main"]
+__all__ = ["ShuffledBatches", "build", "allreduce_grads", "main"]
 
 
 class ShuffledBatches:
@@ -71,13 +72,15 @@ class ShuffledBatches:
         self._order = self._make_order()
 
 
-def build(rank: int = 0, world: int = 1, hidden: int = 64, seed: int = 0) -> dict[str, Any]:
-    """Model, optimizer, scheduler and data for one rank, all seeded."""
+def build(rank: int = 0, world: int = 1, hidden: int = 64, seed: int = 0, ddp: bool = True
+          ) -> dict[str, Any]:
+    """Model, optimizer, scheduler and data for one rank, all seeded. ``ddp=False`` leaves the
+    model unwrapped (the caller all-reduces the gradients: ``allreduce_grads``)."""
     torch.manual_seed(seed)
     model: nn.Module = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(0.1),
                                      nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.1),
                                      nn.Linear(hidden, 1))
-    if world > 1:
+    if world > 1 and ddp:
         model = nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.7)
@@ -85,6 +88,21 @@ def build(rank: int = 0, world: int = 1, hidden: int = 64, seed: int = 0) -> dic
     # Per-rank RNG streams differ on purpose (dropout masks differ per rank, as in real runs).
     torch.manual_seed(seed + 1000 * (rank + 1))
     return {"model": model, "optim": optim, "sched": sched, "data": data}
+
+
+def allreduce_grads(model: nn.Module, world: int) -> None:
+    """Average the gradients over the ranks, one all-reduce per parameter.
+
+    The summation order of each all-reduce depends only on the tensor and the world size, so it
+    is the same in every step of every run, resumed or not: results stay bitwise reproducible at
+    any world size. (DDP rebuilds its gradient buckets after a process's first step, so a
+    resumed process reduces that step in another layout, which with 3 or more ranks can change
+    the sums' last bits.)
+    """
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
 
 
 def _init_distributed() -> tuple[int, int]:
@@ -125,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-marker", default="hang.done",
                    help="file created when the hang happens; no hang while it exists")
     p.add_argument("--progress", help="append 'step N' lines here as steps complete")
+    p.add_argument("--no-ddp", action="store_true",
+                   help="all-reduce the gradients one parameter at a time instead of wrapping "
+                        "the model in DDP (bitwise reproducible at any world size)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -134,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     configure("WARNING" if args.quiet else "INFO")
     rank, world = _init_distributed()
     cfg = kr.load_config(args.config, args.overrides)
-    state = build(rank, world)
+    state = build(rank, world, ddp=not args.no_ddp)
     model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
     loss_fn = nn.MSELoss()
     progress = open(args.progress, "a", buffering=1) if args.progress else None
@@ -150,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             optim.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
+            if world > 1 and args.no_ddp:
+                allreduce_grads(model, world)
             optim.step()
             sched.step()
             if args.step_time:

@@ -10,56 +10,23 @@
 #                       the one-node queue this long, so tests want it short)
 #   KR_SLURM_NO_INSTALL=1  never run apt-get (fail instead when slurm is missing)
 set -euo pipefail
+# This cluster is the default one (/etc/slurm); SLURM_CONF would point its clients elsewhere.
+unset SLURM_CONF
 
 HOST="$(hostname -s)"
 CONF_DIR=/etc/slurm
-SPOOL_CTL=/var/spool/slurmctld
-SPOOL_D=/var/spool/slurmd
+# State of our own: another SLURM install's /var/spool/slurmctld (another ClusterName) made
+# slurmctld stop with "CLUSTER NAME MISMATCH", and its old jobs would come back in ours.
+SPOOL_CTL=/var/spool/kempner-slurm/slurmctld
+SPOOL_D=/var/spool/kempner-slurm/slurmd
 LOG_DIR=/var/log/slurm
 CTL_PID=/run/slurmctld.pid
 D_PID=/run/slurmd.pid
-MUNGE_PID=/run/munge/munged.pid
 KILLWAIT="${KR_SLURM_KILLWAIT:-10}"
 
-log() { echo "slurm_cluster: $*" >&2; }
-die() { log "ERROR: $*"; exit 1; }
-
-# A stopped daemon can linger as a zombie (no init reaps it here): `kill -0` says alive, so read
-# the process state instead.
-alive() {
-    local pidfile=$1 pid state
-    [[ -r $pidfile ]] || return 1
-    pid=$(cat "$pidfile" 2>/dev/null) || return 1
-    [[ -n $pid && -r /proc/$pid/status ]] || return 1
-    state=$(awk '/^State:/ {print $2}' "/proc/$pid/status" 2>/dev/null) || return 1
-    [[ -n $state && $state != Z && $state != X ]]
-}
-
-install_if_missing() {
-    local missing=0 b
-    for b in slurmctld slurmd scontrol sbatch munged; do
-        command -v "$b" >/dev/null 2>&1 || PATH="$PATH:/usr/sbin" command -v "$b" >/dev/null 2>&1 \
-            || missing=1
-    done
-    (( missing )) || return 0
-    [[ ${KR_SLURM_NO_INSTALL:-0} == 1 ]] && die "slurm is not installed and KR_SLURM_NO_INSTALL=1"
-    command -v apt-get >/dev/null || die "slurm is not installed and apt-get is not available"
-    log "installing slurmctld slurmd slurm-client munge with apt-get"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >&2 || die "apt-get update failed"
-    apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >&2 \
-        || die "apt-get install failed"
-}
-
-# proctrack/cgroup needs the cgroup v1 freezer; proctrack/pgid is the fallback. Never
-# proctrack/linuxproc: a requeued job's Python child escaped it and kept running.
-proctrack() {
-    if grep -qE '^\S+ /sys/fs/cgroup/freezer cgroup .*freezer' /proc/mounts; then
-        echo cgroup
-    else
-        echo pgid
-    fi
-}
+LOG_NAME=slurm_cluster
+# shellcheck source=slurm_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/slurm_common.sh"
 
 write_conf() {
     local pt tmp changed=0
@@ -124,25 +91,6 @@ EOF
     fi
     rm -f "$tmp"
     echo $changed
-}
-
-start_munge() {
-    alive "$MUNGE_PID" && return 0
-    mkdir -p /run/munge /var/log/munge /var/lib/munge
-    chown munge:munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null || true
-    chmod 0755 /run/munge
-    if [[ ! -s /etc/munge/munge.key ]]; then
-        log "creating /etc/munge/munge.key"
-        if command -v mungekey >/dev/null; then
-            runuser -u munge -- mungekey --create --force >&2
-        else
-            dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-            chown munge:munge /etc/munge/munge.key
-            chmod 0400 /etc/munge/munge.key
-        fi
-    fi
-    rm -f /run/munge/munge.socket.2.lock "$MUNGE_PID"
-    runuser -u munge -- /usr/sbin/munged || die "munged failed to start (see /var/log/munge)"
 }
 
 wait_idle() {
@@ -211,7 +159,8 @@ cmd_stop() {
     cmd_stop_daemons
     # Forget old jobs so the next start is clean.
     rm -rf "${SPOOL_CTL:?}"/* "${SPOOL_D:?}"/* 2>/dev/null || true
-    if alive "$MUNGE_PID"; then
+    # munged also serves the multi-node test cluster (multinode_cluster.sh) when that runs.
+    if alive "$MUNGE_PID" && ! pgrep -x 'slurmctld|slurmd' >/dev/null; then
         kill "$(cat "$MUNGE_PID")" 2>/dev/null || true
     fi
     log "cluster stopped"

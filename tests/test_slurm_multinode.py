@@ -1,0 +1,233 @@
+"""Several nodes: the shipped ``multi_node`` template on a real multi-node SLURM cluster.
+
+The cluster (tests/cluster/multinode_cluster.sh) runs each slurmd in its own network and UTS
+namespace, so the 4 gloo ranks of a ``-N 2 --ntasks-per-node 2`` job sit on 2 hosts with their
+own names and addresses and talk over a bridge, as on a real cluster. The batch script is the
+one ``kempner-resilience sbatch --template multi_node --nodes 2 --ntasks-per-node 2`` renders
+for the demo trainer; the checkpoint directory is shared by every node (one filesystem).
+
+The trainer all-reduces its gradients one parameter at a time (``--no-ddp``): that is bitwise
+reproducible at any world size, so a run that was interrupted, requeued and resumed must end with
+exactly the weights and optimizer state of an uninterrupted run of 4 plain processes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kempner_resilience.checkpoint import MANIFEST_NAME
+from kempner_resilience.demo.slurm_demo import DemoJob, compare_weights, run_reference, write_job
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.slurm.env import expand_hostlist
+from slurm_fixtures import multinode_cluster, submit, wait_for, wait_job  # noqa: F401
+
+pytestmark = [pytest.mark.slurm]
+
+STEPS = 40
+RANKS, NODES = 4, 2
+TRAIN_ARGS = ["--no-ddp"]
+CLI = str(Path(sys.executable).parent / "kempner-resilience")
+PROBES = Path(__file__).resolve().parent / "cluster"
+# A rank whose peer died exits with this code (kempner_resilience.run: a failed collective after
+# a peer's death; rank 0 requeues when a committed checkpoint exists).
+PEER_LOST = int(getattr(ExitCode, "PEER_LOST", 81))
+# Codes with a documented meaning a batch script can act on (not 0, not Python's own 1 or 2).
+DOCUMENTED = {int(c) for c in ExitCode} - {0, 1, 2}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run: 4 plain processes, no SLURM, no checkpoints."""
+    return run_reference(tmp_path_factory.mktemp("reference"), ranks=RANKS, steps=STEPS,
+                         train_args=TRAIN_ARGS)
+
+
+@pytest.fixture
+def jobs(multinode_cluster):
+    """Cancel whatever a failed test left running, and bring killed nodes back."""
+    made: list[DemoJob] = []
+    dead: list[str] = []
+    yield made, dead
+    for job in made:
+        if job.job_id and job.info().get("JobState") not in (None, "COMPLETED", "FAILED",
+                                                            "CANCELLED"):
+            job.cancel()
+    for node in dead:
+        multinode_cluster.restart_node(node)
+
+
+def _new_job(cluster, jobs, tmp_path: Path, **kw) -> DemoJob:
+    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS,
+                    train_args=TRAIN_ARGS, env=cluster.env, **kw)
+    jobs[0].append(job)
+    return job
+
+
+def _job_nodes(job: DemoJob) -> list[str]:
+    return expand_hostlist(job.info().get("NodeList", ""))
+
+
+def _trainers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, tuple[str, int]]:
+    """This job's trainer processes on ``nodes``: {SLURM_PROCID: (node, pid)}."""
+    found = {}
+    for node in nodes:
+        for pid in cluster.node_pids(node):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if not argv[0].endswith(b"python") or str(job.workdir).encode() not in b" ".join(argv):
+                continue
+            for var in environ:
+                if var.startswith(b"SLURM_PROCID="):
+                    found[int(var.split(b"=", 1)[1])] = (node, pid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return re.search(r"^State:\s+[ZX]", status, re.M) is None
+
+
+def _committed_steps(root: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1].split(".")[0]) for p in root.glob("step_*")
+                  if (p / MANIFEST_NAME).exists())
+
+
+def _last_step_per_rank(job: DemoJob, restart: int) -> dict[int, int]:
+    text = job.progress.read_text().split(f"# run {restart}\n", 1)[1].split("# run ")[0]
+    last: dict[int, int] = {}
+    for rank, step in re.findall(r"^rank (\d+) step (\d+)$", text, re.M):
+        last[int(rank)] = max(last.get(int(rank), -1), int(step))
+    return last
+
+
+def _assert_completed_bitwise(job: DemoJob, reference: Path, resumed_from: int) -> None:
+    info = job.wait_state(timeout=240)
+    assert info["JobState"] == "COMPLETED", job.log_text()[-3000:]
+    assert info["Restarts"] == "1" and info["ExitCode"] == "0:0"
+    second = job.report(1)
+    assert second is not None and second["exit_code"] == 0, job.log_text()[-3000:]
+    assert second["world_size"] == RANKS
+    assert second["resumed_from"] == second["start_step"] == resumed_from
+    same, total, diff = compare_weights(reference, job.weights)
+    assert not diff, f"{len(diff)} of {total} tensors differ: {diff[:5]}"
+
+
+def test_multi_node_job_script_is_what_kempner_resilience_sbatch_renders(multinode_cluster,
+                                                                        tmp_path, jobs):
+    job = _new_job(multinode_cluster, jobs, tmp_path)
+    proc = subprocess.run([CLI, *job.sbatch_args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == job.script.read_text()
+    assert job.sbatch_args[:7] == ["sbatch", "--template", "multi_node", "--job-name", "kr-demo",
+                                   "--time", "00:10:00"]
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --requeue"):
+        assert line in proc.stdout.splitlines()
+
+
+def test_usr1_to_4_ranks_on_2_nodes_checkpoints_requeues_resumes_bitwise_equal(
+        multinode_cluster, tmp_path, reference, jobs):
+    job = _new_job(multinode_cluster, jobs, tmp_path, step_time=0.1)
+    job.submit()
+    job.wait_step(12, timeout=180)
+    nodes = _job_nodes(job)
+    assert len(set(nodes)) == NODES, nodes
+    # Each node ran its own 2 ranks: rank placement came from srun, MASTER_ADDR from the list.
+    placed = _trainers(multinode_cluster, job, nodes)
+    assert {node for node, _ in placed.values()} == set(nodes), placed
+    job.signal("USR1")
+    first = wait_for(lambda: job.report(0), timeout=120, what="the first run's report")
+    assert first["exit_code"] == ExitCode.REQUEUE, job.log_text()[-3000:]
+    assert first["world_size"] == RANKS
+    assert first["stop_step"] == first["saved_step"] >= 12
+    # Every rank wrote its shard into the shared directory before rank 0 committed.
+    saved = Path(first["saved_path"])
+    assert (saved / MANIFEST_NAME).exists()
+    assert sorted(int(p.name.split("_")[2]) for p in saved.glob("__*_*.distcp")) == \
+        list(range(RANKS))
+    # All 4 ranks stopped at the same step boundary, on both nodes.
+    assert _last_step_per_rank(job, 0) == {r: first["stop_step"] - 1 for r in range(RANKS)}
+    log = job.log_text()
+    assert f"requeued job {job.job_id}" in log  # rank 0 called scontrol requeue
+    _assert_completed_bitwise(job, reference, first["saved_step"])
+    assert len(set(_job_nodes(job))) == NODES
+
+
+@pytest.mark.parametrize("victim", ["batch_node", "other_node"])
+def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_commit(
+        multinode_cluster, tmp_path, reference, jobs, victim):
+    # Periodic checkpoints every 5 steps; the node dies after the one at step 20 is committed.
+    # "batch_node" holds the batch script, srun and ranks 0-1 (SLURM's node failure must
+    # requeue the job); "other_node" holds ranks 2-3 (rank 0 survives and may requeue).
+    job = _new_job(multinode_cluster, jobs, tmp_path, step_time=0.1, rank_files=True,
+                   sets=["watchdog.hang_timeout_s=20"])
+    job.submit()
+    job.wait_step(22, timeout=180)
+    nodes = _job_nodes(job)
+    dead = nodes[0] if victim == "batch_node" else nodes[1]
+    ranks = _trainers(multinode_cluster, job, nodes)
+    assert sorted(ranks) == list(range(RANKS)), ranks
+    survivors = {r: pid for r, (node, pid) in ranks.items() if node != dead}
+    assert len(survivors) == RANKS // NODES
+    jobs[1].append(dead)
+    multinode_cluster.kill_node(dead)
+
+    # No rank is left behind: the surviving node's ranks notice and exit (a failed collective,
+    # else the hang watchdog, else SLURM's SIGTERM once the node is DOWN).
+    wait_for(lambda: not any(_alive(pid) for pid in survivors.values()), timeout=60,
+             what="the surviving ranks to exit")
+    committed = _committed_steps(job.checkpoints)
+    assert committed and committed[-1] >= 20
+    # SLURM (node failure, --requeue) or rank 0 requeued the job; it ran again on the remaining
+    # nodes and resumed from the newest committed checkpoint, never from a partial directory.
+    _assert_completed_bitwise(job, reference, committed[-1])
+    assert dead not in _job_nodes(job)
+
+    # The survivors exited with a documented code and a one-line cause, not a traceback.
+    codes = {r: job.rank_exit(0, r) for r in survivors}
+    for r in survivors:
+        err = job.rank_stderr(0, r)
+        assert "Traceback" not in err, f"rank {r} (exit {codes[r]}):\n{err[-2000:]}"
+    assert all(c in DOCUMENTED for c in codes.values()), codes
+    assert PEER_LOST in codes.values(), codes
+
+
+def test_array_task_on_2_nodes_requeues_only_itself(multinode_cluster, tmp_path):
+    env = multinode_cluster.env
+    # Each array task spans 2 nodes; its rank 0 (task 1 only, first run only) requeues
+    # ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}, the other rank just notes its node.
+    task = (f'if [ "$SLURM_PROCID" = 0 ]; then exec {sys.executable} '
+            f'{PROBES / "probe_requeue.py"} {tmp_path} 1; else hostname > '
+            f'{tmp_path}/host_${{SLURM_ARRAY_TASK_ID}}_${{SLURM_RESTART_COUNT:-0}}; fi')
+    script = f"""#!/bin/bash
+#SBATCH --time=2
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --requeue
+#SBATCH --array=0-1
+#SBATCH --open-mode=append
+#SBATCH --output={tmp_path}/job_%A_%a.out
+srun bash -c '{task}'
+"""
+    arr = submit(script, cwd=tmp_path, env=env)
+    t1 = wait_job(f"{arr}_1", timeout=120, env=env)
+    t0 = wait_job(f"{arr}_0", timeout=60, env=env)
+    assert t1["JobState"] == "COMPLETED" and t1["Restarts"] == "1"
+    assert t0["JobState"] == "COMPLETED" and t0["Restarts"] == "0"
+    assert t0["NumNodes"] == t1["NumNodes"] == "2"
+    req = json.loads((tmp_path / f"run_{arr}_1_0.json").read_text())
+    assert req["requeue_id"] == f"{arr}_1" and req["result"]["ok"]
+    assert (tmp_path / f"run_{arr}_1_1.json").exists() and (tmp_path / "host_1_1").exists()
+    assert sorted(p.name for p in tmp_path.glob(f"run_{arr}_0_*.json")) == [f"run_{arr}_0_0.json"]
+    assert not (tmp_path / "host_0_1").exists()
