@@ -6,8 +6,6 @@ can): at interpreter exit Python would join its threads forever. Real processes,
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 

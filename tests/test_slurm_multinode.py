@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from kempner_resilience.checkpoint import MANIFEST_NAME
-from kempner_resilience.demo.slurm_demo import DemoJob, compare_weights, run_reference, write_job
+from kempner_resilience.demo.compare import compare_weights
+from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.slurm.env import expand_hostlist
 from slurm_fixtures import multinode_cluster, submit, wait_for, wait_job  # noqa: F401

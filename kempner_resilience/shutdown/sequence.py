@@ -88,13 +88,15 @@ def fail(parts: RunParts, exc: BaseException) -> None:
     from kempner_resilience.faults import first_line, is_peer_failure
 
     parts.hang.stop()
+    lost = is_peer_failure(exc)
+    if parts.exit_mode is ExitMode.EXIT:       # armed first: the store below may be gone too
+        parts.handler.deadline.expect_exit(
+            int(ExitCode.PEER_LOST if lost else ExitCode.ERROR), parts.config.signals.grace_s,
+            f"exit after {type(exc).__name__}")
     forced = _peer_forced_code(parts)
-    lost = forced is not None or is_peer_failure(exc)
+    lost = lost or forced is not None
     o = Outcome(Ending.PEER_LOST if lost else Ending.ERROR, parts.step,
                 peer_forced_code=forced)
-    if parts.exit_mode is ExitMode.EXIT:
-        parts.handler.deadline.expect_exit(int(exit_code(o)), parts.config.signals.grace_s,
-                                           f"exit after {type(exc).__name__}")
     if lost:
         log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), o.step)
         requeue_after_failure(parts, "peer lost")
