@@ -86,7 +86,7 @@ def _load_verbs() -> None:
 
 
 _VERB_MODULES = ["kempner_resilience.demo.cli", "kempner_resilience.checkpoint.cli",
-                 "kempner_resilience.slurm.cli"]
+                 "kempner_resilience.slurm.cli", "kempner_resilience.goodput_cli"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -62,6 +62,12 @@ def _describe(err: BaseException | None) -> str | None:
     return f"{type(err).__name__}: {err}"[-4000:]
 
 
+def _package_version() -> str:
+    from kempner_resilience import __version__    # the package imports us: not at import time
+
+    return __version__
+
+
 def _disk_full(text: str) -> bool:
     return "No space left on device" in text or "Disk quota exceeded" in text or \
         "[Errno 28]" in text or "[Errno 122]" in text
@@ -134,6 +140,8 @@ class CheckpointManager:
         self._closed = False
         # Entered around every foreground save/load: ResilientRun widens the hang budget here.
         self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
+        # Recorded in every manifest besides run_id (ResilientRun: SLURM job id, restart count).
+        self.manifest_extra: dict[str, Any] = {}
 
     # ----------------------------------------------------------------------------------- status
 
@@ -594,7 +602,8 @@ class CheckpointManager:
             "reason": reason, "committed_at": time.time(),
             "nbytes": sum(m["size"] for n, m in files.items() if n.endswith(".distcp")),
             "save_seconds": time.monotonic() - t0, "blocked_seconds": blocked,
-            "torch": torch.__version__, "host": socket.gethostname(), "files": files})
+            "torch": torch.__version__, "host": socket.gethostname(), "run_id": self.run_id,
+            "kempner_resilience": _package_version(), **self.manifest_extra, "files": files})
         try:
             layout.write_manifest(path, manifest)
         except OSError as e:
