@@ -161,8 +161,12 @@ def _start_deadline(parts: RunParts, decision: StopDecision) -> None:
         name = _name(decision.signum)
         end = time.monotonic() + parts.config.signals.grace_for(name)
         why = f"{name} on another rank"
-        if parts.clock.fired:        # our own time-limit stop: the allocation's end bounds it
-            end, why = min(end, parts.clock.end), "the allocation's end"
+        if parts.clock.fired:
+            # Our own time-limit stop: the allocation's end bounds it, but a run that started
+            # late (already past it) still gets what the save needs: SLURM's KillWait follows.
+            now = time.monotonic()
+            end = min(end, max(parts.clock.end, now + parts.clock.needed()))
+            why = "the allocation's end"
         parts.handler.deadline.arm(end, why)
 
 
