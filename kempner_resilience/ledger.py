@@ -10,10 +10,9 @@ and the next attempt starts its first event on a fresh line. Nothing here ever r
 training loop: a ledger that cannot be written is logged once and then stays quiet.
 
 Size: an event is 100-350 bytes (a periodic save ~200 B, an attempt start with a short host list
-~300 B). The file is kept under ``MAX_BYTES`` (4 MiB, some 20 000 events): past it, the attempts
-before the current one are compacted (their periodic saves folded into one ``saves`` summary
-each, which keeps every number ``report`` needs), and if that is not enough the oldest attempts
-are dropped.
+~300 B). The file is kept under ``MAX_BYTES`` (4 MiB, some 20 000 events): past it, the
+periodic saves are folded into one ``saves`` summary per attempt (which keeps every number
+``report`` needs), and if that is not enough the oldest attempts are dropped.
 
 Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``run_id``:
 
@@ -138,18 +137,16 @@ class Ledger:
                     self._size += os.write(self._fd, b"\n")
 
     def _compact(self) -> None:
-        """Rewrite the file (atomically) within half of ``max_bytes``: old attempts' saves are
-        folded into summaries, then the oldest attempts dropped."""
+        """Rewrite the file (atomically) within half of ``max_bytes``: periodic saves are folded
+        into one summary per attempt, then the oldest attempts (never this one) dropped."""
         assert self.path is not None
-        events = read_ledger(self.path)
-        events = list(_fold_saves(events, keep_attempt=self.attempt))
+        events = list(_fold_saves(read_ledger(self.path)))
         lines = [json.dumps(e, separators=(",", ":"), default=str) + "\n" for e in events]
         budget = self.max_bytes // 2
-        while lines and sum(map(len, lines)) > budget:
+        while sum(map(len, lines)) > budget:
             oldest = events[0].get("attempt")
-            if oldest == self.attempt:      # only the current attempt left: drop its oldest
-                events, lines = events[1:], lines[1:]
-                continue
+            if oldest == self.attempt:
+                break                  # a handful of events: nothing more to fold or drop
             keep = [i for i, e in enumerate(events) if e.get("attempt") != oldest]
             events, lines = [events[i] for i in keep], [lines[i] for i in keep]
         tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
@@ -164,12 +161,12 @@ class Ledger:
         log.info("run ledger %s compacted to %d bytes", self.path, self._size)
 
 
-def _fold_saves(events: list[dict[str, Any]], keep_attempt: int) -> Iterator[dict[str, Any]]:
-    """Each earlier attempt's ``save`` events become one ``saves`` event where the first was."""
+def _fold_saves(events: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Each attempt's ``save`` events become one ``saves`` event where its first save was."""
     summary: dict[Any, dict[str, Any]] = {}
     for e in events:
         a = e.get("attempt")
-        if e.get("ev") != "save" or a == keep_attempt:
+        if e.get("ev") != "save":
             yield e
             continue
         s = summary.get(a)
