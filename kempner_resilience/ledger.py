@@ -7,7 +7,8 @@ Crash safety: every event is one ``write()`` of one complete line on a descripto
 ``O_APPEND``, so concurrent or later appends never interleave inside a line. A process killed in
 the middle of a write can leave at most a torn last line; readers skip lines that do not parse,
 and the next attempt starts its first event on a fresh line. Nothing here ever raises into the
-training loop: a ledger that cannot be written is logged once and then stays quiet.
+training loop: a ledger that cannot be written (a full disk) is logged once, and later events
+try again.
 
 Size: an event is 100-350 bytes (a periodic save ~200 B, an attempt start with a short host list
 ~300 B). The file is kept under ``MAX_BYTES`` (4 MiB, some 20 000 events): past it, the
@@ -50,10 +51,10 @@ def process_start_time() -> float:
         with open("/proc/self/stat") as f:
             # The command name (field 2) may hold spaces: split after its closing parenthesis.
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        # Against the boot clock, not /proc/stat's btime: that is whole seconds.
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(age, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 
@@ -88,12 +89,13 @@ class Ledger:
         self.max_bytes = max_bytes
         self._fd: int | None = None
         self._size = 0
-        self._broken = False
+        self._warned = False
+        self._torn = False
         self.last_event: dict[str, Any] | None = None
 
     @property
     def active(self) -> bool:
-        return self.path is not None and not self._broken
+        return self.path is not None
 
     def event(self, ev: str, **fields: Any) -> None:
         """Append one event (one write of one line). Never raises."""
@@ -109,12 +111,17 @@ class Ledger:
             if self._size + len(line) > self.max_bytes:
                 self._compact()
             assert self._fd is not None
-            os.write(self._fd, line)
-            self._size += len(line)
+            if self._torn:          # the last write was cut short: start on a fresh line
+                line = b"\n" + line
+            written = os.write(self._fd, line)
+            self._torn = written < len(line)
+            self._size += written
         except OSError as e:
-            self._broken = True
-            log.warning("run ledger %s cannot be written (%s); the run goes on without it",
-                        self.path, e)
+            # Said once; later events try again (a disk that was full may have room again).
+            if not self._warned:
+                self._warned = True
+                log.warning("run ledger %s cannot be written (%s); the run goes on, and so "
+                            "does the ledger once it can", self.path, e)
 
     def close(self) -> None:
         if self._fd is not None:
