@@ -163,3 +163,9 @@ def test_ledger_stays_under_its_size_bound_keeping_old_attempts_saves_as_summari
     g = analyze_dir(path)
     assert [a.exit_code for a in g.attempts] == [75, 75, 75]
     assert [a.saves for a in g.attempts] == [200, 200, 200], "saves are folded, not lost"
+
+
+def test_report_on_a_directory_without_a_ledger_says_so_and_exits_1(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "no run ledger here" in err and "Traceback" not in err

@@ -91,7 +91,7 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
         o.requeue_code = _requeue(parts) if o.action is Action.REQUEUE else None
         if o.requeue_code is not None:
             parts.ledger.event("requeue", code=o.requeue_code,
-                               seconds=parts.timings.get("requeue_s"))
+                               seconds=round(parts.timings.get("requeue_s", 0.0), 4))
     o.peer_forced_code = _peer_forced_code(parts)
     _teardown(parts, peers_alive=True)
     _leave(parts, o)
