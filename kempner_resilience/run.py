@@ -79,6 +79,7 @@ class ResilientRun:
         self._entered = False
         self._done = False
         self._looped = False
+        self._recorded: Any = None        # the newest commit the ledger has recorded
 
     # ------------------------------------------------------------------ context
 
@@ -349,6 +350,7 @@ class ResilientRun:
                 parts.ledger.event("resume", step=int(info.step),
                                    load_s=round(parts.timings["resume_s"], 4))
         parts.clock.set_save_estimate(ckpt.estimate().seconds)
+        self._recorded = ckpt.last_committed      # the ledger records only newer commits
 
     def _resolve_run_id(self, root: Any) -> str:
         """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
@@ -390,7 +392,7 @@ class ResilientRun:
         from kempner_resilience.checkpoint import CheckpointError
 
         ckpt = self._parts.ckpt
-        before, t0 = ckpt.last_committed, time.monotonic()
+        t0 = time.monotonic()
         try:
             info = ckpt.maybe_save(step)
         except CheckpointError as e:
@@ -399,14 +401,15 @@ class ResilientRun:
             sequence.give_up(self._parts, step, e)
         if info is not None:
             self._parts.last_saved = info
-        done = info or ckpt.last_committed        # an async save commits later
-        if done is not None and done is not before:
+        done = info or ckpt.last_committed        # an async save commits in the background
+        if done is not None and done is not self._recorded:
             self._saved(done, time.monotonic() - t0 if info is not None
                         else done.blocked_seconds)
 
     def _saved(self, info: Any, blocking_s: float) -> None:
         """A periodic or manual save committed: the ledger, and the clock's save estimate."""
         parts = self._parts
+        self._recorded = info
         secs = max(float(info.save_seconds), 1e-9)
         parts.ledger.event("save", step=int(info.step), reason=info.reason,
                            blocking_s=round(blocking_s, 4), bytes=int(info.nbytes),

@@ -169,3 +169,33 @@ def test_report_on_a_directory_without_a_ledger_says_so_and_exits_1(tmp_path, ca
     assert cli_main(["report", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "no run ledger here" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_periodic_saves_are_recorded_with_their_blocking_time_and_size(tmp_path, async_):
+    import torch.nn as nn
+
+    import kempner_resilience as kr
+
+    cfg = kr.load_config(overrides=(f"checkpoint.dir={tmp_path}", "checkpoint.every_steps=2",
+                                    f"checkpoint.async={str(async_).lower()}"))
+    with kr.ResilientRun(cfg, state={"model": nn.Linear(64, 64)}, exit_mode="raise") as run:
+        for _ in run.steps(6):
+            time.sleep(0.05)       # room for a background save to commit before the next one
+    saves = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e["ev"] in ("save", "saves")]
+    assert saves and {s["step"] for s in saves} <= {2, 4, 6}
+    assert all(s["bytes"] > 64 * 64 * 4 and s["blocking_s"] >= 0 for s in saves)
+    assert len(saves) >= (1 if async_ else 3)
+
+
+def test_checkpoint_ledger_false_writes_no_ledger(tmp_path):
+    import torch.nn as nn
+
+    import kempner_resilience as kr
+
+    cfg = kr.load_config(overrides=(f"checkpoint.dir={tmp_path}", "checkpoint.every_steps=2",
+                                    "checkpoint.ledger=false"))
+    with kr.ResilientRun(cfg, state={"model": nn.Linear(4, 4)}, exit_mode="raise") as run:
+        for _ in run.steps(4):
+            pass
+    assert not (tmp_path / "ledger.jsonl").exists() and (tmp_path / "run.json").exists()
