@@ -126,3 +126,16 @@ def test_two_ranks_agree_on_one_step_when_the_allocation_ends(tmp_path):
     assert launch.report["saved_step"] == stop
     manifest = json.loads((tmp_path / "ckpt" / f"step_{stop:09d}" / "MANIFEST.json").read_text())
     assert manifest["world_size"] == 2 and manifest["reason"] == "emergency"
+
+
+def test_should_stop_turns_true_near_the_end_and_the_next_boundary_stops_to_requeue(
+        monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 10))   # < 30 s margin
+    ran = []
+    with pytest.raises(SystemExit) as ended:
+        with kr.ResilientRun(exit_mode="raise") as run:
+            assert run.should_stop()
+            for step in run.steps(5):
+                ran.append(step)
+    assert ended.value.code == ExitCode.REQUEUE and ran == []
