@@ -12,7 +12,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 import time
 
 import pytest
