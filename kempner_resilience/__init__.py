@@ -26,7 +26,7 @@ from kempner_resilience.run import ResilientRun  # noqa: E402
 from kempner_resilience.signals import ShutdownHandler, ShutdownRequest  # noqa: E402
 from kempner_resilience.startup import StartupError  # noqa: E402
 
-__version__ = "0.1.0"
+from kempner_resilience.version import __version__  # noqa: E402
 
 __all__ = [
     "Action",

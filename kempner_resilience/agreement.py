@@ -169,6 +169,20 @@ class StopAgreement:
         self.store.wait([CODE_KEY], datetime.timedelta(seconds=max(timeout_s, 1.0)))
         return int(self.store.get(CODE_KEY))
 
+    def share_text(self, name: str, text: str | None, timeout_s: float) -> str:
+        """Rank 0's ``text`` on every rank, through the store (a value only rank 0 decides:
+        the run id, the allocation's end). Single process: ``text`` itself."""
+        if self.store is None:
+            assert text is not None
+            return text
+        key = f"kempner_resilience/{name}"
+        if self.rank == 0:
+            assert text is not None
+            self.store.set(key, text)
+            return text
+        self.store.wait([key], datetime.timedelta(seconds=max(timeout_s, 1.0)))
+        return self.store.get(key).decode()
+
     def announce_forced_exit(self, code: int) -> None:
         """This rank is about to be forced out with ``code`` (a repeated SIGTERM/SIGINT): tell
         the others, so every rank's exit code says what happened to the job, not only this one's."""

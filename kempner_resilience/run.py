@@ -18,12 +18,16 @@ so code after the loop (a "final" save of a model that is not final) never runs 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
 
 from kempner_resilience.agreement import StopAgreement, StopDecision
-from kempner_resilience.config import ExitMode, ResilienceConfig, load_config
+from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
+from kempner_resilience.identity import RUN_ID_ENV
+from kempner_resilience.ledger import LEDGER_NAME, Ledger, process_start_time
 from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import sequence
@@ -50,12 +54,14 @@ class ResilientRun:
         exit_mode: overrides ``watchdog.exit_mode``: ``"exit"`` when the process ends with the
             run, ``"raise"`` when the caller lives on after the ``SystemExit`` (a notebook, a
             test), ``"auto"`` to decide (see ``kempner_resilience.shutdown.exit``).
+        run_id: this run's id (default: ``$KEMPNER_RESILIENCE_RUN_ID``, else the one in
+            ``checkpoint.dir/run.json``, else a new one); see ``kempner_resilience.identity``.
     """
 
     def __init__(self, config: ResilienceConfig | str | os.PathLike[str] | Mapping[str, Any]
                  | None = None,
                  state: Mapping[str, Any] | None = None, *, overrides: tuple[str, ...] = (),
-                 exit_mode: ExitMode | str | None = None) -> None:
+                 exit_mode: ExitMode | str | None = None, run_id: str | None = None) -> None:
         if not isinstance(config, ResilienceConfig):
             config = load_config(config, overrides)
         self.config = config
@@ -69,8 +75,11 @@ class ResilientRun:
         self._parts = sequence.RunParts(config, self._handler, self._hang,
                                         TeardownStack(config.watchdog.cleanup_timeout_s),
                                         leaving.resolve(mode))
+        self._explicit_run_id = run_id or os.environ.get(RUN_ID_ENV) or None
         self._entered = False
         self._done = False
+        self._looped = False
+        self._recorded: Any = None        # the newest commit the ledger has recorded
 
     # ------------------------------------------------------------------ context
 
@@ -84,9 +93,15 @@ class ResilientRun:
             self._handler.add_forced_exit_hook(
                 lambda code: self._parts.agreement.announce_forced_exit(code))
             self._setup_slurm()
+            self._setup_clock()
             self._hang.start()  # before resuming: a load that hangs is a hang too
             with self._hang.busy():  # imports, directory checks and the load may be slow
                 self._setup_checkpoints()
+            if self._parts.run_id is None:     # no checkpoints: an id for this attempt only
+                from kempner_resilience.identity import new_run_id
+
+                mine = (self._explicit_run_id or new_run_id()) if self.rank == 0 else None
+                self._parts.run_id = self._parts.agreement.share_text("run_id", mine, 120.0)
         except BaseException:
             self._hang.stop()
             self._handler.uninstall(keep_deadline=self._handler.requested())
@@ -123,6 +138,16 @@ class ResilientRun:
     def shutdown_request(self) -> ShutdownRequest | None:
         """The first shutdown signal this process received, if any."""
         return self._handler.request
+
+    @property
+    def run_id(self) -> str | None:
+        """This run's id, the same in every attempt (requeue) of it: pass it to a tracker
+        (``wandb.init(id=run.run_id, resume="allow")``). Set once the run is entered."""
+        return self._parts.run_id
+
+    def time_remaining(self) -> float | None:
+        """Seconds until the allocation ends; None when no end is known (outside SLURM)."""
+        return self._parts.clock.remaining()
 
     @property
     def rank(self) -> int:
@@ -175,7 +200,7 @@ class ResilientRun:
         In a distributed run this is a collective: call it on every rank equally often. After
         it returns True, leave the phase; the next ``steps()`` boundary stops every rank there.
         """
-        return self._parts.agreement.any_requested(self._local_signum())
+        return self._parts.agreement.any_requested(self._stop_signum(time.monotonic()))
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from the resume point up to ``total - 1``.
@@ -188,15 +213,25 @@ class ResilientRun:
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
         parts = self._parts
+        clock = parts.clock
+        if not self._looped:
+            self._looped = True
+            parts.ledger.event("loop", step=parts.step)
         while parts.step < total:
-            decision = parts.agreement.poll(parts.step, self._local_signum())
+            now = time.monotonic()
+            signum = self._local_signum()
+            if signum is None and now >= clock.threshold and clock.due(now):
+                signum = self._clock_signum       # as if the requeue signal had come
+            decision = parts.agreement.poll(parts.step, signum)
             if decision is not None:
                 sequence.stop(parts, decision)
             yield parts.step
+            clock.observe_step(time.monotonic() - now)
             parts.step += 1
             self._hang.beat()
             if parts.ckpt is not None:
                 self._periodic_save(parts.step)
+        parts.loop_end_wall = time.time()
         self._done = True
 
     def add_cleanup(self, fn: Callable[[], Any], *, name: str | None = None,
@@ -213,8 +248,10 @@ class ResilientRun:
         """Write a checkpoint now (collective); returns its info."""
         if self._parts.ckpt is None:
             raise RuntimeError("no checkpoint state: pass state={...} to ResilientRun")
+        t0 = time.monotonic()
         info = self._parts.ckpt.save(self.step, reason="manual")
         self._parts.last_saved = info
+        self._saved(info, time.monotonic() - t0)
         return info
 
     # ------------------------------------------------------------------ set-up and the loop
@@ -222,6 +259,44 @@ class ResilientRun:
     def _local_signum(self) -> int | None:
         req = self._handler.request
         return None if req is None else req.signum
+
+    def _stop_signum(self, now: float) -> int | None:
+        """This rank's reason to stop: a signal it received, or the allocation's end."""
+        signum = self._local_signum()
+        if signum is None and self._parts.clock.due(now):
+            return self._clock_signum
+        return signum
+
+    @property
+    def _clock_signum(self) -> int:
+        # The signal whose action the time-limit stop takes: the first one that requeues.
+        for name, action in self.config.signals.actions.items():
+            if action is Action.REQUEUE:
+                return int(getattr(signal, name))
+        return int(signal.SIGUSR1)
+
+    def _setup_clock(self) -> None:
+        """The allocation's end, read once: from the environment on every rank, else asked of
+        SLURM by rank 0 alone (bounded) and shared, so a big job does not flood slurmctld."""
+        from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
+
+        parts, cfg = self._parts, self.config.requeue
+        if os.environ.get(END_TIME_ENV):
+            end = job_end_time(timeout=cfg.scontrol_timeout_s)
+        elif parts.slurm is None:
+            end = None
+        else:
+            mine = None
+            if parts.rank == 0:
+                mine = job_end_time(timeout=cfg.scontrol_timeout_s)
+            text = parts.agreement.share_text("end_time", "" if mine is None else repr(mine),
+                                              cfg.scontrol_timeout_s + 30.0)
+            end = float(text) if text else None
+        parts.clock = RunClock(end, margin_s=cfg.time_limit_margin_s,
+                               stop_enabled=cfg.time_limit_stop)
+        if end is not None and parts.rank == 0:
+            log.info("the allocation ends in %.0f s%s", parts.clock.remaining(),
+                     "" if cfg.time_limit_stop else " (requeue.time_limit_stop is off)")
 
     def _setup_slurm(self) -> None:
         from kempner_resilience.slurm import SlurmJob, format_findings, preflight
@@ -251,6 +326,18 @@ class ResilientRun:
         # Saves and loads widen the hang budget, so a slow save is never taken for a hang.
         ckpt.busy_hook = self._hang.busy
         ckpt.check_dir()
+        parts.run_id = ckpt.run_id = self._resolve_run_id(ckpt.root)
+        job = parts.slurm
+        restarts = job.restart_count if job is not None else _local_restart_count()
+        ckpt.manifest_extra = {"job_id": None if job is None else job.requeue_id,
+                               "restart_count": restarts}
+        if parts.rank == 0 and self.config.checkpoint.ledger:
+            parts.ledger = Ledger(ckpt.root / LEDGER_NAME, run_id=parts.run_id,
+                                  attempt=restarts or 0)
+        parts.ledger.event("start", t0=_attempt_start(), job_id=ckpt.manifest_extra["job_id"],
+                           restart_count=restarts, world_size=parts.agreement.world_size,
+                           hosts=(job.nodelist if job is not None and job.nodelist
+                                  else socket.gethostname()))
         if self.config.checkpoint.resume:
             t0 = time.monotonic()
             info = ckpt.resume()
@@ -260,18 +347,74 @@ class ResilientRun:
                 parts.timings["resume_s"] = time.monotonic() - t0
                 log.info("resumed from %s (step %d) in %.2f s", info.path, info.step,
                          parts.timings["resume_s"])
+                parts.ledger.event("resume", step=int(info.step),
+                                   load_s=round(parts.timings["resume_s"], 4))
+        parts.clock.set_save_estimate(ckpt.estimate().seconds)
+        self._recorded = ckpt.last_committed      # the ledger records only newer commits
+
+    def _resolve_run_id(self, root: Any) -> str:
+        """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
+        every rank gets the id, or the same refusal."""
+        from kempner_resilience import identity
+        from kempner_resilience.checkpoint import layout
+
+        parts, cfg = self._parts, self.config.checkpoint
+        text = None
+        if parts.rank == 0:
+            try:
+                rid, recorded = self._explicit_run_id, identity.read_run_id(root)
+                if rid is None:
+                    rid, _ = identity.load_or_create(root)
+                elif recorded is None:
+                    rid, _ = identity.load_or_create(root, rid)
+                if cfg.resume:
+                    try:
+                        identity.check_same_run(root, rid, layout.scan(root), recorded)
+                    except identity.OtherRunError as e:
+                        if not cfg.allow_other_run:
+                            raise
+                        log.warning("%s; continuing: checkpoint.allow_other_run is true",
+                                    str(e).split("; refusing")[0])
+                text = "ok:" + rid
+            except identity.OtherRunError as e:
+                text = "refused:" + str(e)
+            except OSError as e:
+                text = "ok:" + (self._explicit_run_id or identity.new_run_id())
+                log.warning("cannot record the run id in %s (%s); this attempt uses %s", root,
+                            e, text[3:])
+        text = parts.agreement.share_text("run_id", text, 120.0)
+        kind, _, value = text.partition(":")
+        if kind == "refused":
+            raise identity.OtherRunError(value)
+        return value
 
     def _periodic_save(self, step: int) -> None:
         from kempner_resilience.checkpoint import CheckpointError
 
+        ckpt = self._parts.ckpt
+        t0 = time.monotonic()
         try:
-            info = self._parts.ckpt.maybe_save(step)
+            info = ckpt.maybe_save(step)
         except CheckpointError as e:
             # Raised on every rank at the same step (failures are agreed across ranks), once
             # checkpoint.max_failed_saves periodic saves in a row failed: stop every rank alike.
             sequence.give_up(self._parts, step, e)
         if info is not None:
             self._parts.last_saved = info
+        done = info or ckpt.last_committed        # an async save commits in the background
+        if done is not None and done is not self._recorded:
+            self._saved(done, time.monotonic() - t0 if info is not None
+                        else done.blocked_seconds)
+
+    def _saved(self, info: Any, blocking_s: float) -> None:
+        """A periodic or manual save committed: the ledger, and the clock's save estimate."""
+        parts = self._parts
+        self._recorded = info
+        secs = max(float(info.save_seconds), 1e-9)
+        parts.ledger.event("save", step=int(info.step), reason=info.reason,
+                           blocking_s=round(blocking_s, 4), bytes=int(info.nbytes),
+                           bw_mib_s=round(info.nbytes / secs / 2**20, 1))
+        parts.clock.set_save_estimate(parts.ckpt.estimate().seconds)
 
     def _on_hang(self) -> None:
         """Runs in the hang watchdog's thread before the HANG exit: requeue if it is worth it.
@@ -280,3 +423,20 @@ class ResilientRun:
         with a committed checkpoint to come back to, and only within the restart budget.
         """
         sequence.requeue_after_failure(self._parts, "hang")
+
+
+def _local_restart_count() -> int | None:
+    from kempner_resilience.shutdown.sequence import _local_restart_count as count
+
+    return count()
+
+
+def _attempt_start() -> float:
+    """When this attempt began: the job's start under SLURM (the prolog and srun count as
+    start-up), else this process's start."""
+    raw = os.environ.get("SLURM_JOB_START_TIME", "")
+    try:
+        start = float(raw)
+    except ValueError:
+        return process_start_time()
+    return start if 0 < start <= time.time() else process_start_time()

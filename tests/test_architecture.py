@@ -20,8 +20,8 @@ PKG = ROOT / "kempner_resilience"
 # "ctimer", the kernel-timer backstop, arrives with the watchdog split of the run.py rewrite).
 LAYERS = {
     "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer",
-             "agreement", "teardown", "faults"},
-    "library": {"checkpoint", "slurm"},
+             "agreement", "teardown", "faults", "ledger", "version"},
+    "library": {"checkpoint", "slurm", "identity", "goodput"},
     "run": {"", "run", "shutdown", "aio"},
     "top": {"cli", "demo", "integrations"},
 }

@@ -144,6 +144,7 @@ def test_retention_removes_only_our_old_checkpoints_and_trash_including_pre_mark
     # everything we did not write is still there.
     assert sorted(os.listdir(ckpt)) == sorted([
         "step_000000006", "step_000000001", "step_000000002", "step_000000003", "notes.txt",
+        "run.json", "ledger.jsonl",   # the run's identity and ledger (identity.py, ledger.py)
         "mydata", ".trash-step_000000005-1-1"])
     assert (ckpt / "notes.txt").read_text() == "my notes"
     assert _fingerprint(ckpt / "mydata") == planted_run["before"]["mydata"]

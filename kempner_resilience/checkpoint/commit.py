@@ -19,14 +19,17 @@ import torch
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.checkpoint.dircheck import disk_full
 from kempner_resilience.checkpoint.info import CheckpointInfo, describe_error
+from kempner_resilience.version import __version__
 
 __all__ = ["commit", "failure_text"]
 
 
 def commit(path: Path, step: int, reason: str, gathered: list[Any], t0: float, blocked: float,
-           world_size: int, manifest: dict[str, Any]) -> str | None:
+           world_size: int, manifest: dict[str, Any],
+           extra: dict[str, Any] | None = None) -> str | None:
     """Rank 0: write the manifest (filled into ``manifest``) if every rank succeeded, given
-    each rank's ``(files, error)``; returns an error text or None."""
+    each rank's ``(files, error)``; returns an error text or None. ``extra`` (the run id, the
+    SLURM job id and restart count) is recorded too."""
     errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
     if errors:
         return "; ".join(errors)
@@ -44,7 +47,8 @@ def commit(path: Path, step: int, reason: str, gathered: list[Any], t0: float, b
         "reason": reason, "committed_at": time.time(),
         "nbytes": sum(m["size"] for n, m in files.items() if n.endswith(".distcp")),
         "save_seconds": time.monotonic() - t0, "blocked_seconds": blocked,
-        "torch": torch.__version__, "host": socket.gethostname(), "files": files})
+        "torch": torch.__version__, "host": socket.gethostname(),
+        "kempner_resilience": __version__, **(extra or {}), "files": files})
     try:
         layout.write_manifest(path, manifest)
     except OSError as e:

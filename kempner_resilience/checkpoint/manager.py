@@ -113,6 +113,8 @@ class CheckpointManager:
         self._closed = False
         # Entered around every foreground save/load: ResilientRun widens the hang budget here.
         self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
+        # Recorded in every manifest besides run_id (ResilientRun: SLURM job id, restart count).
+        self.manifest_extra: dict[str, Any] = {}
 
     # ----------------------------------------------------------------------------------- status
 
@@ -436,7 +438,8 @@ class CheckpointManager:
             manifest: dict[str, Any] = {}
             if self.rank == 0:
                 status = commit.commit(path, step, reason, gathered, t0, blocked,
-                                       self.world_size, manifest)
+                                       self.world_size, manifest,
+                                       {"run_id": self.run_id, **self.manifest_extra})
             status, committed_at, nbytes = comm.broadcast_object(
                 (status, manifest.get("committed_at", 0.0), manifest.get("nbytes", 0)))
             if status is not None:

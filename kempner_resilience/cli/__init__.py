@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_verbs() -> None:
     # Verbs with heavier imports live in their own modules, loaded only to run the command.
-    from kempner_resilience.cli import checkpoints, demo, slurm
+    from kempner_resilience.cli import checkpoints, demo, report, slurm
 
-    for module in (demo, checkpoints, slurm):
+    for module in (demo, checkpoints, report, slurm):
         for verb in module.VERBS:
             _VERBS.setdefault(verb.name, verb)
 

@@ -116,6 +116,12 @@ class CheckpointConfig:
         "save DDP's gradient bucket layout and restore it at resume, so a resumed run with 3+ "
         "ranks reduces gradients in the same order as an uninterrupted one (bitwise equal); "
         "false leaves DDP's reducer untouched"))
+    allow_other_run: bool = field(default=False, metadata=_help(
+        "resume even when dir holds checkpoints of another run (a different run id in run.json "
+        "or a step's manifest); off: such a resume is refused with exit 78 CONFIG"))
+    ledger: bool = field(default=True, metadata=_help(
+        "rank 0 appends one line per event (start, resume, saves, stop, exit) to "
+        "dir/ledger.jsonl, read by `kempner-resilience report`"))
 
     def __post_init__(self) -> None:
         problems = _problems_nonneg(self, ["every_steps", "every_minutes", "keep_every",
@@ -233,9 +239,17 @@ class RequeueConfig:
         "seconds to wait for `scontrol requeue` before treating it as failed; > 0"))
     retries: int = field(default=1, metadata=_help(
         "extra attempts when `scontrol requeue` fails"))
+    time_limit_stop: bool = field(default=True, metadata=_help(
+        "when the job's end time is known (SLURM_JOB_END_TIME, squeue) and no signal came, stop "
+        "and save on its own once the time left falls below the estimated emergency save + one "
+        "step + time_limit_margin_s, as if the first requeue signal had come"))
+    time_limit_margin_s: float = field(default=30.0, metadata=_help(
+        "seconds kept free before the allocation's end by the time-limit stop (the save "
+        "estimate and one step come on top)"))
 
     def __post_init__(self) -> None:
-        problems = _problems_nonneg(self, ["max_restarts", "max_no_progress", "retries"])
+        problems = _problems_nonneg(self, ["max_restarts", "max_no_progress", "retries",
+                                           "time_limit_margin_s"])
         if isinstance(self.scontrol_timeout_s, (int, float)) and self.scontrol_timeout_s <= 0:
             problems.append(("scontrol_timeout_s", f"{self.scontrol_timeout_s!r} is not allowed; "
                              "must be > 0 seconds"))

@@ -24,11 +24,13 @@ from kempner_resilience import exitcodes
 from kempner_resilience.agreement import StopAgreement, StopDecision
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.ledger import Ledger
 from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import Ending, Outcome, Saved, exit_code
 from kempner_resilience.shutdown.report import write_report
 from kempner_resilience.signals import ShutdownHandler
+from kempner_resilience.slurm.clock import RunClock
 from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
 from kempner_resilience.watchdog import HangWatchdog
@@ -48,6 +50,10 @@ class RunParts:
     teardown: TeardownStack
     exit_mode: ExitMode
     agreement: StopAgreement = field(default_factory=StopAgreement)
+    ledger: Ledger = field(default_factory=lambda: Ledger(None))   # rank 0's run ledger
+    clock: RunClock = field(default_factory=lambda: RunClock(None))  # the allocation's end
+    run_id: str | None = None
+    loop_end_wall: float | None = None  # time.time() when steps() ran out of steps
     ckpt: Any = None                  # CheckpointManager, when the run has state
     slurm: Any = None                 # SlurmJob, inside a SLURM job
     last_saved: Any = None            # CheckpointInfo of the newest commit by this process
@@ -73,10 +79,19 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     """Every rank stops at ``decision.step``: save, requeue, tear down, leave."""
     o = Outcome(Ending.SIGNAL, decision.step, decision.signum, _action(parts, decision.signum))
     log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), o.action.value)
+    req = parts.handler.request
+    parts.ledger.event("stop", step=decision.step, signal=_stop_reason(parts, decision),
+                       signal_t=req.received_wall if req is not None else None)
     _start_deadline(parts, decision)
+    t0 = time.monotonic()
     o.saved = _emergency_save(parts, decision.step)
+    parts.ledger.event("emergency_save", step=decision.step, saved=o.saved.name.lower(),
+                       seconds=round(time.monotonic() - t0, 4))
     if o.saved is Saved.COMMITTED or o.saved is Saved.NOTHING:
         o.requeue_code = _requeue(parts) if o.action is Action.REQUEUE else None
+        if o.requeue_code is not None:
+            parts.ledger.event("requeue", code=o.requeue_code,
+                               seconds=round(parts.timings.get("requeue_s", 0.0), 4))
     o.peer_forced_code = _peer_forced_code(parts)
     _teardown(parts, peers_alive=True)
     _leave(parts, o)
@@ -121,6 +136,7 @@ def complete(parts: RunParts, step: int) -> None:
     if parts.ckpt is not None:
         parts.ckpt.close()
     parts.outcome = Outcome(Ending.COMPLETED, step)
+    _ledger_exit(parts, int(ExitCode.OK))
     write_report(parts, int(ExitCode.OK))
 
 
@@ -145,8 +161,15 @@ def _start_deadline(parts: RunParts, decision: StopDecision) -> None:
     parts.hang.stop()            # from here the shutdown deadline governs
     if parts.handler.request is None:
         name = _name(decision.signum)
-        parts.handler.deadline.arm(time.monotonic() + parts.config.signals.grace_for(name),
-                                   f"{name} on another rank")
+        end = time.monotonic() + parts.config.signals.grace_for(name)
+        why = f"{name} on another rank"
+        if parts.clock.fired:
+            # Our own time-limit stop: the allocation's end bounds it, but a run that started
+            # late (already past it) still gets what the save needs: SLURM's KillWait follows.
+            now = time.monotonic()
+            end = min(end, max(parts.clock.end, now + parts.clock.needed()))
+            why = "the allocation's end"
+        parts.handler.deadline.arm(end, why)
 
 
 def _emergency_save(parts: RunParts, step: int) -> Saved:
@@ -236,6 +259,7 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
            keep_traceback: bool = False) -> NoReturn:
     code = int(exit_code(o))
     parts.outcome = o
+    _ledger_exit(parts, code)
     write_report(parts, code)
     if not keep_traceback:
         log.warning("exiting with %s", exitcodes.describe(code))
@@ -244,6 +268,19 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
 
 
 # ------------------------------------------------------------------------------ small helpers
+
+def _ledger_exit(parts: RunParts, code: int) -> None:
+    o = parts.outcome
+    parts.ledger.event("exit", code=code, ending=None if o is None else o.ending.value,
+                       step=parts.step, loop_end_t=parts.loop_end_wall)
+    parts.ledger.close()
+
+
+def _stop_reason(parts: RunParts, decision: StopDecision) -> str:
+    if parts.clock.fired and parts.handler.request is None:
+        return "time-limit"
+    return _name(decision.signum)
+
 
 def _action(parts: RunParts, signum: int) -> Action:
     return parts.config.signals.actions.get(_name(signum), Action.STOP)

@@ -1,0 +1,113 @@
+"""One run identity across requeues: ``run.json`` in ``checkpoint.dir``.
+
+A job requeued five times is one training run. The first attempt that finds no ``run.json``
+creates it (atomically: written aside, then hard-linked into place, so two attempts racing on
+the same directory end up with the same id); every later attempt reads it. Every checkpoint
+records the id in its manifest and ownership marker, so a directory that holds checkpoints of a
+different run (copied in, or a run id given explicitly that is not the directory's) is noticed
+at resume instead of silently continuing someone else's training.
+
+The id is ``YYYYmmdd-HHMMSS-<8 hex>``: valid as a W&B run id, a TensorBoard or MLflow directory
+name. ``KEMPNER_RESILIENCE_RUN_ID`` (or ``ResilientRun(run_id=...)``) gives it explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+from kempner_resilience.checkpoint.info import CheckpointDirError
+
+__all__ = ["RUN_FILE", "RUN_ID_ENV", "OtherRunError", "new_run_id", "read_run_id",
+           "load_or_create", "other_run_ids", "check_same_run"]
+
+RUN_FILE = "run.json"
+RUN_ID_ENV = "KEMPNER_RESILIENCE_RUN_ID"
+
+
+class OtherRunError(CheckpointDirError):
+    """``checkpoint.dir`` holds checkpoints of another run (exit 78 CONFIG when uncaught)."""
+
+
+def new_run_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def read_run_id(root: Path) -> str | None:
+    """The run id recorded in ``root/run.json``, or None when there is none (or unreadable)."""
+    try:
+        data = json.loads((root / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    rid = data.get("run_id") if isinstance(data, dict) else None
+    return str(rid) if rid else None
+
+
+def load_or_create(root: Path, proposed: str | None = None,
+                   extra: dict[str, Any] | None = None) -> tuple[str, bool]:
+    """``(run_id, created)``: the directory's id, or ``proposed`` (a fresh one if None) written
+    into a new ``run.json``. Never replaces an existing file."""
+    existing = read_run_id(root)
+    if existing is not None:
+        return existing, False
+    rid = proposed or new_run_id()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{RUN_FILE}.tmp{os.getpid()}"
+    data = {"run_id": rid, "created_at": time.time(), **(extra or {})}
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, root / RUN_FILE)          # fails if another attempt got there first
+        created = True
+    except FileExistsError:
+        created = False
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not created:
+        return read_run_id(root) or rid, False
+    return rid, True
+
+
+def other_run_ids(entries: Iterable[Any], run_id: str) -> dict[str, list[str]]:
+    """``{other_run_id: [step dir names]}`` for committed checkpoints recording another run id
+    (checkpoints written before run ids existed record none and count as ours)."""
+    from kempner_resilience.checkpoint import layout
+
+    found: dict[str, list[str]] = {}
+    for e in entries:
+        if not e.committed:
+            continue
+        rid = (e.manifest or {}).get("run_id")
+        if rid is None:
+            try:
+                rid = (layout.read_marker(e.path) or {}).get("run_id")
+            except Exception:
+                rid = None
+        if rid and rid != run_id:
+            found.setdefault(str(rid), []).append(e.path.name)
+    return found
+
+
+def check_same_run(root: Path, run_id: str, entries: Iterable[Any],
+                   recorded: str | None = None) -> None:
+    """Raise ``OtherRunError`` naming both runs when ``root`` belongs to another run."""
+    override = ("set checkpoint.allow_other_run: true (--set checkpoint.allow_other_run=true) "
+                "to continue from them anyway, or point checkpoint.dir at a directory of its own")
+    if recorded is not None and recorded != run_id:
+        raise OtherRunError(
+            f"{root / RUN_FILE} belongs to run {recorded}, but this is run {run_id} (given by "
+            f"{RUN_ID_ENV} or ResilientRun(run_id=...)); refusing to resume another run's "
+            f"training: {override}")
+    others = other_run_ids(entries, run_id)
+    if others:
+        what = "; ".join(f"run {rid}: {', '.join(sorted(names)[-3:])}"
+                         for rid, names in others.items())
+        raise OtherRunError(
+            f"{root} holds checkpoints of another run ({what}), but this is run {run_id} "
+            f"({root / RUN_FILE}); refusing to resume another run's training: {override}")
