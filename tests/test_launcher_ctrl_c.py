@@ -75,7 +75,7 @@ print(json.dumps({"exit_codes": launch.exit_codes, "interrupted": launch.interru
 """
 
 
-def _run_launcher(tmp_path, *ctrl_c_after: tuple[str, str | None],
+def _run_launcher(tmp_path, *ctrl_c_after: tuple[str, str | tuple[str, ...] | None],
                   extra: tuple[str, ...] = (), rank_script: str = RANK) -> dict:
     """Start the launcher as a terminal's foreground job and press Ctrl+C (SIGINT to its
     process group) once each ``(file, text)`` of ``ctrl_c_after`` appeared in the work dir."""
@@ -88,8 +88,9 @@ def _run_launcher(tmp_path, *ctrl_c_after: tuple[str, str | None],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env(), start_new_session=True)
     try:
-        for name, text in ctrl_c_after:
-            wait_for_file(work / name, timeout=120, contains=text)
+        for name, texts in ctrl_c_after:
+            for text in texts if isinstance(texts, tuple) else (texts,):
+                wait_for_file(work / name, timeout=120, contains=text)
             os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -116,7 +117,10 @@ def test_ctrl_c_commits_a_checkpoint_and_every_rank_exits_130(tmp_path):
 
 def test_one_ctrl_c_is_one_graceful_stop_for_every_rank_twenty_times_in_a_row(tmp_path):
     for attempt in range(20):
-        result = _run_launcher(tmp_path / str(attempt), ("progress.0", "rank 0 step 2\n"),
+        # These ranks share no collective: wait until both run (a Ctrl+C while a rank still
+        # imports is Python's KeyboardInterrupt, before any handler of ours exists).
+        result = _run_launcher(tmp_path / str(attempt),
+                               ("progress.0", ("rank 0 step 2\n", "rank 1 step 2\n")),
                                rank_script=LIGHT_RANK)
         # 130 after a graceful stop at a step boundary; a second SIGINT would also give 130
         # but at once, mid-step: the logs tell them apart.
