@@ -14,7 +14,8 @@ import subprocess
 
 import pytest
 
-from kempner_resilience.demo.slurm_demo import compare_weights, run_reference, write_job
+from kempner_resilience.demo.compare import compare_weights
+from kempner_resilience.demo.slurm_demo import run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.goodput import PARTS, analyze_dir
 from kempner_resilience.ledger import read_ledger
