@@ -55,7 +55,7 @@ def test_when_one_rank_is_forced_out_by_repeated_sigterm_every_rank_exits_143(tm
         for _ in range(3):
             os.kill(procs[1].pid, signal.SIGTERM)
             time.sleep(gap_s)
-        outs = [p.communicate(timeout=60) for p in procs]
+        outs = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:
             p.kill()

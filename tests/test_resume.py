@@ -93,7 +93,9 @@ def test_a_checkpoint_written_by_4_ddp_ranks_resumes_on_2(tmp_path, ddp_4_ranks_
     stop = launches[0].report["stop_step"]
     name = f"step_{stop:09d}"
     shutil.copytree(work / "ckpt" / name, tmp_path / "two" / "ckpt" / name)
-    resumed, got, two = run_job(tmp_path, "two", 2, STEPS)
+    # A copied-in checkpoint belongs to another run (its run id): say that it is wanted.
+    resumed, got, two = run_job(tmp_path, "two", 2, STEPS,
+                                extra=["checkpoint.allow_other_run=true"])
     assert [l.exit_code for l in resumed] == [0]
     assert resumed[0].report["resumed_from"] == stop
     assert got is not None

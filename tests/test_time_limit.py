@@ -115,7 +115,9 @@ def test_run_without_a_signal_stops_saves_before_its_end_and_resumes_bitwise(tmp
 
 
 def test_two_ranks_agree_on_one_step_when_the_allocation_ends(tmp_path):
-    cmd = train_command(STEPS, step_time=0.05, out=tmp_path / "w.pt",
+    # Long enough (20 s of steps) that the run cannot end before the allocation does (12 s),
+    # however fast the ranks start.
+    cmd = train_command(400, step_time=0.05, out=tmp_path / "w.pt",
                         overrides=[f"checkpoint.dir={tmp_path / 'ckpt'}", "signals.grace_s=60",
                                    "requeue.time_limit_margin_s=1"])
     launch = LocalLauncher(cmd, ranks=2, workdir=tmp_path, max_launches=1,
