@@ -214,6 +214,8 @@ class ResilientRun:
             raise ValueError(f"total must be >= 0, got {total}")
         parts = self._parts
         clock = parts.clock
+        # Step times only matter for the stop before a known end: outside SLURM, measure nothing.
+        timed = clock.end_epoch is not None and clock.stop_enabled
         if not self._looped:
             self._looped = True
             parts.ledger.event("loop", step=parts.step)
@@ -226,7 +228,8 @@ class ResilientRun:
             if decision is not None:
                 sequence.stop(parts, decision)
             yield parts.step
-            clock.observe_step(time.monotonic() - now)
+            if timed:
+                clock.observe_step(time.monotonic() - now)
             parts.step += 1
             self._hang.beat()
             if parts.ckpt is not None:
