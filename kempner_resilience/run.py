@@ -320,8 +320,10 @@ class ResilientRun:
     def _setup_checkpoints(self) -> None:
         if self.state is None:
             return
-        from kempner_resilience.checkpoint import CheckpointManager
+        from kempner_resilience.checkpoint import CheckpointError, CheckpointManager
 
+        # Kept for the per-step save check: no import statement on every step.
+        self._checkpoint_error = CheckpointError
         parts = self._parts
         parts.ckpt = ckpt = CheckpointManager(self.config.checkpoint, self.state,
                                               rank=parts.agreement.rank,
@@ -392,13 +394,11 @@ class ResilientRun:
         return value
 
     def _periodic_save(self, step: int) -> None:
-        from kempner_resilience.checkpoint import CheckpointError
-
         ckpt = self._parts.ckpt
         t0 = time.monotonic()
         try:
             info = ckpt.maybe_save(step)
-        except CheckpointError as e:
+        except self._checkpoint_error as e:
             # Raised on every rank at the same step (failures are agreed across ranks), once
             # checkpoint.max_failed_saves periodic saves in a row failed: stop every rank alike.
             sequence.give_up(self._parts, step, e)
