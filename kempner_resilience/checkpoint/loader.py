@@ -68,7 +68,8 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
     if errors or entry is None or reader is None:
         return None, "; ".join(errors), 0
     try:
-        dcp.load(sd, storage_reader=reader, process_group=comm.dcp_group)
+        dcp.load(sd, storage_reader=reader, process_group=comm.dcp_group,
+                 no_dist=comm.dcp_no_dist)
     except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
         return None, describe_error(e) or "load failed", 0
     step = state.restore(sd, blob_key)

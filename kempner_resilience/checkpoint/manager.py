@@ -477,7 +477,8 @@ class CheckpointManager:
                 # Plan caching: with an unchanged state layout (every save after the first),
                 # DCP reuses the global plan and metadata instead of rebuilding them.
                 dcp.save(sd, storage_writer=writer, process_group=comm.dcp_group,
-                         planner=DefaultSavePlanner(enable_plan_caching=True))
+                         planner=DefaultSavePlanner(enable_plan_caching=True),
+                         no_dist=comm.dcp_no_dist)
             except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
                 failure = e
             gathered = comm.all_gather_object(
