@@ -20,6 +20,7 @@ dtype) and a whole-file CRC are kept in ``files`` for the manifest.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import threading
@@ -52,10 +53,39 @@ class SaveAborted(RuntimeError):
     """The save was abandoned on purpose (an emergency save needed the disk)."""
 
 
-def _writev_all(fd: int, bufs: list[Any]) -> None:
-    """``os.writev`` until everything is written (regular files may return short on signals)."""
+def _load_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):      # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+_EARLY_WRITEBACK = True       # False only to measure what it gains (bench A/B)
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing ``nbytes`` at ``offset`` to disk now, without waiting.
+
+    Otherwise dirty pages wait until the final fsync (a 1 GiB save stays below the kernel's
+    background threshold), so the disk idles while we checksum and the fsync writes it all:
+    CPU time and disk time add up. Started batch by batch, they overlap. The fsync at the end
+    still decides durability; this is only a hint (errors are ignored).
+    """
+    if _SYNC_FILE_RANGE is not None and _EARLY_WRITEBACK and nbytes:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _writev_all(fd: int, bufs: list[Any]) -> int:
+    """``os.writev`` until everything is written (regular files may return short on signals);
+    returns the bytes written."""
     views = [memoryview(b).cast("B") for b in bufs]
     views = [v for v in views if v.nbytes]
+    total = sum(v.nbytes for v in views)
     while views:
         n = os.writev(fd, views)
         while views and n >= views[0].nbytes:
@@ -63,6 +93,7 @@ def _writev_all(fd: int, bufs: list[Any]) -> None:
             views.pop(0)
         if n:
             views[0] = views[0][n:]
+    return total
 
 
 def _item_nbytes(item: WriteItem) -> int:
@@ -122,6 +153,7 @@ class _Out:
         self.keep: list[Any] = []       # what the pending iovecs point into
         self.fills: list[tuple[_Staged, int, int]] = []   # (record, chunk offset, bytes)
         self.nbytes = 0
+        self.flushed = 0                # bytes of the file handed to the kernel
         self.chunk_i = 0                # the chunk being filled, and how far
         self.used = 0
         self.sealed: tuple[list[Any], list[Any], list[tuple[_Staged, int, int]], Chunk] | None \
@@ -185,14 +217,19 @@ class _Out:
             self.chunk_i ^= 1           # the other chunk: its batch was just written
             self.used = 0
         elif batch[0]:
-            _writev_all(self.fd, batch[0])
+            self._writev(batch[0])
 
     def _write(self, iov: list[Any], keep: list[Any], fills: list[tuple[_Staged, int, int]],
                chunk: Chunk) -> None:
         chunk.wait()
         for staged, at, n in fills:
             staged.update(chunk.view[at:at + n])
-        _writev_all(self.fd, iov)
+        self._writev(iov)
+
+    def _writev(self, iov: list[Any]) -> None:
+        n = _writev_all(self.fd, iov)
+        _start_writeback(self.fd, self.flushed, n)
+        self.flushed += n
 
     def close(self) -> None:
         """Write everything still pending (the last batches)."""
