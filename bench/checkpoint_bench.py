@@ -1,6 +1,8 @@
 """Checkpoint throughput on this machine, compared with ``dd`` in the same run (disks are noisy).
 
     .venv/bin/python bench/checkpoint_bench.py [--size-gib 1.0] [--dir /tmp/ckbench] [--tensors 1400]
+    .venv/bin/python bench/checkpoint_bench.py --emergency-only --rounds 3
+    .venv/bin/python bench/checkpoint_bench.py --cuda [--sizes-gib 4,12] [--tensors 1500]
 
 Model + Adam-like state of ``--size-gib`` in about ``--tensors`` tensors (a quarter params, a
 quarter step counters, half moments, as Adam has). Measured, each into a fresh directory:
@@ -8,13 +10,28 @@ quarter step counters, half moments, as Adam has). Measured, each into a fresh d
 save, our async save (caller-blocked time and total; first save allocates staging buffers, the
 second reuses them), our load (resume, checksums verified) and stock ``dcp.load`` vs a cold
 ``dd`` read (page cache dropped when permitted). Prints GiB/s and the ratio to ``dd``.
+
+``--emergency-only``: just ``dd`` write+fsync and our emergency save, ``--rounds`` times, the
+order alternating between rounds (on a thin-provisioned disk whichever writes first into fresh
+blocks is slower); prints each round's ratio and the median.
+
+``--cuda`` (needs a CUDA GPU; ``bench/gpu_check.py`` runs it): for each size in ``--sizes-gib``,
+CUDA model + Adam state, in one run: ``dd`` write+fsync, our emergency save of the same state
+from CPU memory, from GPU memory (through the pinned staging buffers, and with
+``checkpoint.staging: off`` for comparison), stock ``dcp.save``, the time a stock
+``DefaultStager``-based ``dcp.async_save`` and our async periodic save block the caller, then
+resume onto the GPU vs stock ``dcp.load`` vs a cold ``dd`` read, with the issue's targets.
+
+The load average (1 min) is printed with the figures: other jobs on the machine skew them.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from kempner_resilience.checkpoint import CheckpointManager
-from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.config import CheckpointConfig, StagingMode
 
 GIB = 2**30
 
@@ -33,15 +50,17 @@ GIB = 2**30
 class Params(torch.nn.Module):
     """``n`` parameters: a few large matrices carry the bytes, many small vectors the count."""
 
-    def __init__(self, nbytes: int, n: int) -> None:
+    def __init__(self, nbytes: int, n: int, device: str | torch.device = "cpu",
+                 init: bool = True) -> None:
         super().__init__()
         n_big = max(1, n // 3)
         small = 1024
         per_big = max((nbytes // 4 - (n - n_big) * small) // n_big, 1)
         side = int(per_big ** 0.5)
+        make = torch.randn if init else torch.empty
         self.ps = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.randn(side, per_big // side)) for _ in range(n_big)]
-            + [torch.nn.Parameter(torch.randn(small)) for _ in range(n - n_big)])
+            [torch.nn.Parameter(make(side, per_big // side, device=device)) for _ in range(n_big)]
+            + [torch.nn.Parameter(make(small, device=device)) for _ in range(n - n_big)])
 
 
 def drop_caches() -> bool:
@@ -52,6 +71,10 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def load() -> str:
+    return f"load {os.getloadavg()[0]:.2f}"
 
 
 def timed(fn) -> float:
@@ -69,29 +92,55 @@ def dd_write(path: Path, nbytes: int) -> float:
     return count * bs / t / GIB
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-gib", type=float, default=1.0)
-    ap.add_argument("--tensors", type=int, default=1400)
-    ap.add_argument("--dir", default="/tmp/ckbench")
-    ap.add_argument("--threads", type=int, default=4, help="checkpoint.io_threads")
-    args = ap.parse_args()
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+def dd_read(path: Path, nbytes: int) -> tuple[float, bool]:
+    dropped = drop_caches()
+    t = timed(lambda: subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M"], check=True,
+                                     capture_output=True))
+    return nbytes / t / GIB, dropped
+
+
+def adam_state(nbytes: int, tensors: int, device: str | torch.device = "cpu"
+               ) -> tuple[Params, torch.optim.Adam]:
+    """Params of ``nbytes / 3`` and Adam after one step (params + two moments + step counters)."""
     torch.manual_seed(0)
-    # Adam has params + exp_avg + exp_avg_sq (+ a scalar step each): params are ~1/3 of bytes.
-    model = Params(int(args.size_gib * GIB / 3), args.tensors // 4)
+    model = Params(int(nbytes / 3), tensors // 4, device)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     optim.step()
+    for p in model.parameters():
+        p.grad = None
+    return model, optim
+
+
+def flat_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     flat = {f"p{i}": p.detach() for i, p in enumerate(model.parameters())}
     for i, st in enumerate(optim.state.values()):
         flat.update({f"o{i}.{k}": v for k, v in st.items()})
+    return flat
+
+
+def print_rows(rows: list[tuple[str, float]], dd: float, dd_r: float) -> None:
+    print(f"{'what':62s} {'GiB/s':>7s} {'x dd-write':>10s} {'x dd-read':>9s}")
+    for name, gbs in rows:
+        print(f"{name:62s} {gbs:7.2f} {gbs / dd:10.2f} {gbs / dd_r:9.2f}")
+
+
+# ------------------------------------------------------------------------------------------ CPU
+
+def cpu_main(args: argparse.Namespace) -> None:
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    model, optim = adam_state(int(args.size_gib * GIB), args.tensors)
+    flat = flat_state(model, optim)
     nbytes = sum(t.numel() * t.element_size() for t in flat.values())
     print(f"state: {nbytes / GIB:.3f} GiB in {len(flat)} tensors; {os.cpu_count()} CPUs; "
-          f"torch {torch.__version__}; dir {root}")
+          f"torch {torch.__version__}; dir {root}; {load()}")
+    if args.emergency_only:
+        emergency_rounds(args, root, model, optim, nbytes)
+        shutil.rmtree(root, ignore_errors=True)
+        return
 
     rows: list[tuple[str, float]] = []
     dd = dd_write(root / "dd.bin", nbytes)
@@ -130,12 +179,8 @@ def main() -> None:
         rows.append((f"ours: async save #{step - 2} total {total:.3f}s", nbytes / total / GIB))
     amgr.close()
 
-    dropped = drop_caches()
-    t0 = time.perf_counter()
-    subprocess.run(["dd", f"if={root / 'dd.bin'}", "of=/dev/null", "bs=64M"], check=True,
-                   capture_output=True)
-    dd_read = nbytes / (time.perf_counter() - t0) / GIB
-    rows.append((f"dd read ({'cold' if dropped else 'page cache NOT dropped'})", dd_read))
+    dd_r, dropped = dd_read(root / "dd.bin", nbytes)
+    rows.append((f"dd read ({'cold' if dropped else 'page cache NOT dropped'})", dd_r))
     drop_caches()
     lmgr = CheckpointManager(cfg, {"model": model, "optim": optim})
     t = timed(lmgr.resume)
@@ -150,13 +195,242 @@ def main() -> None:
                                checkpoint_id=str(lmgr.latest().path)))
     rows.append(("stock dcp.load of OUR checkpoint (cold)", nbytes / t / GIB))
 
-    print(f"{'what':58s} {'GiB/s':>7s} {'x dd-write':>10s} {'x dd-read':>9s}")
-    for name, gbs in rows:
-        print(f"{name:58s} {gbs:7.2f} {gbs / dd:10.2f} {gbs / dd_read:9.2f}")
+    print_rows(rows, dd, dd_r)
     emerg = rows[3][1]
     print(f"emergency save vs dd: {emerg / dd:.2f}x (target >= 0.9); vs dcp.save defaults: "
-          f"{emerg / rows[2][1]:.2f}x (target >= 1.8)")
+          f"{emerg / rows[2][1]:.2f}x (target >= 1.8); {load()}")
     shutil.rmtree(root, ignore_errors=True)
+
+
+def emergency_rounds(args: argparse.Namespace, root: Path, model: torch.nn.Module,
+                     optim: torch.optim.Optimizer, nbytes: int) -> None:
+    ratios = []
+    for r in range(args.rounds):
+        cfg = CheckpointConfig(dir=str(root / f"ours{r}"), keep_last=10, io_threads=args.threads)
+        mgr = CheckpointManager(cfg, {"model": model, "optim": optim})
+        mgr.check_dir()
+
+        def ours() -> float:
+            return nbytes / timed(lambda: mgr.emergency_save(1)) / GIB
+        if r % 2 == 0:
+            dd, mine = dd_write(root / "dd.bin", nbytes), ours()
+        else:
+            mine, dd = ours(), dd_write(root / "dd.bin", nbytes)
+        ratios.append(mine / dd)
+        print(f"round {r + 1} ({'dd first' if r % 2 == 0 else 'ours first'}): dd {dd:.2f} GiB/s, "
+              f"emergency save {mine:.2f} GiB/s, ratio {mine / dd:.2f}; {load()}", flush=True)
+        mgr.close()
+        shutil.rmtree(root / f"ours{r}", ignore_errors=True)
+        (root / "dd.bin").unlink()
+    print(f"emergency save vs dd write+fsync: median {statistics.median(ratios):.2f}x over "
+          f"{len(ratios)} rounds ({', '.join(f'{x:.2f}' for x in ratios)}); target >= 0.9")
+
+
+# ----------------------------------------------------------------------------------------- CUDA
+
+def _free_host_pinned() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        if hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()    # give cached pinned blocks back
+
+
+def cuda_round(args: argparse.Namespace, size_gib: float, device: torch.device,
+               dry_run: bool) -> dict[str, float]:
+    """One state size on ``device``; returns the figures the targets are checked against."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    on_gpu = device.type == "cuda"
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    root = Path(args.dir) / f"{size_gib:g}gib"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    model, optim = adam_state(int(size_gib * GIB), args.tensors, device)
+    sync()
+    flat = flat_state(model, optim)
+    nbytes = sum(t.numel() * t.element_size() for t in flat.values())
+    name = torch.cuda.get_device_name(device) if on_gpu else "CPU (dry run)"
+    print(f"\n== {nbytes / GIB:.2f} GiB of {device.type.upper()} state in {len(flat)} tensors on "
+          f"{name}; torch {torch.__version__}; dir {root}; {load()}", flush=True)
+
+    # The same state in CPU memory (set-up, untimed).
+    cpu_model = Params(int(size_gib * GIB / 3), args.tensors // 4, "cpu", init=False)
+    with torch.no_grad():
+        for a, b in zip(cpu_model.parameters(), model.parameters()):
+            a.copy_(b)
+    cpu_optim = torch.optim.Adam(cpu_model.parameters(), lr=1e-3)
+    cpu_optim.load_state_dict(optim.state_dict())     # moves the moments next to the params
+    reference = {k: v.to("cpu", copy=True) for k, v in flat.items()}
+
+    def cfg(sub: str, **kw) -> CheckpointConfig:
+        return CheckpointConfig(dir=str(root / sub), keep_last=1, io_threads=args.threads, **kw)
+
+    rows: list[tuple[str, float]] = []
+    out: dict[str, float] = {}
+    dd = dd_write(root / "dd.bin", nbytes)
+    rows.append(("dd if=/dev/zero bs=64M conv=fsync", dd))
+
+    cmgr = CheckpointManager(cfg("cpu"), {"model": cpu_model, "optim": cpu_optim})
+    out["cpu_save"] = nbytes / timed(lambda: cmgr.emergency_save(1)) / GIB
+    rows.append(("ours: emergency save from CPU memory", out["cpu_save"]))
+    cmgr.close()
+    shutil.rmtree(root / "cpu", ignore_errors=True)
+
+    t0 = time.perf_counter()
+    gmgr = CheckpointManager(cfg("gpu"), {"model": model, "optim": optim})
+    alloc = time.perf_counter() - t0
+    staging = gmgr.staging
+    print(f"staging at start: {staging.describe() if staging else 'none'}, manager set-up "
+          f"{alloc:.2f} s", flush=True)
+    sync()
+    out["gpu_save"] = nbytes / timed(lambda: gmgr.emergency_save(1)) / GIB
+    rows.append(("ours: emergency save from GPU memory (staged)", out["gpu_save"]))
+    sync()
+    rows.append(("ours: save from GPU memory again (buffers reused)",
+                 nbytes / timed(lambda: gmgr.save(2)) / GIB))
+
+    omgr = CheckpointManager(cfg("gpu_off", staging=StagingMode.OFF),
+                             {"model": model, "optim": optim})
+    rows.append(("ours: emergency save from GPU, staging: off (.cpu())",
+                 nbytes / timed(lambda: omgr.emergency_save(1)) / GIB))
+    omgr.close()
+    shutil.rmtree(root / "gpu_off", ignore_errors=True)
+
+    sync()
+    out["dcp_save"] = nbytes / timed(lambda: dcp.save({"s": flat},
+                                                      checkpoint_id=str(root / "dcp"))) / GIB
+    rows.append(("stock dcp.save (defaults) from GPU memory", out["dcp_save"]))
+
+    # Stock async save: the time dcp.async_save blocks the caller while DefaultStager copies
+    # the state to (pinned, reused) host memory; the second call reuses the staging memory.
+    opts = StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                          use_async_staging=False, use_non_blocking_copy=on_gpu)
+    stager = DefaultStager(opts)
+    for i in (1, 2):
+        sync()
+        t0 = time.perf_counter()
+        fut = dcp.async_save({"s": flat}, checkpoint_id=str(root / f"dcp_async{i}"),
+                             async_stager=stager)
+        blocked = time.perf_counter() - t0
+        fut.result()
+        out[f"dcp_async_blocked{i}"] = blocked
+        rows.append((f"stock dcp.async_save #{i}: caller blocked {blocked:.3f}s (DefaultStager)",
+                     nbytes / blocked / GIB))
+        shutil.rmtree(root / f"dcp_async{i}", ignore_errors=True)
+    stager.close()
+    del stager
+    _free_host_pinned()
+
+    amgr = CheckpointManager(cfg("async", every_steps=1, async_=True),
+                             {"model": model, "optim": optim})
+    for step in (1, 2):
+        sync()
+        t0 = time.perf_counter()
+        amgr.maybe_save(step)
+        blocked = time.perf_counter() - t0
+        amgr.wait()
+        out[f"async_blocked{step}"] = blocked
+        rows.append((f"ours: async periodic save #{step}: caller blocked {blocked:.3f}s",
+                     nbytes / blocked / GIB))
+    amgr.close()
+    del amgr
+    _free_host_pinned()
+    shutil.rmtree(root / "async", ignore_errors=True)
+
+    # Loads: cold page cache where permitted.
+    dd_r, dropped = dd_read(root / "dd.bin", nbytes)
+    out["dd_read"] = dd_r
+    rows.append((f"dd read bs=64M ({'cold' if dropped else 'page cache NOT dropped'})", dd_r))
+    with torch.no_grad():
+        for t in flat.values():
+            t.zero_()
+    sync()
+    drop_caches()
+    t = timed(lambda: (gmgr.resume(), sync()))
+    out["gpu_resume"] = nbytes / t / GIB
+    rows.append(("ours: resume onto the GPU (verified crc32, cold)", out["gpu_resume"]))
+    exact = all(torch.equal(flat[k].cpu(), reference[k]) for k in flat)
+    print(f"resume onto the GPU bitwise equal to the saved state: {exact}", flush=True)
+    out["exact"] = float(exact)
+
+    drop_caches()
+    target = {"s": {k: torch.empty_like(v) for k, v in flat.items()}}
+    t = timed(lambda: (dcp.load(target, checkpoint_id=str(root / "dcp")), sync()))
+    out["dcp_load"] = nbytes / t / GIB
+    rows.append(("stock dcp.load of dcp.save output onto the GPU (cold)", out["dcp_load"]))
+    target.clear()
+    drop_caches()
+    msd, osd = get_state_dict(model, optim)
+    latest = gmgr.latest()
+    t = timed(lambda: (dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(latest.path)),
+                       sync()))
+    rows.append(("stock dcp.load of OUR checkpoint onto the GPU (cold)", nbytes / t / GIB))
+    gmgr.close()
+
+    print_rows(rows, dd, dd_r)
+    per2 = 2 * GIB / nbytes
+    checks = [
+        ("GPU-state emergency save >= 0.9x the same state's save from CPU memory",
+         out["gpu_save"] / out["cpu_save"], 0.9),
+        ("GPU resume >= 1.2x stock dcp.load", out["gpu_resume"] / out["dcp_load"], 1.2),
+        ("GPU resume >= 0.8x a cold dd read", out["gpu_resume"] / dd_r, 0.8),
+    ]
+    for what, got, want in checks:
+        print(f"{'PASS' if got >= want else 'FAIL'} {what}: {got:.2f}x")
+    blocked = out["async_blocked2"] * per2
+    print(f"{'PASS' if blocked <= 0.1 else 'FAIL'} async periodic save blocks training <= 0.1 s "
+          f"per 2 GiB after the first save: {blocked:.3f} s per 2 GiB (first save "
+          f"{out['async_blocked1'] * per2:.3f}; stock DefaultStager "
+          f"{out['dcp_async_blocked2'] * per2:.3f}); {load()}", flush=True)
+    out["pass"] = float(all(got >= want for _, got, want in checks) and blocked <= 0.1 and exact)
+    if not dry_run:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def cuda_main(args: argparse.Namespace) -> int:
+    dry_run = args.cuda_dry_run
+    if not dry_run and not torch.cuda.is_available():
+        print(f"checkpoint_bench.py --cuda: no CUDA device here (torch {torch.__version__}, "
+              "torch.cuda.is_available() is False); run it on a machine with an NVIDIA GPU",
+              file=sys.stderr)
+        return 2
+    if dry_run:     # the CUDA mode's flow on CPU, the CPU tensors staged like GPU ones
+        os.environ["KEMPNER_RESILIENCE_STAGE_CPU"] = "1"
+    device = torch.device("cpu" if dry_run else "cuda")
+    sizes = [float(s) for s in args.sizes_gib.split(",")]
+    passed = True
+    for size in sizes:
+        out = cuda_round(args, size, device, dry_run)
+        _free_host_pinned()          # the round's tensors are gone: give their memory back
+        passed = passed and bool(out["pass"])
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print(f"\ncheckpoint_bench --cuda: {'all targets met' if passed else 'targets missed'}")
+    return 0 if passed else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--tensors", type=int, default=1400)
+    ap.add_argument("--dir", default="/tmp/ckbench")
+    ap.add_argument("--threads", type=int, default=4, help="checkpoint.io_threads")
+    ap.add_argument("--emergency-only", action="store_true",
+                    help="only dd write+fsync vs our emergency save, --rounds times")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cuda", action="store_true", help="GPU state (needs a CUDA device)")
+    ap.add_argument("--sizes-gib", default="4,12", help="--cuda: state sizes")
+    ap.add_argument("--cuda-dry-run", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.cuda or args.cuda_dry_run:
+        return cuda_main(args)
+    cpu_main(args)
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from checkpoint_helpers import toy
+from helpers import env, free_port, write_script
 from kempner_resilience.checkpoint import (MANIFEST_NAME, CheckpointError, CheckpointInfo,
                                            CheckpointManager)
 from kempner_resilience.config import CheckpointConfig
@@ -158,3 +161,28 @@ def test_retention_keeps_keep_last_committed(tmp_path: Path) -> None:
     mgr.close()                                   # retention runs in a thread: let it finish
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "step_000000003", "step_000000004"]
+
+
+def test_a_single_process_whose_default_group_is_gpu_only_saves_and_resumes(tmp_path: Path
+                                                                            ) -> None:
+    # A one-GPU job with NCCL initialized: the default group has no CPU backend ("cuda:gloo"
+    # makes such a group without a GPU). DCP must not run its collectives there.
+    script = write_script(tmp_path, """
+        import os, sys
+        import torch, torch.distributed as dist
+        from kempner_resilience.checkpoint import CheckpointManager
+        from kempner_resilience.config import CheckpointConfig
+        dist.init_process_group("cuda:gloo", rank=0, world_size=1)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        cfg = CheckpointConfig(dir=sys.argv[1])
+        CheckpointManager(cfg, {"model": model}).save(1)
+        fresh = torch.nn.Linear(8, 8)
+        info = CheckpointManager(cfg, {"model": fresh}).resume()
+        assert info.step == 1 and torch.equal(fresh.weight, model.weight)
+        print("resumed")
+    """)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=120,
+                          env=env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+    assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]

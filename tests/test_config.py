@@ -99,6 +99,26 @@ def test_zero_max_failed_saves_is_rejected_and_the_default_tolerates_three(tmp_p
         load_config(overrides=["checkpoint.max_failed_saves=0"])
 
 
+def test_staging_takes_pinned_pageable_or_off_and_names_them_otherwise(tmp_path):
+    from kempner_resilience.config import StagingMode
+
+    assert load_config().checkpoint.staging is StagingMode.PINNED
+    # YAML reads a bare `off` as false: it still means staging: off
+    assert load_config(write(tmp_path, "checkpoint:\n  staging: off\n")).checkpoint.staging \
+        is StagingMode.OFF
+    assert load_config(overrides=["checkpoint.staging=pageable"]).checkpoint.staging \
+        is StagingMode.PAGEABLE
+    with pytest.raises(ConfigError, match="checkpoint.staging: 'gpu' has the wrong type; "
+                                          "expected one of pinned, pageable, off"):
+        load_config(overrides=["checkpoint.staging=gpu"])
+
+
+def test_a_staging_cap_of_zero_is_rejected():
+    with pytest.raises(ConfigError, match="checkpoint.staging_cap_gib: 0.0 is not allowed; must "
+                                          "be > 0 GiB"):
+        load_config(overrides=["checkpoint.staging_cap_gib=0"])
+
+
 def test_unknown_signal_name_is_rejected(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, "signals:\n  actions:\n    SIGFOO: stop\n"))

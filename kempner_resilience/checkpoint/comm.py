@@ -28,6 +28,13 @@ class Comm:
         """What to pass as DCP's ``process_group`` (None runs DCP without collectives)."""
         return self.group if self.distributed else None
 
+    @property
+    def dcp_no_dist(self) -> bool:
+        """What to pass as DCP's ``no_dist``: a single process runs DCP without collectives even
+        when torch.distributed is initialized, whose default group may be NCCL only (a one-GPU
+        job): DCP would otherwise run its gathers there."""
+        return not self.distributed
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]

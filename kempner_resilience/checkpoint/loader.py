@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException   # a BaseExcep
 
 from kempner_resilience.checkpoint import integrity, layout
 from kempner_resilience.checkpoint.comm import Comm
+from kempner_resilience.checkpoint.hostbuf import HostStaging
 from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo, describe_error
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.state import TrainState
@@ -38,8 +39,10 @@ def candidates(root: Path) -> tuple[list[str] | None, str | None]:
 
 
 def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
-             comm: Comm) -> tuple[CheckpointInfo | None, str, int]:
-    """Load ``path`` into ``state`` (collective): (info, "", bytes read) or (None, why, 0)."""
+             comm: Comm, staging: HostStaging | None = None
+             ) -> tuple[CheckpointInfo | None, str, int]:
+    """Load ``path`` into ``state`` (collective): (info, "", bytes read) or (None, why, 0).
+    GPU tensors are read through ``staging``'s host buffers when given."""
     local: str | None = None
     entry = reader = None
     sd: dict[str, Any] = {}
@@ -52,7 +55,7 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
         if config.verify:
             layout.verify_files(path, entry.manifest or {}, [integrity.METADATA_NAME])
         reader = VerifyingReader(path, entry.manifest, verify=config.verify,
-                                 threads=config.io_threads)
+                                 threads=config.io_threads, staging=staging)
         metadata = reader.read_metadata()
         integrity.check_metadata(path, metadata, entry.manifest or {})
         sd, blob_key = state.load_template(rank, set(metadata.state_dict_metadata))
@@ -65,7 +68,8 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
     if errors or entry is None or reader is None:
         return None, "; ".join(errors), 0
     try:
-        dcp.load(sd, storage_reader=reader, process_group=comm.dcp_group)
+        dcp.load(sd, storage_reader=reader, process_group=comm.dcp_group,
+                 no_dist=comm.dcp_no_dist)
     except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
         return None, describe_error(e) or "load failed", 0
     step = state.restore(sd, blob_key)

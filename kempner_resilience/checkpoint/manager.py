@@ -12,6 +12,7 @@ while the main thread is stuck in a training collective.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -26,13 +27,14 @@ from torch.distributed.checkpoint.api import CheckpointException   # a BaseExcep
 from kempner_resilience.checkpoint import commit, dircheck, layout, loader, retention
 from kempner_resilience.checkpoint.comm import Comm, PendingMax
 from kempner_resilience.checkpoint.estimate import Estimate, SaveEstimator
+from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU, HostStaging
 from kempner_resilience.checkpoint.info import (CheckpointCorrupt, CheckpointError, CheckpointInfo,
                                                describe_error)
 from kempner_resilience.checkpoint.info import CheckpointDirError
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.writer import ChecksummingWriter
-from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.config import CheckpointConfig, StagingMode
 from kempner_resilience.log import get_logger
 
 log = get_logger(__name__)
@@ -73,6 +75,10 @@ class CheckpointManager:
     A failed periodic save (full disk, I/O error) does not raise: it is logged, the partial
     directory removed, and the next periodic save tries again; ``maybe_save`` raises
     ``CheckpointError`` once ``config.max_failed_saves`` periodic saves in a row have failed.
+
+    When ``state`` holds GPU tensors (sized here: move the model to its device first), the host
+    buffers that saves and loads stage them through (``config.staging``) are allocated here,
+    once, and logged by rank 0 (``staging``); no save allocates them, an emergency save least.
     """
 
     def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
@@ -99,7 +105,8 @@ class CheckpointManager:
         self._busy = 0
         self._busy_lock = threading.Lock()
         self._bg: _Background | None = None
-        self._stager = Stager()
+        self._stager = Stager(pin=config.staging is StagingMode.PINNED)
+        self._staging = self._reserve_staging()
         self._writing: set[Path] = set()         # directories being written: retention skips them
         self._estimator = SaveEstimator()         # measured saves of this rank
         self._last_save_step = -1
@@ -138,6 +145,45 @@ class CheckpointManager:
     def async_in_flight(self) -> bool:
         bg = self._bg
         return bg is not None and bg.thread is not None and bg.thread.is_alive()
+
+    @property
+    def staging(self) -> HostStaging | None:
+        """The host buffers GPU state is saved and loaded through (None: no GPU state, or
+        ``checkpoint.staging: off``)."""
+        return self._staging
+
+    def _reserve_staging(self) -> HostStaging | None:
+        """Allocate the staging buffers for this rank's device state, before any signal can
+        come (pinning costs ~1 s per GiB). ``KEMPNER_RESILIENCE_STAGE_CPU=1`` stages CPU state
+        too: for tests and benchmarks of the pipeline on machines without a GPU."""
+        cfg = self.config
+        device_bytes, kind = self.state.device_nbytes()
+        stage_cpu = os.environ.get(ENV_STAGE_CPU, "") == "1"
+        say = log.info if self.rank == 0 else log.debug
+        if cfg.staging is StagingMode.OFF:
+            if device_bytes:
+                say("staging: off, %.2f GiB of %s state is copied into fresh host memory at "
+                    "every save", device_bytes / _GIB, (kind or "").upper())
+            return None
+        if not device_bytes and not stage_cpu:
+            return None
+        t0 = time.monotonic()
+        state_bytes = device_bytes or self.state.nbytes()
+        staging = HostStaging.allocate(cfg.staging, int(cfg.staging_cap_gib * _GIB),
+                                       cfg.io_threads, state_bytes, stage_cpu=stage_cpu,
+                                       device=self._device())
+        what = f"{kind.upper()} state" if device_bytes and kind else \
+            f"CPU state ({ENV_STAGE_CPU}=1: for tests and benchmarks)"
+        say("staging: %s for %.2f GiB of %s (checkpoint.staging_cap_gib=%g), allocated in "
+            "%.2f s", staging.describe(), state_bytes / _GIB, what, cfg.staging_cap_gib,
+            time.monotonic() - t0)
+        return staging
+
+    def _device(self) -> Any:
+        for module in self.state.modules.values():
+            for p in module.parameters():
+                return p.device
+        return None
 
     @contextlib.contextmanager
     def _foreground(self) -> Iterator[None]:
@@ -228,7 +274,8 @@ class CheckpointManager:
 
     def _try_load(self, path: Path) -> tuple[CheckpointInfo | None, str]:
         t0 = time.monotonic()
-        info, why, nread = loader.try_load(path, self.config, self.state, self.rank, self._fg)
+        info, why, nread = loader.try_load(path, self.config, self.state, self.rank, self._fg,
+                                           self._staging)
         if info is None:
             return None, why
         loader.restore_ddp_buckets(self.state, self._fg, self.rank)
@@ -423,13 +470,15 @@ class CheckpointManager:
         path = Path(path_s)
         self._writing.add(path)
         try:
-            writer = ChecksummingWriter(path, threads=self.config.io_threads, abort=abort)
+            writer = ChecksummingWriter(path, threads=self.config.io_threads, abort=abort,
+                                        staging=self._staging)
             failure: BaseException | None = None
             try:
                 # Plan caching: with an unchanged state layout (every save after the first),
                 # DCP reuses the global plan and metadata instead of rebuilding them.
                 dcp.save(sd, storage_writer=writer, process_group=comm.dcp_group,
-                         planner=DefaultSavePlanner(enable_plan_caching=True))
+                         planner=DefaultSavePlanner(enable_plan_caching=True),
+                         no_dist=comm.dcp_no_dist)
             except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
                 failure = e
             gathered = comm.all_gather_object(

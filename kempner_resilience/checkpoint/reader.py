@@ -3,9 +3,12 @@
 The stock ``FileSystemReader`` runs ``torch.load`` per tensor and checks nothing. Here, for every
 record the manifest describes, the bytes are CRC-checked as they are read; for tensors written by
 our writer whose destination is a contiguous CPU tensor of the same dtype and shape, the raw data
-is ``readinto`` the destination itself (no temporary, no unpickling of the tensor record).
-Anything else (resharding, other devices, records from other writers) takes the stock path:
-``torch.load`` of the record, narrowed and copied. Files are read in parallel, one thread each.
+is ``readinto`` the destination itself (no temporary, no unpickling of the tensor record). For
+such a record whose destination is on the GPU, the data is read into the reused host chunks of
+``hostbuf``, checksummed there and copied to the device (from pinned memory without blocking,
+while the next chunk is read): no ``torch.load``, no second host copy. Anything else
+(resharding, records from other writers) takes the stock path: ``torch.load`` of the record,
+narrowed and copied. Files are read in parallel, one thread each.
 
 A mismatch raises ``CheckpointCorrupt``; DCP gathers it from every rank, so all ranks see the
 load fail together and can fall back to an older checkpoint together.
@@ -13,6 +16,7 @@ load fail together and can fall back to an older checkpoint together.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import zlib
@@ -26,6 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from kempner_resilience.checkpoint import recordfmt
+from kempner_resilience.checkpoint.hostbuf import HostStaging, Slot, caller_streams, flat_bytes
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
 
 __all__ = ["VerifyingReader"]
@@ -39,14 +44,41 @@ def _read_exact(f: Any, view: memoryview, where: str) -> None:
         view = view[n:]
 
 
+class _Ring:
+    """Where the next staged bytes of one file go: the slot's two chunks in turn, each reused
+    only after the device copies out of it have completed."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.chunk_i = 0
+        self.used = 0
+
+    def room(self) -> tuple[Any, int]:
+        """(chunk, offset) of the next free bytes."""
+        chunk = self.slot.chunks[self.chunk_i]
+        if self.used == chunk.nbytes:
+            chunk.seal()
+            self.chunk_i ^= 1
+            self.used = 0
+            chunk = self.slot.chunks[self.chunk_i]
+            chunk.wait()
+        return chunk, self.used
+
+
 class VerifyingReader(FileSystemReader):
-    """``FileSystemReader`` that checks each record against ``manifest`` CRCs when ``verify``."""
+    """``FileSystemReader`` that checks each record against ``manifest`` CRCs when ``verify``.
+
+    ``staging``, when given, carries the records of the destinations it ``wants`` (GPU tensors)
+    through its reused host buffers."""
 
     def __init__(self, path: str | os.PathLike[str], manifest: dict[str, Any] | None, *,
-                 verify: bool = True, threads: int = 2) -> None:
+                 verify: bool = True, threads: int = 2,
+                 staging: HostStaging | None = None) -> None:
         super().__init__(path)
         self.verify = verify
         self.threads = max(1, threads)
+        self.staging = staging
+        self._caller_streams: dict[int, Any] = {}
         self.records: dict[tuple[str, int], list[Any]] = {}
         for name, meta in ((manifest or {}).get("files") or {}).items():
             for rec in meta.get("records", ()):
@@ -60,6 +92,8 @@ class VerifyingReader(FileSystemReader):
             target = None if req.type == LoadItemType.BYTE_IO else \
                 planner.resolve_tensor(req).detach()
             per_file.setdefault(md.relative_path, []).append((req, target))
+        if self.staging is not None:
+            self._caller_streams = caller_streams()
         with ThreadPoolExecutor(max_workers=min(self.threads, max(len(per_file), 1)),
                                 thread_name_prefix="ckpt-read") as pool:
             futs = [pool.submit(self._read_file, name, jobs) for name, jobs in per_file.items()]
@@ -80,6 +114,17 @@ class VerifyingReader(FileSystemReader):
             raise CheckpointCorrupt(f"{where}: checksum mismatch (file damaged)")
 
     def _read_file(self, name: str, jobs: list[tuple[ReadItem, Any]]) -> list[tuple[ReadItem, Any]]:
+        staging = self.staging
+        lease = staging.lease() if staging is not None else contextlib.nullcontext()
+        with lease as slot:
+            ring = None
+            if slot is not None:
+                slot.begin(self._caller_streams)
+                ring = _Ring(slot)
+            return self._read_jobs(name, jobs, ring)
+
+    def _read_jobs(self, name: str, jobs: list[tuple[ReadItem, Any]],
+                   ring: _Ring | None) -> list[tuple[ReadItem, Any]]:
         path = os.path.join(self.path, name)
         out: list[tuple[ReadItem, Any]] = []
         jobs.sort(key=lambda j: self.storage_data[j[0].storage_index].offset)
@@ -93,8 +138,14 @@ class VerifyingReader(FileSystemReader):
                 f.seek(md.offset)
                 self.bytes_read += md.length
                 if target is not None and rec is not None and self._direct(target, rec, md.length):
-                    out.append((req, self._read_direct(f, target, rec, md.length, where)))
-                    continue
+                    if ring is not None and self.staging is not None \
+                            and self.staging.wants(target):
+                        out.append((req, self._read_staged(f, target, rec, md.length, where,
+                                                           ring)))
+                        continue
+                    if target.device.type == "cpu":
+                        out.append((req, self._read_direct(f, target, rec, md.length, where)))
+                        continue
                 buf = bytearray(md.length)
                 _read_exact(f, memoryview(buf), where)
                 if self.verify and rec is not None:
@@ -110,12 +161,15 @@ class VerifyingReader(FileSystemReader):
                                             f"match the destination {tuple(target.size())}")
                 target.copy_(tensor)
                 out.append((req, target))
+        if ring is not None:
+            ring.slot.quiesce()     # every device copy done before DCP hands the tensors on
         return out
 
     @staticmethod
     def _direct(target: torch.Tensor, rec: list[Any], length: int) -> bool:
-        """Whether the record is exactly one of our raw tensor records shaped like ``target``."""
-        if len(rec) < 5 or not recordfmt.fast_path_ok(target) or not target.is_contiguous():
+        """Whether the record is exactly one of our raw tensor records shaped like ``target``
+        (which may live on any device)."""
+        if len(rec) < 5 or not recordfmt.encodable(target) or not target.is_contiguous():
             return False
         if str(target.dtype) != rec[4]:
             return False
@@ -123,18 +177,49 @@ class VerifyingReader(FileSystemReader):
         return rec[3] == len(prefix) and length == len(prefix) + \
             target.numel() * target.element_size() + len(suffix)
 
-    def _read_direct(self, f: Any, target: torch.Tensor, rec: list[Any], length: int,
-                     where: str) -> torch.Tensor:
-        prefix_t, prefix_crc, _, _ = recordfmt._template(target.dtype, tuple(target.shape))
+    def _read_prefix(self, f: Any, target: torch.Tensor, where: str) -> int:
+        """Read and check the record's header; returns its CRC."""
+        prefix_t, prefix_crc, _, _ = recordfmt.record_template(target.dtype, tuple(target.shape))
         prefix = bytearray(len(prefix_t))
         _read_exact(f, memoryview(prefix), where)
         if prefix != prefix_t:      # shape/dtype differ from what the record says: not ours
             raise CheckpointCorrupt(f"{where}: record header does not match the destination")
-        data = recordfmt.bytes_view(target)
-        _read_exact(f, data, where)
-        suffix = bytearray(length - len(prefix) - data.nbytes)
+        return prefix_crc
+
+    def _read_suffix(self, f: Any, crc: int, nbytes: int, rec: list[Any], where: str) -> None:
+        """Read the record's tail and check the record's CRC (``crc`` covers all before it)."""
+        suffix = bytearray(rec[1] - rec[3] - nbytes)
         _read_exact(f, memoryview(suffix), where)
         if self.verify:
-            crc = recordfmt.crc32_combine(prefix_crc, zlib.crc32(data), data.nbytes)
             self._check(recordfmt.crc32_combine(crc, zlib.crc32(suffix), len(suffix)), rec, where)
+
+    def _read_staged(self, f: Any, target: torch.Tensor, rec: list[Any], length: int,
+                     where: str, ring: _Ring) -> torch.Tensor:
+        """The record's data through the staging chunks into ``target`` (any device)."""
+        crc = self._read_prefix(f, target, where)
+        nbytes = target.numel() * target.element_size()
+        dst = flat_bytes(target) if nbytes else None
+        done, data_crc = 0, 0
+        while done < nbytes:
+            chunk, at = ring.room()
+            n = min(nbytes - done, chunk.nbytes - at)
+            staged = chunk.view[at:at + n]
+            _read_exact(f, staged, where)
+            if self.verify:
+                data_crc = zlib.crc32(staged, data_crc)
+            ring.slot.to_device(dst[done:done + n], chunk, at)
+            ring.used += n
+            done += n
+        crc = recordfmt.crc32_combine(crc, data_crc, nbytes)
+        self._read_suffix(f, crc, nbytes, rec, where)
+        return target
+
+    def _read_direct(self, f: Any, target: torch.Tensor, rec: list[Any], length: int,
+                     where: str) -> torch.Tensor:
+        prefix_crc = self._read_prefix(f, target, where)
+        data = recordfmt.bytes_view(target)
+        _read_exact(f, data, where)
+        crc = recordfmt.crc32_combine(prefix_crc, zlib.crc32(data), data.nbytes) \
+            if self.verify else 0
+        self._read_suffix(f, crc, data.nbytes, rec, where)
         return target

@@ -25,7 +25,8 @@ import torch
 
 from kempner_resilience.checkpoint.crc import crc32_combine
 
-__all__ = ["Record", "tensor_record", "bytes_view", "crc32_combine", "fast_path_ok"]
+__all__ = ["Record", "tensor_record", "bytes_view", "crc32_combine", "fast_path_ok", "encodable",
+           "record_template", "finish_record"]
 
 _ALIGN = 64                       # torch aligns record data to 64 bytes (mmap loads rely on it)
 _ZIP32_LIMIT = 0xFFFF_0000        # above this a record would need zip64: use torch.save instead
@@ -69,7 +70,14 @@ def bytes_view(t: torch.Tensor) -> memoryview:
 
 def fast_path_ok(t: torch.Tensor) -> bool:
     """Whether ``tensor_record`` can encode ``t`` (plain dense CPU tensor of a known dtype)."""
-    return (t.layout == torch.strided and t.device.type == "cpu" and not t.is_quantized
+    return t.device.type == "cpu" and encodable(t)
+
+
+def encodable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s raw bytes, wherever they live, make one of our records (a plain dense
+    tensor of a known dtype, small enough for zip32): a device tensor then needs only a copy of
+    its bytes to the host, which ``hostbuf`` stages."""
+    return (t.layout == torch.strided and not t.is_quantized
             and not t.is_conj() and not t.is_neg() and t.dtype in _storage_types()
             and type(t) in (torch.Tensor, torch.nn.Parameter)
             and t.numel() * t.element_size() < _ZIP32_LIMIT)
@@ -154,23 +162,42 @@ def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int, b
     return prefix, zlib.crc32(prefix), bytes(suffix), (crc_at[0], crc_at[1])
 
 
+def record_template(dtype: torch.dtype, shape: tuple[int, ...]
+                    ) -> tuple[bytes, int, bytes, tuple[int, int]]:
+    """(prefix, crc(prefix), suffix template, where the data CRC goes in the suffix) of the
+    record of a contiguous tensor: for writers that see the data in pieces (``finish_record``)."""
+    return _template(dtype, tuple(int(s) for s in shape))
+
+
+def _suffix(template: bytes, at: tuple[int, int], data_crc: int) -> bytes:
+    suffix = bytearray(template)
+    packed = struct.pack("<I", data_crc)
+    suffix[at[0]:at[0] + 4] = packed
+    suffix[at[1]:at[1] + 4] = packed
+    return bytes(suffix)
+
+
+def finish_record(prefix_crc: int, template: bytes, at: tuple[int, int], data_crc: int,
+                  nbytes: int) -> tuple[bytes, int]:
+    """(suffix, CRC of the whole record) once the data's CRC is known."""
+    suffix = _suffix(template, at, data_crc)
+    crc = crc32_combine(crc32_combine(prefix_crc, data_crc, nbytes), zlib.crc32(suffix),
+                        len(suffix))
+    return suffix, crc
+
+
 def tensor_record(t: torch.Tensor) -> Record:
     """Encode a contiguous CPU tensor (see ``fast_path_ok``); computes the data CRC (GIL released)."""
     shape = tuple(int(s) for s in t.shape)
-    prefix, prefix_crc, template, (a, b) = _template(t.dtype, shape)
+    prefix, prefix_crc, template, at = _template(t.dtype, shape)
     data = bytes_view(t)
     data_crc = zlib.crc32(data)
-    suffix = bytearray(template)
-    packed = struct.pack("<I", data_crc)
-    suffix[a:a + 4] = packed
-    suffix[b:b + 4] = packed
-    suffix_b = bytes(suffix)
     if data.nbytes <= _RECRC_BELOW:
         # A second pass over a small buffer is cheaper than two combine calls through ctypes.
+        suffix_b = _suffix(template, at, data_crc)
         crc = zlib.crc32(suffix_b, zlib.crc32(data, prefix_crc))
     else:
-        crc = crc32_combine(crc32_combine(prefix_crc, data_crc, data.nbytes),
-                            zlib.crc32(suffix_b), len(suffix_b))
+        suffix_b, crc = finish_record(prefix_crc, template, at, data_crc, data.nbytes)
     return Record(prefix, data, suffix_b, crc)
 
 

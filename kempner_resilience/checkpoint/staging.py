@@ -18,11 +18,13 @@ __all__ = ["Stager"]
 
 
 class Stager:
-    """``stage(sd)`` returns a deep snapshot of ``sd`` whose tensors live in reused CPU buffers."""
+    """``stage(sd)`` returns a deep snapshot of ``sd`` whose tensors live in reused CPU buffers
+    (pinned for CUDA tensors when ``pin``: ``checkpoint.staging: pinned``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = True) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.staged_bytes = 0
+        self.pin = pin
 
     def stage(self, sd: dict[str, Any]) -> dict[str, Any]:
         self.staged_bytes = 0
@@ -40,7 +42,7 @@ class Stager:
             buf = self._buffers.get(key)
             if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
                 buf = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                                  pin_memory=value.is_cuda)
+                                  pin_memory=self.pin and value.is_cuda)
                 self._buffers[key] = buf
             buf.copy_(value.detach(), non_blocking=value.is_cuda)
             self.staged_bytes += buf.numel() * buf.element_size()

@@ -142,6 +142,30 @@ class TrainState:
                 total += 2 * sum(p.numel() * p.element_size() for p in module.parameters())
         return total
 
+    def device_nbytes(self) -> tuple[int, str | None]:
+        """Bytes of this rank's tensor state on an accelerator (DTensors: their local shards;
+        optimizer state not created yet counted as in ``nbytes``), and that device's type
+        (``"cuda"``), or (0, None) when all of it is in CPU memory."""
+        total, kind = 0, None
+
+        def add(t: torch.Tensor, times: int = 1) -> None:
+            nonlocal total, kind
+            local = getattr(t, "_local_tensor", t)      # a DTensor's shard on this rank
+            if local.device.type not in ("cpu", "meta"):
+                total += times * local.numel() * local.element_size()
+                kind = kind or local.device.type
+
+        for m in self.modules.values():
+            for t in m.state_dict().values():
+                if isinstance(t, torch.Tensor):
+                    add(t)
+        for optim, module in self.optims.values():
+            st = [t for s in optim.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor)]
+            for t in st or list(module.parameters()):
+                add(t, 1 if st else 2)
+        return total, kind
+
     def capture(self, step: int, rank: int) -> dict[str, Any]:
         """The DCP state dict for a save. Tensors are the live ones (no copy)."""
         sd: dict[str, Any] = {}

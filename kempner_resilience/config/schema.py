@@ -17,7 +17,7 @@ from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundErro
 from kempner_resilience.config.serial import build, dump
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
-           "RequeueConfig", "ResilienceConfig", "SignalsConfig", "WatchdogConfig",
+           "RequeueConfig", "ResilienceConfig", "SignalsConfig", "StagingMode", "WatchdogConfig",
            "normalize_signal", "ENV_CONFIG"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
@@ -40,6 +40,17 @@ class ExitMode(str, enum.Enum):
     AUTO = "auto"    # raise in IPython/interactive sessions, exit in SLURM/launched ranks
     EXIT = "exit"    # the process ends with the run: exit bounded, slow finalisation skipped
     RAISE = "raise"  # the caller lives on after SystemExit: nothing stays armed
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class StagingMode(str, enum.Enum):
+    """Host buffers that device (CUDA) state is copied through on its way to and from disk."""
+
+    PINNED = "pinned"      # page-locked: fast, asynchronous copies (~1 s per GiB to allocate)
+    PAGEABLE = "pageable"  # ordinary memory, allocated and touched once, reused
+    OFF = "off"            # no staging: a fresh .cpu() copy per tensor at every save
 
     def __str__(self) -> str:
         return self.value
@@ -122,10 +133,25 @@ class CheckpointConfig:
     ledger: bool = field(default=True, metadata=_help(
         "rank 0 appends one line per event (start, resume, saves, stop, exit) to "
         "dir/ledger.jsonl, read by `kempner-resilience report`"))
+    staging: StagingMode = field(default=StagingMode.PINNED, metadata=_help(
+        "host buffers GPU state is copied through when saved and loaded, allocated once at "
+        "start and reused: pinned (pageable when CUDA is absent or pinning fails), pageable, or "
+        "off (a fresh host copy per tensor at every save)"))
+    staging_cap_gib: float = field(default=2.0, metadata=_help(
+        "most host memory (GiB per rank) the staging buffers may take; the start-up log says "
+        "how much they took; > 0"))
 
     def __post_init__(self) -> None:
         problems = _problems_nonneg(self, ["every_steps", "every_minutes", "keep_every",
                                            "save_margin_s"])
+        try:
+            self.staging = StagingMode(str(getattr(self.staging, "value", self.staging)).lower())
+        except ValueError:
+            problems.append(("staging", f"{self.staging!r} is not allowed; use one of "
+                             + ", ".join(m.value for m in StagingMode)))
+        if isinstance(self.staging_cap_gib, (int, float)) and not self.staging_cap_gib > 0:
+            problems.append(("staging_cap_gib", f"{self.staging_cap_gib!r} is not allowed; must "
+                             "be > 0 GiB (staging: off turns staging off)"))
         if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir).strip():
             problems.append(("dir", f"{self.dir!r} is not a directory path; give a non-empty path"))
         if isinstance(self.keep_last, int) and self.keep_last < 1:
