@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.exitcodes import describe
 from kempner_resilience.log import get_logger
+from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
 __all__ = ["run", "forward_signals", "exit_code", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
 
@@ -48,7 +49,7 @@ log = get_logger(__name__)
 #: to every process of the step); ``auto`` (default): decided from SLURM's ProctrackType.
 FORWARD_ENV = "KEMPNER_RESILIENCE_FORWARD_SIGNALS"
 #: Set in the workers' environment (the agent's pid): preflight knows who started them.
-AGENT_ENV = "KEMPNER_RESILIENCE_TORCHRUN_AGENT"
+AGENT_ENV = TORCHRUN_AGENT_ENV
 #: Added to a worker's own deadline (grace + exit timeout) before the agent kills it: the
 #: worker's deadline watchdog must always get the first word.
 MARGIN_S = 15.0
