@@ -307,7 +307,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
             try:
                 torchrun_main(list(argv))
             except ChildFailedError as e:
-                codes = {int(r): int(f.exitcode) for r, f in e.failures.items()}
+                codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
                 code = exit_code(codes)
                 log.warning("agent: workers exited with %s: exiting with %s", codes,
                             describe(code))
