@@ -29,6 +29,7 @@ import ctypes
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +58,9 @@ MARGIN_S = 15.0
 # signals (SIGUSR1, SIGUSR2, ...) come on top.
 _TORCH_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _YES, _NO = ("yes", "1", "true", "always"), ("no", "0", "false", "never")
+# Our log lines carry a rank prefix taken from SLURM_PROCID, the node's index here: the host
+# name says which agent speaks.
+_AGENT = f"torchrun agent on {socket.gethostname()}"
 
 
 def forward_signals(environ: Mapping[str, str] | None = None, timeout_s: float = 10.0
@@ -149,8 +153,8 @@ class _Agent:
                     p.send_signal(signum)   # polls first: never a reused pid
                 except OSError:
                     pass
-        log.warning("agent: %s %s %d worker(s); waiting up to %.0f s for them to exit", name,
-                    "forwarded to" if self.forward else "delivered by SLURM to",
+        log.warning("%s: %s %s %d worker(s); waiting up to %.0f s for them to exit", _AGENT,
+                    name, "forwarded to" if self.forward else "not forwarded (SLURM signals) to",
                     len(self.workers), self.deadline - time.monotonic())
 
     def wait_for_workers(self) -> None:
@@ -187,8 +191,8 @@ class _Agent:
             self._changed.wait(left)
         survivors = self.alive()
         if survivors:
-            log.error("agent: %d worker(s) still running at the shutdown deadline: killing "
-                      "them (pids %s)", len(survivors), [p.pid for p in survivors])
+            log.error("%s: %d worker(s) still running at the shutdown deadline: killing them "
+                      "(pids %s)", _AGENT, len(survivors), [p.pid for p in survivors])
         for p in survivors:
             try:
                 os.killpg(p.pid, signal.SIGKILL)    # its own session: its children too
@@ -299,7 +303,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         from torch.distributed.run import main as torchrun_main
 
         os.environ[AGENT_ENV] = str(os.getpid())
-        log.info("agent: signals %s to the workers (%s)",
+        log.info("%s: signals %s to the workers (%s)", _AGENT,
                  "are forwarded" if forward else "are not forwarded", why)
         with _patched(agent) as patched:
             if not patched:
@@ -309,12 +313,12 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
             except ChildFailedError as e:
                 codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
                 code = exit_code(codes)
-                log.warning("agent: workers exited with %s: exiting with %s", codes,
+                log.warning("%s: workers exited with %s: exiting with %s", _AGENT, codes,
                             describe(code))
                 return code
         return 0
     except _Interrupted as e:
-        log.warning("agent: %s; exiting with %d", e, 128 + e.signum)
+        log.warning("%s: %s; exiting with %d", _AGENT, e, 128 + e.signum)
         return 128 + e.signum
     finally:
         _restore(previous)

@@ -153,8 +153,9 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
 
     ``command``: what each srun task runs (a string, used as written, or an argument list,
     shell-quoted). In ``multi_node_torchrun`` each node runs one srun task, the torchrun agent,
-    and ``command`` is what each of its ``ntasks_per_node`` workers runs. ``gpus_per_node=None`` drops the template's ``--gpus-per-node`` line (a
-    CPU-only cluster). ``extra``: more ``#SBATCH --key=value`` lines (``{"partition": "gpu"}``;
+    and ``command`` is what each of its ``ntasks_per_node`` workers runs.
+    ``gpus_per_node=None`` drops the template's ``--gpus-per-node`` line (a CPU-only cluster).
+    ``extra``: more ``#SBATCH --key=value`` lines (``{"partition": "gpu"}``;
     a value of None gives a bare ``--key``; a key the template already has is replaced in
     place). ``config_path`` is exported as ``KEMPNER_RESILIENCE_CONFIG``. The ``--signal`` lead
     time comes from ``signal_lead_time``.
