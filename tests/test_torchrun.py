@@ -15,11 +15,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from helpers import env, wait_for_file, write_script
+from helpers import env, free_port, wait_for_file, write_script
 from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.cli.torchrun import separate
 from kempner_resilience.exitcodes import ExitCode
@@ -148,6 +149,51 @@ def test_a_second_sigint_at_the_agent_forces_every_worker_out(tmp_path):
     assert code == 128 + signal.SIGINT, log[-3000:]
     assert len(re.findall(r"second SIGINT during shutdown", log)) == 2, log[-3000:]
     assert not list(tmp_path.glob("cleanup.*.finished"))
+
+
+def test_a_sigterm_before_the_workers_start_ends_the_agent_with_143_without_starting_them(
+        tmp_path):
+    # --nnodes=2 with one agent: it waits in the rendezvous for a second node that never comes.
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
+         "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+         "--no-python", "touch", str(tmp_path / "worker.started")],
+        stderr=open(tmp_path / "agent.err", "w"), stdin=subprocess.DEVNULL, cwd=tmp_path,
+        start_new_session=True, env=env())
+    wait_for_file(tmp_path / "agent.err", timeout=120, contains="signals are forwarded")
+    os.kill(agent.pid, signal.SIGTERM)
+    assert _wait(agent, timeout=60) == 128 + signal.SIGTERM
+    assert not (tmp_path / "worker.started").exists()
+
+
+def test_a_worker_still_running_at_the_agents_deadline_is_killed_with_its_children(tmp_path):
+    from kempner_resilience.config import ResilienceConfig
+    from kempner_resilience.integrations.torchrun import _Agent
+
+    # A worker that ignores the signal, with a child of its own (a DataLoader worker, say).
+    stuck = subprocess.Popen([sys.executable, "-c", (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
+        "c = subprocess.Popen(['sleep', '120']); print(c.pid, flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(stuck.stdout.readline())
+    agent = _Agent(ResilienceConfig(), forward=True)
+    agent.add_worker(stuck)
+    agent.on_signal(signal.SIGUSR1, None)
+    assert stuck.poll() is None                   # the signal is the worker's to handle
+    agent._arm(time.monotonic())                  # its deadline has come
+    assert stuck.wait(30) == -signal.SIGKILL
+    end = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
 
 
 def test_the_agent_exits_with_the_lowest_ranks_failure_and_a_signal_death_as_128_plus_n():

@@ -123,7 +123,19 @@ class _Agent:
         self.deadline: float | None = None   # time.monotonic() at which survivors are killed
         self._changed = threading.Event()
         self._reaper: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._group = 0                      # the worker group (torch restarts start a new one)
+        # Reentrant: the signal handler runs on the main thread, maybe while it holds the lock.
+        self._lock = threading.RLock()
+
+    def add_worker(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            if self.workers and not self.alive():
+                # torch restarts the group (--max-restarts > 0): a fresh start, fresh deadline.
+                self.workers, self.signals, self.deadline = [], [], None
+                self._group += 1
+                self._reaper = None
+                self._changed.set()
+            self.workers.append(proc)
 
     def window(self, signum: int | None) -> float:
         """Seconds a worker may take to exit after ``signum`` (None: after a peer exited)."""
@@ -177,19 +189,21 @@ class _Agent:
             self.deadline = deadline
             self._changed.set()
             if self._reaper is None:
-                self._reaper = threading.Thread(target=self._reap, name="kempner-agent-reaper",
-                                                daemon=True)
+                self._reaper = threading.Thread(target=self._reap, args=(self._group,),
+                                                name="kempner-agent-reaper", daemon=True)
                 self._reaper.start()
 
-    def _reap(self) -> None:
+    def _reap(self, group: int) -> None:
         while True:
             with self._lock:
+                if group != self._group:
+                    return
                 self._changed.clear()
                 left = self.deadline - time.monotonic()  # type: ignore[operator]
-            if left <= 0:
-                break
+                if left <= 0:
+                    survivors = self.alive()
+                    break
             self._changed.wait(left)
-        survivors = self.alive()
         if survivors:
             log.error("%s: %d worker(s) still running at the shutdown deadline: killing them "
                       "(pids %s)", _AGENT, len(survivors), [p.pid for p in survivors])
@@ -252,7 +266,7 @@ def _patched(agent: _Agent) -> Iterator[bool]:
         if die_with_agent is not None:
             kwargs.setdefault("preexec_fn", die_with_agent)
         proc = stock_popen(*args, **kwargs)  # type: ignore[misc]
-        agent.workers.append(proc)
+        agent.add_worker(proc)
         return proc
 
     def close(pcontext: Any, death_sig: Any = None, timeout: int = 30) -> None:
