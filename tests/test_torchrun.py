@@ -240,3 +240,13 @@ def test_torchruns_arguments_start_at_the_first_option_that_is_not_ours():
     assert separate(["-v", "torchrun", "t.py"]) == ["-v", "torchrun", "--", "t.py"]
     assert separate(["torchrun", "--", "--nnodes=2"]) == ["torchrun", "--", "--nnodes=2"]
     assert separate(["sbatch", "--nodes", "2"]) == ["sbatch", "--nodes", "2"]
+
+
+def test_torchrun_without_a_script_or_with_a_bad_forwarding_choice_is_one_line_exit_2():
+    cli = [sys.executable, "-m", "kempner_resilience.cli", "torchrun"]
+    proc = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env())
+    assert proc.returncode == 2 and "training script" in proc.stderr
+    proc = subprocess.run([*cli, "t.py"], capture_output=True, text=True, timeout=60,
+                          env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS="maybe"))
+    assert proc.returncode == 2 and "yes, no or auto" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -44,7 +44,7 @@ from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
 __all__ = ["run", "forward_signals", "exit_code", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
 
-log = get_logger(__name__)
+log = get_logger("kempner_resilience.integrations.torchrun")  # also as __main__
 
 #: ``yes``: the agent forwards every signal to its workers; ``no``: never (SLURM delivers them
 #: to every process of the step); ``auto`` (default): decided from SLURM's ProctrackType.
