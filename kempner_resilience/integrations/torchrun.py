@@ -309,7 +309,8 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         why = "forward=" + str(forward)
     agent = _Agent(config, forward)
     previous = {s: signal.getsignal(s) for s in _signals(config)}
-    # Before torch loads (seconds): a signal then is kept, not the default action's death.
+    # Before torch loads (seconds): a signal before the workers start then ends the agent with
+    # 128+N, as a shell would report it, instead of a USR1's silent default-action death.
     for s in previous:
         signal.signal(s, agent.on_signal)
     try:
