@@ -27,6 +27,8 @@ SHIPPED_ARGS: dict[str, list[str]] = {
     "single_node": ["--template", "single_node", *_COMMON, *_COMMAND],
     "multi_node": ["--template", "multi_node", "--nodes", "2", *_COMMON, *_COMMAND],
     "job_array": ["--template", "job_array", "--array", "0-3", *_COMMON, *_COMMAND],
+    "multi_node_torchrun": ["--template", "multi_node_torchrun", "--nodes", "2", *_COMMON,
+                            *_COMMAND],
 }
 
 

@@ -165,6 +165,62 @@ def test_usr1_to_4_ranks_on_2_nodes_checkpoints_requeues_resumes_bitwise_equal(
     assert len(set(_job_nodes(job))) == NODES
 
 
+def _torchrun_workers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, str]:
+    """This job's torchrun workers on ``nodes``: {RANK: node}."""
+    found = {}
+    for node in nodes:
+        for pid in cluster.node_pids(node):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"kempner_resilience.demo.train" not in argv or \
+                    str(job.workdir).encode() not in argv:
+                continue
+            for var in environ:
+                if var.startswith(b"RANK="):
+                    found[int(var.split(b"=", 1)[1])] = node
+    return found
+
+
+def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_resumes_bitwise(
+        multinode_cluster, tmp_path, reference, jobs):
+    # multi_node_torchrun: one `kempner-resilience torchrun` agent per node (the srun task), 2
+    # workers each. SLURM signals only the agents (proctrack/cgroup: slurmstepd's children);
+    # each agent sends the USR1 on, once, to its workers.
+    env = dict(multinode_cluster.env,
+               PATH=f"{Path(sys.executable).parent}:{multinode_cluster.env.get('PATH', '')}")
+    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=0.1,
+                    train_args=TRAIN_ARGS, env=env, torchrun=True)
+    jobs[0].append(job)
+    assert 'srun --kill-on-bad-exit=1 "${TORCHRUN[@]}" bash -c' in job.script.read_text()
+    job.submit()
+    job.wait_step(12, timeout=180)
+    nodes = _job_nodes(job)
+    assert len(set(nodes)) == NODES, nodes
+    placed = _torchrun_workers(multinode_cluster, job, nodes)
+    assert sorted(placed) == list(range(RANKS)), placed
+    assert sorted(placed.values()) == sorted(nodes * (RANKS // NODES)), placed
+    job.signal("USR1")
+    first = wait_for(lambda: job.report(0), timeout=120, what="the first run's report")
+    assert first["exit_code"] == ExitCode.REQUEUE, job.log_text()[-3000:]
+    assert first["world_size"] == RANKS
+    assert first["stop_step"] == first["saved_step"] >= 12
+    saved = Path(first["saved_path"])
+    assert (saved / MANIFEST_NAME).exists()
+    assert sorted(int(p.name.split("_")[2]) for p in saved.glob("__*_*.distcp")) == \
+        list(range(RANKS))
+    assert _last_step_per_rank(job, 0) == {r: first["stop_step"] - 1 for r in range(RANKS)}
+    _assert_completed_bitwise(job, reference, first["saved_step"])
+    log = job.log_text()
+    assert f"requeued job {job.job_id}" in log
+    # Every worker heard the USR1 exactly once, from its node's agent.
+    for rank in range(RANKS):
+        assert len(re.findall(rf"\[rank {rank}\] SIGUSR1 received", log)) == 1, log[-3000:]
+    assert len(re.findall(r"agent on \S+: SIGUSR1 forwarded to 2 worker", log)) == NODES
+
+
 @pytest.mark.parametrize("victim", ["batch_node", "other_node"])
 def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_commit(
         multinode_cluster, tmp_path, reference, jobs, victim):

@@ -159,3 +159,11 @@ srun -n1 {sys.executable} -c "{probe}" {tmp_path}/task.json
     assert {"not-srun-task", "no-requeue", "log-truncate"} <= child
     assert {"signal-batch-only", "no-requeue", "log-truncate"} <= task
     assert "not-srun-task" not in task
+
+
+def test_workers_of_kempner_resilience_torchrun_are_not_warned_about_torchrun(tmp_path):
+    env = fake_slurm_env(tmp_path, TORCHELASTIC_RUN_ID="abc",
+                         KEMPNER_RESILIENCE_TORCHRUN_AGENT="4242")
+    found = {f.code: f for f in preflight(None, env)}
+    assert "torchrun" not in found
+    assert found["torchrun-agent"].level == "info" and "4242" in found["torchrun-agent"].message

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBES = ROOT / "tests" / "cluster"
 TEMPLATE_DIR = ROOT / "kempner_resilience" / "templates"  # the source; slurm/ is rendered from it
 CLI = str(Path(sys.executable).parent / "kempner-resilience")
+# Each template's launch line with the default command. multi_node_torchrun runs one
+# `kempner-resilience torchrun` agent per node; no template runs a plain torchrun.
+LAUNCH = {name: "srun --kill-on-bad-exit=1 python train.py" for name in TEMPLATES}
+LAUNCH["multi_node_torchrun"] = 'srun --kill-on-bad-exit=1 "${TORCHRUN[@]}" python train.py'
+PLAIN_TORCHRUN = re.compile(r"(?<!kempner-resilience )\btorchrun\b")
+MULTI_NODE = ("multi_node", "multi_node_torchrun")
 
 
 def _regen_slurm():
@@ -53,9 +60,9 @@ def test_templates_signal_srun_tasks_not_the_batch_shell(name):
     assert "#SBATCH --signal=USR1@120" in directives  # default signals.grace_s 100 + 20
     assert not any("B:" in d for d in directives)
     assert "#SBATCH --requeue" in directives and "#SBATCH --open-mode=append" in directives
-    assert "srun --kill-on-bad-exit=1 python train.py" in text
+    assert LAUNCH[name] in text
     commands = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
-    assert not any("torchrun" in c for c in commands)
+    assert not any(PLAIN_TORCHRUN.search(c) for c in commands)
     assert "{{" not in text
 
 
@@ -64,17 +71,18 @@ def test_raw_templates_are_usable_scripts_with_concrete_defaults(name):
     text = (TEMPLATE_DIR / f"{name}.sbatch").read_text()
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash" and "{{" not in text and "#%" not in text
+    torchrun = name == "multi_node_torchrun"
     for line in ("#SBATCH --signal=USR1@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                 "#SBATCH --time=04:00:00", "#SBATCH --ntasks-per-node=4",
-                 "#SBATCH --gpus-per-node=4",
-                 "srun --kill-on-bad-exit=1 python train.py --config configs/default.yaml"):
+                 "#SBATCH --time=04:00:00", "#SBATCH --gpus-per-node=4",
+                 "NPROC_PER_NODE=4" if torchrun else "#SBATCH --ntasks-per-node=4",
+                 f"{LAUNCH[name]} --config configs/default.yaml"):
         assert line in lines, line
     # Every #SBATCH line sits in the header (sbatch ignores those after the first command).
     first_cmd = next(i for i, l in enumerate(lines[1:], 1) if l.strip() and not l.startswith("#"))
     assert all(i < first_cmd for i, l in enumerate(lines) if l.startswith("#SBATCH"))
     # The explanations users rely on stay in the file.
-    for words in ("No `B:` prefix", "srun, not torchrun", "append to the log", "75 = ",
-                  "77 = ", "79 = "):
+    for words in ("No `B:` prefix", "kempner-resilience torchrun, not plain torchrun" if torchrun
+                  else "srun, not torchrun", "append to the log", "75 = ", "77 = ", "79 = "):
         assert words in text, words
     assert subprocess.run(["bash", "-n", str(TEMPLATE_DIR / f"{name}.sbatch")]).returncode == 0
 
@@ -83,10 +91,26 @@ def test_render_with_the_raw_defaults_reproduces_the_raw_template():
     for name in TEMPLATES:
         raw = (TEMPLATE_DIR / f"{name}.sbatch").read_text()
         text = render_sbatch(template=name, time="04:00:00", ntasks_per_node=4, gpus_per_node=4,
-                             nodes=2 if name == "multi_node" else 1,
+                             nodes=2 if name in MULTI_NODE else 1,
                              array="0-3" if name == "job_array" else None,
                              command="python train.py --config configs/default.yaml")
         assert text == raw, name
+
+
+def test_torchrun_template_runs_one_agent_per_node_and_ntasks_per_node_workers_on_each():
+    text = render_sbatch(template="multi_node_torchrun", nodes=3, ntasks_per_node=8,
+                         command=["python", "train.py", "--name", "a b"])
+    lines = text.splitlines()
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "NPROC_PER_NODE=8",
+                 'srun --kill-on-bad-exit=1 "${TORCHRUN[@]}" python train.py --name \'a b\''):
+        assert line in lines, line
+    launcher = text.split("TORCHRUN=(", 1)[1].split(")", 1)[0].split()
+    assert launcher[:2] == ["kempner-resilience", "torchrun"]
+    for arg in ('--nnodes="$SLURM_NNODES"', '--nproc-per-node="$NPROC_PER_NODE"',
+                "--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_HOST:$RDZV_PORT"',
+                "--max-restarts=0", "--no-python"):
+        assert arg in launcher, arg
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
 
 def test_lead_time_covers_grace_or_measured_save_plus_margin():

@@ -59,14 +59,16 @@ def _setup_sbatch(p: argparse.ArgumentParser) -> None:
 
     p.usage = "%(prog)s [options] [-- COMMAND ...]"
     p.add_argument("--template", "-t", choices=TEMPLATES,
-                   help="single_node (default), multi_node (default when --nodes > 1) or "
-                        "job_array (default when --array is given)")
+                   help="single_node (default), multi_node (default when --nodes > 1), "
+                        "job_array (default when --array is given) or multi_node_torchrun "
+                        "(one torchrun agent per node: `kempner-resilience torchrun`)")
     config_args(p)
     p.add_argument("--job-name", default="train", help="default: train")
     p.add_argument("--time", default="01:00:00", help="time limit; default 01:00:00")
     p.add_argument("--nodes", type=int, default=1, help="default 1 (>1: multi_node)")
     p.add_argument("--ntasks-per-node", type=int, default=1,
-                   help="srun tasks (ranks) per node, one per GPU; default 1")
+                   help="ranks per node, one per GPU: srun tasks, or torchrun's "
+                        "--nproc-per-node with multi_node_torchrun; default 1")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node; default: no --gpus-per-node line")
     p.add_argument("--array", help="sbatch --array spec, e.g. 0-9 (template job_array)")
@@ -81,7 +83,8 @@ def _setup_sbatch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log", metavar="PATTERN",
                    help="the job's log (#SBATCH --output); default slurm-%%x-%%j.out")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
-                   help="what every srun task runs, after `--`; default: python train.py")
+                   help="what every srun task (every torchrun worker) runs, after `--`; "
+                        "default: python train.py")
 
 
 def sbatch(args: argparse.Namespace) -> int:
@@ -128,6 +131,7 @@ VERBS = [
     Verb("doctor", "check that shutdown signals reach this process and the job can requeue "
          "itself (run it inside the job: srun kempner-resilience doctor)", _setup_doctor,
          doctor),
-    Verb("sbatch", "write a batch script from a template (single_node, multi_node, job_array) "
-         "with the right --signal, --requeue and srun launch", _setup_sbatch, sbatch),
+    Verb("sbatch", "write a batch script from a template (single_node, multi_node, job_array, "
+         "multi_node_torchrun) with the right --signal, --requeue and srun launch",
+         _setup_sbatch, sbatch),
 ]

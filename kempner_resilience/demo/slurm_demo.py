@@ -249,9 +249,11 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
               job_name: str = "kr-demo", python: str = sys.executable,
               extra: dict[str, object | None] | None = None,
               train_args: Iterable[str] = (), nodes: int = 1, rank_files: bool = False,
-              env: dict[str, str] | None = None) -> DemoJob:
+              env: dict[str, str] | None = None, torchrun: bool = False) -> DemoJob:
     """Render ``single_node`` (``multi_node`` when ``nodes > 1``) for the demo trainer into
     ``workdir/job.sbatch``: ``ranks`` srun tasks in all, ``ranks / nodes`` on each node.
+    ``torchrun``: ``multi_node_torchrun`` instead, one ``kempner-resilience torchrun`` agent per
+    node starting ``ranks / nodes`` workers (``kempner-resilience`` must be on the job's PATH).
 
     Checkpoints go to ``workdir/checkpoints``, final weights to ``workdir/weights.pt``, rank 0's
     report of run k (``SLURM_RESTART_COUNT``, 0 first) to ``workdir/report.k.json``, completed
@@ -279,18 +281,18 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     train += [str(a) for a in train_args]
     run = "${SLURM_RESTART_COUNT:-0}"
     # One srun line (the template's). Each task's bash names the report after the restart count,
-    # marks where a run starts in the progress file (rank 0 only) and execs the trainer, so the
-    # signals reach Python directly. Everything that needs a shell is inside that `bash -c`:
-    # the command is a plain argument list, which `kempner-resilience sbatch -- ...` renders
-    # the same way.
+    # marks where a run starts in the progress file (rank 0 only: torchrun's RANK, else srun's
+    # SLURM_PROCID) and execs the trainer, so the signals reach Python directly. Everything that
+    # needs a shell is inside that `bash -c`: the command is a plain argument list, which
+    # `kempner-resilience sbatch -- ...` renders the same way.
     mark = (f'export KEMPNER_RESILIENCE_REPORT={shlex.quote(str(work))}/report.{run}.json; '
-            f'[ "$SLURM_PROCID" = 0 ] && echo "# run {run}" >> '
+            f'[ "${{RANK:-$SLURM_PROCID}}" = 0 ] && echo "# run {run}" >> '
             f'{shlex.quote(str(work / "progress.txt"))}; ')
     if rank_files:
         # This shell stays, to write the trainer's exit status. SLURM signals only the task
         # itself (slurmstepd's children), so it forwards the signals to the trainer; `wait`
         # returns early (> 128) on each of them while the trainer still runs.
-        rank = f'{shlex.quote(str(work))}/rank.{run}.$SLURM_PROCID'
+        rank = f'{shlex.quote(str(work))}/rank.{run}.${{RANK:-$SLURM_PROCID}}'
         fwd = " ".join(f"trap 'kill -{s} $p 2>/dev/null' {s};" for s in
                        ("USR1", "USR2", "TERM", "INT"))
         mark += (f'"$@" 2>> {rank}.err & p=$!; {fwd} '
@@ -305,7 +307,8 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     if partition:
         all_extra["partition"] = partition
     all_extra.update(extra or {})
-    template = "multi_node" if nodes > 1 else "single_node"
+    template = "multi_node_torchrun" if torchrun else "multi_node" if nodes > 1 \
+        else "single_node"
     text = render_sbatch(cfg, template=template, job_name=job_name, command=command,
                          time=time_limit, nodes=nodes, ntasks_per_node=ranks // nodes,
                          output=str(work / "job.out"), lead_time_s=lead_time_s, extra=all_extra)

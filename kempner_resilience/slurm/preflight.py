@@ -18,11 +18,14 @@ from kempner_resilience.slurm.env import SignalSpec, SlurmJob
 from kempner_resilience.slurm.scontrol import find_scontrol, show_job
 from kempner_resilience.slurm.templates import requeue_signal
 
-__all__ = ["Finding", "preflight", "format_findings"]
+__all__ = ["Finding", "preflight", "format_findings", "TORCHRUN_AGENT_ENV"]
 
 _log = get_logger(__name__)
 
 LEVELS = ("error", "warn", "info")
+# Set by `kempner-resilience torchrun` in its workers' environment (the agent's pid): that agent
+# forwards every signal once and waits for the workers, unlike a plain torchrun.
+TORCHRUN_AGENT_ENV = "KEMPNER_RESILIENCE_TORCHRUN_AGENT"
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,12 @@ def preflight(config: ResilienceConfig | None = None,
             "NCCL also reacts to it (dumps proxy state) and may hide it from us",
             "unset NCCL_PROXY_DUMP_SIGNAL, or set it to a signal we do not handle"))
     torchrun = _torchrun_parent(env)
-    if torchrun:
+    if torchrun and env.get(TORCHRUN_AGENT_ENV):
+        out.append(Finding(
+            "info", "torchrun-agent",
+            f"started by `kempner-resilience torchrun` (agent pid {env[TORCHRUN_AGENT_ENV]}): "
+            "it sends every signal once to each worker and waits for their shutdown", ""))
+    elif torchrun:
         usr = [n for n, a in config.signals.handled().items() if n in ("SIGUSR1", "SIGUSR2")
                and a is not Action.OFF]
         out.append(Finding(
@@ -166,7 +174,8 @@ def preflight(config: ResilienceConfig | None = None,
             f"workers and its agent dies on {'/'.join(usr) or 'SIGUSR1'}, killing the ranks "
             "without a checkpoint",
             "launch one srun task per GPU without torchrun and call "
-            "kempner_resilience.slurm.setup_torch_env() (see slurm/multi_node.sbatch)"))
+            "kempner_resilience.slurm.setup_torch_env() (see slurm/multi_node.sbatch), or run "
+            "`kempner-resilience torchrun` instead of torchrun (slurm/multi_node_torchrun.sbatch)"))
     job = SlurmJob.from_env(env)
     if job is None:
         out.append(Finding("info", "not-slurm", "not running under SLURM (no SLURM_JOB_ID): "

@@ -7,7 +7,8 @@ those defaults, written by ``scripts/regen_slurm.py`` (a test checks they are in
 
 ``render_sbatch`` rewrites a template's values in place: it replaces ``#SBATCH --key=value``
 lines, adds or removes the optional ones (GPUs, extra site options, the config export) and
-replaces the ``srun --kill-on-bad-exit=1 ...`` command line; every comment stays.
+replaces the command of the ``srun --kill-on-bad-exit=1 ...`` line (in ``multi_node_torchrun``,
+what follows ``"${TORCHRUN[@]}"``: each worker's command); every comment stays.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ __all__ = ["TEMPLATES", "template_text", "signal_lead_time", "requeue_signal", "
 
 _log = get_logger(__name__)
 
-TEMPLATES = ("single_node", "multi_node", "job_array")
+TEMPLATES = ("single_node", "multi_node", "job_array", "multi_node_torchrun")
+# Templates that span nodes; multi_node_torchrun runs one srun task (a torchrun agent) per node
+# and its ``ntasks_per_node`` workers on each.
+_MULTI_NODE = ("multi_node", "multi_node_torchrun")
 
 # The shutdown may take the signal's whole grace before the deadline watchdog forces the exit;
 # this much more keeps that forced exit before the time limit (SLURM's own SIGTERM/SIGKILL).
@@ -39,6 +43,9 @@ REQUEUE_TEARDOWN_S = 20.0
 
 _SBATCH = re.compile(r"^#SBATCH\s+--([\w-]+)(?:[=\s](.*))?$")
 _SRUN = "srun --kill-on-bad-exit=1 "
+# The part of the launch line that stays: ``command`` replaces the rest.
+_LAUNCH = {"multi_node_torchrun": _SRUN + '"${TORCHRUN[@]}" '}
+_NPROC = re.compile(r"^NPROC_PER_NODE=\d+$")
 _CONFIG_EXPORT = re.compile(r"^#?\s*export KEMPNER_RESILIENCE_CONFIG=")
 _SIGNAL_COMMENT = re.compile(r"^# (?:SIG)?[A-Z0-9]+ \d+ s before the time limit")
 
@@ -145,8 +152,10 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
     """Rewrite a template's values; the result is a complete batch script for ``sbatch``.
 
     ``command``: what each srun task runs (a string, used as written, or an argument list,
-    shell-quoted). ``gpus_per_node=None`` drops the template's ``--gpus-per-node`` line (a
-    CPU-only cluster). ``extra``: more ``#SBATCH --key=value`` lines (``{"partition": "gpu"}``;
+    shell-quoted). In ``multi_node_torchrun`` each node runs one srun task, the torchrun agent,
+    and ``command`` is what each of its ``ntasks_per_node`` workers runs.
+    ``gpus_per_node=None`` drops the template's ``--gpus-per-node`` line (a CPU-only cluster).
+    ``extra``: more ``#SBATCH --key=value`` lines (``{"partition": "gpu"}``;
     a value of None gives a bare ``--key``; a key the template already has is replaced in
     place). ``config_path`` is exported as ``KEMPNER_RESILIENCE_CONFIG``. The ``--signal`` lead
     time comes from ``signal_lead_time``.
@@ -154,9 +163,9 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
     config = config or ResilienceConfig()
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; choose one of {', '.join(TEMPLATES)}")
-    if template == "multi_node" and nodes < 1:
+    if template in _MULTI_NODE and nodes < 1:
         raise ValueError("nodes must be >= 1")
-    if template != "multi_node" and nodes != 1:
+    if template not in _MULTI_NODE and nodes != 1:
         raise ValueError(f"template {template!r} runs on one node; use template='multi_node' "
                          f"for nodes={nodes}")
     if template == "job_array" and not array:
@@ -183,7 +192,8 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
     s.set("job-name", job_name)
     s.set("time", time)
     s.set("nodes", int(nodes))
-    s.set("ntasks-per-node", int(ntasks_per_node))
+    torchrun = template == "multi_node_torchrun"
+    s.set("ntasks-per-node", 1 if torchrun else int(ntasks_per_node))
     if gpus_per_node:
         s.set("gpus-per-node", int(gpus_per_node), after="ntasks-per-node")
     else:
@@ -198,6 +208,7 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
             raise ValueError(f"extra sbatch option {key!r} is not an option name")
         s.set(key, val)
 
+    launch = _LAUNCH.get(template, _SRUN)
     out = []
     srun_seen = False
     for line in s.lines:
@@ -205,10 +216,12 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
             line = _SIGNAL_COMMENT.sub(f"# {sig} {lead} s before the time limit", line)
         elif _CONFIG_EXPORT.match(line) and config_path:
             line = f"export KEMPNER_RESILIENCE_CONFIG={shlex.quote(config_path)}"
-        elif line.startswith(_SRUN):
-            line = _SRUN + command
+        elif line.startswith(launch):
+            line = launch + command
             srun_seen = True
+        elif torchrun and _NPROC.match(line):
+            line = f"NPROC_PER_NODE={int(ntasks_per_node)}"
         out.append(line)
     if not srun_seen:
-        raise ValueError(f"template {template!r} has no `{_SRUN.strip()} ...` line")
+        raise ValueError(f"template {template!r} has no `{launch.strip()} ...` line")
     return "\n".join(out) + "\n"

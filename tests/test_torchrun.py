@@ -1,0 +1,252 @@
+"""`kempner-resilience torchrun`: torchrun's agent as a well-behaved srun task, without SLURM.
+
+A real torchrun (torch.distributed.run, run in the wrapper's process) starts 2 real workers on
+this machine. The tests deliver signals as SLURM would: to the agent only (proctrack/cgroup and
+proctrack/pgid signal only the srun task, and torch starts its workers in sessions of their
+own) or to every process (proctrack/linuxproc), and check what a user cares about: every worker
+hears the signal once, all stop at the same step, the checkpoint is committed, and the agent
+exits with the workers' code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import env, free_port, wait_for_file, write_script
+from kempner_resilience.checkpoint import MANIFEST_NAME
+from kempner_resilience.cli.torchrun import separate
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.integrations.torchrun import exit_code, forward_signals
+
+# Each rank is a single-process run (no process group, no torch): it only has to hear the
+# signal and shut down; rank 0's shutdown holds a cleanup of --cleanup-s seconds.
+LIGHT_WORKER = """
+import argparse, os, time
+import kempner_resilience as kr
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--work"); ap.add_argument("--cleanup-s", type=float); ap.add_argument("--all")
+args = ap.parse_args()
+rank = int(os.environ["RANK"])
+progress = open(f"{args.work}/progress", "a", buffering=1)
+with kr.ResilientRun(kr.load_config(None, ["watchdog.hang_timeout_s=0"])) as run:
+    if rank == 0 or args.all:
+        run.add_cleanup(lambda: (open(f"{args.work}/cleanup.{rank}.started", "w").close(),
+                                 time.sleep(args.cleanup_s),
+                                 open(f"{args.work}/cleanup.{rank}.finished", "w").close()),
+                        timeout_s=args.cleanup_s + 30)
+    for step in run.steps(100_000):
+        time.sleep(0.01)
+        progress.write(f"rank {rank} step {step}\\n")
+"""
+
+
+def _start(work: Path, worker: list[str], forward: str) -> subprocess.Popen:
+    """The wrapper with 2 workers on this machine (torchrun --standalone)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--standalone",
+         "--nproc-per-node=2", "--no-python", sys.executable, *worker],
+        stdout=open(work / "agent.out", "w"), stderr=open(work / "agent.err", "w"),
+        stdin=subprocess.DEVNULL, cwd=work, start_new_session=True,
+        env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS=forward, OMP_NUM_THREADS="1"))
+
+
+def _workers(agent: subprocess.Popen) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == agent.pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _wait(agent: subprocess.Popen, timeout: float = 120) -> int:
+    try:
+        return agent.wait(timeout)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+
+
+def _running(work: Path, step: int = 2) -> None:
+    for rank in (0, 1):
+        wait_for_file(work / "progress", timeout=120, contains=f"rank {rank} step {step}\n")
+
+
+def _last_steps(progress: Path) -> dict[int, int]:
+    last: dict[int, int] = {}
+    for rank, step in re.findall(r"^rank (\d+) step (\d+)$", progress.read_text(), re.M):
+        last[int(rank)] = max(last.get(int(rank), -1), int(step))
+    return last
+
+
+@pytest.mark.parametrize("delivery,forward", [
+    ("agent", "yes"),        # proctrack/cgroup or pgid: SLURM signals only the srun task
+    ("everyone", "no"),      # proctrack/linuxproc: SLURM signals the whole process tree
+])
+def test_usr1_reaches_each_worker_once_all_stop_at_one_step_commit_and_the_agent_exits_75(
+        tmp_path, delivery, forward):
+    ckpt = tmp_path / "ckpt"
+    agent = _start(tmp_path, ["-m", "kempner_resilience.demo.train", "--steps", "100000",
+                              "--step-time", "0.05", "--no-ddp", "--quiet",
+                              "--progress", str(tmp_path / "progress"),
+                              "--set", f"checkpoint.dir={ckpt}"], forward)
+    _running(tmp_path)
+    targets = [agent.pid] + (_workers(agent) if delivery == "everyone" else [])
+    assert len(targets) == (3 if delivery == "everyone" else 1)
+    for pid in targets:
+        os.kill(pid, signal.SIGUSR1)
+    code = _wait(agent)
+    log = (tmp_path / "agent.err").read_text()
+    assert code == ExitCode.REQUEUE, log[-3000:]
+    for rank in (0, 1):
+        assert len(re.findall(rf"\[rank {rank}\] SIGUSR1 received", log)) == 1, log[-3000:]
+    assert "during shutdown" not in log         # no second delivery tightened a deadline
+    last = _last_steps(tmp_path / "progress")
+    assert last[0] == last[1]
+    committed = [p for p in ckpt.glob("step_*") if (p / MANIFEST_NAME).exists()]
+    assert [int(p.name.split("_")[1]) for p in committed] == [last[0] + 1]
+    assert {int(p.name.split("_")[2]) for p in committed[0].glob("__*_*.distcp")} == {0, 1}
+
+
+def test_a_worker_that_finishes_its_shutdown_first_does_not_get_the_other_killed(tmp_path):
+    # SIGTERM (preemption) to the agent: rank 1 is done at once, rank 0 still runs a 3 s
+    # cleanup. Stock torchrun would SIGTERM rank 0 when rank 1 exits: a second SIGTERM, which
+    # forces it out on the spot.
+    script = write_script(tmp_path, LIGHT_WORKER, "worker.py")
+    agent = _start(tmp_path, [str(script), "--work", str(tmp_path), "--cleanup-s", "3"], "yes")
+    _running(tmp_path)
+    os.kill(agent.pid, signal.SIGTERM)
+    code = _wait(agent)
+    log = (tmp_path / "agent.err").read_text()
+    assert code == 128 + signal.SIGTERM, log[-3000:]
+    assert (tmp_path / "cleanup.0.finished").exists(), log[-3000:]
+    assert "second SIGTERM during shutdown" not in log
+
+
+def test_a_second_sigint_at_the_agent_forces_every_worker_out(tmp_path):
+    script = write_script(tmp_path, LIGHT_WORKER, "worker.py")
+    agent = _start(tmp_path, [str(script), "--work", str(tmp_path), "--cleanup-s", "60",
+                              "--all", "1"], "yes")
+    _running(tmp_path)
+    os.kill(agent.pid, signal.SIGINT)           # Ctrl+C: a graceful stop, minute-long cleanups
+    for rank in (0, 1):
+        wait_for_file(tmp_path / f"cleanup.{rank}.started", timeout=60)
+    os.kill(agent.pid, signal.SIGINT)           # again: the user insists
+    code = _wait(agent, timeout=60)
+    log = (tmp_path / "agent.err").read_text()
+    assert code == 128 + signal.SIGINT, log[-3000:]
+    assert len(re.findall(r"second SIGINT during shutdown", log)) == 2, log[-3000:]
+    assert not list(tmp_path.glob("cleanup.*.finished"))
+
+
+def test_a_sigterm_before_the_workers_start_ends_the_agent_with_143_without_starting_them(
+        tmp_path):
+    # --nnodes=2 with one agent: it waits in the rendezvous for a second node that never comes.
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
+         "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+         "--no-python", "touch", str(tmp_path / "worker.started")],
+        stderr=open(tmp_path / "agent.err", "w"), stdin=subprocess.DEVNULL, cwd=tmp_path,
+        start_new_session=True, env=env())
+    wait_for_file(tmp_path / "agent.err", timeout=120, contains="signals are forwarded")
+    os.kill(agent.pid, signal.SIGTERM)
+    assert _wait(agent, timeout=60) == 128 + signal.SIGTERM
+    assert not (tmp_path / "worker.started").exists()
+
+
+def test_a_worker_still_running_at_the_agents_deadline_is_killed_with_its_children(tmp_path):
+    from kempner_resilience.config import ResilienceConfig
+    from kempner_resilience.integrations.torchrun import _Agent
+
+    # A worker that ignores the signal, with a child of its own (a DataLoader worker, say).
+    stuck = subprocess.Popen([sys.executable, "-c", (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGUSR1, signal.SIG_IGN); "
+        "c = subprocess.Popen(['sleep', '120']); print(c.pid, flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(stuck.stdout.readline())
+    agent = _Agent(ResilienceConfig(), forward=True)
+    agent.add_worker(stuck)
+    agent.on_signal(signal.SIGUSR1, None)
+    assert stuck.poll() is None                   # the signal is the worker's to handle
+    agent._arm(time.monotonic())                  # its deadline has come
+    assert stuck.wait(30) == -signal.SIGKILL
+    end = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_the_agent_exits_with_the_lowest_ranks_failure_and_a_signal_death_as_128_plus_n():
+    assert exit_code({0: 0, 1: 0}) == 0
+    assert exit_code({3: 75, 1: 143, 2: 0}) == 143
+    assert exit_code({0: -signal.SIGKILL, 1: 75}) == 128 + signal.SIGKILL
+
+
+def _fake_scontrol(tmp_path: Path, config: str) -> dict[str, str]:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    exe = bindir / "scontrol"
+    exe.write_text(f"#!/bin/bash\n[ \"$1 $2\" = 'show config' ] && cat <<'EOF'\n{config}\nEOF\n")
+    exe.chmod(0o755)
+    return {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}
+
+
+@pytest.mark.parametrize("config,forward", [
+    ("ProctrackType           = proctrack/cgroup", True),
+    ("ProctrackType           = proctrack/pgid", True),
+    ("ProctrackType           = proctrack/linuxproc", False),
+    ("ProctrackType           = proctrack/cgroup\nSignalChildrenProcesses = yes", False),
+    ("no such key", True),
+])
+def test_the_agent_forwards_unless_slurm_signals_every_process_of_the_step(tmp_path, config,
+                                                                           forward):
+    assert forward_signals(_fake_scontrol(tmp_path, config))[0] is forward
+
+
+def test_forwarding_outside_slurm_and_by_override():
+    assert forward_signals({})[0] is True
+    assert forward_signals({"KEMPNER_RESILIENCE_FORWARD_SIGNALS": "no"})[0] is False
+    assert forward_signals({"KEMPNER_RESILIENCE_FORWARD_SIGNALS": "yes", "SLURM_JOB_ID": "5",
+                            "SLURM_STEP_ID": "0", "PATH": ""})[0] is True
+    with pytest.raises(ValueError, match="yes, no or auto"):
+        forward_signals({"KEMPNER_RESILIENCE_FORWARD_SIGNALS": "maybe"})
+
+
+def test_torchruns_arguments_start_at_the_first_option_that_is_not_ours():
+    assert separate(["torchrun", "--config", "c.yaml", "--set=a=1", "--nnodes=2", "t.py",
+                     "--config", "x"]) == \
+        ["torchrun", "--config", "c.yaml", "--set=a=1", "--", "--nnodes=2", "t.py", "--config",
+         "x"]
+    assert separate(["-v", "torchrun", "t.py"]) == ["-v", "torchrun", "--", "t.py"]
+    assert separate(["torchrun", "--", "--nnodes=2"]) == ["torchrun", "--", "--nnodes=2"]
+    assert separate(["sbatch", "--nodes", "2"]) == ["sbatch", "--nodes", "2"]
+
+
+def test_torchrun_without_a_script_or_with_a_bad_forwarding_choice_is_one_line_exit_2():
+    cli = [sys.executable, "-m", "kempner_resilience.cli", "torchrun"]
+    proc = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env())
+    assert proc.returncode == 2 and "training script" in proc.stderr
+    proc = subprocess.run([*cli, "t.py"], capture_output=True, text=True, timeout=60,
+                          env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS="maybe"))
+    assert proc.returncode == 2 and "yes, no or auto" in proc.stderr
+    assert "Traceback" not in proc.stderr
