@@ -32,6 +32,7 @@ from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
+from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.teardown import TeardownStack
 from kempner_resilience.watchdog import HangWatchdog
@@ -94,6 +95,8 @@ class ResilientRun:
                 lambda code: self._parts.agreement.announce_forced_exit(code))
             self._setup_slurm()
             self._setup_clock()
+            # Imported now, never on the shutdown path: a tracker told how the attempt ends.
+            self._parts.trackers = Trackers.from_config(self.config.integrations)
             self._hang.start()  # before resuming: a load that hangs is a hang too
             with self._hang.busy():  # imports, directory checks and the load may be slow
                 self._setup_checkpoints()
@@ -143,7 +146,9 @@ class ResilientRun:
     @property
     def run_id(self) -> str | None:
         """This run's id, the same in every attempt (requeue) of it: pass it to a tracker
-        (``wandb.init(id=run.run_id, resume="allow")``). Set once the run is entered."""
+        (``wandb.init(id=run.run_id, resume="allow")``; with ``integrations.wandb`` the run
+        also tells W&B how each attempt ends, see docs/trackers.md). Set once the run is
+        entered."""
         return self._parts.run_id
 
     def time_remaining(self) -> float | None:
