@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,6 +123,17 @@ def test_report_plot_without_matplotlib_says_how_to_install_it_and_exits_2(twice
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'kempner_resilience[plot]'" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == "" and not png.exists()
+
+
+def test_the_goodput_page_shows_the_report_and_plot_of_its_committed_ledger(capsys):
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert cli_main(["report", str(docs / "goodput-ledger.jsonl")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    page = (docs / "goodput.md").read_text()
+    # The run line and the goodput breakdown (the table's start times are in local time).
+    shown = [out[0]] + out[out.index("", 2) + 1:]
+    assert all(line in page for line in shown), shown
+    assert "](goodput-timeline.png)" in page and (docs / "goodput-timeline.png").exists()
 
 
 WRITER = """
