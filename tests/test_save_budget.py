@@ -1,9 +1,9 @@
 """The start-up budget check: does the emergency save fit in what SLURM leaves after its warning?
 
 Unit tests of the verdict (``slurm.budget.save_budget``, no I/O), then the real start-up path: a
-run resumes a checkpoint saved for real, in a process inside a SLURM-like environment whose ``scontrol``
-(a script on PATH, as in tests/test_slurm_preflight.py) says the job asked for ``--signal=USR1@5``
-and the cluster's KillWait is 45 s. The run warns with the numbers and the lead to ask for, and
+run resumes a checkpoint saved for real, in a process inside a SLURM-like environment whose
+``scontrol`` (a script on PATH, as in tests/test_slurm_preflight.py) says the job asked for
+``--signal=USR1@5`` and the cluster's KillWait is 45 s. The run warns with the numbers and the lead to ask for, and
 ``kempner-resilience doctor`` in the same environment says the same.
 """
 

@@ -15,9 +15,10 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from helpers import env, require, wait_for_file, write_script
+from helpers import env, require, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 TRAIN = """
@@ -86,7 +87,11 @@ def attempt(tmp_path: Path, steps: int, *, wandb_on: bool = True,
                              str(steps), str(wandb_on).lower()], env=wandb_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if interrupt_at is not None:
-        wait_for_file(progress, 120, contains=f"{interrupt_at}\n")
+        deadline = time.monotonic() + 120
+        while not (progress.exists() and f"{interrupt_at}\n" in progress.read_text()):
+            assert proc.poll() is None, f"exited {proc.returncode}: {proc.stderr.read()}"
+            assert time.monotonic() < deadline, f"step {interrupt_at} not reached in 120 s"
+            time.sleep(0.01)
         os.kill(proc.pid, signal.SIGUSR1)
     out, err = proc.communicate(timeout=120)
     assert "Traceback" not in err, err
