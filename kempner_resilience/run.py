@@ -32,6 +32,7 @@ from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
+from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.teardown import TeardownStack
 from kempner_resilience.watchdog import HangWatchdog
@@ -94,9 +95,12 @@ class ResilientRun:
                 lambda code: self._parts.agreement.announce_forced_exit(code))
             self._setup_slurm()
             self._setup_clock()
+            # Imported now, never on the shutdown path: a tracker told how the attempt ends.
+            self._parts.trackers = Trackers.from_config(self.config.integrations)
             self._hang.start()  # before resuming: a load that hangs is a hang too
             with self._hang.busy():  # imports, directory checks and the load may be slow
                 self._setup_checkpoints()
+                self._preflight()
             if self._parts.run_id is None:     # no checkpoints: an id for this attempt only
                 from kempner_resilience.identity import new_run_id
 
@@ -142,7 +146,9 @@ class ResilientRun:
     @property
     def run_id(self) -> str | None:
         """This run's id, the same in every attempt (requeue) of it: pass it to a tracker
-        (``wandb.init(id=run.run_id, resume="allow")``). Set once the run is entered."""
+        (``wandb.init(id=run.run_id, resume="allow")``; with ``integrations.wandb`` the run
+        also tells W&B how each attempt ends, see docs/trackers.md). Set once the run is
+        entered."""
         return self._parts.run_id
 
     def time_remaining(self) -> float | None:
@@ -302,20 +308,38 @@ class ResilientRun:
                      "" if cfg.time_limit_stop else " (requeue.time_limit_stop is off)")
 
     def _setup_slurm(self) -> None:
-        from kempner_resilience.slurm import SlurmJob, format_findings, preflight
+        from kempner_resilience.slurm import SlurmJob
 
-        self._parts.slurm = job = SlurmJob.from_env()
+        self._parts.slurm = SlurmJob.from_env()
+
+    def _preflight(self) -> None:
+        """Rank 0 says once what stands between this job and a safe shutdown: a signal that
+        never reaches the ranks, or an emergency save that cannot fit in the signal's lead
+        (checked once the state and the last save are known: after the resume)."""
+        from kempner_resilience.slurm import SaveFacts, format_findings, preflight
+
+        job, ckpt = self._parts.slurm, self._parts.ckpt
         if job is None or job.procid != 0:
             return
-        # Said once, by rank 0: a job whose signal never reaches the ranks loses its last hours.
+        save = None
         try:
-            findings = [f for f in preflight(self.config) if f.level in ("warn", "error")]
+            if ckpt is not None:
+                est, last = ckpt.estimate(), ckpt.last_committed
+                save = SaveFacts(est.seconds, est.measured, ckpt.state.nbytes(),
+                                 None if last is None else int(last.nbytes),
+                                 None if last is None else float(last.save_seconds))
+            findings = preflight(self.config, save=save,
+                                 timeout=self.config.requeue.scontrol_timeout_s)
         except Exception:
             log.exception("preflight checks failed to run")
             return
-        if findings:
+        problems = [f for f in findings if f.level in ("warn", "error")]
+        if problems:
             log.warning("preflight found problems (run `kempner-resilience doctor` inside the "
-                        "job for details):\n%s", format_findings(findings))
+                        "job for details):\n%s", format_findings(problems))
+        for f in findings:
+            if f.code in ("save-fits", "time-limit-stop-covers"):
+                log.info("%s", f.message)
 
     def _setup_checkpoints(self) -> None:
         if self.state is None:

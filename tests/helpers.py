@@ -83,3 +83,22 @@ def rank0_with_stuck_peer(script: Path, *args: str):
         for p in (peer, proc):
             p.kill()
         peer.communicate()
+
+
+def require(module: str):
+    """Import ``module`` of an optional extra (wandb, matplotlib) for a test that needs it:
+    without it the test is skipped, but fails under CI, where scripts/setup.sh installs the
+    test extras."""
+    import importlib
+
+    import pytest
+
+    from slurm_fixtures import in_ci
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        if in_ci():
+            pytest.fail(f"{module} is not installed ({e}); scripts/setup.sh installs it for the "
+                        "tests", pytrace=False)
+        pytest.skip(f"{module} is not installed")

@@ -186,7 +186,8 @@ def test_exit_code_table_in_docs_matches_the_enum():
 def test_troubleshooting_explains_every_doctor_finding():
     import re
 
-    source = (REPO / "kempner_resilience" / "slurm" / "preflight.py").read_text()
+    source = "".join((REPO / "kempner_resilience" / "slurm" / name).read_text()
+                     for name in ("preflight.py", "budget.py"))
     codes = set(re.findall(r'"(?:warn|error|info)", "([a-z-]+)"', source)) - {"error", "warn", "info"}
     text = (REPO / "docs" / "troubleshooting.md").read_text()
     assert codes and all(f"`{c}`" in text for c in codes), codes

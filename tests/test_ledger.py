@@ -7,14 +7,17 @@ Real processes, real signals: a job interrupted twice by SIGUSR1 through the loc
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-from helpers import env, write_script
+from helpers import env, require, write_script
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.demo.launcher import LocalLauncher, train_command
 from kempner_resilience.exitcodes import ExitCode
@@ -89,6 +92,48 @@ def test_report_prints_one_row_per_attempt_and_the_goodput(twice_interrupted, ca
     data = json.loads(capsys.readouterr().out)
     assert len(data["attempts"]) == 3
     assert abs(sum(data["parts_s"].values()) - data["wall_s"]) < 1.0
+
+
+def test_report_plot_draws_the_attempts_timeline_into_a_png(twice_interrupted, tmp_path,
+                                                            capsys):
+    require("matplotlib")
+    from matplotlib.image import imread
+
+    work, _ = twice_interrupted
+    png = tmp_path / "timeline.png"
+    assert cli_main(["report", str(work / "ckpt"), "--plot", str(png)]) == 0
+    assert "3 attempt(s)" in capsys.readouterr().out       # the report is printed as well
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = imread(png)[..., :3]
+    kept = np.array([0x59, 0xA1, 0x4F]) / 255               # the bars of the steps kept
+    assert (np.abs(pixels - kept).max(axis=-1) < 0.01).sum() > 1000
+
+
+def test_report_plot_without_matplotlib_says_how_to_install_it_and_exits_2(twice_interrupted,
+                                                                           tmp_path):
+    work, _ = twice_interrupted
+    shim = tmp_path / "shim"       # first on the path: `import matplotlib` fails as if absent
+    shim.mkdir()
+    (shim / "matplotlib.py").write_text("raise ImportError('No module named matplotlib')\n")
+    png = tmp_path / "timeline.png"
+    proc = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "report",
+                           str(work / "ckpt"), "--plot", str(png)], capture_output=True,
+                          text=True, timeout=120,
+                          env=env(PYTHONPATH=os.pathsep.join([str(shim), *sys.path])))
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'kempner_resilience[plot]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and not png.exists()
+
+
+def test_the_goodput_page_shows_the_report_and_plot_of_its_committed_ledger(capsys):
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert cli_main(["report", str(docs / "goodput-ledger.jsonl")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    page = (docs / "goodput.md").read_text()
+    # The run line and the goodput breakdown (the table's start times are in local time).
+    shown = [out[0]] + out[out.index("", 2) + 1:]
+    assert all(line in page for line in shown), shown
+    assert "](goodput-timeline.png)" in page and (docs / "goodput-timeline.png").exists()
 
 
 WRITER = """

@@ -110,10 +110,14 @@ def test_execd_batch_shell_with_step_signal_is_reported(tmp_path):
 
 
 def test_lead_time_shorter_than_measured_save_is_reported(tmp_path):
-    cfg = load_config(overrides=["checkpoint.save_margin_s=10"])
+    # The save, its margin and the requeue/teardown (20 s) must fit in the 120 s lead (the
+    # grace, 110 s, covers the save and its margin); the time-limit stop, which would cover a
+    # short lead, is off.
+    cfg = load_config(overrides=["checkpoint.save_margin_s=10", "signals.grace_s=110",
+                                 "requeue.time_limit_stop=false"])
     env = fake_slurm_env(tmp_path)
-    assert "signal-lead-short" in codes(preflight(cfg, env, save_seconds=115))
-    assert "signal-lead-short" not in codes(preflight(cfg, env, save_seconds=100))
+    assert "signal-lead-short" in codes(preflight(cfg, env, save_seconds=95))
+    assert "signal-lead-short" not in codes(preflight(cfg, env, save_seconds=85))
 
 
 def test_unhandled_signal_is_reported(tmp_path):

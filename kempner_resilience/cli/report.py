@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from datetime import datetime
 from pathlib import Path
 
 from kempner_resilience.cli.common import CliError, Verb
-from kempner_resilience.goodput import PARTS, Goodput, analyze_dir
-from kempner_resilience.ledger import LEDGER_NAME
+from kempner_resilience.goodput import PARTS, Goodput, analyze
+from kempner_resilience.ledger import LEDGER_NAME, read_ledger
 
 _LABELS = {"startup": "start-up", "load": "checkpoint load",
            "save_blocking": "periodic-save blocking", "kept": "steps kept (goodput)",
@@ -53,6 +54,9 @@ def setup_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help=f"checkpoint directory (checkpoint.dir, holding {LEDGER_NAME}) "
                                "or the ledger file")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw the timeline of the attempts into FILE.png (needs matplotlib:"
+                        " pip install 'kempner_resilience[plot]'; exit 2 without it)")
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -61,13 +65,29 @@ def run_report(args: argparse.Namespace) -> int:
     if not ledger.exists():
         raise CliError(f"{ledger}: no run ledger here (ResilientRun writes {LEDGER_NAME} into "
                        "checkpoint.dir when the run has checkpoint state)")
-    g = analyze_dir(ledger)
+    if args.plot:
+        try:   # before any output: a missing extra is said alone, not after the report
+            importlib.import_module("matplotlib")
+        except ImportError:
+            from kempner_resilience.cli.plot import MISSING_MATPLOTLIB
+
+            raise CliError(MISSING_MATPLOTLIB, 2) from None
+    events = read_ledger(ledger)
+    g = analyze(events)
     if not g.attempts:
         raise CliError(f"{ledger}: no events in the ledger")
     if args.json:
         sys.stdout.write(json.dumps(g.to_dict(), indent=2) + "\n")
     else:
         sys.stdout.write(render(g))
+    if args.plot:
+        from kempner_resilience.cli.plot import plot_timeline
+
+        try:
+            plot_timeline(g, events, args.plot)
+        except OSError as e:
+            raise CliError(f"cannot write the plot {args.plot}: {e.strerror or e}") from None
+        sys.stderr.write(f"wrote the timeline to {args.plot}\n")
     return 0
 
 

@@ -12,9 +12,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kempner_resilience.cli.common import CliError, Verb, config_args
 from kempner_resilience.config import load_config
+
+if TYPE_CHECKING:
+    from kempner_resilience.slurm import SaveFacts
 
 __all__ = ["doctor", "sbatch", "VERBS"]
 
@@ -24,29 +28,56 @@ __all__ = ["doctor", "sbatch", "VERBS"]
 def _setup_doctor(p: argparse.ArgumentParser) -> None:
     config_args(p)
     p.add_argument("--save-seconds", type=float, metavar="S",
-                   help="a measured emergency-save time, compared with the job's --signal lead")
+                   help="a measured emergency-save time, compared with the job's --signal lead "
+                        "(default: the newest checkpoint in checkpoint.dir says)")
     p.epilog = ("Exit status 0 when no error-level finding, 1 otherwise. Run it inside the job "
-                "(`srun kempner-resilience doctor`) to check what the ranks will see.")
+                "(`srun kempner-resilience doctor`) to check what the ranks will see. The "
+                "emergency save's budget comes from the newest checkpoint in checkpoint.dir "
+                "(its size and save time), as the run checks it at start.")
+
+
+def last_save_facts(root: str | os.PathLike[str]) -> SaveFacts | None:
+    """What the newest committed checkpoint under ``root`` says about the next emergency save
+    (its size and save time, from its manifest), estimated as ``ResilientRun`` does after
+    resuming from it; None without one."""
+    from kempner_resilience.checkpoint import layout
+    from kempner_resilience.checkpoint.estimate import SaveEstimator
+    from kempner_resilience.slurm import SaveFacts
+
+    try:
+        entries = [e for e in layout.scan(Path(root).expanduser()) if e.committed]
+    except OSError:
+        return None
+    if not entries:
+        return None
+    info = entries[-1].info()
+    est = SaveEstimator()
+    est.seed(info.save_seconds, info.nbytes)
+    guess = est.estimate(info.nbytes)
+    return SaveFacts(guess.seconds, guess.measured, info.nbytes, info.nbytes,
+                     info.save_seconds)
 
 
 def doctor(args: argparse.Namespace) -> int:
-    from kempner_resilience.slurm import format_findings, preflight, signal_lead_time
+    from kempner_resilience.slurm import SaveFacts, format_findings, preflight, signal_lead_time
     from kempner_resilience.slurm.preflight import Finding
     from kempner_resilience.slurm.templates import requeue_signal
 
     if args.save_seconds is not None and args.save_seconds < 0:
         raise CliError("--save-seconds must be >= 0", 2)
     cfg = load_config(args.config, args.overrides)
-    findings = list(preflight(cfg, save_seconds=args.save_seconds))
+    save = SaveFacts(args.save_seconds) if args.save_seconds is not None else \
+        last_save_facts(cfg.checkpoint.dir)
+    findings = list(preflight(cfg, save=save))
     if "SLURM_JOB_ID" not in os.environ:
-        lead = signal_lead_time(cfg, args.save_seconds)
+        save_s = None if save is None else save.save_s
+        lead = signal_lead_time(cfg, save_s)
         sig = requeue_signal(cfg).removeprefix("SIG")
         findings.append(Finding(
             "info", "recommended-signal",
             f"for this config the batch script should ask for `#SBATCH --signal={sig}@{lead}` "
             f"(grace {cfg.signals.grace_for('SIG' + sig):.0f} s + margin"
-            + (f", or the {args.save_seconds:.0f} s save + margins" if args.save_seconds
-               else "") + ")",
+            + (f", or the {save_s:.0f} s save + margins" if save_s else "") + ")",
             "render a script with `kempner-resilience sbatch`"))
     sys.stdout.write(format_findings(findings) + "\n")
     return 1 if any(f.level == "error" for f in findings) else 0

@@ -17,8 +17,8 @@ from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundErro
 from kempner_resilience.config.serial import build, dump
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
-           "RequeueConfig", "ResilienceConfig", "SignalsConfig", "StagingMode", "WatchdogConfig",
-           "normalize_signal", "ENV_CONFIG"]
+           "IntegrationsConfig", "RequeueConfig", "ResilienceConfig", "SignalsConfig",
+           "StagingMode", "WatchdogConfig", "normalize_signal", "ENV_CONFIG"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
 
@@ -318,6 +318,17 @@ class WatchdogConfig:
 
 
 @dataclass
+class IntegrationsConfig:
+    """Experiment trackers told how each attempt of the run ends (optional extras)."""
+
+    wandb: bool = field(default=False, metadata=_help(
+        "tell the active W&B run (wandb.run) how each attempt ends: mark_preempting() before a "
+        "requeue, finish(exit_code=...) at its end, so a run initialised with "
+        "wandb.init(id=run.run_id, resume=\"allow\") stays one W&B run across requeues, never "
+        "\"crashed\"; needs pip install 'kempner_resilience[wandb]'"))
+
+
+@dataclass
 class ResilienceConfig:
     """The whole configuration; every section has defaults, so ``ResilienceConfig()`` is valid."""
 
@@ -329,6 +340,8 @@ class ResilienceConfig:
         "requeue after an emergency checkpoint, restart budget"))
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig, metadata=_help(
         "hang detection and shutdown time limits"))
+    integrations: IntegrationsConfig = field(default_factory=IntegrationsConfig, metadata=_help(
+        "experiment trackers told how each attempt ends (W&B)"))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, source: str | None = None

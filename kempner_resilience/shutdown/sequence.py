@@ -29,6 +29,7 @@ from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import Ending, Outcome, Saved, exit_code
 from kempner_resilience.shutdown.report import write_report
+from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.signals import ShutdownHandler
 from kempner_resilience.slurm.clock import RunClock
 from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
@@ -52,6 +53,7 @@ class RunParts:
     agreement: StopAgreement = field(default_factory=StopAgreement)
     ledger: Ledger = field(default_factory=lambda: Ledger(None))   # rank 0's run ledger
     clock: RunClock = field(default_factory=lambda: RunClock(None))  # the allocation's end
+    trackers: Trackers = field(default_factory=Trackers)  # told how the attempt ends (W&B)
     run_id: str | None = None
     loop_end_wall: float | None = None  # time.time() when steps() ran out of steps
     ckpt: Any = None                  # CheckpointManager, when the run has state
@@ -137,6 +139,7 @@ def complete(parts: RunParts, step: int) -> None:
         parts.ckpt.close()
     parts.outcome = Outcome(Ending.COMPLETED, step)
     _ledger_exit(parts, int(ExitCode.OK))
+    _finish_trackers(parts, int(ExitCode.OK))
     write_report(parts, int(ExitCode.OK))
 
 
@@ -204,10 +207,13 @@ def _requeue(parts: RunParts) -> int:
     code = int(_requeue_decision(parts)) if parts.rank == 0 else None
     left = parts.handler.deadline.remaining()
     try:
-        return parts.agreement.share_exit_code(code, left if left is not None else 60.0)
+        code = parts.agreement.share_exit_code(code, left if left is not None else 60.0)
     except Exception as e:  # rank 0 is gone or the store timed out: the checkpoint is safe
         log.error("did not learn rank 0's requeue outcome (%s); exiting with REQUEUE_FAILED", e)
         return int(ExitCode.REQUEUE_FAILED)
+    if code == ExitCode.REQUEUE:
+        parts.trackers.preempting()    # a W&B run on another rank (rank 0 told its own)
+    return code
 
 
 def _requeue_decision(parts: RunParts) -> ExitCode:
@@ -221,6 +227,8 @@ def _requeue_decision(parts: RunParts) -> ExitCode:
     verdict = decide_requeue(who, ledger, parts.committed_step(), parts.config.requeue)
     if not verdict.requeue:
         return verdict.exit_code
+    # Before the requeue: `scontrol requeue` SIGTERMs every task at once.
+    parts.trackers.preempting()
     if parts.slurm is None:
         return ExitCode.REQUEUE  # "run me again": the local launcher relaunches
     t0 = time.monotonic()
@@ -260,6 +268,7 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
     code = int(exit_code(o))
     parts.outcome = o
     _ledger_exit(parts, code)
+    _finish_trackers(parts, code)
     write_report(parts, code)
     if not keep_traceback:
         log.warning("exiting with %s", exitcodes.describe(code))
@@ -274,6 +283,15 @@ def _ledger_exit(parts: RunParts, code: int) -> None:
     parts.ledger.event("exit", code=code, ending=None if o is None else o.ending.value,
                        step=parts.step, loop_end_t=parts.loop_end_wall)
     parts.ledger.close()
+
+
+def _finish_trackers(parts: RunParts, code: int) -> None:
+    """Tell the trackers how the attempt ends, within a cleanup's time and the deadline (an
+    online W&B run uploads what is left when it finishes)."""
+    if parts.trackers.active:
+        stack = TeardownStack(parts.config.watchdog.cleanup_timeout_s)
+        stack.add(lambda: parts.trackers.finish(code), name="finish the tracker runs")
+        stack.run(deadline=parts.handler.deadline.deadline)
 
 
 def _stop_reason(parts: RunParts, decision: StopDecision) -> str:

@@ -1,6 +1,7 @@
 """The SLURM layer: job environment, requeue with a restart budget, preflight checks, sbatch
 templates. Importing it does not import torch and needs no SLURM installed."""
 
+from kempner_resilience.slurm.budget import SaveBudget, SaveFacts, save_budget
 from kempner_resilience.slurm.env import (
     SignalSpec,
     SlurmJob,
@@ -23,8 +24,9 @@ from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol, show
 from kempner_resilience.slurm.templates import TEMPLATES, render_sbatch, signal_lead_time
 
 __all__ = [
-    "Decision", "Finding", "Outcome", "RequeueResult", "RestartLedger", "ScontrolResult",
-    "SignalSpec", "SlurmJob", "TEMPLATES", "decide_requeue", "expand_hostlist", "first_host",
-    "format_findings", "master_port", "parse_signal_spec", "preflight", "render_sbatch",
-    "requeue_job", "run_scontrol", "setup_torch_env", "show_job", "signal_lead_time",
+    "Decision", "Finding", "Outcome", "RequeueResult", "RestartLedger", "SaveBudget",
+    "SaveFacts", "ScontrolResult", "SignalSpec", "SlurmJob", "TEMPLATES", "decide_requeue",
+    "expand_hostlist", "first_host", "format_findings", "master_port", "parse_signal_spec",
+    "preflight", "render_sbatch", "requeue_job", "run_scontrol", "save_budget",
+    "setup_torch_env", "show_job", "signal_lead_time",
 ]

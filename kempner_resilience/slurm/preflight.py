@@ -14,8 +14,11 @@ from typing import Mapping
 
 from kempner_resilience.config import Action, ResilienceConfig
 from kempner_resilience.log import get_logger
+from kempner_resilience.slurm.budget import SaveFacts, save_budget
+from kempner_resilience.slurm.clock import END_TIME_ENV
 from kempner_resilience.slurm.env import SignalSpec, SlurmJob
-from kempner_resilience.slurm.scontrol import find_scontrol, show_job
+from kempner_resilience.slurm.scontrol import (find_scontrol, kill_wait, parse_slurm_time,
+                                               show_job)
 from kempner_resilience.slurm.templates import requeue_signal
 
 __all__ = ["Finding", "preflight", "format_findings", "TORCHRUN_AGENT_ENV"]
@@ -68,10 +71,19 @@ def _signal_numbers(config: ResilienceConfig) -> dict[int, str]:
     return out
 
 
+def _budget_finding(config: ResilienceConfig, save: SaveFacts, spec: SignalSpec | None,
+                    kill_wait_s: float | None, end_known: bool) -> Finding:
+    b = save_budget(config, save, lead_s=None if spec is None else spec.lead_s,
+                    signal=None if spec is None else spec.signal, kill_wait_s=kill_wait_s,
+                    end_known=end_known)
+    return Finding(b.level, b.code, b.message, b.fix)
+
+
 def _reach_findings(job: SlurmJob, known: bool, spec: SignalSpec | None,
-                    config: ResilienceConfig, save_seconds: float | None,
-                    wanted: str) -> list[Finding]:
-    """Does the job's --signal reach this process, early enough?"""
+                    config: ResilienceConfig, save: SaveFacts | None,
+                    wanted: str, kill_wait_s: float | None = None,
+                    end_known: bool = False) -> list[Finding]:
+    """Does the job's --signal reach this process, early enough for the emergency save?"""
     out: list[Finding] = []
     lead_hint = f"#SBATCH --signal={wanted.removeprefix('SIG')}@<seconds>"
     is_batch_shell = not job.in_step and job.task_pid == os.getpid()
@@ -97,6 +109,8 @@ def _reach_findings(job: SlurmJob, known: bool, spec: SignalSpec | None,
             "SIGTERM and SIGKILL KillWait later (often 30 s), too little for a checkpoint "
             "(an `sbatch --signal` on the command line is not visible here)",
             f"add `{lead_hint}` (render one with `kempner-resilience sbatch`)"))
+        if save is not None:
+            out.append(_budget_finding(config, save, None, kill_wait_s, end_known))
         return out
     if job.in_step and spec.batch_only:
         out.append(Finding(
@@ -120,16 +134,8 @@ def _reach_findings(job: SlurmJob, known: bool, spec: SignalSpec | None,
             "process without a checkpoint",
             f"use `#SBATCH --signal={wanted.removeprefix('SIG')}@{spec.lead_s}` or set "
             f"signals.actions.{spec.signal}: requeue"))
-    elif save_seconds is not None:
-        need = save_seconds + config.checkpoint.save_margin_s
-        if spec.lead_s < need:
-            out.append(Finding(
-                "warn", "signal-lead-short",
-                f"--signal lead time {spec.lead_s} s is shorter than the measured emergency "
-                f"save ({save_seconds:.0f} s) plus margin ({config.checkpoint.save_margin_s:.0f}"
-                " s)",
-                f"use `#SBATCH --signal={spec.signal.removeprefix('SIG')}@{int(need) + 1}` or "
-                "more"))
+    elif save is not None:
+        out.append(_budget_finding(config, save, spec, kill_wait_s, end_known))
     if spec.signal in handled and spec.lead_s < config.signals.grace_for(spec.signal):
         out.append(Finding(
             "info", "grace-exceeds-lead",
@@ -142,14 +148,19 @@ def _reach_findings(job: SlurmJob, known: bool, spec: SignalSpec | None,
 
 def preflight(config: ResilienceConfig | None = None,
               environ: Mapping[str, str] | None = None, *,
-              save_seconds: float | None = None, timeout: float = 10.0) -> list[Finding]:
+              save_seconds: float | None = None, save: SaveFacts | None = None,
+              timeout: float = 10.0) -> list[Finding]:
     """Check this process's launch against what graceful shutdown and requeue need.
 
-    ``environ`` defaults to ``os.environ`` (its PATH is where ``scontrol`` is looked for);
-    ``save_seconds`` is a measured emergency-save time to compare with the signal lead time.
+    ``environ`` defaults to ``os.environ`` (its PATH is where ``scontrol`` is looked for).
+    ``save`` (or just ``save_seconds``, a measured emergency-save time) is compared with the
+    job's ``--signal`` lead time, its grace and ``KillWait`` (``slurm.budget``): one finding
+    says whether the emergency save fits.
     """
     config = config or ResilienceConfig()
     env = os.environ if environ is None else environ
+    if save is None and save_seconds is not None:
+        save = SaveFacts(save_s=save_seconds, measured=True)
     out: list[Finding] = []
     numbers = _signal_numbers(config)
     nccl = env.get("NCCL_PROXY_DUMP_SIGNAL", "").strip()
@@ -193,7 +204,12 @@ def preflight(config: ResilienceConfig | None = None,
     else:
         info = show_job(job.requeue_id, timeout, environ=env)
         known, spec = job.signal_spec(timeout, env) if info is not None else (False, None)
-    out += _reach_findings(job, known, spec, config, save_seconds, requeue_signal(config))
+    kw, end_known = None, False
+    if save is not None and known:
+        kw = kill_wait(timeout, environ=env)
+        end_known = _end_known(env, info)
+    out += _reach_findings(job, known, spec, config, save, requeue_signal(config), kw,
+                           end_known)
     if info is not None and info.get("Requeue") == "0":
         out.append(Finding(
             "warn", "no-requeue",
@@ -209,6 +225,16 @@ def preflight(config: ResilienceConfig | None = None,
     for f in out:
         _log.debug("preflight %s %s: %s", f.level, f.code, f.message)
     return out
+
+
+def _end_known(env: Mapping[str, str], info: Mapping[str, str] | None) -> bool:
+    """Whether the run can know its allocation's end (as ``slurm.clock.job_end_time`` reads it),
+    from what is at hand: the environment and ``scontrol show job``."""
+    if env.get(END_TIME_ENV, "").strip():
+        return True
+    if info is None or info.get("TimeLimit") in ("UNLIMITED", "Partition_Limit"):
+        return False
+    return parse_slurm_time(info.get("EndTime")) is not None
 
 
 def format_findings(findings: list[Finding]) -> str:

@@ -19,7 +19,7 @@ from typing import Mapping
 from kempner_resilience.log import get_logger
 
 __all__ = ["ScontrolResult", "run_scontrol", "show_job", "parse_show_job", "parse_slurm_time",
-           "find_scontrol"]
+           "find_scontrol", "kill_wait"]
 
 _log = get_logger(__name__)
 
@@ -134,6 +134,21 @@ def show_job(job_id: str, timeout: float = 10.0, *,
         return None
     jobs = parse_show_job(res.stdout)
     return jobs[0] if jobs else None
+
+
+_KILL_WAIT = re.compile(r"^\s*KillWait\s*=\s*(\d+)", re.M)
+
+
+def kill_wait(timeout: float = 10.0, *,
+              environ: Mapping[str, str] | None = None) -> float | None:
+    """The cluster's ``KillWait`` (seconds from the time limit's SIGTERM to SIGKILL), from
+    ``scontrol show config``; None when it cannot be obtained."""
+    res = run_scontrol(["show", "config"], timeout, environ=environ)
+    if not res.ok:
+        _log.debug("show config failed: %s", res.describe())
+        return None
+    m = _KILL_WAIT.search(res.stdout)
+    return float(m.group(1)) if m else None
 
 
 def parse_slurm_time(value: str | None) -> float | None:
