@@ -5,9 +5,9 @@ from kempner_resilience.config.load import load_config
 from kempner_resilience.config.render import render_default_yaml, render_reference_markdown
 from kempner_resilience.config.schema import (ENV_CONFIG, Action, CheckpointConfig, ConfigError,
                                               ConfigFileNotFoundError, ExitMode, RequeueConfig,
-                                              ResilienceConfig, SignalsConfig, WatchdogConfig,
+                                              RescueConfig, ResilienceConfig, SignalsConfig, WatchdogConfig,
                                               normalize_signal)
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
-           "RequeueConfig", "ResilienceConfig", "SignalsConfig", "WatchdogConfig", "ENV_CONFIG",
+           "RequeueConfig", "RescueConfig", "ResilienceConfig", "SignalsConfig", "WatchdogConfig", "ENV_CONFIG",
            "load_config", "normalize_signal", "render_default_yaml", "render_reference_markdown"]

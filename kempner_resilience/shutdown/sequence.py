@@ -35,7 +35,8 @@ from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
 from kempner_resilience.watchdog import HangWatchdog
 
-__all__ = ["RunParts", "stop", "fail", "give_up", "complete", "requeue_after_failure"]
+__all__ = ["RunParts", "stop", "fail", "give_up", "complete", "requeue_after_failure",
+           "rescue"]
 
 log = get_logger(__name__)
 
@@ -55,6 +56,7 @@ class RunParts:
     run_id: str | None = None
     loop_end_wall: float | None = None  # time.time() when steps() ran out of steps
     ckpt: Any = None                  # CheckpointManager, when the run has state
+    rescue: Any = None                # Rescuer, when the state is replicated (rescue/)
     slurm: Any = None                 # SlurmJob, inside a SLURM job
     last_saved: Any = None            # CheckpointInfo of the newest commit by this process
     resumed_from: Any = None          # CheckpointInfo the run resumed from
@@ -77,6 +79,7 @@ class RunParts:
 
 def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     """Every rank stops at ``decision.step``: save, requeue, tear down, leave."""
+    _close_rescue(parts)
     o = Outcome(Ending.SIGNAL, decision.step, decision.signum, _action(parts, decision.signum))
     log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), o.action.value)
     req = parts.handler.request
@@ -104,16 +107,23 @@ def fail(parts: RunParts, exc: BaseException) -> None:
 
     parts.hang.stop()
     lost = is_peer_failure(exc)
+    code = int(ExitCode.PEER_LOST if lost else ExitCode.ERROR)
     if parts.exit_mode is ExitMode.EXIT:       # armed first: the store below may be gone too
         parts.handler.deadline.expect_exit(
-            int(ExitCode.PEER_LOST if lost else ExitCode.ERROR), parts.config.signals.grace_s,
-            f"exit after {type(exc).__name__}")
+            code, parts.config.rescue.budget_s if lost and parts.rescue is not None
+            else parts.config.signals.grace_s, f"exit after {type(exc).__name__}")
     forced = _peer_forced_code(parts)
     lost = lost or forced is not None
     o = Outcome(Ending.PEER_LOST if lost else Ending.ERROR, parts.step,
                 peer_forced_code=forced)
     if lost:
         log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), o.step)
+        rescue(parts, "peer lost")
+        if parts.exit_mode is ExitMode.EXIT and parts.rescue is not None:
+            # The rescue's budget is spent or unused: the rest gets the usual grace.
+            parts.handler.deadline.disarm()
+            parts.handler.deadline.expect_exit(code, parts.config.signals.grace_s,
+                                               f"exit after {type(exc).__name__}")
         requeue_after_failure(parts, "peer lost")
     _teardown(parts, peers_alive=not lost)
     # A bug keeps its traceback; a lost peer is one line and the code (but an in-process caller
@@ -125,6 +135,7 @@ def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
     """``checkpoint.max_failed_saves`` periodic saves in a row failed (on every rank alike): stop
     with CHECKPOINT_FAILED, without an emergency save that would fail the same way."""
     parts.hang.stop()
+    _close_rescue(parts)
     log.error("stopping at step %d: %s", step, err)
     _teardown(parts, peers_alive=True)
     _leave(parts, Outcome(Ending.SAVES_FAILING, step))
@@ -132,12 +143,29 @@ def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
 
 def complete(parts: RunParts, step: int) -> None:
     """All steps ran: cleanups, drain saves, report; the caller's code goes on."""
+    _close_rescue(parts)
     parts.teardown.run()
     if parts.ckpt is not None:
         parts.ckpt.close()
     parts.outcome = Outcome(Ending.COMPLETED, step)
     _ledger_exit(parts, int(ExitCode.OK))
     write_report(parts, int(ExitCode.OK))
+
+
+def rescue(parts: RunParts, why: str) -> None:
+    """After a lost peer or a hang: the survivors write the last step boundary as a checkpoint
+    (``kempner_resilience.rescue``), within ``rescue.budget_s``; the caller's deadline is the
+    backstop. Logs the outcome; the ledger (rank 0) records it."""
+    r = parts.rescue
+    if r is None:
+        return
+    result = r.rescue(why, parts.committed_step())
+    parts.timings["rescue_s"] = result.seconds
+    if result.info is not None:
+        parts.last_saved = result.info
+    parts.ledger.event("rescue", step=result.step, committed=result.info is not None,
+                       writer=result.writer, why=result.why, reason=why,
+                       seconds=round(result.seconds, 4))
 
 
 def requeue_after_failure(parts: RunParts, why: str) -> None:
@@ -268,6 +296,12 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
 
 
 # ------------------------------------------------------------------------------ small helpers
+
+def _close_rescue(parts: RunParts) -> None:
+    """A stop on purpose: no rescue from here on, and the buddy is told goodbye (not woken)."""
+    if parts.rescue is not None:
+        parts.rescue.close()
+
 
 def _ledger_exit(parts: RunParts, code: int) -> None:
     o = parts.outcome
