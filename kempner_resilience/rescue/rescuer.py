@@ -42,7 +42,7 @@ __all__ = ["Rescuer", "RescueResult"]
 
 log = get_logger(__name__)
 
-CLAIM_WAIT_S = 5.0       # how long a rank that cannot write waits for another one to claim
+CLAIM_WAIT_S = 3.0       # how long a rank that cannot write waits for another one to claim
 CONNECT_TIMEOUT_S = 60.0
 _POLL_S = 0.02
 

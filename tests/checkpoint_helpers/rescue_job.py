@@ -10,6 +10,8 @@ would, once:
     --hang-at R:S         rank R hangs in step S in a C call that holds the GIL
     --optim-collective    every optimizer step starts with an all-reduce on its own gloo group
                           (as an optimizer that syncs a global norm would), in every launch
+    --ballast-mb N        an extra replicated module holding N MB (a rescue that takes a while)
+    --no-ddp-unsynced     no DDP, and each rank's model seeded differently: not replicas
 
 Launched by ``LocalLauncher`` (rank, world and port from the environment, ``--progress``
 appended); rank 0 writes the final weights to ``--out``.
@@ -63,6 +65,8 @@ def main() -> int:
     p.add_argument("--kill-in-optim")
     p.add_argument("--hang-at")
     p.add_argument("--optim-collective", action="store_true")
+    p.add_argument("--ballast-mb", type=int, default=0)
+    p.add_argument("--no-ddp-unsynced", action="store_true")
     args = p.parse_args()
     configure("INFO")
     torch.set_num_threads(1)
@@ -71,7 +75,14 @@ def main() -> int:
     kill, kill_optim, hang = (_at(a) if first else (-1, -1)
                               for a in (args.kill_at, args.kill_in_optim, args.hang_at))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    state = build(rank, world)
+    if args.no_ddp_unsynced:
+        state = build(rank, world, seed=rank, ddp=False)
+    else:
+        state = build(rank, world)
+    if args.ballast_mb:
+        ballast = nn.Module()
+        ballast.weight = nn.Parameter(torch.zeros(args.ballast_mb << 18), requires_grad=False)
+        state["ballast"] = ballast
     model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
     step_now = [-1]
     if args.optim_collective:
@@ -103,7 +114,8 @@ def main() -> int:
             if progress is not None:
                 progress.write(f"rank {rank} step {step}\n")
     if rank == 0:
-        torch.save({"model": model.module.state_dict(), "optim": optim.state_dict()}, args.out)
+        inner = getattr(model, "module", model)
+        torch.save({"model": inner.state_dict(), "optim": optim.state_dict()}, args.out)
     dist.destroy_process_group()
     return 0
 
