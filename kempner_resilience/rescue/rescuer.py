@@ -254,7 +254,7 @@ class Rescuer:
                  "rescue": {"reason": reason, "writer_rank": self.rank,
                             "world_size": self.world_size, "attempt": self.files.dir.name,
                             "waited_for_state_s": round(waited, 4),
-                            "since_failure_s": round(time.monotonic() - t0, 4)}}
+                            "detected_to_write_s": round(time.monotonic() - t0, 4)}}
         try:
             info = write_rescue(self.ckpt.state, self.boundary, blobs, step,
                                 root=self.ckpt.root, run_id=self.ckpt.run_id,

@@ -29,6 +29,7 @@ from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import Ending, Outcome, Saved, exit_code
 from kempner_resilience.shutdown.report import write_report
+from kempner_resilience.shutdown.rescue import close_rescue, rescue
 from kempner_resilience.signals import ShutdownHandler
 from kempner_resilience.slurm.clock import RunClock
 from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
@@ -79,7 +80,7 @@ class RunParts:
 
 def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     """Every rank stops at ``decision.step``: save, requeue, tear down, leave."""
-    _close_rescue(parts)
+    close_rescue(parts)
     o = Outcome(Ending.SIGNAL, decision.step, decision.signum, _action(parts, decision.signum))
     log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), o.action.value)
     req = parts.handler.request
@@ -135,7 +136,7 @@ def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
     """``checkpoint.max_failed_saves`` periodic saves in a row failed (on every rank alike): stop
     with CHECKPOINT_FAILED, without an emergency save that would fail the same way."""
     parts.hang.stop()
-    _close_rescue(parts)
+    close_rescue(parts)
     log.error("stopping at step %d: %s", step, err)
     _teardown(parts, peers_alive=True)
     _leave(parts, Outcome(Ending.SAVES_FAILING, step))
@@ -143,29 +144,13 @@ def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
 
 def complete(parts: RunParts, step: int) -> None:
     """All steps ran: cleanups, drain saves, report; the caller's code goes on."""
-    _close_rescue(parts)
+    close_rescue(parts)
     parts.teardown.run()
     if parts.ckpt is not None:
         parts.ckpt.close()
     parts.outcome = Outcome(Ending.COMPLETED, step)
     _ledger_exit(parts, int(ExitCode.OK))
     write_report(parts, int(ExitCode.OK))
-
-
-def rescue(parts: RunParts, why: str) -> None:
-    """After a lost peer or a hang: the survivors write the last step boundary as a checkpoint
-    (``kempner_resilience.rescue``), within ``rescue.budget_s``; the caller's deadline is the
-    backstop. Logs the outcome; the ledger (rank 0) records it."""
-    r = parts.rescue
-    if r is None:
-        return
-    result = r.rescue(why, parts.committed_step())
-    parts.timings["rescue_s"] = result.seconds
-    if result.info is not None:
-        parts.last_saved = result.info
-    parts.ledger.event("rescue", step=result.step, committed=result.info is not None,
-                       writer=result.writer, why=result.why, reason=why,
-                       seconds=round(result.seconds, 4))
 
 
 def requeue_after_failure(parts: RunParts, why: str) -> None:
@@ -296,12 +281,6 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
 
 
 # ------------------------------------------------------------------------------ small helpers
-
-def _close_rescue(parts: RunParts) -> None:
-    """A stop on purpose: no rescue from here on, and the buddy is told goodbye (not woken)."""
-    if parts.rescue is not None:
-        parts.rescue.close()
-
 
 def _ledger_exit(parts: RunParts, code: int) -> None:
     o = parts.outcome
