@@ -25,6 +25,8 @@ from helpers import assert_bitwise_equal
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.launcher import LocalLauncher
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.goodput import analyze_dir
+from kempner_resilience.ledger import LEDGER_NAME, read_ledger
 
 HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py"
 STEPS, EVERY, FAIL_AT = 30, 10, 25
@@ -71,6 +73,11 @@ def test_a_rank_killed_in_the_gradient_all_reduce_costs_one_step_and_the_run_end
     assert f"committed step {FAIL_AT}" in logs(tmp_path)
     assert second.report["resumed_from"] == FAIL_AT and second.exit_codes == [0] * 4
     assert_bitwise_equal(reference, weights)
+    # The run ledger (rank 0 survived) records the rescue; the requeue resumed where it ended.
+    events = read_ledger(tmp_path / "ckpt" / LEDGER_NAME)
+    assert [(e["step"], e["committed"]) for e in events if e["ev"] == "rescue"] == [(FAIL_AT, True)]
+    attempts = analyze_dir(tmp_path / "ckpt").attempts
+    assert attempts[0].last_step - attempts[1].start_step <= 1
 
 
 @pytest.mark.slow

@@ -28,8 +28,8 @@ def rescue(parts: "RunParts", why: str) -> None:
                        seconds=round(result.seconds, 4))
 
 
-def close_rescue(parts: "RunParts") -> None:
-    """A stop on purpose (signal, completion, failing saves): no rescue from here on, and the
-    buddy is told goodbye, not woken."""
+def close_rescue(parts: "RunParts", clean: bool = True) -> None:
+    """No rescue from here on. A stop on purpose (signal, completion, failing saves) tells the
+    buddy goodbye; ``clean=False`` (a failure ending) leaves it woken, as a dead rank would."""
     if parts.rescue is not None:
-        parts.rescue.close()
+        parts.rescue.close(clean=clean)

@@ -126,6 +126,7 @@ def fail(parts: RunParts, exc: BaseException) -> None:
             parts.handler.deadline.expect_exit(code, parts.config.signals.grace_s,
                                                f"exit after {type(exc).__name__}")
         requeue_after_failure(parts, "peer lost")
+    close_rescue(parts, clean=False)       # its sockets and thread must not outlive the run
     _teardown(parts, peers_alive=not lost)
     # A bug keeps its traceback; a lost peer is one line and the code (but an in-process caller
     # in `raise` mode gets the exception itself either way).
