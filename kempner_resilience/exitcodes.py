@@ -56,7 +56,8 @@ TABLE: dict[ExitCode, str] = {
                     "cleanups if something (an executor thread, a collective) holds it",
     ExitCode.USAGE: "the command line was wrong (CLI only)",
     ExitCode.HANG: "hang watchdog: no step finished within watchdog.hang_timeout_s; stacks were "
-                   "dumped to stderr; resume from the last committed checkpoint",
+                   "dumped to stderr, and the replicas wrote the last step as a rescue "
+                   "checkpoint when they could (rescue.*); resume from the last committed one",
     ExitCode.DEADLINE: "shutdown deadline: the graceful shutdown did not finish within the "
                        "signal's grace; stacks were dumped to stderr",
     ExitCode.REQUEUE: "emergency checkpoint committed and the job requeued (under SLURM) or to be "
@@ -74,9 +75,10 @@ TABLE: dict[ExitCode, str] = {
                                 "deadline, or checkpoint.max_failed_saves periodic checkpoints "
                                 "in a row failed; the previous committed checkpoint is intact",
     ExitCode.PEER_LOST: "another rank is gone (killed, its node died or its link was cut): a "
-                        "collective or the store failed; this rank left within "
-                        "watchdog.exit_timeout_s without a traceback, and rank 0 requeued the "
-                        "job under SLURM when a committed checkpoint exists; resume from it",
+                        "collective or the store failed; the survivors first wrote the last "
+                        "step as a rescue checkpoint when they could (rescue.*), then this rank "
+                        "left without a traceback, and rank 0 requeued the job under SLURM when "
+                        "a committed checkpoint exists; resume from it",
     ExitCode.SIGINT: "stopped by SIGINT (Ctrl+C): checkpoint committed; a second Ctrl+C exits "
                      "at once with this code",
     ExitCode.SIGTERM: "stopped by SIGTERM (preemption, scancel): checkpoint committed; a second "

@@ -115,6 +115,8 @@ def _attempt(i: int, evs: list[dict[str, Any]]) -> tuple[Attempt, dict[str, Any]
             committed = e.get("last_step", committed)
         elif e["ev"] == "emergency_save" and e.get("saved") == "committed":
             committed = e.get("step", committed)
+        elif e["ev"] == "rescue" and e.get("committed"):
+            committed = e.get("step", committed)
     start, resume, loop = by.get("start", evs[0]), by.get("resume"), by.get("loop")
     stop, ext = by.get("stop"), by.get("exit")
     t0 = _f(start.get("t0"), _f(start.get("t")))

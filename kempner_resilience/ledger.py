@@ -24,6 +24,8 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   ``bw_mib_s``. ``saves``: a compacted summary: ``n``, ``blocking_s``, ``bytes``, ``last_step``.
 * ``stop``: ``signal`` (a name, or ``time-limit``), ``signal_t``, ``step`` (agreed).
 * ``emergency_save``: ``step``, ``seconds``, ``saved`` (committed / failed / nothing).
+* ``rescue``: after a lost peer or a hang (rank 0, when it survived): ``step``, ``committed``,
+  ``writer`` (the rank that wrote it), ``why`` (nothing committed), ``reason``, ``seconds``.
 * ``requeue``: ``code``. ``exit``: ``code``, ``ending``, ``step`` (the last step reached).
 """
 

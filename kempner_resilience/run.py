@@ -225,6 +225,9 @@ class ResilientRun:
         if not self._looped:
             self._looped = True
             parts.ledger.event("loop", step=parts.step)
+        rescue = parts.rescue
+        if rescue is not None:
+            rescue.mark(parts.step)
         while parts.step < total:
             now = time.monotonic()
             signum = self._local_signum()
@@ -238,10 +241,14 @@ class ResilientRun:
                 clock.observe_step(time.monotonic() - now)
             parts.step += 1
             self._hang.beat()
+            if rescue is not None:
+                rescue.mark(parts.step)      # before the save: a peer may die during it
             if parts.ckpt is not None:
                 self._periodic_save(parts.step)
         parts.loop_end_wall = time.time()
         self._done = True
+        if rescue is not None:
+            rescue.close()
 
     def add_cleanup(self, fn: Callable[[], Any], *, name: str | None = None,
                     timeout_s: float | None = None) -> Callable[[], Any]:
@@ -380,6 +387,21 @@ class ResilientRun:
                                    load_s=round(parts.timings["resume_s"], 4))
         parts.clock.set_save_estimate(ckpt.estimate().seconds)
         self._recorded = ckpt.last_committed      # the ledger records only newer commits
+        self._setup_rescue()
+
+    def _setup_rescue(self) -> None:
+        """The just-in-time rescue (``kempner_resilience.rescue``), when every rank holds the
+        full state; collective."""
+        parts, cfg = self._parts, self.config.rescue
+        if not cfg.enabled or parts.agreement.world_size < 2:
+            return
+        from kempner_resilience.rescue import Rescuer
+
+        parts.rescue = Rescuer.start(cfg, parts.ckpt, rank=parts.rank,
+                                     world_size=parts.agreement.world_size)
+        if parts.rescue is not None:
+            # The hang watchdog runs the rescue before it exits: give it the time.
+            self._hang.on_hang_budget_s += cfg.budget_s
 
     def _resolve_run_id(self, root: Any) -> str:
         """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
@@ -446,9 +468,11 @@ class ResilientRun:
     def _on_hang(self) -> None:
         """Runs in the hang watchdog's thread before the HANG exit: requeue if it is worth it.
 
-        Only rank 0, only under SLURM (a local launcher sees the HANG code and decides), only
-        with a committed checkpoint to come back to, and only within the restart budget.
+        First the rescue (survivors write the last step boundary), then the requeue: only
+        rank 0, only under SLURM (a local launcher sees the HANG code and decides), only with a
+        committed checkpoint to come back to, and only within the restart budget.
         """
+        sequence.rescue(self._parts, "hang")
         sequence.requeue_after_failure(self._parts, "hang")
 
 

@@ -21,7 +21,7 @@ PKG = ROOT / "kempner_resilience"
 LAYERS = {
     "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer",
              "agreement", "teardown", "faults", "ledger", "version"},
-    "library": {"checkpoint", "slurm", "identity", "goodput"},
+    "library": {"checkpoint", "slurm", "identity", "goodput", "rescue"},
     "run": {"", "run", "shutdown", "aio"},
     "top": {"cli", "demo", "integrations"},
 }

@@ -113,10 +113,12 @@ class BucketLayouts:
             return known[1]
         return None
 
-    def record(self) -> dict[str, Any]:
+    def record(self, observe: bool = True) -> dict[str, Any]:
         """What goes into the checkpoint. Reads DDP's logging data only from the main thread
-        (it takes the reducer's lock, which a training thread stuck in backward may hold)."""
-        if threading.current_thread() is threading.main_thread():
+        (it takes the reducer's lock, which a training thread stuck in backward may hold), and
+        not at all with ``observe=False`` (a rescue after a failed backward: the layout read
+        at the last step boundary is the one)."""
+        if observe and threading.current_thread() is threading.main_thread():
             self.observe()
         out: dict[str, Any] = {}
         for key, ddp in self.ddps.items():

@@ -137,6 +137,12 @@ class CheckpointManager:
         return self._last_committed
 
     @property
+    def comm(self) -> Comm:
+        """The foreground collectives (this manager's own gloo group): for set-up steps of the
+        main thread that must agree across ranks, never while a save or load runs."""
+        return self._fg
+
+    @property
     def failed_saves(self) -> int:
         """Periodic saves that failed in a row since the last commit (the same on every rank)."""
         return self._failed_saves

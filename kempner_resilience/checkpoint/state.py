@@ -166,13 +166,18 @@ class TrainState:
                 add(t, 1 if st else 2)
         return total, kind
 
-    def capture(self, step: int, rank: int) -> dict[str, Any]:
-        """The DCP state dict for a save. Tensors are the live ones (no copy)."""
+    def tensor_state(self) -> dict[str, Any]:
+        """The modules' and optimizers' DCP state dicts: the live tensors (no copy)."""
         sd: dict[str, Any] = {}
         for name, module in self.modules.items():
             sd[name] = get_model_state_dict(module, options=_OPTS)
         for name, (optim, module) in self.optims.items():
             sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+        return sd
+
+    def capture(self, step: int, rank: int) -> dict[str, Any]:
+        """The DCP state dict for a save. Tensors are the live ones (no copy)."""
+        sd = self.tensor_state()
         blob = {"step": step, "rng": capture_rng(),
                 "objects": {n: o.state_dict() for n, o in self.others.items()}}
         if self.buckets.ddps:
@@ -188,11 +193,7 @@ class TrainState:
         Falls back to rank 0's blob (with a warning) when the checkpoint was written by fewer
         ranks: DCP reshards tensors, but per-rank RNG and data positions cannot be resharded.
         """
-        sd: dict[str, Any] = {}
-        for name, module in self.modules.items():
-            sd[name] = get_model_state_dict(module, options=_OPTS)
-        for name, (optim, module) in self.optims.items():
-            sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+        sd = self.tensor_state()
         key = rank_key(rank)
         if key not in saved_keys:
             key = rank_key(0) if rank_key(0) in saved_keys else None

@@ -5,11 +5,11 @@ from kempner_resilience.config.load import load_config
 from kempner_resilience.config.render import render_default_yaml, render_reference_markdown
 from kempner_resilience.config.schema import (ENV_CONFIG, Action, CheckpointConfig, ConfigError,
                                               ConfigFileNotFoundError, ExitMode,
-                                              IntegrationsConfig, RequeueConfig,
+                                              IntegrationsConfig, RequeueConfig, RescueConfig,
                                               ResilienceConfig, SignalsConfig, StagingMode,
                                               WatchdogConfig, normalize_signal)
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
-           "IntegrationsConfig", "RequeueConfig", "ResilienceConfig", "SignalsConfig",
-           "StagingMode", "WatchdogConfig", "ENV_CONFIG",
+           "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
+           "SignalsConfig", "StagingMode", "WatchdogConfig", "ENV_CONFIG",
            "load_config", "normalize_signal", "render_default_yaml", "render_reference_markdown"]

@@ -17,8 +17,8 @@ from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundErro
 from kempner_resilience.config.serial import build, dump
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
-           "IntegrationsConfig", "RequeueConfig", "ResilienceConfig", "SignalsConfig",
-           "StagingMode", "WatchdogConfig", "normalize_signal", "ENV_CONFIG"]
+           "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
+           "SignalsConfig", "StagingMode", "WatchdogConfig", "normalize_signal", "ENV_CONFIG"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
 
@@ -329,6 +329,27 @@ class IntegrationsConfig:
 
 
 @dataclass
+class RescueConfig:
+    """Just-in-time rescue: after a peer is lost or hangs, the survivors write the last step."""
+
+    enabled: bool = field(default=True, metadata=_help(
+        "when a peer dies or hangs, the surviving ranks write the state at the last step "
+        "boundary as a committed checkpoint (one step lost instead of a checkpoint interval); "
+        "active only when every rank holds the full state (DDP or replicated modules, 2+ "
+        "ranks), see docs/design.md"))
+    budget_s: float = field(default=120.0, metadata=_help(
+        "seconds from the failure until the rescue checkpoint must be committed (waiting for "
+        "the survivors' per-rank state included); past it the process exits with its failure "
+        "code and the newest checkpoint stays the resume point; > 0"))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget_s, (int, float)) and not isinstance(self.budget_s, bool) \
+                and self.budget_s <= 0:
+            raise ConfigError([("budget_s", f"{self.budget_s!r} is not allowed; must be > 0 "
+                                "seconds")])
+
+
+@dataclass
 class ResilienceConfig:
     """The whole configuration; every section has defaults, so ``ResilienceConfig()`` is valid."""
 
@@ -342,6 +363,8 @@ class ResilienceConfig:
         "hang detection and shutdown time limits"))
     integrations: IntegrationsConfig = field(default_factory=IntegrationsConfig, metadata=_help(
         "experiment trackers told how each attempt ends (W&B)"))
+    rescue: RescueConfig = field(default_factory=RescueConfig, metadata=_help(
+        "just-in-time rescue checkpoint from the surviving replicas after a peer is lost"))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, source: str | None = None

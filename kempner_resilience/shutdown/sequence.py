@@ -29,6 +29,7 @@ from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import Ending, Outcome, Saved, exit_code
 from kempner_resilience.shutdown.report import write_report
+from kempner_resilience.shutdown.rescue import close_rescue, rescue
 from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.signals import ShutdownHandler
 from kempner_resilience.slurm.clock import RunClock
@@ -36,7 +37,8 @@ from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
 from kempner_resilience.watchdog import HangWatchdog
 
-__all__ = ["RunParts", "stop", "fail", "give_up", "complete", "requeue_after_failure"]
+__all__ = ["RunParts", "stop", "fail", "give_up", "complete", "requeue_after_failure",
+           "rescue"]
 
 log = get_logger(__name__)
 
@@ -57,6 +59,7 @@ class RunParts:
     run_id: str | None = None
     loop_end_wall: float | None = None  # time.time() when steps() ran out of steps
     ckpt: Any = None                  # CheckpointManager, when the run has state
+    rescue: Any = None                # Rescuer, when the state is replicated (rescue/)
     slurm: Any = None                 # SlurmJob, inside a SLURM job
     last_saved: Any = None            # CheckpointInfo of the newest commit by this process
     resumed_from: Any = None          # CheckpointInfo the run resumed from
@@ -79,6 +82,7 @@ class RunParts:
 
 def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     """Every rank stops at ``decision.step``: save, requeue, tear down, leave."""
+    close_rescue(parts)
     o = Outcome(Ending.SIGNAL, decision.step, decision.signum, _action(parts, decision.signum))
     log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), o.action.value)
     req = parts.handler.request
@@ -106,17 +110,25 @@ def fail(parts: RunParts, exc: BaseException) -> None:
 
     parts.hang.stop()
     lost = is_peer_failure(exc)
+    code = int(ExitCode.PEER_LOST if lost else ExitCode.ERROR)
     if parts.exit_mode is ExitMode.EXIT:       # armed first: the store below may be gone too
         parts.handler.deadline.expect_exit(
-            int(ExitCode.PEER_LOST if lost else ExitCode.ERROR), parts.config.signals.grace_s,
-            f"exit after {type(exc).__name__}")
+            code, parts.config.rescue.budget_s if lost and parts.rescue is not None
+            else parts.config.signals.grace_s, f"exit after {type(exc).__name__}")
     forced = _peer_forced_code(parts)
     lost = lost or forced is not None
     o = Outcome(Ending.PEER_LOST if lost else Ending.ERROR, parts.step,
                 peer_forced_code=forced)
     if lost:
         log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), o.step)
+        rescue(parts, "peer lost")
+        if parts.exit_mode is ExitMode.EXIT and parts.rescue is not None:
+            # The rescue's budget is spent or unused: the rest gets the usual grace.
+            parts.handler.deadline.disarm()
+            parts.handler.deadline.expect_exit(code, parts.config.signals.grace_s,
+                                               f"exit after {type(exc).__name__}")
         requeue_after_failure(parts, "peer lost")
+    close_rescue(parts, clean=False)       # its sockets and thread must not outlive the run
     _teardown(parts, peers_alive=not lost)
     # A bug keeps its traceback; a lost peer is one line and the code (but an in-process caller
     # in `raise` mode gets the exception itself either way).
@@ -127,6 +139,7 @@ def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
     """``checkpoint.max_failed_saves`` periodic saves in a row failed (on every rank alike): stop
     with CHECKPOINT_FAILED, without an emergency save that would fail the same way."""
     parts.hang.stop()
+    close_rescue(parts)
     log.error("stopping at step %d: %s", step, err)
     _teardown(parts, peers_alive=True)
     _leave(parts, Outcome(Ending.SAVES_FAILING, step))
@@ -134,6 +147,7 @@ def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
 
 def complete(parts: RunParts, step: int) -> None:
     """All steps ran: cleanups, drain saves, report; the caller's code goes on."""
+    close_rescue(parts)
     parts.teardown.run()
     if parts.ckpt is not None:
         parts.ckpt.close()

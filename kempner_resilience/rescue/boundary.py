@@ -1,0 +1,178 @@
+"""Step boundaries: when the state is a consistent checkpoint, and the tiny snapshot that
+rebuilds what else a step changes.
+
+At a boundary of ``run.steps()`` (after one step's code, before the next one's) the state is
+exactly what a checkpoint of that step would hold. Inside the next step, parameters and
+optimizer state stay so until an optimizer step begins: a pre/post hook on every optimizer of
+the state records that (``stepped``: an optimizer step began since the boundary, so the live
+parameters no longer belong to it). Everything else a step changes is captured at the boundary,
+cheaply, so the boundary's state can be rebuilt after a failure in the middle of the next step:
+
+* every RNG stream (python ``random``, numpy, torch CPU, CUDA) and the ``state_dict()`` of the
+  other objects of the state (data position, scheduler, scaler), pickled into one small byte
+  string (``encode``; about 12 KB, tens of microseconds; ``decode`` gives the per-rank blob a
+  checkpoint holds, see ``checkpoint.state``);
+* the model's persistent buffers (BatchNorm statistics change in the forward pass), copied
+  into buffers allocated once, with one ``torch._foreach_copy_``.
+
+Parameters changed outside ``optimizer.step()`` (a manual update, an in-place clamp) are not
+seen; see docs/design.md.
+"""
+
+from __future__ import annotations
+
+import array
+import pickle
+import random
+from typing import Any, Mapping, NamedTuple
+
+import torch
+
+from kempner_resilience.checkpoint.state import TrainState
+from kempner_resilience.log import get_logger
+
+try:  # numpy is optional
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy is installed here
+    _np = None
+
+__all__ = ["Boundary", "Snapshot", "encode", "decode"]
+
+log = get_logger(__name__)
+
+_VERSION = 1
+_WORD = "I" if array.array("I").itemsize == 4 else "L"   # MT19937 words are 32 bits
+
+
+class Snapshot(NamedTuple):
+    step: int
+    payload: bytes
+
+
+def encode(step: int, others: Mapping[str, Any]) -> bytes:
+    """This process's RNG streams and the other objects' ``state_dict()`` at ``step``: pickled
+    at once, so later changes to the objects cannot reach the snapshot."""
+    version, words, gauss = random.getstate()
+    rng: dict[str, Any] = {"python": (version, array.array(_WORD, words).tobytes(), gauss),
+                           "torch": torch.get_rng_state().numpy().tobytes()}
+    if _np is not None:
+        rng["numpy"] = _np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
+    objects = {name: obj.state_dict() for name, obj in others.items()}
+    return pickle.dumps((_VERSION, step, rng, objects), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode(payload: bytes) -> dict[str, Any]:
+    """The per-rank blob of a checkpoint (``{"step", "rng", "objects"}``, the shape
+    ``TrainState.capture`` saves) from an ``encode``d snapshot. Unpickles: only for snapshots
+    this package wrote."""
+    version, step, rng, objects = pickle.loads(payload)
+    if version != _VERSION:
+        raise ValueError(f"rescue snapshot version {version!r}, expected {_VERSION}")
+    py_version, words, gauss = rng["python"]
+    out: dict[str, Any] = {"python": (py_version, tuple(array.array(_WORD, words)), gauss),
+                           "torch": _tensor(rng["torch"])}
+    if "numpy" in rng:
+        out["numpy"] = rng["numpy"]
+    if "cuda" in rng:
+        out["cuda"] = [_tensor(raw) for raw in rng["cuda"]]
+    return {"step": step, "rng": out, "objects": objects}
+
+
+class Boundary:
+    """The last step boundary of this process and what rebuilds it.
+
+    ``mark(step)`` at every boundary (the main thread); ``why_inconsistent()``, ``snapshot()``
+    and ``boundary_buffers()`` from any thread after a failure. Snapshots are immutable byte
+    strings swapped in with one assignment, so a reader never sees half of one.
+    """
+
+    def __init__(self, state: TrainState) -> None:
+        self.state = state
+        self.step: int | None = None        # the last boundary marked
+        self.stepped = False                # an optimizer step began since that boundary
+        self.in_step = 0                    # optimizer steps begun and not finished
+        self.error: str | None = None       # why snapshots stopped (an unpicklable state_dict)
+        self._snaps: tuple[Snapshot | None, Snapshot | None] = (None, None)
+        self._hooks: list[Any] = []
+        self._live: list[torch.Tensor] = []
+        self._copies: list[torch.Tensor] = []
+
+    def attach(self) -> None:
+        """Hook every optimizer of the state and allocate the buffer copies (once)."""
+        for optim, _ in self.state.optims.values():
+            pre = optim.register_step_pre_hook(self._pre)
+            # First among the optimizer's own pre-hooks: a failure inside any of them (a hook
+            # may sync or change parameters) counts as inside the step. Conservative.
+            hooks = getattr(optim, "_optimizer_step_pre_hooks", None)
+            if hasattr(hooks, "move_to_end"):
+                hooks.move_to_end(pre.id, last=False)
+            self._hooks += [pre, optim.register_step_post_hook(self._post)]
+        params = {id(p) for m in self.state.modules.values() for p in m.parameters()}
+        seen: set[int] = set()
+        for module in self.state.modules.values():
+            for value in module.state_dict(keep_vars=True).values():
+                if isinstance(value, torch.Tensor) and id(value) not in params \
+                        and id(value) not in seen and value.numel() > 0:
+                    seen.add(id(value))
+                    self._live.append(value)
+                    self._copies.append(torch.empty_like(value))
+
+    def detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def _pre(self, *_args: Any) -> None:
+        self.stepped = True
+        self.in_step += 1
+
+    def _post(self, *_args: Any) -> None:
+        self.in_step -= 1
+
+    def mark(self, step: int) -> bytes | None:
+        """The state is at boundary ``step``: snapshot it. Returns the snapshot (None once a
+        snapshot failed: the rescue is then off for this process, said once)."""
+        payload = None
+        if self.error is None:
+            try:
+                payload = encode(step, self.state.others)
+            except Exception as e:  # noqa: BLE001 - a user's state_dict() that cannot pickle
+                self.error = f"the step snapshot failed ({type(e).__name__}: {e})"
+                log.warning("rescue off for this rank: %s", self.error)
+        if self._live:
+            with torch.no_grad():
+                torch._foreach_copy_(self._copies, self._live)
+        self._snaps = (None if payload is None else Snapshot(step, payload), self._snaps[0])
+        self.step = step
+        self.stepped = False
+        self.in_step = 0
+        return payload
+
+    def why_inconsistent(self) -> str | None:
+        """None when the live parameters and optimizer state are still those of the last
+        boundary (so that boundary can be written), else why not."""
+        if self.error is not None:
+            return self.error
+        if self.step is None:
+            return "no step boundary was reached yet"
+        if self.in_step:
+            return f"an optimizer step was in progress (after the boundary of step {self.step})"
+        if self.stepped:
+            return (f"an optimizer step already ran after the boundary of step {self.step}, so "
+                    "the parameters belong to no boundary whose other state is known")
+        return None
+
+    def snapshots(self) -> list[Snapshot]:
+        """The snapshots of the last two boundaries, newest first."""
+        return [s for s in self._snaps if s is not None]
+
+    def boundary_buffers(self) -> dict[int, torch.Tensor]:
+        """The persistent buffers as they were at the last boundary, by the live buffer's
+        ``data_ptr()``."""
+        return {live.data_ptr(): copy for live, copy in zip(self._live, self._copies)}

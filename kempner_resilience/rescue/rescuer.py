@@ -1,0 +1,279 @@
+"""The rescue, start to end: set-up, the per-step mark, and what a survivor does after a failure.
+
+After a peer failure or a hang, each survivor that reaches ``rescue()`` (its training thread
+after the collective failed, or its hang watchdog) first offers its snapshots: its own of the
+last two boundaries and the ones its predecessor sent it (``files``), and wakes its buddy, which
+does the same and passes the wake on (ranks stuck in a collective with live peers learn of the
+failure this way). Then:
+
+* a rank whose state is not at its last boundary (an optimizer step began since) says so and
+  does not write;
+* a rank whose state is, claims the rescue (``O_EXCL``); the first one writes: it waits, within
+  half of ``rescue.budget_s``, for every rank's snapshot of its boundary step, then writes and
+  commits a normal checkpoint (``save``). Missing snapshots (a rank and its buddy both gone)
+  mean no rescue: never a checkpoint that mixes steps or guesses a rank's RNG;
+* every other rank waits for the outcome (``done.json``) within the budget, so that rank 0 never
+  requeues (which kills the job's tasks) while the writer still writes.
+
+Each rank logs one line with the outcome: the step committed and where, or why nothing was.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo
+from kempner_resilience.config import RescueConfig
+from kempner_resilience.log import get_logger
+from kempner_resilience.rescue import files as rfiles
+from kempner_resilience.rescue import replicas
+from kempner_resilience.rescue.boundary import Boundary
+from kempner_resilience.rescue.link import BuddyLink, buddy_offset, local_address
+from kempner_resilience.rescue.save import write_rescue
+
+__all__ = ["Rescuer", "RescueResult"]
+
+log = get_logger(__name__)
+
+CLAIM_WAIT_S = 3.0       # how long a rank that cannot write waits for another one to claim
+CONNECT_TIMEOUT_S = 60.0
+_POLL_S = 0.02
+
+
+@dataclass
+class RescueResult:
+    """What the rescue did, as this rank knows it."""
+
+    step: int | None                  # the boundary step it was (or would have been) for
+    info: CheckpointInfo | None       # the committed rescue checkpoint, by any rank
+    writer: int | None                # the rank that wrote (or tried to write) it
+    why: str | None                   # why nothing was committed
+    seconds: float = 0.0
+
+
+class Rescuer:
+    """One rank's part in the rescue; made by ``start`` (collective), or None when off."""
+
+    def __init__(self, config: RescueConfig, ckpt: Any, *, rank: int, world_size: int,
+                 attempt: str) -> None:
+        self.config = config
+        self.ckpt = ckpt
+        self.rank = rank
+        self.world_size = world_size
+        self.files = rfiles.RescueFiles(ckpt.root, attempt)
+        self.boundary = Boundary(ckpt.state)
+        self.link = BuddyLink(rank, self._on_wake)
+        self._lock = threading.Lock()
+        self._woken = False
+        self._offered: set[tuple[int, int]] = set()
+        self._running = threading.Event()
+        self._finished = threading.Event()
+        self._result: RescueResult | None = None
+
+    # ---------------------------------------------------------------------------- set-up
+
+    @classmethod
+    def start(cls, config: RescueConfig, ckpt: Any, *, rank: int,
+              world_size: int) -> "Rescuer | None":
+        """Collective (the checkpoint manager's group): decide on every rank alike whether the
+        rescue is possible, and connect the buddy links. Rank 0 logs why when it is not."""
+        state = ckpt.state
+        why = replicas.local_problem(state)
+        fp = replicas.fingerprint(state) if why is None else 0
+        self = cls(config, ckpt, rank=rank, world_size=world_size, attempt="")
+        host = local_address()
+        try:
+            addr = self.link.listen(host)
+        except OSError as e:
+            why, addr = why or f"cannot open the rescue link on {host} ({e})", (host, 0)
+        # Rank 0 names this attempt (its rescue files) and the links' shared secret.
+        ids = (f"{int(time.time())}-{secrets.token_hex(4)}", secrets.token_bytes(16)) \
+            if rank == 0 else None
+        gathered = ckpt.comm.all_gather_object((why, fp, addr, socket.gethostname(), ids))
+        whys = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
+        if not whys and len({g[1] for g in gathered}) > 1:
+            whys = ["the modules not wrapped in DDP differ across ranks (not replicas)"]
+        if whys:
+            self.link.close(clean=False)
+            if rank == 0:
+                log.warning("rescue off: %s", whys[0])
+            return None
+        attempt, secret = gathered[0][4]
+        self.files = rfiles.RescueFiles(ckpt.root, attempt)
+        offset = buddy_offset([g[3] for g in gathered])
+        buddy, pred = (rank + offset) % world_size, (rank - offset) % world_size
+        try:
+            self.link.connect(buddy, pred, tuple(gathered[buddy][2]), secret, CONNECT_TIMEOUT_S)
+        except OSError as e:
+            log.warning("rescue link with ranks %d/%d failed (%s): a rescue after this rank "
+                        "dies will lack its per-rank state", buddy, pred, e)
+        self.boundary.attach()
+        if rank == 0:
+            rfiles.remove_stale(ckpt.root, attempt)
+            log.info("rescue on: %d replicas; each rank's step state also lives on rank "
+                     "+%d; budget %.0f s", world_size, offset, config.budget_s)
+        return self
+
+    # ----------------------------------------------------------------------------- per step
+
+    def mark(self, step: int) -> None:
+        """At every step boundary (the training thread): snapshot, and send it to the buddy."""
+        payload = self.boundary.mark(step)
+        if payload is not None:
+            self.link.send(step, payload)
+
+    def close(self, clean: bool = True) -> None:
+        """The loop ended (or the run stops on purpose): no rescue from here on."""
+        self.boundary.detach()
+        self.boundary.error = self.boundary.error or "the training loop has ended"
+        self.link.close(clean=clean)
+
+    # ------------------------------------------------------------------------- the rescue
+
+    def _on_wake(self, reason: str) -> None:
+        """Offer every snapshot this rank holds, and pass the wake on (once). Any thread."""
+        with self._lock:
+            first = not self._woken
+            self._woken = True
+        if first:
+            log.warning("rescue: %s; offering this rank's step state", reason)
+        self._offer()
+        if first:
+            self.link.wake()
+
+    def _offer(self) -> None:
+        items = [(self.rank, s.step, s.payload) for s in self.boundary.snapshots()]
+        items += [(self.link.pred, step, payload) for step, payload in self.link.held()]
+        for rank, step, payload in items:
+            if (rank, step) in self._offered:
+                continue
+            try:
+                self.files.put(rank, step, payload)
+                self._offered.add((rank, step))
+            except OSError as e:
+                log.warning("rescue: cannot offer rank %d's state of step %d in %s: %s", rank,
+                            step, self.files.dir, e)
+
+    def rescue(self, reason: str, committed_step: int | None) -> RescueResult:
+        """Run the rescue (the first caller in this process; a later one gets its result,
+        waiting for it within the budget). Never raises; bounded by ``rescue.budget_s``."""
+        with self._lock:
+            first = not self._running.is_set()
+            self._running.set()
+        if not first:
+            self._finished.wait(self.config.budget_s)
+            return self._result or RescueResult(None, None, None, "the rescue is still running")
+        t0 = time.monotonic()
+        try:
+            result = self._rescue(reason, committed_step, t0)
+        except Exception as e:  # noqa: BLE001 - the failure exit must go on
+            log.exception("rescue failed")
+            result = RescueResult(self.boundary.step, None, None, f"{type(e).__name__}: {e}")
+        result.seconds = time.monotonic() - t0
+        self._result = result
+        self._finished.set()
+        return result
+
+    def _rescue(self, reason: str, committed: int | None, t0: float) -> RescueResult:
+        deadline = t0 + self.config.budget_s
+        self._on_wake(f"this rank: {reason}")
+        step = self.boundary.step
+        why = self.boundary.why_inconsistent()
+        if why is None and step is not None and step <= (committed or 0):
+            why = f"step {step} is already committed" if committed is not None else \
+                "no step completed yet"
+        if why is not None:
+            log.warning("rescue: this rank cannot write one: %s", why)
+            return self._await_other(step, why, deadline)
+        assert step is not None
+        if not self.files.claim(self.rank, step):
+            return self._await_other(step, None, deadline)
+        return self._write(step, reason, t0, deadline)
+
+    def _await_other(self, step: int | None, own_why: str | None,
+                     deadline: float) -> RescueResult:
+        """Wait for the writer's outcome. Without a claim yet only rank 0 waits (briefly) for
+        one: it requeues the job under SLURM, which would kill a writer still writing; any
+        other rank leaves, which also wakes the ranks still stuck in a collective with it."""
+        claim_end = time.monotonic() + (CLAIM_WAIT_S if self.rank == 0 else 0.0)
+        while time.monotonic() < deadline:
+            out = self.files.outcome()
+            if out is not None:
+                return self._from_outcome(out)
+            if self.files.claimant() is None and time.monotonic() >= claim_end:
+                break
+            time.sleep(_POLL_S)
+        who = self.files.claimant()
+        why = own_why or "no rank could write it"
+        if who:
+            why = f"rank {who.get('rank')} claimed it but committed nothing within the budget"
+        log.warning("rescue skipped: %s; the newest committed checkpoint stays the resume point",
+                    why)
+        return RescueResult(step, None, who.get("rank") if who else None, why)
+
+    def _from_outcome(self, out: dict[str, Any]) -> RescueResult:
+        writer, step = out.get("writer"), out.get("step")
+        if out.get("committed"):
+            entry = layout.scan_one(Path(out["path"]))
+            if entry is not None and entry.committed:
+                log.warning("rescue: rank %s committed step %s at %s", writer, step, entry.path)
+                return RescueResult(step, entry.info(), writer, None)
+            why = f"rank {writer} reported a commit at {out['path']} that is not there"
+        else:
+            why = out.get("why") or "?"
+        log.warning("rescue skipped: %s; the newest committed checkpoint stays the resume point",
+                    why)
+        return RescueResult(step, None, writer, why)
+
+    def _write(self, step: int, reason: str, t0: float, deadline: float) -> RescueResult:
+        need = set(range(self.world_size))
+        wait_end = t0 + self.config.budget_s / 2
+        waited = time.monotonic()
+        while True:
+            self._offer()          # snapshots that arrived from the predecessor meanwhile
+            missing = need - self.files.ranks_at(step)
+            if not missing or time.monotonic() >= min(wait_end, deadline):
+                break
+            time.sleep(_POLL_S)
+        waited = time.monotonic() - waited
+        blobs = {r: self.files.get(r, step) for r in sorted(need - missing)}
+        missing |= {r for r, b in blobs.items() if b is None}
+        if missing:
+            why = (f"no state of step {step} from rank(s) {sorted(missing)} (each rank's RNG and "
+                   "data position live only on it and its buddy: both gone or stuck)")
+            return self._done(step, None, why)
+        cfg = self.ckpt.config
+        extra = {**self.ckpt.manifest_extra,
+                 "rescue": {"reason": reason, "writer_rank": self.rank,
+                            "world_size": self.world_size, "attempt": self.files.dir.name,
+                            "waited_for_state_s": round(waited, 4),
+                            "detected_to_write_s": round(time.monotonic() - t0, 4)}}
+        try:
+            info = write_rescue(self.ckpt.state, self.boundary, blobs, step,
+                                root=self.ckpt.root, run_id=self.ckpt.run_id,
+                                io_threads=cfg.io_threads, world_size=self.world_size,
+                                extra=extra)
+        except CheckpointError as e:
+            return self._done(step, None, str(e))
+        log.warning("rescue: committed step %d at %s, %.2f s after the failure (rank %d wrote "
+                    "it: %s)", step, info.path, time.monotonic() - t0, self.rank, reason)
+        return self._done(step, info, None)
+
+    def _done(self, step: int, info: CheckpointInfo | None, why: str | None) -> RescueResult:
+        out = {"committed": info is not None, "step": step, "writer": self.rank, "why": why,
+               "path": None if info is None else str(info.path)}
+        try:
+            self.files.finish(out)
+        except OSError as e:
+            log.warning("rescue: cannot record the outcome in %s: %s", self.files.dir, e)
+        if info is None:
+            log.warning("rescue skipped: %s; the newest committed checkpoint stays the resume "
+                        "point", why)
+        return RescueResult(step, info, self.rank, why)

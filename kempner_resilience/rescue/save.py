@@ -1,0 +1,88 @@
+"""Writing the rescue checkpoint: one process, no collective, a normal committed checkpoint.
+
+The writer holds a full replica (DDP), so its live parameters and optimizer state, still at the
+boundary (``Boundary`` refused otherwise), with the persistent buffers put back to their
+boundary copies, are the whole tensor state. The per-rank blobs (RNG streams, data position,
+scheduler) of every rank come from the snapshots: its own, and the others' from the rescue files.
+DCP writes them without a process group (``no_dist``: one ``__0_0.distcp`` file that any world
+size loads) through the package's checksumming writer into a fresh step directory, and the
+manifest commit makes it visible, exactly as for any save. Nothing is committed on any error:
+the partial directory is removed (or, if the process dies, left uncommitted; resume skips it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from kempner_resilience.checkpoint import commit, layout, retention
+from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY
+from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo, describe_error
+from kempner_resilience.checkpoint.state import TrainState, rank_key
+from kempner_resilience.checkpoint.writer import ChecksummingWriter
+from kempner_resilience.rescue.boundary import Boundary, decode
+
+__all__ = ["write_rescue"]
+
+
+def _state_dict(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes],
+                step: int) -> dict[str, Any]:
+    sd = state.tensor_state()
+    buffers = boundary.boundary_buffers()
+    if buffers:
+        for name in state.modules:
+            sd[name] = {k: buffers.get(v.data_ptr(), v)
+                        if isinstance(v, torch.Tensor) and v.numel() else v
+                        for k, v in sd[name].items()}
+    record = state.buckets.record(observe=False) if state.buckets.ddps else None
+    for rank, payload in sorted(blobs.items()):
+        blob = decode(payload)
+        if blob["step"] != step:
+            raise CheckpointError(f"rank {rank}'s snapshot is of step {blob['step']}, not {step}")
+        if record is not None:
+            blob[RECORD_KEY] = record
+        buf = io.BytesIO()
+        torch.save(blob, buf)
+        sd[rank_key(rank)] = buf.getvalue()
+    return sd
+
+
+def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes], step: int,
+                 *, root: Path, run_id: str | None, io_threads: int, world_size: int,
+                 extra: Mapping[str, Any]) -> CheckpointInfo:
+    """Write and commit the state of boundary ``step`` under ``root``; ``blobs`` holds every
+    rank's snapshot of it. ``extra`` goes into the manifest (run id, job, the rescue's record).
+    Raises CheckpointError (nothing committed) on any failure."""
+    t0 = time.monotonic()
+    sd = _state_dict(state, boundary, blobs, step)
+    try:
+        path = layout.create_step_dir(root, step, run_id)
+    except OSError as e:
+        raise CheckpointError(f"rescue of step {step}: cannot create its directory under "
+                              f"{root}: {describe_error(e)}") from None
+    status: str | None = None
+    manifest: dict[str, Any] = {}
+    try:
+        writer = ChecksummingWriter(path, threads=io_threads)
+        dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+        status = commit.commit(path, step, "rescue", [(writer.files, None)], t0, 0.0,
+                               world_size, manifest, {"run_id": run_id, **extra})
+    except (Exception, CheckpointException) as e:
+        status = describe_error(e)
+    if status is not None:
+        with contextlib.suppress(OSError):
+            retention.remove_dir(path)
+        raise CheckpointError(f"rescue of step {step} into {path} failed: {status}; the "
+                              "partial directory was removed")
+    return CheckpointInfo(step=step, path=path, reason="rescue",
+                          committed_at=manifest["committed_at"], nbytes=manifest["nbytes"],
+                          world_size=world_size, save_seconds=time.monotonic() - t0,
+                          blocked_seconds=time.monotonic() - t0)

@@ -1,0 +1,35 @@
+"""The rescue step of a failure ending (a lost peer, a hang): the survivors write the last step
+boundary as a checkpoint (``kempner_resilience.rescue``) before the requeue and the exit, and
+the stop on purpose that turns it off."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kempner_resilience.shutdown.sequence import RunParts
+
+__all__ = ["rescue", "close_rescue"]
+
+
+def rescue(parts: "RunParts", why: str) -> None:
+    """Within ``rescue.budget_s`` (the caller's deadline is the backstop). The rescuer logs the
+    outcome; the ledger (rank 0) records it, and a committed rescue becomes the checkpoint a
+    requeue comes back to."""
+    r = parts.rescue
+    if r is None:
+        return
+    result = r.rescue(why, parts.committed_step())
+    parts.timings["rescue_s"] = result.seconds
+    if result.info is not None:
+        parts.last_saved = result.info
+    parts.ledger.event("rescue", step=result.step, committed=result.info is not None,
+                       writer=result.writer, why=result.why, reason=why,
+                       seconds=round(result.seconds, 4))
+
+
+def close_rescue(parts: "RunParts", clean: bool = True) -> None:
+    """No rescue from here on. A stop on purpose (signal, completion, failing saves) tells the
+    buddy goodbye; ``clean=False`` (a failure ending) leaves it woken, as a dead rank would."""
+    if parts.rescue is not None:
+        parts.rescue.close(clean=clean)

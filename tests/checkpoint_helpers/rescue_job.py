@@ -1,0 +1,124 @@
+"""The demo job (``kempner_resilience.demo.train``'s state: a DDP MLP with dropout, Adam, a step
+LR schedule, a shuffled data iterator, per-rank RNG streams) under ResilientRun, with ways for
+one rank to fail in the first launch only (``KEMPNER_RESTART_COUNT`` 0), as a real failure
+would, once:
+
+    --kill-at R:S         rank R SIGKILLs itself in step S after its forward pass: the others are
+                          waiting in the gradient all-reduce
+    --kill-in-optim R:S   with --optim-collective, rank R SIGKILLs itself inside its optimizer
+                          step S: the others fail inside optimizer.step()
+    --hang-at R:S         rank R hangs in step S in a C call that holds the GIL
+    --optim-collective    every optimizer step starts with an all-reduce on its own gloo group
+                          (as an optimizer that syncs a global norm would), in every launch
+    --ballast-mb N        an extra replicated module holding N MB (a rescue that takes a while)
+    --no-ddp-unsynced     no DDP, and each rank's model seeded differently: not replicas
+
+Launched by ``LocalLauncher`` (rank, world and port from the environment, ``--progress``
+appended); rank 0 writes the final weights to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import kempner_resilience as kr  # noqa: E402
+from kempner_resilience.demo.train import build  # noqa: E402
+from kempner_resilience.log import configure  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def _at(text: str | None) -> tuple[int, int]:
+    if not text:
+        return -1, -1
+    r, s = text.split(":")
+    return int(r), int(s)
+
+
+def _hang_holding_the_gil() -> None:
+    # PyDLL keeps the GIL across the call: no Python thread of this process runs again.
+    libc = ctypes.PyDLL(None)
+    mutex = ctypes.create_string_buffer(64)
+    libc.pthread_mutex_init(mutex, None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--progress")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--kill-at")
+    p.add_argument("--kill-in-optim")
+    p.add_argument("--hang-at")
+    p.add_argument("--optim-collective", action="store_true")
+    p.add_argument("--ballast-mb", type=int, default=0)
+    p.add_argument("--no-ddp-unsynced", action="store_true")
+    args = p.parse_args()
+    configure("INFO")
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    first = os.environ.get("KEMPNER_RESTART_COUNT", "0") == "0"
+    kill, kill_optim, hang = (_at(a) if first else (-1, -1)
+                              for a in (args.kill_at, args.kill_in_optim, args.hang_at))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.no_ddp_unsynced:
+        state = build(rank, world, seed=rank, ddp=False)
+    else:
+        state = build(rank, world)
+    if args.ballast_mb:
+        ballast = nn.Module()
+        ballast.weight = nn.Parameter(torch.zeros(args.ballast_mb << 18), requires_grad=False)
+        state["ballast"] = ballast
+    model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
+    step_now = [-1]
+    if args.optim_collective:
+        group = dist.new_group(backend="gloo")
+
+        def sync(*_args: object) -> None:
+            if (rank, step_now[0]) == kill_optim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.all_reduce(torch.ones(1), group=group)
+
+        optim.register_step_pre_hook(sync)
+    progress = open(args.progress, "a", buffering=1) if args.progress else None
+    cfg = kr.load_config(None, args.overrides)
+    with kr.ResilientRun(cfg, state=state) as run:
+        for step in run.steps(args.steps):
+            step_now[0] = step
+            if (rank, step) == hang:
+                _hang_holding_the_gil()
+            x, y = next(data)
+            optim.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if (rank, step) == kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            optim.step()
+            sched.step()
+            if args.step_time:
+                time.sleep(args.step_time)
+            if progress is not None:
+                progress.write(f"rank {rank} step {step}\n")
+    if rank == 0:
+        inner = getattr(model, "module", model)
+        torch.save({"model": inner.state_dict(), "optim": optim.state_dict()}, args.out)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

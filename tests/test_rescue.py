@@ -1,0 +1,158 @@
+"""Just-in-time rescue with real processes: 4 DDP ranks over gloo (the demo's model with dropout,
+Adam, a step LR schedule, shuffled data, per-rank RNG streams), periodic saves every 10 steps,
+one rank failing between two saves in the first launch; the second launch is the requeue.
+
+A rescue commits the last step boundary (one step lost, not a checkpoint interval) and the
+resumed run ends bitwise equal to an uninterrupted one; a survivor caught inside an optimizer
+step refuses, and the run falls back to the periodic checkpoint; a writer killed mid-rescue
+leaves nothing committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import assert_bitwise_equal
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.demo.launcher import LocalLauncher
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.goodput import analyze_dir
+from kempner_resilience.ledger import LEDGER_NAME, read_ledger
+
+HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py"
+STEPS, EVERY, FAIL_AT = 30, 10, 25
+RELAUNCH = {int(ExitCode.PEER_LOST), int(ExitCode.HANG), -signal.SIGKILL}
+
+
+def run_job(work: Path, *extra: str, ranks: int = 4, on_launch=None):
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "weights.pt"
+    cmd = [sys.executable, str(HELPER), "--steps", str(STEPS), "--out", str(out),
+           "--set", f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={EVERY}",
+           "--set", "rescue.budget_s=20", "--set", "watchdog.hang_timeout_s=60", *extra]
+    launches = LocalLauncher(cmd, ranks=ranks, workdir=work, max_launches=2,
+                             relaunch_codes=RELAUNCH, stop_timeout_s=90,
+                             on_launch=on_launch).run()
+    return launches, torch.load(out, weights_only=True) if out.exists() else None
+
+
+def committed(work: Path) -> dict[int, dict]:
+    return {e.step: e.manifest for e in layout.scan(work / "ckpt") if e.committed}
+
+
+def logs(work: Path, launch: int = 0) -> str:
+    return "".join(p.read_text() for p in sorted(work.glob(f"rank*.{launch}.log")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    launches, weights = run_job(tmp_path_factory.mktemp("rescue-ref"))
+    assert [l.exit_codes for l in launches] == [[0, 0, 0, 0]]
+    return weights
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_the_gradient_all_reduce_costs_one_step_and_the_run_ends_bitwise_equal(
+        tmp_path, reference):
+    launches, weights = run_job(tmp_path, "--kill-at", f"3:{FAIL_AT}")
+    first, second = launches
+    assert first.exit_codes == [ExitCode.PEER_LOST] * 3 + [-signal.SIGKILL]
+    rescue = committed(tmp_path)[FAIL_AT]      # the boundary of the step the rank died in
+    assert rescue["reason"] == "rescue"
+    assert rescue["rescue"]["reason"] == "peer lost" and rescue["rescue"]["writer_rank"] in (0, 1, 2)
+    layout.verify_entry(layout.scan_one(tmp_path / "ckpt" / f"step_{FAIL_AT:09d}"))
+    assert f"committed step {FAIL_AT}" in logs(tmp_path)
+    assert second.report["resumed_from"] == FAIL_AT and second.exit_codes == [0] * 4
+    assert_bitwise_equal(reference, weights)
+    # The run ledger (rank 0 survived) records the rescue; the requeue resumed where it ended.
+    events = read_ledger(tmp_path / "ckpt" / LEDGER_NAME)
+    assert [(e["step"], e["committed"]) for e in events if e["ev"] == "rescue"] == [(FAIL_AT, True)]
+    attempts = analyze_dir(tmp_path / "ckpt").attempts
+    assert attempts[0].last_step - attempts[1].start_step <= 1
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_holding_the_gil_is_rescued_by_the_others(tmp_path, reference):
+    launches, weights = run_job(tmp_path, "--hang-at", f"3:{FAIL_AT}",
+                                "--set", "watchdog.hang_timeout_s=5")
+    first, second = launches
+    assert first.exit_codes == [ExitCode.HANG] * 4   # the hung one by its kernel-timer backstop
+    assert committed(tmp_path)[FAIL_AT]["rescue"]["reason"] == "hang"
+    assert second.report["resumed_from"] == FAIL_AT
+    assert_bitwise_equal(reference, weights)
+
+
+@pytest.mark.slow
+def test_survivors_inside_an_optimizer_step_refuse_the_rescue_and_the_run_falls_back(
+        tmp_path, reference):
+    # Every optimizer step starts with a collective; rank 3 dies inside it, so the survivors
+    # fail inside optimizer.step(): their parameters may be half updated.
+    launches, weights = run_job(tmp_path, "--optim-collective", "--kill-in-optim",
+                                f"3:{FAIL_AT}")
+    first, second = launches
+    assert first.exit_codes == [ExitCode.PEER_LOST] * 3 + [-signal.SIGKILL]
+    assert FAIL_AT not in committed(tmp_path) and FAIL_AT + 1 not in committed(tmp_path)
+    assert "an optimizer step was in progress" in logs(tmp_path)
+    assert second.report["resumed_from"] == 20          # the periodic checkpoint
+    assert_bitwise_equal(reference, weights)
+
+
+@pytest.mark.slow
+def test_a_rescue_writer_killed_mid_write_leaves_nothing_committed(tmp_path):
+    # 2 ranks: rank 1 dies, rank 0 writes the rescue, with 64 MB of replicated ballast so that
+    # it takes long enough to be killed while writing.
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_the_writer() -> None:
+        ckpt = tmp_path / "ckpt"
+        while not stop.is_set():
+            for claim in ckpt.glob(".rescue/*/claim"):
+                try:
+                    who = json.loads(claim.read_text())
+                except ValueError:
+                    continue
+                if (ckpt / f"step_{who['step']:09d}").is_dir():   # its write has begun
+                    os.kill(who["pid"], signal.SIGKILL)
+                    killed.append(who["step"])
+                    return
+            time.sleep(0.001)
+
+    after_first: list[tuple[bool, bool, dict]] = []
+
+    def look(launch) -> None:
+        if launch.index == 0:       # before the next launch's retention cleans up
+            partial = tmp_path / "ckpt" / f"step_{FAIL_AT:09d}"
+            after_first.append((partial.is_dir(), (partial / layout.MANIFEST_NAME).exists(),
+                                committed(tmp_path)))
+
+    watcher = threading.Thread(target=kill_the_writer, daemon=True)
+    watcher.start()
+    try:
+        launches, _ = run_job(tmp_path, "--kill-at", f"1:{FAIL_AT}", "--ballast-mb", "64",
+                              "--set", "rescue.budget_s=6", ranks=2, on_launch=look)
+    finally:
+        stop.set()
+    assert killed == [FAIL_AT]
+    assert launches[0].exit_codes == [-signal.SIGKILL] * 2     # rank 1, and rank 0 writing
+    [(begun, manifest, commits)] = after_first
+    assert begun and not manifest and sorted(commits) == [10, 20]
+    for entry in layout.scan(tmp_path / "ckpt"):
+        if entry.committed:
+            layout.verify_entry(entry)
+    assert launches[1].report["resumed_from"] == 20 and launches[1].exit_codes == [0] * 2
+
+
+def test_rescue_is_off_with_a_log_line_when_the_ranks_modules_are_not_replicas(tmp_path):
+    launches, _ = run_job(tmp_path, "--no-ddp-unsynced", ranks=2)
+    assert [l.exit_codes for l in launches] == [[0, 0]]
+    assert "rescue off: the modules not wrapped in DDP differ across ranks" in logs(tmp_path)

@@ -1,0 +1,81 @@
+"""The step boundary in one process: what the rescue writes in the middle of a step is exactly
+the checkpoint of the boundary before it, and an optimizer step since the boundary forbids it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from checkpoint_helpers import toy
+from helpers import assert_bitwise_equal
+from kempner_resilience.checkpoint import CheckpointManager, layout
+from kempner_resilience.checkpoint.state import TrainState
+from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.rescue.boundary import Boundary
+from kempner_resilience.rescue.save import write_rescue
+
+
+def _build() -> dict:
+    """toy's state (dropout, Adam, scheduler, data, python/numpy noise) with BatchNorm, whose
+    running statistics change in every forward pass."""
+    state = toy.build(0)
+    torch.manual_seed(0)
+    state["model"] = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                   nn.Dropout(0.3), nn.Linear(32, 4))
+    state["optim"] = torch.optim.Adam(state["model"].parameters(), lr=1e-2)
+    state["sched"] = torch.optim.lr_scheduler.StepLR(state["optim"], step_size=3, gamma=0.5)
+    toy.seed_all(0)
+    return state
+
+
+def _resumed(path: Path) -> dict:
+    fresh = _build()
+    info = CheckpointManager(CheckpointConfig(dir=str(path)), fresh).resume()
+    assert info is not None and info.step == 3
+    return toy.snapshot(fresh)
+
+
+def test_a_rescue_written_inside_a_step_resumes_exactly_like_a_checkpoint_of_its_boundary(
+        tmp_path: Path) -> None:
+    straight = _build()
+    for _ in range(3):
+        toy.train_step(straight)
+    CheckpointManager(CheckpointConfig(dir=str(tmp_path / "saved")), straight).save(3)
+
+    state = _build()
+    for _ in range(3):
+        toy.train_step(state)
+    boundary = Boundary(TrainState(state))
+    boundary.attach()
+    boundary.mark(3)
+    # Step 4 fails in the gradient all-reduce: the forward pass already drew dropout masks,
+    # moved the data and the BatchNorm statistics; no optimizer step ran.
+    x, y = state["data"].next()
+    ((state["model"](x) - y) ** 2).mean().backward()
+    assert boundary.why_inconsistent() is None
+    [snap, *_] = boundary.snapshots()
+    info = write_rescue(boundary.state, boundary, {0: snap.payload}, 3,
+                        root=tmp_path / "rescued", run_id=None, io_threads=2, world_size=1,
+                        extra={"rescue": {"reason": "test"}})
+    assert info.reason == "rescue" and info.step == 3
+    layout.verify_entry(layout.scan_one(info.path))
+
+    assert_bitwise_equal(_resumed(tmp_path / "saved"), _resumed(tmp_path / "rescued"))
+
+
+def test_once_an_optimizer_step_began_the_boundary_cannot_be_written_until_the_next_one() -> None:
+    state = _build()
+    boundary = Boundary(TrainState(state))
+    boundary.attach()
+    assert boundary.why_inconsistent() == "no step boundary was reached yet"
+    boundary.mark(0)
+    assert boundary.why_inconsistent() is None
+    toy.train_step(state)                   # forward, backward, optimizer.step()
+    assert "optimizer step already ran" in boundary.why_inconsistent()
+    boundary.mark(1)
+    assert boundary.why_inconsistent() is None
+    boundary.detach()
+    toy.train_step(state)                   # unhooked: no longer watched
+    assert boundary.why_inconsistent() is None
