@@ -121,7 +121,10 @@ def fail(parts: RunParts, exc: BaseException) -> None:
                 peer_forced_code=forced)
     if lost:
         log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), o.step)
-        rescue(parts, "peer lost")
+        if forced is None:
+            rescue(parts, "peer lost")
+        else:   # the user forced a rank out: every rank leaves at once, no rescue wait
+            log.info("no rescue: a rank was forced out with %d", forced)
         if parts.exit_mode is ExitMode.EXIT and parts.rescue is not None:
             # The rescue's budget is spent or unused: the rest gets the usual grace.
             parts.handler.deadline.disarm()
