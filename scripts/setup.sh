@@ -12,7 +12,7 @@ quiet_pip() { .venv/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   quiet_pip "$TORCH_SPEC"
 fi
-if ! .venv/bin/python -c "import kempner_resilience, pytest, xdist, submitit, nbclient, matplotlib, wandb" \
+if ! .venv/bin/python -c "import kempner_resilience, pytest, submitit, nbclient, matplotlib, wandb" \
     2>/dev/null; then
   quiet_pip -e ".[test]"
 fi
