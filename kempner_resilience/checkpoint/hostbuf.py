@@ -140,32 +140,25 @@ class Slot:
 
     def to_host(self, chunk: Chunk, offset: int, src: torch.Tensor) -> None:
         """Copy the uint8 tensor ``src`` into ``chunk`` at ``offset`` (CUDA: asynchronous)."""
-        n = src.numel()
-        dst = chunk.buf[offset:offset + n]
-        if src.is_cuda:
-            stream = self._stream(src.device)
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            chunk.used_by(stream)
-            chunk.hold.append(src)
-        else:
-            dst.copy_(src)
-        self.staged_bytes += n
+        self._copy(chunk.buf[offset:offset + src.numel()], src, chunk, src)
 
     def to_device(self, dst: torch.Tensor, chunk: Chunk, offset: int) -> None:
         """Copy ``chunk`` bytes at ``offset`` into the uint8 tensor ``dst`` (CUDA: asynchronous,
         from pinned memory without blocking; the chunk is reused only after ``chunk.wait``)."""
-        n = dst.numel()
-        src = chunk.buf[offset:offset + n]
-        if dst.is_cuda:
-            stream = self._stream(dst.device)
+        self._copy(dst, chunk.buf[offset:offset + dst.numel()], chunk, dst)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, chunk: Chunk,
+              device_side: torch.Tensor) -> None:
+        # The device tensor is held until the chunk's event: the copy may still be reading it.
+        if device_side.is_cuda:
+            stream = self._stream(device_side.device)
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             chunk.used_by(stream)
-            chunk.hold.append(dst)
+            chunk.hold.append(device_side)
         else:
             dst.copy_(src)
-        self.staged_bytes += n
+        self.staged_bytes += dst.numel()
 
     def quiesce(self) -> None:
         """Wait for every copy of this slot (the end of a file, or of a failed save)."""
