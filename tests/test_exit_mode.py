@@ -50,6 +50,36 @@ def test_raise_mode_leaves_a_caller_that_catches_system_exit_alive_and_its_exit_
     assert proc.returncode == 0
 
 
+# A test runner that ran a run in its own process, then exits slowly with its own code.
+SLOW_CALLER_EXIT = """
+import atexit, os, signal, sys, time
+import torch.nn as nn
+import kempner_resilience as kr
+
+cfg = kr.load_config(overrides=["watchdog.exit_timeout_s=%s", "watchdog.hang_timeout_s=0",
+                                "watchdog.exit_mode=raise", f"checkpoint.dir={sys.argv[1]}"])
+try:
+    with kr.ResilientRun(cfg, state={"model": nn.Linear(4, 4)}) as run:
+        for step in run.steps(100):
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+except SystemExit:
+    pass
+atexit.register(time.sleep, %s)     # the caller's own slow finalisation
+sys.exit(3)                          # and its own verdict, e.g. a failed test
+""" % (EXIT_TIMEOUT_S, 4 * EXIT_TIMEOUT_S)
+
+
+def test_raise_mode_never_bounds_or_recodes_the_callers_later_slow_exit(tmp_path):
+    script = write_script(tmp_path, SLOW_CALLER_EXIT)
+    e = env()
+    for k in ("SLURM_JOB_ID", "RANK"):
+        e.pop(k, None)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=120, env=e)
+    assert proc.returncode == 3, proc.stderr
+
+
 def test_exit_mode_ends_the_process_with_the_run_code_within_exit_timeout(tmp_path):
     proc = _run(tmp_path, "exit")
     assert f"caught {int(ExitCode.REQUEUE)} mode exit" in proc.stdout, proc.stderr

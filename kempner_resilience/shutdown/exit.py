@@ -7,8 +7,10 @@ Two ways to leave, chosen by ``watchdog.exit_mode`` (or ``ResilientRun(exit_mode
   with the run's code after ``watchdog.exit_timeout_s``; once the ``SystemExit`` has unwound the
   stack, the interpreter's slow finalisation is skipped (``os._exit`` with the same code).
 * ``raise``: the caller lives on after the ``SystemExit`` (a notebook, a test runner, a program
-  that catches it): nothing of the run stays armed. Only if the interpreter really exits later
-  is that exit bounded, from the moment it starts (``threading``'s exit hook), never before.
+  that catches it): nothing of the run stays armed, not even for the interpreter's later exit,
+  which belongs to the caller with its own exit code (a test runner exiting 1 must not leave
+  with the run's code, or be cut off because its own finalisation is slow). The run's threads
+  and process group were already ended, each within its bound, before the ``SystemExit``.
 * ``auto`` (default): ``raise`` in an IPython shell or kernel (``get_ipython`` in builtins, which
   IPython puts there) and in an interactive interpreter; ``exit`` in a scheduled or launched rank
   (``SLURM_JOB_ID`` or ``RANK`` in the environment); ``raise`` otherwise. Nothing is inferred
@@ -21,7 +23,6 @@ import atexit
 import builtins
 import os
 import sys
-import threading
 import time
 from typing import NoReturn
 
@@ -72,7 +73,7 @@ def resolve(mode: ExitMode) -> ExitMode:
 
 def bound_exit(deadline: DeadlineWatchdog, code: int, mode: ExitMode,
                exit_timeout_s: float) -> None:
-    """Bound the rest of this process's life (``exit``) or its interpreter exit (``raise``)."""
+    """Bound the rest of this process's life (``exit``); in ``raise`` mode disarm everything."""
     if mode is ExitMode.EXIT:
         if not deadline.armed:       # a stop no signal started: bound the exit too
             deadline.arm(time.monotonic() + exit_timeout_s,
@@ -80,19 +81,6 @@ def bound_exit(deadline: DeadlineWatchdog, code: int, mode: ExitMode,
         deadline.finished(code, exit_timeout_s)
         return
     deadline.disarm()
-    # Runs when the main thread is done and the interpreter starts to join threads: only then is
-    # it certain the process is going away. Private but stable since Python 3.9; atexit (after
-    # the joins) is the fallback.
-    register = getattr(threading, "_register_atexit", atexit.register)
-    try:
-        register(lambda: _arm_at_interpreter_exit(deadline, code, exit_timeout_s))
-    except RuntimeError:             # the interpreter is already shutting down
-        pass
-
-
-def _arm_at_interpreter_exit(deadline: DeadlineWatchdog, code: int, exit_timeout_s: float) -> None:
-    deadline.arm(time.monotonic() + exit_timeout_s, "interpreter exit after a run ended")
-    deadline.finished(code, exit_timeout_s)
 
 
 def leave(deadline: DeadlineWatchdog, code: int, mode: ExitMode, exit_timeout_s: float,
