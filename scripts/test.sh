@@ -1,7 +1,35 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs what it needs, starts a real single-node
 # SLURM cluster for the SLURM tests (apt packages; root), runs pytest.
+#
+# With no arguments the suite runs as two pytest processes side by side (tests/conftest.py splits
+# it): the SLURM tests, serial because they share the clusters, and everything else. Most SLURM
+# test time is spent waiting on the scheduler, so the split nearly halves the wall time on two
+# cores. With arguments it is one plain pytest run of what they select.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+PY=.venv/bin/python
+if [ "$#" -gt 0 ]; then
+    exec "$PY" -m pytest -q "$@"
+fi
+
+logs=$(mktemp -d)
+KR_TEST_SHARD=local "$PY" -m pytest -q -p no:cacheprovider >"$logs/local.log" 2>&1 &
+local_pid=$!
+# Whatever ends this script ends the other shard too, so no pytest outlives it.
+trap 'kill "$local_pid" 2>/dev/null || true' EXIT
+set +e
+echo "== SLURM tests (the other tests run alongside; their report follows) =="
+KR_TEST_SHARD=slurm "$PY" -m pytest -q -p no:cacheprovider
+slurm_rc=$?
+wait "$local_pid"
+local_rc=$?
+set -e
+echo
+echo "== Tests without SLURM =="
+cat "$logs/local.log"
+rm -rf "$logs"
+echo
+echo "SLURM tests: exit $slurm_rc; other tests: exit $local_rc"
+[ "$slurm_rc" -eq 0 ] && [ "$local_rc" -eq 0 ]

@@ -4,3 +4,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from slurm_fixtures import multinode_cluster, slurm_cluster  # noqa: E402,F401  (real clusters)
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+# scripts/test.sh runs the suite as two pytest processes side by side: one for the tests that use
+# the real SLURM clusters (kept serial, they share the clusters' nodes and queues) and one for the
+# rest. A test belongs to the SLURM shard if it is marked `slurm` or needs a cluster fixture,
+# directly or through another fixture.
+_CLUSTER_FIXTURES = {"slurm_cluster", "multinode_cluster"}
+
+
+def _needs_slurm(item: pytest.Item) -> bool:
+    return (item.get_closest_marker("slurm") is not None
+            or bool(_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ()))))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard = os.environ.get("KR_TEST_SHARD", "")
+    if shard not in ("slurm", "local"):
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if _needs_slurm(item) == (shard == "slurm") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ PROBES = Path(__file__).resolve().parent / "cluster"
 # A rank whose peer died exits with this code (kempner_resilience.run: a failed collective after
 # a peer's death; rank 0 requeues when a committed checkpoint exists).
 PEER_LOST = int(getattr(ExitCode, "PEER_LOST", 81))
+HANG = int(ExitCode.HANG)
 # Codes with a documented meaning a batch script can act on (not 0, not Python's own 1 or 2).
 DOCUMENTED = {int(c) for c in ExitCode} - {0, 1, 2}
 
@@ -111,6 +113,11 @@ def _last_step_per_rank(job: DemoJob, restart: int) -> dict[int, int]:
     for rank, step in re.findall(r"^rank (\d+) step (\d+)$", text, re.M):
         last[int(rank)] = max(last.get(int(rank), -1), int(step))
     return last
+
+
+def _ledger(job: DemoJob) -> list[dict]:
+    return [json.loads(line) for line in
+            (job.checkpoints / "ledger.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _assert_completed_bitwise(job: DemoJob, reference: Path, resumed_from: int,
@@ -222,8 +229,11 @@ def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_res
     assert _last_step_per_rank(job, 0) == {r: first["stop_step"] - 1 for r in range(RANKS)}
     _assert_completed_bitwise(job, reference, first["saved_step"],
                               extra_requeues_ok=True)
+    # Rank 0 requeued (its ledger says so; its log line may be lost: srun stops relaying the
+    # agents' output once the requeue cancels the step).
+    assert first["timings"].get("requeue_s") is not None, first
+    assert any(e["ev"] == "requeue" for e in _ledger(job))
     log = job.log_text()
-    assert f"requeued job {job.job_id}" in log
     # Every worker heard the USR1 exactly once, from its node's agent.
     for rank in range(RANKS):
         assert len(re.findall(rf"\[rank {rank}\] SIGUSR1 received", log)) == 1, log[-3000:]
@@ -236,8 +246,7 @@ def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_com
     # Periodic checkpoints every 5 steps; the node dies after the one at step 20 is committed.
     # "batch_node" holds the batch script, srun and ranks 0-1 (SLURM's node failure must
     # requeue the job); "other_node" holds ranks 2-3 (rank 0 survives and may requeue).
-    # The fallback path, rescue off: with it on, the survivors spend the step kill's KillWait on
-    # the rescue and SLURM ends them before they exit on their own (issue 16, still open).
+    # The fallback path, rescue off (the rescue under the same kill: tests/test_slurm_rescue.py).
     job = _new_job(multinode_cluster, jobs, tmp_path, step_time=0.1, rank_files=True,
                    sets=["watchdog.hang_timeout_s=20", "rescue.enabled=false"])
     job.submit()
@@ -267,8 +276,10 @@ def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_com
     for r in survivors:
         err = job.rank_stderr(0, r)
         assert "Traceback" not in err, f"rank {r} (exit {codes[r]}):\n{err[-2000:]}"
+    # 81 when a survivor's collective failed first, 143 when SLURM's SIGTERM for the dead node's
+    # job came first (the killed node's TCP peers may never send a reset); both are bounded exits.
     assert all(c in DOCUMENTED for c in codes.values()), codes
-    assert PEER_LOST in codes.values(), codes
+    assert set(codes.values()) <= {PEER_LOST, 128 + signal.SIGTERM, HANG}, codes
 
 
 def test_array_task_on_2_nodes_requeues_only_itself(multinode_cluster, tmp_path):

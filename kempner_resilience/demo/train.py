@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                 if rank == 0:
                     open(args.hang_marker, "w").close()
                 _hang_forever()
+            if args.step_time:
+                # The stand-in for a step's compute: before the gradient all-reduce, where a
+                # real step spends its time (a node that dies mid-step dies there too).
+                time.sleep(args.step_time)
             x, y = next(data)
             optim.zero_grad()
             loss = loss_fn(model(x), y)
@@ -175,8 +179,6 @@ def main(argv: list[str] | None = None) -> int:
                 allreduce_grads(model, world)
             optim.step()
             sched.step()
-            if args.step_time:
-                time.sleep(args.step_time)
             if progress is not None:
                 progress.write(f"rank {rank} step {step}\n")
             if rank == 0 and not args.quiet:

@@ -3,6 +3,8 @@
 
     <checkpoint.dir>/.rescue/<attempt>/
         rank<r>.step<S>     rank r's snapshot of boundary S, from r itself or from its buddy
+        offered.<r>         rank r has offered every snapshot it holds (its own, its
+                            predecessor's): what is missing then can only come from elsewhere
         claim               created with O_CREAT|O_EXCL: the one rank that writes the checkpoint
         done.json           the outcome: the step committed and where, or why nothing was
 
@@ -27,6 +29,7 @@ __all__ = ["RescueFiles", "RESCUE_DIR", "remove_stale"]
 
 RESCUE_DIR = ".rescue"
 _SNAP_RE = re.compile(r"^rank(\d+)\.step(\d+)$")
+_OFFERED_RE = re.compile(r"^offered\.(\d+)$")
 
 
 def _write_whole(path: Path, data: bytes) -> None:
@@ -74,6 +77,26 @@ class RescueFiles:
             if m and int(m.group(2)) == step:
                 out.add(int(m.group(1)))
         return out
+
+    def mark_offered(self, rank: int) -> None:
+        self._ensure()
+        _write_whole(self.dir / f"offered.{rank}", b"")
+
+    def offered(self) -> set[int]:
+        """The ranks that have offered what they hold."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return set()
+        return {int(m.group(1)) for m in map(_OFFERED_RE.match, names) if m}
+
+    def listing(self) -> str:
+        """The snapshot files offered so far, for a log line."""
+        try:
+            return ", ".join(sorted(n for n in os.listdir(self.dir) if _SNAP_RE.match(n))) \
+                or "none"
+        except OSError as e:
+            return f"cannot list {self.dir}: {e.strerror}"
 
     def claim(self, rank: int, step: int) -> bool:
         """Whether this rank is the one to write the rescue checkpoint (the first to ask)."""

@@ -10,8 +10,11 @@ failure this way). Then:
   does not write;
 * a rank whose state is, claims the rescue (``O_EXCL``); the first one writes: it waits, within
   half of ``rescue.budget_s``, for every rank's snapshot of its boundary step, then writes and
-  commits a normal checkpoint (``save``). Missing snapshots (a rank and its buddy both gone)
-  mean no rescue: never a checkpoint that mixes steps or guesses a rank's RNG;
+  commits a normal checkpoint (``save``). Missing snapshots (a rank and its buddy both gone, or
+  a rank that died one boundary behind the survivors: a ring all-reduce can finish on some ranks
+  before others) mean no rescue: never a checkpoint that mixes steps or guesses a rank's RNG. A
+  snapshot stops being waited for ``GIVE_UP_S`` after the rank or its buddy offered all it holds
+  without it, so the fallback comes within SLURM's KillWait, not after half the budget;
 * every other rank waits for the outcome (``done.json``) within the budget, so that rank 0 never
   requeues (which kills the job's tasks) while the writer still writes.
 
@@ -43,6 +46,7 @@ __all__ = ["Rescuer", "RescueResult"]
 log = get_logger(__name__)
 
 CLAIM_WAIT_S = 3.0       # how long a rank that cannot write waits for another one to claim
+GIVE_UP_S = 3.0          # how long a snapshot its holders offered without is still waited for
 CONNECT_TIMEOUT_S = 60.0
 _POLL_S = 0.02
 
@@ -73,6 +77,7 @@ class Rescuer:
         self._lock = threading.Lock()
         self._woken = False
         self._offered: set[tuple[int, int]] = set()
+        self.offset = 1                   # a rank's snapshots also live on rank + offset
         self._running = threading.Event()
         self._finished = threading.Event()
         self._result: RescueResult | None = None
@@ -108,6 +113,7 @@ class Rescuer:
         attempt, secret = gathered[0][4]
         self.files = rfiles.RescueFiles(ckpt.root, attempt)
         offset = buddy_offset([g[3] for g in gathered])
+        self.offset = offset
         buddy, pred = (rank + offset) % world_size, (rank - offset) % world_size
         try:
             self.link.connect(buddy, pred, tuple(gathered[buddy][2]), secret, CONNECT_TIMEOUT_S)
@@ -160,6 +166,11 @@ class Rescuer:
             except OSError as e:
                 log.warning("rescue: cannot offer rank %d's state of step %d in %s: %s", rank,
                             step, self.files.dir, e)
+        if self._woken:
+            try:
+                self.files.mark_offered(self.rank)
+            except OSError:
+                pass
 
     def rescue(self, reason: str, committed_step: int | None) -> RescueResult:
         """Run the rescue (the first caller in this process; a later one gets its result,
@@ -236,11 +247,26 @@ class Rescuer:
         need = set(range(self.world_size))
         wait_end = t0 + self.config.budget_s / 2
         waited = time.monotonic()
+        said = False
+        hopeless: dict[int, float] = {}   # rank -> when its holders had offered without it
         while True:
             self._offer()          # snapshots that arrived from the predecessor meanwhile
             missing = need - self.files.ranks_at(step)
-            if not missing or time.monotonic() >= min(wait_end, deadline):
+            now = time.monotonic()
+            if not missing or now >= min(wait_end, deadline):
                 break
+            offered = self.files.offered()
+            for r in missing:
+                if r in offered or (r + self.offset) % self.world_size in offered:
+                    hopeless.setdefault(r, now)
+            if missing <= hopeless.keys() and all(now - hopeless[r] >= GIVE_UP_S
+                                                  for r in missing):
+                break
+            if not said and time.monotonic() - waited > 1.0:
+                said = True
+                log.warning("rescue: waiting up to %.0f s for the state of step %d from "
+                            "rank(s) %s (have: %s)", wait_end - time.monotonic(), step,
+                            sorted(missing), self.files.listing())
             time.sleep(_POLL_S)
         waited = time.monotonic() - waited
         blobs = {r: self.files.get(r, step) for r in sorted(need - missing)}
