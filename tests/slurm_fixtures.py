@@ -238,6 +238,22 @@ def multinode_cluster() -> MultiNodeCluster:
     _multi.release()
 
 
+@pytest.fixture
+def multinode_jobs(multinode_cluster):
+    """``(jobs, dead_nodes)``: lists a multi-node test appends the demo jobs it submits and the
+    nodes it kills to; afterwards whatever a failed test left running is cancelled and the
+    killed nodes are brought back."""
+    made: list = []
+    dead: list[str] = []
+    yield made, dead
+    for job in made:
+        if job.job_id and job.info().get("JobState") not in (None, "COMPLETED", "FAILED",
+                                                            "CANCELLED"):
+            job.cancel()
+    for node in dead:
+        multinode_cluster.restart_node(node)
+
+
 def submit(script: str | os.PathLike[str], *args: str, cwd: str | os.PathLike[str] | None = None,
            env: dict[str, str] | None = None) -> str:
     """``sbatch --parsable [args] script`` -> job id. ``script`` is a path or the script text

@@ -27,7 +27,8 @@ from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.slurm.env import expand_hostlist
-from slurm_fixtures import multinode_cluster, submit, wait_for, wait_job  # noqa: F401
+from slurm_fixtures import (multinode_cluster, multinode_jobs, submit,  # noqa: F401
+                            wait_for, wait_job)
 
 pytestmark = [pytest.mark.slurm]
 
@@ -51,24 +52,10 @@ def reference(tmp_path_factory) -> Path:
                          train_args=TRAIN_ARGS)
 
 
-@pytest.fixture
-def jobs(multinode_cluster):
-    """Cancel whatever a failed test left running, and bring killed nodes back."""
-    made: list[DemoJob] = []
-    dead: list[str] = []
-    yield made, dead
-    for job in made:
-        if job.job_id and job.info().get("JobState") not in (None, "COMPLETED", "FAILED",
-                                                            "CANCELLED"):
-            job.cancel()
-    for node in dead:
-        multinode_cluster.restart_node(node)
-
-
-def _new_job(cluster, jobs, tmp_path: Path, **kw) -> DemoJob:
+def _new_job(cluster, multinode_jobs, tmp_path: Path, **kw) -> DemoJob:
     job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS,
                     train_args=TRAIN_ARGS, env=cluster.env, **kw)
-    jobs[0].append(job)
+    multinode_jobs[0].append(job)
     return job
 
 
@@ -141,8 +128,8 @@ def _assert_completed_bitwise(job: DemoJob, reference: Path, resumed_from: int,
 
 
 def test_multi_node_job_script_is_what_kempner_resilience_sbatch_renders(multinode_cluster,
-                                                                        tmp_path, jobs):
-    job = _new_job(multinode_cluster, jobs, tmp_path)
+                                                                        tmp_path, multinode_jobs):
+    job = _new_job(multinode_cluster, multinode_jobs, tmp_path)
     proc = subprocess.run([CLI, *job.sbatch_args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == job.script.read_text()
@@ -153,8 +140,8 @@ def test_multi_node_job_script_is_what_kempner_resilience_sbatch_renders(multino
 
 
 def test_usr1_to_4_ranks_on_2_nodes_checkpoints_requeues_resumes_bitwise_equal(
-        multinode_cluster, tmp_path, reference, jobs):
-    job = _new_job(multinode_cluster, jobs, tmp_path, step_time=0.1)
+        multinode_cluster, tmp_path, reference, multinode_jobs):
+    job = _new_job(multinode_cluster, multinode_jobs, tmp_path, step_time=0.1)
     job.submit()
     job.wait_step(12, timeout=180)
     nodes = _job_nodes(job)
@@ -200,7 +187,7 @@ def _torchrun_workers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, str]
 
 
 def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_resumes_bitwise(
-        multinode_cluster, tmp_path, reference, jobs):
+        multinode_cluster, tmp_path, reference, multinode_jobs):
     # multi_node_torchrun: one `kempner-resilience torchrun` agent per node (the srun task), 2
     # workers each. SLURM signals only the agents (proctrack/cgroup: slurmstepd's children);
     # each agent sends the USR1 on, once, to its workers.
@@ -208,7 +195,7 @@ def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_res
                PATH=f"{Path(sys.executable).parent}:{multinode_cluster.env.get('PATH', '')}")
     job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=0.1,
                     train_args=TRAIN_ARGS, env=env, torchrun=True)
-    jobs[0].append(job)
+    multinode_jobs[0].append(job)
     assert 'srun --kill-on-bad-exit=1 "${TORCHRUN[@]}" bash -c' in job.script.read_text()
     job.submit()
     job.wait_step(12, timeout=180)
@@ -242,12 +229,12 @@ def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_res
 
 @pytest.mark.parametrize("victim", ["batch_node", "other_node"])
 def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_commit(
-        multinode_cluster, tmp_path, reference, jobs, victim):
+        multinode_cluster, tmp_path, reference, multinode_jobs, victim):
     # Periodic checkpoints every 5 steps; the node dies after the one at step 20 is committed.
     # "batch_node" holds the batch script, srun and ranks 0-1 (SLURM's node failure must
     # requeue the job); "other_node" holds ranks 2-3 (rank 0 survives and may requeue).
     # The fallback path, rescue off (the rescue under the same kill: tests/test_slurm_rescue.py).
-    job = _new_job(multinode_cluster, jobs, tmp_path, step_time=0.1, rank_files=True,
+    job = _new_job(multinode_cluster, multinode_jobs, tmp_path, step_time=0.1, rank_files=True,
                    sets=["watchdog.hang_timeout_s=20", "rescue.enabled=false"])
     job.submit()
     job.wait_step(22, timeout=180)
@@ -257,7 +244,7 @@ def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_com
     assert sorted(ranks) == list(range(RANKS)), ranks
     survivors = {r: pid for r, (node, pid) in ranks.items() if node != dead}
     assert len(survivors) == RANKS // NODES
-    jobs[1].append(dead)
+    multinode_jobs[1].append(dead)
     multinode_cluster.kill_node(dead)
 
     # No rank is left behind: the surviving node's ranks notice and exit (a failed collective,

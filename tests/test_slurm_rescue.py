@@ -26,7 +26,7 @@ from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.slurm.env import expand_hostlist
-from slurm_fixtures import multinode_cluster  # noqa: F401
+from slurm_fixtures import multinode_cluster, multinode_jobs  # noqa: F401
 
 pytestmark = [pytest.mark.slurm]
 
@@ -42,19 +42,6 @@ def reference(tmp_path_factory) -> Path:
     return run_reference(tmp_path_factory.mktemp("rescue-reference"), ranks=RANKS, steps=STEPS)
 
 
-@pytest.fixture
-def job_and_dead(multinode_cluster):
-    made: list[DemoJob] = []
-    dead: list[str] = []
-    yield made, dead
-    for job in made:
-        if job.job_id and job.info().get("JobState") not in (None, "COMPLETED", "FAILED",
-                                                            "CANCELLED"):
-            job.cancel()
-    for node in dead:
-        multinode_cluster.restart_node(node)
-
-
 def _manifests(root: Path) -> dict[int, dict]:
     out = {}
     for p in root.glob("step_*"):
@@ -67,17 +54,17 @@ def _manifests(root: Path) -> dict[int, dict]:
 @pytest.mark.parametrize("victim", ["other_node", "batch_node"])
 @pytest.mark.parametrize("attempt", range(KILLS))
 def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes_bitwise(
-        multinode_cluster, tmp_path, reference, job_and_dead, victim, attempt):
+        multinode_cluster, tmp_path, reference, multinode_jobs, victim, attempt):
     kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
     job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
                     every_steps=EVERY, rank_files=True, env=multinode_cluster.env,
                     sets=["watchdog.hang_timeout_s=30"])
-    job_and_dead[0].append(job)
+    multinode_jobs[0].append(job)
     job.submit()
     job.wait_step(kill_at, timeout=240)
     nodes = expand_hostlist(job.info().get("NodeList", ""))
     dead = nodes[0] if victim == "batch_node" else nodes[1]
-    job_and_dead[1].append(dead)
+    multinode_jobs[1].append(dead)
     multinode_cluster.kill_node(dead)
 
     info = job.wait_state(timeout=300)
