@@ -107,6 +107,27 @@ def _ledger(job: DemoJob) -> list[dict]:
             (job.checkpoints / "ledger.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _usr1_stops_every_rank_at_one_committed_step(job: DemoJob) -> dict:
+    """``scancel --signal=USR1``; returns rank 0's report of the first run, checked."""
+    job.signal("USR1")
+    first = wait_for(lambda: job.report(0), timeout=120, what="the first run's report")
+    assert first["exit_code"] == ExitCode.REQUEUE, job.log_text()[-3000:]
+    assert first["world_size"] == RANKS
+    assert first["stop_step"] == first["saved_step"] >= 12
+    # Every rank wrote its shard into the shared directory before rank 0 committed.
+    saved = Path(first["saved_path"])
+    assert (saved / MANIFEST_NAME).exists()
+    assert sorted(int(p.name.split("_")[2]) for p in saved.glob("__*_*.distcp")) == \
+        list(range(RANKS))
+    # All 4 ranks stopped at the same step boundary, on both nodes.
+    assert _last_step_per_rank(job, 0) == {r: first["stop_step"] - 1 for r in range(RANKS)}
+    # Rank 0 requeued after the commit (its ledger says so; its log line may be lost: srun
+    # stops relaying the tasks' output once the requeue cancels the step).
+    assert first["timings"].get("requeue_s") is not None, first
+    assert any(e["ev"] == "requeue" for e in _ledger(job))
+    return first
+
+
 def _assert_completed_bitwise(job: DemoJob, reference: Path, resumed_from: int,
                               extra_requeues_ok: bool = False) -> None:
     info = job.wait_state(timeout=240)
@@ -149,20 +170,7 @@ def test_usr1_to_4_ranks_on_2_nodes_checkpoints_requeues_resumes_bitwise_equal(
     # Each node ran its own 2 ranks: rank placement came from srun, MASTER_ADDR from the list.
     placed = _trainers(multinode_cluster, job, nodes)
     assert {node for node, _ in placed.values()} == set(nodes), placed
-    job.signal("USR1")
-    first = wait_for(lambda: job.report(0), timeout=120, what="the first run's report")
-    assert first["exit_code"] == ExitCode.REQUEUE, job.log_text()[-3000:]
-    assert first["world_size"] == RANKS
-    assert first["stop_step"] == first["saved_step"] >= 12
-    # Every rank wrote its shard into the shared directory before rank 0 committed.
-    saved = Path(first["saved_path"])
-    assert (saved / MANIFEST_NAME).exists()
-    assert sorted(int(p.name.split("_")[2]) for p in saved.glob("__*_*.distcp")) == \
-        list(range(RANKS))
-    # All 4 ranks stopped at the same step boundary, on both nodes.
-    assert _last_step_per_rank(job, 0) == {r: first["stop_step"] - 1 for r in range(RANKS)}
-    log = job.log_text()
-    assert f"requeued job {job.job_id}" in log  # rank 0 called scontrol requeue
+    first = _usr1_stops_every_rank_at_one_committed_step(job)
     _assert_completed_bitwise(job, reference, first["saved_step"])
     assert len(set(_job_nodes(job))) == NODES
 
@@ -204,22 +212,9 @@ def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_res
     placed = _torchrun_workers(multinode_cluster, job, nodes)
     assert sorted(placed) == list(range(RANKS)), placed
     assert sorted(placed.values()) == sorted(nodes * (RANKS // NODES)), placed
-    job.signal("USR1")
-    first = wait_for(lambda: job.report(0), timeout=120, what="the first run's report")
-    assert first["exit_code"] == ExitCode.REQUEUE, job.log_text()[-3000:]
-    assert first["world_size"] == RANKS
-    assert first["stop_step"] == first["saved_step"] >= 12
-    saved = Path(first["saved_path"])
-    assert (saved / MANIFEST_NAME).exists()
-    assert sorted(int(p.name.split("_")[2]) for p in saved.glob("__*_*.distcp")) == \
-        list(range(RANKS))
-    assert _last_step_per_rank(job, 0) == {r: first["stop_step"] - 1 for r in range(RANKS)}
+    first = _usr1_stops_every_rank_at_one_committed_step(job)
     _assert_completed_bitwise(job, reference, first["saved_step"],
                               extra_requeues_ok=True)
-    # Rank 0 requeued (its ledger says so; its log line may be lost: srun stops relaying the
-    # agents' output once the requeue cancels the step).
-    assert first["timings"].get("requeue_s") is not None, first
-    assert any(e["ev"] == "requeue" for e in _ledger(job))
     log = job.log_text()
     # Every worker heard the USR1 exactly once, from its node's agent.
     for rank in range(RANKS):

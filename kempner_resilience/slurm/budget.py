@@ -124,18 +124,10 @@ def save_budget(config: ResilienceConfig, facts: SaveFacts, *, lead_s: int | Non
                 f"--signal the time limit's SIGTERM is the only warning and SIGKILL comes "
                 f"{kw_text} after it (SIGTERM grace {config.signals.grace_for('SIGTERM'):.0f} "
                 f"s): {window:.0f} s")
-        if needed <= window:
-            return SaveBudget("info", "save-fits", True, needed, window, ask,
-                              f"the emergency save fits: {what}")
-        if covered:
-            return SaveBudget("info", "time-limit-stop-covers", False, needed, window, ask,
-                              f"the emergency save does not fit after the time limit's SIGTERM "
-                              f"({what}), but the allocation's end is known and the run stops "
-                              "on its own in time (requeue.time_limit_stop)",
-                              f"ask for {ask_text} so the signal decides, not the fallback")
-        return SaveBudget("warn", "save-exceeds-killwait", False, needed, window, ask,
-                          f"the emergency save cannot fit: {what}",
-                          f"add {ask_text} (render a script with `kempner-resilience sbatch`)")
+        return _verdict(needed, window, ask, ask_text, what, covered,
+                        "the emergency save does not fit after the time limit's SIGTERM",
+                        "save-exceeds-killwait", "the emergency save cannot fit",
+                        f"add {ask_text} (render a script with `kempner-resilience sbatch`)")
 
     needed = save + margin + REQUEUE_TEARDOWN_S
     window = float(lead_s)
@@ -157,15 +149,21 @@ def save_budget(config: ResilienceConfig, facts: SaveFacts, *, lead_s: int | Non
                           "stay the resume point",
                           f"set signals.grace_s (or signals.grace_per_signal_s.{sig}) to {g} "
                           f"or more and ask for `#SBATCH --signal={short}@{g_lead}`")
+    return _verdict(needed, window, ask, ask_text, what, covered,
+                    "the --signal lead is too short for the emergency save",
+                    "signal-lead-short", "the emergency save cannot fit before the time limit",
+                    f"ask for {ask_text}")
+
+
+def _verdict(needed: float, window: float, ask: int, ask_text: str, what: str, covered: bool,
+             short: str, warn_code: str, warn: str, fix: str) -> SaveBudget:
+    """Fits; or does not, but the run's own time-limit stop covers it; or a warning."""
     if needed <= window:
         return SaveBudget("info", "save-fits", True, needed, window, ask,
                           f"the emergency save fits: {what}")
     if covered:
         return SaveBudget("info", "time-limit-stop-covers", False, needed, window, ask,
-                          f"the --signal lead is too short for the emergency save ({what}), "
-                          "but the allocation's end is known and the run stops on its own in "
-                          "time (requeue.time_limit_stop)",
+                          f"{short} ({what}), but the allocation's end is known and the run "
+                          "stops on its own in time (requeue.time_limit_stop)",
                           f"ask for {ask_text} so the signal decides, not the fallback")
-    return SaveBudget("warn", "signal-lead-short", False, needed, window, ask,
-                      f"the emergency save cannot fit before the time limit: {what}",
-                      f"ask for {ask_text}")
+    return SaveBudget("warn", warn_code, False, needed, window, ask, f"{warn}: {what}", fix)
