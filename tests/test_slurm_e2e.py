@@ -10,6 +10,7 @@ bitwise equal to an uninterrupted run of the same trainer (plain processes, no S
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -92,6 +93,39 @@ def test_usr1_checkpoints_requeues_resumes_bitwise_equal(slurm_cluster, tmp_path
     assert f"requeued job {job.job_id}" in log  # rank 0 called scontrol requeue
     assert "DUE TO JOB REQUEUE" in log  # and SLURM acted on it
     _assert_resumed_and_equal(job, reference(ranks), first)
+
+
+def test_twice_interrupted_job_reports_three_attempts_whose_parts_add_up(slurm_cluster, tmp_path,
+                                                                          reference, jobs):
+    # USR1 in the first and in the second run: two requeues on the real cluster, then `report`
+    # (the CLI, as a user runs it) on the checkpoint directory.
+    job = _new_job(jobs, tmp_path, ranks=1, step_time=0.1)
+    job.submit()
+    job.wait_step(10, timeout=180)
+    job.signal("USR1")
+    first = wait_for(lambda: job.report(0), timeout=120, what="the first run's report")
+    assert first["exit_code"] == ExitCode.REQUEUE, job.log_text()[-3000:]
+    wait_for(lambda: (job.steps_done_in_run(1) or 0) >= first["saved_step"] + 10, timeout=180,
+             what="the second run to make progress")
+    job.signal("USR1")
+    second = wait_for(lambda: job.report(1), timeout=120, what="the second run's report")
+    assert second["exit_code"] == ExitCode.REQUEUE and second["resumed_from"] == \
+        first["saved_step"], job.log_text()[-3000:]
+    _assert_resumed_and_equal(job, reference(1), second, restarts=2)
+
+    cli = Path(sys.executable).parent / "kempner-resilience"
+    out = subprocess.run([str(cli), "report", str(job.checkpoints), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    g = json.loads(out.stdout)
+    assert [a["exit_code"] for a in g["attempts"]] == [ExitCode.REQUEUE, ExitCode.REQUEUE, 0]
+    assert [a["restart_count"] for a in g["attempts"]] == [0, 1, 2]
+    assert abs(sum(g["parts_s"].values()) - g["wall_s"]) < 1.0
+    assert sum(a["kept_steps"] for a in g["attempts"]) == STEPS
+    assert 0 < g["goodput"] <= 1
+    text = subprocess.run([str(cli), "report", str(job.checkpoints)], capture_output=True,
+                          text=True, timeout=60).stdout
+    assert "3 attempt(s)" in text and "goodput" in text
 
 
 def test_time_limit_warning_checkpoints_requeues_resumes(slurm_cluster, tmp_path, reference,

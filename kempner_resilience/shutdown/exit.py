@@ -7,10 +7,12 @@ Two ways to leave, chosen by ``watchdog.exit_mode`` (or ``ResilientRun(exit_mode
   with the run's code after ``watchdog.exit_timeout_s``; once the ``SystemExit`` has unwound the
   stack, the interpreter's slow finalisation is skipped (``os._exit`` with the same code).
 * ``raise``: the caller lives on after the ``SystemExit`` (a notebook, a test runner, a program
-  that catches it): nothing of the run stays armed, not even for the interpreter's later exit,
-  which belongs to the caller with its own exit code (a test runner exiting 1 must not leave
-  with the run's code, or be cut off because its own finalisation is slow). The run's threads
-  and process group were already ended, each within its bound, before the ``SystemExit``.
+  that catches it): nothing of the run stays armed. The interpreter's later exit belongs to the
+  caller, with its own exit code (a test runner exiting 1 must not leave with the run's code, or
+  be cut off because its own finalisation is slow), unless the run's teardown left something
+  behind that could hold that exit forever (a cleanup or executor task that did not finish, a
+  process group with a dead member): then the exit is bounded, from the moment it starts
+  (``threading``'s exit hook), by ``watchdog.exit_timeout_s``, with the run's code.
 * ``auto`` (default): ``raise`` in an IPython shell or kernel (``get_ipython`` in builtins, which
   IPython puts there) and in an interactive interpreter; ``exit`` in a scheduled or launched rank
   (``SLURM_JOB_ID`` or ``RANK`` in the environment); ``raise`` otherwise. Nothing is inferred
@@ -23,8 +25,9 @@ import atexit
 import builtins
 import os
 import sys
+import threading
 import time
-from typing import NoReturn
+from typing import NoReturn, Sequence
 
 from kempner_resilience.config import ExitMode
 from kempner_resilience.log import get_logger
@@ -71,9 +74,10 @@ def resolve(mode: ExitMode) -> ExitMode:
     return ExitMode.RAISE
 
 
-def bound_exit(deadline: DeadlineWatchdog, code: int, mode: ExitMode,
-               exit_timeout_s: float) -> None:
-    """Bound the rest of this process's life (``exit``); in ``raise`` mode disarm everything."""
+def bound_exit(deadline: DeadlineWatchdog, code: int, mode: ExitMode, exit_timeout_s: float,
+               left_behind: Sequence[str] = ()) -> None:
+    """Bound the rest of this process's life (``exit``), or in ``raise`` mode its interpreter
+    exit, but only when ``left_behind`` names what could hold it (see the module docstring)."""
     if mode is ExitMode.EXIT:
         if not deadline.armed:       # a stop no signal started: bound the exit too
             deadline.arm(time.monotonic() + exit_timeout_s,
@@ -81,14 +85,32 @@ def bound_exit(deadline: DeadlineWatchdog, code: int, mode: ExitMode,
         deadline.finished(code, exit_timeout_s)
         return
     deadline.disarm()
+    if not left_behind:
+        return
+    log.warning("%s still running: the interpreter's exit, when it comes, is cut off after "
+                "%.0f s with %d", ", ".join(left_behind), exit_timeout_s, code)
+    # Runs when the main thread is done and the interpreter starts to join threads (a stuck
+    # executor's worker would block that join). Private but stable since Python 3.9; atexit
+    # (after the joins) is the fallback.
+    register = getattr(threading, "_register_atexit", atexit.register)
+    try:
+        register(lambda: _arm_at_interpreter_exit(deadline, code, exit_timeout_s))
+    except RuntimeError:             # the interpreter is already shutting down
+        pass
+
+
+def _arm_at_interpreter_exit(deadline: DeadlineWatchdog, code: int, exit_timeout_s: float) -> None:
+    deadline.arm(time.monotonic() + exit_timeout_s, "interpreter exit after a run ended")
+    deadline.finished(code, exit_timeout_s)
 
 
 def leave(deadline: DeadlineWatchdog, code: int, mode: ExitMode, exit_timeout_s: float,
-          error: BaseException | None = None, keep_traceback: bool = False) -> NoReturn:
+          error: BaseException | None = None, keep_traceback: bool = False,
+          left_behind: Sequence[str] = ()) -> NoReturn:
     """Raise ``SystemExit(code)`` with the exit bounded. An ``error`` that ended the run is
     re-raised instead when ``keep_traceback`` (the user's bug: Python prints it, exit 1) or in
     ``raise`` mode (an in-process caller sees what happened)."""
-    bound_exit(deadline, code, mode, exit_timeout_s)
+    bound_exit(deadline, code, mode, exit_timeout_s, left_behind)
     if mode is ExitMode.EXIT:
         _fast_exit_code[:] = [int(code)]
     if error is not None and (keep_traceback or mode is ExitMode.RAISE):

@@ -67,6 +67,7 @@ class RunParts:
     step: int = 0                     # completed steps: the current step boundary
     timings: dict[str, float] = field(default_factory=dict)
     cleanup_results: list[Any] = field(default_factory=list)
+    left_behind: list[str] = field(default_factory=list)  # what teardown could not end
     outcome: Outcome | None = None
 
     @property
@@ -278,6 +279,14 @@ def _teardown(parts: RunParts, *, peers_alive: bool) -> None:
         builtin.add(parts.ckpt.close, name="drain checkpoint saves")
     parts.cleanup_results = results + builtin.run(deadline=deadline)
     parts.timings["teardown_s"] = time.monotonic() - t0
+    # What may still block the interpreter's exit (a stuck executor task, a process group
+    # with a dead member): in `raise` mode that exit stays bounded because of it.
+    parts.left_behind = [r.name for r in parts.cleanup_results
+                         if not r.ok and (r.error or "").startswith("timed out")]
+    import torch.distributed as dist
+
+    if not peers_alive and dist.is_available() and dist.is_initialized():
+        parts.left_behind.append("the process group (a peer is gone)")
 
 
 def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
@@ -290,7 +299,8 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
     if not keep_traceback:
         log.warning("exiting with %s", exitcodes.describe(code))
     leaving.leave(parts.handler.deadline, code, parts.exit_mode,
-                  parts.config.watchdog.exit_timeout_s, error, keep_traceback)
+                  parts.config.watchdog.exit_timeout_s, error, keep_traceback,
+                  left_behind=parts.left_behind)
 
 
 # ------------------------------------------------------------------------------ small helpers
