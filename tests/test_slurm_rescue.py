@@ -103,3 +103,31 @@ def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes
 def _steps_completed(job: DemoJob, restart: int) -> int:
     text = job.progress.read_text().split(f"# run {restart}\n", 1)[1].split("# run ")[0]
     return 1 + max(int(s) for s in re.findall(r"^rank \d+ step (\d+)$", text, re.M))
+
+
+def test_a_rank_hanging_with_the_gil_held_is_rescued_by_the_others_and_resumes_bitwise(
+        multinode_cluster, tmp_path, reference, multinode_jobs):
+    # Rank 2 (the second node) hangs inside step 60 in a C call that keeps the GIL: none of its
+    # Python threads runs again, its kernel-timer watchdog ends it with HANG. The other ranks
+    # wait in step 60's all-reduce; their hang watchdogs (or the failed all-reduce once rank 2
+    # is gone) start the rescue of boundary 60, rank 2's state coming from its buddy, rank 0.
+    hang_at = 60
+    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
+                    every_steps=EVERY, rank_files=True, env=multinode_cluster.env,
+                    sets=["watchdog.hang_timeout_s=8"],
+                    train_args=["--hang-at", str(hang_at), "--hang-rank", "2",
+                                "--hang-holds-gil", "--hang-marker", str(tmp_path / "hang.done")])
+    multinode_jobs[0].append(job)
+    job.submit()
+    info = job.wait_state(timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.log_text()[-4000:]
+    assert (tmp_path / "hang.done").exists()
+    same, total, diff = compare_weights(reference, job.weights)
+    assert not diff, f"{len(diff)} of {total} tensors differ"
+
+    rescue = _manifests(job.checkpoints).get(hang_at)
+    assert rescue is not None and rescue.get("reason") == "rescue", job.log_text()[-4000:]
+    assert rescue["rescue"]["writer_rank"] != 2
+    assert job.report(1)["resumed_from"] == hang_at
+    assert job.rank_exit(0, 2) == 42                   # HANG, from the kernel timer
+    assert "Traceback" not in job.rank_stderr(0, 0)

@@ -119,9 +119,10 @@ def _init_distributed() -> tuple[int, int]:
     return rank, world
 
 
-def _hang_forever() -> None:
-    # A C call that never returns (self-deadlock on a mutex), as a stuck NCCL kernel would.
-    libc = ctypes.CDLL(None)
+def _hang_forever(hold_gil: bool = False) -> None:
+    # A C call that never returns (self-deadlock on a mutex), as a stuck NCCL kernel would;
+    # through PyDLL the GIL stays held across it, as in a C extension that never releases it.
+    libc = ctypes.PyDLL(None) if hold_gil else ctypes.CDLL(None)
     mutex = ctypes.create_string_buffer(64)
     libc.pthread_mutex_init(mutex, None)
     libc.pthread_mutex_lock(mutex)
@@ -142,6 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "watchdog")
     p.add_argument("--hang-marker", default="hang.done",
                    help="file created when the hang happens; no hang while it exists")
+    p.add_argument("--hang-rank", type=int, default=-1,
+                   help="only this rank hangs (default: every rank that gets there first)")
+    p.add_argument("--hang-holds-gil", action="store_true",
+                   help="hang in a C call that keeps the GIL: no Python thread runs again")
     p.add_argument("--progress", help="append 'step N' lines here as steps complete")
     p.add_argument("--no-ddp", action="store_true",
                    help="all-reduce the gradients one parameter at a time instead of wrapping "
@@ -163,10 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         if run.resumed_from is not None and rank == 0 and not args.quiet:
             print(f"resumed at step {run.start_step}", flush=True)
         for step in run.steps(args.steps):
-            if step == args.hang_at and not os.path.exists(args.hang_marker):
-                if rank == 0:
+            if step == args.hang_at and not os.path.exists(args.hang_marker) and \
+                    args.hang_rank in (-1, rank):
+                if rank == max(args.hang_rank, 0):
                     open(args.hang_marker, "w").close()
-                _hang_forever()
+                _hang_forever(args.hang_holds_gil)
             if args.step_time:
                 # The stand-in for a step's compute: before the gradient all-reduce, where a
                 # real step spends its time (a node that dies mid-step dies there too).
