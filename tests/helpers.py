@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+from kempner_resilience.demo.launcher import free_port  # noqa: F401  (tests import it from here)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_script(tmp_path: Path, body: str, name: str = "script.py") -> Path:

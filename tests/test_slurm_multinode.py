@@ -229,18 +229,22 @@ def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_com
     # "batch_node" holds the batch script, srun and ranks 0-1 (SLURM's node failure must
     # requeue the job); "other_node" holds ranks 2-3 (rank 0 survives and may requeue).
     # The fallback path, rescue off (the rescue under the same kill: tests/test_slurm_rescue.py).
-    job = _new_job(multinode_cluster, multinode_jobs, tmp_path, step_time=0.1, rank_files=True,
+    job = _new_job(multinode_cluster, multinode_jobs, tmp_path, step_time=0.2, rank_files=True,
                    sets=["watchdog.hang_timeout_s=20", "rescue.enabled=false"])
     job.submit()
-    job.wait_step(22, timeout=180)
+    # Who runs where, found early: at step 22 the kill must follow at once, well before the
+    # last step (under load the /proc scan takes a while).
+    job.wait_step(8, timeout=180)
     nodes = _job_nodes(job)
     dead = nodes[0] if victim == "batch_node" else nodes[1]
     ranks = _trainers(multinode_cluster, job, nodes)
     assert sorted(ranks) == list(range(RANKS)), ranks
     survivors = {r: pid for r, (node, pid) in ranks.items() if node != dead}
     assert len(survivors) == RANKS // NODES
+    job.wait_step(22, timeout=180)
     multinode_jobs[1].append(dead)
     multinode_cluster.kill_node(dead)
+    assert job.steps_done_in_run(0) < STEPS - 1, "the kill came after the run's last step"
 
     # No rank is left behind: the surviving node's ranks notice and exit (a failed collective,
     # else the hang watchdog, else SLURM's SIGTERM once the node is DOWN).

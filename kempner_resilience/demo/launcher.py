@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ from typing import Callable
 
 from kempner_resilience.exitcodes import ExitCode, describe
 
-__all__ = ["Launch", "LocalLauncher"]
+__all__ = ["Launch", "LocalLauncher", "free_port"]
 
 RELAUNCH_CODES = frozenset({int(ExitCode.REQUEUE), int(ExitCode.HANG)})
 _PR_SET_PDEATHSIG = 1
@@ -46,8 +47,21 @@ def _die_with_launcher() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def free_port() -> int:
+    """A free TCP port for a local rendezvous, below the kernel's ephemeral range (32768+) and
+    SLURM's ``master_port`` range (20000-31999): a port the kernel handed out for ``bind(0)``
+    can be taken as the local end of any new connection (gloo opens many) before rank 0 binds
+    it, and the other ranks then wait for a store that never comes."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, 20000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:      # everything there taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -129,7 +143,7 @@ class LocalLauncher:
         report = self.workdir / f"report.{index}.json"
         for p in (progress, report):
             p.unlink(missing_ok=True)
-        port = str(_free_port())
+        port = str(free_port())
         procs = []
         t0 = time.monotonic()
         for rank in range(self.ranks):

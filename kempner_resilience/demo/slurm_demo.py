@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -327,12 +326,6 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     return DemoJob(work, script, ranks, steps, env=env, nodes=nodes, sbatch_args=cli)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_reference(workdir: Path | str, *, ranks: int, steps: int, python: str = sys.executable,
                   timeout: float = 300.0, train_args: Iterable[str] = ()) -> Path:
     """The uninterrupted run: the same trainer, ``ranks`` plain processes (RANK/WORLD_SIZE/
@@ -341,7 +334,9 @@ def run_reference(workdir: Path | str, *, ranks: int, steps: int, python: str = 
     work = Path(workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     out = work / "weights.pt"
-    port = str(_free_port())
+    from kempner_resilience.demo.launcher import free_port
+
+    port = str(free_port())
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     base.pop("KEMPNER_RESILIENCE_REPORT", None)
     base.pop("KEMPNER_RESILIENCE_CONFIG", None)

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from kempner_resilience.demo.launcher import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(script: str, args: list[str], world: int, timeout: float = 120) -> list[str]:
