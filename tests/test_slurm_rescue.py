@@ -92,11 +92,11 @@ def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes
         # all-reduce can finish on some ranks first), so no complete state of it existed.
         assert second["resumed_from"] == EVERY, job.log_text()[-4000:]
         said = "".join(job.rank_stderr(0, r) for r in range(RANKS))
-        assert "rescue skipped: no state of step" in said, said[-3000:]
-    # The survivors left on their own with PEER_LOST, or SLURM's SIGTERM for the requeue
-    # (rank 0's own requeue) caught them on the way out.
+        assert "rescue skipped:" in said or "cannot write one" in said, said[-3000:]
+    # The survivors left on their own with PEER_LOST (HANG if their hang watchdog came first),
+    # or SLURM's SIGTERM for the requeue (rank 0's own) caught them on the way out.
     codes = [job.rank_exit(0, r) for r in range(RANKS)]
-    assert all(c in (None, 81, 143) for c in codes), codes
+    assert all(c in (None, 42, 81, 143) for c in codes), codes
     assert dead not in expand_hostlist(job.info().get("NodeList", ""))
 
 
