@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -89,9 +88,9 @@ def main() -> None:
     print(f"single process: plain loop {plain:.2f} us/step, run.steps() {ours:.2f} us/step, "
           f"overhead {ours - plain:.2f} us/step (target <= 20)")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from kempner_resilience.demo.launcher import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, args, q)) for r in (0, 1)]

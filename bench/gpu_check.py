@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -37,6 +36,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from kempner_resilience.demo.launcher import free_port  # noqa: E402  (the tests' ports too)
+
 PEER_LOST, REQUEUE, SIGINT_CODE, HANG = 81, 75, 130, 42
 
 # ------------------------------------------------------------------------------ the scripts
@@ -223,12 +225,6 @@ with kr.ResilientRun(cfg) as run:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def script(work: Path, name: str, body: str) -> Path:
     path = work / name

@@ -29,11 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _spawn(args: list[str], world: int = 2) -> list[subprocess.CompletedProcess]:
-    import socket
+    from kempner_resilience.demo.launcher import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONPATH=str(REPO))
     env.pop("KEMPNER_RESILIENCE_CONFIG", None)

@@ -18,19 +18,12 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 MIB = 2**20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -75,7 +68,9 @@ def rank_main(args: argparse.Namespace) -> None:
 def run_case(size_mib: int, ranks: int, root: Path, periodic: int) -> dict:
     d = root / f"{size_mib}mib-{ranks}r"
     shutil.rmtree(d, ignore_errors=True)
-    port = str(_free_port())
+    from kempner_resilience.demo.launcher import free_port
+
+    port = str(free_port())
     procs = []
     for r in range(ranks):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",

@@ -15,8 +15,6 @@ from kempner_resilience.demo.launcher import free_port  # noqa: F401  (tests imp
 REPO = Path(__file__).resolve().parents[1]
 
 
-
-
 def write_script(tmp_path: Path, body: str, name: str = "script.py") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))

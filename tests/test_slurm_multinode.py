@@ -26,6 +26,7 @@ from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.ledger import LEDGER_NAME, read_ledger
 from kempner_resilience.slurm.env import expand_hostlist
 from slurm_fixtures import (multinode_cluster, multinode_jobs, submit,  # noqa: F401
                             wait_for, wait_job)
@@ -102,11 +103,6 @@ def _last_step_per_rank(job: DemoJob, restart: int) -> dict[int, int]:
     return last
 
 
-def _ledger(job: DemoJob) -> list[dict]:
-    return [json.loads(line) for line in
-            (job.checkpoints / "ledger.jsonl").read_text().splitlines() if line.strip()]
-
-
 def _usr1_stops_every_rank_at_one_committed_step(job: DemoJob) -> dict:
     """``scancel --signal=USR1``; returns rank 0's report of the first run, checked."""
     job.signal("USR1")
@@ -124,7 +120,7 @@ def _usr1_stops_every_rank_at_one_committed_step(job: DemoJob) -> dict:
     # Rank 0 requeued after the commit (its ledger says so; its log line may be lost: srun
     # stops relaying the tasks' output once the requeue cancels the step).
     assert first["timings"].get("requeue_s") is not None, first
-    assert any(e["ev"] == "requeue" for e in _ledger(job))
+    assert any(e["ev"] == "requeue" for e in read_ledger(job.checkpoints / LEDGER_NAME))
     return first
 
 

@@ -14,7 +14,6 @@ CI runs one of each); the rescue itself is shown deterministically in tests/test
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -22,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from kempner_resilience.checkpoint import MANIFEST_NAME
+from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
+from kempner_resilience.ledger import LEDGER_NAME, read_ledger
 from kempner_resilience.slurm.env import expand_hostlist
 from slurm_fixtures import multinode_cluster, multinode_jobs  # noqa: F401
 
@@ -43,12 +43,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _manifests(root: Path) -> dict[int, dict]:
-    out = {}
-    for p in root.glob("step_*"):
-        m = p / MANIFEST_NAME
-        if m.exists():
-            out[int(p.name.split("_")[1].split(".")[0])] = json.loads(m.read_text())
-    return out
+    return {e.step: e.manifest for e in layout.scan(root) if e.committed}
 
 
 @pytest.mark.parametrize("victim", ["other_node", "batch_node"])
@@ -78,7 +73,7 @@ def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes
     assert second is not None, job.log_text()[-4000:]
     completed = _steps_completed(job, 0)       # by the ranks that got furthest in attempt 0
     assert completed >= kill_at
-    ledger = [json.loads(x) for x in (job.checkpoints / "ledger.jsonl").read_text().splitlines()]
+    ledger = read_ledger(job.checkpoints / LEDGER_NAME)
     if rescued:
         # The survivors committed the step they were at: at most the step in flight is redone.
         [step] = rescued
