@@ -79,3 +79,27 @@ def test_once_an_optimizer_step_began_the_boundary_cannot_be_written_until_the_n
     boundary.detach()
     toy.train_step(state)                   # unhooked: no longer watched
     assert boundary.why_inconsistent() is None
+
+
+def test_the_snapshot_holds_numpys_exact_state_also_when_only_a_cached_gaussian_was_used() -> None:
+    import numpy as np
+
+    from kempner_resilience.rescue.boundary import decode, encode
+
+    def snapped() -> tuple:
+        return decode(encode(0, {}))["rng"]["numpy"]
+
+    def same(a: tuple, b: tuple) -> bool:
+        return a[0] == b[0] and (a[1] == b[1]).all() and a[2:] == b[2:]
+
+    np.random.seed(7)
+    assert same(snapped(), np.random.get_state())
+    assert same(snapped(), np.random.get_state())       # untouched: the cheap path
+    np.random.standard_normal()                         # draws a pair, caches the second
+    assert np.random.get_state()[3] == 1 and same(snapped(), np.random.get_state())
+    np.random.standard_normal()                         # uses the cached one: words unchanged
+    assert np.random.get_state()[3] == 0 and same(snapped(), np.random.get_state())
+    np.random.rand(5)
+    assert same(snapped(), np.random.get_state())
+    np.random.seed(7)
+    assert same(snapped(), np.random.get_state())

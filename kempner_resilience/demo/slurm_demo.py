@@ -290,13 +290,15 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     if rank_files:
         # This shell stays, to write the trainer's exit status. SLURM signals only the task
         # itself (slurmstepd's children), so it forwards the signals to the trainer; `wait`
-        # returns early (> 128) on each of them while the trainer still runs.
+        # returns early (> 128) on each of them while the trainer still runs. bash 5.2 can
+        # lose the status of a child that exited during a trap (its second `wait` gave -1):
+        # then the signal's code stays.
         rank = f'{shlex.quote(str(work))}/rank.{run}.${{RANK:-$SLURM_PROCID}}'
         fwd = " ".join(f"trap 'kill -{s} $p 2>/dev/null' {s};" for s in
                        ("USR1", "USR2", "TERM", "INT"))
         mark += (f'"$@" 2>> {rank}.err & p=$!; {fwd} '
                  'while :; do wait $p; rc=$?; kill -0 $p 2>/dev/null || break; done; '
-                 'if [ $rc -gt 128 ]; then wait $p; r=$?; [ $r = 127 ] || rc=$r; fi; '
+                 'if [ $rc -gt 128 ]; then wait $p; r=$?; [ $r = 127 ] || [ $r -lt 0 ] || rc=$r; fi; '
                  f'echo $rc > {rank}.exit; exit $rc')
     else:
         mark += 'exec "$@"'

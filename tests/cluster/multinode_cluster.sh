@@ -213,8 +213,10 @@ node_pids() {
 
 # The node dies at once, as on a power loss: every process is stopped first, then killed. Killed
 # one by one, the node's srun or slurmstepd could outlive its tasks by a moment and act on
-# their deaths (--kill-on-bad-exit ending the step on the other nodes too), which a dead node
-# never does.
+# their deaths. The kills go deepest first (children before their parents): a stopped process
+# whose parent dies first is in a newly orphaned process group, and the kernel then sends it
+# SIGHUP and SIGCONT (POSIX). srun woken that way "forces job termination": it has every task
+# of the step SIGKILLed, the other nodes' too, which no real power loss does.
 kill_node_procs() {
     local k=$1 i pids
     for ((i = 0; i < 50; i++)); do
@@ -223,11 +225,25 @@ kill_node_procs() {
         # shellcheck disable=SC2086
         kill -STOP $pids 2>/dev/null || true
         # shellcheck disable=SC2086
-        kill -KILL $pids 2>/dev/null || true
+        kill -KILL $(deepest_first $pids) 2>/dev/null || true
         sleep 0.1
     done
     log "node $(node_name "$k"): processes survived SIGKILL: $(node_pids "$k" | tr '\n' ' ')"
     return 1
+}
+
+# The given pids ordered by their depth in the process tree, deepest first.
+deepest_first() {
+    ps -e -o pid=,ppid= | awk -v want="$*" '
+        { parent[$1] = $2 }
+        END {
+            n = split(want, w, " ")
+            for (i = 1; i <= n; i++) {
+                d = 0
+                for (p = w[i]; (p in parent) && p > 1 && d < 1000; p = parent[p]) d++
+                print d, w[i]
+            }
+        }' | sort -rn | awk '{ print $2 }'
 }
 
 node_state() {
