@@ -91,6 +91,25 @@ class MultiNodeCluster:
         res = _run(["ip", "netns", "pids", node], 15)
         return [int(p) for p in res.stdout.split() if p.isdigit()]
 
+    def trainers(self, workdir: Path, nodes: list[str]) -> dict[int, tuple[str, int]]:
+        """The python processes on ``nodes`` whose command line names ``workdir`` (a job's
+        trainers): {SLURM_PROCID: (node, pid)}."""
+        found = {}
+        for node in nodes:
+            for pid in self.node_pids(node):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if not argv[0].endswith(b"python") or \
+                        str(workdir).encode() not in b" ".join(argv):
+                    continue
+                for var in environ:
+                    if var.startswith(b"SLURM_PROCID="):
+                        found[int(var.split(b"=", 1)[1])] = (node, pid)
+        return found
+
     def _number(self, node: str) -> str:
         if node not in self.nodes:
             raise ValueError(f"{node!r} is not one of {self.nodes}")

@@ -64,24 +64,6 @@ def _job_nodes(job: DemoJob) -> list[str]:
     return expand_hostlist(job.info().get("NodeList", ""))
 
 
-def _trainers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, tuple[str, int]]:
-    """This job's trainer processes on ``nodes``: {SLURM_PROCID: (node, pid)}."""
-    found = {}
-    for node in nodes:
-        for pid in cluster.node_pids(node):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if not argv[0].endswith(b"python") or str(job.workdir).encode() not in b" ".join(argv):
-                continue
-            for var in environ:
-                if var.startswith(b"SLURM_PROCID="):
-                    found[int(var.split(b"=", 1)[1])] = (node, pid)
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -164,7 +146,7 @@ def test_usr1_to_4_ranks_on_2_nodes_checkpoints_requeues_resumes_bitwise_equal(
     nodes = _job_nodes(job)
     assert len(set(nodes)) == NODES, nodes
     # Each node ran its own 2 ranks: rank placement came from srun, MASTER_ADDR from the list.
-    placed = _trainers(multinode_cluster, job, nodes)
+    placed = multinode_cluster.trainers(job.workdir, nodes)
     assert {node for node, _ in placed.values()} == set(nodes), placed
     first = _usr1_stops_every_rank_at_one_committed_step(job)
     _assert_completed_bitwise(job, reference, first["saved_step"])
@@ -233,7 +215,7 @@ def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_com
     job.wait_step(8, timeout=180)
     nodes = _job_nodes(job)
     dead = nodes[0] if victim == "batch_node" else nodes[1]
-    ranks = _trainers(multinode_cluster, job, nodes)
+    ranks = multinode_cluster.trainers(job.workdir, nodes)
     assert sorted(ranks) == list(range(RANKS)), ranks
     survivors = {r: pid for r, (node, pid) in ranks.items() if node != dead}
     assert len(survivors) == RANKS // NODES

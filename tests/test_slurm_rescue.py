@@ -8,14 +8,17 @@ Whether a rescue is possible depends on where the kill lands: when the dead rank
 marked the step the survivors reached (a ring all-reduce can finish on the survivors first),
 no complete state of that step exists and the survivors fall back, within seconds, to the
 periodic checkpoint. So each run must either rescue (<= 1 step lost) or fall back cleanly, and
-always end bitwise equal. ``KR_RESCUE_KILLS=10`` repeats each case at 10 random steps (by hand;
-CI runs one of each); the rescue itself is shown deterministically in tests/test_rescue.py.
+always end bitwise equal. The same with one rank's process killed alone (its node lives on:
+srun's --kill-on-bad-exit SIGTERMs the others at once). ``KR_RESCUE_KILLS=10`` repeats each
+case at 10 random steps (by hand; CI runs one of each); the rescue itself is shown
+deterministically in tests/test_rescue.py.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 import re
 from pathlib import Path
 
@@ -126,3 +129,39 @@ def test_a_rank_hanging_with_the_gil_held_is_rescued_by_the_others_and_resumes_b
     assert job.report(1)["resumed_from"] == hang_at
     assert job.rank_exit(0, 2) == 42                   # HANG, from the kernel timer
     assert "Traceback" not in job.rank_stderr(0, 0)
+
+
+@pytest.mark.parametrize("attempt", range(KILLS))
+def test_a_rank_killed_alone_is_rescued_within_srun_s_kill_wait_and_resumes_bitwise(
+        multinode_cluster, tmp_path, reference, multinode_jobs, attempt):
+    # One process dies (a GPU fault, the OOM killer), its node lives on: srun sees the bad exit
+    # at once and (--kill-on-bad-exit=1, the templates' launch line) sends SIGTERM to every
+    # other task, SIGKILL KillWait later; the survivors rescue under that SIGTERM (measured:
+    # committed 0.05 s after the failure). The others wait for rank 3 in the step's all-reduce.
+    kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
+    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
+                    every_steps=EVERY, rank_files=True, env=multinode_cluster.env,
+                    sets=["watchdog.hang_timeout_s=30"])
+    multinode_jobs[0].append(job)
+    job.submit()
+    job.wait_step(kill_at, timeout=240)
+    nodes = expand_hostlist(job.info().get("NodeList", ""))
+    node, pid = multinode_cluster.trainers(job.workdir, nodes)[3]
+    os.kill(pid, signal.SIGKILL)
+
+    info = job.wait_state(timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.log_text()[-4000:]
+    same, total, diff = compare_weights(reference, job.weights)
+    assert not diff, f"{len(diff)} of {total} tensors differ after a kill at {kill_at}"
+    said = "".join(job.rank_stderr(0, r) for r in range(RANKS))
+    rescued = {s: m for s, m in _manifests(job.checkpoints).items() if m.get("reason") == "rescue"}
+    completed = _steps_completed(job, 0)
+    if rescued:
+        [step] = rescued
+        assert job.report(1)["resumed_from"] == step and completed - step <= 1, (completed, step)
+    else:                                       # rank 3 died before marking the others' step
+        assert job.report(1)["resumed_from"] == EVERY, said[-3000:]
+        assert "rescue skipped:" in said or "cannot write one" in said, said[-3000:]
+    codes = [job.rank_exit(0, r) for r in range(RANKS)]
+    assert codes[3] == 128 + signal.SIGKILL, codes
+    assert all(c in (81, 143) for c in codes[:3]), codes
