@@ -70,6 +70,7 @@ def _worker_mark(steps: int, kind: str, ckpt: str) -> None:
         rescue = run._parts.rescue
         assert rescue is not None, "rescue is off"
         others = rescue.boundary.state.others
+        busy = torch.randn(370, 370)
         rounds = []
         for _ in range(3):
             dist.barrier()
@@ -81,12 +82,14 @@ def _worker_mark(steps: int, kind: str, ckpt: str) -> None:
                 rescue.link.send(i, payload)
                 t2 = time.perf_counter()
                 took, sent = took + t2 - t0, sent + t2 - t1
-                time.sleep(0.002)        # the step: the buddy's thread receives meanwhile
+                # The step: ~2 ms of compute (a sleep lets the core idle and the next mark
+                # then runs on cold caches, timing the machine's wake-up more than the mark);
+                # torch releases the GIL, so the buddy's thread receives meanwhile.
+                torch.mm(busy, busy)
             rounds.append((took / steps * 1e6, sent / steps * 1e6))
         enc = timeit.timeit(lambda: encode(1, others), number=steps) / steps * 1e6
         b = rescue.boundary
-        copy = timeit.timeit(lambda: torch._foreach_copy_(b._copies, b._live),
-                             number=steps) / steps * 1e6 if b._live else 0.0
+        copy = timeit.timeit(b._copy_buffers, number=steps) / steps * 1e6 if b._live else 0.0
         dist.barrier()
         for _ in run.steps(0):
             pass
