@@ -9,8 +9,12 @@
    rank 1 SIGKILLed between steps; rank 0 detects it in its next collective, writes the rescue
    checkpoint and commits it. Reported: kill -> committed (wall clock, from the manifest's commit
    time), and the writer's own part (detection -> committed).
+3. ``--nodes 2``: the same on 2 nodes of the namespace SLURM cluster
+   (``tests/cluster/multinode_cluster.sh``, needs root; started when not running), one rank per
+   node under srun; instead of rank 1's process, its whole node is killed (every process,
+   ``kill-node``) while it waits between steps 3 and 4. The node is started again afterwards.
 
-    python bench/rescue_bench.py [--steps 1000] [--sizes 200M,2G]
+    python bench/rescue_bench.py [--steps 1000] [--sizes 200M,2G] [--nodes 2]
 """
 
 from __future__ import annotations
@@ -117,13 +121,15 @@ def per_step(steps: int) -> None:
 
 # ---------------------------------------------------------------------------- 2. rescue time
 
-def _worker_rescue(nbytes: int, ckpt: str, killfile: str) -> None:
+def _worker_rescue(nbytes: int, ckpt: str, killfile: str, node_kill: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
 
     import kempner_resilience as kr
+    from kempner_resilience.slurm import setup_torch_env
 
+    setup_torch_env()                            # under srun (--nodes 2): rank, master address
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -134,19 +140,27 @@ def _worker_rescue(nbytes: int, ckpt: str, killfile: str) -> None:
     model.w.grad = torch.zeros_like(model.w)
     optim.step()                                 # Adam's state exists
     cfg = kr.load_config(None, [f"checkpoint.dir={ckpt}", "rescue.budget_s=600",
-                                "watchdog.hang_timeout_s=600", "watchdog.exit_mode=exit"])
+                                "watchdog.hang_timeout_s=600", "watchdog.exit_mode=exit",
+                                "requeue.enabled=false"])
     with kr.ResilientRun(cfg, state={"model": model, "optim": optim}) as run:
         for step in run.steps(10):
             if rank == 1 and step == 3:
+                if node_kill:                    # the bench kills this node meanwhile
+                    Path(killfile).write_text(os.uname().nodename)
+                    time.sleep(600)
                 Path(killfile).write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             dist.all_reduce(torch.ones(1))       # the step's collective: fails once rank 1 died
             time.sleep(0.05)
 
 
-def rescue_time(size: str) -> None:
+def _nbytes(size: str) -> int:
     mult = {"M": 10**6, "G": 10**9}
-    nbytes = int(float(size[:-1]) * mult[size[-1].upper()])
+    return int(float(size[:-1]) * mult[size[-1].upper()])
+
+
+def rescue_time(size: str) -> None:
+    nbytes = _nbytes(size)
     with tempfile.TemporaryDirectory() as d:
         killfile = os.path.join(d, "killed_at")
         res = _spawn(["--worker-rescue", str(nbytes), os.path.join(d, "ckpt"), killfile])
@@ -156,23 +170,80 @@ def rescue_time(size: str) -> None:
             return
         m = json.loads(man.read_text())
         killed = float(Path(killfile).read_text())
+    _print_rescue(f"{size} of state", m, killed)
+
+
+def _print_rescue(what: str, m: dict, killed: float) -> None:
     r = m["rescue"]
-    print(f"{size} of state ({m['nbytes'] / 2**20:.0f} MiB written): kill -> committed "
+    print(f"{what} ({m['nbytes'] / 2**20:.0f} MiB written): kill -> committed "
           f"{m['committed_at'] - killed:.2f} s; detection -> committed "
           f"{r['detected_to_write_s'] + m['save_seconds']:.2f} s "
           f"(waiting for per-rank state {r['waited_for_state_s']:.3f} s, write+commit "
           f"{m['save_seconds']:.2f} s, {m['nbytes'] / 2**20 / m['save_seconds']:.0f} MiB/s)")
 
 
+def rescue_time_on_nodes(size: str) -> None:
+    nbytes = _nbytes(size)
+    script = REPO / "tests" / "cluster" / "multinode_cluster.sh"
+    subprocess.run(["bash", str(script), "start"], check=True, capture_output=True, text=True)
+    conf = subprocess.run(["bash", str(script), "env"], check=True, capture_output=True,
+                          text=True).stdout.split("SLURM_CONF=", 1)[1].split()[0].strip("'\"")
+    env = dict(os.environ, SLURM_CONF=conf, PYTHONPATH=str(REPO))
+    env.pop("KEMPNER_RESILIENCE_CONFIG", None)
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
+        killfile, ckpt = os.path.join(d, "node"), os.path.join(d, "ckpt")
+        job = Path(d, "job.sbatch")
+        job.write_text("#!/bin/bash\n#SBATCH -N 2 --ntasks-per-node 1 -p mn --time 10\n"
+                       f"#SBATCH -o {d}/job.out\n"
+                       f"srun --kill-on-bad-exit=1 {sys.executable} {__file__} --worker-rescue "
+                       f"{nbytes} {ckpt} {killfile} node\n")
+        job_id = subprocess.run(["sbatch", "--parsable", str(job)], env=env, check=True,
+                                capture_output=True, text=True).stdout.strip().split(";")[0]
+        node = ""
+        try:
+            end = time.monotonic() + 600
+            while not node and time.monotonic() < end:
+                time.sleep(0.05)
+                node = Path(killfile).read_text().strip() if os.path.exists(killfile) else ""
+            if not node:
+                print(f"{size} on 2 nodes: rank 1 never reached step 3\n"
+                      + Path(d, "job.out").read_text()[-3000:])
+                return
+            killed = time.time()
+            subprocess.run(["bash", str(script), "kill-node", node.removeprefix("krnode")],
+                           check=True, capture_output=True, text=True)
+            man = Path(ckpt, "step_000000003", "MANIFEST.json")
+            while not man.exists() and time.monotonic() < end:
+                time.sleep(0.05)
+            if not man.exists():
+                print(f"{size} on 2 nodes: no rescue\n" + Path(d, "job.out").read_text()[-3000:])
+                return
+            time.sleep(0.5)                      # the manifest is renamed in whole; let it land
+            m = json.loads(man.read_text())
+        finally:
+            subprocess.run(["scancel", job_id], env=env, capture_output=True)
+            if node:
+                subprocess.run(["bash", str(script), "restart-node", node.removeprefix("krnode")],
+                               capture_output=True)
+    _print_rescue(f"{size} on 2 nodes (node {node} killed)", m, killed)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker-mark":
         return _worker_mark(int(sys.argv[3]), sys.argv[2], sys.argv[4])
     if len(sys.argv) > 1 and sys.argv[1] == "--worker-rescue":
-        return _worker_rescue(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        return _worker_rescue(int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                              node_kill=sys.argv[5:] == ["node"])
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--sizes", default="200M,2G")
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                   help="2: the rescue time on 2 nodes of the namespace SLURM cluster (root)")
     args = p.parse_args()
+    if args.nodes == 2:
+        for size in args.sizes.split(","):
+            rescue_time_on_nodes(size)
+        return
     per_step(args.steps)
     for size in args.sizes.split(","):
         rescue_time(size)
