@@ -54,21 +54,11 @@ def _manifests(root: Path) -> dict[int, dict]:
 def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes_bitwise(
         multinode_cluster, tmp_path, reference, multinode_jobs, victim, attempt):
     kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
-    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
-                    every_steps=EVERY, rank_files=True, env=multinode_cluster.env,
-                    sets=["watchdog.hang_timeout_s=30"])
-    multinode_jobs[0].append(job)
-    job.submit()
-    job.wait_step(kill_at, timeout=240)
-    nodes = expand_hostlist(job.info().get("NodeList", ""))
+    job, nodes = _job_at_step(multinode_cluster, tmp_path, multinode_jobs, kill_at)
     dead = nodes[0] if victim == "batch_node" else nodes[1]
     multinode_jobs[1].append(dead)
     multinode_cluster.kill_node(dead)
-
-    info = job.wait_state(timeout=300)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.log_text()[-4000:]
-    same, total, diff = compare_weights(reference, job.weights)
-    assert not diff, f"{len(diff)} of {total} tensors differ after a kill at {kill_at}"
+    _completes_bitwise(job, reference, kill_at)
 
     manifests = _manifests(job.checkpoints)
     rescued = {s: m for s, m in manifests.items() if m.get("reason") == "rescue"}
@@ -96,6 +86,24 @@ def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes
     codes = [job.rank_exit(0, r) for r in range(RANKS)]
     assert all(c in (None, 42, 81, 143) for c in codes), codes
     assert dead not in expand_hostlist(job.info().get("NodeList", ""))
+
+
+def _job_at_step(cluster, tmp_path: Path, jobs, step: int) -> tuple[DemoJob, list[str]]:
+    """The demo job submitted and running at ``step``, and its nodes."""
+    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
+                    every_steps=EVERY, rank_files=True, env=cluster.env,
+                    sets=["watchdog.hang_timeout_s=30"])
+    jobs[0].append(job)
+    job.submit()
+    job.wait_step(step, timeout=240)
+    return job, expand_hostlist(job.info().get("NodeList", ""))
+
+
+def _completes_bitwise(job: DemoJob, reference: Path, kill_at: int) -> None:
+    info = job.wait_state(timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.log_text()[-4000:]
+    same, total, diff = compare_weights(reference, job.weights)
+    assert not diff, f"{len(diff)} of {total} tensors differ after a kill at {kill_at}"
 
 
 def _steps_completed(job: DemoJob, restart: int) -> int:
@@ -139,20 +147,10 @@ def test_a_rank_killed_alone_is_rescued_within_srun_s_kill_wait_and_resumes_bitw
     # other task, SIGKILL KillWait later; the survivors rescue under that SIGTERM (measured:
     # committed 0.05 s after the failure). The others wait for rank 3 in the step's all-reduce.
     kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
-    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
-                    every_steps=EVERY, rank_files=True, env=multinode_cluster.env,
-                    sets=["watchdog.hang_timeout_s=30"])
-    multinode_jobs[0].append(job)
-    job.submit()
-    job.wait_step(kill_at, timeout=240)
-    nodes = expand_hostlist(job.info().get("NodeList", ""))
+    job, nodes = _job_at_step(multinode_cluster, tmp_path, multinode_jobs, kill_at)
     node, pid = multinode_cluster.trainers(job.workdir, nodes)[3]
     os.kill(pid, signal.SIGKILL)
-
-    info = job.wait_state(timeout=300)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.log_text()[-4000:]
-    same, total, diff = compare_weights(reference, job.weights)
-    assert not diff, f"{len(diff)} of {total} tensors differ after a kill at {kill_at}"
+    _completes_bitwise(job, reference, kill_at)
     said = "".join(job.rank_stderr(0, r) for r in range(RANKS))
     rescued = {s: m for s, m in _manifests(job.checkpoints).items() if m.get("reason") == "rescue"}
     completed = _steps_completed(job, 0)
