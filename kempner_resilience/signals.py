@@ -86,7 +86,12 @@ class ShutdownHandler:
         self._previous: dict[int, Any] = {}
         self._listeners: list[Callable[[ShutdownRequest], None]] = []
         self._forced_exit_hooks: list[Callable[[int], None]] = []
-        self._lock = threading.Lock()
+        # Reentrant: the Python-level handler takes it in the main thread, and a second signal's
+        # handler can run inside the first one's critical section (Python runs handlers between
+        # any two bytecodes). With a plain Lock the main thread then waited on itself, and the
+        # signal thread behind it: no log, no deadline, a rank stuck for good (seen with three
+        # SIGTERMs sent back to back).
+        self._lock = threading.RLock()
         self._request: ShutdownRequest | None = None
         self._deliveries: list[int] = []
         self._rfd = self._wfd = -1

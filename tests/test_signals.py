@@ -135,6 +135,37 @@ def test_second_sigterm_exits_143_at_once(tmp_path):
     assert proc.returncode == 143
 
 
+NESTED = """
+import os, signal, sys, time
+from kempner_resilience import ShutdownHandler, load_config
+
+handler = ShutdownHandler(load_config(None, []).signals).install()
+# The main thread is inside one signal's handler, recording it, when the next one arrives (three
+# SIGTERMs sent back to back): Python runs that one's handler right there, in the same thread.
+with handler._lock:
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):
+        pass
+    print("recorded", handler.request.signum, flush=True)
+end = time.monotonic() + 10
+while not handler._deliveries and time.monotonic() < end:
+    time.sleep(0.01)
+print("signal thread saw", handler._deliveries, flush=True)
+handler.uninstall()
+"""
+
+
+def test_a_signal_arriving_while_another_is_being_recorded_does_not_deadlock_the_rank(tmp_path):
+    proc = start(write_script(tmp_path, NESTED))
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "recorded 15" in out and "signal thread saw [15]" in out, (out, err[-2000:])
+    assert "SIGTERM received" in err
+    assert proc.returncode == 0, err[-2000:]
+
+
 def test_sigterm_after_usr1_does_not_abort_the_graceful_shutdown(tmp_path):
     # The SLURM time limit: USR1 first, SIGTERM later while the checkpoint may still be written.
     # Forcing exit then would throw the checkpoint away; the step finishes and the run requeues.
