@@ -74,11 +74,11 @@ class _NumpyState:
         except Exception:  # noqa: BLE001 - another numpy layout: always read it in full
             self._addr = None
         self._raw = b""
-        self._last: tuple | None = None
+        self._last: tuple = ()
 
     def get(self) -> tuple:
         raw = ctypes.string_at(self._addr, self._RAW) if self._addr is not None else b""
-        if raw and raw == self._raw and self._last is not None and not self._last[3]:
+        if raw and raw == self._raw and not self._last[3]:   # equal raw: _last was read
             return self._last
         # The key array as bytes: pickling the ndarray itself costs ~40 us.
         name, key, pos, has_gauss, cached = _np.random.get_state()
@@ -143,10 +143,10 @@ class Boundary:
         self._snaps: tuple[Snapshot | None, Snapshot | None] = (None, None)
         self._hooks: list[Any] = []
         self._live: list[torch.Tensor] = []
-        # Per (dtype, device): flat 1-d views of the live buffers, and the flat copy.
-        self._groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         self._copies: list[torch.Tensor] = []     # views of the flat copies, one per live buffer
-        self._flat_ok = True                      # every live buffer has a flat view
+        # Per (dtype, device): flat 1-d views of its live buffers, and its flat copy. Empty when
+        # a buffer is not contiguous (no flat view): then each is copied on its own.
+        self._groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
 
     def attach(self) -> None:
         """Hook every optimizer of the state and allocate the buffer copies (once)."""
@@ -160,27 +160,21 @@ class Boundary:
             self._hooks += [pre, optim.register_step_post_hook(self._post)]
         params = {id(p) for m in self.state.modules.values() for p in m.parameters()}
         seen: set[int] = set()
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for module in self.state.modules.values():
             for value in module.state_dict(keep_vars=True).values():
                 if isinstance(value, torch.Tensor) and id(value) not in params \
                         and id(value) not in seen and value.numel() > 0:
                     seen.add(id(value))
-                    self._live.append(value.detach())
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for live in self._live:
-            by_kind.setdefault((live.dtype, live.device), []).append(live)
-        # A non-contiguous buffer has no flat view: then every slot is copied on its own.
-        self._flat_ok = all(t.is_contiguous() for t in self._live)
-        slots: dict[int, torch.Tensor] = {}
+                    by_kind.setdefault((value.dtype, value.device), []).append(value.detach())
+        flat_ok = all(t.is_contiguous() for lives in by_kind.values() for t in lives)
         for (dtype, device), lives in by_kind.items():
             flat = torch.empty(sum(t.numel() for t in lives), dtype=dtype, device=device)
-            if self._flat_ok:
+            self._live += lives
+            self._copies += [part.view(t.shape) for part, t in
+                             zip(flat.split([t.numel() for t in lives]), lives)]
+            if flat_ok:
                 self._groups.append(([t.view(-1) for t in lives], flat))
-            offset = 0
-            for t in lives:
-                slots[id(t)] = flat[offset:offset + t.numel()].view(t.shape)
-                offset += t.numel()
-        self._copies = [slots[id(t)] for t in self._live]
 
     def detach(self) -> None:
         for handle in self._hooks:
@@ -213,12 +207,12 @@ class Boundary:
         return payload
 
     def _copy_buffers(self) -> None:
-        with torch.no_grad():
-            if self._flat_ok:
-                for views, flat in self._groups:
-                    torch.cat(views, out=flat)
-            else:
-                torch._foreach_copy_(self._copies, self._live)
+        # No torch.no_grad() needed: the live buffers were detached at attach().
+        if self._groups:
+            for views, flat in self._groups:
+                torch.cat(views, out=flat)
+        else:
+            torch._foreach_copy_(self._copies, self._live)
 
     def why_inconsistent(self) -> str | None:
         """None when the live parameters and optimizer state are still those of the last
