@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import kempner_resilience as kr
+from kempner_resilience.demo.launcher import free_port
 
 CFG = ["watchdog.hang_timeout_s=600"]
 
@@ -87,8 +88,6 @@ def main() -> None:
     plain, ours = micro(args.micro_steps * 5)
     print(f"single process: plain loop {plain:.2f} us/step, run.steps() {ours:.2f} us/step, "
           f"overhead {ours - plain:.2f} us/step (target <= 20)")
-
-    from kempner_resilience.demo.launcher import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

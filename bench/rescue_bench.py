@@ -218,7 +218,6 @@ def rescue_time_on_nodes(size: str) -> None:
             if not man.exists():
                 print(f"{size} on 2 nodes: no rescue\n" + Path(d, "job.out").read_text()[-3000:])
                 return
-            time.sleep(0.5)                      # the manifest is renamed in whole; let it land
             m = json.loads(man.read_text())
         finally:
             subprocess.run(["scancel", job_id], env=env, capture_output=True)

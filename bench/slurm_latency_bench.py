@@ -47,7 +47,6 @@ sys.path.insert(0, str(ROOT))
 
 from kempner_resilience.demo.slurm_demo import (  # noqa: E402
     ClusterError, check_cluster, wait_until, write_job)
-from kempner_resilience.slurm.env import expand_hostlist  # noqa: E402
 
 COLS = ["step", "save_s", "commit", "requeue", "exit", "left_run", "running", "resumed"]
 KILL_COLS = ["step", "resume_at", "gone", "down", "running", "resumed"]
@@ -103,7 +102,7 @@ def kill_run(work: Path, ranks: int, step_time: float, at_step: int, victim: str
     dead = None
     try:
         job.wait_step(at_step, timeout=300)
-        nodes = expand_hostlist(job.info()["NodeList"])
+        nodes = job.hosts()
         dead = nodes[0] if victim == "batch" else nodes[1]
         survivors = [p for n in nodes if n != dead for p in _trainer_pids(n, work)]
         row: dict[str, float] = {"step": float(job.last_step() or 0)}

@@ -27,7 +27,6 @@ from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.ledger import LEDGER_NAME, read_ledger
-from kempner_resilience.slurm.env import expand_hostlist
 from slurm_fixtures import (multinode_cluster, multinode_jobs, submit,  # noqa: F401
                             wait_for, wait_job)
 
@@ -58,10 +57,6 @@ def _new_job(cluster, multinode_jobs, tmp_path: Path, **kw) -> DemoJob:
                     train_args=TRAIN_ARGS, env=cluster.env, **kw)
     multinode_jobs[0].append(job)
     return job
-
-
-def _job_nodes(job: DemoJob) -> list[str]:
-    return expand_hostlist(job.info().get("NodeList", ""))
 
 
 def _alive(pid: int) -> bool:
@@ -143,14 +138,14 @@ def test_usr1_to_4_ranks_on_2_nodes_checkpoints_requeues_resumes_bitwise_equal(
     job = _new_job(multinode_cluster, multinode_jobs, tmp_path, step_time=0.1)
     job.submit()
     job.wait_step(12, timeout=180)
-    nodes = _job_nodes(job)
+    nodes = job.hosts()
     assert len(set(nodes)) == NODES, nodes
     # Each node ran its own 2 ranks: rank placement came from srun, MASTER_ADDR from the list.
     placed = multinode_cluster.trainers(job.workdir, nodes)
     assert {node for node, _ in placed.values()} == set(nodes), placed
     first = _usr1_stops_every_rank_at_one_committed_step(job)
     _assert_completed_bitwise(job, reference, first["saved_step"])
-    assert len(set(_job_nodes(job))) == NODES
+    assert len(set(job.hosts())) == NODES
 
 
 def _torchrun_workers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, str]:
@@ -185,7 +180,7 @@ def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_res
     assert 'srun --kill-on-bad-exit=1 "${TORCHRUN[@]}" bash -c' in job.script.read_text()
     job.submit()
     job.wait_step(12, timeout=180)
-    nodes = _job_nodes(job)
+    nodes = job.hosts()
     assert len(set(nodes)) == NODES, nodes
     placed = _torchrun_workers(multinode_cluster, job, nodes)
     assert sorted(placed) == list(range(RANKS)), placed
@@ -213,7 +208,7 @@ def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_com
     # Who runs where, found early: at step 22 the kill must follow at once, well before the
     # last step (under load the /proc scan takes a while).
     job.wait_step(8, timeout=180)
-    nodes = _job_nodes(job)
+    nodes = job.hosts()
     dead = nodes[0] if victim == "batch_node" else nodes[1]
     ranks = multinode_cluster.trainers(job.workdir, nodes)
     assert sorted(ranks) == list(range(RANKS)), ranks
@@ -233,7 +228,7 @@ def test_node_killed_mid_run_leaves_no_rank_behind_and_job_resumes_from_last_com
     # SLURM (node failure, --requeue) or rank 0 requeued the job; it ran again on the remaining
     # nodes and resumed from the newest committed checkpoint, never from a partial directory.
     _assert_completed_bitwise(job, reference, committed[-1])
-    assert dead not in _job_nodes(job)
+    assert dead not in job.hosts()
 
     # The survivors exited with a documented code and a one-line cause, not a traceback.
     codes = {r: job.rank_exit(0, r) for r in survivors}

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,6 @@ from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.ledger import LEDGER_NAME, read_ledger
-from kempner_resilience.slurm.env import expand_hostlist
 from slurm_fixtures import multinode_cluster, multinode_jobs  # noqa: F401
 
 pytestmark = [pytest.mark.slurm]
@@ -49,66 +48,75 @@ def _manifests(root: Path) -> dict[int, dict]:
     return {e.step: e.manifest for e in layout.scan(root) if e.committed}
 
 
-@pytest.mark.parametrize("victim", ["other_node", "batch_node"])
-@pytest.mark.parametrize("attempt", range(KILLS))
-def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes_bitwise(
-        multinode_cluster, tmp_path, reference, multinode_jobs, victim, attempt):
-    kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
-    job, nodes = _job_at_step(multinode_cluster, tmp_path, multinode_jobs, kill_at)
-    dead = nodes[0] if victim == "batch_node" else nodes[1]
-    multinode_jobs[1].append(dead)
-    multinode_cluster.kill_node(dead)
-    _completes_bitwise(job, reference, kill_at)
-
-    manifests = _manifests(job.checkpoints)
-    rescued = {s: m for s, m in manifests.items() if m.get("reason") == "rescue"}
-    second = job.report(1)
-    assert second is not None, job.log_text()[-4000:]
-    completed = _steps_completed(job, 0)       # by the ranks that got furthest in attempt 0
-    assert completed >= kill_at
-    ledger = read_ledger(job.checkpoints / LEDGER_NAME)
-    if rescued:
-        # The survivors committed the step they were at: at most the step in flight is redone.
-        [step] = rescued
-        assert second["resumed_from"] == step and completed - step <= 1, (completed, step)
-        assert rescued[step]["rescue"]["reason"] in ("peer lost", "hang")
-        if victim == "other_node":          # rank 0 survived and wrote the run's ledger
-            [ev] = [e for e in ledger if e["ev"] == "rescue"]
-            assert ev["committed"] and ev["step"] == step
-    else:
-        # A clean fallback: the dead ranks had not reached the survivors' step (a ring
-        # all-reduce can finish on some ranks first), so no complete state of it existed.
-        assert second["resumed_from"] == EVERY, job.log_text()[-4000:]
-        said = "".join(job.rank_stderr(0, r) for r in range(RANKS))
-        assert "rescue skipped:" in said or "cannot write one" in said, said[-3000:]
-    # The survivors left on their own with PEER_LOST (HANG if their hang watchdog came first),
-    # or SLURM's SIGTERM for the requeue (rank 0's own) caught them on the way out.
-    codes = [job.rank_exit(0, r) for r in range(RANKS)]
-    assert all(c in (None, 42, 81, 143) for c in codes), codes
-    assert dead not in expand_hostlist(job.info().get("NodeList", ""))
-
-
-def _job_at_step(cluster, tmp_path: Path, jobs, step: int) -> tuple[DemoJob, list[str]]:
-    """The demo job submitted and running at ``step``, and its nodes."""
+def _submit(cluster, tmp_path: Path, jobs, *, hang_timeout_s: float = 30,
+            train_args: tuple[str, ...] = ()) -> DemoJob:
+    """The demo job (2 nodes x 2 DDP ranks, periodic saves every 50 steps), submitted."""
     job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
                     every_steps=EVERY, rank_files=True, env=cluster.env,
-                    sets=["watchdog.hang_timeout_s=30"])
+                    sets=[f"watchdog.hang_timeout_s={hang_timeout_s}"],
+                    train_args=list(train_args))
     jobs[0].append(job)
     job.submit()
-    job.wait_step(step, timeout=240)
-    return job, expand_hostlist(job.info().get("NodeList", ""))
+    return job
 
 
-def _completes_bitwise(job: DemoJob, reference: Path, kill_at: int) -> None:
+def _completes_bitwise(job: DemoJob, reference: Path, after: str) -> None:
     info = job.wait_state(timeout=300)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.log_text()[-4000:]
     same, total, diff = compare_weights(reference, job.weights)
-    assert not diff, f"{len(diff)} of {total} tensors differ after a kill at {kill_at}"
+    assert not diff, f"{len(diff)} of {total} tensors differ after {after}"
 
 
 def _steps_completed(job: DemoJob, restart: int) -> int:
     text = job.progress.read_text().split(f"# run {restart}\n", 1)[1].split("# run ")[0]
     return 1 + max(int(s) for s in re.findall(r"^rank \d+ step (\d+)$", text, re.M))
+
+
+def _rescued_step(job: DemoJob) -> int | None:
+    """The step the survivors rescued and the job resumed from, at most the step in flight
+    lost; None after a clean fallback to the periodic checkpoint, its reason in the log."""
+    rescued = [s for s, m in _manifests(job.checkpoints).items() if m.get("reason") == "rescue"]
+    second = job.report(1)
+    assert second is not None, job.log_text()[-4000:]
+    completed = _steps_completed(job, 0)       # by the ranks that got furthest in attempt 0
+    if rescued:
+        [step] = rescued
+        assert second["resumed_from"] == step and completed - step <= 1, (completed, step)
+        return step
+    # A clean fallback: the dead ranks had not reached the survivors' step (a ring all-reduce
+    # can finish on some ranks first), so no complete state of it existed.
+    said = "".join(job.rank_stderr(0, r) for r in range(RANKS))
+    assert second["resumed_from"] == EVERY, said[-3000:]
+    assert "rescue skipped:" in said or "cannot write one" in said, said[-3000:]
+    return None
+
+
+@pytest.mark.parametrize("victim", ["other_node", "batch_node"])
+@pytest.mark.parametrize("attempt", range(KILLS))
+def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes_bitwise(
+        multinode_cluster, tmp_path, reference, multinode_jobs, victim, attempt):
+    kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
+    job = _submit(multinode_cluster, tmp_path, multinode_jobs)
+    job.wait_step(kill_at, timeout=240)
+    nodes = job.hosts()
+    dead = nodes[0] if victim == "batch_node" else nodes[1]
+    multinode_jobs[1].append(dead)
+    multinode_cluster.kill_node(dead)
+    _completes_bitwise(job, reference, f"a kill at {kill_at}")
+
+    assert _steps_completed(job, 0) >= kill_at
+    step = _rescued_step(job)
+    if step is not None:
+        assert _manifests(job.checkpoints)[step]["rescue"]["reason"] in ("peer lost", "hang")
+        if victim == "other_node":          # rank 0 survived and wrote the run's ledger
+            ledger = read_ledger(job.checkpoints / LEDGER_NAME)
+            [ev] = [e for e in ledger if e["ev"] == "rescue"]
+            assert ev["committed"] and ev["step"] == step
+    # The survivors left on their own with PEER_LOST (HANG if their hang watchdog came first),
+    # or SLURM's SIGTERM for the requeue (rank 0's own) caught them on the way out.
+    codes = [job.rank_exit(0, r) for r in range(RANKS)]
+    assert all(c in (None, 42, 81, 143) for c in codes), codes
+    assert dead not in job.hosts()
 
 
 def test_a_rank_hanging_with_the_gil_held_is_rescued_by_the_others_and_resumes_bitwise(
@@ -118,18 +126,11 @@ def test_a_rank_hanging_with_the_gil_held_is_rescued_by_the_others_and_resumes_b
     # wait in step 60's all-reduce; their hang watchdogs (or the failed all-reduce once rank 2
     # is gone) start the rescue of boundary 60, rank 2's state coming from its buddy, rank 0.
     hang_at = 60
-    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
-                    every_steps=EVERY, rank_files=True, env=multinode_cluster.env,
-                    sets=["watchdog.hang_timeout_s=8"],
-                    train_args=["--hang-at", str(hang_at), "--hang-rank", "2",
-                                "--hang-holds-gil", "--hang-marker", str(tmp_path / "hang.done")])
-    multinode_jobs[0].append(job)
-    job.submit()
-    info = job.wait_state(timeout=300)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.log_text()[-4000:]
+    job = _submit(multinode_cluster, tmp_path, multinode_jobs, hang_timeout_s=8,
+                  train_args=("--hang-at", str(hang_at), "--hang-rank", "2", "--hang-holds-gil",
+                              "--hang-marker", str(tmp_path / "hang.done")))
+    _completes_bitwise(job, reference, f"a hang at {hang_at}")
     assert (tmp_path / "hang.done").exists()
-    same, total, diff = compare_weights(reference, job.weights)
-    assert not diff, f"{len(diff)} of {total} tensors differ"
 
     rescue = _manifests(job.checkpoints).get(hang_at)
     assert rescue is not None and rescue.get("reason") == "rescue", job.log_text()[-4000:]
@@ -147,19 +148,13 @@ def test_a_rank_killed_alone_is_rescued_within_srun_s_kill_wait_and_resumes_bitw
     # other task, SIGKILL KillWait later; the survivors rescue under that SIGTERM (measured:
     # committed 0.05 s after the failure). The others wait for rank 3 in the step's all-reduce.
     kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
-    job, nodes = _job_at_step(multinode_cluster, tmp_path, multinode_jobs, kill_at)
-    node, pid = multinode_cluster.trainers(job.workdir, nodes)[3]
+    job = _submit(multinode_cluster, tmp_path, multinode_jobs)
+    job.wait_step(kill_at, timeout=240)
+    node, pid = multinode_cluster.trainers(job.workdir, job.hosts())[3]
     os.kill(pid, signal.SIGKILL)
-    _completes_bitwise(job, reference, kill_at)
-    said = "".join(job.rank_stderr(0, r) for r in range(RANKS))
-    rescued = {s: m for s, m in _manifests(job.checkpoints).items() if m.get("reason") == "rescue"}
-    completed = _steps_completed(job, 0)
-    if rescued:
-        [step] = rescued
-        assert job.report(1)["resumed_from"] == step and completed - step <= 1, (completed, step)
-    else:                                       # rank 3 died before marking the others' step
-        assert job.report(1)["resumed_from"] == EVERY, said[-3000:]
-        assert "rescue skipped:" in said or "cannot write one" in said, said[-3000:]
+    _completes_bitwise(job, reference, f"a kill at {kill_at}")
+
+    _rescued_step(job)
     codes = [job.rank_exit(0, r) for r in range(RANKS)]
     assert codes[3] == 128 + signal.SIGKILL, codes
     assert all(c in (81, 143) for c in codes[:3]), codes

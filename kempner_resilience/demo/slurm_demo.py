@@ -144,6 +144,12 @@ class DemoJob:
         assert self.job_id is not None
         return job_info(self.job_id, self.env)
 
+    def hosts(self) -> list[str]:
+        """The host names of the job's current (or last) allocation; empty while pending."""
+        from kempner_resilience.slurm.env import expand_hostlist
+
+        return expand_hostlist(self.info().get("NodeList", ""))
+
     def last_step(self) -> int | None:
         """The newest step rank 0 finished (over all runs of the job), from the progress file."""
         try:

@@ -13,8 +13,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
-
-
 def run_ranks(script: str, args: list[str], world: int, timeout: float = 120) -> list[str]:
     """Run ``script`` on ``world`` ranks; raise with every rank's output if any fails, else
     return each rank's output (stdout and stderr)."""
