@@ -29,6 +29,16 @@ def get_logger(name: str) -> logging.LoggerAdapter:
     return _RankAdapter(logging.getLogger(name), {})
 
 
+def announce(logger: logging.LoggerAdapter, msg: str, *args: object) -> None:
+    """Log a line the user must see once per run (resumed or fresh) at INFO, or at WARNING when
+    logging was never configured: Python then shows nothing below WARNING, and a resume that
+    looks like a fresh start is how users lose track of their runs."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(msg, *args)
+    else:
+        logger.warning(msg, *args)
+
+
 def configure(level: int | str = logging.INFO) -> None:
     """For scripts and the CLI (never called by the library itself): log ours to stderr."""
     logger = logging.getLogger(ROOT)

@@ -28,7 +28,7 @@ from kempner_resilience.agreement import StopAgreement, StopDecision
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
 from kempner_resilience.identity import RUN_ID_ENV
 from kempner_resilience.ledger import LEDGER_NAME, Ledger, process_start_time
-from kempner_resilience.log import get_logger
+from kempner_resilience.log import announce, get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
@@ -374,6 +374,7 @@ class ResilientRun:
                            restart_count=restarts, world_size=parts.agreement.world_size,
                            hosts=(job.nodelist if job is not None and job.nodelist
                                   else socket.gethostname()))
+        info = None
         if self.config.checkpoint.resume:
             t0 = time.monotonic()
             info = ckpt.resume()
@@ -381,13 +382,26 @@ class ResilientRun:
                 parts.resumed_from = info
                 parts.step = parts.start_step = int(info.step)
                 parts.timings["resume_s"] = time.monotonic() - t0
-                log.info("resumed from %s (step %d) in %.2f s", info.path, info.step,
-                         parts.timings["resume_s"])
                 parts.ledger.event("resume", step=int(info.step),
                                    load_s=round(parts.timings["resume_s"], 4))
+        self._announce_start(info)
         parts.clock.set_save_estimate(ckpt.estimate().seconds)
         self._recorded = ckpt.last_committed      # the ledger records only newer commits
         self._setup_rescue()
+
+    def _announce_start(self, info: Any) -> None:
+        """One line per run on rank 0, visible at Python's default log level: where it resumed
+        from, or that it starts fresh and why."""
+        if self._parts.rank != 0:
+            return
+        ckpt = self._parts.ckpt
+        if info is not None:
+            announce(log, "resumed from %s (step %d, reason %s) in %.2f s", info.path, info.step,
+                     info.reason, self._parts.timings.get("resume_s", 0.0))
+        elif not self.config.checkpoint.resume:
+            announce(log, "starting fresh at step 0: checkpoint.resume is off (%s)", ckpt.root)
+        else:
+            announce(log, "starting fresh at step 0: no committed checkpoint in %s", ckpt.root)
 
     def _setup_rescue(self) -> None:
         """The just-in-time rescue (``kempner_resilience.rescue``), when every rank holds the

@@ -275,7 +275,7 @@ class CheckpointManager:
                     f"no committed checkpoint in {self.root} could be loaded ({'; '.join(failures)}). "
                     "The model/optimizer may be partially overwritten: restart the process. To "
                     "start fresh, move the step_* directories away or set checkpoint.resume: false")
-            log.info("no committed checkpoint in %s: starting fresh", self.root)
+            log.debug("no committed checkpoint in %s: starting fresh", self.root)
             return None
 
     def _try_load(self, path: Path) -> tuple[CheckpointInfo | None, str]:
