@@ -171,3 +171,22 @@ def test_workers_of_kempner_resilience_torchrun_are_not_warned_about_torchrun(tm
     found = {f.code: f for f in preflight(None, env)}
     assert "torchrun" not in found
     assert found["torchrun-agent"].level == "info" and "4242" in found["torchrun-agent"].message
+
+
+def test_every_finding_code_the_package_can_report_is_explained_in_troubleshooting():
+    """A user who reads a finding's code finds it in docs/troubleshooting.md."""
+    import ast
+
+    from helpers import REPO
+
+    codes = set()
+    for path in (REPO / "kempner_resilience").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in
+                    ("Finding", "SaveBudget") and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant)
+                    and isinstance(node.args[1].value, str)):
+                codes.add(node.args[1].value)
+    assert len(codes) >= 15, codes                      # the scan found the findings
+    doc = (REPO / "docs" / "troubleshooting.md").read_text()
+    assert sorted(c for c in codes if f"| `{c}` |" not in doc) == []
