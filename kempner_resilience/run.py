@@ -365,6 +365,7 @@ class ResilientRun:
         parts.run_id = ckpt.run_id = self._resolve_run_id(ckpt.root)
         job = parts.slurm
         restarts = job.restart_count if job is not None else _local_restart_count()
+        self._hold_directory(ckpt.root, restarts)
         ckpt.manifest_extra = {"job_id": None if job is None else job.requeue_id,
                                "restart_count": restarts}
         if parts.rank == 0 and self.config.checkpoint.ledger:
@@ -416,6 +417,31 @@ class ResilientRun:
         if parts.rescue is not None:
             # The hang watchdog runs the rescue before it exits: give it the time.
             self._hang.on_hang_budget_s += cfg.budget_s
+
+    def _hold_directory(self, root: Any, restarts: int | None) -> None:
+        """Rank 0 takes the directory's lease (one live run per ``checkpoint.dir``) before
+        anything is written into it; every rank gets the same refusal when another live run
+        holds it. Given up at teardown; one left by a killed run is taken over."""
+        from kempner_resilience.checkpoint import lease
+
+        parts = self._parts
+        text = "ok"
+        if parts.rank == 0:
+            job = parts.slurm
+            try:
+                held = lease.acquire(root, job_id=None if job is None else job.requeue_id,
+                                     restart_count=restarts, run_id=parts.run_id)
+                parts.ckpt.lease = held        # given up once its last save is drained
+            except lease.DirectoryInUseError as e:
+                text = "refused:" + str(e)
+            except OSError as e:
+                log.warning("cannot hold %s with a lease (%s): a second run on this directory "
+                            "would not be noticed", root, e)
+        text = parts.agreement.share_text("lease", text,
+                                          lease.STALE_S + 4 * lease.HEARTBEAT_S + 60.0)
+        kind, _, why = text.partition(":")
+        if kind == "refused":
+            raise lease.DirectoryInUseError(why)
 
     def _resolve_run_id(self, root: Any) -> str:
         """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;

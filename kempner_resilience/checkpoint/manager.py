@@ -120,6 +120,8 @@ class CheckpointManager:
         self._closed = False
         # Entered around every foreground save/load: ResilientRun widens the hang budget here.
         self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
+        # checkpoint.lease.Lease of rank 0 (set by ResilientRun), released by close().
+        self.lease: Any = None
         # Recorded in every manifest besides run_id (ResilientRun: SLURM job id, restart count).
         self.manifest_extra: dict[str, Any] = {}
 
@@ -577,6 +579,8 @@ class CheckpointManager:
         with self._foreground():
             self._drain_background(raise_errors=False)
             self._join_retention()
+        if self.lease is not None:       # after the last write: the directory is free now
+            self.lease.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self
