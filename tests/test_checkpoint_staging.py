@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,3 +222,56 @@ def test_a_run_saved_and_resumed_through_staging_after_sigusr1_ends_bitwise_equa
         assert "staging: pageable" in (tmp_path / "staged" / f"rank0.{i}.log").read_text()
     assert "staging:" not in (tmp_path / "straight" / "rank0.0.log").read_text()
     assert_bitwise_equal(ref, got)
+
+
+@pytest.mark.slow
+def test_a_faulty_staged_copy_is_caught_before_any_commit_and_the_run_ends_with_good_checkpoints(
+        tmp_path):
+    """The first staged save of a run is checked against a plain copy of every tensor before its
+    commit; an emergency save before that proof goes unstaged. With every staged copy corrupted
+    (``KEMPNER_RESILIENCE_STAGE_FAULT``): the interrupted launch's emergency checkpoint is good,
+    the resumed launch's first periodic save is caught, written again unstaged, and the run ends
+    bitwise equal to an uninterrupted one with every committed checkpoint intact."""
+    from kempner_resilience.checkpoint import layout
+    from kempner_resilience.checkpoint.writer import ENV_STAGE_FAULT
+
+    def job(name: str, interrupts: dict | None, env: dict) -> tuple[list, dict, Path]:
+        work = tmp_path / name
+        work.mkdir()
+        out = work / "weights.pt"
+        cmd = train_command(16, step_time=0.02, out=out,
+                            overrides=[f"checkpoint.dir={work / 'ckpt'}", "signals.grace_s=60",
+                                       f"checkpoint.staging_cap_gib={CAP_GIB}",
+                                       "checkpoint.every_steps=6", "checkpoint.keep_last=10",
+                                       "watchdog.hang_timeout_s=120"])
+        launches = LocalLauncher(cmd, ranks=1, workdir=work, interrupts=interrupts,
+                                 max_launches=3, env=env).run()
+        return launches, torch.load(out, weights_only=True), work
+
+    _, ref, _ = job("straight", None, {ENV_STAGE_CPU: "0"})
+    launches, got, work = job("faulty", {3: "SIGUSR1"},
+                              {ENV_STAGE_CPU: "1", ENV_STAGE_FAULT: "1"})
+    assert [x.exit_code for x in launches] == [ExitCode.REQUEUE, 0]
+    stop = launches[0].report["stop_step"]
+    assert launches[1].report["resumed_from"] == stop < 6     # the unstaged emergency save
+    log = (work / "rank0.1.log").read_text()
+    assert "staging is OFF" in log and "staged bytes differ from a plain copy" in log
+    assert "tensor 'model." in log                              # names the tensor
+    assert_bitwise_equal(ref, got)
+    committed = [e for e in layout.scan(work / "ckpt") if e.committed]
+    assert {stop, 6, 12} <= {e.step for e in committed}
+    for e in committed:
+        verify = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "verify",
+                                 str(e.path)], capture_output=True, text=True, timeout=120)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_the_first_staged_save_is_proven_against_a_plain_copy_and_later_saves_are_not(
+        tmp_path, monkeypatch, caplog):
+    state = _state(big=False)
+    mgr = _staged_manager(tmp_path, state, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="kempner_resilience"):
+        mgr.save(1)
+        mgr.save(2)
+    proven = [r for r in caplog.records if "staging proven" in r.getMessage()]
+    assert len(proven) == 1

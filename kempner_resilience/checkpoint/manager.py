@@ -33,7 +33,7 @@ from kempner_resilience.checkpoint.info import (CheckpointCorrupt, CheckpointErr
 from kempner_resilience.checkpoint.info import CheckpointDirError
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
-from kempner_resilience.checkpoint.writer import ChecksummingWriter
+from kempner_resilience.checkpoint.writer import STAGING_MISMATCH, ChecksummingWriter
 from kempner_resilience.config import CheckpointConfig, StagingMode
 from kempner_resilience.log import get_logger
 
@@ -107,6 +107,9 @@ class CheckpointManager:
         self._bg: _Background | None = None
         self._stager = Stager(pin=config.staging is StagingMode.PINNED)
         self._staging = self._reserve_staging()
+        # Staging is trusted once the run's first staged save matched a plain copy, tensor by
+        # tensor; until then emergency saves (no second chance) go unstaged.
+        self._staging_proven = False
         self._writing: set[Path] = set()         # directories being written: retention skips them
         self._estimator = SaveEstimator()         # measured saves of this rank
         self._last_save_step = -1
@@ -462,6 +465,14 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------- the save itself
 
+    def _distrust_staging(self, why: str) -> None:
+        """The staging path wrote other bytes than the tensors hold: never use it again in this
+        run (saves and loads go the plain way) and say which tensor showed it."""
+        log.error("checkpoint staging is OFF for the rest of this run: %s. The save is written "
+                  "again without staging; nothing staged was committed. Please report this "
+                  "(GPU, driver, torch version) and set checkpoint.staging: off meanwhile", why)
+        self._staging = None
+
     def _save_state(self, sd: dict[str, Any], step: int, reason: str, comm: Comm,
                     abort: threading.Event | None, t0: float, blocked: float) -> CheckpointInfo:
         # Rank 0 picks a fresh directory; a failure there must reach every rank.
@@ -478,8 +489,10 @@ class CheckpointManager:
         path = Path(path_s)
         self._writing.add(path)
         try:
+            staging = self._staging if self._staging_proven or reason != "emergency" else None
+            prove = staging is not None and not self._staging_proven
             writer = ChecksummingWriter(path, threads=self.config.io_threads, abort=abort,
-                                        staging=self._staging)
+                                        staging=staging, prove=prove)
             failure: BaseException | None = None
             try:
                 # Plan caching: with an unchanged state layout (every save after the first),
@@ -491,6 +504,14 @@ class CheckpointManager:
                 failure = e
             gathered = comm.all_gather_object(
                 (writer.files if failure is None else None, describe_error(failure)))
+            mismatch = next((why for _, why in gathered if why and STAGING_MISMATCH in why), None)
+            if mismatch is not None:
+                # Same list on every rank (all_gather): all drop staging and save again.
+                if self.rank == 0:
+                    with contextlib.suppress(OSError):
+                        retention.remove_dir(path)
+                self._distrust_staging(mismatch)
+                return self._save_state(sd, step, reason, comm, abort, t0, blocked)
             status: str | None = None
             manifest: dict[str, Any] = {}
             if self.rank == 0:
@@ -506,6 +527,10 @@ class CheckpointManager:
                 raise CheckpointError(self._failure_text(step, path, status))
         finally:
             self._writing.discard(path)
+        if prove and writer.proven_records:      # a save that staged nothing proves nothing
+            self._staging_proven = True
+            log.info("staging proven: the first staged save matched a plain copy (%d tensors)",
+                     writer.proven_records)
         elapsed = time.monotonic() - t0
         self._estimator.record(elapsed, writer.write_seconds, self.state.nbytes())
         info = CheckpointInfo(step=step, path=path, reason=reason, committed_at=committed_at,

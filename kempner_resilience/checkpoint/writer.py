@@ -42,7 +42,13 @@ from kempner_resilience.checkpoint import recordfmt
 from kempner_resilience.checkpoint.hostbuf import Chunk, HostStaging, Slot, caller_streams, flat_bytes
 from kempner_resilience.checkpoint.layout import file_crc, fsync_dir
 
-__all__ = ["ChecksummingWriter", "SaveAborted"]
+__all__ = ["ChecksummingWriter", "SaveAborted", "StagingMismatch", "STAGING_MISMATCH",
+           "ENV_STAGE_FAULT"]
+
+STAGING_MISMATCH = "staged bytes differ from a plain copy"
+ENV_STAGE_FAULT = "KEMPNER_RESILIENCE_STAGE_FAULT"
+"""Tests only: set to 1 to corrupt the first byte of every staged tensor after its copy, the
+failure a wrong stream/event order would cause (``prove`` must catch it before any commit)."""
 
 _BATCH_BYTES = 64 << 20     # hand this much to one writev: big enough to stream, small enough
 _BATCH_IOVECS = 900         # to start writing early; IOV_MAX is 1024 on Linux
@@ -51,6 +57,13 @@ _MIN_FILE_BYTES = 32 << 20  # below this per file, one more file only adds an fs
 
 class SaveAborted(RuntimeError):
     """The save was abandoned on purpose (an emergency save needed the disk)."""
+
+
+class StagingMismatch(RuntimeError):
+    """A staged tensor's bytes differ from an independent plain copy of the same tensor."""
+
+
+_FAULT = os.environ.get(ENV_STAGE_FAULT) == "1"
 
 
 def _load_sync_file_range() -> Any:
@@ -186,6 +199,10 @@ class _Out:
                 chunk = slot.chunks[self.chunk_i]
             n = min(nbytes - done, chunk.nbytes - self.used)
             slot.to_host(chunk, self.used, src[done:done + n])
+            if done == 0 and _FAULT:
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    torch.cuda.synchronize()
+                chunk.buf[self.used] = 255 - int(chunk.buf[self.used])
             self.iov.append(chunk.view[self.used:self.used + n])
             self.fills.append((staged, self.used, n))
             self.keep.append(t)
@@ -252,12 +269,17 @@ class ChecksummingWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int = 2,
                  abort: threading.Event | None = None,
-                 staging: HostStaging | None = None) -> None:
+                 staging: HostStaging | None = None, prove: bool = False) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True,
                          thread_count=threads, overwrite=False)
         self.threads = max(1, threads)
         self.abort = abort or threading.Event()
         self.staging = staging
+        # Check every staged record against a plain copy of its tensor (the run's first staged
+        # save): the staging path's streams, events and reused chunks are trusted only once
+        # they have produced the same bytes as the simple path, before anything is committed.
+        self.prove = prove
+        self.proven_records = 0
         self._caller_streams: dict[int, Any] = {}
         self.files: dict[str, dict[str, Any]] = {}
         self.bytes_written = 0
@@ -311,6 +333,7 @@ class ChecksummingWriter(FileSystemWriter):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         results: list[WriteResult] = []
         records: list[list[Any]] = []
+        expected: list[tuple[str, list[Any], int]] = []     # (fqn, staged record, plain crc)
         offset = 0
         try:
             with lease as slot:
@@ -329,8 +352,14 @@ class ChecksummingWriter(FileSystemWriter):
                         t = data.detach()
                         if slot is not None and staging is not None and staging.wants(t) \
                                 and recordfmt.encodable(t) and t.is_contiguous():
+                            if self.prove:
+                                plain = t.to("cpu", copy=True)   # synchronous, no chunks
+                                expected.append((item.index.fqn, None,
+                                                 recordfmt.tensor_record(plain).crc))
                             rec = out.add_staged(t, offset)
                             length = rec[1]
+                            if self.prove:
+                                expected[-1] = (expected[-1][0], rec, expected[-1][2])
                         else:
                             rec = self._record(t, offset, out)
                             length = rec[1]
@@ -343,6 +372,11 @@ class ChecksummingWriter(FileSystemWriter):
                 os.fsync(fd)
         finally:
             os.close(fd)
+        for fqn, rec, crc in expected:
+            if rec[2] != crc:
+                raise StagingMismatch(f"{STAGING_MISMATCH}: tensor {fqn!r} (record crc "
+                                      f"{rec[2]:#010x}, plain copy {crc:#010x})")
+        self.proven_records += len(expected)
         crc = 0
         for rec in records:
             crc = recordfmt.crc32_combine(crc, rec[2], rec[1])
