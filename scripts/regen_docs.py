@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 doc = ROOT / "docs" / "config.md"
 text = doc.read_text()
-table = re.compile(r"\| key \| default \| meaning \|\n(\|.*\|\n?)+")
+table = re.compile(r"\| key \| default \|( allowed \|)? meaning \|\n(\|.*\|\n?)+")
 doc.write_text(table.sub(render_reference_markdown() + "\n", text))
 
 doc = ROOT / "docs" / "exit-codes.md"
