@@ -305,3 +305,60 @@ def test_a_type_error_does_not_hide_the_other_mistakes_in_the_file(tmp_path):
         "checkpoint.every_steps", "checkpoint.evry", "checkpoint.io_threads",
         "checkpoint.keep_last", "signals.actions", "signals.grace_s"]
     assert "keep_last: 0 is not allowed; must be >= 1" in str(e.value)
+
+
+# ------------------------------------------------------------ the defaults ship with the package
+
+def test_the_shipped_defaults_are_the_repositorys_configs_default_yaml():
+    from kempner_resilience.config.load import SHIPPED_DEFAULTS
+
+    assert SHIPPED_DEFAULTS.read_text() == (REPO / "configs" / "default.yaml").read_text()
+
+
+def test_the_documented_load_config_call_gives_the_defaults_from_any_directory(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import env
+
+    code = ("import kempner_resilience as kr\n"
+            "cfg = kr.load_config('configs/default.yaml', overrides=['signals.grace_s=90'])\n"
+            "assert cfg == kr.load_config(overrides=['signals.grace_s=90']), cfg\n"
+            "assert kr.load_config('default.yaml') == kr.ResilienceConfig()\n"
+            "print('defaults ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "defaults ok" in proc.stdout
+
+
+def test_a_config_file_in_the_current_directory_wins_over_the_shipped_one(tmp_path,
+                                                                          monkeypatch):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "default.yaml").write_text("checkpoint:\n  keep_last: 7\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/default.yaml").checkpoint.keep_last == 7
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config("configs/other.yaml")
+
+
+def test_a_wheel_built_from_the_repository_carries_the_defaults(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "kempner_resilience", src / "kempner_resilience",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                           "--no-build-isolation", "--no-index", "-w", str(tmp_path / "out"),
+                           str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "out").glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        shipped = z.read("kempner_resilience/config/default.yaml").decode()
+    assert shipped == (REPO / "configs" / "default.yaml").read_text()
