@@ -36,6 +36,7 @@ def run(main: Coroutine[Any, Any, Any] | Callable[[], Awaitable[Any]],
     if config is None:
         config = load_config()
     signals = config.signals if isinstance(config, ResilienceConfig) else config
+    signals.validate()  # built or changed in Python: NaN or out-of-range graces -> ConfigError
     coro = main() if not inspect.iscoroutine(main) else main
     handler = ShutdownHandler(signals)
     loop = asyncio.new_event_loop()

@@ -65,6 +65,8 @@ class ResilientRun:
                  exit_mode: ExitMode | str | None = None, run_id: str | None = None) -> None:
         if not isinstance(config, ResilienceConfig):
             config = load_config(config, overrides)
+        else:  # built or changed in Python: held to the file's rules (NaN, ranges) -> 78
+            config.validate()
         self.config = config
         self.state = state
         mode = ExitMode(str(exit_mode).lower()) if exit_mode is not None \

@@ -9,11 +9,14 @@ from kempner_resilience.exitcodes import TABLE
 from regen_slurm import regenerate as regen_slurm  # scripts/, next to this file
 
 ROOT = Path(__file__).resolve().parents[1]
-(ROOT / "configs" / "default.yaml").write_text(render_default_yaml())
+# The repository's copy and the one shipped in the package (load_config's fallback).
+for copy in (ROOT / "configs" / "default.yaml", ROOT / "kempner_resilience" / "config" /
+             "default.yaml"):
+    copy.write_text(render_default_yaml())
 
 doc = ROOT / "docs" / "config.md"
 text = doc.read_text()
-table = re.compile(r"\| key \| default \| meaning \|\n(\|.*\|\n?)+")
+table = re.compile(r"\| key \| default \|( allowed \|)? meaning \|\n(\|.*\|\n?)+")
 doc.write_text(table.sub(render_reference_markdown() + "\n", text))
 
 doc = ROOT / "docs" / "exit-codes.md"

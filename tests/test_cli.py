@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CLI = str(Path(sys.executable).parent / "kempner-resilience")
 
 
@@ -22,6 +24,39 @@ def test_config_error_is_one_clear_message_without_traceback():
     assert proc.returncode == 78
     assert "checkpoint.every_steps: -1 is negative" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# Values that passed validation, then crashed a handler or printed a traceback (issue 20).
+BAD_NUMBERS = ["signals.grace_s=.nan", "rescue.budget_s=.nan", "checkpoint.every_steps=.nan",
+               "checkpoint.keep_last=.inf", "watchdog.hang_timeout_s=.inf",
+               "checkpoint.staging_cap_gib=.inf", "checkpoint.io_threads=1000000000000",
+               "checkpoint.io_threads=2.5", "signals.grace_s=1" + "0" * 400]
+
+
+@pytest.mark.parametrize("override", BAD_NUMBERS)
+def test_config_rejects_a_non_finite_or_out_of_range_number_with_78_and_no_traceback(override,
+                                                                                    tmp_path):
+    key, value = override.split("=")
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    for args in (["--set", override], ["--config", str(path)]):
+        proc = run("config", *args)
+        assert proc.returncode == 78, proc.stderr
+        assert f"{key}: " in proc.stderr and "must be" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_torchrun_exits_78_with_the_config_verbs_message_for_an_invalid_config(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the training script must not start')\n")
+    bad = ["--set", "signals.grace_s=.nan", "--set", "checkpoint.keep_last=0"]
+    torchrun = run("torchrun", *bad, "--nproc-per-node=1", str(script))
+    config = run("config", *bad)
+    assert torchrun.returncode == config.returncode == 78, torchrun.stderr
+    message = config.stderr.removeprefix("kempner-resilience config: ")
+    assert "signals.grace_s" in message and "checkpoint.keep_last" in message
+    assert torchrun.stderr == "kempner-resilience torchrun: " + message
 
 
 def test_missing_config_file_is_reported_without_traceback_with_the_config_code(tmp_path):

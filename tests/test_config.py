@@ -84,7 +84,7 @@ def test_boolean_is_not_accepted_as_a_number(tmp_path):
 def test_negative_interval_is_rejected_with_the_allowed_range(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, "checkpoint:\n  every_minutes: -5\n"))
-    assert "checkpoint.every_minutes: -5.0 is negative; must be >= 0" in str(e.value)
+    assert "checkpoint.every_minutes: -5 is negative; must be >= 0 and <= 10080 minutes" in str(e.value)
 
 
 def test_zero_keep_last_is_rejected(tmp_path):
@@ -114,8 +114,8 @@ def test_staging_takes_pinned_pageable_or_off_and_names_them_otherwise(tmp_path)
 
 
 def test_a_staging_cap_of_zero_is_rejected():
-    with pytest.raises(ConfigError, match="checkpoint.staging_cap_gib: 0.0 is not allowed; must "
-                                          "be > 0 GiB"):
+    with pytest.raises(ConfigError, match="checkpoint.staging_cap_gib: 0 is not allowed; must "
+                                          "be > 0 and <= 1024 GiB"):
         load_config(overrides=["checkpoint.staging_cap_gib=0"])
 
 
@@ -199,3 +199,166 @@ def test_a_mapping_works_like_a_file():
     assert cfg.checkpoint.every_steps == 5 and cfg.signals.grace_s == 30.0
     with pytest.raises(ConfigError, match="checkpoint.evry_steps: unknown key"):
         load_config({"checkpoint": {"evry_steps": 5}})
+
+
+# ---------------------------------------------------------------- numbers: finite and bounded
+
+def _numeric_keys():
+    """(dotted key, field, Range) for every numeric key of the schema; a dict of numbers (the
+    per-signal graces) is checked through one of its entries."""
+    import dataclasses
+    import typing
+
+    from kempner_resilience.config.serial import yaml_name
+
+    for sec in dataclasses.fields(ResilienceConfig):
+        cls = sec.default_factory
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            args = typing.get_args(tp)
+            if tp in (int, float) or (typing.get_origin(tp) is dict and args[1] in (int, float)):
+                key = f"{yaml_name(sec)}.{yaml_name(f)}"
+                yield (key + ".SIGTERM" if typing.get_origin(tp) is dict else key,
+                       f, f.metadata.get("bounds"))
+
+
+NUMERIC_KEYS = {key: bounds for key, _, bounds in _numeric_keys()}
+
+
+def test_every_numeric_key_declares_its_allowed_range_and_the_docs_show_it():
+    assert NUMERIC_KEYS and all(NUMERIC_KEYS.values()), \
+        [k for k, b in NUMERIC_KEYS.items() if b is None]
+    docs = (REPO / "docs" / "config.md").read_text()
+    defaults = (REPO / "configs" / "default.yaml").read_text()
+    for key, bounds in NUMERIC_KEYS.items():
+        name = key.removesuffix(".SIGTERM")
+        row = next(line for line in docs.splitlines() if line.startswith(f"| `{name}` |"))
+        assert bounds.text().replace(">", "&gt;").replace("<", "&lt;") in row
+        assert f"allowed: {bounds.text()}" in defaults
+
+
+def _bad_values(key):
+    """NaN, both infinities, and one past each end of the key's range (YAML spelling)."""
+    b = NUMERIC_KEYS[key]
+    if b is None:  # undeclared: the test below fails for it
+        return [".nan", ".inf", "-.inf"]
+    above = int(b.hi) + 1 if float(b.hi).is_integer() else b.hi * 2
+    below = b.lo if b.lo_open else b.lo - 1
+    return [".nan", ".inf", "-.inf", str(above), str(below)]
+
+
+@pytest.mark.parametrize("key,value", [(k, v) for k in NUMERIC_KEYS for v in _bad_values(k)])
+def test_a_non_finite_or_out_of_range_number_is_rejected_naming_the_key_and_range(key, value):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[f"{key}={value}"])
+    assert [p for p, _ in e.value.problems] == [key]
+    assert NUMERIC_KEYS[key] is not None and NUMERIC_KEYS[key].text() in str(e.value)
+
+
+# The values a fault campaign found accepted, or crashing later (issue 20, item 6).
+FOUND = [("signals.grace_s", ".nan"), ("rescue.budget_s", ".nan"),
+         ("checkpoint.every_steps", ".nan"), ("checkpoint.keep_last", ".inf"),
+         ("watchdog.hang_timeout_s", ".inf"), ("checkpoint.staging_cap_gib", ".inf"),
+         ("checkpoint.io_threads", "1000000000000"),
+         ("signals.grace_per_signal_s.SIGTERM", ".nan"), ("signals.grace_s", "1" + "0" * 400)]
+
+
+def _yaml(key: str, value: str) -> str:
+    *sections, last = key.split(".")
+    return "".join("  " * i + s + ":\n" for i, s in enumerate(sections)) + \
+        "  " * len(sections) + f"{last}: {value}\n"
+
+
+@pytest.mark.parametrize("key,value", FOUND)
+def test_a_bad_number_in_a_file_or_a_mapping_is_rejected_naming_the_key(tmp_path, key, value):
+    path = write(tmp_path, _yaml(key, value))
+    for source in (path, yaml.safe_load(path.read_text())):
+        with pytest.raises(ConfigError) as e:
+            load_config(source)
+        assert [p for p, _ in e.value.problems] == [key]
+
+
+def test_config_objects_built_or_changed_in_python_are_held_to_the_same_rules():
+    from kempner_resilience import ResilientRun
+    from kempner_resilience.config import CheckpointConfig, RescueConfig, SignalsConfig
+
+    nan = float("nan")
+    for build in (lambda: SignalsConfig(grace_s=nan), lambda: RescueConfig(budget_s=nan),
+                  lambda: CheckpointConfig(io_threads=10**12),
+                  lambda: CheckpointConfig(keep_last=2.5),
+                  lambda: CheckpointConfig(every_steps=True)):
+        with pytest.raises(ConfigError):
+            build()
+    cfg = ResilienceConfig()
+    cfg.signals.grace_s = nan  # changed after it was validated
+    with pytest.raises(ConfigError, match="signals.grace_s: nan is not a finite number"):
+        ResilientRun(cfg)
+
+
+def test_a_type_error_does_not_hide_the_other_mistakes_in_the_file(tmp_path):
+    path = write(tmp_path, "checkpoint:\n  every_steps: soon\n  keep_last: 0\n  evry: 1\n"
+                           "  io_threads: 1000\nsignals:\n  grace_s: .nan\n  actions: [1]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert sorted(p for p, _ in e.value.problems) == [
+        "checkpoint.every_steps", "checkpoint.evry", "checkpoint.io_threads",
+        "checkpoint.keep_last", "signals.actions", "signals.grace_s"]
+    assert "keep_last: 0 is not allowed; must be >= 1" in str(e.value)
+
+
+# ------------------------------------------------------------ the defaults ship with the package
+
+def test_the_shipped_defaults_are_the_repositorys_configs_default_yaml():
+    from kempner_resilience.config.load import SHIPPED_DEFAULTS
+
+    assert SHIPPED_DEFAULTS.read_text() == (REPO / "configs" / "default.yaml").read_text()
+
+
+def test_the_documented_load_config_call_gives_the_defaults_from_any_directory(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import env
+
+    code = ("import kempner_resilience as kr\n"
+            "cfg = kr.load_config('configs/default.yaml', overrides=['signals.grace_s=90'])\n"
+            "assert cfg == kr.load_config(overrides=['signals.grace_s=90']), cfg\n"
+            "assert kr.load_config('default.yaml') == kr.ResilienceConfig()\n"
+            "print('defaults ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "defaults ok" in proc.stdout
+
+
+def test_a_config_file_in_the_current_directory_wins_over_the_shipped_one(tmp_path,
+                                                                          monkeypatch):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "default.yaml").write_text("checkpoint:\n  keep_last: 7\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/default.yaml").checkpoint.keep_last == 7
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config("configs/other.yaml")
+
+
+def test_a_wheel_built_from_the_repository_carries_the_defaults(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "kempner_resilience", src / "kempner_resilience",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                           "--no-build-isolation", "--no-index", "-w", str(tmp_path / "out"),
+                           str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "out").glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        shipped = z.read("kempner_resilience/config/default.yaml").decode()
+    assert shipped == (REPO / "configs" / "default.yaml").read_text()

@@ -53,6 +53,13 @@ BAD_CONFIGS = {
                           ["signals.actions.SIGUSR1", "requeue, stop, off"]),
     "unknown signal": ("signals:\n  actions:\n    SIGFOO: stop\n", "load_config",
                        ["signals.actions.SIGFOO", "not a signal name"]),
+    # NaN passed validation, then the first SIGUSR1 raised in the handler: exit 43, no checkpoint
+    "NaN grace": ("signals:\n  grace_s: .nan\n", "ResilientRun",
+                  ["signals.grace_s", "nan is not a finite number", "> 0 and <= 86400 seconds"]),
+    "a type error and range errors": ("checkpoint:\n  every_steps: four\n  keep_last: 0\n"
+                                      "  io_threads: 1000000000000\n", "load_config",
+                                      ["checkpoint.every_steps", "checkpoint.keep_last",
+                                       "checkpoint.io_threads", "must be >= 1 and <= 256"]),
     "checkpoint dir is a file": ("checkpoint:\n  dir: {file}\n", "ResilientRun",
                                  ["checkpoint.dir", "is not a directory", "choose another"]),
 }

@@ -66,8 +66,11 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("give torchrun's arguments and the training script, e.g. "
                        "`kempner-resilience torchrun --nproc-per-node=2 train.py`", 2)
     forward = {"yes": True, "no": False}.get(args.forward_signals or "auto")
+    # Read outside the `try`: a ConfigError is a ValueError too, and must leave as 78 (CONFIG)
+    # with its message, like the `config` verb and a training script, not as a usage error.
+    config = load_config(args.config, args.overrides)
     try:
-        return run(argv, load_config(args.config, args.overrides), forward)
+        return run(argv, config, forward)
     except ValueError as e:   # a bad $KEMPNER_RESILIENCE_FORWARD_SIGNALS
         raise CliError(str(e), 2) from None
 

@@ -11,7 +11,22 @@ import yaml
 from kempner_resilience.config.schema import (ENV_CONFIG, ConfigError, ConfigFileNotFoundError,
                                               ResilienceConfig)
 
-__all__ = ["load_config"]
+__all__ = ["load_config", "SHIPPED_DEFAULTS", "shipped_path"]
+
+# configs/default.yaml ships inside the package (scripts/regen_docs.py writes both copies from the
+# schema, a test keeps them identical), so the documented ``load_config("configs/default.yaml")``
+# works from any directory, not only from a checkout's root.
+SHIPPED_DEFAULTS = Path(__file__).resolve().parent / "default.yaml"
+_SHIPPED_DIRS = {"", ".", "configs"}
+
+
+def shipped_path(path: Path) -> Path | None:
+    """The shipped copy of ``path`` when ``path`` names a config shipped with the package
+    (``configs/default.yaml`` or ``default.yaml``, relative), else None."""
+    if path.is_absolute() or path.parent.as_posix() not in _SHIPPED_DIRS:
+        return None
+    candidate = SHIPPED_DEFAULTS.parent / path.name
+    return candidate if path.name == SHIPPED_DEFAULTS.name and candidate.is_file() else None
 
 
 def _apply_override(data: dict[str, Any], text: str) -> None:
@@ -43,7 +58,9 @@ def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 
     ``path`` may also be a mapping with the YAML file's structure (``{"checkpoint": {...}}``).
     ``path=None`` uses ``$KEMPNER_RESILIENCE_CONFIG`` when set, else the built-in defaults
-    (identical to ``configs/default.yaml``). Raises ``ConfigError`` naming every bad key path,
+    (identical to ``configs/default.yaml``). A relative ``configs/default.yaml`` (or
+    ``default.yaml``) that does not exist from the current directory is the copy shipped in the
+    package, so the documented call works from anywhere; an existing file always wins. Raises ``ConfigError`` naming every bad key path,
     the bad value and what is allowed; ``ConfigFileNotFoundError`` (a ``FileNotFoundError``)
     when the file does not exist. Both are ``StartupError``: a script that does not catch them
     exits with 78 (CONFIG) and the message, without a traceback.
@@ -61,6 +78,9 @@ def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     elif path is not None:
         p = Path(path)
         source = str(p)
+        if not p.exists() and shipped_path(p) is not None:
+            p = shipped_path(p)  # type: ignore[assignment]
+            source = f"{source} (shipped with kempner_resilience: {p})"
         if not p.is_file():
             raise ConfigFileNotFoundError(f"config file not found: {p} (pass an existing YAML "
                                           "file, or no path for the built-in defaults)")

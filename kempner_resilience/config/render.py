@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from kempner_resilience.config.bounds import Range
 from kempner_resilience.config.schema import ResilienceConfig
 from kempner_resilience.config.serial import dump, yaml_name
 
@@ -20,6 +21,17 @@ def _yaml_scalar(value: Any) -> str:
     return text[:-4].strip() if text.endswith("...") else text
 
 
+def _allowed(f: dataclasses.Field) -> str:
+    """The declared range of a numeric key: ``>= 1 and <= 256`` (empty for other keys)."""
+    bounds: Range | None = f.metadata.get("bounds")
+    return bounds.text() if bounds else ""
+
+
+def _comment(f: dataclasses.Field) -> str:
+    allowed = _allowed(f)
+    return f.metadata["help"] + (f"; allowed: {allowed}" if allowed else "")
+
+
 def render_default_yaml() -> str:
     """``configs/default.yaml``: every key with its default and a one-line comment."""
     lines = ["# kempner_resilience configuration: every key, its default and what it does.",
@@ -31,19 +43,20 @@ def render_default_yaml() -> str:
         obj = getattr(root, sec.name)
         for f in dataclasses.fields(obj):
             value = _yaml_scalar(getattr(obj, f.name))
-            lines.append(f"  {yaml_name(f)}: {value}  # {f.metadata['help']}")
+            lines.append(f"  {yaml_name(f)}: {value}  # {_comment(f)}")
         lines.append("")
     return "\n".join(lines)
 
 
 def render_reference_markdown() -> str:
     """The body of ``docs/config.md``'s reference table."""
-    out = ["| key | default | meaning |", "| --- | --- | --- |"]
+    out = ["| key | default | allowed | meaning |", "| --- | --- | --- | --- |"]
     root = ResilienceConfig()
     for sec in dataclasses.fields(root):
         obj = getattr(root, sec.name)
         for f in dataclasses.fields(obj):
             value = _yaml_scalar(getattr(obj, f.name)).replace("|", "\\|")
-            out.append(f"| `{yaml_name(sec)}.{yaml_name(f)}` | `{value}` | "
+            allowed = _allowed(f).replace(">", "&gt;").replace("<", "&lt;")
+            out.append(f"| `{yaml_name(sec)}.{yaml_name(f)}` | `{value}` | {allowed} | "
                        f"{f.metadata['help'].replace('|', chr(92) + '|')} |")
     return "\n".join(out)

@@ -2,7 +2,10 @@
 
 Every field carries a one-line ``help`` in its metadata. That text is the single source for
 ``configs/default.yaml``'s comments and ``docs/config.md`` (see ``render``); tests keep all
-three in sync. ``__post_init__`` validates each section and names every mistake at once.
+three in sync. Each numeric field declares its allowed range (``bounds=Range(...)``, see
+``bounds``), also rendered into both. ``__post_init__`` checks every field generically (type,
+finite, within its range; ``serial.check_fields``) plus each section's own rules, and names every
+mistake at once; ``validate()`` checks a section again after it was changed in Python.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import enum
 import os
 import signal as _signal
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
+from kempner_resilience.config.bounds import Range
 from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundError
-from kempner_resilience.config.serial import build, dump
+from kempner_resilience.config.serial import build, check_fields, dump
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
            "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
@@ -77,36 +81,62 @@ def normalize_signal(name: str | int) -> str:
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGCHLD"}
 
 
-def _help(text: str, yaml_key: str | None = None) -> dict[str, str]:
-    meta = {"help": text}
+def _help(text: str, yaml_key: str | None = None, bounds: Range | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"help": text}
     if yaml_key:
         meta["yaml"] = yaml_key
+    if bounds is not None:
+        meta["bounds"] = bounds
     return meta
 
 
-def _problems_nonneg(obj: Any, names: Iterable[str]) -> list[tuple[str, str]]:
-    out = []
-    for n in names:
-        v = getattr(obj, n)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-            out.append((n, f"{v!r} is negative; must be >= 0 (0 turns it off)"))
-    return out
+# The ranges of the numeric keys. The upper ends are far beyond any sensible setting and well
+# inside what timers, threads and memory can take: they catch a unit mistake (milliseconds for
+# seconds) or a runaway number, never a real job's choice.
+_DAY_S = 86400.0
+_WEEK_S = 7 * _DAY_S
+_OFF = "0 turns it off"
+
+
+def _count(lo: int, hi: int, note: str = "") -> Range:
+    return Range(lo, hi, note=note)
+
+
+def _seconds(hi: float, *, zero: str | None = None) -> Range:
+    """``> 0 and <= hi`` seconds, or ``>= 0`` when 0 means ``zero``."""
+    return Range(0, hi, lo_open=zero is None, unit="seconds", note=zero or "")
+
+
+class _Section:
+    """What every section has: ``validate()`` checks it again (after a change in Python)."""
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming every bad key (type, NaN/inf, out of its range)."""
+        self.__post_init__()  # type: ignore[attr-defined]
+
+    def __post_init__(self) -> None:
+        problems = check_fields(self)
+        if problems:
+            raise ConfigError(problems)
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     """Where and how often checkpoints are written, kept and verified."""
 
     dir: str = field(default="checkpoints", metadata=_help(
         "directory holding one step_* directory per checkpoint (created if missing)"))
     every_steps: int = field(default=0, metadata=_help(
-        "periodic save every N completed steps; 0 = off"))
+        "periodic save every N completed steps; 0 = off", bounds=_count(0, 10**9, _OFF)))
     every_minutes: float = field(default=0.0, metadata=_help(
-        "periodic save when this many minutes passed since the last one; 0 = off"))
+        "periodic save when this many minutes passed since the last one; 0 = off",
+        bounds=Range(0, 10080, unit="minutes", note=_OFF)))
     keep_last: int = field(default=3, metadata=_help(
-        "committed checkpoints to keep (the newest is never deleted); >= 1"))
+        "committed checkpoints to keep (the newest is never deleted)",
+        bounds=_count(1, 10**6, "the newest committed checkpoint is always kept")))
     keep_every: int = field(default=0, metadata=_help(
-        "also keep forever every checkpoint whose step is a multiple of N; 0 = off"))
+        "also keep forever every checkpoint whose step is a multiple of N; 0 = off",
+        bounds=_count(0, 10**9, _OFF)))
     async_: bool = field(default=False, metadata=_help(
         "write periodic saves in the background (emergency saves are always synchronous)",
         yaml_key="async"))
@@ -115,14 +145,16 @@ class CheckpointConfig:
     allow_foreign_owner: bool = field(default=False, metadata=_help(
         "allow loading checkpoint files owned by another user (they are unpickled: trust them)"))
     save_margin_s: float = field(default=5.0, metadata=_help(
-        "seconds kept free before the deadline when deciding whether an emergency save fits"))
+        "seconds kept free before the deadline when deciding whether an emergency save fits",
+        bounds=_seconds(3600, zero="no margin")))
     io_threads: int = field(default=4, metadata=_help(
-        "writer threads per rank for saves; >= 1"))
+        "writer threads per rank for saves", bounds=_count(1, 256)))
     resume: bool = field(default=True, metadata=_help(
         "resume from the newest committed checkpoint in dir at start"))
     max_failed_saves: int = field(default=3, metadata=_help(
         "periodic saves that may fail in a row (full disk, I/O error) while training goes on and "
-        "retries at the next cadence; at this many the run stops with 80 CHECKPOINT_FAILED; >= 1"))
+        "retries at the next cadence; at this many the run stops with 80 CHECKPOINT_FAILED",
+        bounds=_count(1, 1000, "1 stops at the first failed periodic save")))
     ddp_buckets: bool = field(default=True, metadata=_help(
         "save DDP's gradient bucket layout and restore it at resume, so a resumed run with 3+ "
         "ranks reduces gradients in the same order as an uninterrupted one (bitwise equal); "
@@ -139,32 +171,15 @@ class CheckpointConfig:
         "off (a fresh host copy per tensor at every save)"))
     staging_cap_gib: float = field(default=2.0, metadata=_help(
         "most host memory (GiB per rank) the staging buffers may take; the start-up log says "
-        "how much they took; > 0"))
+        "how much they took (staging: off turns staging off)",
+        bounds=Range(0, 1024, lo_open=True, unit="GiB")))
 
     def __post_init__(self) -> None:
-        problems = _problems_nonneg(self, ["every_steps", "every_minutes", "keep_every",
-                                           "save_margin_s"])
-        try:
-            self.staging = StagingMode(str(getattr(self.staging, "value", self.staging)).lower())
-        except ValueError:
-            problems.append(("staging", f"{self.staging!r} is not allowed; use one of "
-                             + ", ".join(m.value for m in StagingMode)))
-        if isinstance(self.staging_cap_gib, (int, float)) and not self.staging_cap_gib > 0:
-            problems.append(("staging_cap_gib", f"{self.staging_cap_gib!r} is not allowed; must "
-                             "be > 0 GiB (staging: off turns staging off)"))
-        if not isinstance(self.dir, (str, os.PathLike)) or not str(self.dir).strip():
+        problems = check_fields(self)
+        if isinstance(self.dir, str) and not self.dir.strip():
             problems.append(("dir", f"{self.dir!r} is not a directory path; give a non-empty path"))
-        if isinstance(self.keep_last, int) and self.keep_last < 1:
-            problems.append(("keep_last", f"{self.keep_last!r} is not allowed; must be >= 1 "
-                             "(the newest committed checkpoint is always kept)"))
-        if isinstance(self.io_threads, int) and self.io_threads < 1:
-            problems.append(("io_threads", f"{self.io_threads!r} is not allowed; must be >= 1"))
-        if isinstance(self.max_failed_saves, int) and self.max_failed_saves < 1:
-            problems.append(("max_failed_saves", f"{self.max_failed_saves!r} is not allowed; must "
-                             "be >= 1 (1 stops at the first failed periodic save)"))
         if problems:
             raise ConfigError(problems)
-        self.dir = str(self.dir)
 
 
 def _normalize_or_keep(name: str) -> str:
@@ -180,7 +195,7 @@ def _default_actions() -> dict[str, Action]:
 
 
 @dataclass
-class SignalsConfig:
+class SignalsConfig(_Section):
     """Which signals start a graceful shutdown, what each asks for, and how long it may take."""
 
     actions: dict[str, Action] = field(default_factory=_default_actions, metadata=_help(
@@ -188,54 +203,43 @@ class SignalsConfig:
         "SIGTERM/SIGINT stop)"))
     grace_s: float = field(default=100.0, metadata=_help(
         "seconds from the first signal until the process is forced out (checkpoint, requeue and "
-        "teardown must fit); > 0"))
+        "teardown must fit)", bounds=_seconds(_DAY_S)))
     grace_per_signal_s: dict[str, float] = field(
         default_factory=lambda: {"SIGTERM": 25.0, "SIGINT": 30.0}, metadata=_help(
-            "per-signal grace overriding grace_s (SIGTERM: SLURM sends SIGKILL KillWait later)"))
+            "per-signal grace overriding grace_s (SIGTERM: SLURM sends SIGKILL KillWait later)",
+            bounds=_seconds(_DAY_S)))
 
     @classmethod
     def complete_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
         """A partial ``actions`` mapping is merged over the defaults, so that listing one
         signal never silently unhandles SIGTERM & co."""
-        if "actions" in fields:
+        if isinstance(fields.get("actions"), Mapping):
             fields = {**fields, "actions": {**_default_actions(),
                                             **{_normalize_or_keep(k): v
                                                for k, v in fields["actions"].items()}}}
         return fields
 
     def __post_init__(self) -> None:
-        problems: list[tuple[str, str]] = []
-        actions: dict[str, Action] = {}
-        for key, val in dict(self.actions).items():
-            try:
-                name = normalize_signal(key)
-            except ValueError as e:
-                problems.append((f"actions.{key}", f"{e}; use a name such as SIGUSR1, SIGUSR2, "
-                                 "SIGTERM, SIGINT"))
-                continue
-            if name in _UNCATCHABLE:
-                problems.append((f"actions.{key}", f"{name} cannot be used for a graceful "
-                                 "shutdown; use SIGUSR1, SIGUSR2, SIGTERM, SIGINT or SIGHUP"))
-                continue
-            try:
-                actions[name] = Action(val.value if isinstance(val, Action) else str(val).lower())
-            except ValueError:
-                problems.append((f"actions.{key}", f"{val!r} is not an action; allowed: "
-                                 + ", ".join(a.value for a in Action)))
-        graces: dict[str, float] = {}
-        for key, val in dict(self.grace_per_signal_s).items():
-            try:
-                name = normalize_signal(key)
-            except ValueError as e:
-                problems.append((f"grace_per_signal_s.{key}", str(e)))
-                continue
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or val <= 0:
-                problems.append((f"grace_per_signal_s.{key}", f"{val!r} is not allowed; must "
-                                 "be a number of seconds > 0"))
-                continue
-            graces[name] = float(val)
-        if isinstance(self.grace_s, (int, float)) and self.grace_s <= 0:
-            problems.append(("grace_s", f"{self.grace_s!r} is not allowed; must be > 0 seconds"))
+        problems = check_fields(self)  # values: actions and graces (NaN, inf, range)
+        actions: dict[str, Any] = {}
+        graces: dict[str, Any] = {}
+        for key_name, table, out in (("actions", self.actions, actions),
+                                     ("grace_per_signal_s", self.grace_per_signal_s, graces)):
+            if not isinstance(table, Mapping):
+                continue  # reported by check_fields
+            for key, val in table.items():
+                try:
+                    name = normalize_signal(key)
+                except ValueError as e:
+                    hint = "; use a name such as SIGUSR1, SIGUSR2, SIGTERM, SIGINT" \
+                        if key_name == "actions" else ""
+                    problems.append((f"{key_name}.{key}", f"{e}{hint}"))
+                    continue
+                if key_name == "actions" and name in _UNCATCHABLE:
+                    problems.append((f"actions.{key}", f"{name} cannot be used for a graceful "
+                                     "shutdown; use SIGUSR1, SIGUSR2, SIGTERM, SIGINT or SIGHUP"))
+                    continue
+                out[name] = val
         if problems:
             raise ConfigError(problems)
         self.actions = actions
@@ -250,75 +254,54 @@ class SignalsConfig:
 
 
 @dataclass
-class RequeueConfig:
+class RequeueConfig(_Section):
     """When and how the job is put back in the queue after an emergency checkpoint."""
 
     enabled: bool = field(default=True, metadata=_help(
         "requeue after a committed emergency checkpoint when the signal's action is requeue"))
     max_restarts: int = field(default=20, metadata=_help(
         "restart budget: stop with NO_REQUEUE once the job has been restarted this often; "
-        "0 = unlimited"))
+        "0 = unlimited", bounds=_count(0, 10**6, "0 = unlimited")))
     max_no_progress: int = field(default=2, metadata=_help(
         "stop with NO_REQUEUE after this many restarts in a row without a newer committed "
-        "checkpoint; 0 = off"))
+        "checkpoint; 0 = off", bounds=_count(0, 10**6, _OFF)))
     scontrol_timeout_s: float = field(default=15.0, metadata=_help(
-        "seconds to wait for `scontrol requeue` before treating it as failed; > 0"))
+        "seconds to wait for `scontrol requeue` before treating it as failed",
+        bounds=_seconds(3600)))
     retries: int = field(default=1, metadata=_help(
-        "extra attempts when `scontrol requeue` fails"))
+        "extra attempts when `scontrol requeue` fails", bounds=_count(0, 100)))
     time_limit_stop: bool = field(default=True, metadata=_help(
         "when the job's end time is known (SLURM_JOB_END_TIME, squeue) and no signal came, stop "
         "and save on its own once the time left falls below the estimated emergency save + one "
         "step + time_limit_margin_s, as if the first requeue signal had come"))
     time_limit_margin_s: float = field(default=30.0, metadata=_help(
         "seconds kept free before the allocation's end by the time-limit stop (the save "
-        "estimate and one step come on top)"))
-
-    def __post_init__(self) -> None:
-        problems = _problems_nonneg(self, ["max_restarts", "max_no_progress", "retries",
-                                           "time_limit_margin_s"])
-        if isinstance(self.scontrol_timeout_s, (int, float)) and self.scontrol_timeout_s <= 0:
-            problems.append(("scontrol_timeout_s", f"{self.scontrol_timeout_s!r} is not allowed; "
-                             "must be > 0 seconds"))
-        if problems:
-            raise ConfigError(problems)
+        "estimate and one step come on top)", bounds=_seconds(_DAY_S, zero="no margin")))
 
 
 @dataclass
-class WatchdogConfig:
+class WatchdogConfig(_Section):
     """Hang detection and the time limits of the shutdown path."""
 
     hang_timeout_s: float = field(default=1800.0, metadata=_help(
-        "exit with HANG when no step finishes for this long (stuck NCCL, dead peer); 0 = off"))
+        "exit with HANG when no step finishes for this long (stuck NCCL, dead peer); 0 = off",
+        bounds=_seconds(_WEEK_S, zero=_OFF)))
     checkpoint_timeout_s: float = field(default=3600.0, metadata=_help(
-        "hang budget while a checkpoint is saved or loaded, so slow saves are not hangs"))
+        "hang budget while a checkpoint is saved or loaded, so slow saves are not hangs",
+        bounds=_seconds(_WEEK_S, zero="no extra budget")))
     cleanup_timeout_s: float = field(default=10.0, metadata=_help(
-        "default time limit of one cleanup callback at shutdown; > 0"))
+        "default time limit of one cleanup callback at shutdown", bounds=_seconds(_DAY_S)))
     exit_timeout_s: float = field(default=15.0, metadata=_help(
         "after our shutdown finished, time left to the interpreter's own exit before it is "
-        "forced (with the intended exit code); > 0"))
+        "forced (with the intended exit code)", bounds=_seconds(_DAY_S)))
     exit_mode: ExitMode = field(default=ExitMode.AUTO, metadata=_help(
         "after the run ends: exit (the process ends with it: exit bounded, slow finalisation "
         "skipped), raise (the caller lives on after SystemExit: notebooks, test runners), auto "
         "(raise in IPython/interactive sessions, exit when SLURM_JOB_ID or RANK is set)"))
 
-    def __post_init__(self) -> None:
-        problems = _problems_nonneg(self, ["hang_timeout_s", "checkpoint_timeout_s"])
-        try:
-            self.exit_mode = ExitMode(str(getattr(self.exit_mode, "value", self.exit_mode))
-                                      .lower())
-        except ValueError:
-            problems.append(("exit_mode", f"{self.exit_mode!r} is not allowed; use one of "
-                             + ", ".join(m.value for m in ExitMode)))
-        for n in ("cleanup_timeout_s", "exit_timeout_s"):
-            v = getattr(self, n)
-            if isinstance(v, (int, float)) and v <= 0:
-                problems.append((n, f"{v!r} is not allowed; must be > 0 seconds"))
-        if problems:
-            raise ConfigError(problems)
-
 
 @dataclass
-class IntegrationsConfig:
+class IntegrationsConfig(_Section):
     """Experiment trackers told how each attempt of the run ends (optional extras)."""
 
     wandb: bool = field(default=False, metadata=_help(
@@ -329,7 +312,7 @@ class IntegrationsConfig:
 
 
 @dataclass
-class RescueConfig:
+class RescueConfig(_Section):
     """Just-in-time rescue: after a peer is lost or hangs, the survivors write the last step."""
 
     enabled: bool = field(default=True, metadata=_help(
@@ -340,17 +323,11 @@ class RescueConfig:
     budget_s: float = field(default=120.0, metadata=_help(
         "seconds from the failure until the rescue checkpoint must be committed (waiting for "
         "the survivors' per-rank state included); past it the process exits with its failure "
-        "code and the newest checkpoint stays the resume point; > 0"))
-
-    def __post_init__(self) -> None:
-        if isinstance(self.budget_s, (int, float)) and not isinstance(self.budget_s, bool) \
-                and self.budget_s <= 0:
-            raise ConfigError([("budget_s", f"{self.budget_s!r} is not allowed; must be > 0 "
-                                "seconds")])
+        "code and the newest checkpoint stays the resume point", bounds=_seconds(_DAY_S)))
 
 
 @dataclass
-class ResilienceConfig:
+class ResilienceConfig(_Section):
     """The whole configuration; every section has defaults, so ``ResilienceConfig()`` is valid."""
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata=_help(

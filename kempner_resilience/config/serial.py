@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
+import math
 import os
 import typing
 from typing import Any, Mapping
 
+from kempner_resilience.config.bounds import Range
 from kempner_resilience.config.errors import ConfigError
 
-__all__ = ["build", "dump", "yaml_name"]
+__all__ = ["build", "check_fields", "dump", "yaml_name"]
 
 
 def yaml_name(f: dataclasses.Field) -> str:
@@ -36,9 +39,37 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(tp: Any, value: Any, path: str) -> Any:
+def _number(tp: Any, value: Any, path: str, bounds: Range | None) -> int | float:
+    """``value`` as ``tp`` (int or float) within ``bounds``: finite, and an int is a whole number
+    (a count of 2.5 threads is a mistake, not something to round)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError([(path, f"{value!r} has the wrong type; expected {_type_name(tp)}"
+                            + (f" {bounds.text()}" if bounds else ""))])
+    problem = bounds.problem(value) if bounds else None
+    if problem is None and isinstance(value, float) and not math.isfinite(value):
+        problem = f"{value!r} is not a finite number"
+    if problem is None and tp is int and isinstance(value, float) and not value.is_integer():
+        problem = f"{value!r} is not a whole number; must be an integer" + \
+            (f" {bounds.text()}" if bounds else "")
+    if problem is not None:
+        raise ConfigError([(path, problem)])
+    if tp is int:
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int too large for a float, in a field without bounds
+        raise ConfigError([(path, f"{value!r} is too large")]) from None
+
+
+def _coerce(tp: Any, value: Any, path: str, bounds: Range | None = None) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # built in Python, perhaps changed since: check it again
+            try:
+                value.validate()
+            except ConfigError as e:
+                raise e.prefixed(path) from None
+            return value
         return build(tp, value, path)
     if origin is dict:
         if not isinstance(value, Mapping):
@@ -47,30 +78,26 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         problems, out = [], {}
         for k, v in value.items():
             try:
-                out[str(k)] = _coerce(vt, v, f"{path}.{k}")
+                out[str(k)] = _coerce(vt, v, f"{path}.{k}", bounds)
             except ConfigError as e:
                 problems += e.problems
         if problems:
             raise ConfigError(problems)
         return out
+    if tp is int or tp is float:
+        return _number(tp, value, path, bounds)
     bad = ConfigError([(path, f"{value!r} has the wrong type; expected {_type_name(tp)}")])
     if tp is bool:
         if not isinstance(value, bool):
             raise bad
         return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-            raise bad
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
     if tp is str:
         if not isinstance(value, (str, os.PathLike)):
             raise bad
         return str(value)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
         if isinstance(value, bool):  # YAML 1.1 reads a bare `off` as False, `on` as True
             value = "on" if value else "off"
         try:
@@ -80,37 +107,59 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_fields(obj: Any) -> list[tuple[str, str]]:
+    """Check and normalise every field of the dataclass ``obj`` in place (type, finite, within
+    its declared ``bounds``); returns one ``(yaml key, message)`` per bad field, all of them.
+
+    Each section's ``__post_init__`` calls it, so a config built in Python is held to the same
+    rules as one read from YAML, and one mistake never hides another."""
+    hints = _hints(type(obj))
+    problems: list[tuple[str, str]] = []
+    for f in dataclasses.fields(obj):
+        try:
+            setattr(obj, f.name, _coerce(hints[f.name], getattr(obj, f.name), yaml_name(f),
+                                         f.metadata.get("bounds")))
+        except ConfigError as e:
+            problems += e.problems
+    return problems
+
+
 def build(cls: type, data: Any, prefix: str) -> Any:
+    """``cls`` from plain data: unknown keys and every field's problems in one ``ConfigError``
+    (paths prefixed with ``prefix``)."""
     where = prefix or "top level"
     if not isinstance(data, Mapping):
         raise ConfigError([(prefix, f"{where} must be a mapping of keys, got {data!r}")])
     fields = _fields_by_yaml(cls)
-    hints = typing.get_type_hints(cls)
     problems: list[tuple[str, str]] = []
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
         f = fields.get(str(key))
         if f is None:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            problems.append((path, f"unknown key; {hint}allowed keys in {where}: "
+            problems.append((str(key), f"unknown key; {hint}allowed keys in {where}: "
                              + ", ".join(fields)))
             continue
-        try:
-            kwargs[f.name] = _coerce(hints[f.name], value, path)
-        except ConfigError as e:
-            problems += e.problems
-    if problems:
-        raise ConfigError(problems)
+        kwargs[f.name] = value
     # A section may complete partial data (SignalsConfig merges `actions` over the defaults).
     complete = getattr(cls, "complete_fields", None)
     if complete is not None:
         kwargs = complete(kwargs)
+    # Built even after an unknown key, so that its type and range mistakes are reported too.
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except ConfigError as e:
-        raise (e.prefixed(prefix) if prefix else e) from None
+        problems += e.problems
+    if problems:
+        err = ConfigError(problems)
+        raise (err.prefixed(prefix) if prefix else err)
+    return obj
 
 
 def dump(obj: Any) -> Any:

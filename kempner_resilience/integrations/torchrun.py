@@ -303,6 +303,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
     ``forward_signals()``.
     """
     config = config or load_config()
+    config.validate()  # built or changed in Python: held to the file's rules (ConfigError, 78)
     if forward is None:
         forward, why = forward_signals()
     else:
