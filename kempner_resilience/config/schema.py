@@ -290,7 +290,8 @@ class WatchdogConfig:
     hang_timeout_s: float = field(default=1800.0, metadata=_help(
         "exit with HANG when no step finishes for this long (stuck NCCL, dead peer); 0 = off"))
     checkpoint_timeout_s: float = field(default=3600.0, metadata=_help(
-        "hang budget while a checkpoint is saved or loaded, so slow saves are not hangs"))
+        "hang budget while a checkpoint is saved or loaded, so slow saves are not hangs; a "
+        "save's wait for the other ranks stays within hang_timeout_s + the save's estimate"))
     cleanup_timeout_s: float = field(default=10.0, metadata=_help(
         "default time limit of one cleanup callback at shutdown; > 0"))
     exit_timeout_s: float = field(default=15.0, metadata=_help(
