@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,11 +190,22 @@ class StopAgreement:
         if self.store is not None:
             self.store.set(FORCED_KEY, f"{int(code)}:{self.rank}")
 
-    def forced_exit(self) -> tuple[int, int] | None:
+    def forced_exit(self, timeout_s: float = 3.0) -> tuple[int, int] | None:
         """(code, rank) when some rank announced a forced exit; None otherwise or when the store
-        cannot be reached (its host, rank 0, may be the one that left)."""
+        does not answer within ``timeout_s`` (its host, rank 0, may be the one that left, or be
+        paused: a SIGSTOPped rank 0's store answers nothing, and a store read waits on its
+        socket beyond the store's timeout). The read runs in a daemon thread, left behind if
+        it does not return: the process is on its way out, through ``os._exit``."""
         if self.store is None:
             return None
+        box: list[tuple[int, int] | None] = []
+        reader = threading.Thread(target=lambda: box.append(self._read_forced()),
+                                  name="kempner-forced-exit-read", daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        return box[0] if box else None
+
+    def _read_forced(self) -> tuple[int, int] | None:
         try:
             if not self.store.check([FORCED_KEY]):
                 return None

@@ -74,8 +74,10 @@ TABLE: dict[ExitCode, str] = {
     ExitCode.CHECKPOINT_FAILED: "the emergency checkpoint failed or could not fit before the "
                                 "deadline, or checkpoint.max_failed_saves periodic checkpoints "
                                 "in a row failed; the previous committed checkpoint is intact",
-    ExitCode.PEER_LOST: "another rank is gone (killed, its node died or its link was cut): a "
-                        "collective or the store failed; the survivors first wrote the last "
+    ExitCode.PEER_LOST: "another rank is gone (killed, its node died or its link was cut), or "
+                        "did not answer a checkpoint save's collective within "
+                        "watchdog.hang_timeout_s plus the save's estimate (paused with "
+                        "SIGSTOP, a frozen node): a collective or the store failed; the survivors first wrote the last "
                         "step as a rescue checkpoint when they could (rescue.*), then this rank "
                         "left without a traceback, and rank 0 requeued the job under SLURM when "
                         "a committed checkpoint exists; resume from it",

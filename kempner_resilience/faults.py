@@ -6,6 +6,13 @@ communicator or a watchdog timeout, the TCPStore a broken connection. That is no
 training script and deserves its own exit code (``PEER_LOST``) and one log line, not a traceback:
 the job resumes from its last committed checkpoint. Anything else is the user's error and keeps
 Python's traceback and exit code 1.
+
+A peer that is alive but does not answer (paused with SIGSTOP, a frozen node) ends a gloo wait
+with its per-operation timeout: ``Timed out waiting 8000ms for recv operation to complete``,
+after which every later operation on that group fails at once with ``Application timeout caused
+pair closure`` (gloo's texts, provoked with torch 2.13). Both are lost peers too. The package's
+own wrappers of such failures (a save that lost a peer) say so with a true ``peer_failure``
+attribute, which needs no import here.
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ _PEER_TEXT = (
     "remote process exited",
     "peer",                      # gloo's enforce messages name the peer in various words
 )
+# gloo's timeout texts, which name neither gloo nor the peer (see the module docstring).
+_GLOO_TIMEOUT_TEXT = (
+    "caused pair closure",
+    "for recv operation to complete",
+    "for send operation to complete",
+)
 
 
 def _dist_error_types() -> tuple[type[BaseException], ...]:
@@ -47,8 +60,12 @@ def is_peer_failure(exc: BaseException | None) -> bool:
     while exc is not None and seen < 8:
         if types and isinstance(exc, types):
             return True
+        if getattr(exc, "peer_failure", False) is True:
+            return True
         if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)):
             text = str(exc).lower()
+            if any(t in text for t in _GLOO_TIMEOUT_TEXT):
+                return True
             if any(t in text for t in _PEER_TEXT) and ("gloo" in text or "nccl" in text
                                                        or "c10d" in text or "peer" in text
                                                        or "store" in text):

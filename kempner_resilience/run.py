@@ -358,9 +358,14 @@ class ResilientRun:
         # Kept for the per-step save check: no import statement on every step.
         self._checkpoint_error = CheckpointError
         parts = self._parts
+        # A save waits for the other ranks no longer than any step does (hang_timeout_s) plus
+        # what the save itself takes; the hang budget's widening to checkpoint_timeout_s during
+        # a save is for this rank's own write, not for waiting on a rank that is gone or paused.
+        hang_s = self.config.watchdog.hang_timeout_s
         parts.ckpt = ckpt = CheckpointManager(self.config.checkpoint, self.state,
                                               rank=parts.agreement.rank,
-                                              world_size=parts.agreement.world_size)
+                                              world_size=parts.agreement.world_size,
+                                              peer_timeout_s=hang_s if hang_s > 0 else None)
         # Saves and loads widen the hang budget, so a slow save is never taken for a hang.
         ckpt.busy_hook = self._hang.busy
         ckpt.check_dir()

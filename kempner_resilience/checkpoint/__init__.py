@@ -15,11 +15,12 @@ from kempner_resilience.checkpoint.info import (
     CheckpointDirError,
     CheckpointError,
     CheckpointInfo,
+    SavePeerLost,
 )
 from kempner_resilience.checkpoint.layout import MANIFEST_NAME
 
 __all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointError", "CheckpointCorrupt",
-           "CheckpointDirError", "MANIFEST_NAME"]
+           "CheckpointDirError", "SavePeerLost", "MANIFEST_NAME"]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,7 +3,9 @@ single process without ``torch.distributed`` initialized."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import datetime
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,37 @@ class Comm:
         when torch.distributed is initialized, whose default group may be NCCL only (a one-GPU
         job): DCP would otherwise run its gathers there."""
         return not self.distributed
+
+    @contextlib.contextmanager
+    def bounded(self, seconds: float | None) -> Iterator[None]:
+        """Every collective started on this group inside the block (DCP's included) waits at
+        most ``seconds`` for the other ranks, then raises (gloo's per-operation timeout); the
+        group's previous timeout is back after it. ``None``, one process or a backend without
+        the setting: the group's own timeout (gloo's default: 30 min).
+
+        After such a timeout the group is unusable (gloo closes the pairs: every later
+        operation raises at once) and the process cannot leave normally while the peer lives
+        (gloo's teardown waits for it): the caller treats it as a lost peer and leaves with
+        ``os._exit``, as the exit path does for a process group with a dead member."""
+        backend = self._backend() if seconds is not None and self.distributed else None
+        old = getattr(getattr(backend, "options", None), "_timeout", None)
+        if backend is None or old is None:
+            yield
+            return
+        backend._set_default_timeout(datetime.timedelta(seconds=max(float(seconds), 0.001)))
+        try:
+            yield
+        finally:
+            backend._set_default_timeout(old)
+
+    def _backend(self) -> Any:
+        """The group's gloo backend, if it has one this torch can re-time (private API:
+        ``_set_default_timeout`` is what ``dist.distributed_c10d._set_pg_timeout`` calls)."""
+        try:
+            backend = self.group._get_backend(torch.device("cpu"))
+        except (AttributeError, RuntimeError):
+            return None
+        return backend if hasattr(backend, "_set_default_timeout") else None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:

@@ -8,7 +8,7 @@ from pathlib import Path
 from kempner_resilience.startup import StartupError
 
 __all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDirError", "CheckpointInfo",
-           "describe_error"]
+           "SavePeerLost", "describe_error"]
 
 
 class CheckpointError(RuntimeError):
@@ -22,6 +22,17 @@ class CheckpointCorrupt(CheckpointError):
 class CheckpointDirError(CheckpointError, StartupError):
     """``checkpoint.dir`` cannot hold checkpoints (missing parent, not a directory, not writable,
     full), found at start: uncaught in a script, the process exits with 78 (CONFIG)."""
+
+
+class SavePeerLost(RuntimeError):
+    """A save's collective failed because another rank is gone, or timed out waiting for one
+    that does not answer (paused, frozen). Not a failed save (the storage is fine, and no later
+    save could succeed without that rank): it is never a ``CheckpointError``, never counted
+    among ``checkpoint.max_failed_saves``, and propagates out of the save like any lost peer in
+    a training collective (``faults.is_peer_failure`` recognises it: ``peer_failure``). The
+    collective's own error is its ``__cause__``."""
+
+    peer_failure = True
 
 
 @dataclass(frozen=True)

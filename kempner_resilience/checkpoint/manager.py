@@ -7,6 +7,13 @@ work (save, emergency save, resume, check_dir) and, with ``async``, one for the 
 so a background save never interleaves its collectives with ours or with training's. Foreground
 work also never uses the training group, so an emergency save can run from a watchdog thread
 while the main thread is stuck in a training collective.
+
+A save's collectives (DCP's gathers of plans and write results, the commit's gather and
+broadcast) wait for the other ranks at most ``peer_timeout_s`` beyond this rank's estimate of
+the save (``checkpoint/estimate.py``: the estimate covers a slower rank's write, which the
+others wait for). A rank that dies or stops answering (SIGSTOP, a frozen node) during a save
+is then a lost peer within that bound, raised as ``SavePeerLost``, not a failed save and not a
+stall of gloo's 30-minute default.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ from kempner_resilience.checkpoint.estimate import Estimate, SaveEstimator
 from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU, HostStaging
 from kempner_resilience.checkpoint.info import (CheckpointCorrupt, CheckpointError, CheckpointInfo,
                                                describe_error)
-from kempner_resilience.checkpoint.info import CheckpointDirError
+from kempner_resilience.checkpoint.info import CheckpointDirError, SavePeerLost
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.writer import STAGING_MISMATCH, ChecksummingWriter
 from kempner_resilience.config import CheckpointConfig, StagingMode
+from kempner_resilience.faults import first_line, is_peer_failure
 from kempner_resilience.log import get_logger
 
 log = get_logger(__name__)
@@ -79,13 +87,17 @@ class CheckpointManager:
     When ``state`` holds GPU tensors (sized here: move the model to its device first), the host
     buffers that saves and loads stage them through (``config.staging``) are allocated here,
     once, and logged by rank 0 (``staging``); no save allocates them, an emergency save least.
+
+    ``peer_timeout_s`` bounds a save's wait for the other ranks (see the module docstring;
+    ``ResilientRun`` passes ``watchdog.hang_timeout_s``); None keeps the gloo group's default.
     """
 
     def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
                  world_size: int = 1, process_group: Any = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, peer_timeout_s: float | None = None) -> None:
         self.config = config
         self.run_id = run_id
+        self.peer_timeout_s = peer_timeout_s
         self.root = Path(config.dir).expanduser().absolute()
         self.rank = rank
         self.world_size = world_size
@@ -382,7 +394,7 @@ class CheckpointManager:
                 if bg.thread.is_alive():     # stuck: leave it behind, it writes elsewhere
                     log.warning("async save of step %d did not stop; not waiting for it", bg.step)
                     self._bg = None
-            self._drain_background(raise_errors=False)
+            self._drain_background(raise_errors=False, lost_peer=False)
             last = self._last_committed
             if last is not None and last.step == step:
                 log.info("emergency save: step %d is already committed at %s", step, last.path)
@@ -448,13 +460,19 @@ class CheckpointManager:
         with self._foreground():
             self._drain_background(raise_errors=True)
 
-    def _drain_background(self, raise_errors: bool) -> None:
+    def _drain_background(self, raise_errors: bool, lost_peer: bool = True) -> None:
+        """Wait for the async save in flight. Its ``SavePeerLost`` is raised here, in the
+        training thread, unless ``lost_peer`` is False (the emergency save, which tries its own
+        group, and close): its group is broken, and a lost peer ends the run like one found in
+        a training collective, never counted as a failed save."""
         bg = self._bg
         if bg is None:
             return
         if bg.thread is not None:
             bg.thread.join()
         self._bg = None
+        if isinstance(bg.error, SavePeerLost) and lost_peer:
+            raise bg.error
         if bg.error is not None:
             self._failed_saves += 1
             self._last_failure = str(bg.error)
@@ -475,6 +493,29 @@ class CheckpointManager:
 
     def _save_state(self, sd: dict[str, Any], step: int, reason: str, comm: Comm,
                     abort: threading.Event | None, t0: float, blocked: float) -> CheckpointInfo:
+        """Write and commit ``sd``; every collective in it waits for the other ranks at most
+        ``peer_timeout_s`` plus this rank's estimate of the save, and a lost peer raises
+        ``SavePeerLost`` (see the module docstring)."""
+        slack, bound = self.peer_timeout_s, None
+        if slack is not None and comm.distributed:
+            bound = slack + self.estimate().seconds
+        try:
+            with comm.bounded(bound):
+                return self._write_and_commit(sd, step, reason, comm, abort, t0, blocked)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:
+            if not is_peer_failure(e):
+                raise
+            within = "" if bound is None or slack is None else (
+                f" or did not answer within {bound:.1f} s (watchdog.hang_timeout_s {slack:g} s "
+                f"+ this save's estimate {bound - slack:.1f} s)")
+            raise SavePeerLost(f"{reason} checkpoint of step {step}: another rank is gone"
+                               f"{within}: {first_line(e)}") from e
+
+    def _write_and_commit(self, sd: dict[str, Any], step: int, reason: str, comm: Comm,
+                          abort: threading.Event | None, t0: float,
+                          blocked: float) -> CheckpointInfo:
         # Rank 0 picks a fresh directory; a failure there must reach every rank.
         choice: tuple[str | None, str | None] = (None, None)
         if self.rank == 0:
@@ -501,6 +542,10 @@ class CheckpointManager:
                          planner=DefaultSavePlanner(enable_plan_caching=True),
                          no_dist=comm.dcp_no_dist)
             except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
+                if is_peer_failure(e):
+                    # Its own collective failed: the group is broken (after a gloo timeout every
+                    # later operation fails), so no gather of the failure either.
+                    raise
                 failure = e
             gathered = comm.all_gather_object(
                 (writer.files if failure is None else None, describe_error(failure)))
@@ -602,7 +647,7 @@ class CheckpointManager:
             return
         self._closed = True
         with self._foreground():
-            self._drain_background(raise_errors=False)
+            self._drain_background(raise_errors=False, lost_peer=False)
             self._join_retention()
         if self.lease is not None:       # after the last write: the directory is free now
             self.lease.release()

@@ -287,7 +287,8 @@ class WatchdogConfig(_Section):
         "exit with HANG when no step finishes for this long (stuck NCCL, dead peer); 0 = off",
         bounds=_seconds(_WEEK_S, zero=_OFF)))
     checkpoint_timeout_s: float = field(default=3600.0, metadata=_help(
-        "hang budget while a checkpoint is saved or loaded, so slow saves are not hangs",
+        "hang budget while a checkpoint is saved or loaded, so slow saves are not hangs; a "
+        "save's wait for the other ranks stays within hang_timeout_s + the save's estimate",
         bounds=_seconds(_WEEK_S, zero="no extra budget")))
     cleanup_timeout_s: float = field(default=10.0, metadata=_help(
         "default time limit of one cleanup callback at shutdown", bounds=_seconds(_DAY_S)))

@@ -197,12 +197,12 @@ def _emergency_save(parts: RunParts, step: int) -> Saved:
     """Budget: the shutdown deadline (the manager refuses a save measured not to fit)."""
     if parts.ckpt is None:
         return Saved.NOTHING
-    from kempner_resilience.checkpoint import CheckpointError
+    from kempner_resilience.checkpoint import CheckpointError, SavePeerLost
 
     t0 = time.monotonic()
     try:
         info = parts.ckpt.emergency_save(step, deadline=parts.handler.deadline.deadline)
-    except (CheckpointError, OSError) as e:
+    except (CheckpointError, SavePeerLost, OSError) as e:
         # Expected (full disk, quota, I/O, a peer gone mid-save): the message names the cause.
         log.error("emergency checkpoint at step %d failed: %s", step, e)
         return Saved.FAILED
