@@ -556,7 +556,7 @@ class CheckpointManager:
                     with contextlib.suppress(OSError):
                         retention.remove_dir(path)
                 self._distrust_staging(mismatch)
-                return self._save_state(sd, step, reason, comm, abort, t0, blocked)
+                return self._write_and_commit(sd, step, reason, comm, abort, t0, blocked)
             status: str | None = None
             manifest: dict[str, Any] = {}
             if self.rank == 0:
