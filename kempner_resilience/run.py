@@ -413,7 +413,10 @@ class ResilientRun:
         text = None
         if parts.rank == 0:
             try:
-                rid, recorded = self._explicit_run_id, identity.read_run_id(root)
+                # repair: a damaged run.json is rewritten from the checkpoints' run id, so
+                # it neither blocks the restart nor gives this attempt an unrecorded id.
+                rid = self._explicit_run_id
+                recorded = identity.repair(root, rid)
                 if rid is None:
                     rid, _ = identity.load_or_create(root)
                 elif recorded is None:
