@@ -14,7 +14,7 @@ __all__ = ["rescue", "close_rescue"]
 
 def rescue(parts: "RunParts", why: str) -> None:
     """Within ``rescue.budget_s`` (the caller's deadline is the backstop). The rescuer logs the
-    outcome; the ledger (rank 0) records it, and a committed rescue becomes the checkpoint a
+    outcome; the ledger records it (rank 0, and the writer), and a committed rescue becomes the checkpoint a
     requeue comes back to."""
     r = parts.rescue
     if r is None:
@@ -23,9 +23,11 @@ def rescue(parts: "RunParts", why: str) -> None:
     parts.timings["rescue_s"] = result.seconds
     if result.info is not None:
         parts.last_saved = result.info
-    parts.ledger.event("rescue", step=result.step, committed=result.info is not None,
-                       writer=result.writer, why=result.why, reason=why,
-                       seconds=round(result.seconds, 4))
+    if parts.rank == 0 or result.writer == parts.rank:
+        # Rank 0 records every rescue it learns of, the writer its own (rank 0 may be dead).
+        parts.ledger.event("rescue", step=result.step, committed=result.info is not None,
+                           writer=result.writer, why=result.why, reason=why,
+                           seconds=round(result.seconds, 4), rank=parts.rank)
 
 
 def close_rescue(parts: "RunParts", clean: bool = True) -> None:
