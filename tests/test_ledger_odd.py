@@ -161,7 +161,9 @@ def test_report_plot_never_prints_a_traceback_for_odd_ledgers(tmp_path, capsys):
     rng = random.Random(21)
     ledger = tmp_path / "ledger.jsonl"
     for case in range(8):
-        ledger.write_bytes(b"\n".join(_mutate(rng, base)) + b"\n")
+        lines = _mutate(rng, base) if case else \
+            [ln.replace(b'"ev":"exit","t":', b'"ev":"exit","was_t":') for ln in base]
+        ledger.write_bytes(b"\n".join(lines) + b"\n")
         _assert_no_traceback(*_report(capsys, ledger, "--plot", str(tmp_path / f"{case}.png")))
 
 
