@@ -31,10 +31,10 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
 * ``emergency_save``: ``step``, ``seconds``, ``saved`` (committed / failed / nothing).
 * ``save_failed``: a periodic save that failed (training went on): ``step``, ``reason`` (the
   error, shortened), ``failed`` (periodic saves failed in a row).
-* ``rescue``: after a lost peer or a hang, from rank 0 when it survived and from the rank that
-  wrote it (so a rescue is recorded when rank 0 is the rank that died; the same rescue may
-  appear twice): ``step``, ``committed``, ``writer`` (the rank that wrote it), ``why`` (nothing
-  committed), ``reason``, ``seconds``, ``rank`` (the rank that recorded it).
+* ``rescue``: after a lost peer or a hang; a committed one recorded by the rank that wrote it
+  (rank 0 may be the rank that died), one that committed nothing by rank 0: ``step``,
+  ``committed``, ``writer`` (the rank that wrote it), ``why`` (nothing committed), ``reason``,
+  ``seconds``, ``rank`` (the rank that recorded it).
 * ``requeue``: ``code``. ``exit``: ``code``, ``ending``, ``step`` (the last step reached).
 """
 
