@@ -18,6 +18,12 @@ Between attempts, ``queue`` is the time from one attempt's last event to the nex
 (pending in the queue, or a node lost before it could say goodbye). Goodput is ``kept`` over the
 allocated time (the attempts' wall times); ``wall_goodput`` is ``kept`` over the whole span,
 queue included.
+
+A ledger is read as ``read_ledger`` returns it (every known field of the right type, or absent)
+and any such ledger gives an analysis: a missing time is taken from the attempt's other events,
+times out of order are clamped so the parts stay non-negative. A ledger that holds events of
+several runs (a directory reused, a ledger copied in) is analysed for one run id, the newest
+unless one is asked for; ``Goodput.other_runs`` names the others.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any, Iterable
 
 from kempner_resilience.ledger import LEDGER_NAME, read_ledger
 
-__all__ = ["Attempt", "Goodput", "analyze", "analyze_dir", "PARTS"]
+__all__ = ["Attempt", "Goodput", "analyze", "analyze_dir", "run_ids", "PARTS"]
 
 PARTS = ("startup", "load", "save_blocking", "kept", "lost", "shutdown")
 
@@ -53,6 +59,9 @@ class Attempt:
     exit_code: int | None = None
     ending: str | None = None
     crashed: bool = False           # no exit event: killed or lost
+    rescue_step: int | None = None  # a rescue checkpoint committed by a survivor
+    failed_saves: int = 0           # periodic saves that failed (training went on)
+    failures: list[str] = field(default_factory=list)   # "step N: reason", the first few
     parts: dict[str, float] = field(default_factory=dict)
     queue_after_s: float | None = None   # to the next attempt's start
 
@@ -68,6 +77,7 @@ class Goodput:
     parts: dict[str, float]          # summed over attempts, plus "queue"
     allocated_s: float
     wall_s: float
+    other_runs: dict[str, int] = field(default_factory=dict)   # run id -> its events, not here
 
     @property
     def goodput(self) -> float:
@@ -80,7 +90,7 @@ class Goodput:
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "goodput": self.goodput,
                 "wall_goodput": self.wall_goodput, "allocated_s": self.allocated_s,
-                "wall_s": self.wall_s, "parts_s": self.parts,
+                "wall_s": self.wall_s, "parts_s": self.parts, "other_runs": self.other_runs,
                 "attempts": [dict(asdict(a), wall_s=a.wall_s) for a in self.attempts]}
 
 
@@ -93,49 +103,57 @@ def _split(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return groups
 
 
-def _f(x: Any, default: float = 0.0) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return default
+def _num(x: Any, default: float) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else default
 
 
 def _attempt(i: int, evs: list[dict[str, Any]]) -> tuple[Attempt, dict[str, Any]]:
     by: dict[str, dict[str, Any]] = {}
-    saves_blocking, saves, committed = 0.0, 0, None
+    saves_blocking, saves, committed, rescue_step = 0.0, 0, None, None
+    failed, failures = 0, []
     for e in evs:
         by.setdefault(e["ev"], e)
         if e["ev"] == "save":
             saves += 1
-            saves_blocking += _f(e.get("blocking_s"))
+            saves_blocking += _num(e.get("blocking_s"), 0.0)
             committed = e.get("step", committed)
         elif e["ev"] == "saves":
-            saves += int(e.get("n") or 0)
-            saves_blocking += _f(e.get("blocking_s"))
+            saves += e.get("n") or 0
+            saves_blocking += _num(e.get("blocking_s"), 0.0)
             committed = e.get("last_step", committed)
+        elif e["ev"] == "save_failed":
+            failed += 1
+            if len(failures) < 3:
+                failures.append(f"step {e.get('step', '?')}: {e.get('reason') or '?'}")
         elif e["ev"] == "emergency_save" and e.get("saved") == "committed":
             committed = e.get("step", committed)
-        elif e["ev"] == "rescue" and e.get("committed"):
-            committed = e.get("step", committed)
+        elif e["ev"] == "rescue" and e.get("committed") and e.get("step") is not None:
+            # Recorded by rank 0 and by the writer: the same step, maybe twice.
+            committed = rescue_step = max(e["step"], rescue_step or 0)
     start, resume, loop = by.get("start", evs[0]), by.get("resume"), by.get("loop")
     stop, ext = by.get("stop"), by.get("exit")
-    t0 = _f(start.get("t0"), _f(start.get("t")))
-    end = _f(ext["t"]) if ext else max(_f(e.get("t")) for e in evs)
-    start_step = int(resume["step"]) if resume else int((loop or {}).get("step") or 0)
-    steps_seen = [int(e["step"]) for e in evs if isinstance(e.get("step"), int)]
-    last = int(ext["step"]) if ext and isinstance(ext.get("step"), int) else \
+    times = [e["t"] for e in evs if e.get("t") is not None]
+    t0 = _num(start.get("t0"), _num(start.get("t"), min(times, default=0.0)))
+    end = _num((ext or {}).get("t"), max(times, default=t0))
+    end = max(end, t0)                   # clocks that went back: no negative wall time
+    start_step = (resume or {}).get("step")
+    if start_step is None:
+        start_step = (loop or {}).get("step") or 0
+    steps_seen = [e["step"] for e in evs if e.get("step") is not None]
+    last = ext["step"] if ext and ext.get("step") is not None else \
         max(steps_seen + [start_step])
     a = Attempt(i, start.get("restart_count"), start.get("job_id"), start.get("hosts"),
                 start.get("world_size"), t0, end, start_step, last, saves=saves,
                 stop_signal=(stop or {}).get("signal"), stop_step=(stop or {}).get("step"),
                 exit_code=(ext or {}).get("code"), ending=(ext or {}).get("ending"),
-                crashed=ext is None)
-    load = _f((resume or {}).get("load_s"))
-    t_loop = _f(loop["t"]) if loop else end
-    if stop:
-        loop_end = _f(stop["t"])
+                crashed=ext is None, rescue_step=rescue_step, failed_saves=failed,
+                failures=failures)
+    load = _num((resume or {}).get("load_s"), 0.0)
+    t_loop = min(max(_num((loop or {}).get("t"), end), t0), end)
+    if stop and stop.get("t") is not None:
+        loop_end = stop["t"]
     elif ext and ext.get("loop_end_t") is not None:
-        loop_end = _f(ext["loop_end_t"])
+        loop_end = ext["loop_end_t"]
     else:
         loop_end = end
     loop_end = min(max(loop_end, t_loop), end)
@@ -148,8 +166,25 @@ def _attempt(i: int, evs: list[dict[str, Any]]) -> tuple[Attempt, dict[str, Any]
     return a, {"committed": committed, "completed": (ext or {}).get("ending") == "completed"}
 
 
-def analyze(events: list[dict[str, Any]]) -> Goodput:
-    """Attempts and goodput from ledger events (as ``read_ledger`` returns them)."""
+def run_ids(events: list[dict[str, Any]]) -> dict[str, int]:
+    """``{run_id: number of events}``, the newest run (that of the last event naming one) last."""
+    counts: dict[str, int] = {}
+    for e in events:
+        rid = e.get("run_id")
+        if rid is not None:
+            counts[rid] = counts.pop(rid, 0) + 1     # re-inserted: ordered by last appearance
+    return counts
+
+
+def analyze(events: list[dict[str, Any]], run_id: str | None = None) -> Goodput:
+    """Attempts and goodput from ledger events (as ``read_ledger`` returns them), for
+    ``run_id`` (default: the newest run in the ledger; events naming no run belong to any)."""
+    ids = run_ids(events)
+    if run_id is None and ids:
+        run_id = list(ids)[-1]
+    others = {r: n for r, n in ids.items() if r != run_id}
+    if others:
+        events = [e for e in events if e.get("run_id") in (run_id, None)]
     pairs = [_attempt(i, g) for i, g in enumerate(_split(events))]
     attempts = [a for a, _ in pairs]
     for k, (a, extra) in enumerate(pairs):
@@ -171,13 +206,12 @@ def analyze(events: list[dict[str, Any]]) -> Goodput:
     parts["queue"] = sum(a.queue_after_s or 0.0 for a in attempts)
     allocated = sum(a.wall_s for a in attempts)
     wall = (attempts[-1].end - attempts[0].t0) if attempts else 0.0
-    run_id = next((e.get("run_id") for e in events if e.get("run_id")), None)
-    return Goodput(run_id, attempts, parts, allocated, wall)
+    return Goodput(run_id, attempts, parts, allocated, wall, others)
 
 
-def analyze_dir(path: str | os.PathLike[str]) -> Goodput:
+def analyze_dir(path: str | os.PathLike[str], run_id: str | None = None) -> Goodput:
     """``path``: checkpoint.dir (holding ``ledger.jsonl``) or the ledger file itself."""
     p = os.fspath(path)
     if os.path.isdir(p):
         p = os.path.join(p, LEDGER_NAME)
-    return analyze(read_ledger(p))
+    return analyze(read_ledger(p), run_id)

@@ -7,6 +7,12 @@ records the id in its manifest and ownership marker, so a directory that holds c
 different run (copied in, or a run id given explicitly that is not the directory's) is noticed
 at resume instead of silently continuing someone else's training.
 
+A damaged ``run.json`` (truncated by a full disk, unparsable, a run id that is not a string) is
+bookkeeping, not the run's state: it must not block every restart, nor (with
+``allow_other_run``) give each attempt a new id whose retention then keeps every earlier
+attempt's checkpoints. ``repair`` rewrites it (atomically, with a warning naming the file) from
+the run id the newest committed checkpoint records, or a new id when no checkpoint records one.
+
 The id is ``YYYYmmdd-HHMMSS-<8 hex>``: valid as a W&B run id, a TensorBoard or MLflow directory
 name. ``KEMPNER_RESILIENCE_RUN_ID`` (or ``ResilientRun(run_id=...)``) gives it explicitly.
 """
@@ -21,9 +27,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kempner_resilience.checkpoint.info import CheckpointDirError
+from kempner_resilience.log import get_logger
 
-__all__ = ["RUN_FILE", "RUN_ID_ENV", "OtherRunError", "new_run_id", "read_run_id",
+__all__ = ["RUN_FILE", "RUN_ID_ENV", "OtherRunError", "new_run_id", "read_run_id", "repair",
            "load_or_create", "other_run_ids", "check_same_run"]
+
+log = get_logger(__name__)
 
 RUN_FILE = "run.json"
 RUN_ID_ENV = "KEMPNER_RESILIENCE_RUN_ID"
@@ -39,36 +48,100 @@ def new_run_id() -> str:
 
 def read_run_id(root: Path) -> str | None:
     """The run id recorded in ``root/run.json``, or None when there is none (or unreadable)."""
+    return _read(root)[0]
+
+
+def _read(root: Path) -> tuple[str | None, str | None]:
+    """``(run_id, None)``; ``(None, None)`` when there is no file; ``(None, what is wrong)``
+    when there is one that records no usable id."""
     try:
-        data = json.loads((root / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+        data = json.loads((root / RUN_FILE).read_bytes())
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"unreadable ({type(e).__name__}: {e})"
     rid = data.get("run_id") if isinstance(data, dict) else None
-    return str(rid) if rid else None
+    if not isinstance(rid, str) or not rid.strip() or len(rid) > 256:
+        return None, f"no usable run_id in it ({json.dumps(rid, default=str)[:60]})"
+    return rid, None
 
 
-def load_or_create(root: Path, proposed: str | None = None,
-                   extra: dict[str, Any] | None = None) -> tuple[str, bool]:
-    """``(run_id, created)``: the directory's id, or ``proposed`` (a fresh one if None) written
-    into a new ``run.json``. Never replaces an existing file."""
-    existing = read_run_id(root)
-    if existing is not None:
-        return existing, False
-    rid = proposed or new_run_id()
+def _recorded_by_checkpoints(root: Path) -> str | None:
+    """The run id the newest committed checkpoint records (manifest, else ownership marker)."""
+    from kempner_resilience.checkpoint import layout
+
+    try:
+        entries = layout.scan(root)
+    except OSError:
+        return None
+    for e in reversed(entries):
+        if not e.committed:
+            continue
+        rid = (e.manifest or {}).get("run_id")
+        if rid is None:
+            try:
+                rid = (layout.read_marker(e.path) or {}).get("run_id")
+            except Exception:  # noqa: BLE001 - a damaged marker is just no evidence
+                rid = None
+        if isinstance(rid, str) and rid:
+            return rid
+    return None
+
+
+def repair(root: Path, proposed: str | None = None) -> str | None:
+    """When ``root/run.json`` exists but records no usable id, rewrite it (atomically) with the
+    id of the newest committed checkpoint, else ``proposed`` or a new one; returns the id now
+    recorded. None when the file is absent (``load_or_create`` makes it); the recorded id when
+    it is sound. Raises OSError when the file cannot be rewritten."""
+    rid, problem = _read(root)
+    if problem is None:
+        return rid
+    found = _recorded_by_checkpoints(root)
+    rid = found or proposed or new_run_id()
+    _write(root, {"run_id": rid, "created_at": time.time(), "repaired_at": time.time()},
+           replace=True)
+    if found:
+        log.warning("%s was damaged (%s); repaired it with run id %s, the one its newest "
+                    "committed checkpoint records: the run goes on under that id", root / RUN_FILE,
+                    problem, rid)
+    else:
+        log.warning("%s was damaged (%s) and no checkpoint records a run id; replaced it with a "
+                    "new run id %s", root / RUN_FILE, problem, rid)
+    return rid
+
+
+def _write(root: Path, data: dict[str, Any], *, replace: bool) -> bool:
+    """Write ``run.json`` aside and put it in place: hard-linked (never replacing another
+    attempt's, False when one got there first) or, for a repair, renamed over it."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{RUN_FILE}.tmp{os.getpid()}"
-    data = {"run_id": rid, "created_at": time.time(), **(extra or {})}
     with open(tmp, "w") as f:
         json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
     try:
+        if replace:
+            os.replace(tmp, root / RUN_FILE)
+            return True
         os.link(tmp, root / RUN_FILE)          # fails if another attempt got there first
-        created = True
+        return True
     except FileExistsError:
-        created = False
+        return False
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def load_or_create(root: Path, proposed: str | None = None,
+                   extra: dict[str, Any] | None = None) -> tuple[str, bool]:
+    """``(run_id, created)``: the directory's id, or ``proposed`` (a fresh one if None) written
+    into a new ``run.json``. Never replaces a sound file; a damaged one is repaired first
+    (``repair``)."""
+    existing = repair(root, proposed)
+    if existing is not None:
+        return existing, False
+    rid = proposed or new_run_id()
+    created = _write(root, {"run_id": rid, "created_at": time.time(), **(extra or {})},
+                     replace=False)
     if not created:
         return read_run_id(root) or rid, False
     return rid, True

@@ -1,6 +1,7 @@
 """The run ledger: one JSON line per event of a run, across all its attempts (requeues).
 
-``ledger.jsonl`` lives next to the checkpoints (``checkpoint.dir``) and only rank 0 writes it.
+``ledger.jsonl`` lives next to the checkpoints (``checkpoint.dir``). Rank 0 writes it; another
+rank appends only the one event it alone may know: a rescue it committed (rank 0 may be dead).
 It is what ``kempner-resilience report`` turns into a timeline and a goodput figure.
 
 Crash safety: every event is one ``write()`` of one complete line on a descriptor opened with
@@ -8,7 +9,11 @@ Crash safety: every event is one ``write()`` of one complete line on a descripto
 the middle of a write can leave at most a torn last line; readers skip lines that do not parse,
 and the next attempt starts its first event on a fresh line. Nothing here ever raises into the
 training loop: a ledger that cannot be written (a full disk) is logged once, and later events
-try again.
+try again; a ledger that is not a regular file (a FIFO, a device, a directory) is never waited
+on (opened with ``O_NONBLOCK``): it is logged once and the ledger is off for this process.
+Readers check every line against the fields below (``valid_event``): a line that does not parse,
+or whose known fields have the wrong type or an impossible value (NaN, a time past year 5000,
+a string count), is skipped, with one warning per read.
 
 Size: an event is 100-350 bytes (a periodic save ~200 B, an attempt start with a short host list
 ~300 B). The file is kept under ``MAX_BYTES`` (4 MiB, some 20 000 events): past it, the
@@ -24,22 +29,29 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   ``bw_mib_s``. ``saves``: a compacted summary: ``n``, ``blocking_s``, ``bytes``, ``last_step``.
 * ``stop``: ``signal`` (a name, or ``time-limit``), ``signal_t``, ``step`` (agreed).
 * ``emergency_save``: ``step``, ``seconds``, ``saved`` (committed / failed / nothing).
-* ``rescue``: after a lost peer or a hang (rank 0, when it survived): ``step``, ``committed``,
-  ``writer`` (the rank that wrote it), ``why`` (nothing committed), ``reason``, ``seconds``.
+* ``save_failed``: a periodic save that failed (training went on): ``step``, ``reason`` (the
+  error, shortened), ``failed`` (periodic saves failed in a row).
+* ``rescue``: after a lost peer or a hang; a committed one recorded by the rank that wrote it
+  (rank 0 may be the rank that died), one that committed nothing by rank 0: ``step``,
+  ``committed``, ``writer`` (the rank that wrote it), ``why`` (nothing committed), ``reason``,
+  ``seconds``, ``rank`` (the rank that recorded it).
 * ``requeue``: ``code``. ``exit``: ``code``, ``ending``, ``step`` (the last step reached).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from kempner_resilience.log import get_logger
 
-__all__ = ["Ledger", "LEDGER_NAME", "MAX_BYTES", "read_ledger", "process_start_time"]
+__all__ = ["Ledger", "LEDGER_NAME", "MAX_BYTES", "read_ledger", "valid_event",
+           "process_start_time"]
 
 log = get_logger(__name__)
 
@@ -60,35 +72,119 @@ def process_start_time() -> float:
         return time.time()
 
 
+# What each known field may hold (None is always allowed: unknown). A field outside this table
+# is kept as it is: nothing reads it.
+_MAX_TIME = 1e11            # epoch seconds: the year 5138
+_MAX_DURATION = 1e9         # seconds: 31 years
+_MAX_COUNT = 2 ** 62
+
+
+def _time(x: Any) -> bool:
+    return _number(x) and 0.0 <= x < _MAX_TIME
+
+
+def _duration(x: Any) -> bool:
+    return _number(x) and 0.0 <= x <= _MAX_DURATION
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _MAX_COUNT
+
+
+def _code(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and -2 ** 31 <= x < 2 ** 31
+
+
+def _text(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "t": _time, "t0": _time, "signal_t": _time, "loop_end_t": _time,
+    "blocking_s": _duration, "load_s": _duration, "seconds": _duration,
+    "bw_mib_s": lambda x: _number(x) and x >= 0,
+    "attempt": _count, "step": _count, "last_step": _count, "n": _count, "bytes": _count,
+    "restart_count": _count, "world_size": _count, "writer": _count, "rank": _count,
+    "failed": _count, "code": _code,
+    "run_id": _text, "job_id": lambda x: _text(x) or _code(x), "hosts": _text,
+    "reason": _text, "signal": _text, "why": _text, "saved": _text, "ending": _text,
+    "committed": lambda x: isinstance(x, bool),
+}
+
+
+def valid_event(ev: Any) -> str | None:
+    """None when ``ev`` is an event every reader can use, else what is wrong with it."""
+    if not isinstance(ev, dict):
+        return "not a JSON object"
+    if not isinstance(ev.get("ev"), str):
+        return "no event name (ev)"
+    for k, check in _FIELDS.items():
+        v = ev.get(k)
+        if v is not None and not check(v):
+            return f"{k}={json.dumps(v, default=str)[:40]}"
+    return None
+
+
 def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every event that parses, in file order; torn or foreign lines are skipped."""
-    out = []
+    """Every usable event, in file order; torn, foreign or malformed lines are skipped (one
+    warning per read names how many and the first). A missing file has no events; a file that
+    is not a regular one (a FIFO would block) or cannot be read raises OSError."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = _read_regular(Path(path))
     except FileNotFoundError:
         return []
-    for line in data.split(b"\n"):
+    out, skipped, first = [], 0, ""
+    for no, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
             ev = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict) and isinstance(ev.get("ev"), str):
+            why = valid_event(ev)
+        except (ValueError, RecursionError) as e:
+            why = f"not JSON ({type(e).__name__})"
+        if why is None:
             out.append(ev)
+            continue
+        skipped += 1
+        first = first or f"line {no}: {why}"
+    if skipped:
+        log.warning("run ledger %s: skipped %d malformed line(s) (first: %s)", path, skipped,
+                    first)
     return out
 
 
+def _read_regular(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)     # a FIFO must not block the open
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)
+
+
 class Ledger:
-    """Rank 0's appender; on other ranks (or with ``path`` None) every call does nothing."""
+    """An appender (rank 0's); with ``path`` None every call does nothing. ``only``: the events
+    this process writes (another rank's ledger records only its own rescue), all when None; a
+    ledger with ``only`` never compacts (rank 0 may be appending)."""
 
     def __init__(self, path: str | os.PathLike[str] | None, *, run_id: str | None = None,
-                 attempt: int = 0, max_bytes: int = MAX_BYTES) -> None:
+                 attempt: int = 0, max_bytes: int = MAX_BYTES,
+                 only: Iterable[str] | None = None) -> None:
         self.path = None if path is None else Path(path)
         self.run_id = run_id
         self.attempt = attempt
         self.max_bytes = max_bytes
+        self.only = None if only is None else frozenset(only)
         self._fd: int | None = None
         self._size = 0
         self._warned = False
@@ -100,8 +196,8 @@ class Ledger:
         return self.path is not None
 
     def event(self, ev: str, **fields: Any) -> None:
-        """Append one event (one write of one line). Never raises."""
-        if not self.active:
+        """Append one event (one write of one line). Never raises, never blocks on the file."""
+        if not self.active or (self.only is not None and ev not in self.only):
             return
         rec = {"ev": ev, "t": round(time.time(), 3), "attempt": self.attempt,
                "run_id": self.run_id, **fields}
@@ -110,7 +206,9 @@ class Ledger:
             line = (json.dumps(rec, separators=(",", ":"), default=str) + "\n").encode()
             if self._fd is None:
                 self._open()
-            if self._size + len(line) > self.max_bytes:
+            if self._fd is None:            # turned off: not a regular file
+                return
+            if self._size + len(line) > self.max_bytes and self.only is None:
                 self._compact()
             assert self._fd is not None
             if self._torn:          # the last write was cut short: start on a fresh line
@@ -118,7 +216,7 @@ class Ledger:
             written = os.write(self._fd, line)
             self._torn = written < len(line)
             self._size += written
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - nothing in the ledger may stop training
             # Said once; later events try again (a disk that was full may have room again).
             if not self._warned:
                 self._warned = True
@@ -136,23 +234,47 @@ class Ledger:
     def _open(self) -> None:
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._size = os.fstat(self._fd).st_size
+        try:
+            # O_NONBLOCK: a FIFO in the ledger's place would block the open until a reader
+            # came (ENXIO instead); on a regular file it changes nothing.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK,
+                         0o644)
+        except OSError as e:
+            if e.errno is not None and os.path.exists(self.path) and \
+                    not stat.S_ISREG(os.stat(self.path).st_mode):
+                self._off()
+                return
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            self._off()
+            return
+        self._fd = fd
+        self._size = os.fstat(fd).st_size
         if self._size:
             # A torn last line (a process killed mid-write) must not swallow our first event.
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    self._size += os.write(self._fd, b"\n")
+            rfd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                last = os.pread(rfd, 1, self._size - 1)
+            finally:
+                os.close(rfd)
+            if last != b"\n":
+                self._size += os.write(self._fd, b"\n")
+
+    def _off(self) -> None:
+        log.warning("run ledger %s is not a regular file; no ledger for this run (remove it to "
+                    "have one)", self.path)
+        self.path = None
 
     def _compact(self) -> None:
         """Rewrite the file (atomically) within half of ``max_bytes``: periodic saves are folded
-        into one summary per attempt, then the oldest attempts (never this one) dropped."""
+        into one summary per attempt, then the oldest attempts (never this one) dropped.
+        Malformed lines are left out (``read_ledger`` skips them)."""
         assert self.path is not None
         events = list(_fold_saves(read_ledger(self.path)))
         lines = [json.dumps(e, separators=(",", ":"), default=str) + "\n" for e in events]
         budget = self.max_bytes // 2
-        while sum(map(len, lines)) > budget:
+        while events and sum(map(len, lines)) > budget:
             oldest = events[0].get("attempt")
             if oldest == self.attempt:
                 break                  # a handful of events: nothing more to fold or drop
@@ -165,26 +287,29 @@ class Ledger:
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         self.close()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK,
+                           0o644)
         self._size = os.fstat(self._fd).st_size
         log.info("run ledger %s compacted to %d bytes", self.path, self._size)
 
 
 def _fold_saves(events: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Each attempt's ``save`` events become one ``saves`` event where its first save was."""
+    """Each attempt's ``save`` events become one ``saves`` event where its first save was
+    (``events`` as ``read_ledger`` returns them: every known field of the right type)."""
     summary: dict[Any, dict[str, Any]] = {}
     for e in events:
         a = e.get("attempt")
         if e.get("ev") != "save":
             yield e
             continue
-        s = summary.get(a)
+        s = summary.get((e.get("run_id"), a))
         if s is None:
-            s = summary[a] = {"ev": "saves", "t": e.get("t"), "attempt": a,
+            s = summary[(e.get("run_id"), a)] = {"ev": "saves", "t": e.get("t"), "attempt": a,
                               "run_id": e.get("run_id"), "n": 0, "blocking_s": 0.0,
                               "bytes": 0, "last_step": None}
             yield s      # filled in as the loop goes on
         s["n"] += 1
-        s["blocking_s"] = round(s["blocking_s"] + float(e.get("blocking_s") or 0.0), 4)
-        s["bytes"] += int(e.get("bytes") or 0)
+        s["blocking_s"] = round(min(s["blocking_s"] + (e.get("blocking_s") or 0.0),
+                                    _MAX_DURATION), 4)
+        s["bytes"] = min(s["bytes"] + (e.get("bytes") or 0), _MAX_COUNT)
         s["last_step"] = e.get("step")

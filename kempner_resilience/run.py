@@ -375,9 +375,12 @@ class ResilientRun:
         self._hold_directory(ckpt.root, restarts)
         ckpt.manifest_extra = {"job_id": None if job is None else job.requeue_id,
                                "restart_count": restarts}
-        if parts.rank == 0 and self.config.checkpoint.ledger:
+        if self.config.checkpoint.ledger:
+            # Rank 0 writes the ledger; another rank only a rescue it wrote (rank 0 may be the
+            # rank that died, and then no one else would record the step the rescue kept).
             parts.ledger = Ledger(ckpt.root / LEDGER_NAME, run_id=parts.run_id,
-                                  attempt=restarts or 0)
+                                  attempt=restarts or 0,
+                                  only=None if parts.rank == 0 else ("rescue",))
         parts.ledger.event("start", t0=_attempt_start(), job_id=ckpt.manifest_extra["job_id"],
                            restart_count=restarts, world_size=parts.agreement.world_size,
                            hosts=(job.nodelist if job is not None and job.nodelist
@@ -460,7 +463,10 @@ class ResilientRun:
         text = None
         if parts.rank == 0:
             try:
-                rid, recorded = self._explicit_run_id, identity.read_run_id(root)
+                # repair: a damaged run.json is rewritten from the checkpoints' run id, so
+                # it neither blocks the restart nor gives this attempt an unrecorded id.
+                rid = self._explicit_run_id
+                recorded = identity.repair(root, rid)
                 if rid is None:
                     rid, _ = identity.load_or_create(root)
                 elif recorded is None:
@@ -489,18 +495,28 @@ class ResilientRun:
     def _periodic_save(self, step: int) -> None:
         ckpt = self._parts.ckpt
         t0 = time.monotonic()
+        failed = ckpt.failed_saves
         try:
             info = ckpt.maybe_save(step)
         except self._checkpoint_error as e:
             # Raised on every rank at the same step (failures are agreed across ranks), once
             # checkpoint.max_failed_saves periodic saves in a row failed: stop every rank alike.
+            self._save_failed(step, failed)
             sequence.give_up(self._parts, step, e)
+        self._save_failed(step, failed)
         if info is not None:
             self._parts.last_saved = info
         done = info or ckpt.last_committed        # an async save commits in the background
         if done is not None and done is not self._recorded:
             self._saved(done, time.monotonic() - t0 if info is not None
                         else done.blocked_seconds)
+
+    def _save_failed(self, step: int, before: int) -> None:
+        """A periodic save failed (counted since ``before``): the ledger says so and why."""
+        ckpt = self._parts.ckpt
+        if ckpt.failed_saves > before:
+            self._parts.ledger.event("save_failed", step=step, failed=ckpt.failed_saves,
+                                     reason=ckpt.last_failure[:500])
 
     def _saved(self, info: Any, blocking_s: float) -> None:
         """A periodic or manual save committed: the ledger, and the clock's save estimate."""

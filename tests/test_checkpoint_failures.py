@@ -390,3 +390,23 @@ def test_a_failed_emergency_save_exits_80_with_one_error_line_and_no_traceback(m
     [entry] = layout.scan(ckpt)
     assert entry.step == 2 and entry.committed
     layout.verify_files(entry.path, entry.manifest)
+
+
+def test_a_failed_periodic_save_is_in_the_ledger_and_the_report_with_its_reason(mount_tmpfs,
+                                                                                capsys):
+    from kempner_resilience.cli import main as cli_main
+    from kempner_resilience.ledger import read_ledger
+
+    disk = mount_tmpfs("small", "size=2m")
+    ckpt = disk / "ckpt"
+    [proc] = _run_job(disk.parent, {
+        "dir": str(ckpt), "every": 2, "steps": 8, "fill_at": 3,
+        "fill_after": "checkpoint step 2 committed",
+        "free_at": 5, "free_after": "checkpoint of step 4 failed"})
+    assert proc.returncode == 0, proc.stderr
+    failed = [e for e in read_ledger(ckpt / "ledger.jsonl") if e["ev"] == "save_failed"]
+    assert [(e["step"], e["failed"]) for e in failed] == [(4, 1)]
+    assert "No space left on device" in failed[0]["reason"]
+    assert cli_main(["report", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "3 (1 failed)" in out and "step 4: " in out and "No space left on device" in out

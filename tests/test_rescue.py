@@ -156,3 +156,23 @@ def test_rescue_is_off_with_a_log_line_when_the_ranks_modules_are_not_replicas(t
     launches, _ = run_job(tmp_path, "--no-ddp-unsynced", ranks=2)
     assert [l.exit_codes for l in launches] == [[0, 0]]
     assert "rescue off: the modules not wrapped in DDP differ across ranks" in logs(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_rescue_written_when_rank_0_died_is_in_the_ledger_and_its_step_counts_as_kept(
+        tmp_path, capsys):
+    from kempner_resilience.cli import main as cli_main
+
+    launches, _ = run_job(tmp_path, "--kill-at", f"0:{FAIL_AT}", ranks=2)
+    first, second = launches
+    assert first.exit_codes[0] == -signal.SIGKILL
+    assert committed(tmp_path)[FAIL_AT]["rescue"]["writer_rank"] == 1
+    # Rank 0, the ledger's writer, is dead: rank 1 recorded the rescue it wrote.
+    rescues = [e for e in read_ledger(tmp_path / "ckpt" / LEDGER_NAME) if e["ev"] == "rescue"]
+    assert [(e["step"], e["committed"], e["writer"], e["rank"]) for e in rescues] == \
+        [(FAIL_AT, True, 1, 1)]
+    attempts = analyze_dir(tmp_path / "ckpt").attempts
+    assert attempts[0].crashed and attempts[0].rescue_step == FAIL_AT
+    assert attempts[0].kept_steps == FAIL_AT and second.report["resumed_from"] == FAIL_AT
+    assert cli_main(["report", str(tmp_path / "ckpt")]) == 0
+    assert f"killed? rescue@{FAIL_AT} kept" in capsys.readouterr().out

@@ -74,3 +74,61 @@ def test_an_explicit_run_id_names_a_new_directory(tmp_path):
     assert run.run_id == "wandb-abc123"
     manifest = json.loads((tmp_path / "ck" / "step_000000002" / "MANIFEST.json").read_text())
     assert manifest["run_id"] == "wandb-abc123" and manifest["kempner_resilience"]
+
+
+def _demo(ckpt_dir, steps):
+    """One attempt of the demo job in its own process: checkpoints every 2 steps, keeps 2."""
+    import subprocess
+
+    from helpers import env
+    from kempner_resilience.demo.launcher import train_command
+
+    cmd = train_command(steps, step_time=0.0, out=ckpt_dir.parent / "w.pt",
+                        overrides=[f"checkpoint.dir={ckpt_dir}", "checkpoint.every_steps=2",
+                                   "checkpoint.keep_last=2"])
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+
+
+def test_a_truncated_run_json_is_repaired_and_the_run_resumes_under_its_old_id(tmp_path):
+    from kempner_resilience.checkpoint import layout
+    from kempner_resilience.ledger import read_ledger
+
+    ck = tmp_path / "ck"
+    first = _demo(ck, 6)
+    assert first.returncode == 0, first.stderr
+    run_id = json.loads((ck / "run.json").read_text())["run_id"]
+    for steps in (10, 14):             # two more attempts, each finding run.json cut short
+        (ck / "run.json").write_bytes((ck / "run.json").read_bytes()[:20])
+        proc = _demo(ck, steps)
+        assert proc.returncode == 0, proc.stderr
+        warning = [ln for ln in proc.stderr.splitlines() if "repaired" in ln]
+        assert len(warning) == 1 and "WARNING" in warning[0] and str(ck / "run.json") in \
+            warning[0] and run_id in warning[0]
+        assert json.loads((ck / "run.json").read_text())["run_id"] == run_id
+        # Retention still knows every checkpoint as this run's: keep_last=2 holds.
+        entries = layout.scan(ck)
+        assert [e.step for e in entries] == [steps - 2, steps]
+        assert {e.manifest["run_id"] for e in entries} == {run_id}
+    starts = [e for e in read_ledger(ck / "ledger.jsonl") if e["ev"] in ("start", "resume")]
+    assert {e["run_id"] for e in starts} == {run_id}
+    assert [e["step"] for e in starts if e["ev"] == "resume"] == [6, 10]
+
+
+@pytest.mark.parametrize("damage", [b"", b"{\"run_id\": ", b"[1, 2]", b"{\"run_id\": 17}",
+                                    b"{\"run_id\": [\"a\"]}", b"\xff\xfe"])
+def test_a_damaged_run_json_takes_the_run_id_of_the_newest_checkpoint(tmp_path, damage,
+                                                                        caplog):
+    first = train(tmp_path / "ck", 2)
+    (tmp_path / "ck" / "run.json").write_bytes(damage)
+    second = train(tmp_path / "ck", 4)
+    assert second.run_id == first.run_id and second.start_step == 2
+    assert json.loads((tmp_path / "ck" / "run.json").read_text())["run_id"] == first.run_id
+    assert any("run.json was damaged" in r.getMessage() for r in caplog.records)
+
+
+def test_a_damaged_run_json_without_checkpoints_gets_a_new_id(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "run.json").write_text("{")
+    run = train(tmp_path / "ck", 2)
+    assert run.run_id and json.loads((tmp_path / "ck" / "run.json").read_text())["run_id"] == \
+        run.run_id

@@ -165,6 +165,11 @@ class CheckpointManager:
         return self._failed_saves
 
     @property
+    def last_failure(self) -> str:
+        """Why the last failed periodic save failed ("" when none has)."""
+        return self._last_failure
+
+    @property
     def async_in_flight(self) -> bool:
         bg = self._bg
         return bg is not None and bg.thread is not None and bg.thread.is_alive()

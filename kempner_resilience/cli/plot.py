@@ -17,7 +17,7 @@ from typing import Any
 
 from kempner_resilience.goodput import Goodput
 
-__all__ = ["MISSING_MATPLOTLIB", "plot_timeline"]
+__all__ = ["MISSING_MATPLOTLIB", "plot_timeline", "supported_formats"]
 
 MISSING_MATPLOTLIB = ("report --plot needs matplotlib, which is not installed: pip install "
                       "'kempner_resilience[plot]' (in a checkout: pip install -e '.[plot]'), or "
@@ -51,6 +51,13 @@ def _short(s: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
 
 
+def supported_formats() -> set[str]:
+    """The file suffixes (without the dot) matplotlib can write; needs matplotlib."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
 def plot_timeline(g: Goodput, events: list[dict[str, Any]],
                   path: str | os.PathLike[str]) -> None:
     """Draw ``g`` (with the ledger ``events`` it came from, for the saves' times) into
@@ -73,10 +80,12 @@ def plot_timeline(g: Goodput, events: list[dict[str, Any]],
     # Save events by attempt, split as goodput.analyze splits them: a new one at each start.
     saves: dict[int, list[dict[str, Any]]] = {}
     k = -1
+    if g.other_runs:                # the run analysed only, as goodput.analyze filters them
+        events = [e for e in events if e.get("run_id") in (g.run_id, None)]
     for e in events:
         if e.get("ev") == "start" or k < 0:
             k += 1
-        if e.get("ev") == "save" and isinstance(e.get("t"), (int, float)):
+        if e.get("ev") == "save" and e.get("t") is not None:
             saves.setdefault(k, []).append(e)
 
     n = len(g.attempts)

@@ -6,11 +6,11 @@ import argparse
 import importlib
 import json
 import sys
-from datetime import datetime
+import time
 from pathlib import Path
 
 from kempner_resilience.cli.common import CliError, Verb
-from kempner_resilience.goodput import PARTS, Goodput, analyze
+from kempner_resilience.goodput import PARTS, Attempt, Goodput, analyze
 from kempner_resilience.ledger import LEDGER_NAME, read_ledger
 
 _LABELS = {"startup": "start-up", "load": "checkpoint load",
@@ -28,19 +28,39 @@ def _hms(s: float) -> str:
     return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s"
 
 
+def _when(t: float) -> str:
+    # read_ledger bounds every time (years 1970-5138): strftime of any of them works.
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _exit(a: "Attempt") -> str:
+    if not a.crashed:
+        return f"{a.exit_code} {a.ending or ''}".strip()
+    # No exit event: killed, or its node lost. A survivor's rescue may still have kept a step.
+    return "killed?" if a.rescue_step is None else f"killed? rescue@{a.rescue_step} kept"
+
+
 def render(g: Goodput) -> str:
     rows = [("#", "job", "started", "wall", "steps", "kept", "saves", "stop", "exit")]
     for a in g.attempts:
         stop = "-" if a.stop_signal is None else f"{a.stop_signal}@{a.stop_step}"
-        code = "killed?" if a.crashed else f"{a.exit_code} {a.ending or ''}".strip()
+        saves = str(a.saves) + (f" ({a.failed_saves} failed)" if a.failed_saves else "")
         rows.append((str(a.restart_count if a.restart_count is not None else a.index),
-                     str(a.job_id or "-"),
-                     datetime.fromtimestamp(a.t0).strftime("%Y-%m-%d %H:%M:%S"),
-                     _hms(a.wall_s), f"{a.start_step}-{a.last_step}", str(a.kept_steps),
-                     str(a.saves), stop, code))
+                     str(a.job_id or "-"), _when(a.t0), _hms(a.wall_s),
+                     f"{a.start_step}-{a.last_step}", str(a.kept_steps), saves, stop, _exit(a)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = [f"run {g.run_id or '?'}: {len(g.attempts)} attempt(s)", ""]
+    out = [f"run {g.run_id or '?'}: {len(g.attempts)} attempt(s)"]
+    if g.other_runs:
+        out.append(f"the ledger mixes {len(g.other_runs) + 1} runs; this is the newest (or the "
+                   "one asked for with --run); the others: " + ", ".join(
+                       f"{r} ({n} events)" for r, n in g.other_runs.items()))
+    out.append("")
     out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    failed = [(a, f) for a in g.attempts for f in a.failures]
+    if failed:
+        out += ["", "failed periodic saves (training went on):"]
+        out += [f"  attempt {a.restart_count if a.restart_count is not None else a.index}, "
+                f"{f[:200]}" for a, f in failed]
     out += ["", f"goodput {100 * g.goodput:.1f}% of {_hms(g.allocated_s)} allocated "
                 f"({100 * g.wall_goodput:.1f}% of {_hms(g.wall_s)} wall, queue included)"]
     for p in (*PARTS, "queue"):
@@ -56,7 +76,11 @@ def setup_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the analysis as JSON")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw the timeline of the attempts into FILE.png (needs matplotlib:"
-                        " pip install 'kempner_resilience[plot]'; exit 2 without it)")
+                        " pip install 'kempner_resilience[plot]'; exit 2 without it). The "
+                        "suffix picks the format (.png, .pdf, .svg, ...); none: .png; a "
+                        "directory: DIR/goodput-timeline.png")
+    p.add_argument("--run", metavar="RUN_ID", help="a ledger holding several runs: report this "
+                   "one (default: the newest)")
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -65,30 +89,61 @@ def run_report(args: argparse.Namespace) -> int:
     if not ledger.exists():
         raise CliError(f"{ledger}: no run ledger here (ResilientRun writes {LEDGER_NAME} into "
                        "checkpoint.dir when the run has checkpoint state)")
-    if args.plot:
-        try:   # before any output: a missing extra is said alone, not after the report
-            importlib.import_module("matplotlib")
-        except ImportError:
-            from kempner_resilience.cli.plot import MISSING_MATPLOTLIB
-
-            raise CliError(MISSING_MATPLOTLIB, 2) from None
-    events = read_ledger(ledger)
-    g = analyze(events)
+    plot = _plot_path(args.plot) if args.plot else None     # before any output
+    try:
+        events = read_ledger(ledger)
+    except OSError as e:
+        raise CliError(f"{ledger}: cannot read the run ledger: {e.strerror or e}") from None
+    try:
+        g = analyze(events, args.run)
+    except Exception as e:  # noqa: BLE001 - a ledger never gets a traceback
+        raise CliError(f"{ledger}: cannot analyse the run ledger ({type(e).__name__}: {e}); "
+                       "please report this with the ledger file") from None
     if not g.attempts:
-        raise CliError(f"{ledger}: no events in the ledger")
-    if args.json:
-        sys.stdout.write(json.dumps(g.to_dict(), indent=2) + "\n")
-    else:
-        sys.stdout.write(render(g))
-    if args.plot:
+        raise CliError(f"{ledger}: no events in the ledger" + (
+            f" for run {args.run} (runs in it: {', '.join(g.other_runs)})" if args.run else ""))
+    try:
+        text = json.dumps(g.to_dict(), indent=2) + "\n" if args.json else render(g)
+    except Exception as e:  # noqa: BLE001
+        raise CliError(f"{ledger}: cannot render the report ({type(e).__name__}: {e}); please "
+                       "report this with the ledger file") from None
+    sys.stdout.write(text)
+    if plot is not None:
         from kempner_resilience.cli.plot import plot_timeline
 
         try:
-            plot_timeline(g, events, args.plot)
+            plot_timeline(g, events, plot)
         except OSError as e:
-            raise CliError(f"cannot write the plot {args.plot}: {e.strerror or e}") from None
-        sys.stderr.write(f"wrote the timeline to {args.plot}\n")
+            raise CliError(f"cannot write the plot {plot}: {e.strerror or e}") from None
+        except Exception as e:  # noqa: BLE001 - a ledger never gets a traceback
+            raise CliError(f"cannot draw the plot {plot} ({type(e).__name__}: {e})") from None
+        sys.stderr.write(f"wrote the timeline to {plot}\n")
     return 0
+
+
+def _plot_path(arg: str) -> Path:
+    """The file ``--plot ARG`` writes: a directory gets ``goodput-timeline.png`` inside, a name
+    without a suffix ``.png`` (as matplotlib would, silently); an unknown suffix is refused
+    (exit 2) before anything is printed. Exit 2 when matplotlib is not installed."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        from kempner_resilience.cli.plot import MISSING_MATPLOTLIB
+
+        raise CliError(MISSING_MATPLOTLIB, 2) from None
+    from kempner_resilience.cli.plot import supported_formats
+
+    path = Path(arg)
+    if path.is_dir():
+        return path / "goodput-timeline.png"
+    suffix = path.suffix.lower().lstrip(".")
+    if not suffix:
+        return path.with_name(path.name + ".png")
+    formats = supported_formats()
+    if suffix not in formats:
+        raise CliError(f"--plot {arg}: matplotlib cannot write .{suffix} files; use one of "
+                       f"{', '.join('.' + f for f in sorted(formats))}", 2)
+    return path
 
 
 VERBS = [Verb("report", "a run's attempts across requeues and its goodput (share of the "

@@ -14,8 +14,8 @@ __all__ = ["rescue", "close_rescue"]
 
 def rescue(parts: "RunParts", why: str) -> None:
     """Within ``rescue.budget_s`` (the caller's deadline is the backstop). The rescuer logs the
-    outcome; the ledger (rank 0) records it, and a committed rescue becomes the checkpoint a
-    requeue comes back to."""
+    outcome; the ledger records it (the writer a commit, rank 0 a failure), and a committed
+    rescue becomes the checkpoint a requeue comes back to."""
     r = parts.rescue
     if r is None:
         return
@@ -23,9 +23,13 @@ def rescue(parts: "RunParts", why: str) -> None:
     parts.timings["rescue_s"] = result.seconds
     if result.info is not None:
         parts.last_saved = result.info
-    parts.ledger.event("rescue", step=result.step, committed=result.info is not None,
-                       writer=result.writer, why=result.why, reason=why,
-                       seconds=round(result.seconds, 4))
+    committed = result.info is not None
+    if (committed and result.writer == parts.rank) or (parts.rank == 0 and not committed):
+        # A committed rescue is recorded by its writer (rank 0 may be the rank that died),
+        # one that committed nothing by rank 0 (the writer may be gone): each once.
+        parts.ledger.event("rescue", step=result.step, committed=committed,
+                           writer=result.writer, why=result.why, reason=why,
+                           seconds=round(result.seconds, 4), rank=parts.rank)
 
 
 def close_rescue(parts: "RunParts", clean: bool = True) -> None:
