@@ -330,7 +330,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         from torch.distributed.run import main as torchrun_main
 
         os.environ[AGENT_ENV] = str(os.getpid())
-        # The workers' own store, not the agent's: torch (2.4 and later, c10d rendezvous) lets
+        # The workers' own store, not the agent's: recent torch (c10d rendezvous) lets
         # the workers share the agent's TCPStore by default, and the stop agreement, the
         # checkpoint's commit and the shared exit code all go through that store. An agent that
         # dies (OOM-killed, SIGKILLed) would take it along and turn the workers' graceful stop
