@@ -6,6 +6,15 @@ The C-level part of CPython's handler runs at once, though, and with ``signal.se
 writes the signal number to a pipe. A dedicated thread blocks on that pipe; it wakes within
 microseconds whenever the main thread has released the GIL (collectives, sleeps and I/O do) and
 arms the shutdown deadline. The Python-level handler only records and chains.
+
+A launcher that gives its workers a parent-death signal (``PR_SET_PDEATHSIG``: the
+``kempner-resilience torchrun`` agent) gives them ``PARENT_DEATH_SIGNAL`` and names it in
+``$KEMPNER_RESILIENCE_PARENT_DEATH_SIGNAL``. Linux sends that signal as each thread of a dying
+multi-threaded parent exits (the child passes to the next thread, which exits too), so one death
+arrives as several signals within milliseconds: as SIGTERM it would be "a second SIGTERM" and
+force the worker out without its checkpoint. A signal of its own tells the two apart: its first
+delivery is a SIGTERM-class stop (SIGTERM's action and grace, 143), its repeats are the same
+event, and a user's SIGTERM never counts as its repeat (nor it as a second SIGTERM).
 """
 
 from __future__ import annotations
@@ -16,18 +25,47 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from kempner_resilience.config import Action, SignalsConfig
 from kempner_resilience.log import get_logger
 from kempner_resilience.startup import _early, _early_record, install_early_recorder
 from kempner_resilience.watchdog import DeadlineWatchdog
 
-__all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers", "install_early_recorder"]
+__all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers", "install_early_recorder",
+           "PARENT_DEATH_SIGNAL", "PARENT_DEATH_ENV", "parent_death_signal"]
 
 log = get_logger(__name__)
 
 _STOP_BYTE = 0  # no signal has number 0: tells the reader thread to leave
+
+#: The parent-death signal launchers give their workers: a real-time signal nobody else sends
+#: (SIGRTMIN + 10, 44 on Linux; 42 and 43 are the watchdogs' kernel timers). Real-time signals
+#: queue, so every delivery reaches the handler and none is mistaken for another signal. Its
+#: default action ends the process, as SIGTERM's would, where no handler is installed yet.
+PARENT_DEATH_SIGNAL = int(getattr(signal, "SIGRTMIN", 34)) + 10
+#: Set by the launcher in the workers' environment: the signal number it gave them as their
+#: parent-death signal. ShutdownHandler handles it only when this says so.
+PARENT_DEATH_ENV = "KEMPNER_RESILIENCE_PARENT_DEATH_SIGNAL"
+
+
+def parent_death_signal(environ: Mapping[str, str] | None = None) -> int | None:
+    """The parent-death signal ``$KEMPNER_RESILIENCE_PARENT_DEATH_SIGNAL`` names, or None (unset;
+    not a real-time signal number: logged and ignored, the launcher's bug is not the run's)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(PARENT_DEATH_ENV, "").strip()
+    if not raw:
+        return None
+    lo, hi = getattr(signal, "SIGRTMIN", None), getattr(signal, "SIGRTMAX", None)
+    try:
+        signum = int(raw)
+    except ValueError:
+        signum = -1
+    if lo is None or hi is None or not lo <= signum <= hi:
+        log.warning("%s=%r is not a real-time signal number: ignored (the parent's death then "
+                    "ends this process without a checkpoint)", PARENT_DEATH_ENV, raw)
+        return None
+    return signum
 
 
 @dataclass(frozen=True)
@@ -83,6 +121,9 @@ class ShutdownHandler:
         self.config = config or SignalsConfig()
         self.deadline = deadline or DeadlineWatchdog()
         self._actions = {getattr(signal, n): a for n, a in self.config.handled().items()}
+        # Our launcher's parent-death signal: a SIGTERM-class stop, repeats included once.
+        pdeath = parent_death_signal()
+        self._parent_death = pdeath if pdeath not in self._actions else None
         self._previous: dict[int, Any] = {}
         self._listeners: list[Callable[[ShutdownRequest], None]] = []
         self._forced_exit_hooks: list[Callable[[int], None]] = []
@@ -99,6 +140,7 @@ class ShutdownHandler:
         self._thread: threading.Thread | None = None
         self._installed = False
         self._pid = os.getpid()
+        self._parent_pid = os.getppid()   # for the log when it dies
 
     # ------------------------------------------------------------------ public API
 
@@ -136,7 +178,7 @@ class ShutdownHandler:
         os.set_blocking(self._wfd, False)
         for fd in (self._rfd, self._wfd):
             os.set_inheritable(fd, False)
-        for signum in self._actions:
+        for signum in self._handled():
             prev = signal.getsignal(signum)
             # The early recorder's job ends here: restore the default afterwards, never chain it.
             self._previous[signum] = signal.SIG_DFL if prev is _early_record else prev
@@ -195,7 +237,12 @@ class ShutdownHandler:
 
     # ------------------------------------------------------------------ internals
 
+    def _handled(self) -> list[int]:
+        return [*self._actions] + ([self._parent_death] if self._parent_death else [])
+
     def _make_request(self, signum: int, at: float | None = None) -> ShutdownRequest:
+        if signum == self._parent_death:
+            signum = signal.SIGTERM   # the launcher died: stop as a SIGTERM would (143)
         with self._lock:
             if self._request is None:
                 name = signal.Signals(signum).name
@@ -243,6 +290,8 @@ class ShutdownHandler:
                 self._forward(signum)
                 if signum in self._actions:
                     self._on_delivery(signum)
+                elif signum == self._parent_death:
+                    self._on_parent_death(signum)
 
     def _forward(self, signum: int) -> None:
         # A wakeup fd installed before ours (another library's) still gets its bytes.
@@ -257,25 +306,45 @@ class ShutdownHandler:
         self._deliveries.append(signum)
         name = signal.Signals(signum).name
         if not earlier:
-            req = self._make_request(signum)
-            self.deadline.arm(req.deadline, f"{name} received")
-            log.warning("%s received: %s; graceful shutdown at the next step boundary, forced "
-                        "exit in %.0f s", name, _describe(req.action), req.grace_s)
-            for fn in list(self._listeners):
-                try:
-                    fn(req)
-                except Exception:  # a listener must never kill the signal thread
-                    log.exception("shutdown listener %r failed", fn)
+            self._first(signum, f"{name} received")
             return
         if signum == signal.SIGINT or (signum == signal.SIGTERM and signal.SIGTERM in earlier):
             code = 128 + signum
             log.error("second %s during shutdown: exiting at once with %d", name, code)
             self._run_forced_exit_hooks(code)
             os._exit(code)
-        new_deadline = time.monotonic() + self.config.grace_for(name)
-        if self.deadline.tighten(new_deadline):
-            log.warning("%s during shutdown: deadline moved to %.0f s from now", name,
-                        self.config.grace_for(name))
+        self._tighten(self.config.grace_for(name), f"{name} during shutdown")
+
+    def _on_parent_death(self, signum: int) -> None:
+        earlier = list(self._deliveries)
+        self._deliveries.append(signum)
+        if signum in earlier:
+            # The kernel sends it again as each thread of the dying parent exits: one event.
+            log.debug("parent-death signal again (another thread of the launcher exited)")
+            return
+        if not earlier:
+            self._first(signum, f"the launcher (pid {self._parent_pid}) died, so: as for "
+                                "SIGTERM")
+            return
+        # Already shutting down (say the launcher forwarded a SIGTERM, then was killed): a
+        # later signal, never "a second SIGTERM", so it only tightens the deadline.
+        self._tighten(self.config.grace_for("SIGTERM"), "the launcher died during shutdown")
+
+    def _first(self, signum: int, what: str) -> None:
+        """The first shutdown signal: the request, the deadline, the listeners."""
+        req = self._make_request(signum)
+        self.deadline.arm(req.deadline, what)
+        log.warning("%s: %s; graceful shutdown at the next step boundary, forced exit in %.0f s",
+                    what, _describe(req.action), req.grace_s)
+        for fn in list(self._listeners):
+            try:
+                fn(req)
+            except Exception:  # a listener must never kill the signal thread
+                log.exception("shutdown listener %r failed", fn)
+
+    def _tighten(self, grace_s: float, what: str) -> None:
+        if self.deadline.tighten(time.monotonic() + grace_s):
+            log.warning("%s: deadline moved to %.0f s from now", what, grace_s)
 
     def _run_forced_exit_hooks(self, code: int, budget_s: float = 1.0) -> None:
         def run() -> None:

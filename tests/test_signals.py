@@ -44,7 +44,7 @@ with kr.ResilientRun(cfg) as run:
         print(f"step {step}", flush=True)
         if step in kill_at:
             for name in kill_at[step].split(","):
-                os.kill(os.getpid(), getattr(signal, name))
+                os.kill(os.getpid(), int(name) if name.isdigit() else getattr(signal, name))
         time.sleep(sleep_s)
 print("loop finished", flush=True)
 """
@@ -133,6 +133,50 @@ def test_second_sigterm_exits_143_at_once(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 143
+
+
+def _as_torchrun_worker() -> dict[str, str]:
+    """The environment `kempner-resilience torchrun` gives its workers: their parent-death
+    signal is PARENT_DEATH_SIGNAL, named in the environment."""
+    from kempner_resilience.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
+
+    return {PARENT_DEATH_ENV: str(PARENT_DEATH_SIGNAL)}
+
+
+def test_a_parent_death_signal_repeated_by_each_exiting_thread_is_one_graceful_stop_with_143(
+        tmp_path):
+    # The kernel sends the parent-death signal as each thread of the dying launcher exits: three
+    # deliveries, then SLURM's SIGTERM to what is left of the step. One stop at the boundary.
+    from kempner_resilience.signals import PARENT_DEATH_SIGNAL
+
+    pdeath = str(PARENT_DEATH_SIGNAL)
+    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
+                           f"3={pdeath},{pdeath},{pdeath},SIGTERM"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **_as_torchrun_worker()})
+    assert proc.returncode == ExitCode.SIGTERM, proc.stderr
+    assert ran_steps(proc.stdout)[-1] == 3
+    assert "second SIGTERM during shutdown" not in proc.stderr
+    assert proc.stderr.count("died") == 1, proc.stderr
+
+
+@pytest.mark.parametrize("first", [[], ["parent death"]])
+def test_a_second_sigterm_still_forces_a_torchrun_worker_out_at_once(tmp_path, first):
+    from kempner_resilience.signals import PARENT_DEATH_SIGNAL
+
+    proc = start(write_script(tmp_path, LOOP), "10", "60", **_as_torchrun_worker())
+    try:
+        assert proc.stdout.readline().startswith("step 0")
+        for _ in first:
+            for _ in range(3):
+                proc.send_signal(PARENT_DEATH_SIGNAL)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)   # a graceful stop would wait for the 60 s step
+    finally:
+        proc.kill()
+    assert proc.returncode == ExitCode.SIGTERM, err[-2000:]
+    assert "second SIGTERM during shutdown" in err
 
 
 NESTED = """

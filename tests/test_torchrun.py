@@ -10,6 +10,7 @@ exits with the workers' code.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -135,19 +136,23 @@ def test_a_worker_that_finishes_its_shutdown_first_does_not_get_the_other_killed
     assert "second SIGTERM during shutdown" not in log
 
 
-def test_a_second_sigint_at_the_agent_forces_every_worker_out(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_sigint_or_sigterm_at_the_agent_forces_every_worker_out(tmp_path, signum):
+    # SIGTERM too: the workers' parent-death signal (which may repeat) must not have changed
+    # what a user's second SIGTERM means.
     script = write_script(tmp_path, LIGHT_WORKER, "worker.py")
     agent = _start(tmp_path, [str(script), "--work", str(tmp_path), "--cleanup-s", "60",
                               "--all", "1"], "yes")
     _running(tmp_path)
-    os.kill(agent.pid, signal.SIGINT)           # Ctrl+C: a graceful stop, minute-long cleanups
+    os.kill(agent.pid, signum)                  # Ctrl+C: a graceful stop, minute-long cleanups
     for rank in (0, 1):
         wait_for_file(tmp_path / f"cleanup.{rank}.started", timeout=60)
-    os.kill(agent.pid, signal.SIGINT)           # again: the user insists
+    os.kill(agent.pid, signum)                  # again: the user insists
     code = _wait(agent, timeout=60)
     log = (tmp_path / "agent.err").read_text()
-    assert code == 128 + signal.SIGINT, log[-3000:]
-    assert len(re.findall(r"second SIGINT during shutdown", log)) == 2, log[-3000:]
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, log[-3000:]
+    assert len(re.findall(rf"second {name} during shutdown", log)) == 2, log[-3000:]
     assert not list(tmp_path.glob("cleanup.*.finished"))
 
 
@@ -250,3 +255,93 @@ def test_torchrun_without_a_script_or_with_a_bad_forwarding_choice_is_one_line_e
                           env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS="maybe"))
     assert proc.returncode == 2 and "yes, no or auto" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# A stand-in for what outlives the agent (slurmstepd, an init): a child subreaper, so the
+# workers orphaned by the agent's death become its children and it learns their exit codes.
+# It starts the wrapper, then reaps every process until none is left and writes
+# {pid: code} (a death by signal N as -N) as JSON.
+SUBREAPER = """
+import ctypes, json, os, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1)   # PR_SET_CHILD_SUBREAPER
+out, cmd = sys.argv[1], sys.argv[2:]
+agent = subprocess.Popen(cmd, stdout=open("agent.out", "w"), stderr=open("agent.err", "w"),
+                         stdin=subprocess.DEVNULL)
+open("agent.pid", "w").write(str(agent.pid))
+codes = {}
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    codes[pid] = os.waitstatus_to_exitcode(status)
+json.dump(codes, open(out, "w"))
+"""
+
+
+def _train(work: Path, ckpt: Path, steps: int) -> list[str]:
+    """The wrapper's command line: 2 DDP (gloo) workers of the demo job."""
+    return [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--standalone",
+            "--nproc-per-node=2", "--no-python", sys.executable, "-m",
+            "kempner_resilience.demo.train", "--steps", str(steps), "--step-time", "0.05",
+            "--quiet", "--progress", str(work / "progress"), "--set", f"checkpoint.dir={ckpt}"]
+
+
+def test_an_agent_killed_outright_leaves_an_emergency_checkpoint_143_on_every_worker_and_a_resume(
+        tmp_path):
+    # The agent is multi-threaded: the kernel sends a worker's parent-death signal as each of
+    # its threads exits, several times within milliseconds. That must count as one stop, not
+    # as "a second SIGTERM" that forces the worker out without its checkpoint.
+    from kempner_resilience.ledger import LEDGER_NAME, read_ledger
+
+    ckpt = tmp_path / "ckpt"
+    reaper_py = write_script(tmp_path, SUBREAPER, "subreaper.py")
+    reaper = subprocess.Popen(
+        [sys.executable, str(reaper_py), str(tmp_path / "codes.json"),
+         *_train(tmp_path, ckpt, 100_000)],
+        cwd=tmp_path, stdin=subprocess.DEVNULL, start_new_session=True,
+        env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS="yes", OMP_NUM_THREADS="1"))
+    try:
+        _running(tmp_path)
+        agent = int((tmp_path / "agent.pid").read_text())
+        workers = [pid for pid in _children(agent)]
+        assert len(workers) == 2
+        os.kill(agent, signal.SIGKILL)
+        reaper.wait(120)
+    finally:
+        if reaper.poll() is None:
+            os.killpg(reaper.pid, signal.SIGKILL)
+    log = (tmp_path / "agent.err").read_text()
+    codes = {int(pid): code for pid, code in
+             json.loads((tmp_path / "codes.json").read_text()).items()}
+    assert [codes[pid] for pid in workers] == [ExitCode.SIGTERM] * 2, log[-3000:]
+    assert "second SIGTERM during shutdown" not in log
+    last = _last_steps(tmp_path / "progress")
+    assert last[0] == last[1]
+    committed = [p for p in ckpt.glob("step_*") if (p / MANIFEST_NAME).exists()]
+    assert [int(p.name.split("_")[1]) for p in committed] == [last[0] + 1]
+    exits = [e for e in read_ledger(ckpt / LEDGER_NAME) if e["ev"] == "exit"]
+    assert [e["code"] for e in exits] == [ExitCode.SIGTERM]
+
+    # The next attempt resumes from it and finishes.
+    resumed_at = last[0] + 1
+    (tmp_path / "progress").unlink()
+    again = subprocess.run(_train(tmp_path, ckpt, resumed_at + 3), cwd=tmp_path,
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=180, env=env(OMP_NUM_THREADS="1"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [int(s) for s in re.findall(r"^rank 0 step (\d+)$",
+                                        (tmp_path / "progress").read_text(), re.M)]
+    assert steps == [resumed_at, resumed_at + 1, resumed_at + 2]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)

@@ -16,9 +16,14 @@ slower rank 0 that was still finishing its shutdown loses it.
 * ``PContext.close``: once a signal came or a worker exited, the agent waits for every worker
   to exit on its own, until the package's shutdown deadline (the signal's grace +
   ``watchdog.exit_timeout_s`` + ``MARGIN_S``); only workers still alive then are SIGKILLed.
-* the workers' ``Popen``: the agent keeps the processes, and each worker gets SIGTERM from the
-  kernel when the agent dies (``PR_SET_PDEATHSIG``): torch starts them in sessions of their
-  own, where neither proctrack/pgid nor a terminal reaches them.
+* the workers' ``Popen``: the agent keeps the processes, and each worker gets a signal from
+  the kernel when the agent dies (``PR_SET_PDEATHSIG``): torch starts them in sessions of their
+  own, where neither proctrack/pgid nor a terminal reaches them. Not SIGTERM: the agent has
+  threads, and Linux sends the parent-death signal as each of them exits, so one death would
+  reach a worker as two or more SIGTERMs within milliseconds, and a second SIGTERM forces it out
+  without its checkpoint. The workers get ``signals.PARENT_DEATH_SIGNAL``, named in their
+  ``$KEMPNER_RESILIENCE_PARENT_DEATH_SIGNAL``: their ShutdownHandler counts its repeats once and
+  stops as for SIGTERM (checkpoint, 143).
 
 The agent's exit code is the workers' (``exit_code``): 75 when rank 0 requeued the job.
 """
@@ -40,6 +45,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.exitcodes import describe
 from kempner_resilience.log import get_logger
+from kempner_resilience.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
 __all__ = ["run", "forward_signals", "exit_code", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
@@ -57,6 +63,8 @@ MARGIN_S = 15.0
 # What stock torchrun handles (TORCHELASTIC_SIGNALS_TO_HANDLE's default); the config's
 # signals (SIGUSR1, SIGUSR2, ...) come on top.
 _TORCH_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# torch elastic's opt-out of sharing the rendezvous TCPStore with the workers (see ``run``).
+_OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _YES, _NO = ("yes", "1", "true", "always"), ("no", "0", "false", "never")
 # Our log lines carry a rank prefix taken from SLURM_PROCID, the node's index here: the host
 # name says which agent speaks.
@@ -230,7 +238,7 @@ def _pdeathsig() -> Callable[[], None] | None:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    return lambda: prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
 
 
 def _patch(module: Any, name: str, new: Any, saved: list[tuple[Any, str, Any]]) -> bool:
@@ -263,8 +271,12 @@ def _patched(agent: _Agent) -> Iterator[bool]:
     die_with_agent = _pdeathsig()
 
     def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
-        if die_with_agent is not None:
-            kwargs.setdefault("preexec_fn", die_with_agent)
+        if die_with_agent is not None and "preexec_fn" not in kwargs:
+            kwargs["preexec_fn"] = die_with_agent
+            # The worker learns which signal means "the agent died" (see the module's doc).
+            env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+            env[PARENT_DEATH_ENV] = str(PARENT_DEATH_SIGNAL)
+            kwargs["env"] = env
         proc = stock_popen(*args, **kwargs)  # type: ignore[misc]
         agent.add_worker(proc)
         return proc
@@ -319,6 +331,14 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         from torch.distributed.run import main as torchrun_main
 
         os.environ[AGENT_ENV] = str(os.getpid())
+        # The workers' own store, not the agent's: recent torch (c10d rendezvous) lets
+        # the workers share the agent's TCPStore by default, and the stop agreement, the
+        # checkpoint's commit and the shared exit code all go through that store. An agent that
+        # dies (OOM-killed, SIGKILLed) would take it along and turn the workers' graceful stop
+        # into a lost peer. With torch's own opt-out, worker rank 0 serves it, as under srun.
+        # (The static rendezvous always shares the agent's store: there node 0's agent dying
+        # still leaves only the rescue.)
+        os.environ.setdefault(_OWN_STORE_ENV, "1")
         log.info("%s: signals %s to the workers (%s)", _AGENT,
                  "are forwarded" if forward else "are not forwarded", why)
         with _patched(agent) as patched:
