@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, start, wait_for_file, write_script
+from helpers import assert_bitwise_equal, env, start, wait_for_file, write_script
 from kempner_resilience.demo.launcher import LocalLauncher
 
 HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py"
@@ -90,19 +91,57 @@ def _stop_then_continue(send, pids: list[int]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("send", [os.killpg, os.kill], ids=["every-process-of-the-job",
-                                                             "the-training-processes"])
-def test_a_job_stopped_for_twice_the_hang_timeout_goes_on_when_continued(tmp_path, reference,
-                                                                         send):
-    # os.killpg: each rank's process group, its helper processes too (what a suspend does to
-    # every task of the job); os.kill: the ranks alone, their helpers left running.
+def test_a_job_stopped_for_twice_the_hang_timeout_goes_on_when_continued(tmp_path, reference):
+    # Each rank's process group, its helper processes too: what a suspend does to every task.
     begun = time.monotonic()
-    launch, weights = run_job(tmp_path, stop=lambda pids: _stop_then_continue(send, pids))
+    launch, weights = run_job(tmp_path, stop=lambda pids: _stop_then_continue(os.killpg, pids))
     assert launch.exit_codes == [0, 0], launch.stderr_tail
     assert time.monotonic() - begun >= 2 * HANG_TIMEOUT_S   # the stop did happen
     assert "hang clock paused" in logs(tmp_path)
     assert_bitwise_equal(reference, weights)
 
+
+# One step stopped in its middle that still has a while to go after the resume (a long step):
+# no heartbeat comes to save the rank, the hang clocks themselves must not have run.
+LONG_STEP = """
+import os, sys, time
+import kempner_resilience as kr
+inside, go = sys.argv[1], sys.argv[2]
+with kr.ResilientRun(kr.load_config(overrides=["watchdog.hang_timeout_s=%s"])) as run:
+    for step in run.steps(6):
+        time.sleep(0.05)
+        if step == 3:
+            open(inside, "w").write("stop me")
+            while not os.path.exists(go):     # the test continues us, then says go
+                time.sleep(0.01)
+            end = time.monotonic() + 1.0      # the rest of the step: 1 s with no heartbeat
+            while time.monotonic() < end:
+                time.sleep(0.01)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("send", [os.killpg, os.kill], ids=["with-its-helpers", "alone"])
+def test_a_process_stopped_inside_a_long_step_is_not_taken_for_hung(tmp_path, send):
+    # os.killpg: the process and its hang monitor stop together (a suspend, a cgroup freeze);
+    # os.kill: the process alone, the monitor sees it stopped.
+    script = write_script(tmp_path, LONG_STEP % HANG_TIMEOUT_S)
+    inside, go = tmp_path / "inside", tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, str(script), str(inside), str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), start_new_session=True)
+    try:
+        wait_for_file(inside)
+        send(proc.pid, signal.SIGSTOP)
+        time.sleep(2 * HANG_TIMEOUT_S)
+        send(proc.pid, signal.SIGCONT)
+        go.write_text("go")
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "done" in out
+    assert "hang clock paused" in err
 
 def _children(pid: int) -> list[int]:
     out = []
