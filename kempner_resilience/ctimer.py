@@ -1,5 +1,9 @@
 """The kernel-timer backstop: exit with a chosen code even when a hang holds the GIL.
 
+Used by the shutdown ``DeadlineWatchdog`` (a grace window is real time). The hang watchdog uses
+a monitor process instead (``backstop.py``): a kernel timer runs on while the process is stopped
+(a suspended job) and its signal, delivered at SIGCONT, would end a job that never hung.
+
 A POSIX timer (``timer_create``, CLOCK_MONOTONIC) delivers a real-time signal whose handler is
 faulthandler (C code: it dumps every thread's stack) chained to libc's ``_exit`` installed as a
 plain signal handler. A handler receives the signal number as its argument, so the exit status is
@@ -18,7 +22,7 @@ import sys
 
 from kempner_resilience.log import get_logger
 
-__all__ = ["CExitTimer"]
+__all__ = ["CExitTimer", "install_exit_handler"]
 
 log = get_logger(__name__)
 
@@ -55,7 +59,10 @@ def _libc() -> ctypes.CDLL | None:
     return _libc_cache[0]
 
 
-def _install_exit_handler(code: int) -> None:
+def install_exit_handler(code: int) -> None:
+    """Make signal ``code`` dump every thread's stack (faulthandler) and then ``_exit(code)``,
+    all in C: it works while a hang holds the GIL. Also used by the hang backstop's monitor
+    process (``backstop.py``), which sends the signal instead of a timer."""
     if code in _installed_codes:
         return
     libc = ctypes.CDLL(None)
@@ -82,7 +89,7 @@ class CExitTimer:
         libc = _libc()
         if libc is None or not (signal.SIGRTMIN <= self.code <= signal.SIGRTMAX):
             return
-        _install_exit_handler(self.code)
+        install_exit_handler(self.code)
         ev = _sigevent()
         ev.sigev_signo = self.code
         ev.sigev_notify = _SIGEV_SIGNAL

@@ -5,11 +5,19 @@ Two layers, because a hang may or may not hold the GIL:
 * a Python thread waits for the deadline and then dumps stacks, runs a short last action (a
   requeue) and calls ``os._exit``. It works whenever the main thread released the GIL, which
   gloo/NCCL waits, sleeps and I/O do;
-* ``CExitTimer`` (``ctimer.py``), a kernel POSIX timer, is the backstop for a hang that holds the GIL, when no
-  Python thread can run. Its signal is handled by faulthandler (C code: dumps all stacks) chained
-  to libc's ``_exit`` installed as a plain signal handler. A handler receives the signal number
-  as its argument, so the exit status is the signal number, which is why ``ExitCode.HANG`` and
-  ``ExitCode.DEADLINE`` lie in the real-time signal range.
+* a GIL-free backstop for a hang that holds the GIL, when no Python thread can run. Its signal
+  is handled by faulthandler (C code: dumps all stacks) chained to libc's ``_exit`` installed as
+  a plain signal handler. A handler receives the signal number as its argument, so the exit
+  status is the signal number, which is why ``ExitCode.HANG`` and ``ExitCode.DEADLINE`` lie in
+  the real-time signal range. The shutdown deadline's backstop is a kernel timer
+  (``CExitTimer``, ``ctimer.py``); the hang watchdog's is a monitor process
+  (``BackstopMonitor``, ``backstop.py``) because a stopped process is not hung.
+
+A suspended job (``scontrol suspend``, ``PreemptMode=SUSPEND``, a cgroup freeze: every task
+stopped, continued later) must not be taken for a hung one: the hang clock does not run while the
+process is stopped. The hang thread wakes every ``PAUSE_TICK_S``; a wake-up much later than asked
+means the process did not run (it was stopped), and the deadline moves by that much. The monitor
+process does the same for the backstop (it sees the rank's stopped state, and its own gaps).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from kempner_resilience.backstop import BackstopMonitor
 from kempner_resilience.ctimer import CExitTimer
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.log import get_logger
@@ -32,6 +41,12 @@ log = get_logger(__name__)
 # The C backstop fires this long after the Python watchdog would have, so the Python path
 # (which can requeue and log) wins whenever it can run at all.
 BACKSTOP_SLACK_S = 1.0
+# The hang thread wakes at least this often, to see whether the process was stopped in between.
+PAUSE_TICK_S = 0.5
+# A wake-up later than asked by more than this is taken for a stop (SIGSTOP, a suspended job):
+# that time is not counted as a hang. Scheduler delays are far shorter; a GIL held this long
+# by a C call also reads as a stop, and then the backstop (which sees the difference) decides.
+PAUSE_MIN_S = 1.0
 
 
 def dump_all_stacks(header: str) -> None:
@@ -44,12 +59,19 @@ def dump_all_stacks(header: str) -> None:
 
 
 class _DeadlineThread:
-    """A daemon thread that calls ``fire()`` once ``time.monotonic()`` reaches a deadline."""
+    """A daemon thread that calls ``fire()`` once ``time.monotonic()`` reaches a deadline.
 
-    def __init__(self, name: str, fire: Callable[[], None]) -> None:
+    With ``on_pause``, the clock stops while the process is stopped: the thread wakes at least
+    every ``PAUSE_TICK_S``, and a wake-up later than asked by more than ``PAUSE_MIN_S`` moves
+    the deadline by the delay and reports it (``on_pause(seconds)``) before anything fires.
+    """
+
+    def __init__(self, name: str, fire: Callable[[], None],
+                 on_pause: Callable[[float], None] | None = None) -> None:
         self._cond = threading.Condition()
         self._deadline: float | None = None
         self._fire = fire
+        self._on_pause = on_pause
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -75,7 +97,20 @@ class _DeadlineThread:
                     continue
                 left = self._deadline - time.monotonic()
                 if left > 0:
-                    self._cond.wait(left)
+                    if self._on_pause is None:
+                        self._cond.wait(left)
+                        continue
+                    asked = min(left, PAUSE_TICK_S)
+                    woke = time.monotonic()
+                    self._cond.wait(asked)
+                    late = time.monotonic() - woke - asked
+                    if late > PAUSE_MIN_S and self._deadline is not None:
+                        self._deadline += late
+                        self._cond.release()
+                        try:
+                            self._on_pause(late)
+                        finally:
+                            self._cond.acquire()
                     continue
                 self._deadline = None
                 self._cond.release()
@@ -119,6 +154,8 @@ class DeadlineWatchdog:
         """Arm at ``deadline`` (monotonic); if already armed, keep the earlier deadline."""
         with self._lock:
             if self._thread is None:
+                # No pause detection here, and a kernel timer as the backstop: the grace
+                # window is real time (SLURM's KillWait, a time limit), stopped or not.
                 self._thread = _DeadlineThread("kempner-deadline", self._expire)
                 self._backstop = CExitTimer(ExitCode.DEADLINE)
             current = self._thread.get()
@@ -174,9 +211,11 @@ class HangWatchdog:
     """Exits with ``ExitCode.HANG`` when no heartbeat arrives for ``timeout_s``.
 
     ``beat()`` is the per-step heartbeat and must stay cheap: it stores a timestamp and re-arms
-    the kernel backstop only every ``rearm_every_s``. ``busy()`` widens the budget while a
-    checkpoint is written or read, so a slow save is never taken for a hang. ``on_hang`` runs in
-    the watchdog thread after the stack dump (for a requeue) and must be bounded in time.
+    the backstop (one store into a page shared with its monitor process) only every
+    ``rearm_every_s``. Time in which the process was stopped is not counted. ``busy()`` widens
+    the budget while a checkpoint is written or read, so a slow save is never taken for a hang.
+    ``on_hang`` runs in the watchdog thread after the stack dump (for a requeue) and must be
+    bounded in time.
     """
 
     def __init__(self, timeout_s: float, *, busy_timeout_s: float | None = None,
@@ -191,14 +230,23 @@ class HangWatchdog:
         self._last = time.monotonic()
         self._last_arm = 0.0
         self._busy = 0
+        # Stopped time not counted, as (the _last it applies to, seconds): it applies only while
+        # no beat came since (a beat after a resume starts a fresh window anyway). One tuple,
+        # replaced whole: the watchdog thread writes it, beat() never touches it.
+        self._paused: tuple[float, float] = (-1.0, 0.0)
         self._thread: _DeadlineThread | None = None
-        self._backstop: CExitTimer | None = None
+        self._backstop: BackstopMonitor | CExitTimer | None = None
         self.enabled = self.timeout_s > 0
 
     def start(self) -> "HangWatchdog":
         if self.enabled and self._thread is None:
-            self._backstop = CExitTimer(ExitCode.HANG)
-            self._thread = _DeadlineThread("kempner-hang-watchdog", self._expire)
+            self._backstop = BackstopMonitor(ExitCode.HANG)
+            if not self._backstop.available:
+                log.warning("no monitor process for the hang backstop: using a kernel timer, "
+                            "which a suspended job (SIGSTOP) outlives as a hang")
+                self._backstop = CExitTimer(ExitCode.HANG)
+            self._thread = _DeadlineThread("kempner-hang-watchdog", self._expire,
+                                           on_pause=self._on_pause)
             self.beat(force=True)
         return self
 
@@ -209,7 +257,7 @@ class HangWatchdog:
             return
         if force or now - self._last_arm >= self.rearm_every_s:
             self._last_arm = now
-            # Python path fires at exactly the budget; the kernel backstop a little later.
+            # Python path fires at exactly the budget; the GIL-free backstop a little later.
             self._thread.set(now + self._budget)
             self._backstop.arm(self._budget + BACKSTOP_SLACK_S)  # type: ignore[union-attr]
 
@@ -235,11 +283,27 @@ class HangWatchdog:
             self._backstop.close()
             self._backstop = None
 
+    def _on_pause(self, seconds: float) -> None:
+        """The watchdog thread woke ``seconds`` late: the process was stopped (a suspended
+        job), which is not a hang. Not counted until the next beat."""
+        last = self._last
+        since, paused = self._paused
+        if last < time.monotonic() - seconds:   # else a beat came after the resume: fresh
+            self._paused = (last, paused + seconds if since == last else seconds)
+        log.warning("process was stopped for %.1f s; hang clock paused", seconds)
+
+    def _idle(self, now: float) -> float:
+        """Seconds since the last beat, stopped time left out."""
+        last = self._last
+        since, paused = self._paused
+        return now - last - (paused if since == last else 0.0)
+
     def _expire(self) -> None:
         # The thread's deadline is only refreshed every rearm_every_s: check the real age.
-        idle = time.monotonic() - self._last
+        now = time.monotonic()
+        idle = self._idle(now)
         if idle < self._budget and self._thread is not None:
-            self._thread.set(self._last + self._budget)
+            self._thread.set(now + self._budget - idle)
             return
         if self._backstop is not None:
             self._backstop.arm(self.on_hang_budget_s + BACKSTOP_SLACK_S)

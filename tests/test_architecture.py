@@ -19,7 +19,7 @@ PKG = ROOT / "kempner_resilience"
 # Every module's layer, by the first part of its path ("" is the package's own __init__.py;
 # "ctimer", the kernel-timer backstop, arrives with the watchdog split of the run.py rewrite).
 LAYERS = {
-    "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer",
+    "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer", "backstop",
              "agreement", "teardown", "faults", "ledger", "version"},
     "library": {"checkpoint", "slurm", "identity", "goodput", "rescue"},
     "run": {"", "run", "shutdown", "aio"},
