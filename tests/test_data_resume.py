@@ -67,3 +67,22 @@ def test_a_plain_dataloader_in_the_state_is_refused_naming_the_wrapper():
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
     with pytest.raises(CheckpointError, match=r"ResumableLoader\(loader\)"):
         TrainState({"data": loader})
+
+
+class HandWrittenLoader:
+    """The kind of resumable loader users wrote before: position saved, seed not."""
+
+    def __init__(self) -> None:
+        self.loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2, shuffle=True)
+        self.epoch = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch = sd["epoch"]
+
+
+def test_a_hand_written_loader_seeded_from_the_global_rng_is_warned_about(caplog):
+    TrainState({"data": HandWrittenLoader()})
+    assert "without its own generator" in caplog.text and "ResumableLoader" in caplog.text

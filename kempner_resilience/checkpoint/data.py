@@ -42,7 +42,8 @@ from kempner_resilience.log import get_logger
 
 log = get_logger(__name__)
 
-__all__ = ["ResumableLoader", "LoaderEntry", "is_stateful_loader", "plain_loader_error"]
+__all__ = ["ResumableLoader", "LoaderEntry", "is_stateful_loader", "plain_loader_error",
+           "warn_global_seed"]
 
 _VERSION = 1
 
@@ -61,6 +62,20 @@ def plain_loader_error(name: str) -> CheckpointError:
         f"`{name} = kempner_resilience.ResumableLoader(loader)`, then `next({name})` in the "
         "loop (it calls sampler.set_epoch itself), or use torchdata's StatefulDataLoader "
         "(pip install 'kempner-resilience[data]')")
+
+
+def warn_global_seed(name: str, value: Any) -> None:
+    """Warn when a hand-written data object in the state holds a DataLoader that seeds itself
+    from torch's global RNG: its resumed iterator draws once more than the uninterrupted run,
+    and every random number after it (dropout) differs."""
+    loaders = [v for v in vars(value).values() if isinstance(v, DataLoader)] \
+        if hasattr(value, "__dict__") else []
+    if any(d.generator is None for d in loaders):
+        log.warning("state[%r] holds a DataLoader without its own generator: each iterator it "
+                    "builds draws a seed from torch's global RNG, so a resumed run does not "
+                    "repeat the uninterrupted one (dropout differs). Wrap the DataLoader in "
+                    "kempner_resilience.ResumableLoader instead, or pass "
+                    "generator=torch.Generator().manual_seed(...) and save its state", name)
 
 
 def _samplers(loader: DataLoader) -> list[Any]:

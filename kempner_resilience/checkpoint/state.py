@@ -32,7 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from kempner_resilience.checkpoint.data import LoaderEntry, is_stateful_loader, plain_loader_error
+from kempner_resilience.checkpoint.data import (LoaderEntry, is_stateful_loader,
+                                                plain_loader_error, warn_global_seed)
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.info import CheckpointError
 from kempner_resilience.log import get_logger
@@ -117,6 +118,7 @@ class TrainState:
             elif callable(getattr(value, "state_dict", None)) and callable(
                     getattr(value, "load_state_dict", None)):
                 self.others[name] = value
+                warn_global_seed(name, value)
             else:
                 raise CheckpointError(
                     f"state[{name!r}] is a {type(value).__name__}, which has no state_dict()/"
