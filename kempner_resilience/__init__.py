@@ -1,7 +1,8 @@
 """kempner_resilience: keep long PyTorch training jobs on SLURM alive without losing work.
 
 The public surface: ``load_config`` and ``ResilienceConfig`` (configuration), ``ResilientRun``
-(the object a training script uses), ``ShutdownHandler`` (signals alone), ``exitcodes``,
+(the object a training script uses), ``ResumableLoader`` (a DataLoader that resumes
+mid-epoch; imported on first use, as it needs torch), ``ShutdownHandler`` (signals alone), ``exitcodes``,
 ``StartupError`` (what ends a script with exit code 78).
 
 Import it first in a training script: the start-up guards below are then in place while torch
@@ -35,6 +36,7 @@ __all__ = [
     "ExitMode",
     "ResilienceConfig",
     "ResilientRun",
+    "ResumableLoader",
     "ShutdownHandler",
     "ShutdownRequest",
     "StartupError",
@@ -42,3 +44,12 @@ __all__ = [
     "load_config",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # torch loads in seconds; `import kempner_resilience` stays light until this is used.
+    if name == "ResumableLoader":
+        from kempner_resilience.checkpoint.data import ResumableLoader
+
+        return ResumableLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from kempner_resilience.checkpoint.data import (LoaderEntry, is_stateful_loader,
+                                                plain_loader_error, warn_global_seed)
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.info import CheckpointError
 from kempner_resilience.log import get_logger
@@ -87,7 +90,9 @@ class TrainState:
     """The user's ``{"model": ..., "optim": ..., "sched": ..., "data": ...}`` classified.
 
     Modules and optimizers go through DCP's state_dict API; every other value must have
-    ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction otherwise).
+    ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction otherwise). A
+    plain ``DataLoader`` is refused with the fix named (``ResumableLoader``); a
+    ``StatefulDataLoader`` is kept with its sampler's epoch (``data.LoaderEntry``).
     With ``ddp_buckets``, the gradient bucket layout of every DDP among the modules is saved and
     offered back at resume (``buckets``, ``loaded_buckets``).
     """
@@ -104,9 +109,16 @@ class TrainState:
                 self.modules[name] = value
             elif isinstance(value, torch.optim.Optimizer):
                 pass    # paired with its module below
+            elif is_stateful_loader(value):
+                # torchdata's StatefulDataLoader: its sampler's epoch goes along, and the
+                # resumed iterator is built before the global RNG is restored (see data.py).
+                self.others[name] = LoaderEntry(value)
+            elif isinstance(value, DataLoader):
+                raise plain_loader_error(name)
             elif callable(getattr(value, "state_dict", None)) and callable(
                     getattr(value, "load_state_dict", None)):
                 self.others[name] = value
+                warn_global_seed(name, value)
             else:
                 raise CheckpointError(
                     f"state[{name!r}] is a {type(value).__name__}, which has no state_dict()/"
@@ -218,6 +230,8 @@ class TrainState:
                 obj.load_state_dict(blob["objects"][name])
             else:
                 log.warning("checkpoint has no state for %r; left as is", name)
+        # Last: a loader's load_state_dict may draw from the global RNG (a StatefulDataLoader
+        # builds its iterator there); the checkpoint's streams overwrite that draw.
         restore_rng(blob["rng"])
         self.loaded_buckets = blob.get(RECORD_KEY)
         return int(blob["step"])
