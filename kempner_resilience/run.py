@@ -74,7 +74,7 @@ class ResilientRun:
         self._handler = ShutdownHandler(config.signals)
         self._hang = HangWatchdog(config.watchdog.hang_timeout_s,
                                   busy_timeout_s=config.watchdog.checkpoint_timeout_s,
-                                  on_hang=self._on_hang)
+                                  on_hang=self._on_hang, on_decide=self._on_hang_decided)
         self._parts = sequence.RunParts(config, self._handler, self._hang,
                                         TeardownStack(config.watchdog.cleanup_timeout_s),
                                         leaving.resolve(mode))
@@ -116,6 +116,9 @@ class ResilientRun:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        # The hang path decided to end the process (a stall that ended, then the loop ended or
+        # failed): it alone leaves, with HANG; this thread waits for that exit here.
+        self._hang.hold()
         ended = self._parts.outcome is not None     # a shutdown already ran (SystemExit)
         try:
             if ended:
@@ -266,6 +269,7 @@ class ResilientRun:
         """Write a checkpoint now (collective); returns its info."""
         if self._parts.ckpt is None:
             raise RuntimeError("no checkpoint state: pass state={...} to ResilientRun")
+        self._hang.hold()      # nothing is saved once the hang path decided to exit
         t0 = time.monotonic()
         info = self._parts.ckpt.save(self.step, reason="manual")
         self._parts.last_saved = info
@@ -527,6 +531,13 @@ class ResilientRun:
                            blocking_s=round(blocking_s, 4), bytes=int(info.nbytes),
                            bw_mib_s=round(info.nbytes / secs / 2**20, 1))
         parts.clock.set_save_estimate(parts.ckpt.estimate().seconds)
+
+    def _on_hang_decided(self) -> None:
+        """The hang watchdog's thread, the moment it decided: freeze the rescue's boundary, so
+        a stall that ends now cannot step the state the rescue is about to write (the hang
+        watchdog holds the rest of the loop at its next heartbeat)."""
+        if self._parts.rescue is not None:
+            self._parts.rescue.freeze()
 
     def _on_hang(self) -> None:
         """Runs in the hang watchdog's thread before the HANG exit: requeue if it is worth it.

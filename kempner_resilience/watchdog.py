@@ -34,7 +34,7 @@ from kempner_resilience.ctimer import CExitTimer
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.log import get_logger
 
-__all__ = ["CExitTimer", "DeadlineWatchdog", "HangWatchdog", "dump_all_stacks"]
+__all__ = ["CExitTimer", "DeadlineWatchdog", "HangWatchdog", "dump_all_stacks", "hold_until_exit"]
 
 log = get_logger(__name__)
 
@@ -56,6 +56,16 @@ def dump_all_stacks(header: str) -> None:
         faulthandler.dump_traceback(2, all_threads=True)
     except OSError:
         pass
+
+
+def hold_until_exit(why: str) -> None:
+    """Block the calling thread for good: another thread is ending the process with its own
+    code (``os._exit``) and a deadline or backstop bounds that. Sleeps in slices so that the
+    signal handlers of the main thread still run (they only record)."""
+    log.warning("holding this thread: %s", why)
+    never = threading.Event()
+    while True:
+        never.wait(60.0)
 
 
 class _DeadlineThread:
@@ -216,15 +226,26 @@ class HangWatchdog:
     the budget while a checkpoint is written or read, so a slow save is never taken for a hang.
     ``on_hang`` runs in the watchdog thread after the stack dump (for a requeue) and must be
     bounded in time.
+
+    Once it has decided (``decided``), the decision is final: a stall that ends while the hang
+    path runs (a data-loader or NFS stall, a continued peer) must not let the training thread
+    save, step or leave with another code. ``on_decide`` (cheap, any thread-safe call: the
+    rescue freezes the step boundary with it) runs first, and ``hold()``, which ``beat()`` and
+    the run's safe points call, keeps every other thread there until the hang path's
+    ``os._exit`` (the backstop bounds it).
     """
 
     def __init__(self, timeout_s: float, *, busy_timeout_s: float | None = None,
                  on_hang: Callable[[], None] | None = None,
-                 on_hang_budget_s: float = 30.0) -> None:
+                 on_hang_budget_s: float = 30.0,
+                 on_decide: Callable[[], None] | None = None) -> None:
         self.timeout_s = float(timeout_s)
         self.busy_timeout_s = float(busy_timeout_s if busy_timeout_s is not None else timeout_s)
         self.on_hang = on_hang
         self.on_hang_budget_s = on_hang_budget_s
+        self.on_decide = on_decide
+        self.decided = False              # the hang path runs: the process ends with HANG
+        self._decider: int | None = None  # the thread running it (never held)
         self.rearm_every_s = min(0.5, self.timeout_s / 20)
         self._budget = self.timeout_s
         self._last = time.monotonic()
@@ -250,7 +271,15 @@ class HangWatchdog:
             self.beat(force=True)
         return self
 
+    def hold(self) -> None:
+        """Never returns once the hang path has decided (except in its own thread): the caller
+        waits there for the hang path's exit. A plain attribute test otherwise (per step)."""
+        if self.decided and threading.get_ident() != self._decider:
+            hold_until_exit("the hang path is ending the process")
+
     def beat(self, force: bool = False) -> None:
+        if self.decided:
+            self.hold()
         now = time.monotonic()
         self._last = now
         if self._thread is None:
@@ -305,8 +334,17 @@ class HangWatchdog:
         if idle < self._budget and self._thread is not None:
             self._thread.set(now + self._budget - idle)
             return
+        # Decided, before anything slow: from here the training thread is held at its next
+        # safe point (beat, the optimizer step through on_decide) and the process ends with HANG.
+        self._decider = threading.get_ident()
+        self.decided = True
         if self._backstop is not None:
             self._backstop.arm(self.on_hang_budget_s + BACKSTOP_SLACK_S)
+        if self.on_decide is not None:
+            try:
+                self.on_decide()
+            except Exception:
+                log.exception("hang decision hook failed")
         log.error("no progress for %.1f s (budget %.1f s): hang detected, exiting with %d",
                   idle, self._budget, int(ExitCode.HANG))
         dump_all_stacks(f"hang detected: no step finished for {idle:.1f} s; stacks of all "

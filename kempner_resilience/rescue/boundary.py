@@ -18,6 +18,12 @@ cheaply, so the boundary's state can be rebuilt after a failure in the middle of
 
 Parameters changed outside ``optimizer.step()`` (a manual update, an in-place clamp) are not
 seen; see docs/design.md.
+
+A rescue that runs beside a live training thread (the hang watchdog's) ``freeze()``s the
+boundary first: from then on that thread stops at its next optimizer step or boundary (the
+pre-hook and ``mark`` wait there until the process exits), so the live parameters and optimizer
+state stay those of the boundary while they are written. ``generation`` changes with every
+optimizer step begun and every mark: the writer compares it before its commit.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ import array
 import ctypes
 import pickle
 import random
+import threading
 from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.log import get_logger
+from kempner_resilience.watchdog import hold_until_exit
 
 try:  # numpy is optional
     import numpy as _np
@@ -140,6 +148,11 @@ class Boundary:
         self.stepped = False                # an optimizer step began since that boundary
         self.in_step = 0                    # optimizer steps begun and not finished
         self.error: str | None = None       # why snapshots stopped (an unpicklable state_dict)
+        self.generation = 0                 # +1 at every optimizer step begun and every mark
+        # The freeze: the thread that froze the boundary (a rescue); every other thread stops
+        # at its next optimizer step or mark. The lock makes "not frozen, so step" atomic.
+        self._gate = threading.Lock()
+        self._frozen_by: int | None = None
         self._snaps: tuple[Snapshot | None, Snapshot | None] = (None, None)
         self._hooks: list[Any] = []
         self._live: list[torch.Tensor] = []
@@ -181,9 +194,32 @@ class Boundary:
             handle.remove()
         self._hooks.clear()
 
+    def freeze(self, timeout_s: float) -> bool:
+        """From now on, threads other than the caller stop at their next optimizer step or
+        boundary, for good (the rescue's process exits after it). False when a mark did not
+        finish within ``timeout_s`` (a ``state_dict()`` stuck inside it)."""
+        if not self._gate.acquire(timeout=timeout_s):
+            return False
+        try:
+            if self._frozen_by is None:
+                self._frozen_by = threading.get_ident()
+        finally:
+            self._gate.release()
+        return True
+
+    def _held(self) -> bool:
+        frozen = self._frozen_by
+        return frozen is not None and frozen != threading.get_ident()
+
     def _pre(self, *_args: Any) -> None:
-        self.stepped = True
-        self.in_step += 1
+        with self._gate:
+            held = self._held()
+            if not held:
+                self.stepped = True
+                self.in_step += 1
+                self.generation += 1
+        if held:
+            hold_until_exit("a rescue is writing the state of the last step boundary")
 
     def _post(self, *_args: Any) -> None:
         self.in_step -= 1
@@ -191,6 +227,13 @@ class Boundary:
     def mark(self, step: int) -> bytes | None:
         """The state is at boundary ``step``: snapshot it. Returns the snapshot (None once a
         snapshot failed: the rescue is then off for this process, said once)."""
+        with self._gate:
+            if not self._held():
+                return self._mark(step)
+        hold_until_exit("a rescue is writing the state of the last step boundary")
+        return None     # never reached
+
+    def _mark(self, step: int) -> bytes | None:
         payload = None
         if self.error is None:
             try:
@@ -204,6 +247,7 @@ class Boundary:
         self.step = step
         self.stepped = False
         self.in_step = 0
+        self.generation += 1
         return payload
 
     def _copy_buffers(self) -> None:

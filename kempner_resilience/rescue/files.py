@@ -5,12 +5,19 @@
         rank<r>.step<S>     rank r's snapshot of boundary S, from r itself or from its buddy
         offered.<r>         rank r has offered every snapshot it holds (its own, its
                             predecessor's): what is missing then can only come from elsewhere
-        claim               created with O_CREAT|O_EXCL: the one rank that writes the checkpoint
+        claim               the one rank that writes the checkpoint: its JSON (rank, step, pid,
+                            host, process start) written under a temporary name, then
+                            hard-linked (fails if it exists; O_CREAT|O_EXCL where links are
+                            not supported); its mtime is the writer's heartbeat
         done.json           the outcome: the step committed and where, or why nothing was
 
 Each file appears whole (written under a temporary name, then renamed). ``<attempt>`` is a
 token agreed at start, so files of an earlier attempt never count; rank 0 removes those at
 start (``remove_stale``).
+
+A claimant that died costs the others seconds, not ``rescue.budget_s`` (``claimant_gone``): on
+its own host its pid (and that process's start time, against pid reuse) is checked; elsewhere
+the claim's mtime, which the writer touches every ``HEARTBEAT_S``, must keep advancing.
 """
 
 from __future__ import annotations
@@ -20,14 +27,18 @@ import json
 import os
 import re
 import shutil
+import errno
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RescueFiles", "RESCUE_DIR", "remove_stale"]
+__all__ = ["RescueFiles", "RESCUE_DIR", "remove_stale", "pid_alive", "process_start"]
 
 RESCUE_DIR = ".rescue"
+HEARTBEAT_S = 1.0        # how often a writer touches its claim
+STALE_S = 10.0           # a claim of another host whose mtime stood still this long: writer gone
 _SNAP_RE = re.compile(r"^rank(\d+)\.step(\d+)$")
 _OFFERED_RE = re.compile(r"^offered\.(\d+)$")
 
@@ -44,11 +55,64 @@ def _write_whole(path: Path, data: bytes) -> None:
     os.rename(tmp, path)
 
 
+def _stat(pid: int) -> list[bytes]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces): the
+    state first; [] if unknown."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return []
+    return raw[raw.rfind(b")") + 2:].split()
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, /proc), None if unknown."""
+    fields = _stat(pid)
+    return fields[19].decode() if len(fields) > 19 else None
+
+
+def pid_alive(pid: int, start: str | None = None) -> bool:
+    """Whether process ``pid`` of this host lives (and is the one that started at ``start``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    fields = _stat(pid)
+    if fields and fields[0] in (b"Z", b"X"):
+        return False                   # dead, not yet reaped by its parent (srun, a launcher)
+    if start is not None and len(fields) > 19 and fields[19].decode() != start:
+        return False                   # the pid was reused
+    return True
+
+
+class Heartbeat:
+    """Touch ``path`` every ``HEARTBEAT_S`` from a daemon thread until ``stop()``: other hosts
+    see the writer alive by the mtime advancing (utime needs no free space)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kempner-rescue-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class RescueFiles:
     """The files of one attempt's rescue under ``root``."""
 
     def __init__(self, root: Path, attempt: str) -> None:
         self.dir = Path(root) / RESCUE_DIR / attempt
+        self._seen: tuple[Any, float] | None = None   # the claim's (mtime, size), seen since
 
     def _ensure(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -99,20 +163,66 @@ class RescueFiles:
             return f"cannot list {self.dir}: {e.strerror}"
 
     def claim(self, rank: int, step: int) -> bool:
-        """Whether this rank is the one to write the rescue checkpoint (the first to ask)."""
+        """Whether this rank is the one to write the rescue checkpoint (the first to ask).
+
+        The claim appears whole (a hard link of a finished temporary file), so it always names
+        its writer: a full disk makes the claim fail here, never leaves an empty one that the
+        others cannot judge. Raises OSError when no claim could be made at all."""
         self._ensure()
+        pid = os.getpid()
+        data = json.dumps({"rank": rank, "step": step, "pid": pid,
+                           "host": socket.gethostname(), "start": process_start(pid),
+                           "time": time.time()}).encode()
+        path = self.dir / "claim"
+        tmp = path.with_name(f".claim.{pid}.{time.monotonic_ns()}.tmp")
+        _write_whole(tmp, data)
         try:
-            fd = os.open(self.dir / "claim", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                         0o600)
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        # No hard links on this filesystem: O_EXCL, written after (briefly empty).
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             return False
         try:
-            os.write(fd, json.dumps({"rank": rank, "step": step, "pid": os.getpid(),
-                                     "host": socket.gethostname(),
-                                     "time": time.time()}).encode())
+            os.write(fd, data)
         finally:
             os.close(fd)
         return True
+
+    def heartbeat(self) -> Heartbeat:
+        """The claimant keeps its claim's mtime advancing while it writes."""
+        return Heartbeat(self.dir / "claim")
+
+    def claimant_gone(self, who: dict[str, Any]) -> str | None:
+        """Why the claimant ``who`` (``claimant()``) is known to be gone, or None while it may
+        still write. Call it repeatedly: on another host, it is gone once its claim's mtime
+        stood still for ``STALE_S`` (measured on this host's monotonic clock, so no clock skew
+        between hosts matters)."""
+        pid, host = who.get("pid"), who.get("host")
+        if isinstance(pid, int) and host == socket.gethostname():
+            if not pid_alive(pid, who.get("start")):
+                return f"its process {pid} on {host} is gone"
+            return None
+        try:
+            st = os.stat(self.dir / "claim")
+        except FileNotFoundError:
+            return "its claim disappeared"
+        key, now = (st.st_mtime_ns, st.st_size), time.monotonic()
+        if self._seen is None or self._seen[0] != key:
+            self._seen = (key, now)
+            return None
+        if now - self._seen[1] >= STALE_S:
+            return f"its claim (host {host or '?'}) showed no heartbeat for {STALE_S:.0f} s"
+        return None
 
     def claimant(self) -> dict[str, Any] | None:
         """Who claimed the rescue (None before anyone did; {} while the claim is being written)."""

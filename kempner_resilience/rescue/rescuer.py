@@ -16,7 +16,15 @@ failure this way). Then:
   snapshot stops being waited for ``GIVE_UP_S`` after the rank or its buddy offered all it holds
   without it, so the fallback comes within SLURM's KillWait, not after half the budget;
 * every other rank waits for the outcome (``done.json``) within the budget, so that rank 0 never
-  requeues (which kills the job's tasks) while the writer still writes.
+  requeues (which kills the job's tasks) while the writer still writes; a writer known to be
+  gone (``files.claimant_gone``: its pid on this host, its claim's heartbeat elsewhere) ends
+  that wait within seconds.
+
+The rescue may run beside a live training thread (the hang watchdog's rescue: a stall can end
+while it writes). It first freezes the boundary (``Boundary.freeze``: that thread stops at its
+next optimizer step or boundary until the process exits), then checks it, and checks again
+(``Boundary.generation`` unchanged) after waiting for the snapshots and after the write, before
+the commit: a checkpoint of the boundary's step holds that step's tensors or is not committed.
 
 Each rank logs one line with the outcome: the step committed and where, or why nothing was.
 """
@@ -48,6 +56,7 @@ log = get_logger(__name__)
 CLAIM_WAIT_S = 3.0       # how long a rank that cannot write waits for another one to claim
 GIVE_UP_S = 3.0          # how long a snapshot its holders offered without is still waited for
 CONNECT_TIMEOUT_S = 60.0
+FREEZE_WAIT_S = 5.0      # how long the freeze waits for a step boundary's mark to finish
 _POLL_S = 0.02
 
 
@@ -135,6 +144,11 @@ class Rescuer:
         if payload is not None:
             self.link.send(step, payload)
 
+    def freeze(self) -> bool:
+        """Stop the training thread at its next optimizer step or boundary (any other thread
+        than the caller), for good: the hang path calls it as soon as it decided."""
+        return self.boundary.freeze(FREEZE_WAIT_S)
+
     def close(self, clean: bool = True) -> None:
         """The loop ended (or the run stops on purpose): no rescue from here on."""
         self.boundary.detach()
@@ -194,9 +208,14 @@ class Rescuer:
 
     def _rescue(self, reason: str, committed: int | None, t0: float) -> RescueResult:
         deadline = t0 + self.config.budget_s
+        # Frozen before the check: the state checked is the state written.
+        frozen = self.freeze()
         self._on_wake(f"this rank: {reason}")
         step = self.boundary.step
+        generation = self.boundary.generation
         why = self.boundary.why_inconsistent()
+        if not frozen:
+            why = why or "the training thread did not leave its step boundary's mark"
         if why is None and step is not None and step <= (committed or 0):
             why = f"step {step} is already committed" if committed is not None else \
                 "no step completed yet"
@@ -204,9 +223,25 @@ class Rescuer:
             log.warning("rescue: this rank cannot write one: %s", why)
             return self._await_other(step, why, deadline)
         assert step is not None
-        if not self.files.claim(self.rank, step):
+        try:
+            claimed = self.files.claim(self.rank, step)
+        except OSError as e:
+            log.warning("rescue: cannot claim it in %s: %s", self.files.dir, e)
+            return self._await_other(step, f"the claim could not be written ({e})", deadline)
+        if not claimed:
             return self._await_other(step, None, deadline)
-        return self._write(step, reason, t0, deadline)
+        beat = self.files.heartbeat()
+        try:
+            return self._write(step, generation, reason, t0, deadline)
+        finally:
+            beat.stop()
+
+    def _moved(self, step: int, generation: int) -> str | None:
+        """Why the live state is no longer that of boundary ``step`` (None: it still is)."""
+        if self.boundary.generation != generation or self.boundary.step != step:
+            return (f"the training thread moved past the boundary of step {step} while the "
+                    "rescue ran")
+        return self.boundary.why_inconsistent()
 
     def _await_other(self, step: int | None, own_why: str | None,
                      deadline: float) -> RescueResult:
@@ -214,17 +249,29 @@ class Rescuer:
         one: it requeues the job under SLURM, which would kill a writer still writing; any
         other rank leaves, which also wakes the ranks still stuck in a collective with it."""
         claim_end = time.monotonic() + (CLAIM_WAIT_S if self.rank == 0 else 0.0)
+        gone = None
         while time.monotonic() < deadline:
             out = self.files.outcome()
             if out is not None:
                 return self._from_outcome(out)
-            if self.files.claimant() is None and time.monotonic() >= claim_end:
+            who = self.files.claimant()
+            if who is None and time.monotonic() >= claim_end:
                 break
+            if who is not None:
+                gone = self.files.claimant_gone(who)
+                if gone is not None:
+                    out = self.files.outcome()      # it may have finished just before
+                    if out is not None:
+                        return self._from_outcome(out)
+                    break
             time.sleep(_POLL_S)
         who = self.files.claimant()
         why = own_why or "no rank could write it"
-        if who:
-            why = f"rank {who.get('rank')} claimed it but committed nothing within the budget"
+        if who is not None:
+            why = (f"rank {who.get('rank', '?')} claimed it but is gone ({gone}); nothing "
+                   "committed" if gone else
+                   f"rank {who.get('rank', '?')} claimed it but committed nothing within the "
+                   "budget")
         log.warning("rescue skipped: %s; the newest committed checkpoint stays the resume point",
                     why)
         return RescueResult(step, None, who.get("rank") if who else None, why)
@@ -243,7 +290,8 @@ class Rescuer:
                     why)
         return RescueResult(step, None, writer, why)
 
-    def _write(self, step: int, reason: str, t0: float, deadline: float) -> RescueResult:
+    def _write(self, step: int, generation: int, reason: str, t0: float,
+               deadline: float) -> RescueResult:
         need = set(range(self.world_size))
         wait_end = t0 + self.config.budget_s / 2
         waited = time.monotonic()
@@ -275,6 +323,9 @@ class Rescuer:
             why = (f"no state of step {step} from rank(s) {sorted(missing)} (each rank's RNG and "
                    "data position live only on it and its buddy: both gone or stuck)")
             return self._done(step, None, why)
+        moved = self._moved(step, generation)
+        if moved is not None:
+            return self._done(step, None, moved)
         cfg = self.ckpt.config
         extra = {**self.ckpt.manifest_extra,
                  "rescue": {"reason": reason, "writer_rank": self.rank,
@@ -285,7 +336,8 @@ class Rescuer:
             info = write_rescue(self.ckpt.state, self.boundary, blobs, step,
                                 root=self.ckpt.root, run_id=self.ckpt.run_id,
                                 io_threads=cfg.io_threads, world_size=self.world_size,
-                                extra=extra)
+                                extra=extra,
+                                still_valid=lambda: self._moved(step, generation))
         except CheckpointError as e:
             return self._done(step, None, str(e))
         log.warning("rescue: committed step %d at %s, %.2f s after the failure (rank %d wrote "

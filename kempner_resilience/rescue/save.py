@@ -16,7 +16,7 @@ import contextlib
 import io
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,10 +57,13 @@ def _state_dict(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes
 
 def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes], step: int,
                  *, root: Path, run_id: str | None, io_threads: int, world_size: int,
-                 extra: Mapping[str, Any]) -> CheckpointInfo:
+                 extra: Mapping[str, Any],
+                 still_valid: Callable[[], str | None] = lambda: None) -> CheckpointInfo:
     """Write and commit the state of boundary ``step`` under ``root``; ``blobs`` holds every
     rank's snapshot of it. ``extra`` goes into the manifest (run id, job, the rescue's record).
-    Raises CheckpointError (nothing committed) on any failure."""
+    ``still_valid`` runs after the write, before the commit: a reason there (the live state
+    moved during the write) commits nothing. Raises CheckpointError (nothing committed) on any
+    failure."""
     t0 = time.monotonic()
     sd = _state_dict(state, boundary, blobs, step)
     try:
@@ -73,8 +76,12 @@ def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, byte
     try:
         writer = ChecksummingWriter(path, threads=io_threads)
         dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
-        status = commit.commit(path, step, "rescue", [(writer.files, None)], t0, 0.0,
-                               world_size, manifest, {"run_id": run_id, **extra})
+        # What was checked before the write, checked again: the files hold the live tensors
+        # as they were while written, so they are the boundary's only if nothing stepped.
+        status = still_valid()
+        if status is None:
+            status = commit.commit(path, step, "rescue", [(writer.files, None)], t0, 0.0,
+                                   world_size, manifest, {"run_id": run_id, **extra})
     except (Exception, CheckpointException) as e:
         status = describe_error(e)
     if status is not None:

@@ -8,6 +8,12 @@ would, once:
     --kill-in-optim R:S   with --optim-collective, rank R SIGKILLs itself inside its optimizer
                           step S: the others fail inside optimizer.step()
     --hang-at R:S         rank R hangs in step S in a C call that holds the GIL
+    --stall-until-claim R:S
+                          rank R stalls in step S before its forward pass (a sleep: the GIL is
+                          free, as in a data-loader or NFS stall) until a rescue claim appears
+                          in the checkpoint directory, then 0.05 s more, and goes on
+    --slow-rescue-write T the rescue's checkpoint writer sleeps T s before writing its data
+                          (slow storage), in every launch
     --optim-collective    every optimizer step starts with an all-reduce on its own gloo group
                           (as an optimizer that syncs a global norm would), in every launch
     --ballast-mb N        an extra replicated module holding N MB (a rescue that takes a while)
@@ -54,6 +60,25 @@ def _hang_holding_the_gil() -> None:
     libc.pthread_mutex_lock(mutex)
 
 
+def _stall_until_claim(ckpt_dir: str) -> None:
+    # Bounded: a rescue claims within seconds of the hang watchdog firing, or never will.
+    end = time.monotonic() + 120.0
+    while time.monotonic() < end and not list(Path(ckpt_dir).glob(".rescue/*/claim")):
+        time.sleep(0.001)
+    time.sleep(0.05)
+
+
+def _slow_rescue_writes(seconds: float) -> None:
+    from kempner_resilience.rescue import save
+
+    class SlowWriter(save.ChecksummingWriter):
+        def write_data(self, plan, planner):
+            time.sleep(seconds)
+            return super().write_data(plan, planner)
+
+    save.ChecksummingWriter = SlowWriter
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, required=True)
@@ -64,6 +89,8 @@ def main() -> int:
     p.add_argument("--kill-at")
     p.add_argument("--kill-in-optim")
     p.add_argument("--hang-at")
+    p.add_argument("--stall-until-claim")
+    p.add_argument("--slow-rescue-write", type=float, default=0.0)
     p.add_argument("--optim-collective", action="store_true")
     p.add_argument("--ballast-mb", type=int, default=0)
     p.add_argument("--no-ddp-unsynced", action="store_true")
@@ -72,8 +99,11 @@ def main() -> int:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     first = os.environ.get("KEMPNER_RESTART_COUNT", "0") == "0"
-    kill, kill_optim, hang = (_at(a) if first else (-1, -1)
-                              for a in (args.kill_at, args.kill_in_optim, args.hang_at))
+    kill, kill_optim, hang, stall = (
+        _at(a) if first else (-1, -1)
+        for a in (args.kill_at, args.kill_in_optim, args.hang_at, args.stall_until_claim))
+    if args.slow_rescue_write:
+        _slow_rescue_writes(args.slow_rescue_write)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if args.no_ddp_unsynced:
         state = build(rank, world, seed=rank, ddp=False)
@@ -101,6 +131,8 @@ def main() -> int:
             step_now[0] = step
             if (rank, step) == hang:
                 _hang_holding_the_gil()
+            if (rank, step) == stall:
+                _stall_until_claim(cfg.checkpoint.dir)
             x, y = next(data)
             optim.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
