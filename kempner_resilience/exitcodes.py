@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import signal
 
-__all__ = ["ExitCode", "describe", "for_signal_stop", "TABLE"]
+__all__ = ["ExitCode", "describe", "for_signal_stop", "TABLE", "RUN_AGAIN"]
 
 
 class ExitCode(enum.IntEnum):
@@ -86,6 +86,13 @@ TABLE: dict[ExitCode, str] = {
     ExitCode.SIGTERM: "stopped by SIGTERM (preemption, scancel): checkpoint committed; a second "
                       "SIGTERM exits at once with this code",
 }
+
+
+# The codes after which the job is to run again, from its newest committed checkpoint: what a
+# requeueing scheduler reruns (REQUEUE: the run asked for it; HANG and PEER_LOST: a failure the
+# survivors may have rescued, which a site's requeue-on-failure reruns). A local launcher
+# (`kempner-resilience launch`) relaunches after exactly these; every other code ends the job.
+RUN_AGAIN: frozenset[ExitCode] = frozenset({ExitCode.REQUEUE, ExitCode.HANG, ExitCode.PEER_LOST})
 
 
 def for_signal_stop(signum: int) -> ExitCode:

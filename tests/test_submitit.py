@@ -133,6 +133,80 @@ def test_takeover_submitit_handler_never_runs(tmp_path, mode, code):
         assert "handled as soon as the run starts" in res.stderr
 
 
+# ------------------------------------------------------------------------ local executor
+# submitit's local executor (no SLURM): a controller process starts the tasks on this machine.
+
+def _local_executor(folder: Path, tasks: int = 2):
+    executor = submitit.AutoExecutor(folder=str(folder), cluster="local")
+    executor.update_parameters(timeout_min=30, tasks_per_node=tasks)
+    return executor
+
+
+def test_two_local_tasks_are_ranks_0_and_1_of_one_rendezvous(tmp_path):
+    job = krs.submit("os:environ.copy", executor=_local_executor(tmp_path / "logs"))
+    krs.wait(job, timeout=120)
+    envs = job.results()
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2"), ("1", "1", "2")]
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert [e["KEMPNER_RESTART_COUNT"] for e in envs] == ["0", "0"]
+
+
+def test_wait_notices_at_once_that_a_local_job_ended_without_a_result(tmp_path):
+    import threading
+
+    job = krs.submit("os:_exit", 75, executor=_local_executor(tmp_path / "logs", tasks=1))
+    outcome: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            krs.wait(job, timeout=600)
+        except BaseException as e:      # noqa: BLE001  (the test inspects it)
+            outcome.append(e)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    thread.join(120)     # far below wait's own timeout: only a prompt answer gets here
+    assert not thread.is_alive(), "wait() still waiting for a local job that has ended"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert "ended without a result" in str(outcome[0])
+
+
+def test_a_local_job_interrupted_from_the_notebook_checkpoints_requeues_and_resumes_bitwise(
+        tmp_path):
+    steps, ntasks = 30, 2
+    runs = {}
+    for name in ("ref", "int"):
+        d = tmp_path / name
+        (d / "ck").mkdir(parents=True)
+        runs[name] = (d, krs.submit(
+            train_demo, executor=_local_executor(d / "logs", ntasks),
+            overrides=[f"checkpoint.dir={d / 'ck'}"], steps=steps, step_time=0.1,
+            out=str(d / "w.pt"), progress=str(d / "progress.txt")))
+    d, job = runs["int"]
+    t0 = time.monotonic()
+    while True:  # interrupt once both ranks are a few steps in (and well before the end)
+        seen = _progress_steps(d / "progress.txt")
+        if len(seen) == ntasks and min(seen.values()) >= 5:
+            break
+        assert time.monotonic() - t0 < 240, f"no progress: {seen}"
+        time.sleep(0.1)
+    job._interrupt()                  # as a notebook user tries preemption
+    results = {}
+    for name, (_, j) in runs.items():
+        krs.wait(j, timeout=300)
+        results[name] = j.results()
+    ref, res = results["ref"], results["int"]
+    assert [(r["rank"], r["world"]) for r in res] == [(0, 2), (1, 2)]
+    assert [r["restart_count"] for r in res] == [1, 1]       # started again once, by the controller
+    emergency = [p.name for p in (d / "ck").glob("step_*")
+                 if '"reason":"emergency"' in (p / "MANIFEST.json").read_text()]
+    assert len(emergency) == 1
+    out = (d / "logs" / f"{job.job_id}_0_log.out").read_text()
+    assert f"resumed at step {int(emergency[0].removeprefix('step_'))}" in out, out[-2000:]
+    assert ref[0]["digest"] and res[0]["digest"] == ref[0]["digest"]
+
+
 # ------------------------------------------------------------------------ real cluster
 
 def _progress_steps(path: Path) -> dict[int, int]:

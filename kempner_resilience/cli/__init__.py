@@ -5,8 +5,8 @@ a user reading a SLURM log at 3 a.m. needs the problem and the fix, not our stac
 
 The small verbs (``config``, ``exit-codes``) live here; the others in their own modules, which
 only use the library: ``checkpoints.py`` (ls, verify), ``slurm.py`` (doctor, sbatch),
-``demo.py`` and ``demo_slurm.py`` (demo), ``torchrun.py`` (torchrun). ``common.py`` holds what
-they share.
+``demo.py`` and ``demo_slurm.py`` (demo), ``launch.py`` (launch), ``torchrun.py`` (torchrun).
+``common.py`` holds what they share.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_verbs() -> None:
     # Verbs with heavier imports live in their own modules, loaded only to run the command.
-    from kempner_resilience.cli import checkpoints, demo, report, slurm, torchrun
+    from kempner_resilience.cli import checkpoints, demo, launch, report, slurm, torchrun
 
-    for module in (demo, checkpoints, report, slurm, torchrun):
+    for module in (demo, launch, checkpoints, report, slurm, torchrun):
         for verb in module.VERBS:
             _VERBS.setdefault(verb.name, verb)
 

@@ -35,7 +35,7 @@ def train_demo(steps: int = 40, step_time: float = 0.0, out: str | None = None,
         argv.append("--quiet")
     code = train.main(argv)
     rank = int(os.environ.get("RANK", "0"))
-    restart = os.environ.get("SLURM_RESTART_COUNT", "")
+    restart = os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("KEMPNER_RESTART_COUNT", "")
     return {"rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1")), "steps": steps,
             "exit": code, "restart_count": int(restart) if restart.isdigit() else 0,
             "digest": weights_digest(out) if out and rank == 0 else None}

@@ -37,6 +37,15 @@ What this module adds is the hand-over between submitit and ``ResilientRun``:
   UNKNOWN and ``job.result()`` would wait forever for a job that failed; ``wait(job)`` polls
   ``scontrol show job`` and raises with the log's tail instead.
 
+Without SLURM (submitit's local executor: ``AutoExecutor(folder, cluster="local")`` or
+``LocalExecutor``, how a notebook user tries things first) the same flow works on this machine:
+each task gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from submitit's
+``SUBMITIT_LOCAL_*`` variables and ``KEMPNER_RESTART_COUNT`` (its earlier starts); a requeue
+exits with 144, the code on which submitit's local controller starts the tasks again (it reruns
+nothing on 75); ``interrupt(job)`` (and ``job._interrupt()`` on a job from ``submit``) sends the
+preemption signal to the tasks, where submitit's own ``_interrupt()`` sends it to the local
+controller, which dies of it; and ``wait`` sees at once that the controller has ended.
+
 SIGTERM: submitit ignores it (its preemption signal is USR2; ``job._interrupt()`` sends TERM,
 then USR2). ``sigterm="ignore"`` (default) keeps that contract, so ``_interrupt()`` and real
 preemption with ``preempt_send_user_signal`` checkpoint and requeue. ``sigterm="stop"`` makes
@@ -60,11 +69,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from kempner_resilience.config import ResilienceConfig, load_config, normalize_signal
-from kempner_resilience.integrations.submitit_signals import SignalTakeover, in_submitit_job
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.integrations.submitit_signals import (SignalTakeover, in_local_task,
+                                                              in_submitit_job)
 from kempner_resilience.log import get_logger
 
-__all__ = ["ResilientJob", "submit", "make_executor", "wait", "preempt_signal",
-           "check_small", "resolve_callable", "MAX_PICKLE_BYTES"]
+__all__ = ["ResilientJob", "submit", "make_executor", "wait", "interrupt", "preempt_signal",
+           "check_small", "resolve_callable", "MAX_PICKLE_BYTES", "LOCAL_REQUEUE_CODE"]
 
 log = get_logger(__name__)
 
@@ -73,6 +84,10 @@ log = get_logger(__name__)
 MAX_PICKLE_BYTES = 1 << 20
 
 _SIGTERM_MODES = ("ignore", "stop")
+
+# submitit.local.local.LOCAL_REQUEUE_RETURN_CODE: the local controller starts the tasks again
+# when one exits with it (up to 6 times), and on no other code.
+LOCAL_REQUEUE_CODE = 144
 
 
 def preempt_signal() -> int:
@@ -172,6 +187,10 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
         out = [f"signals.actions.{preempt}=requeue"]
         if preempt != "SIGTERM":
             out.append(f"signals.actions.SIGTERM={term}")
+        if in_local_task():
+            # The run's SystemExit must reach __call__, which turns a requeue (75) into the
+            # local controller's 144; in `exit` mode the process would leave with 75 anyway.
+            out.append("watchdog.exit_mode=raise")
         return out
 
     def resolve_config(self) -> ResilienceConfig:
@@ -200,17 +219,36 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
     # -------------------------------------------------------------- job side
 
     def __call__(self) -> Any:
+        local = in_local_task()
+        controller = os.getppid()
+        if local:
+            _setup_local_env()
+        else:
+            _setup_rank_env()
         fn = resolve_callable(self.fn)
         cfg = self.resolve_config()
-        _setup_rank_env()
         os.environ["KEMPNER_RESILIENCE_CONFIG"] = _write_config_file(cfg)
         takeover = SignalTakeover(preempt_signal(), self.sigterm)
         takeover.install()
+        if local:     # after the takeover: the signal must take our path, not submitit's
+            _preempt_when_controller_dies()
         kwargs = dict(self.kwargs)
         if _accepts(fn, "config") and "config" not in kwargs:
             kwargs["config"] = cfg
         try:
             return fn(*self.args, **kwargs)
+        except SystemExit as e:
+            if local and e.code == ExitCode.REQUEUE:
+                if os.getppid() == controller:
+                    log.warning("requeue: exiting with %d, on which submitit's local "
+                                "controller starts the tasks again; they resume from the "
+                                "checkpoint", LOCAL_REQUEUE_CODE)
+                else:
+                    log.warning("requeue: the local controller is gone (killed by submitit's "
+                                "_interrupt()?); resubmit the job to resume from the "
+                                "checkpoint (krs.interrupt(job) preempts a local job)")
+                raise SystemExit(LOCAL_REQUEUE_CODE) from None
+            raise
         finally:
             takeover.finish()
 
@@ -255,11 +293,70 @@ def _setup_rank_env() -> None:
     setup_torch_env()
 
 
+# A local task inherits the notebook's environment: inside an allocation these would make the
+# run `scontrol requeue` the allocation itself, and a stale RANK would make every task rank 0.
+_OUTER_JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
+
+
+def _setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A task of submitit's local executor: the rank variables from its ``SUBMITIT_LOCAL_*``
+    ones (the controller's, which are authoritative: they replace inherited values), a
+    rendezvous port derived from the local job id (every task computes the same one), and
+    ``KEMPNER_RESTART_COUNT``: how often this task was started before (the controller restarts
+    the tasks after a requeue without saying so; the count is kept in a file next to the logs).
+    Returns what was set."""
+    from kempner_resilience.slurm.env import master_port
+
+    env: Any = os.environ if environ is None else environ
+    for key in _OUTER_JOB_VARS:
+        env.pop(key, None)
+    job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "") or str(os.getppid())
+    rank = env.get("SUBMITIT_LOCAL_GLOBALID", "0")
+    world = env.get("SUBMITIT_LOCAL_NTASKS", "1")
+    values = {"RANK": rank, "WORLD_SIZE": world,
+              "LOCAL_RANK": env.get("SUBMITIT_LOCAL_LOCALID", rank), "LOCAL_WORLD_SIZE": world,
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port(job_id)),
+              "KEMPNER_RESTART_COUNT": str(_count_start(env, job_id, rank))}
+    env.update(values)
+    log.debug("local submitit task: %s", values)
+    return values
+
+
+def _preempt_when_controller_dies() -> None:
+    """Ask the kernel for the preemption signal when the local controller dies: submitit's own
+    ``job._interrupt()`` kills it (no handler for its signal), and the tasks then checkpoint
+    instead of training on unseen (a later resubmission resumes)."""
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, preempt_signal())   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:       # it died before the request: act now
+        os.kill(os.getpid(), preempt_signal())
+
+
+def _count_start(env: Mapping[str, str], job_id: str, rank: str) -> int:
+    """Earlier starts of this task of this local job; records this one."""
+    folder = env.get("SUBMITIT_FOLDER", "").replace("%j", job_id)
+    base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
+    path = base / f"{job_id}_{rank}_kr_starts"
+    try:
+        before = len(path.read_text().splitlines()) if path.exists() else 0
+        with open(path, "a") as f:
+            f.write(f"{time.time():.3f}\n")
+    except OSError as e:   # the count only feeds the restart budget and the ledger
+        log.warning("cannot count this task's starts in %s (%s): taken as the first", path, e)
+        return 0
+    return before
+
+
 def _write_config_file(cfg: ResilienceConfig) -> str:
     import yaml
 
     folder = os.environ.get("SUBMITIT_FOLDER")
-    job = os.environ.get("SLURM_JOB_ID", "local")
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or "local"
     rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
     base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
     path = base / f"{job}_{rank}_resilience.yaml"
@@ -345,7 +442,36 @@ def submit(fn: Callable[..., Any] | str, *args: Any,
     elif slurm:
         executor.update_parameters(**dict(slurm))
     job = ResilientJob(fn, *args, config=config, overrides=overrides, sigterm=sigterm, **kwargs)
-    return executor.submit(job)
+    submitted = executor.submit(job)
+    if _is_local_job(submitted):
+        # submitit's _interrupt() signals the local controller, which dies of it: the tasks
+        # never hear of it. This class sends it to the tasks instead (see interrupt()).
+        from kempner_resilience.integrations.submitit_local import ResilientLocalJob
+
+        submitted.__class__ = ResilientLocalJob
+    return submitted
+
+
+def _is_local_job(job: Any) -> bool:
+    """A job of submitit's local executor (its controller is a child process of ours)."""
+    try:
+        from submitit.local.local import LocalJob
+    except ImportError:
+        return False
+    return isinstance(job, LocalJob)
+
+
+def interrupt(job: Any) -> None:
+    """Send the preemption signal to every task of ``job``, as SLURM does at preemption or near
+    the time limit: the tasks checkpoint and requeue. For a SLURM job this is
+    ``job._interrupt()``; for a local one the signal goes to the task processes (submitit's
+    ``_interrupt()`` would send it to the local controller, which dies of it)."""
+    if not _is_local_job(job):
+        job._interrupt()
+        return
+    from kempner_resilience.integrations.submitit_local import interrupt_tasks
+
+    interrupt_tasks(job)
 
 
 _TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
@@ -369,12 +495,17 @@ def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
 
     deadline = None if timeout is None else time.monotonic() + timeout
     job_id, tasks = _job_ids(job)
+    local = _is_local_job(job)
     ended_since: float | None = None
     last = ""
     while True:
         if all(t.paths.result_pickle.exists() for t in tasks):
             return job
-        info = show_job(job_id, timeout=10.0)
+        if local:
+            _check_local(job, tasks)
+            info = None
+        else:
+            info = show_job(job_id, timeout=10.0)
         state = (info or {}).get("JobState", "")
         last = state or last
         if state in _TERMINAL:
@@ -389,6 +520,27 @@ def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
             raise TimeoutError(f"job {job_id} has no result after {timeout} s (state "
                                f"{last or 'unknown'}):\n" + _log_tail(job))
         time.sleep(poll)
+
+
+def _check_local(job: Any, tasks: list[Any]) -> None:
+    """Raise when a local job's controller has ended without every result: it waits for all
+    its tasks before it ends, so nothing more will come (no scheduler to ask, no grace)."""
+    proc = getattr(job, "_process", None)
+    code = None if proc is None else proc.poll()
+    if proc is not None and code is None:
+        return
+    if all(t.paths.result_pickle.exists() for t in tasks):
+        return
+    if proc is None:
+        why = "its controller is not a child of this process (another session?)"
+    elif code < 0:
+        why = (f"its controller was killed by {signal.Signals(-code).name} (submitit's "
+               "_interrupt() does that; krs.interrupt(job) preempts the tasks instead); its "
+               "tasks got the preemption signal and checkpoint on their own")
+    else:
+        why = "its tasks exited without a result (a task's exit code is in its log)"
+    raise RuntimeError(f"local job {job.job_id} ended without a result: {why}; resubmit it to "
+                       "resume from its newest checkpoint:\n" + _log_tail(job))
 
 
 def _log_tail(job: Any, lines: int = 30) -> str:

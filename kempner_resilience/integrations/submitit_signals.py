@@ -15,15 +15,23 @@ from typing import Any
 
 from kempner_resilience.log import get_logger
 
-__all__ = ["SignalTakeover", "in_submitit_job"]
+__all__ = ["SignalTakeover", "in_submitit_job", "in_local_task"]
 
 # One logger for the whole integration, as before the split: users filter their logs on it.
 log = get_logger("kempner_resilience.integrations.submitit")
 
 
+def in_local_task() -> bool:
+    """True in a task that submitit's local executor started (its controller sets
+    ``SUBMITIT_EXECUTOR=local`` and numbers the tasks with ``SUBMITIT_LOCAL_GLOBALID``)."""
+    return (os.environ.get("SUBMITIT_EXECUTOR") == "local"
+            and "SUBMITIT_LOCAL_GLOBALID" in os.environ)
+
+
 def in_submitit_job() -> bool:
-    """True in a job process that submitit started under SLURM."""
-    return bool(os.environ.get("SUBMITIT_FOLDER")) and bool(os.environ.get("SLURM_JOB_ID"))
+    """True in a job process that submitit started, under SLURM or its local executor."""
+    return bool(os.environ.get("SUBMITIT_FOLDER")) and (bool(os.environ.get("SLURM_JOB_ID"))
+                                                        or in_local_task())
 
 
 def _run_active() -> bool:

@@ -1,0 +1,100 @@
+"""`kempner-resilience launch`: run one's own script on local ranks until it is done.
+
+    kempner-resilience launch --ranks 2 [--max-restarts 20] -- python train.py [args]
+
+The loop SLURM runs for a requeueable job, on one machine (``integrations/local.py``): every
+rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT and ``KEMPNER_RESTART_COUNT``; a
+launch whose ranks exit with a run-again code (75 REQUEUE, 42 HANG, 81 PEER_LOST) is started
+again from the newest checkpoint, within the restart budget. Ctrl+C (or a SIGTERM to this
+process) gives each rank one SIGINT (SIGTERM): they checkpoint and exit 130 (143), and there is
+no relaunch. The exit status is the ranks' code of the last launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+from kempner_resilience.cli.common import CliError, Verb
+from kempner_resilience.exitcodes import RUN_AGAIN, describe
+from kempner_resilience.log import get_logger
+
+__all__ = ["VERBS"]
+
+_log = get_logger(__name__)
+
+DEFAULT_MAX_RESTARTS = 20     # the same as requeue.max_restarts' default
+
+
+def _setup(p: argparse.ArgumentParser) -> None:
+    p.usage = "%(prog)s --ranks N [--max-restarts K] -- COMMAND [ARGS...]"
+    p.add_argument("--ranks", type=int, default=1, metavar="N",
+                   help="processes to start (ranks 0..N-1 on this machine); default 1")
+    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="K",
+                   help="relaunch at most K times (0: run once); default "
+                        f"{DEFAULT_MAX_RESTARTS}, as requeue.max_restarts, which the ranks "
+                        "check against KEMPNER_RESTART_COUNT themselves")
+    p.add_argument("--stop-timeout", type=float, default=120.0, metavar="S",
+                   help="after Ctrl+C or SIGTERM, seconds the ranks get to checkpoint and exit "
+                        "before they are killed; default 120")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the command every rank runs, e.g. python train.py --lr 0.1")
+    codes = ", ".join(f"{int(c)} {c.name}" for c in sorted(RUN_AGAIN))
+    p.epilog = (f"Relaunched after {codes} (what a requeueing scheduler reruns); stops on 0, "
+                "on any other code and when the budget is spent. The exit status is the "
+                "ranks' code of the last launch (when they differ: the lowest rank's code among "
+                "those that exited on their own; 128+N for a rank killed by signal N); 130 "
+                "after Ctrl+C.")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kempner_resilience.integrations.local import LocalLauncher, Launch
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise CliError("give the command every rank runs, e.g. `kempner-resilience launch "
+                       "--ranks 2 -- python train.py`", 2)
+    if args.ranks < 1:
+        raise CliError(f"--ranks {args.ranks}: give 1 or more", 2)
+    if args.max_restarts < 0:
+        raise CliError(f"--max-restarts {args.max_restarts}: give 0 (run once) or more", 2)
+    if args.stop_timeout <= 0:
+        raise CliError(f"--stop-timeout {args.stop_timeout}: give a positive number of "
+                       "seconds", 2)
+    if shutil.which(command[0]) is None:
+        raise CliError(f"{command[0]!r}: no such command (not a file, not on PATH)", 2)
+
+    def told(launch: Launch) -> None:
+        code = launch.exit_code
+        what = f"launch {launch.index + 1} (KEMPNER_RESTART_COUNT={launch.index}): ranks " \
+               f"exited {launch.exit_codes} -> {describe(code).split(':')[0]}"
+        if launch.killed:
+            what += f"; ranks {launch.killed} did not stop within --stop-timeout and were killed"
+        if launch.interrupted:
+            _log.warning("%s; stopped by a signal to the launcher: not relaunched", what)
+        elif int(code) in {int(c) for c in RUN_AGAIN}:
+            if launch.index < args.max_restarts:
+                _log.warning("%s; relaunching (restart %d of %d)", what, launch.index + 1,
+                             args.max_restarts)
+            else:
+                _log.error("%s; the restart budget (--max-restarts %d) is spent: not "
+                           "relaunched", what, args.max_restarts)
+        elif code == 0:
+            _log.info("%s: done", what)
+        else:
+            _log.error("%s; not relaunched", what)
+
+    launcher = LocalLauncher(command, ranks=args.ranks, workdir=None,
+                             max_launches=args.max_restarts + 1, on_launch=told,
+                             stop_timeout_s=args.stop_timeout)
+    launches = launcher.run()
+    return launches[-1].exit_code
+
+
+VERBS = [
+    Verb("launch", "run your script as N local ranks and relaunch it from its checkpoint while "
+         "it asks to run again (75), as SLURM's requeue would; Ctrl+C checkpoints", _setup,
+         _run),
+]

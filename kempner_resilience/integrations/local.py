@@ -1,0 +1,299 @@
+"""A local launcher that plays the scheduler when no SLURM is present.
+
+It does what SLURM does for a requeueable job, on one machine: start one process per rank
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; gloo or NCCL, a
+fresh port per launch), and start the job again when it exits with a code of
+``exitcodes.RUN_AGAIN`` (REQUEUE, or HANG/PEER_LOST, as a site's requeue-on-failure would), up
+to a restart budget. ``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
+``SLURM_RESTART_COUNT`` does: the run's restart budget (``requeue.max_restarts``), its
+no-progress guard and its ledger count the attempts from it. ``kempner-resilience launch`` runs a
+user's script with it; ``kempner-resilience demo`` runs the demo trainer, with a work directory
+for the ranks' logs and a progress file that lets it deliver a signal at a chosen step (as
+``--signal=USR1@T`` would).
+
+Ctrl+C works as with torchrun: the ranks run in sessions of their own, so a terminal's SIGINT
+(sent to the launcher's whole process group) reaches only the launcher, which forwards exactly
+one SIGINT to every rank: they agree on a step, commit the checkpoint and exit 130. A second
+Ctrl+C forwards a second SIGINT, which forces every rank out at once. A SIGTERM to the launcher
+(``kill``) is forwarded the same way (checkpoint, 143). Every wait after such a signal is
+bounded (``stop_timeout_s``); ranks still alive then are killed, so none is ever left behind,
+and ranks whose launcher dies get SIGTERM from the kernel (a graceful stop).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kempner_resilience.exitcodes import RUN_AGAIN
+
+__all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "RELAUNCH_CODES",
+           "FORWARDED_SIGNALS"]
+
+RELAUNCH_CODES = frozenset(int(c) for c in RUN_AGAIN)
+# Signals to the launcher that it forwards to every rank (once per signal received).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The variables by which a rank finds its SLURM job. Started from inside an allocation (salloc,
+# an sbatch script), a rank that saw them would `scontrol requeue` the allocation itself; here
+# the launcher is the ranks' scheduler, so they are not passed on.
+_SCHEDULER_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_launcher() -> None:
+    # Runs in the child between fork and exec. Ranks live in their own session (no terminal
+    # SIGINT), so without this a launcher killed with SIGKILL would leave them running.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def free_port() -> int:
+    """A free TCP port for a local rendezvous, below the kernel's ephemeral range (32768+) and
+    SLURM's ``master_port`` range (20000-31999): a port the kernel handed out for ``bind(0)``
+    can be taken as the local end of any new connection (gloo opens many) before rank 0 binds
+    it, and the other ranks then wait for a store that never comes."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, 20000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:      # everything there taken: let the kernel choose
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_exit_code(codes: Sequence[int]) -> int:
+    """One code for a launch from its ranks' exit statuses (``Popen.returncode``: negative for a
+    rank killed by a signal, reported as a shell does, 128 + the signal).
+
+    The ranks' code when they agree; else the lowest rank's non-zero code among the ranks that
+    exited on their own: the survivors of a killed rank say what happened (PEER_LOST after a
+    rescue), the killed one only that it was killed. A killed rank's code when all were killed.
+    """
+    shell = [c if c >= 0 else 128 - c for c in codes]
+    failed = [s for c, s in zip(codes, shell) if s != 0]
+    if not failed:
+        return 0
+    own = [s for c, s in zip(codes, shell) if s != 0 and c > 0]
+    return (own or failed)[0]
+
+
+@dataclass
+class Launch:
+    """What one launch of all ranks did."""
+
+    index: int
+    exit_codes: list[int]
+    started_step: int | None
+    seconds: float
+    signal_name: str | None = None
+    signal_step: int | None = None
+    signal_to_exit_s: float | None = None
+    report: dict = field(default_factory=dict)
+    stderr_tail: list[str] = field(default_factory=list)
+    interrupted: bool = False     # stopped by Ctrl+C or SIGTERM to the launcher: not relaunched
+    killed: list[int] = field(default_factory=list)   # ranks killed after stop_timeout_s
+
+    @property
+    def exit_code(self) -> int:
+        """The job's code: the ranks' when they agree, else see ``job_exit_code``."""
+        return job_exit_code(self.exit_codes)
+
+
+class LocalLauncher:
+    """Runs ``command`` as ``ranks`` processes until it completes or stops asking to rerun.
+
+    ``workdir``: where each launch's rank logs (``rank<r>.<launch>.log``, stdout dropped),
+    progress file and run report go, the ranks' working directory; the command then gets
+    ``--progress FILE`` appended (the demo trainer's option). None: the ranks write to this
+    process's stdout/stderr and run in its working directory, the command unchanged (a user's
+    script). ``interrupts`` (work directory only) maps a training step to the signal delivered
+    when rank 0 reaches it (each is delivered once over the whole job). ``on_progress(launch,
+    step)`` is called as steps complete, ``on_launch(launch)`` after each launch.
+    ``max_launches``: the first launch and the relaunches together.
+    """
+
+    def __init__(self, command: list[str], *, ranks: int, workdir: Path | None,
+                 interrupts: dict[int, str] | None = None, max_launches: int = 10,
+                 env: dict[str, str] | None = None,
+                 on_progress: Callable[[int, int], None] | None = None,
+                 on_launch: Callable[[Launch], None] | None = None,
+                 relaunch_codes: set[int] | frozenset[int] = RELAUNCH_CODES,
+                 stop_timeout_s: float = 60.0) -> None:
+        if workdir is None and interrupts:
+            raise ValueError("interrupts need a workdir (rank 0's progress file is read there)")
+        self.command = list(command)
+        self.ranks = ranks
+        self.workdir = None if workdir is None else Path(workdir)
+        self.pending = dict(sorted((interrupts or {}).items()))
+        self.max_launches = max_launches
+        self.env = env or {}
+        self.on_progress = on_progress
+        self.on_launch = on_launch
+        self.relaunch_codes = frozenset(relaunch_codes)
+        self.stop_timeout_s = stop_timeout_s
+        self.launches: list[Launch] = []
+        self._received: list[int] = []     # signals to forward, appended by the handler
+
+    def run(self) -> list[Launch]:
+        """Launch until the job completes, stops asking to rerun, or Ctrl+C/SIGTERM stops it
+        (then the last launch has ``interrupted`` set). SIGINT and SIGTERM are taken over while
+        this runs (main thread only: elsewhere Ctrl+C keeps raising KeyboardInterrupt, which is
+        handled the same way)."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
+            if main else {}
+        try:
+            for index in range(self.max_launches):
+                launch = self._launch(index)
+                if self._received:      # a signal after the ranks had exited: no relaunch
+                    launch.interrupted = True
+                    del self._received[:]
+                self.launches.append(launch)
+                if self.on_launch:
+                    self.on_launch(launch)
+                if launch.interrupted or launch.exit_code not in self.relaunch_codes:
+                    break
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return self.launches
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._received.append(signum)       # only record: the wait loop forwards it
+
+    def rank_env(self, rank: int, port: str, index: int) -> dict[str, str]:
+        """The environment of ``rank`` in launch ``index``: this process's, less the SLURM job
+        variables, plus ``env`` and the rank variables."""
+        env = {k: v for k, v in os.environ.items() if k not in _SCHEDULER_VARS}
+        env.update(self.env)
+        env.update(RANK=str(rank), WORLD_SIZE=str(self.ranks), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(self.ranks), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, KEMPNER_RESTART_COUNT=str(index), PYTHONUNBUFFERED="1")
+        return env
+
+    def _launch(self, index: int) -> Launch:
+        progress = report = None
+        command = self.command
+        if self.workdir is not None:
+            progress = self.workdir / f"progress.{index}"
+            report = self.workdir / f"report.{index}.json"
+            for p in (progress, report):
+                p.unlink(missing_ok=True)
+            command = command + ["--progress", str(progress)]
+        port = str(free_port())
+        procs = []
+        t0 = time.monotonic()
+        for rank in range(self.ranks):
+            env = self.rank_env(rank, port, index)
+            err = None
+            if self.workdir is not None:
+                env["KEMPNER_RESILIENCE_REPORT"] = str(report)
+                err = open(self.workdir / f"rank{rank}.{index}.log", "w")
+            try:
+                procs.append(subprocess.Popen(
+                    command, env=env, cwd=self.workdir, start_new_session=True,
+                    stdout=subprocess.DEVNULL if err else None, stderr=err,
+                    preexec_fn=_die_with_launcher))
+            except BaseException:
+                self._signal_all(procs, signal.SIGKILL)  # no rank outlives a failed start
+                raise
+            finally:
+                if err is not None:
+                    err.close()         # the rank holds its own copy
+        launch = Launch(index, [], None, 0.0)
+        sent_at = None
+        seen = 0
+        forwarded = 0            # signals to the launcher forwarded to the ranks
+        stop_by: float | None = None
+        try:
+            while any(p.poll() is None for p in procs):
+                while len(self._received) > forwarded:
+                    signum = self._received[forwarded]
+                    forwarded += 1
+                    launch.interrupted = True
+                    stop_by = stop_by or time.monotonic() + self.stop_timeout_s
+                    self._signal_all(procs, signum)
+                if stop_by is not None and time.monotonic() > stop_by:
+                    launch.killed = [r for r, p in enumerate(procs) if p.poll() is None]
+                    self._signal_all(procs, signal.SIGKILL)
+                    break
+                steps = _rank0_steps(progress) if progress is not None else []
+                if steps and launch.started_step is None:
+                    launch.started_step = steps[0]
+                if steps and len(steps) != seen:
+                    seen = len(steps)
+                    if self.on_progress:
+                        self.on_progress(index, steps[-1])
+                if steps and self.pending and sent_at is None and not launch.interrupted:
+                    at = next(iter(self.pending))
+                    if steps[-1] >= at:
+                        name = self.pending.pop(at)
+                        sent_at = time.monotonic()
+                        # as SLURM does: every task gets the signal
+                        self._signal_all(procs, getattr(signal, name))
+                        launch.signal_name, launch.signal_step = name, steps[-1]
+                time.sleep(0.005)
+        except KeyboardInterrupt:      # not on the main thread, or before run() took SIGINT
+            launch.interrupted = True
+            self._signal_all(procs, signal.SIGINT)
+            _wait_all(procs, self.stop_timeout_s)
+        finally:
+            # Whatever ended the wait (an error here included), no rank outlives the launch.
+            self._signal_all(procs, signal.SIGKILL)
+        # The received signals are consumed: a relaunch must not forward them again.
+        del self._received[:forwarded]
+        ended = time.monotonic()
+        launch.exit_codes = [p.wait() for p in procs]      # all dead by now: returns at once
+        launch.seconds = ended - t0
+        if sent_at is not None:
+            launch.signal_to_exit_s = ended - sent_at
+        if report is not None and report.exists():
+            launch.report = json.loads(report.read_text())
+        if self.workdir is not None:
+            log0 = (self.workdir / f"rank0.{index}.log").read_text(errors="replace")
+            launch.stderr_tail = log0.splitlines()[-15:]
+        return launch
+
+    @staticmethod
+    def _signal_all(procs: list[subprocess.Popen], signum: int) -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(end - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _rank0_steps(progress: Path) -> list[int]:
+    try:
+        text = progress.read_text()
+    except FileNotFoundError:
+        return []
+    return [int(line.split()[3]) for line in text.splitlines()
+            if line.startswith("rank 0 step ") and len(line.split()) == 4]
