@@ -75,17 +75,23 @@ def _recorded_by_checkpoints(root: Path) -> str | None:
     except OSError:
         return None
     for e in reversed(entries):
-        if not e.committed:
-            continue
-        rid = (e.manifest or {}).get("run_id")
-        if rid is None:
-            try:
-                rid = (layout.read_marker(e.path) or {}).get("run_id")
-            except Exception:  # noqa: BLE001 - a damaged marker is just no evidence
-                rid = None
+        rid = _recorded_run_id(e) if e.committed else None
         if isinstance(rid, str) and rid:
             return rid
     return None
+
+
+def _recorded_run_id(entry: Any) -> Any:
+    """The run id a checkpoint records: its manifest's, else its ownership marker's."""
+    from kempner_resilience.checkpoint import layout
+
+    rid = (entry.manifest or {}).get("run_id")
+    if rid is None:
+        try:
+            rid = (layout.read_marker(entry.path) or {}).get("run_id")
+        except Exception:  # noqa: BLE001 - a damaged marker is just no evidence
+            rid = None
+    return rid
 
 
 def repair(root: Path, proposed: str | None = None) -> str | None:
@@ -150,18 +156,9 @@ def load_or_create(root: Path, proposed: str | None = None,
 def other_run_ids(entries: Iterable[Any], run_id: str) -> dict[str, list[str]]:
     """``{other_run_id: [step dir names]}`` for committed checkpoints recording another run id
     (checkpoints written before run ids existed record none and count as ours)."""
-    from kempner_resilience.checkpoint import layout
-
     found: dict[str, list[str]] = {}
     for e in entries:
-        if not e.committed:
-            continue
-        rid = (e.manifest or {}).get("run_id")
-        if rid is None:
-            try:
-                rid = (layout.read_marker(e.path) or {}).get("run_id")
-            except Exception:
-                rid = None
+        rid = _recorded_run_id(e) if e.committed else None
         if rid and rid != run_id:
             found.setdefault(str(rid), []).append(e.path.name)
     return found
