@@ -97,3 +97,42 @@ def require(module: str):
             pytest.fail(f"{module} is not installed ({e}); scripts/setup.sh installs it for the "
                         "tests", pytrace=False)
         pytest.skip(f"{module} is not installed")
+
+
+# The rescue tests' job: tests/checkpoint_helpers/rescue_job.py on N local gloo ranks, relaunched
+# once after the codes a lost or hung rank leaves (a SIGKILLed rank included).
+RESCUE_JOB = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py"
+
+
+def run_rescue_job(work: Path, *extra: str, steps: int, every: int, ranks: int,
+                   sets: tuple[str, ...] = (), on_launch=None):
+    """(launches, final weights or None) of the rescue job in ``work``."""
+    import signal
+
+    import torch
+
+    from kempner_resilience.demo.launcher import LocalLauncher
+    from kempner_resilience.exitcodes import ExitCode
+
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "weights.pt"
+    cmd = [sys.executable, str(RESCUE_JOB), "--steps", str(steps), "--out", str(out),
+           "--set", f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={every}"]
+    for s in sets:
+        cmd += ["--set", s]
+    relaunch = {int(ExitCode.PEER_LOST), int(ExitCode.HANG), -signal.SIGKILL}
+    launches = LocalLauncher([*cmd, *extra], ranks=ranks, workdir=work, max_launches=2,
+                             relaunch_codes=relaunch, stop_timeout_s=90,
+                             on_launch=on_launch).run()
+    return launches, torch.load(out, weights_only=True) if out.exists() else None
+
+
+def committed_manifests(work: Path) -> dict[int, dict]:
+    """Step -> manifest of every committed checkpoint in ``work/ckpt``."""
+    from kempner_resilience.checkpoint import layout
+
+    return {e.step: e.manifest for e in layout.scan(work / "ckpt") if e.committed}
+
+
+def rank_logs(work: Path, launch: int = 0) -> str:
+    return "".join(p.read_text() for p in sorted(work.glob(f"rank*.{launch}.log")))

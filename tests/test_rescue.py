@@ -13,44 +13,28 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, committed_manifests, rank_logs, run_rescue_job
 from kempner_resilience.checkpoint import layout
-from kempner_resilience.demo.launcher import LocalLauncher
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.goodput import analyze_dir
 from kempner_resilience.ledger import LEDGER_NAME, read_ledger
 
-HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py"
 STEPS, EVERY, FAIL_AT = 30, 10, 25
-RELAUNCH = {int(ExitCode.PEER_LOST), int(ExitCode.HANG), -signal.SIGKILL}
 
 
-def run_job(work: Path, *extra: str, ranks: int = 4, on_launch=None):
-    work.mkdir(parents=True, exist_ok=True)
-    out = work / "weights.pt"
-    cmd = [sys.executable, str(HELPER), "--steps", str(STEPS), "--out", str(out),
-           "--set", f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={EVERY}",
-           "--set", "rescue.budget_s=20", "--set", "watchdog.hang_timeout_s=60", *extra]
-    launches = LocalLauncher(cmd, ranks=ranks, workdir=work, max_launches=2,
-                             relaunch_codes=RELAUNCH, stop_timeout_s=90,
-                             on_launch=on_launch).run()
-    return launches, torch.load(out, weights_only=True) if out.exists() else None
+def run_job(work: Path, *extra: str, ranks: int = 4, every: int = EVERY, on_launch=None):
+    return run_rescue_job(work, *extra, steps=STEPS, every=every, ranks=ranks,
+                          sets=("rescue.budget_s=20", "watchdog.hang_timeout_s=60"),
+                          on_launch=on_launch)
 
 
-def committed(work: Path) -> dict[int, dict]:
-    return {e.step: e.manifest for e in layout.scan(work / "ckpt") if e.committed}
-
-
-def logs(work: Path, launch: int = 0) -> str:
-    return "".join(p.read_text() for p in sorted(work.glob(f"rank*.{launch}.log")))
+committed, logs = committed_manifests, rank_logs
 
 
 @pytest.fixture(scope="module")

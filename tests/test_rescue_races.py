@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,36 +21,22 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, committed_manifests, rank_logs, run_rescue_job
 from kempner_resilience.checkpoint import layout
-from kempner_resilience.demo.launcher import LocalLauncher
 from kempner_resilience.exitcodes import ExitCode
 
-HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py"
 STEPS, EVERY, STALL_AT = 30, 10, 15
-RELAUNCH = {int(ExitCode.PEER_LOST), int(ExitCode.HANG), -signal.SIGKILL}
-# Repetitions of the stall case: 2 in CI; `KR_RESCUE_STALL_RUNS=20` for the by-hand check.
-STALL_RUNS = int(os.environ.get("KR_RESCUE_STALL_RUNS", "2"))
+# Repetitions of the stall case: 1 in CI; `KR_RESCUE_STALL_RUNS=20` for the by-hand check.
+STALL_RUNS = int(os.environ.get("KR_RESCUE_STALL_RUNS", "1"))
 
 
 def run_job(work: Path, *extra: str, ranks: int = 2, every: int = EVERY, on_launch=None):
-    work.mkdir(parents=True, exist_ok=True)
-    out = work / "weights.pt"
-    cmd = [sys.executable, str(HELPER), "--steps", str(STEPS), "--out", str(out),
-           "--set", f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={every}",
-           "--set", "checkpoint.keep_last=100", "--set", "rescue.budget_s=60", *extra]
-    launches = LocalLauncher(cmd, ranks=ranks, workdir=work, max_launches=2,
-                             relaunch_codes=RELAUNCH, stop_timeout_s=90,
-                             on_launch=on_launch).run()
-    return launches, torch.load(out, weights_only=True) if out.exists() else None
+    return run_rescue_job(work, *extra, steps=STEPS, every=every, ranks=ranks,
+                          sets=("checkpoint.keep_last=100", "rescue.budget_s=60"),
+                          on_launch=on_launch)
 
 
-def committed(work: Path) -> dict[int, dict]:
-    return {e.step: e.manifest for e in layout.scan(work / "ckpt") if e.committed}
-
-
-def logs(work: Path, launch: int = 0) -> str:
-    return "".join(p.read_text() for p in sorted(work.glob(f"rank*.{launch}.log")))
+committed, logs = committed_manifests, rank_logs
 
 
 def tensors(step_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:
