@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 from kempner_resilience.agreement import StopAgreement, StopDecision
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
 from kempner_resilience.identity import RUN_ID_ENV
-from kempner_resilience.ledger import LEDGER_NAME, Ledger, process_start_time
+from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start
 from kempner_resilience.log import announce, get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import sequence
@@ -570,11 +570,4 @@ def _local_restart_count() -> int | None:
 
 
 def _attempt_start() -> float:
-    """When this attempt began: the job's start under SLURM (the prolog and srun count as
-    start-up), else this process's start."""
-    raw = os.environ.get("SLURM_JOB_START_TIME", "")
-    try:
-        start = float(raw)
-    except ValueError:
-        return process_start_time()
-    return start if 0 < start <= time.time() else process_start_time()
+    return attempt_start()
