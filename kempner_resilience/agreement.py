@@ -206,10 +206,18 @@ class StopAgreement:
         if self.store is None:
             return
         text = f"{int(code)}:{self.rank}"
-        try:
-            self.store.set(FORCED_KEY, text)
-        except Exception:       # the store's host is gone: the marker still tells
-            pass
+
+        def tell_store() -> None:
+            try:
+                self.store.set(FORCED_KEY, text)
+            except Exception:    # the store's host is gone: the marker still tells
+                pass
+
+        # Side by side: a store whose host is gone may block the set, a slow filesystem the
+        # write, and the forced exit gives its hooks about a second in all.
+        setter = threading.Thread(target=tell_store, name="kempner-forced-exit-set",
+                                  daemon=True)
+        setter.start()
         if self._marker is not None:
             tmp = self._marker.with_name(f"{self._marker.name}.{self.rank}.tmp")
             try:
@@ -217,6 +225,7 @@ class StopAgreement:
                 os.replace(tmp, self._marker)   # whole or absent, never a half-written text
             except OSError:
                 pass
+        setter.join(1.0)
 
     def forced_exit(self, timeout_s: float = 3.0) -> tuple[int, int] | None:
         """(code, rank) when some rank announced a forced exit; None otherwise or when neither
