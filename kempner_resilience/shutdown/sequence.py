@@ -314,7 +314,12 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
     _finish_trackers(parts, code)
     write_report(parts, code)
     if not keep_traceback and o.peer_forced_code is None:   # else _peer_forced_code said it
-        log.warning("exiting with %s", exitcodes.describe(code))
+        if o.ending is Ending.SIGNAL and o.saved is Saved.NOTHING:
+            # The code's table text says "checkpoint committed": not true without state.
+            log.warning("exiting with %s (%d): no state to checkpoint (ResilientRun without "
+                        "state=)", ExitCode(code).name, code)
+        else:
+            log.warning("exiting with %s", exitcodes.describe(code))
     leaving.leave(parts.handler.deadline, code, parts.exit_mode,
                   parts.config.watchdog.exit_timeout_s, error, keep_traceback,
                   left_behind=parts.left_behind)
