@@ -15,10 +15,12 @@ is already past ``stop_at`` and stops it where it is, with an error in the log.
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kempner_resilience.log import get_logger
@@ -30,6 +32,9 @@ log = get_logger(__name__)
 KEY = "kempner_resilience/stop_at"
 CODE_KEY = "kempner_resilience/exit_code"
 FORCED_KEY = "kempner_resilience/forced_exit"
+#: ``checkpoint.dir/.forced-exit.<attempt token>``: a forced exit's announcement that outlives
+#: the store (see ``StopAgreement.announce_forced_exit``).
+FORCED_MARKER_PREFIX = ".forced-exit."
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class StopAgreement:
         self._stop_at: int | None = None
         self._signum = 0
         self._agreed_now = False
+        self._marker: Path | None = None
 
     @classmethod
     def from_torch(cls) -> "StopAgreement":
@@ -184,32 +190,78 @@ class StopAgreement:
         self.store.wait([key], datetime.timedelta(seconds=max(timeout_s, 1.0)))
         return self.store.get(key).decode()
 
+    def use_forced_marker(self, root: Path, token: str) -> None:
+        """Announce forced exits also as ``root/.forced-exit.<token>`` (``token``: this
+        attempt's, the same on every rank). The store dies with its host, rank 0: when rank 0 is
+        the rank forced out, the others find its announcement only in the checkpoint directory,
+        which every rank shares. The name is new in every attempt, so no rank has looked it up
+        (and cached its absence, as an NFS client does) before it is written."""
+        if self.store is not None:
+            self._marker = Path(root) / f"{FORCED_MARKER_PREFIX}{token}"
+
     def announce_forced_exit(self, code: int) -> None:
         """This rank is about to be forced out with ``code`` (a repeated SIGTERM/SIGINT): tell
-        the others, so every rank's exit code says what happened to the job, not only this one's."""
-        if self.store is not None:
-            self.store.set(FORCED_KEY, f"{int(code)}:{self.rank}")
+        the others, so every rank's exit code says what happened to the job, not only this one's.
+        Through the store (quick), then the marker file (which outlives the store's host)."""
+        if self.store is None:
+            return
+        text = f"{int(code)}:{self.rank}"
+
+        def tell_store() -> None:
+            try:
+                self.store.set(FORCED_KEY, text)
+            except Exception:    # the store's host is gone: the marker still tells
+                pass
+
+        # Side by side: a store whose host is gone may block the set, a slow filesystem the
+        # write, and the forced exit gives its hooks about a second in all.
+        setter = threading.Thread(target=tell_store, name="kempner-forced-exit-set",
+                                  daemon=True)
+        setter.start()
+        if self._marker is not None:
+            tmp = self._marker.with_name(f"{self._marker.name}.{self.rank}.tmp")
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, self._marker)   # whole or absent, never a half-written text
+            except OSError:
+                pass
+        setter.join(1.0)
 
     def forced_exit(self, timeout_s: float = 3.0) -> tuple[int, int] | None:
-        """(code, rank) when some rank announced a forced exit; None otherwise or when the store
-        does not answer within ``timeout_s`` (its host, rank 0, may be the one that left, or be
-        paused: a SIGSTOPped rank 0's store answers nothing, and a store read waits on its
-        socket beyond the store's timeout). The read runs in a daemon thread, left behind if
-        it does not return: the process is on its way out, through ``os._exit``."""
+        """(code, rank) when some rank announced a forced exit; None otherwise or when neither
+        the marker nor the store answers within ``timeout_s`` (the store's host, rank 0, may be
+        the one that left, or be paused: a SIGSTOPped rank 0's store answers nothing, and a
+        store read waits on its socket beyond the store's timeout). The marker is read first:
+        with rank 0 gone, a store read fails, and torch prints a C++ stack trace for it. The read
+        runs in a daemon thread, left behind if it does not return (a hung filesystem): the
+        process is on its way out, through ``os._exit``."""
         if self.store is None:
             return None
         box: list[tuple[int, int] | None] = []
-        reader = threading.Thread(target=lambda: box.append(self._read_forced()),
-                                  name="kempner-forced-exit-read", daemon=True)
+        reader = threading.Thread(
+            target=lambda: box.append(self._read_marker() or self._read_forced()),
+            name="kempner-forced-exit-read", daemon=True)
         reader.start()
         reader.join(timeout_s)
         return box[0] if box else None
+
+    def _read_marker(self) -> tuple[int, int] | None:
+        if self._marker is None:
+            return None
+        try:
+            return _parse_forced(self._marker.read_text())
+        except (OSError, ValueError):
+            return None
 
     def _read_forced(self) -> tuple[int, int] | None:
         try:
             if not self.store.check([FORCED_KEY]):
                 return None
-            code, rank = self.store.get(FORCED_KEY).decode().split(":")
-            return int(code), int(rank)
+            return _parse_forced(self.store.get(FORCED_KEY).decode())
         except Exception:
             return None
+
+
+def _parse_forced(text: str) -> tuple[int, int]:
+    code, rank = text.strip().split(":")
+    return int(code), int(rank)

@@ -51,12 +51,15 @@ from typing import Any, Callable, Iterable, Iterator
 from kempner_resilience.log import get_logger
 
 __all__ = ["Ledger", "LEDGER_NAME", "MAX_BYTES", "read_ledger", "valid_event",
-           "process_start_time"]
+           "process_start_time", "attempt_start", "AGENT_START_ENV"]
 
 log = get_logger(__name__)
 
 LEDGER_NAME = "ledger.jsonl"
 MAX_BYTES = 4 * 2**20
+#: Set by the ``kempner-resilience torchrun`` agent in its workers' environment: its own start
+#: time (epoch seconds). The agent's start-up and rendezvous are the attempt's, not queue time.
+AGENT_START_ENV = "KEMPNER_RESILIENCE_AGENT_START"
 
 
 def process_start_time() -> float:
@@ -70,6 +73,28 @@ def process_start_time() -> float:
         return time.time() - max(age, 0.0)
     except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
+
+
+def attempt_start(environ: dict[str, str] | None = None) -> float:
+    """When this attempt began (the ledger's ``start.t0``): the job's start under SLURM (the
+    prolog and srun count as start-up); else the start of the torchrun agent that started this
+    worker's first group (its imports and rendezvous are start-up too; a group torch elastic
+    restarts begins with its own processes); else this process's start. A value in the future
+    or not a number is ignored."""
+    env = os.environ if environ is None else environ
+    now = time.time()
+    candidates = [env.get("SLURM_JOB_START_TIME", "")]
+    if env.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        candidates.append(env.get(AGENT_START_ENV, ""))
+    own = process_start_time()
+    for raw in candidates:
+        try:
+            start = float(raw)
+        except ValueError:
+            continue
+        if 0 < start <= now:
+            return min(start, own)
+    return own
 
 
 # What each known field may hold (None is always allowed: unknown). A field outside this table

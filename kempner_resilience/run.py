@@ -22,12 +22,14 @@ import signal
 import socket
 import threading
 import time
+import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from kempner_resilience.agreement import StopAgreement, StopDecision
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
 from kempner_resilience.identity import RUN_ID_ENV
-from kempner_resilience.ledger import LEDGER_NAME, Ledger, process_start_time
+from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start
 from kempner_resilience.log import announce, get_logger
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import sequence
@@ -377,6 +379,7 @@ class ResilientRun:
         job = parts.slurm
         restarts = job.restart_count if job is not None else _local_restart_count()
         self._hold_directory(ckpt.root, restarts)
+        self._mark_forced_exits_in(ckpt.root)
         ckpt.manifest_extra = {"job_id": None if job is None else job.requeue_id,
                                "restart_count": restarts}
         if self.config.checkpoint.ledger:
@@ -456,6 +459,27 @@ class ResilientRun:
         kind, _, why = text.partition(":")
         if kind == "refused":
             raise lease.DirectoryInUseError(why)
+
+    def _mark_forced_exits_in(self, root: Any) -> None:
+        """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in ``root``: the
+        store, which normally carries the news, dies with rank 0 when rank 0 is that rank.
+        Rank 0, holding the lease, clears the markers of earlier attempts, then hands every rank
+        this attempt's token (collective)."""
+        parts = self._parts
+        if parts.agreement.store is None:
+            return
+        from kempner_resilience.agreement import FORCED_MARKER_PREFIX
+
+        token = None
+        if parts.rank == 0:
+            token = uuid.uuid4().hex[:12]
+            try:
+                for old in Path(root).glob(FORCED_MARKER_PREFIX + "*"):
+                    old.unlink(missing_ok=True)
+            except OSError as e:     # a stale marker has another token: it is never read
+                log.debug("cannot clear old forced-exit markers in %s: %s", root, e)
+        token = parts.agreement.share_text("attempt_token", token, 120.0)
+        parts.agreement.use_forced_marker(Path(root), token)
 
     def _resolve_run_id(self, root: Any) -> str:
         """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
@@ -557,11 +581,4 @@ def _local_restart_count() -> int | None:
 
 
 def _attempt_start() -> float:
-    """When this attempt began: the job's start under SLURM (the prolog and srun count as
-    start-up), else this process's start."""
-    raw = os.environ.get("SLURM_JOB_START_TIME", "")
-    try:
-        start = float(raw)
-    except ValueError:
-        return process_start_time()
-    return start if 0 < start <= time.time() else process_start_time()
+    return attempt_start()

@@ -244,3 +244,20 @@ def test_checkpoint_ledger_false_writes_no_ledger(tmp_path):
         for _ in run.steps(4):
             pass
     assert not (tmp_path / "ledger.jsonl").exists() and (tmp_path / "run.json").exists()
+
+
+def test_a_worker_of_the_torchrun_agent_counts_its_attempt_from_the_agents_start():
+    # The agent's imports and rendezvous are the attempt's time: without this, `report` counted
+    # them as queue time. A group torch elastic restarts starts with its own processes, and the
+    # job's start under SLURM comes first of all.
+    from kempner_resilience.ledger import AGENT_START_ENV, attempt_start, process_start_time
+
+    own = process_start_time()
+    agent = own - 30.0
+    assert attempt_start({AGENT_START_ENV: repr(agent)}) == agent
+    assert attempt_start({AGENT_START_ENV: repr(agent), "TORCHELASTIC_RESTART_COUNT": "0"}) == agent
+    assert abs(attempt_start({AGENT_START_ENV: repr(agent),
+                              "TORCHELASTIC_RESTART_COUNT": "1"}) - own) < 1.0
+    assert attempt_start({AGENT_START_ENV: repr(agent),
+                          "SLURM_JOB_START_TIME": str(int(own - 100))}) == int(own - 100)
+    assert abs(attempt_start({AGENT_START_ENV: "soon"}) - own) < 1.0

@@ -26,6 +26,7 @@ from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.cli.torchrun import separate
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.torchrun import exit_code, forward_signals
+from kempner_resilience.ledger import read_ledger
 
 # Each rank is a single-process run (no process group, no torch): it only has to hear the
 # signal and shut down; rank 0's shutdown holds a cleanup of --cleanup-s seconds.
@@ -121,6 +122,43 @@ def test_usr1_reaches_each_worker_once_all_stop_at_one_step_commit_and_the_agent
     assert {int(p.name.split("_")[2]) for p in committed[0].glob("__*_*.distcp")} == {0, 1}
 
 
+def _agent_last_line(log: str) -> str:
+    lines = [ln for ln in log.splitlines() if "workers exited with" in ln]
+    assert len(lines) == 1, log[-3000:]
+    return lines[0]
+
+
+def test_after_a_requeue_the_agent_names_the_committed_checkpoint_and_calls_torchs_failure_the_requeue(
+        tmp_path):
+    ckpt = tmp_path / "ckpt"
+    agent = _start(tmp_path, ["-m", "kempner_resilience.demo.train", "--steps", "100000",
+                              "--step-time", "0.05", "--no-ddp", "--quiet",
+                              "--progress", str(tmp_path / "progress"),
+                              "--set", f"checkpoint.dir={ckpt}"], "yes")
+    agent_start = _process_start(agent.pid)
+    _running(tmp_path)
+    os.kill(agent.pid, signal.SIGUSR1)
+    code = _wait(agent)
+    log = (tmp_path / "agent.err").read_text()
+    assert code == ExitCode.REQUEUE, log[-3000:]
+    assert "failed (exitcode: 75)" in log         # torch's own report of the exit...
+    line = _agent_last_line(log)                  # ...and ours after it, which says what it is
+    assert "is this requeue, not an error" in line, line
+    step = _last_steps(tmp_path / "progress")[0] + 1
+    assert f"newest checkpoint this run committed: step {step} ({ckpt}" in line, line
+    # The agent's start-up (torch's import, the rendezvous) is this attempt's, not the queue's:
+    # the ledger's attempt starts when the agent did, not when the workers did.
+    start = [e for e in read_ledger(ckpt / "ledger.jsonl") if e["ev"] == "start"]
+    assert len(start) == 1 and abs(start[0]["t0"] - agent_start) < 0.1, (start, agent_start)
+
+
+def _process_start(pid: int) -> float:
+    """``pid``'s start time (epoch seconds), as the ledger computes its own."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
+
+
 def test_a_worker_that_finishes_its_shutdown_first_does_not_get_the_other_killed(tmp_path):
     # SIGTERM (preemption) to the agent: rank 1 is done at once, rank 0 still runs a 3 s
     # cleanup. Stock torchrun would SIGTERM rank 0 when rank 1 exits: a second SIGTERM, which
@@ -154,6 +192,9 @@ def test_a_second_sigint_or_sigterm_at_the_agent_forces_every_worker_out(tmp_pat
     assert code == 128 + signum, log[-3000:]
     assert len(re.findall(rf"second {name} during shutdown", log)) == 2, log[-3000:]
     assert not list(tmp_path.glob("cleanup.*.finished"))
+    # Forced out, nothing was saved: the agent must not say a checkpoint was committed.
+    assert "checkpoint committed" not in log, log[-3000:]
+    assert "no checkpoint is claimed" in _agent_last_line(log)
 
 
 def test_a_sigterm_before_the_workers_start_ends_the_agent_with_143_without_starting_them(

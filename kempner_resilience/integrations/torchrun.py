@@ -25,26 +25,36 @@ slower rank 0 that was still finishing its shutdown loses it.
   ``$KEMPNER_RESILIENCE_PARENT_DEATH_SIGNAL``: their ShutdownHandler counts its repeats once and
   stops as for SIGTERM (checkpoint, 143).
 
-The agent's exit code is the workers' (``exit_code``): 75 when rank 0 requeued the job.
+The agent's exit code is the workers' (``exit_code``): 75 when rank 0 requeued the job. Its
+last line says what it knows about the checkpoint, from rank 0's run report (the agent points
+``$KEMPNER_RESILIENCE_REPORT`` at a file of its own): the newest checkpoint the run committed,
+or none; without a report (rank 0 forced out or killed, or started by another node's agent) it
+claims nothing. On a requeue (75) it also says that torch's ``failed (exitcode: 75)`` just
+before is the requeue, not an error.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig, load_config
-from kempner_resilience.exitcodes import describe
+from kempner_resilience.exitcodes import ExitCode, describe
+from kempner_resilience.ledger import AGENT_START_ENV, process_start_time
 from kempner_resilience.log import get_logger
+from kempner_resilience.shutdown.report import REPORT_ENV
 from kempner_resilience.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
@@ -326,11 +336,15 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
     # 128+N, as a shell would report it, instead of a USR1's silent default-action death.
     for s in previous:
         signal.signal(s, agent.on_signal)
+    report: _Report | None = None
     try:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
 
         os.environ[AGENT_ENV] = str(os.getpid())
+        # The workers' ledger counts the attempt from here: the agent's imports and rendezvous
+        # are the job's time, not time in the queue (goodput.py).
+        os.environ[AGENT_START_ENV] = repr(process_start_time())
         # The workers' own store, not the agent's: recent torch (c10d rendezvous) lets
         # the workers share the agent's TCPStore by default, and the stop agreement, the
         # checkpoint's commit and the shared exit code all go through that store. An agent that
@@ -339,6 +353,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         # (The static rendezvous always shares the agent's store: there node 0's agent dying
         # still leaves only the rescue.)
         os.environ.setdefault(_OWN_STORE_ENV, "1")
+        report = _Report()
         log.info("%s: signals %s to the workers (%s)", _AGENT,
                  "are forwarded" if forward else "are not forwarded", why)
         with _patched(agent) as patched:
@@ -350,7 +365,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                 codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
                 code = exit_code(codes)
                 log.warning("%s: workers exited with %s: exiting with %s", _AGENT, codes,
-                            describe(code))
+                            what_the_workers_did(code, report.read()))
                 return code
         return 0
     except _Interrupted as e:
@@ -358,6 +373,77 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         return 128 + e.signum
     finally:
         _restore(previous)
+        if report is not None:
+            report.close()
+
+
+# Codes whose meaning includes "checkpoint committed": from the code alone the agent cannot tell
+# (a forced exit, 130/143, committed nothing; a run without state requeues without one).
+_COMMIT_CODES = (ExitCode.REQUEUE, ExitCode.STOPPED, ExitCode.REQUEUE_FAILED, ExitCode.SIGINT,
+                 ExitCode.SIGTERM)
+
+
+def what_the_workers_did(code: int, report: Mapping[str, Any] | None) -> str:
+    """The agent's account of its workers' exit ``code``: the code, and only what rank 0's run
+    ``report`` (None: there is none) says about the checkpoint."""
+    if code in _COMMIT_CODES:
+        text = f"{ExitCode(code).name} ({code})"
+    else:
+        text = describe(code)
+    if report is None:
+        text += ("; no run report from rank 0 (forced out, killed, or started by another "
+                 "node's agent), so no checkpoint is claimed here: `kempner-resilience ls` "
+                 "shows what is on disk")
+    elif report.get("saved_step") is not None:
+        text += (f"; newest checkpoint this run committed: step {report['saved_step']} "
+                 f"({report.get('saved_path')})")
+    else:
+        resumed = report.get("resumed_from")
+        text += "; this run committed no checkpoint" + (
+            f" (it resumed from step {resumed})" if resumed is not None else "")
+    if code == ExitCode.REQUEUE:
+        text += "; torch's 'failed (exitcode: 75)' report above is this requeue, not an error"
+    return text
+
+
+class _Report:
+    """Rank 0's run report, for the agent's last line: at the user's
+    ``$KEMPNER_RESILIENCE_REPORT`` (then only a report written during this run counts), else in
+    a directory of the agent's own, set in the environment the workers inherit."""
+
+    def __init__(self) -> None:
+        self._saved_env = os.environ.get(REPORT_ENV)
+        self._own_dir: str | None = None
+        if self._saved_env:
+            self.path = self._saved_env
+        else:
+            self._own_dir = tempfile.mkdtemp(prefix="kempner-agent-")
+            self.path = os.path.join(self._own_dir, "report.json")
+            os.environ[REPORT_ENV] = self.path
+        self._before = self._stamp()
+
+    def _stamp(self) -> int | None:
+        try:
+            return os.stat(self.path).st_mtime_ns
+        except OSError:
+            return None
+
+    def read(self) -> dict[str, Any] | None:
+        """The report rank 0 wrote during this run, or None."""
+        if self._stamp() in (None, self._before):
+            return None
+        try:
+            with open(self.path) as f:
+                report = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return report if isinstance(report, dict) else None
+
+    def close(self) -> None:
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+            if os.environ.get(REPORT_ENV) == self.path:
+                del os.environ[REPORT_ENV]
 
 
 def _restore(handlers: Mapping[int, Any]) -> None:

@@ -68,6 +68,7 @@ class RunParts:
     timings: dict[str, float] = field(default_factory=dict)
     cleanup_results: list[Any] = field(default_factory=list)
     left_behind: list[str] = field(default_factory=list)  # what teardown could not end
+    save_lost_peer: bool = False      # the emergency save failed because a rank is gone
     outcome: Outcome | None = None
 
     @property
@@ -100,7 +101,8 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
             parts.ledger.event("requeue", code=o.requeue_code,
                                seconds=round(parts.timings.get("requeue_s", 0.0), 4))
     o.peer_forced_code = _peer_forced_code(parts)
-    _teardown(parts, peers_alive=True)
+    # A rank forced out mid-shutdown is gone: tearing the group down would wait for it.
+    _teardown(parts, peers_alive=o.peer_forced_code is None and not parts.save_lost_peer)
     _leave(parts, o)
 
 
@@ -121,11 +123,11 @@ def fail(parts: RunParts, exc: BaseException) -> None:
     o = Outcome(Ending.PEER_LOST if lost else Ending.ERROR, parts.step,
                 peer_forced_code=forced)
     if lost:
-        log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), o.step)
         if forced is None:
+            log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), o.step)
             rescue(parts, "peer lost")
         else:   # the user forced a rank out: every rank leaves at once, no rescue wait
-            log.info("no rescue: a rank was forced out with %d", forced)
+            log.info("no rescue: a rank was forced out with %d (%s)", forced, first_line(exc))
         if parts.exit_mode is ExitMode.EXIT and parts.rescue is not None:
             # The rescue's budget is spent or unused: the rest gets the usual grace.
             parts.handler.deadline.disarm()
@@ -204,11 +206,21 @@ def _emergency_save(parts: RunParts, step: int) -> Saved:
         info = parts.ckpt.emergency_save(step, deadline=parts.handler.deadline.deadline)
     except (CheckpointError, SavePeerLost, OSError) as e:
         # Expected (full disk, quota, I/O, a peer gone mid-save): the message names the cause.
+        from kempner_resilience.faults import is_peer_failure
+
+        parts.save_lost_peer = is_peer_failure(e)
         log.error("emergency checkpoint at step %d failed: %s", step, e)
         return Saved.FAILED
-    except Exception:
-        log.exception("emergency checkpoint at step %d failed; the previous committed "
-                      "checkpoint is intact", step)
+    except Exception as e:
+        from kempner_resilience.faults import first_line, is_peer_failure
+
+        if is_peer_failure(e):   # a rank left mid-save (forced out, killed): no bug, one line
+            parts.save_lost_peer = True
+            log.error("emergency checkpoint at step %d failed: a peer rank is gone (%s); the "
+                      "previous committed checkpoint is intact", step, first_line(e))
+        else:
+            log.exception("emergency checkpoint at step %d failed; the previous committed "
+                          "checkpoint is intact", step)
         return Saved.FAILED
     if info is None:
         return Saved.FAILED
@@ -260,9 +272,14 @@ def _peer_forced_code(parts: RunParts) -> int | None:
     forced = parts.agreement.forced_exit()
     if forced is None or forced[1] == parts.rank:
         return None
-    log.error("rank %d was forced out with %s; this rank exits with the same code",
-              forced[1], exitcodes.describe(forced[0]))
-    return forced[0]
+    code, rank = forced
+    how = (f"a repeated {signal.Signals(code - 128).name}" if code - 128 in
+           (signal.SIGINT, signal.SIGTERM) else "a repeated signal")
+    # One line that says what happened, instead of the peer's lost link and the code's usual
+    # meaning ("checkpoint committed"), which does not hold for a rank forced out.
+    log.error("rank %d was forced out by %s (exit %d, no checkpoint of its own): this rank "
+              "exits with %d too", rank, how, code, code)
+    return code
 
 
 def _teardown(parts: RunParts, *, peers_alive: bool) -> None:
@@ -296,8 +313,13 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
     _ledger_exit(parts, code)
     _finish_trackers(parts, code)
     write_report(parts, code)
-    if not keep_traceback:
-        log.warning("exiting with %s", exitcodes.describe(code))
+    if not keep_traceback and o.peer_forced_code is None:   # else _peer_forced_code said it
+        if o.ending is Ending.SIGNAL and o.saved is Saved.NOTHING:
+            # The code's table text says "checkpoint committed": not true without state.
+            log.warning("exiting with %s (%d): no state to checkpoint (ResilientRun without "
+                        "state=)", ExitCode(code).name, code)
+        else:
+            log.warning("exiting with %s", exitcodes.describe(code))
     leaving.leave(parts.handler.deadline, code, parts.exit_mode,
                   parts.config.watchdog.exit_timeout_s, error, keep_traceback,
                   left_behind=parts.left_behind)
