@@ -18,9 +18,10 @@ ledger, the run report, the rescue's coordination files, a submitit task's confi
 
 When anything fails (a full disk, an exception, a signal's exception) the temporary file is
 removed and the target is untouched; only SIGKILL or a crash mid-write can leave a temporary
-file behind, never a partial target. ``durable=False`` leaves out both fsyncs, for files that
-other processes must see whole but that never outlive the attempt (the rescue's snapshots,
-which can be the size of a rank's state).
+file behind, never a partial target. ``durable=False`` leaves out both fsyncs (about 15 ms on a
+local disk), for files that other processes must see whole but that need not survive a crash of
+the machine: the rescue's files (a snapshot is the size of a rank's state), the run report, a
+submitit task's config.
 """
 
 from __future__ import annotations

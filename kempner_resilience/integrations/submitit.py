@@ -361,7 +361,8 @@ def _write_config_file(cfg: ResilienceConfig) -> str:
     rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
     base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
     path = base / f"{job}_{rank}_resilience.yaml"
-    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    # Read by this task's own processes and rewritten at every start: whole, not fsynced.
+    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False), durable=False)
     return str(path)
 
 
