@@ -20,13 +20,13 @@ name. ``KEMPNER_RESILIENCE_RUN_ID`` (or ``ResilientRun(run_id=...)``) gives it e
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
 from kempner_resilience.checkpoint.info import CheckpointDirError
+from kempner_resilience.fileio import write_atomic
 from kempner_resilience.log import get_logger
 
 __all__ = ["RUN_FILE", "RUN_ID_ENV", "OtherRunError", "new_run_id", "read_run_id", "repair",
@@ -120,21 +120,8 @@ def _write(root: Path, data: dict[str, Any], *, replace: bool) -> bool:
     """Write ``run.json`` aside and put it in place: hard-linked (never replacing another
     attempt's, False when one got there first) or, for a repair, renamed over it."""
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{RUN_FILE}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        if replace:
-            os.replace(tmp, root / RUN_FILE)
-            return True
-        os.link(tmp, root / RUN_FILE)          # fails if another attempt got there first
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink(missing_ok=True)
+    # Not a replace: a hard link, which fails if another attempt got there first.
+    return write_atomic(root / RUN_FILE, json.dumps(data), exclusive=not replace)
 
 
 def load_or_create(root: Path, proposed: str | None = None,

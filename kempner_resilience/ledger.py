@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from kempner_resilience.fileio import write_atomic
 from kempner_resilience.log import get_logger
 
 __all__ = ["Ledger", "LEDGER_NAME", "MAX_BYTES", "read_ledger", "valid_event",
@@ -305,12 +306,7 @@ class Ledger:
                 break                  # a handful of events: nothing more to fold or drop
             keep = [i for i, e in enumerate(events) if e.get("attempt") != oldest]
             events, lines = [events[i] for i in keep], [lines[i] for i in keep]
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(lines))
         self.close()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK,
                            0o644)

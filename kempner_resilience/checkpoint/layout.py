@@ -16,6 +16,7 @@ Right after creating a step directory, before any data, rank 0 writes ``OWNER.js
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from typing import Any, Iterable
 
 from kempner_resilience.checkpoint import integrity
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointInfo
+from kempner_resilience.fileio import fsync_dir, temp_target, write_atomic
 from kempner_resilience.log import get_logger
 
 log = get_logger(__name__)
@@ -38,8 +40,9 @@ MARKER_NAME = integrity.MARKER_NAME
 MARKER_FORMAT = "kempner_resilience.step-owner/1"
 TRASH_PREFIX = ".trash-"
 _STEP_RE = re.compile(r"^step_(\d{9,})(?:\.(\d+))?$")
-# Every name our saves create inside a step directory; a directory holding anything else is not
-# touched by retention (somebody put it there).
+# Every name our saves create inside a step directory (``is_our_file``); a directory holding
+# anything else is not touched by retention (somebody put it there). MANIFEST.json.tmp is the
+# temporary name of versions before ``write_atomic``.
 _OUR_FILES = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|\.metadata\.tmp|MANIFEST\.json(\.tmp)?"
                         r"|OWNER\.json)$")
 _READ_CHUNK = 16 << 20
@@ -56,13 +59,10 @@ def parse_name(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """Make renames/creations inside ``path`` durable (a file's fsync does not cover its name)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def is_our_file(name: str) -> bool:
+    """Whether a save of this package writes files named ``name`` into a step directory (a
+    temporary file of ``write_atomic`` counts as its target)."""
+    return bool(_OUR_FILES.match(temp_target(name) or name))
 
 
 def create_step_dir(root: Path, step: int, run_id: str | None = None) -> Path:
@@ -94,8 +94,10 @@ def write_marker(path: Path, step: int, run_id: str | None = None) -> None:
     marker = {"format": MARKER_FORMAT, "step": step, "uid": os.geteuid(),
               "host": socket.gethostname(), "pid": os.getpid(), "created_at": time.time(),
               "run_id": run_id}
-    _write_synced(path / MARKER_NAME, json.dumps(marker, separators=(",", ":")).encode(),
-                  os.O_EXCL)
+    if not write_atomic(path / MARKER_NAME, json.dumps(marker, separators=(",", ":")),
+                        exclusive=True, mode=0o644):
+        raise FileExistsError(errno.EEXIST, "step directory already has a marker",
+                              str(path / MARKER_NAME))
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
@@ -114,24 +116,11 @@ def read_marker(path: Path) -> dict[str, Any] | None:
     return marker
 
 
-def _write_synced(path: Path, data: bytes, mode_flag: int) -> None:
-    """All of ``data`` into ``path`` (``O_EXCL``: a new file; ``O_TRUNC``: replace), fsynced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode_flag | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
-    """The commit: tmp file, fsync, rename, fsync the directory and its parent."""
-    tmp = path / (MANIFEST_NAME + ".tmp")
-    _write_synced(tmp, json.dumps(manifest, separators=(",", ":")).encode(), os.O_TRUNC)
-    os.rename(tmp, path / MANIFEST_NAME)
-    fsync_dir(path)
+    """The commit: the manifest written whole (``write_atomic``: temporary file, fsync, rename,
+    fsync the step directory), then the parent fsynced, so the step directory's name is durable
+    too."""
+    write_atomic(path / MANIFEST_NAME, json.dumps(manifest, separators=(",", ":")), mode=0o644)
     fsync_dir(path.parent)
 
 

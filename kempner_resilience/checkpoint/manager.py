@@ -98,7 +98,7 @@ class CheckpointManager:
         self.config = config
         self.run_id = run_id
         self.peer_timeout_s = peer_timeout_s
-        self.root = Path(config.dir).expanduser().absolute()
+        self.root = Path(config.dir)  # absolute: resolved once, when the config was built
         self.rank = rank
         self.world_size = world_size
         self.state = TrainState(state, ddp_buckets=config.ddp_buckets)

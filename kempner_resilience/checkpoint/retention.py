@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
-from kempner_resilience.checkpoint.layout import (_OUR_FILES, MANIFEST_NAME, MARKER_NAME,
-                                                  TRASH_PREFIX, Entry, fsync_dir, read_manifest,
-                                                  read_marker)
+from kempner_resilience.checkpoint.layout import (MANIFEST_NAME, MARKER_NAME, TRASH_PREFIX,
+                                                  Entry, is_our_file, read_manifest, read_marker)
+from kempner_resilience.fileio import fsync_dir
 
 __all__ = ["why_not_ours", "remove_dir", "clean_trash", "select_for_deletion"]
 
@@ -48,7 +48,7 @@ def why_not_ours(path: Path, manifest: dict[str, Any] | None = None,
         if st.st_uid != uid:
             return f"it is owned by uid {st.st_uid}, not by us (uid {uid})"
         for name in os.listdir(path):
-            if not _OUR_FILES.match(name):
+            if not is_our_file(name):
                 return f"it holds {name!r}, which our saves never write"
             fst = os.lstat(path / name)
             if not stat.S_ISREG(fst.st_mode):

@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from kempner_resilience.checkpoint import recordfmt
 from kempner_resilience.checkpoint.hostbuf import Chunk, HostStaging, Slot, caller_streams, flat_bytes
-from kempner_resilience.checkpoint.layout import file_crc, fsync_dir
+from kempner_resilience.checkpoint.layout import file_crc
+from kempner_resilience.fileio import fsync_dir
 
 __all__ = ["ChecksummingWriter", "SaveAborted", "StagingMismatch", "STAGING_MISMATCH",
            "ENV_STAGE_FAULT"]

@@ -45,7 +45,7 @@ def last_save_facts(root: str | os.PathLike[str]) -> SaveFacts | None:
     from kempner_resilience.slurm import SaveFacts
 
     try:
-        entries = [e for e in layout.scan(Path(root).expanduser()) if e.committed]
+        entries = [e for e in layout.scan(Path(root)) if e.committed]
     except OSError:
         return None
     if not entries:

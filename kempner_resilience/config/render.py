@@ -27,6 +27,12 @@ def _allowed(f: dataclasses.Field) -> str:
     return bounds.text() if bounds else ""
 
 
+def _default(obj: Any, f: dataclasses.Field) -> Any:
+    """The key's default as declared (``checkpoint.dir``'s ``checkpoints``), not as resolved
+    for this process (its absolute path under the current directory)."""
+    return f.default if f.default is not dataclasses.MISSING else getattr(obj, f.name)
+
+
 def _comment(f: dataclasses.Field) -> str:
     allowed = _allowed(f)
     return f.metadata["help"] + (f"; allowed: {allowed}" if allowed else "")
@@ -42,7 +48,7 @@ def render_default_yaml() -> str:
         lines.append(f"{yaml_name(sec)}:  # {sec.metadata['help']}")
         obj = getattr(root, sec.name)
         for f in dataclasses.fields(obj):
-            value = _yaml_scalar(getattr(obj, f.name))
+            value = _yaml_scalar(_default(obj, f))
             lines.append(f"  {yaml_name(f)}: {value}  # {_comment(f)}")
         lines.append("")
     return "\n".join(lines)
@@ -55,7 +61,7 @@ def render_reference_markdown() -> str:
     for sec in dataclasses.fields(root):
         obj = getattr(root, sec.name)
         for f in dataclasses.fields(obj):
-            value = _yaml_scalar(getattr(obj, f.name)).replace("|", "\\|")
+            value = _yaml_scalar(_default(obj, f)).replace("|", "\\|")
             allowed = _allowed(f).replace(">", "&gt;").replace("<", "&lt;")
             out.append(f"| `{yaml_name(sec)}.{yaml_name(f)}` | `{value}` | {allowed} | "
                        f"{f.metadata['help'].replace('|', chr(92) + '|')} |")

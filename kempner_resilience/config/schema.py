@@ -125,7 +125,8 @@ class CheckpointConfig(_Section):
     """Where and how often checkpoints are written, kept and verified."""
 
     dir: str = field(default="checkpoints", metadata=_help(
-        "directory holding one step_* directory per checkpoint (created if missing)"))
+        "directory holding one step_* directory per checkpoint (created if missing); ~ is "
+        "expanded and a relative path made absolute when the config is loaded"))
     every_steps: int = field(default=0, metadata=_help(
         "periodic save every N completed steps; 0 = off", bounds=_count(0, 10**9, _OFF)))
     every_minutes: float = field(default=0.0, metadata=_help(
@@ -178,6 +179,11 @@ class CheckpointConfig(_Section):
         problems = check_fields(self)
         if isinstance(self.dir, str) and not self.dir.strip():
             problems.append(("dir", f"{self.dir!r} is not a directory path; give a non-empty path"))
+        elif isinstance(self.dir, str):
+            # Resolved here, once, for every user of the config: the checkpoints, run.json, the
+            # ledger and the restart record all live under this one absolute path, whatever
+            # the process's working directory later (and a pickled or dumped config says it).
+            self.dir = os.path.abspath(os.path.expanduser(self.dir))
         if problems:
             raise ConfigError(problems)
 

@@ -70,6 +70,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from kempner_resilience.config import ResilienceConfig, load_config, normalize_signal
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.fileio import write_atomic
 from kempner_resilience.integrations.submitit_signals import (SignalTakeover, in_local_task,
                                                               in_submitit_job)
 from kempner_resilience.log import get_logger
@@ -360,9 +361,8 @@ def _write_config_file(cfg: ResilienceConfig) -> str:
     rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
     base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
     path = base / f"{job}_{rank}_resilience.yaml"
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    # Read by this task's own processes and rewritten at every start: whole, not fsynced.
+    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False), durable=False)
     return str(path)
 
 

@@ -8,10 +8,12 @@
         claim               the one rank that writes the checkpoint: its JSON (rank, step, pid,
                             host, process start) written under a temporary name, then
                             hard-linked (fails if it exists; O_CREAT|O_EXCL where links are
-                            not supported); its mtime is the writer's heartbeat
+                            not supported: ``fileio.write_atomic``); its mtime is the writer's
+                            heartbeat
         done.json           the outcome: the step committed and where, or why nothing was
 
-Each file appears whole (written under a temporary name, then renamed). ``<attempt>`` is a
+Each file appears whole (``fileio.write_atomic``: written under a temporary name, then renamed;
+not fsynced, as no file outlives the attempt). ``<attempt>`` is a
 token agreed at start, so files of an earlier attempt never count; rank 0 removes those at
 start (``remove_stale``).
 
@@ -27,12 +29,13 @@ import json
 import os
 import re
 import shutil
-import errno
 import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from kempner_resilience.fileio import write_atomic
 
 __all__ = ["RescueFiles", "RESCUE_DIR", "remove_stale", "pid_alive", "process_start"]
 
@@ -43,16 +46,10 @@ _SNAP_RE = re.compile(r"^rank(\d+)\.step(\d+)$")
 _OFFERED_RE = re.compile(r"^offered\.(\d+)$")
 
 
-def _write_whole(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+def _write_whole(path: Path, data: bytes, *, exclusive: bool = False) -> bool:
+    # Not durable (no fsync): these files live for one attempt and only other processes read
+    # them; a snapshot is as large as a rank's state, and the rescue's budget is seconds.
+    return write_atomic(path, data, exclusive=exclusive, durable=False, mode=0o600)
 
 
 def _stat(pid: int) -> list[bytes]:
@@ -173,30 +170,7 @@ class RescueFiles:
         data = json.dumps({"rank": rank, "step": step, "pid": pid,
                            "host": socket.gethostname(), "start": process_start(pid),
                            "time": time.time()}).encode()
-        path = self.dir / "claim"
-        tmp = path.with_name(f".claim.{pid}.{time.monotonic_ns()}.tmp")
-        _write_whole(tmp, data)
-        try:
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
-                raise
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        # No hard links on this filesystem: O_EXCL, written after (briefly empty).
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            return False
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        return True
+        return _write_whole(self.dir / "claim", data, exclusive=True)
 
     def heartbeat(self) -> Heartbeat:
         """The claimant keeps its claim's mtime advancing while it writes."""

@@ -6,6 +6,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from kempner_resilience.fileio import write_atomic
 from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown.outcome import Ending
 
@@ -34,9 +35,8 @@ def write_report(parts: "RunParts", code: int) -> None:
               "saved_path": None if info is None else str(info.path),
               "timings": parts.timings, "world_size": parts.agreement.world_size}
     try:
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, path)
+        # Whole for the launcher that reads it once we are gone; not fsynced (about 15 ms of
+        # the shutdown's budget): a crash of the machine ends that launcher too.
+        write_atomic(path, json.dumps(report), durable=False)
     except OSError as e:
         log.warning("could not write the run report %s: %s", path, e)

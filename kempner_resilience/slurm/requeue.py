@@ -17,7 +17,6 @@ from __future__ import annotations
 import enum
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.fileio import write_atomic
 from kempner_resilience.log import get_logger
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
@@ -143,7 +143,7 @@ class RestartLedger:
     """restart_count -> committed step at each requeue decision, in a small JSON file.
 
     The no-progress guard needs this history across restarts (each restart is a new process).
-    Written atomically (temp file, fsync, rename) by the one process that decides (rank 0).
+    Written atomically (``fileio.write_atomic``) by the one process that decides (rank 0).
     A ledger belonging to another job id (a fresh ``sbatch`` reusing the checkpoint directory)
     is started over.
     """
@@ -190,20 +190,7 @@ class RestartLedger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"version": 1, "job_id": self.job_id,
                 "restarts": {str(k): v for k, v in sorted(self.entries.items())}}
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp",
-                                   dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomic(self.path, json.dumps(data, indent=1))
 
 
 def _no_progress_run(history: list[tuple[int, int | None]], step: int | None) -> int:
