@@ -12,7 +12,12 @@ quiet_pip() { .venv/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   quiet_pip "$TORCH_SPEC"
 fi
-if ! .venv/bin/python -c "import kempner_resilience, pytest, submitit, nbclient, matplotlib, wandb" \
-    2>/dev/null; then
+# Installed again whenever pyproject.toml changed (a new dependency), not only when one is missing.
+stamp=.venv/.kr-pyproject.sha256
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c \
+    "import kempner_resilience, pytest, submitit, nbclient, matplotlib, wandb, torchdata" 2>/dev/null
+then
   quiet_pip -e ".[test]"
+  echo "$want" > "$stamp"
 fi
