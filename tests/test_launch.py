@@ -66,12 +66,18 @@ def reference(tmp_path_factory) -> dict:
     return torch.load(work / "w.pt", weights_only=True)
 
 
-def test_a_script_signalled_on_one_rank_is_relaunched_and_ends_bitwise_equal_to_a_straight_run(
-        tmp_path, reference):
+def launch_trainer(tmp_path):
+    """``launch --ranks 2`` of the trainer, slow enough to be signalled mid-run; its progress."""
     progress = tmp_path / "progress"
     proc = launch("--ranks", "2", "--", *trainer(tmp_path, tmp_path / "w.pt", "--step-time",
                                                  "0.05", "--progress", str(progress)),
                   cwd=tmp_path)
+    return proc, progress
+
+
+def test_a_script_signalled_on_one_rank_is_relaunched_and_ends_bitwise_equal_to_a_straight_run(
+        tmp_path, reference):
+    proc, progress = launch_trainer(tmp_path)
     try:
         wait_for_file(progress, timeout=120, contains="rank 1 step 5\n")
         os.kill(rank_pids(proc)[1], signal.SIGUSR1)      # one rank only: they agree on a stop
@@ -87,10 +93,7 @@ def test_a_script_signalled_on_one_rank_is_relaunched_and_ends_bitwise_equal_to_
 
 
 def test_ctrl_c_checkpoints_every_rank_and_exits_130_without_a_relaunch(tmp_path):
-    progress = tmp_path / "progress"
-    proc = launch("--ranks", "2", "--", *trainer(tmp_path, tmp_path / "w.pt", "--step-time",
-                                                 "0.05", "--progress", str(progress)),
-                  cwd=tmp_path)
+    proc, progress = launch_trainer(tmp_path)
     try:
         wait_for_file(progress, timeout=120, contains="rank 1 step 3\n")
         os.killpg(proc.pid, signal.SIGINT)        # what a terminal sends on Ctrl+C

@@ -184,13 +184,7 @@ def test_a_local_job_interrupted_from_the_notebook_checkpoints_requeues_and_resu
             overrides=[f"checkpoint.dir={d / 'ck'}"], steps=steps, step_time=0.1,
             out=str(d / "w.pt"), progress=str(d / "progress.txt")))
     d, job = runs["int"]
-    t0 = time.monotonic()
-    while True:  # interrupt once both ranks are a few steps in (and well before the end)
-        seen = _progress_steps(d / "progress.txt")
-        if len(seen) == ntasks and min(seen.values()) >= 5:
-            break
-        assert time.monotonic() - t0 < 240, f"no progress: {seen}"
-        time.sleep(0.1)
+    _wait_for_steps(d / "progress.txt", ntasks, 5)
     job._interrupt()                  # as a notebook user tries preemption
     results = {}
     for name, (_, j) in runs.items():
@@ -208,6 +202,17 @@ def test_a_local_job_interrupted_from_the_notebook_checkpoints_requeues_and_resu
 
 
 # ------------------------------------------------------------------------ real cluster
+
+def _wait_for_steps(progress: Path, ntasks: int, steps: int) -> None:
+    """Until every rank has done ``steps`` steps (well before the end): then interrupt."""
+    t0 = time.monotonic()
+    while True:
+        seen = _progress_steps(progress)
+        if len(seen) == ntasks and min(seen.values()) >= steps:
+            return
+        assert time.monotonic() - t0 < 240, f"no progress: {seen}"
+        time.sleep(0.1)
+
 
 def _progress_steps(path: Path) -> dict[int, int]:
     """rank -> highest step written to the demo's --progress file."""
@@ -247,13 +252,7 @@ def test_submitit_two_tasks_preempt_requeue_resume(slurm_cluster, tmp_path):
             overrides=[f"checkpoint.dir={d / 'ck'}"], steps=steps, step_time=0.25,
             out=str(d / "w.pt"), progress=str(d / "progress.txt")))
     d, job = runs["int"]
-    t0 = time.monotonic()
-    while True:  # interrupt once both ranks are a few steps in (and well before the end)
-        seen = _progress_steps(d / "progress.txt")
-        if len(seen) == ntasks and min(seen.values()) >= 5:
-            break
-        assert time.monotonic() - t0 < 240, f"no progress: {seen}"
-        time.sleep(0.2)
+    _wait_for_steps(d / "progress.txt", ntasks, 5)
     job._interrupt()
     results = {}
     for name, (_, j) in runs.items():

@@ -62,15 +62,7 @@ def _start(work: Path, worker: list[str], forward: str) -> subprocess.Popen:
 
 
 def _workers(agent: subprocess.Popen) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == agent.pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    return _children(agent.pid)
 
 
 def _wait(agent: subprocess.Popen, timeout: float = 120) -> int:
