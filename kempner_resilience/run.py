@@ -96,6 +96,7 @@ class ResilientRun:
             self._parts.agreement = StopAgreement.from_torch()
             self._handler.add_forced_exit_hook(
                 lambda code: self._parts.agreement.announce_forced_exit(code))
+            self._handler.add_forced_exit_hook(self._on_forced_exit)
             self._setup_slurm()
             self._setup_clock()
             # Imported now, never on the shutdown path: a tracker told how the attempt ends.
@@ -532,6 +533,14 @@ class ResilientRun:
                            bw_mib_s=round(info.nbytes / secs / 2**20, 1))
         parts.clock.set_save_estimate(parts.ckpt.estimate().seconds)
         self._hang.last_words(outcome.hang_words(parts))   # the report's saved step
+
+    def _on_forced_exit(self, code: int) -> None:
+        """The signal thread, just before its ``os._exit(code)`` for a second SIGINT/SIGTERM
+        (the table's code for FORCED, 128 + the signal): record the ending as every other one
+        is. The signal thread waits for its hooks at most a second, then leaves regardless."""
+        if self._parts.outcome is None:
+            sequence.record(self._parts, Facts(Ending.FORCED, self._parts.step,
+                                               signum=code - 128))
 
     def _on_hang_decided(self) -> None:
         """The hang watchdog's thread, the moment it decided: freeze the rescue's boundary, so

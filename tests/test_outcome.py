@@ -88,3 +88,41 @@ def test_sigterm_with_action_requeue_and_requeue_disabled_exits_143_in_a_real_ru
             proc.kill()
     assert proc.returncode == ExitCode.SIGTERM == 143, err
     assert "requeue.enabled is false" in err
+
+
+def test_a_run_forced_out_by_a_second_sigint_records_its_ending_in_the_ledger(tmp_path):
+    from helpers import start, wait_for_file, write_script
+    from kempner_resilience.ledger import read_ledger
+
+    script = write_script(tmp_path, """
+        import sys, time
+        import kempner_resilience as kr
+        class Counter:
+            def state_dict(self):
+                return {"n": 1}
+            def load_state_dict(self, sd):
+                pass
+        cfg = kr.load_config(overrides=[f"checkpoint.dir={sys.argv[1]}"])
+        with kr.ResilientRun(cfg, state={"counter": Counter()}, exit_mode="exit") as run:
+            # A cleanup that takes its time: the user presses Ctrl+C again meanwhile.
+            run.add_cleanup(lambda: (open(sys.argv[2], "w").write("cleanup"), time.sleep(60)),
+                            timeout_s=90)
+            for step in run.steps(100_000):
+                if step == 2:
+                    open(sys.argv[2], "w").write("running")
+                time.sleep(0.01)
+    """)
+    ckpt, stamp = tmp_path / "ckpt", tmp_path / "stamp"
+    proc = start(script, str(ckpt), str(stamp))
+    try:
+        wait_for_file(stamp, contains="running")
+        proc.send_signal(signal.SIGINT)
+        wait_for_file(stamp, contains="cleanup")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == ExitCode.SIGINT, err
+    exits = [e for e in read_ledger(ckpt / "ledger.jsonl") if e["ev"] == "exit"]
+    assert [(e["code"], e["ending"]) for e in exits] == [(130, "forced")]
