@@ -15,7 +15,7 @@ import inspect
 from typing import Any, Awaitable, Callable, Coroutine
 
 from kempner_resilience.config import ResilienceConfig, SignalsConfig, load_config
-from kempner_resilience.exitcodes import for_signal_stop
+from kempner_resilience.exitcodes import Ending, Facts, exit_code
 from kempner_resilience.log import get_logger
 from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
 
@@ -53,7 +53,7 @@ def run(main: Coroutine[Any, Any, Any] | Callable[[], Awaitable[Any]],
                 req = handler.request
                 if req is None:
                     raise
-                code = int(for_signal_stop(req.signum))
+                code = int(exit_code(Facts(Ending.SIGNAL, signum=req.signum)))
                 log.warning("%s: main task cancelled and cleaned up; exiting with %d", req.name,
                             code)
                 raise SystemExit(code) from None

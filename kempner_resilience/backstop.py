@@ -20,11 +20,16 @@ stops:
   so faulthandler dumps every stack and libc's ``_exit`` ends it with the signal number
   (``ExitCode.HANG``), in C, while the GIL is held;
 * it exits when the rank closes it, when the rank's end closes the pipe between them (the rank
-  died, however) or when its parent pid changes (polled: a forked child may hold the pipe).
+  died, however) or when its parent pid changes (polled: a forked child may hold the pipe);
+* the rank may leave it last words (``last_words``: one JSON line over that pipe): a line to
+  append to a file and a file to replace, written just before it signals the rank. That is how
+  a hang that holds the GIL, where no Python runs in the rank, still leaves the run ledger's
+  ``exit`` event and the run report (``shutdown/outcome.py`` says what they hold).
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import signal
@@ -35,7 +40,7 @@ from time import monotonic
 from kempner_resilience.ctimer import install_exit_handler
 from kempner_resilience.log import get_logger
 
-__all__ = ["BackstopMonitor", "POLL_S", "PAUSE_MIN_S"]
+__all__ = ["BackstopMonitor", "POLL_S", "PAUSE_MIN_S", "MAX_WORDS"]
 
 log = get_logger(__name__)
 
@@ -48,12 +53,14 @@ PAUSE_MIN_S = 1.0
 # The shared page: [0] the deadline (CLOCK_MONOTONIC seconds, system wide on Linux; 0 = none),
 # [1] nonzero once the rank closed the monitor.
 _DEADLINE, _CLOSED = 0, 1
+# Last words fit one pipe write (PIPE_BUF), so the monitor never reads half of them.
+MAX_WORDS = 4096
 
 # Runs in the monitor process: standard library only, nothing from this package (started with
 # -I -S, it could not import it, and must not import torch). Arguments: the memfd, the pipe's
 # read end, the rank's pid, the signal, the poll interval, the pause threshold.
 _MONITOR = r"""
-import mmap, os, select, signal, sys, time
+import json, mmap, os, select, signal, sys, time
 fd, pipe, ppid, signum = (int(a) for a in sys.argv[1:5])
 poll, pause_min = float(sys.argv[5]), float(sys.argv[6])
 # A launcher or SLURM signals every process of the job (Ctrl+C to the process group, SIGTERM,
@@ -88,12 +95,59 @@ def deadline():
             return a
 
 
+def say(words):
+    # The rank's last words: {"append": [path, event]} (a JSON line, "t" now, on a fresh line)
+    # and {"replace": [path, object]} (a temporary file renamed over it). Best effort: the
+    # signal to the rank goes out whatever happens here.
+    try:
+        path, event = words.get("append") or (None, None)
+        if path:
+            event["t"] = round(time.time(), 3)
+            line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+            f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+            try:
+                size = os.fstat(f).st_size
+                if size:
+                    r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                    try:
+                        if os.pread(r, 1, size - 1) != b"\n":
+                            line = b"\n" + line     # a torn last line must not swallow ours
+                    finally:
+                        os.close(r)
+                os.write(f, line)
+            finally:
+                os.close(f)
+    except Exception:
+        pass
+    try:
+        path, obj = words.get("replace") or (None, None)
+        if path:
+            tmp = "%s.tmp%d" % (path, os.getpid())
+            with open(tmp, "w") as f:
+                json.dump(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    except Exception:
+        pass
+
+
 shift, shift_for = 0.0, None       # seconds not counted, and the deadline they apply to
+words, heard = None, b""
 last = time.monotonic()
 while True:
     ready, _, _ = select.select([pipe], [], [], poll)
-    if ready and not os.read(pipe, 64):
-        break                      # the rank's end closed: it exited or was killed
+    if ready:
+        data = os.read(pipe, 65536)
+        if not data:
+            break                  # the rank's end closed: it exited or was killed
+        heard += data
+        while b"\n" in heard:
+            msg, heard = heard.split(b"\n", 1)
+            try:
+                words = json.loads(msg)
+            except ValueError:
+                pass
     if os.getppid() != ppid or shared[1]:
         break
     now = time.monotonic()
@@ -111,6 +165,8 @@ while True:
             shift, shift_for = 0.0, d
         shift += paused
     if d > 0 and now > d + (shift if d == shift_for else 0.0) and not stopped:
+        if words:
+            say(words)             # first: once the rank is gone, its ending is on disk
         os.kill(ppid, signum)      # faulthandler dumps the stacks, _exit(signum) ends the rank
         break
 """
@@ -186,6 +242,22 @@ class BackstopMonitor:
             self._proc.wait()
         self._shared.release()
         self._page.close()
+
+    def last_words(self, words: dict) -> None:
+        """What the monitor writes when it fires, before it signals the rank (replacing any
+        earlier words): ``{"append": [path, event]}``, ``{"replace": [path, object]}``, either
+        or both (see the module docstring). Skipped, logged, when over ``MAX_WORDS`` bytes."""
+        if not self.available or os.getpid() != self._pid:
+            return
+        msg = (json.dumps(words, separators=(",", ":"), default=str) + "\n").encode()
+        if len(msg) > MAX_WORDS:
+            log.warning("the hang backstop's last words are too long (%d bytes); a hang that "
+                        "holds the GIL will leave no exit event", len(msg))
+            return
+        try:
+            os.write(self._wfd, msg)    # one write below PIPE_BUF: atomic, and never blocks
+        except OSError as e:            # the monitor is gone: nothing will fire either
+            log.warning("the hang backstop's monitor did not take its last words: %s", e)
 
     @property
     def pid(self) -> int | None:

@@ -1,6 +1,11 @@
 """Exit codes: the contract between a training process, its batch script and the scheduler.
 
-``docs/exit-codes.md`` holds the same table; a test keeps the two in sync.
+Two tables, both here: ``TABLE``, what each code means, and ``exit_code``, the one table from
+what happened (an ``Ending`` and its ``Facts``) to the code. Every way a run ends goes through
+``exit_code``, whichever layer decides it (the shutdown sequence, the signal thread for a
+repeated signal, the hang and deadline watchdogs); ``ROWS`` lists its rows as examples, and
+``docs/exit-codes.md`` is generated from both (``scripts/regen_docs.py``; a test keeps them in
+sync).
 
 HANG and DEADLINE equal ``SIGRTMIN + 8`` and ``SIGRTMIN + 9`` on Linux (42, 43) on purpose: when a
 hang holds the GIL no Python code can run, so the watchdogs' last resort is a kernel timer whose
@@ -12,8 +17,10 @@ from __future__ import annotations
 
 import enum
 import signal
+from dataclasses import dataclass
 
-__all__ = ["ExitCode", "describe", "for_signal_stop", "TABLE", "RUN_AGAIN"]
+__all__ = ["ExitCode", "describe", "for_signal_stop", "TABLE", "RUN_AGAIN", "Ending", "Saved",
+           "Verdict", "Facts", "exit_code", "Row", "ROWS", "CLI_ONLY", "endings_markdown"]
 
 
 class ExitCode(enum.IntEnum):
@@ -62,8 +69,9 @@ TABLE: dict[ExitCode, str] = {
                        "signal's grace; stacks were dumped to stderr",
     ExitCode.REQUEUE: "emergency checkpoint committed and the job requeued (under SLURM) or to be "
                       "relaunched (local launcher): run it again",
-    ExitCode.STOPPED: "stopped by a signal whose action is `stop` (not SIGINT/SIGTERM); "
-                      "checkpoint committed, not requeued",
+    ExitCode.STOPPED: "stopped by a signal other than SIGINT/SIGTERM whose action is `stop`, "
+                      "or `requeue` with `requeue.enabled: false`; checkpoint committed, not "
+                      "requeued",
     ExitCode.NO_REQUEUE: "restart budget exhausted or no progress over several restarts: do not "
                          "requeue; look at the job's log",
     ExitCode.CONFIG: "the run could not start: an invalid configuration (a wrong or unknown key, "
@@ -114,3 +122,155 @@ def describe(code: int) -> str:
             except ValueError:
                 pass
         return f"{code}: not a kempner_resilience code"
+
+
+# ------------------------------------------------------------------ what happened -> the code
+
+class Ending(enum.Enum):
+    """How a run ended (the ``ending`` of the run ledger's ``exit`` event)."""
+
+    COMPLETED = "completed"            # every step ran
+    SIGNAL = "signal"                  # a shutdown signal (or the allocation's end): all ranks
+                                       # stopped at one step, saved, maybe requeued
+    FORCED = "forced"                  # a second SIGINT/SIGTERM during the shutdown: out at once
+    SAVES_FAILING = "saves-failing"    # checkpoint.max_failed_saves periodic saves in a row failed
+    PEER_LOST = "peer-lost"            # a collective failed because another rank is gone
+    ERROR = "error"                    # the user's code raised
+    HANG = "hang"                      # no step finished within watchdog.hang_timeout_s
+    DEADLINE = "deadline"              # the graceful shutdown overran the signal's grace
+    STARTUP = "startup-error"          # a start-up error (config, checkpoint.dir) nothing caught
+
+
+class Saved(enum.Enum):
+    """The emergency checkpoint of a stop."""
+
+    COMMITTED = "committed"            # written and committed (or the step was already)
+    FAILED = "failed"                  # failed or refused; the previous checkpoint is intact
+    NOTHING = "nothing"                # no state to save (ResilientRun without state=)
+
+
+class Verdict(str, enum.Enum):
+    """What the requeue step did: a verdict, which the table turns into a code."""
+
+    REQUEUED = "requeued"              # `scontrol requeue` succeeded (or, outside SLURM, the
+                                       # local launcher is asked to relaunch)
+    BUDGET_SPENT = "budget-spent"      # requeue.max_restarts reached
+    NO_PROGRESS = "no-progress"        # the committed step did not advance over
+                                       # requeue.max_no_progress restarts
+    SCONTROL_FAILED = "scontrol-failed"  # `scontrol requeue` failed (missing, refused, timed out)
+    DISABLED = "disabled"              # requeue.enabled is false
+    UNHEARD = "unheard"                # this rank did not learn rank 0's verdict in time
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class Facts:
+    """What happened, as far as the exit code cares; ``exit_code`` turns it into the code."""
+
+    ending: Ending
+    step: int = 0                      # the last step boundary reached
+    signum: int | None = None          # SIGNAL, FORCED: the signal
+    saved: Saved = Saved.NOTHING       # SIGNAL: the emergency checkpoint
+    requeue: Verdict | None = None     # SIGNAL with action `requeue`: the requeue's verdict
+    peer_forced_code: int | None = None  # another rank was forced out with this (130/143)
+
+
+_REQUEUE_CODES = {Verdict.REQUEUED: ExitCode.REQUEUE, Verdict.BUDGET_SPENT: ExitCode.NO_REQUEUE,
+                  Verdict.NO_PROGRESS: ExitCode.NO_REQUEUE,
+                  Verdict.SCONTROL_FAILED: ExitCode.REQUEUE_FAILED,
+                  Verdict.UNHEARD: ExitCode.REQUEUE_FAILED}
+_FIXED = {Ending.COMPLETED: ExitCode.OK, Ending.ERROR: ExitCode.ERROR,
+          Ending.PEER_LOST: ExitCode.PEER_LOST, Ending.HANG: ExitCode.HANG,
+          Ending.DEADLINE: ExitCode.DEADLINE, Ending.STARTUP: ExitCode.CONFIG,
+          Ending.SAVES_FAILING: ExitCode.CHECKPOINT_FAILED}
+
+
+def exit_code(f: Facts) -> ExitCode:
+    """The one table from what happened to the exit code; the rules in order of precedence."""
+    if f.peer_forced_code is not None:             # the job ends as the forced-out rank did
+        return ExitCode(f.peer_forced_code)
+    if f.ending in _FIXED:
+        return _FIXED[f.ending]
+    if f.ending is Ending.SIGNAL and f.saved is Saved.FAILED:
+        return ExitCode.CHECKPOINT_FAILED
+    if f.ending is Ending.SIGNAL and f.requeue in _REQUEUE_CODES:
+        return _REQUEUE_CODES[f.requeue]
+    # FORCED, or SIGNAL and not requeued (action `stop`, or requeue.enabled false).
+    assert f.signum is not None, f"{f.ending.value} needs the signal"
+    return for_signal_stop(f.signum)               # 130, 143, or STOPPED
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the table, as an example of the facts it covers (docs/exit-codes.md)."""
+
+    facts: Facts
+    when: str
+
+    @property
+    def code(self) -> ExitCode:
+        return exit_code(self.facts)
+
+
+def _stop(signum: int, when: str, saved: Saved = Saved.COMMITTED,
+          requeue: Verdict | None = None) -> Row:
+    return Row(Facts(Ending.SIGNAL, signum=signum, saved=saved, requeue=requeue), when)
+
+
+_TERM, _INT, _USR1 = signal.SIGTERM, signal.SIGINT, signal.SIGUSR1
+
+ROWS: tuple[Row, ...] = (
+    Row(Facts(Ending.COMPLETED), "every step ran"),
+    _stop(_USR1, "a signal whose action is `requeue` (SIGUSR1 by default, or the allocation's "
+          "end); checkpoint committed; requeued", requeue=Verdict.REQUEUED),
+    _stop(_USR1, "the same; not requeued: requeue.max_restarts reached",
+          requeue=Verdict.BUDGET_SPENT),
+    _stop(_USR1, "the same; not requeued: no progress over requeue.max_no_progress restarts",
+          requeue=Verdict.NO_PROGRESS),
+    _stop(_USR1, "the same; `scontrol requeue` failed", requeue=Verdict.SCONTROL_FAILED),
+    _stop(_USR1, "the same; this rank did not learn rank 0's requeue verdict in time",
+          requeue=Verdict.UNHEARD),
+    _stop(_USR1, "the same, with `requeue.enabled: false`", requeue=Verdict.DISABLED),
+    _stop(_TERM, "SIGTERM with action `requeue` and `requeue.enabled: false`",
+          requeue=Verdict.DISABLED),
+    _stop(_INT, "SIGINT with action `requeue` and `requeue.enabled: false`",
+          requeue=Verdict.DISABLED),
+    _stop(_TERM, "SIGTERM with action `stop` (the default); checkpoint committed"),
+    _stop(_INT, "SIGINT with action `stop` (the default); checkpoint committed"),
+    _stop(signal.SIGHUP, "another signal with action `stop`; checkpoint committed"),
+    _stop(_USR1, "any stop whose emergency checkpoint failed or could not fit",
+          saved=Saved.FAILED),
+    Row(Facts(Ending.SAVES_FAILING), "checkpoint.max_failed_saves periodic saves in a row "
+        "failed"),
+    Row(Facts(Ending.FORCED, signum=_INT), "a second SIGINT during the shutdown"),
+    Row(Facts(Ending.FORCED, signum=_TERM), "a second SIGTERM during the shutdown"),
+    Row(Facts(Ending.SIGNAL, signum=_USR1, saved=Saved.COMMITTED, requeue=Verdict.REQUEUED,
+              peer_forced_code=int(ExitCode.SIGTERM)),
+        "any ending on a rank whose peer was forced out (130 or 143): that rank's code"),
+    Row(Facts(Ending.PEER_LOST), "another rank is gone (after the survivors' rescue)"),
+    Row(Facts(Ending.HANG), "the hang watchdog, or its backstop when the hang holds the GIL "
+        "(after the rescue)"),
+    Row(Facts(Ending.DEADLINE), "the graceful shutdown overran the signal's grace"),
+    Row(Facts(Ending.ERROR), "the training script raised"),
+    Row(Facts(Ending.STARTUP), "a start-up error (configuration, checkpoint.dir) nothing caught"),
+)
+
+# Codes no run produces: the command line's own.
+CLI_ONLY: frozenset[ExitCode] = frozenset({ExitCode.USAGE})
+
+
+def _signal_name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum else ""
+
+
+def endings_markdown() -> str:
+    """The table's rows as docs/exit-codes.md shows them (``scripts/regen_docs.py``)."""
+    lines = ["| ending | signal | requeue | when | code |", "| --- | --- | --- | --- | --- |"]
+    for r in ROWS:
+        f = r.facts
+        lines.append(f"| `{f.ending.value}` | {_signal_name(f.signum)} | "
+                     f"{'' if f.requeue is None else f'`{f.requeue.value}`'} | {r.when} | "
+                     f"{int(r.code)} `{r.code.name}` |")
+    return "\n".join(lines)

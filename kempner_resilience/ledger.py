@@ -35,7 +35,9 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   (rank 0 may be the rank that died), one that committed nothing by rank 0: ``step``,
   ``committed``, ``writer`` (the rank that wrote it), ``why`` (nothing committed), ``reason``,
   ``seconds``, ``rank`` (the rank that recorded it).
-* ``requeue``: ``code``. ``exit``: ``code``, ``ending``, ``step`` (the last step reached).
+* ``requeue``: ``verdict`` (``exitcodes.Verdict``), ``code``. ``exit``: ``code``, ``ending``
+  (``exitcodes.Ending``), ``step`` (the last step reached; absent when the hang backstop's
+  monitor process wrote it, for a hang that held the GIL), ``by`` (``backstop`` then).
 """
 
 from __future__ import annotations

@@ -28,11 +28,12 @@ from typing import Any, Callable, Iterator, Mapping
 
 from kempner_resilience.agreement import StopAgreement, StopDecision
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
+from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.identity import RUN_ID_ENV
 from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start
 from kempner_resilience.log import announce, get_logger
 from kempner_resilience.shutdown import exit as leaving
-from kempner_resilience.shutdown import sequence
+from kempner_resilience.shutdown import outcome, sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
 from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
@@ -97,6 +98,7 @@ class ResilientRun:
             self._parts.agreement = StopAgreement.from_torch()
             self._handler.add_forced_exit_hook(
                 lambda code: self._parts.agreement.announce_forced_exit(code))
+            self._handler.add_forced_exit_hook(self._on_forced_exit)
             self._setup_slurm()
             self._setup_clock()
             # Imported now, never on the shutdown path: a tracker told how the attempt ends.
@@ -110,6 +112,7 @@ class ResilientRun:
 
                 mine = (self._explicit_run_id or new_run_id()) if self.rank == 0 else None
                 self._parts.run_id = self._parts.agreement.share_text("run_id", mine, 120.0)
+            self._hang.last_words(outcome.hang_words(self._parts))
         except BaseException:
             self._hang.stop()
             self._handler.uninstall(keep_deadline=self._handler.requested())
@@ -193,10 +196,8 @@ class ResilientRun:
     @property
     def exit_code(self) -> int | None:
         """The code the run ended with (set when it ended; 0 after all steps ran)."""
-        from kempner_resilience.shutdown.outcome import exit_code
-
         o = self._parts.outcome
-        return None if o is None else int(exit_code(o))
+        return None if o is None else int(outcome.exit_code(o))
 
     @property
     def timings(self) -> dict[str, float]:
@@ -555,6 +556,15 @@ class ResilientRun:
                            blocking_s=round(blocking_s, 4), bytes=int(info.nbytes),
                            bw_mib_s=round(info.nbytes / secs / 2**20, 1))
         parts.clock.set_save_estimate(parts.ckpt.estimate().seconds)
+        self._hang.last_words(outcome.hang_words(parts))   # the report's saved step
+
+    def _on_forced_exit(self, code: int) -> None:
+        """The signal thread, just before its ``os._exit(code)`` for a second SIGINT/SIGTERM
+        (the table's code for FORCED, 128 + the signal): record the ending as every other one
+        is. The signal thread waits for its hooks at most a second, then leaves regardless."""
+        if self._parts.outcome is None:
+            sequence.record(self._parts, Facts(Ending.FORCED, self._parts.step,
+                                               signum=code - 128))
 
     def _on_hang_decided(self) -> None:
         """The hang watchdog's thread, the moment it decided: freeze the rescue's boundary, so
@@ -564,14 +574,18 @@ class ResilientRun:
             self._parts.rescue.freeze()
 
     def _on_hang(self) -> None:
-        """Runs in the hang watchdog's thread before the HANG exit: requeue if it is worth it.
+        """Runs in the hang watchdog's thread before the HANG exit, the main thread stuck or
+        held; bounded by the backstop, armed for ``on_hang_budget_s`` when the hang was decided.
 
         First the rescue (survivors write the last step boundary), then the requeue: only
         rank 0, only under SLURM (a local launcher sees the HANG code and decides), only with a
-        committed checkpoint to come back to, and only within the restart budget.
+        committed checkpoint to come back to, and only within the restart budget. Then the
+        ending is recorded as every other one is (ledger, trackers, report): if this overruns
+        its budget, the backstop's monitor writes the ledger's event and the report instead.
         """
         sequence.rescue(self._parts, "hang")
-        sequence.requeue_after_failure(self._parts, "hang")
+        verdict = sequence.requeue_after_failure(self._parts, "hang")
+        sequence.record(self._parts, Facts(Ending.HANG, self._parts.step, requeue=verdict))
 
 
 def _local_restart_count() -> int | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from kempner_resilience.config import Action, SignalsConfig
+from kempner_resilience.exitcodes import Ending, Facts, exit_code
 from kempner_resilience.log import get_logger
 from kempner_resilience.startup import _early, _early_record, install_early_recorder
 from kempner_resilience.watchdog import DeadlineWatchdog
@@ -309,7 +310,7 @@ class ShutdownHandler:
             self._first(signum, f"{name} received")
             return
         if signum == signal.SIGINT or (signum == signal.SIGTERM and signal.SIGTERM in earlier):
-            code = 128 + signum
+            code = int(exit_code(Facts(Ending.FORCED, signum=signum)))   # 130 or 143
             log.error("second %s during shutdown: exiting at once with %d", name, code)
             self._run_forced_exit_hooks(code)
             os._exit(code)

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 from kempner_resilience.backstop import BackstopMonitor
 from kempner_resilience.ctimer import CExitTimer
-from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.exitcodes import Ending, Facts, exit_code
 from kempner_resilience.log import get_logger
 
 __all__ = ["CExitTimer", "DeadlineWatchdog", "HangWatchdog", "dump_all_stacks", "hold_until_exit"]
@@ -47,6 +47,10 @@ PAUSE_TICK_S = 0.5
 # that time is not counted as a hang. Scheduler delays are far shorter; a GIL held this long
 # by a C call also reads as a stop, and then the backstop (which sees the difference) decides.
 PAUSE_MIN_S = 1.0
+# The codes of the two endings decided here, from the one table (they are also the signals of
+# the backstops, see exitcodes.py).
+HANG_CODE = int(exit_code(Facts(Ending.HANG)))
+DEADLINE_CODE = int(exit_code(Facts(Ending.DEADLINE)))
 
 
 def dump_all_stacks(header: str) -> None:
@@ -144,7 +148,7 @@ class DeadlineWatchdog:
     def __init__(self) -> None:
         self._thread: _DeadlineThread | None = None
         self._backstop: CExitTimer | None = None
-        self._code = int(ExitCode.DEADLINE)
+        self._code = DEADLINE_CODE
         self._reason = ""
         self._lock = threading.Lock()
 
@@ -167,7 +171,7 @@ class DeadlineWatchdog:
                 # No pause detection here, and a kernel timer as the backstop: the grace
                 # window is real time (SLURM's KillWait, a time limit), stopped or not.
                 self._thread = _DeadlineThread("kempner-deadline", self._expire)
-                self._backstop = CExitTimer(ExitCode.DEADLINE)
+                self._backstop = CExitTimer(DEADLINE_CODE)
             current = self._thread.get()
             if current is not None and current <= deadline:
                 return
@@ -206,7 +210,7 @@ class DeadlineWatchdog:
                 self._backstop.disarm()
 
     def _expire(self) -> None:
-        if self._code == ExitCode.DEADLINE:
+        if self._code == DEADLINE_CODE:
             log.error("shutdown deadline passed (%s): forcing exit with %d", self._reason,
                       self._code)
             dump_all_stacks(f"shutdown deadline passed ({self._reason}); stacks of all threads")
@@ -261,15 +265,22 @@ class HangWatchdog:
 
     def start(self) -> "HangWatchdog":
         if self.enabled and self._thread is None:
-            self._backstop = BackstopMonitor(ExitCode.HANG)
+            self._backstop = BackstopMonitor(HANG_CODE)
             if not self._backstop.available:
                 log.warning("no monitor process for the hang backstop: using a kernel timer, "
                             "which a suspended job (SIGSTOP) outlives as a hang")
-                self._backstop = CExitTimer(ExitCode.HANG)
+                self._backstop = CExitTimer(HANG_CODE)
             self._thread = _DeadlineThread("kempner-hang-watchdog", self._expire,
                                            on_pause=self._on_pause)
             self.beat(force=True)
         return self
+
+    def last_words(self, words: dict) -> None:
+        """What the GIL-free backstop writes if it ends the process (a hang that holds the GIL,
+        or an ``on_hang`` over its budget): see ``BackstopMonitor.last_words``. Nothing with the
+        kernel-timer fallback, which runs no code of ours."""
+        if isinstance(self._backstop, BackstopMonitor):
+            self._backstop.last_words(words)
 
     def hold(self) -> None:
         """Never returns once the hang path has decided (except in its own thread): the caller
@@ -346,7 +357,7 @@ class HangWatchdog:
             except Exception:
                 log.exception("hang decision hook failed")
         log.error("no progress for %.1f s (budget %.1f s): hang detected, exiting with %d",
-                  idle, self._budget, int(ExitCode.HANG))
+                  idle, self._budget, HANG_CODE)
         dump_all_stacks(f"hang detected: no step finished for {idle:.1f} s; stacks of all "
                         "threads")
         if self.on_hang is not None:
@@ -354,4 +365,4 @@ class HangWatchdog:
                 self.on_hang()
             except Exception:
                 log.exception("hang action failed")
-        os._exit(int(ExitCode.HANG))
+        os._exit(HANG_CODE)

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from kempner_resilience.config import render_default_yaml, render_reference_markdown
-from kempner_resilience.exitcodes import TABLE
+from kempner_resilience.exitcodes import TABLE, endings_markdown
 from regen_slurm import regenerate as regen_slurm  # scripts/, next to this file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,5 +24,9 @@ rows = "\n".join(f"| {int(c)} | `{c.name}` | {t} |" for c, t in TABLE.items())
 text = doc.read_text()
 doc.write_text(re.sub(r"\| code \| name \| meaning \|\n\| --- \| --- \| --- \|\n(\|.*\|\n?)+",
                       "| code | name | meaning |\n| --- | --- | --- |\n" + rows + "\n", text))
+# The one table from what happened to the code (exitcodes.exit_code), row by row.
+text = doc.read_text()
+doc.write_text(re.sub(r"\| ending \| signal \| requeue \| when \| code \|\n(\|.*\|\n?)+",
+                      lambda _: endings_markdown() + "\n", text))
 regen_slurm()
 print("regenerated configs/default.yaml, docs/config.md, docs/exit-codes.md, slurm/*.sbatch")

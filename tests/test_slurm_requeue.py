@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kempner_resilience.config import RequeueConfig
-from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.exitcodes import ExitCode, Verdict
 from kempner_resilience.slurm import (
     Outcome,
     RestartLedger,
@@ -53,7 +53,7 @@ JOB = SlurmJob(job_id="4242")
 def test_requeue_reports_missing_scontrol_with_fix(fake_scontrol):
     fake_scontrol(None)
     res = requeue_job(JOB, RequeueConfig())
-    assert not res.ok and res.exit_code == ExitCode.REQUEUE_FAILED
+    assert not res.ok and res.verdict is Verdict.SCONTROL_FAILED
     assert "not found" in res.message and "container" in res.message
     assert res.attempts == 1  # a missing binary is not retried
 
@@ -70,7 +70,7 @@ def test_requeue_succeeds_on_retry_after_transient_failure(fake_scontrol, tmp_pa
     marker = tmp_path / "failed_once"
     fake_scontrol(f'if [ ! -e {marker} ]; then touch {marker}; exit 1; fi; exit 0')
     res = requeue_job(JOB, RequeueConfig(retries=1))
-    assert res.ok and res.attempts == 2 and res.exit_code == ExitCode.REQUEUE
+    assert res.ok and res.attempts == 2 and res.verdict is Verdict.REQUEUED
 
 
 def test_requeue_hang_times_out_and_kills_the_hung_process(fake_scontrol, tmp_path):
@@ -119,8 +119,8 @@ def test_budget_allows_requeue_until_max_restarts_then_no_requeue(tmp_path):
     ledger = tmp_path / LEDGER_NAME
     outcomes = [decide_requeue(rc, ledger, 100 * rc, cfg) for rc in range(5)]
     assert [d.outcome for d in outcomes] == [Outcome.REQUEUE] * 3 + [Outcome.NO_REQUEUE] * 2
-    assert outcomes[3].exit_code == ExitCode.NO_REQUEUE and "budget" in outcomes[3].reason
-    assert outcomes[0].exit_code == ExitCode.REQUEUE
+    assert outcomes[3].verdict is Verdict.BUDGET_SPENT and "budget" in outcomes[3].reason
+    assert outcomes[0].verdict is Verdict.REQUEUED
 
 
 def test_no_progress_over_max_no_progress_restarts_stops_using_the_ledger_on_disk(tmp_path):
@@ -132,7 +132,7 @@ def test_no_progress_over_max_no_progress_restarts_stops_using_the_ledger_on_dis
     assert decide_requeue(job(1), RestartLedger.load(path), 80, cfg).requeue  # progress
     assert decide_requeue(job(2), RestartLedger.load(path), 80, cfg).requeue  # 1 stalled
     d = decide_requeue(job(3), RestartLedger.load(path), 80, cfg)  # 2 stalled
-    assert d.outcome is Outcome.NO_REQUEUE and "no progress" in d.reason
+    assert d.verdict is Verdict.NO_PROGRESS and "no progress" in d.reason
     data = json.loads(path.read_text())
     assert data["job_id"] == "9"
     assert {k: v["step"] for k, v in data["restarts"].items()} == {
@@ -164,7 +164,7 @@ def test_decision_outside_slurm_counts_restarts_from_the_ledger(tmp_path):
 
 def test_disabled_requeue_decides_stop(tmp_path):
     d = decide_requeue(0, None, 5, RequeueConfig(enabled=False))
-    assert d.outcome is Outcome.NO_REQUEUE and d.exit_code == ExitCode.STOPPED
+    assert d.outcome is Outcome.NO_REQUEUE and d.verdict is Verdict.DISABLED
 
 
 def test_corrupt_ledger_is_replaced_not_fatal(tmp_path):

@@ -1,74 +1,68 @@
-"""What happened to a run, and the one place that turns it into an exit code.
+"""The one way an ending is recorded, whichever path ended the run.
 
-Every ending of a ``ResilientRun`` is described by an ``Outcome``; ``exit_code`` is the table from
-outcome to code (docs/exit-codes.md says the same in words, and a test checks each row). Codes
-decided elsewhere, where no Python may run any more, are listed in ``DECIDED_ELSEWHERE``.
+The exit code comes from the one table, ``exitcodes.exit_code`` (what happened, ``Facts``, to
+the code; it lives in ``exitcodes`` so that the core layer's deciders, the signal thread and the
+watchdogs, use it too). ``record`` then says how the attempt ended, the same way for every
+ending: the run ledger's ``exit`` event, the trackers' finish (bounded) and the run report.
+
+Callers: the shutdown sequence's paths (``complete``, ``stop``, ``fail``, ``give_up``), and the
+hang watchdog's thread (``ResilientRun._on_hang``). A hang that holds the GIL runs no Python in
+the process: there the backstop's monitor process writes the ``exit`` event and the report
+(``HangWatchdog.last_words``, ``backstop.py``); no tracker can be told.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from kempner_resilience.config import Action
-from kempner_resilience.exitcodes import ExitCode, for_signal_stop
+from kempner_resilience.exitcodes import Ending, Facts, Saved, Verdict, exit_code
+from kempner_resilience.shutdown.report import build_report, report_path, write_report
+from kempner_resilience.teardown import TeardownStack
 
-__all__ = ["Ending", "Saved", "Outcome", "exit_code", "DECIDED_ELSEWHERE"]
+if TYPE_CHECKING:
+    from kempner_resilience.shutdown.sequence import RunParts
 
-
-class Ending(enum.Enum):
-    """Why the training loop ended."""
-
-    COMPLETED = "completed"            # every step ran
-    SIGNAL = "signal"                  # a shutdown signal on some rank; all stopped at one step
-    SAVES_FAILING = "saves-failing"    # checkpoint.max_failed_saves periodic saves in a row failed
-    PEER_LOST = "peer-lost"            # a collective failed because another rank is gone
-    ERROR = "error"                    # the user's code raised
+__all__ = ["Ending", "Saved", "Verdict", "Facts", "exit_code", "record", "hang_words"]
 
 
-class Saved(enum.Enum):
-    """The emergency checkpoint."""
-
-    COMMITTED = "committed"            # written and committed (or the step was already)
-    FAILED = "failed"                  # failed or refused; the previous checkpoint is intact
-    NOTHING = "nothing"                # no state to save (ResilientRun without state=)
-
-
-@dataclass
-class Outcome:
-    ending: Ending
-    step: int
-    signum: int | None = None
-    action: Action | None = None
-    saved: Saved = Saved.NOTHING
-    requeue_code: int | None = None    # rank 0's requeue decision, shared with every rank
-    peer_forced_code: int | None = None  # another rank was forced out with 130/143
+def record(parts: "RunParts", facts: Facts) -> int:
+    """The code for ``facts`` (the table's); the ledger's ``exit`` event, the trackers' finish
+    and the run report say so. Returns the code."""
+    code = int(exit_code(facts))
+    parts.outcome = facts
+    parts.ledger.event("exit", code=code, ending=facts.ending.value, step=parts.step,
+                       loop_end_t=parts.loop_end_wall)
+    parts.ledger.close()
+    _finish_trackers(parts, code)
+    write_report(parts, code)
+    return code
 
 
-def exit_code(o: Outcome) -> ExitCode:
-    """The exit code for ``o``; the rows are in the order they take precedence."""
-    if o.peer_forced_code is not None:             # the job ends as the forced-out rank did
-        return ExitCode(o.peer_forced_code)
-    if o.ending is Ending.COMPLETED:
-        return ExitCode.OK
-    if o.ending is Ending.ERROR:
-        return ExitCode.ERROR
-    if o.ending is Ending.PEER_LOST:
-        return ExitCode.PEER_LOST
-    if o.ending is Ending.SAVES_FAILING or o.saved is Saved.FAILED:
-        return ExitCode.CHECKPOINT_FAILED
-    if o.action is Action.REQUEUE and o.requeue_code is not None:
-        return ExitCode(o.requeue_code)            # REQUEUE, REQUEUE_FAILED or NO_REQUEUE
-    assert o.signum is not None
-    return for_signal_stop(o.signum)               # 130, 143, or STOPPED
+def _finish_trackers(parts: "RunParts", code: int) -> None:
+    """Tell the trackers how the attempt ends, within a cleanup's time and the deadline (an
+    online W&B run uploads what is left when it finishes)."""
+    if parts.trackers.active:
+        stack = TeardownStack(parts.config.watchdog.cleanup_timeout_s)
+        stack.add(lambda: parts.trackers.finish(code), name="finish the tracker runs")
+        stack.run(deadline=parts.handler.deadline.deadline)
 
 
-# Codes no Outcome produces, and who decides them instead.
-DECIDED_ELSEWHERE: dict[ExitCode, str] = {
-    ExitCode.USAGE: "the CLI, for a wrong command line",
-    ExitCode.CONFIG: "startup.py, for a start-up error nothing caught",
-    ExitCode.HANG: "the hang watchdog (watchdog.py), possibly from a kernel timer",
-    ExitCode.DEADLINE: "the deadline watchdog (watchdog.py) when a shutdown overran its grace",
-    ExitCode.SIGINT: "signals.py, at once, for a repeated SIGINT (also by Outcome)",
-    ExitCode.SIGTERM: "signals.py, at once, for a repeated SIGTERM (also by Outcome)",
-}
+def hang_words(parts: "RunParts") -> dict[str, Any]:
+    """What ``record`` would write for a hang, for the hang backstop's monitor process to write
+    in its stead when no Python runs in the process (``HangWatchdog.last_words``): the ledger's
+    ``exit`` event (``by: backstop``; the monitor adds the time, and knows no step) and the run
+    report, as of now. Refreshed when that changes (a resume, a save); nothing per step."""
+    facts = Facts(Ending.HANG, parts.step)
+    code = int(exit_code(facts))
+    words: dict[str, Any] = {}
+    ledger = parts.ledger
+    if ledger.path is not None and ledger.only is None:
+        words["append"] = [str(ledger.path), {
+            "ev": "exit", "t": None, "attempt": ledger.attempt, "run_id": ledger.run_id,
+            "code": code, "ending": facts.ending.value, "by": "backstop"}]
+    path = report_path(parts)
+    if path is not None:
+        report = build_report(parts, code)
+        report.update(ending=facts.ending.value, step=None, timings={})
+        words["replace"] = [path, report]
+    return words

@@ -3,13 +3,15 @@
 ``stop`` is the path a shutdown signal takes once every rank agreed on the step (agreement.py):
 
     deadline → emergency save (checkpoint/) → requeue decision (slurm/requeue.py)
-             → teardown (teardown.py) → exit code (outcome.py) → leave (exit.py)
+             → teardown (teardown.py) → record the ending (outcome.py) → leave (exit.py)
 
 ``fail`` is the path of an exception that ended the loop (a lost peer, or a bug), ``give_up``
 the one of periodic saves that keep failing, ``complete`` the normal end. Each step is a small
 function below with its own time budget: the shutdown deadline armed by the first signal (or
 here, for ranks that only agreed to someone else's), per-cleanup limits inside it, and
-``watchdog.exit_timeout_s`` for the interpreter's exit after it.
+``watchdog.exit_timeout_s`` for the interpreter's exit after it. Each path ends in
+``outcome.record``: the exit code from the one table (``exitcodes.exit_code``), and the ledger,
+the trackers and the run report told how the run ended.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ from typing import Any, NoReturn
 from kempner_resilience import exitcodes
 from kempner_resilience.agreement import StopAgreement, StopDecision
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig
-from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.ledger import Ledger
 from kempner_resilience.log import get_logger
 from kempner_resilience.shutdown import exit as leaving
-from kempner_resilience.shutdown.outcome import Ending, Outcome, Saved, exit_code
-from kempner_resilience.shutdown.report import write_report
+from kempner_resilience.shutdown.outcome import (Ending, Facts, Saved, Verdict, exit_code,
+                                                 record)
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
 from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.signals import ShutdownHandler
@@ -38,7 +39,7 @@ from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
 from kempner_resilience.watchdog import HangWatchdog
 
 __all__ = ["RunParts", "stop", "fail", "give_up", "complete", "requeue_after_failure",
-           "rescue"]
+           "rescue", "record"]
 
 log = get_logger(__name__)
 
@@ -69,7 +70,7 @@ class RunParts:
     cleanup_results: list[Any] = field(default_factory=list)
     left_behind: list[str] = field(default_factory=list)  # what teardown could not end
     save_lost_peer: bool = False      # the emergency save failed because a rank is gone
-    outcome: Outcome | None = None
+    outcome: Facts | None = None      # how the run ended, once recorded (outcome.record)
 
     @property
     def rank(self) -> int:
@@ -85,8 +86,9 @@ class RunParts:
 def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     """Every rank stops at ``decision.step``: save, requeue, tear down, leave."""
     close_rescue(parts)
-    o = Outcome(Ending.SIGNAL, decision.step, decision.signum, _action(parts, decision.signum))
-    log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), o.action.value)
+    action = _action(parts, decision.signum)
+    o = Facts(Ending.SIGNAL, decision.step, decision.signum)
+    log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), action.value)
     req = parts.handler.request
     parts.ledger.event("stop", step=decision.step, signal=_stop_reason(parts, decision),
                        signal_t=req.received_wall if req is not None else None)
@@ -95,11 +97,10 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     o.saved = _emergency_save(parts, decision.step)
     parts.ledger.event("emergency_save", step=decision.step, saved=o.saved.name.lower(),
                        seconds=round(time.monotonic() - t0, 4))
-    if o.saved is Saved.COMMITTED or o.saved is Saved.NOTHING:
-        o.requeue_code = _requeue(parts) if o.action is Action.REQUEUE else None
-        if o.requeue_code is not None:
-            parts.ledger.event("requeue", code=o.requeue_code,
-                               seconds=round(parts.timings.get("requeue_s", 0.0), 4))
+    if action is Action.REQUEUE and o.saved is not Saved.FAILED:
+        o.requeue = _requeue(parts)
+        parts.ledger.event("requeue", verdict=o.requeue.value, code=int(exit_code(o)),
+                           seconds=round(parts.timings.get("requeue_s", 0.0), 4))
     o.peer_forced_code = _peer_forced_code(parts)
     # A rank forced out mid-shutdown is gone: tearing the group down would wait for it.
     _teardown(parts, peers_alive=o.peer_forced_code is None and not parts.save_lost_peer)
@@ -113,15 +114,14 @@ def fail(parts: RunParts, exc: BaseException) -> None:
 
     parts.hang.stop()
     lost = is_peer_failure(exc)
-    code = int(ExitCode.PEER_LOST if lost else ExitCode.ERROR)
+    code = int(exit_code(Facts(Ending.PEER_LOST if lost else Ending.ERROR)))
     if parts.exit_mode is ExitMode.EXIT:       # armed first: the store below may be gone too
         parts.handler.deadline.expect_exit(
             code, parts.config.rescue.budget_s if lost and parts.rescue is not None
             else parts.config.signals.grace_s, f"exit after {type(exc).__name__}")
     forced = _peer_forced_code(parts)
     lost = lost or forced is not None
-    o = Outcome(Ending.PEER_LOST if lost else Ending.ERROR, parts.step,
-                peer_forced_code=forced)
+    o = Facts(Ending.PEER_LOST if lost else Ending.ERROR, parts.step, peer_forced_code=forced)
     if lost:
         if forced is None:
             log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc), o.step)
@@ -148,7 +148,7 @@ def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
     close_rescue(parts)
     log.error("stopping at step %d: %s", step, err)
     _teardown(parts, peers_alive=True)
-    _leave(parts, Outcome(Ending.SAVES_FAILING, step))
+    _leave(parts, Facts(Ending.SAVES_FAILING, step))
 
 
 def complete(parts: RunParts, step: int) -> None:
@@ -157,24 +157,24 @@ def complete(parts: RunParts, step: int) -> None:
     parts.teardown.run()
     if parts.ckpt is not None:
         parts.ckpt.close()
-    parts.outcome = Outcome(Ending.COMPLETED, step)
-    _ledger_exit(parts, int(ExitCode.OK))
-    _finish_trackers(parts, int(ExitCode.OK))
-    write_report(parts, int(ExitCode.OK))
+    record(parts, Facts(Ending.COMPLETED, step))
 
 
-def requeue_after_failure(parts: RunParts, why: str) -> None:
+def requeue_after_failure(parts: RunParts, why: str) -> Verdict | None:
     """Rank 0, under SLURM, with a committed checkpoint to come back to, within the restart
-    budget: requeue now, since nobody else will (a local launcher sees the exit code)."""
+    budget: requeue now, since nobody else will (a local launcher sees the exit code). The
+    failure's code stays its own (PEER_LOST, HANG): the verdict is logged, None when no
+    requeue was tried."""
     if parts.slurm is None or parts.rank != 0 or parts.committed_step() is None:
-        return
+        return None
     try:
-        code = _requeue_decision(parts)
+        verdict = _requeue_decision(parts)
     except Exception as e:      # never let the requeue attempt stop the exit
         log.error("%s: requeue failed: %s", why, e)
-        return
-    log.warning("%s: %s", why, "job requeued" if code == ExitCode.REQUEUE
-                else exitcodes.describe(int(code)))
+        return None
+    log.warning("%s: %s", why, "job requeued" if verdict is Verdict.REQUEUED
+                else f"not requeued ({verdict})")
+    return verdict
 
 
 # ------------------------------------------------------------------------------ the steps
@@ -231,22 +231,23 @@ def _emergency_save(parts: RunParts, step: int) -> Saved:
     return Saved.COMMITTED
 
 
-def _requeue(parts: RunParts) -> int:
-    """Rank 0 decides (budget, scontrol with its own timeout); every rank learns its code
+def _requeue(parts: RunParts) -> Verdict:
+    """Rank 0 decides (budget, scontrol with its own timeout); every rank learns its verdict
     through the store within what is left of the deadline."""
-    code = int(_requeue_decision(parts)) if parts.rank == 0 else None
+    mine = _requeue_decision(parts).value if parts.rank == 0 else None
     left = parts.handler.deadline.remaining()
     try:
-        code = parts.agreement.share_exit_code(code, left if left is not None else 60.0)
+        verdict = Verdict(parts.agreement.share_text("requeue_verdict", mine,
+                                                     left if left is not None else 60.0))
     except Exception as e:  # rank 0 is gone or the store timed out: the checkpoint is safe
-        log.error("did not learn rank 0's requeue outcome (%s); exiting with REQUEUE_FAILED", e)
-        return int(ExitCode.REQUEUE_FAILED)
-    if code == ExitCode.REQUEUE:
+        log.error("did not learn rank 0's requeue verdict (%s)", e)
+        return Verdict.UNHEARD
+    if verdict is Verdict.REQUEUED:
         parts.trackers.preempting()    # a W&B run on another rank (rank 0 told its own)
-    return code
+    return verdict
 
 
-def _requeue_decision(parts: RunParts) -> ExitCode:
+def _requeue_decision(parts: RunParts) -> Verdict:
     from kempner_resilience.slurm import decide_requeue, requeue_job
     from kempner_resilience.slurm.requeue import RestartLedger
 
@@ -256,15 +257,15 @@ def _requeue_decision(parts: RunParts) -> ExitCode:
     who = parts.slurm if parts.slurm is not None else _local_restart_count()
     verdict = decide_requeue(who, ledger, parts.committed_step(), parts.config.requeue)
     if not verdict.requeue:
-        return verdict.exit_code
+        return verdict.verdict
     # Before the requeue: `scontrol requeue` SIGTERMs every task at once.
     parts.trackers.preempting()
     if parts.slurm is None:
-        return ExitCode.REQUEUE  # "run me again": the local launcher relaunches
+        return Verdict.REQUEUED  # "run me again": the local launcher relaunches
     t0 = time.monotonic()
     result = requeue_job(parts.slurm, parts.config.requeue)
     parts.timings["requeue_s"] = time.monotonic() - t0
-    return result.exit_code
+    return result.verdict
 
 
 def _peer_forced_code(parts: RunParts) -> int | None:
@@ -306,18 +307,14 @@ def _teardown(parts: RunParts, *, peers_alive: bool) -> None:
         parts.left_behind.append("the process group (a peer is gone)")
 
 
-def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
+def _leave(parts: RunParts, o: Facts, error: BaseException | None = None,
            keep_traceback: bool = False) -> NoReturn:
-    code = int(exit_code(o))
-    parts.outcome = o
-    _ledger_exit(parts, code)
-    _finish_trackers(parts, code)
-    write_report(parts, code)
+    code = record(parts, o)
     if not keep_traceback and o.peer_forced_code is None:   # else _peer_forced_code said it
         if o.ending is Ending.SIGNAL and o.saved is Saved.NOTHING:
             # The code's table text says "checkpoint committed": not true without state.
             log.warning("exiting with %s (%d): no state to checkpoint (ResilientRun without "
-                        "state=)", ExitCode(code).name, code)
+                        "state=)", exitcodes.ExitCode(code).name, code)
         else:
             log.warning("exiting with %s", exitcodes.describe(code))
     leaving.leave(parts.handler.deadline, code, parts.exit_mode,
@@ -326,22 +323,6 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
 
 
 # ------------------------------------------------------------------------------ small helpers
-
-def _ledger_exit(parts: RunParts, code: int) -> None:
-    o = parts.outcome
-    parts.ledger.event("exit", code=code, ending=None if o is None else o.ending.value,
-                       step=parts.step, loop_end_t=parts.loop_end_wall)
-    parts.ledger.close()
-
-
-def _finish_trackers(parts: RunParts, code: int) -> None:
-    """Tell the trackers how the attempt ends, within a cleanup's time and the deadline (an
-    online W&B run uploads what is left when it finishes)."""
-    if parts.trackers.active:
-        stack = TeardownStack(parts.config.watchdog.cleanup_timeout_s)
-        stack.add(lambda: parts.trackers.finish(code), name="finish the tracker runs")
-        stack.run(deadline=parts.handler.deadline.deadline)
-
 
 def _stop_reason(parts: RunParts, decision: StopDecision) -> str:
     if parts.clock.fired and parts.handler.request is None:

@@ -8,8 +8,9 @@ Two separate jobs:
 * ``requeue_job``: ``scontrol requeue <id>`` with a time limit and retries. Call it only after the
   emergency checkpoint is committed: SLURM SIGTERMs every task of the job at once.
 
-Neither raises into the caller for an expected failure: they return a value carrying the exit
-code the process should end with.
+Neither raises into the caller for an expected failure: they return a value carrying the
+verdict (``exitcodes.Verdict``: requeued, or why not); the exit code is the one table's
+(``exitcodes.exit_code``), never chosen here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kempner_resilience.config import RequeueConfig
-from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.exitcodes import ExitCode, Verdict
 from kempner_resilience.fileio import write_atomic
 from kempner_resilience.log import get_logger
 from kempner_resilience.slurm.env import SlurmJob
@@ -41,7 +42,7 @@ LEDGER_NAME = ".kempner_restarts.json"
 
 @dataclass(frozen=True)
 class RequeueResult:
-    """What ``requeue_job`` did. ``exit_code`` is REQUEUE on success, REQUEUE_FAILED otherwise."""
+    """What ``requeue_job`` did: ``verdict`` REQUEUED on success, SCONTROL_FAILED otherwise."""
 
     ok: bool
     job_id: str
@@ -50,8 +51,8 @@ class RequeueResult:
     returncode: int | None = None
 
     @property
-    def exit_code(self) -> ExitCode:
-        return ExitCode.REQUEUE if self.ok else ExitCode.REQUEUE_FAILED
+    def verdict(self) -> Verdict:
+        return Verdict.REQUEUED if self.ok else Verdict.SCONTROL_FAILED
 
 
 def _fix_for(res: ScontrolResult, job_id: str) -> str:
@@ -124,14 +125,14 @@ class Outcome(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
-    """The restart-budget verdict. ``exit_code`` is what the process should exit with if the
-    requeue itself succeeds (REQUEUE) or is refused (NO_REQUEUE, or STOPPED when disabled)."""
+    """The restart-budget decision: ``verdict`` REQUEUED when the job may run again (the
+    requeue itself is still to be done), else why not (BUDGET_SPENT, NO_PROGRESS, DISABLED)."""
 
     outcome: Outcome
     reason: str
     restart_count: int
     committed_step: int | None
-    exit_code: ExitCode
+    verdict: Verdict
 
     @property
     def requeue(self) -> bool:
@@ -231,7 +232,8 @@ def decide_requeue(job_or_restart_count: SlurmJob | int | None,
     history = ledger.history(restart_count, job_id) if ledger is not None else []
     stalled = _no_progress_run(history, committed_step)
 
-    def done(outcome: Outcome, reason: str, code: ExitCode) -> Decision:
+    def done(reason: str, verdict: Verdict) -> Decision:
+        outcome = Outcome.REQUEUE if verdict is Verdict.REQUEUED else Outcome.NO_REQUEUE
         if ledger is not None:
             ledger.record(restart_count, committed_step, outcome, job_id)
             if save:
@@ -241,20 +243,17 @@ def decide_requeue(job_or_restart_count: SlurmJob | int | None,
                     _log.warning("could not write restart ledger %s: %s", ledger.path, e)
         log = _log.info if outcome is Outcome.REQUEUE else _log.warning
         log("restart decision: %s (%s)", outcome, reason)
-        return Decision(outcome, reason, restart_count, committed_step, code)
+        return Decision(outcome, reason, restart_count, committed_step, verdict)
 
     if not config.enabled:
-        return done(Outcome.NO_REQUEUE, "requeue.enabled is false", ExitCode.STOPPED)
+        return done("requeue.enabled is false", Verdict.DISABLED)
     if config.max_restarts and restart_count >= config.max_restarts:
-        return done(Outcome.NO_REQUEUE,
-                    f"restart budget exhausted: restarted {restart_count} times, "
-                    f"requeue.max_restarts={config.max_restarts}", ExitCode.NO_REQUEUE)
+        return done(f"restart budget exhausted: restarted {restart_count} times, "
+                    f"requeue.max_restarts={config.max_restarts}", Verdict.BUDGET_SPENT)
     if config.max_no_progress and stalled >= config.max_no_progress:
-        return done(Outcome.NO_REQUEUE,
-                    f"no progress: the committed step stayed at {committed_step} over {stalled} "
+        return done(f"no progress: the committed step stayed at {committed_step} over {stalled} "
                     f"restarts in a row (requeue.max_no_progress={config.max_no_progress}); "
-                    "the job probably dies before it can checkpoint", ExitCode.NO_REQUEUE)
-    return done(Outcome.REQUEUE,
-                f"restart {restart_count + 1}"
+                    "the job probably dies before it can checkpoint", Verdict.NO_PROGRESS)
+    return done(f"restart {restart_count + 1}"
                 + (f" of {config.max_restarts}" if config.max_restarts else "")
-                + f", committed step {committed_step}", ExitCode.REQUEUE)
+                + f", committed step {committed_step}", Verdict.REQUEUED)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kempner_resilience.config import RequeueConfig
+from kempner_resilience.exitcodes import Ending, Facts, Saved, exit_code
 from kempner_resilience.slurm import SlurmJob, requeue_job
 
 out = Path(sys.argv[1])
@@ -27,7 +28,10 @@ terminated = []
 signal.signal(signal.SIGTERM, lambda s, f: terminated.append(s))
 if wants:
     res = requeue_job(job, RequeueConfig(scontrol_timeout_s=10, retries=1))
-    record["result"] = dataclasses.asdict(res) | {"exit_code": int(res.exit_code)}
+    # The code a run would exit with for this verdict: the one table's.
+    code = exit_code(Facts(Ending.SIGNAL, signum=signal.SIGUSR1, saved=Saved.COMMITTED,
+                           requeue=res.verdict))
+    record["result"] = dataclasses.asdict(res) | {"exit_code": int(code)}
 (out / f"run_{tag}.json").write_text(json.dumps(record))
 if wants and record["result"]["ok"]:
     deadline = time.monotonic() + 30
