@@ -350,7 +350,7 @@ def test_a_full_disk_at_a_periodic_save_warns_training_goes_on_and_the_next_save
     assert "Training goes on" in warnings[0] and "Traceback" not in proc.stderr
     # While the disk was full only the previous checkpoint was there, the partial one removed.
     assert json.loads(Path(str(ckpt) + ".listing").read_text()) == [
-        "ledger.jsonl", "run.json", "step_000000002"]
+        ".lease", "ledger.jsonl", "run.json", "step_000000002"]   # .lease: the live run's
     entries = layout.scan(ckpt)
     assert [(e.step, e.committed) for e in entries] == [(2, True), (6, True), (8, True)]
     for e in entries:
