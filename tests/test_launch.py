@@ -146,4 +146,4 @@ def test_each_rank_gets_its_rank_and_a_rendezvous_and_relaunches_count_as_restar
 def test_the_restart_budget_ends_the_relaunches_with_the_ranks_code(tmp_path):
     code, seen = _record(tmp_path, "75", "--ranks", "1", "--max-restarts", "2")
     assert code == ExitCode.REQUEUE
-    assert [s[5] for s in seen] == ["0", "1", "2"]
+    assert sorted(s[5] for s in seen) == ["0", "1", "2"]    # three launches, counted
