@@ -30,6 +30,7 @@ from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import Ending, Outcome, Saved, exit_code
 from kempner_resilience.shutdown.report import write_report
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
+from kempner_resilience.shutdown.timing import shutdown_times
 from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.signals import ShutdownHandler
 from kempner_resilience.slurm.clock import RunClock
@@ -87,6 +88,8 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     o = Outcome(Ending.SIGNAL, decision.step, decision.signum, _action(parts, decision.signum))
     log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), o.action.value)
     req = parts.handler.request
+    if req is not None:     # signal → every rank agreed on the step (this rank's signal)
+        parts.timings["agree_s"] = time.monotonic() - req.received_at
     parts.ledger.event("stop", step=decision.step, signal=_stop_reason(parts, decision),
                        signal_t=req.received_wall if req is not None else None)
     _start_deadline(parts, decision)
@@ -95,7 +98,9 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     parts.ledger.event("emergency_save", step=decision.step, saved=o.saved.name.lower(),
                        seconds=round(time.monotonic() - t0, 4))
     if o.saved is Saved.COMMITTED or o.saved is Saved.NOTHING:
+        t0 = time.monotonic()   # the whole step: decision, scontrol, every rank told
         o.requeue_code = _requeue(parts) if o.action is Action.REQUEUE else None
+        parts.timings["requeue_s"] = time.monotonic() - t0
         if o.requeue_code is not None:
             parts.ledger.event("requeue", code=o.requeue_code,
                                seconds=round(parts.timings.get("requeue_s", 0.0), 4))
@@ -251,7 +256,7 @@ def _requeue_decision(parts: RunParts) -> ExitCode:
         return ExitCode.REQUEUE  # "run me again": the local launcher relaunches
     t0 = time.monotonic()
     result = requeue_job(parts.slurm, parts.config.requeue)
-    parts.timings["requeue_s"] = time.monotonic() - t0
+    parts.timings["scontrol_requeue_s"] = time.monotonic() - t0
     return result.exit_code
 
 
@@ -308,7 +313,9 @@ def _leave(parts: RunParts, o: Outcome, error: BaseException | None = None,
 def _ledger_exit(parts: RunParts, code: int) -> None:
     o = parts.outcome
     parts.ledger.event("exit", code=code, ending=None if o is None else o.ending.value,
-                       step=parts.step, loop_end_t=parts.loop_end_wall)
+                       step=parts.step, loop_end_t=parts.loop_end_wall,
+                       **shutdown_times(parts.timings, parts.handler.request,
+                                        None if code == ExitCode.OK else parts.exit_mode))
     parts.ledger.close()
 
 
