@@ -35,9 +35,13 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   (rank 0 may be the rank that died), one that committed nothing by rank 0: ``step``,
   ``committed``, ``writer`` (the rank that wrote it), ``why`` (nothing committed), ``reason``,
   ``seconds``, ``rank`` (the rank that recorded it).
-* ``requeue``: ``verdict`` (``exitcodes.Verdict``), ``code``. ``exit``: ``code``, ``ending``
-  (``exitcodes.Ending``), ``step`` (the last step reached; absent when the hang backstop's
-  monitor process wrote it, for a hang that held the GIL), ``by`` (``backstop`` then).
+* ``requeue``: ``verdict`` (``exitcodes.Verdict``), ``code``, ``seconds``. ``exit``: ``code``,
+  ``ending`` (``exitcodes.Ending``), ``step`` (the last step reached; absent when the hang
+  backstop's monitor process wrote it, for a hang that held the GIL), ``by`` (``backstop``
+  then), ``loop_end_t``; after a signal where the shutdown's steps took their time
+  (``shutdown/timing.py``): ``signal_t``, ``agree_s``, ``save_s``, ``requeue_s``, ``teardown_s``,
+  ``shutdown_s`` (signal → this event), and ``leave`` (``exit`` or ``raise``: how the process
+  leaves after it).
 """
 
 from __future__ import annotations
@@ -134,6 +138,8 @@ def _text(x: Any) -> bool:
 _FIELDS: dict[str, Callable[[Any], bool]] = {
     "t": _time, "t0": _time, "signal_t": _time, "loop_end_t": _time,
     "blocking_s": _duration, "load_s": _duration, "seconds": _duration,
+    "agree_s": _duration, "save_s": _duration, "requeue_s": _duration, "teardown_s": _duration,
+    "shutdown_s": _duration, "leave": _text,
     "bw_mib_s": lambda x: _number(x) and x >= 0,
     "attempt": _count, "step": _count, "last_step": _count, "n": _count, "bytes": _count,
     "restart_count": _count, "world_size": _count, "writer": _count, "rank": _count,

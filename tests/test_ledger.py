@@ -70,6 +70,20 @@ def test_ledger_records_each_attempt_its_stop_and_its_exit(twice_interrupted):
     assert [e["restart_count"] for e in events if e["ev"] == "start"] == [0, 1, 2]
 
 
+def test_each_stopped_attempts_exit_accounts_for_its_shutdown_step_by_step(twice_interrupted):
+    work, launches = twice_interrupted
+    events = read_ledger(work / "ckpt" / "ledger.jsonl")
+    stopped = [e for e in events if e["ev"] == "exit" and e["ending"] == "signal"]
+    assert len(stopped) == 2
+    for ex, launch in zip(stopped, launches):
+        steps = [ex[k] for k in ("agree_s", "save_s", "requeue_s", "teardown_s")]
+        # Signal → this event holds every step, and the run report has the same figures.
+        assert sum(steps) <= ex["shutdown_s"], ex
+        assert ex["signal_t"] < ex["t"] and ex["leave"] == "exit"
+        assert launch.report["timings"]["emergency_save_s"] == pytest.approx(ex["save_s"],
+                                                                              abs=1e-3)
+
+
 def test_one_run_id_across_requeues_in_ledger_manifests_and_markers(twice_interrupted):
     work, _ = twice_interrupted
     ckpt = work / "ckpt"

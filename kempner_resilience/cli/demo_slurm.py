@@ -44,8 +44,8 @@ def _describe_run(job: DemoJob, restart: int, total: int) -> str:
         if r.get("saved_step") is not None and timings.get("emergency_save_s") is not None:
             parts.append(f"checkpoint step {r['saved_step']} committed in "
                          f"{timings['emergency_save_s']:.2f} s;")
-        if timings.get("requeue_s") is not None:
-            parts.append(f"scontrol requeue {timings['requeue_s'] * 1000:.0f} ms;")
+        if timings.get("scontrol_requeue_s") is not None:
+            parts.append(f"scontrol requeue {timings['scontrol_requeue_s'] * 1000:.0f} ms;")
     elif r.get("exit_code") == 0:
         parts.append(f"completed {total} steps;")
     if "exit_code" in r:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kempner_resilience.exitcodes import Ending, Facts, Saved, Verdict, exit_code
+from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.shutdown.report import build_report, report_path, write_report
+from kempner_resilience.shutdown.timing import shutdown_times
 from kempner_resilience.teardown import TeardownStack
 
 if TYPE_CHECKING:
@@ -31,7 +32,9 @@ def record(parts: "RunParts", facts: Facts) -> int:
     code = int(exit_code(facts))
     parts.outcome = facts
     parts.ledger.event("exit", code=code, ending=facts.ending.value, step=parts.step,
-                       loop_end_t=parts.loop_end_wall)
+                       loop_end_t=parts.loop_end_wall,
+                       **shutdown_times(parts.timings, parts.handler.request,
+                                        None if code == ExitCode.OK else parts.exit_mode))
     parts.ledger.close()
     _finish_trackers(parts, code)
     write_report(parts, code)

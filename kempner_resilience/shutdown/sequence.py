@@ -90,6 +90,8 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     o = Facts(Ending.SIGNAL, decision.step, decision.signum)
     log.warning("stopping at step %d (%s, action %s)", o.step, _name(o.signum), action.value)
     req = parts.handler.request
+    if req is not None:     # signal → every rank agreed on the step (this rank's signal)
+        parts.timings["agree_s"] = time.monotonic() - req.received_at
     parts.ledger.event("stop", step=decision.step, signal=_stop_reason(parts, decision),
                        signal_t=req.received_wall if req is not None else None)
     _start_deadline(parts, decision)
@@ -98,9 +100,11 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     parts.ledger.event("emergency_save", step=decision.step, saved=o.saved.name.lower(),
                        seconds=round(time.monotonic() - t0, 4))
     if action is Action.REQUEUE and o.saved is not Saved.FAILED:
+        t0 = time.monotonic()   # the whole step: decision, scontrol, every rank told
         o.requeue = _requeue(parts)
+        parts.timings["requeue_s"] = time.monotonic() - t0
         parts.ledger.event("requeue", verdict=o.requeue.value, code=int(exit_code(o)),
-                           seconds=round(parts.timings.get("requeue_s", 0.0), 4))
+                           seconds=round(parts.timings["requeue_s"], 4))
     o.peer_forced_code = _peer_forced_code(parts)
     # A rank forced out mid-shutdown is gone: tearing the group down would wait for it.
     _teardown(parts, peers_alive=o.peer_forced_code is None and not parts.save_lost_peer)
@@ -264,7 +268,7 @@ def _requeue_decision(parts: RunParts) -> Verdict:
         return Verdict.REQUEUED  # "run me again": the local launcher relaunches
     t0 = time.monotonic()
     result = requeue_job(parts.slurm, parts.config.requeue)
-    parts.timings["requeue_s"] = time.monotonic() - t0
+    parts.timings["scontrol_requeue_s"] = time.monotonic() - t0
     return result.verdict
 
 
