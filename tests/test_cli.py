@@ -98,8 +98,9 @@ def test_ls_lists_step_time_size_reason_committed_verified(demo_checkpoints):
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["step", "time", "size", "reason", "committed", "verified", "path"]
     assert lines[1].split()[0] == "9" and "no (partial)" in lines[1]
-    assert [ln.split()[0] for ln in lines[2:]] == ["6", "3"]
-    assert all("periodic" in ln and "yes" in ln and "sizes ok" in ln for ln in lines[2:])
+    assert [ln.split()[0] for ln in lines[2:4]] == ["6", "3"]
+    assert all("periodic" in ln and "yes" in ln and "sizes ok" in ln for ln in lines[2:4])
+    assert lines[4].startswith("(sizes ok:") and "the data was not read" in lines[4]
 
 
 def test_verify_checks_every_committed_checkpoint(demo_checkpoints):

@@ -205,7 +205,7 @@ def test_verify_and_ls_of_a_work_directory_find_the_checkpoint_directories_below
     listing = run("ls", str(work_dir))
     assert listing.returncode == 0
     assert f"{work_dir / 'resilient' / 'checkpoints'}:" in listing.stdout
-    assert listing.stdout.count("sizes ok") == 4
+    assert listing.stdout.count("sizes ok ") == 4      # the rows, not the closing note
 
 
 def test_verify_of_a_work_directory_fails_on_damage_below_it(work_dir):
@@ -224,3 +224,27 @@ def test_a_directory_without_checkpoints_says_how_far_it_looked(tmp_path):
     proc = run("verify", str(tmp_path))
     assert proc.returncode == 1
     assert "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_ls_says_that_sizes_ok_did_not_read_the_data_and_checksums_find_a_flipped_bit(tmp_path):
+    import torch
+
+    from kempner_resilience.checkpoint import CheckpointManager
+    from kempner_resilience.config import CheckpointConfig
+
+    model = torch.nn.Linear(64, 64)
+    info = CheckpointManager(CheckpointConfig(dir=str(tmp_path)), {"model": model}).save(1)
+    data = max(info.path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01                     # one bit, same size
+    data.write_bytes(bytes(raw))
+
+    def ls(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "ls",
+                               str(tmp_path), *extra], capture_output=True, text=True,
+                              timeout=120)
+    quick = ls()
+    assert quick.returncode == 0 and "sizes ok" in quick.stdout
+    assert "the data was not read" in quick.stdout and "--checksums" in quick.stdout
+    full = ls("--checksums")
+    assert full.returncode == 1 and "DAMAGED" in full.stdout

@@ -91,6 +91,11 @@ def run_ls(args: argparse.Namespace) -> int:
         if root != given and layout.parse_name(given.name) is None:
             sys.stdout.write(("\n" if i else "") + f"{root}:\n")
         bad += _ls_table(entries, args.checksums)
+    if not args.checksums:
+        # "ok" must not read as "intact": a flipped bit keeps every size.
+        sys.stdout.write("(sizes ok: manifest, .metadata checksum and file sizes checked; the data "
+                         "was not read: `--checksums` or `kempner-resilience verify` check every "
+                         "byte)\n")
     if bad:
         sys.stdout.write(f"{bad} checkpoint(s) DAMAGED: resume skips them; run "
                          f"`kempner-resilience verify {given}` for a full check\n")
