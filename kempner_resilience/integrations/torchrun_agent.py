@@ -1,0 +1,217 @@
+"""The torchrun agent's side of a shutdown: its workers tracked, signals sent once, no escalation.
+
+``patched`` replaces three pieces of torch elastic for the time of a run (see
+``integrations/torchrun.py`` for why each): the workers' ``Popen`` (the agent keeps the
+processes, and each gets ``signals.PARENT_DEATH_SIGNAL`` from the kernel when the agent dies),
+its signal handler (``Agent.on_signal``: recorded, sent once to every worker unless SLURM
+delivers it) and ``PContext.close`` (``Agent.wait_for_workers``: every worker may exit on its
+own until the shutdown deadline; only workers still alive then are SIGKILLed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.log import get_logger
+from kempner_resilience.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
+
+__all__ = ["Agent", "Interrupted", "patched", "MARGIN_S", "AGENT_NAME"]
+
+# One logger for the whole integration, as before the split: users filter their logs on it.
+log = get_logger("kempner_resilience.integrations.torchrun")
+
+#: Added to a worker's own deadline (grace + exit timeout) before the agent kills it: the
+#: worker's deadline watchdog must always get the first word.
+MARGIN_S = 15.0
+# Our log lines carry a rank prefix taken from SLURM_PROCID, the node's index here: the host
+# name says which agent speaks.
+AGENT_NAME = f"torchrun agent on {socket.gethostname()}"
+
+
+class Agent:
+    """What the agent knows about its workers and the signals it got (one per process)."""
+
+    def __init__(self, config: ResilienceConfig, forward: bool) -> None:
+        self.config = config
+        self.forward = forward
+        self.workers: list[subprocess.Popen] = []
+        self.signals: list[int] = []
+        self.deadline: float | None = None   # time.monotonic() at which survivors are killed
+        self._changed = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self._group = 0                      # the worker group (torch restarts start a new one)
+        # Reentrant: the signal handler runs on the main thread, maybe while it holds the lock.
+        self._lock = threading.RLock()
+
+    def add_worker(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            if self.workers and not self.alive():
+                # torch restarts the group (--max-restarts > 0): a fresh start, fresh deadline.
+                self.workers, self.signals, self.deadline = [], [], None
+                self._group += 1
+                self._reaper = None
+                self._changed.set()
+            self.workers.append(proc)
+
+    def window(self, signum: int | None) -> float:
+        """Seconds a worker may take to exit after ``signum`` (None: after a peer exited)."""
+        s = self.config.signals
+        if signum is None:
+            grace = max([s.grace_s, *(s.grace_for(n) for n in s.handled())])
+        else:
+            name = signal.Signals(signum).name
+            grace = s.grace_for(name) if name in s.handled() else s.grace_s
+        return grace + self.config.watchdog.exit_timeout_s + MARGIN_S
+
+    def alive(self) -> list[subprocess.Popen]:
+        return [p for p in list(self.workers) if p.poll() is None]
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """The agent's handler for every signal torchrun or the config handles."""
+        name = signal.Signals(signum).name
+        self.signals.append(signum)
+        if not self.workers:
+            # No worker exists yet (rendezvous): nothing to stop gracefully; leave as stock
+            # torchrun would, without starting them.
+            raise Interrupted(signum)
+        self._arm(time.monotonic() + self.window(signum))
+        if self.forward:
+            for p in self.workers:
+                try:
+                    p.send_signal(signum)   # polls first: never a reused pid
+                except OSError:
+                    pass
+        log.warning("%s: %s %s %d worker(s); waiting up to %.0f s for them to exit", AGENT_NAME,
+                    name, "forwarded to" if self.forward else "not forwarded (SLURM signals) to",
+                    len(self.workers), self.deadline - time.monotonic())
+
+    def wait_for_workers(self) -> None:
+        """Once a signal came or a worker exited: until every worker is gone, or the deadline
+        (then the reaper has killed what was left)."""
+        if not self.signals and len(self.alive()) == len(self.workers):
+            return   # torch stops healthy workers for its own reasons (a restart): its way
+        self._arm(time.monotonic() + self.window(None))
+        while self.alive():
+            with self._lock:
+                end = self.deadline
+            if end is not None and time.monotonic() > end + 5.0:
+                break
+            time.sleep(0.05)
+
+    def _arm(self, deadline: float) -> None:
+        with self._lock:
+            if self.deadline is not None and self.deadline <= deadline:
+                return
+            self.deadline = deadline
+            self._changed.set()
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, args=(self._group,),
+                                                name="kempner-agent-reaper", daemon=True)
+                self._reaper.start()
+
+    def _reap(self, group: int) -> None:
+        while True:
+            with self._lock:
+                if group != self._group:
+                    return
+                self._changed.clear()
+                left = self.deadline - time.monotonic()  # type: ignore[operator]
+                if left <= 0:
+                    survivors = self.alive()
+                    break
+            self._changed.wait(left)
+        if survivors:
+            log.error("%s: %d worker(s) still running at the shutdown deadline: killing them "
+                      "(pids %s)", AGENT_NAME, len(survivors), [p.pid for p in survivors])
+        for p in survivors:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)    # its own session: its children too
+            except OSError:
+                pass
+
+
+class Interrupted(BaseException):
+    # A BaseException: torch's rendezvous retries on Exception, and must not swallow this.
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name} before the workers started")
+        self.signum = signum
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    # Resolved here, in the agent: between fork and exec the child must not dlopen anything.
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
+
+
+def _patch(module: Any, name: str, new: Any, saved: list[tuple[Any, str, Any]]) -> bool:
+    if not hasattr(module, name):
+        log.warning("torch %s has no %s.%s: keeping torchrun's own behaviour there",
+                    _torch_version(), module.__name__, name)
+        return False
+    saved.append((module, name, getattr(module, name)))
+    setattr(module, name, new)
+    return True
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+@contextmanager
+def patched(agent: Agent) -> Iterator[bool]:
+    """torch elastic's worker Popen, signal handler and close replaced for the time of the run;
+    yields False (nothing replaced: stock torchrun) when the workers cannot be tracked."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import \
+        subprocess_handler as sh
+
+    saved: list[tuple[Any, str, Any]] = []
+    stock_popen = getattr(sh, "Popen", None)
+    stock_close = getattr(getattr(api, "PContext", None), "close", None)
+    die_with_agent = _pdeathsig()
+
+    def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        if die_with_agent is not None and "preexec_fn" not in kwargs:
+            kwargs["preexec_fn"] = die_with_agent
+            # The worker learns which signal means "the agent died" (see torchrun.py's doc).
+            env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+            env[PARENT_DEATH_ENV] = str(PARENT_DEATH_SIGNAL)
+            kwargs["env"] = env
+        proc = stock_popen(*args, **kwargs)  # type: ignore[misc]
+        agent.add_worker(proc)
+        return proc
+
+    def close(pcontext: Any, death_sig: Any = None, timeout: int = 30) -> None:
+        agent.wait_for_workers()
+        stock_close(pcontext, death_sig, timeout)  # type: ignore[misc]
+
+    # Everything rests on knowing the workers: without them, torchrun stays stock.
+    if _patch(sh, "Popen", popen, saved):
+        _patch(api, "_terminate_process_handler", agent.on_signal, saved)
+        if stock_close is not None:
+            _patch(api.PContext, "close", close, saved)
+        else:
+            log.warning("torch %s has no PContext.close: a worker that exits first gets the "
+                        "others SIGTERMed, as with stock torchrun", _torch_version())
+    try:
+        yield bool(saved)
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
