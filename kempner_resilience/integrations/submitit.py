@@ -52,6 +52,11 @@ preemption with ``preempt_send_user_signal`` checkpoint and requeue. ``sigterm="
 SIGTERM checkpoint and stop for good (exit 143): right for sites that preempt with SIGTERM only
 and requeue by themselves (``PreemptMode=REQUEUE``), and for ``scancel``; but then
 ``_interrupt()`` stops the job instead of requeueing it.
+
+This module is the job adapter (``ResilientJob``) and ``submit``. A task's environment is set up
+in ``submitit_env.py``, submitit's signals are taken over in ``submitit_signals.py``, a job is
+interrupted and waited for in ``submitit_client.py``, and a local job's ``_interrupt()`` reaches
+its tasks through ``submitit_local.py``; the names users need are re-exported here.
 """
 
 from __future__ import annotations
@@ -64,15 +69,18 @@ import pickle
 import signal
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from kempner_resilience.config import ResilienceConfig, load_config, normalize_signal
+from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.fileio import write_atomic
+from kempner_resilience.integrations.submitit_client import (interrupt, is_local_job,
+                                                             make_executor, wait)
+from kempner_resilience.integrations.submitit_env import (preempt_when_controller_dies,
+                                                          setup_local_env, setup_rank_env,
+                                                          write_config_file)
 from kempner_resilience.integrations.submitit_signals import (SignalTakeover, in_local_task,
-                                                              in_submitit_job)
+                                                              in_submitit_job, preempt_signal)
 from kempner_resilience.log import get_logger
 
 __all__ = ["ResilientJob", "submit", "make_executor", "wait", "interrupt", "preempt_signal",
@@ -89,13 +97,6 @@ _SIGTERM_MODES = ("ignore", "stop")
 # submitit.local.local.LOCAL_REQUEUE_RETURN_CODE: the local controller starts the tasks again
 # when one exits with it (up to 6 times), and on no other code.
 LOCAL_REQUEUE_CODE = 144
-
-
-def preempt_signal() -> int:
-    """The signal submitit uses for preemption and time-outs (``SIGUSR2`` unless
-    ``$SUBMITIT_PREEMPT_SIGNAL`` says otherwise)."""
-    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
-    return int(getattr(signal, normalize_signal(name)))
 
 
 # ------------------------------------------------------------------------- the job object
@@ -223,16 +224,16 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
         local = in_local_task()
         controller = os.getppid()
         if local:
-            _setup_local_env()
+            setup_local_env()
         else:
-            _setup_rank_env()
+            setup_rank_env()
         fn = resolve_callable(self.fn)
         cfg = self.resolve_config()
-        os.environ["KEMPNER_RESILIENCE_CONFIG"] = _write_config_file(cfg)
+        os.environ["KEMPNER_RESILIENCE_CONFIG"] = write_config_file(cfg)
         takeover = SignalTakeover(preempt_signal(), self.sigterm)
         takeover.install()
         if local:     # after the takeover: the signal must take our path, not submitit's
-            _preempt_when_controller_dies()
+            preempt_when_controller_dies()
         kwargs = dict(self.kwargs)
         if _accepts(fn, "config") and "config" not in kwargs:
             kwargs["config"] = cfg
@@ -284,88 +285,6 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
                for p in params)
 
 
-def _setup_rank_env() -> None:
-    """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from SLURM for srun-launched tasks
-    (submitit starts one task per rank with srun); kept where a launcher set them."""
-    if not os.environ.get("SLURM_JOB_ID"):
-        return
-    from kempner_resilience.slurm import setup_torch_env
-
-    setup_torch_env()
-
-
-# A local task inherits the notebook's environment: inside an allocation these would make the
-# run `scontrol requeue` the allocation itself, and a stale RANK would make every task rank 0.
-_OUTER_JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
-
-
-def _setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """A task of submitit's local executor: the rank variables from its ``SUBMITIT_LOCAL_*``
-    ones (the controller's, which are authoritative: they replace inherited values), a
-    rendezvous port derived from the local job id (every task computes the same one), and
-    ``KEMPNER_RESTART_COUNT``: how often this task was started before (the controller restarts
-    the tasks after a requeue without saying so; the count is kept in a file next to the logs).
-    Returns what was set."""
-    from kempner_resilience.slurm.env import master_port
-
-    env: Any = os.environ if environ is None else environ
-    for key in _OUTER_JOB_VARS:
-        env.pop(key, None)
-    job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "") or str(os.getppid())
-    rank = env.get("SUBMITIT_LOCAL_GLOBALID", "0")
-    world = env.get("SUBMITIT_LOCAL_NTASKS", "1")
-    values = {"RANK": rank, "WORLD_SIZE": world,
-              "LOCAL_RANK": env.get("SUBMITIT_LOCAL_LOCALID", rank), "LOCAL_WORLD_SIZE": world,
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port(job_id)),
-              "KEMPNER_RESTART_COUNT": str(_count_start(env, job_id, rank))}
-    env.update(values)
-    log.debug("local submitit task: %s", values)
-    return values
-
-
-def _preempt_when_controller_dies() -> None:
-    """Ask the kernel for the preemption signal when the local controller dies: submitit's own
-    ``job._interrupt()`` kills it (no handler for its signal), and the tasks then checkpoint
-    instead of training on unseen (a later resubmission resumes)."""
-    import ctypes
-
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, preempt_signal())   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:       # it died before the request: act now
-        os.kill(os.getpid(), preempt_signal())
-
-
-def _count_start(env: Mapping[str, str], job_id: str, rank: str) -> int:
-    """Earlier starts of this task of this local job; records this one."""
-    folder = env.get("SUBMITIT_FOLDER", "").replace("%j", job_id)
-    base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
-    path = base / f"{job_id}_{rank}_kr_starts"
-    try:
-        before = len(path.read_text().splitlines()) if path.exists() else 0
-        with open(path, "a") as f:
-            f.write(f"{time.time():.3f}\n")
-    except OSError as e:   # the count only feeds the restart budget and the ledger
-        log.warning("cannot count this task's starts in %s (%s): taken as the first", path, e)
-        return 0
-    return before
-
-
-def _write_config_file(cfg: ResilienceConfig) -> str:
-    import yaml
-
-    folder = os.environ.get("SUBMITIT_FOLDER")
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or "local"
-    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
-    base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
-    path = base / f"{job}_{rank}_resilience.yaml"
-    # Read by this task's own processes and rewritten at every start: whole, not fsynced.
-    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False), durable=False)
-    return str(path)
-
-
 def _refuse_model_state(obj: Any) -> None:
     torch = sys.modules.get("torch")  # no tensor can exist unless the caller imported torch
     if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module,
@@ -402,27 +321,7 @@ def check_small(obj: Any, limit: int = MAX_PICKLE_BYTES) -> int:
     return size
 
 
-# ------------------------------------------------------------------------- client helpers
-
-def make_executor(folder: str | os.PathLike[str], *, timeout_min: int = 60,
-                  **params: Any) -> Any:
-    """A submitit ``AutoExecutor`` for SLURM with our defaults.
-
-    ``params`` are ``AutoExecutor.update_parameters`` names (``tasks_per_node``, ``nodes``,
-    ``cpus_per_task``, ``gpus_per_node``, ``slurm_partition``, ``slurm_additional_parameters``,
-    ``slurm_signal_delay_s``, ``name``, ...). ``timeout_min`` > 10: with 10 or less,
-    submitit's own accounting calls every interrupt a time-out. submitit's script already
-    asks for ``--signal=USR2@90`` and ``--open-mode=append`` (both runs in one log).
-    """
-    import submitit
-
-    if timeout_min <= 10:
-        log.warning("timeout_min=%s <= 10: submitit treats every interrupt of such a job as "
-                    "a time-out", timeout_min)
-    executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
-    executor.update_parameters(timeout_min=timeout_min, **params)
-    return executor
-
+# ------------------------------------------------------------------------- submission
 
 def submit(fn: Callable[..., Any] | str, *args: Any,
            folder: str | os.PathLike[str] | None = None, executor: Any = None,
@@ -443,113 +342,10 @@ def submit(fn: Callable[..., Any] | str, *args: Any,
         executor.update_parameters(**dict(slurm))
     job = ResilientJob(fn, *args, config=config, overrides=overrides, sigterm=sigterm, **kwargs)
     submitted = executor.submit(job)
-    if _is_local_job(submitted):
+    if is_local_job(submitted):
         # submitit's _interrupt() signals the local controller, which dies of it: the tasks
         # never hear of it. This class sends it to the tasks instead (see interrupt()).
         from kempner_resilience.integrations.submitit_local import ResilientLocalJob
 
         submitted.__class__ = ResilientLocalJob
     return submitted
-
-
-def _is_local_job(job: Any) -> bool:
-    """A job of submitit's local executor (its controller is a child process of ours)."""
-    try:
-        from submitit.local.local import LocalJob
-    except ImportError:
-        return False
-    return isinstance(job, LocalJob)
-
-
-def interrupt(job: Any) -> None:
-    """Send the preemption signal to every task of ``job``, as SLURM does at preemption or near
-    the time limit: the tasks checkpoint and requeue. For a SLURM job this is
-    ``job._interrupt()``; for a local one the signal goes to the task processes (submitit's
-    ``_interrupt()`` would send it to the local controller, which dies of it)."""
-    if not _is_local_job(job):
-        job._interrupt()
-        return
-    from kempner_resilience.integrations.submitit_local import interrupt_tasks
-
-    interrupt_tasks(job)
-
-
-_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-             "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-def _job_ids(job: Any) -> tuple[str, list[Any]]:
-    subs = list(getattr(job, "_sub_jobs", []) or [])
-    return str(job.job_id), subs or [job]
-
-
-def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
-    """Wait until ``job`` (a ``submitit.Job``) has written its result, through any number of
-    requeues; returns the job. Raises ``RuntimeError`` (with the log's tail) when SLURM says the
-    job ended without a result, ``TimeoutError`` after ``timeout`` seconds.
-
-    Needed because without accounting ``job.state`` is UNKNOWN and ``job.result()`` would wait
-    forever for a job that died; afterwards ``job.result()`` returns at once.
-    """
-    from kempner_resilience.slurm import show_job
-
-    deadline = None if timeout is None else time.monotonic() + timeout
-    job_id, tasks = _job_ids(job)
-    local = _is_local_job(job)
-    ended_since: float | None = None
-    last = ""
-    while True:
-        if all(t.paths.result_pickle.exists() for t in tasks):
-            return job
-        if local:
-            _check_local(job, tasks)
-            info = None
-        else:
-            info = show_job(job_id, timeout=10.0)
-        state = (info or {}).get("JobState", "")
-        last = state or last
-        if state in _TERMINAL:
-            # The tasks may still be writing their pickles: give them a moment.
-            ended_since = ended_since or time.monotonic()
-            if time.monotonic() - ended_since > 15.0:
-                raise RuntimeError(f"job {job_id} ended ({state}) without a result:\n"
-                                   + _log_tail(job))
-        else:
-            ended_since = None
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"job {job_id} has no result after {timeout} s (state "
-                               f"{last or 'unknown'}):\n" + _log_tail(job))
-        time.sleep(poll)
-
-
-def _check_local(job: Any, tasks: list[Any]) -> None:
-    """Raise when a local job's controller has ended without every result: it waits for all
-    its tasks before it ends, so nothing more will come (no scheduler to ask, no grace)."""
-    proc = getattr(job, "_process", None)
-    code = None if proc is None else proc.poll()
-    if proc is not None and code is None:
-        return
-    if all(t.paths.result_pickle.exists() for t in tasks):
-        return
-    if proc is None:
-        why = "its controller is not a child of this process (another session?)"
-    elif code < 0:
-        why = (f"its controller was killed by {signal.Signals(-code).name} (submitit's "
-               "_interrupt() does that; krs.interrupt(job) preempts the tasks instead); its "
-               "tasks got the preemption signal and checkpoint on their own")
-    else:
-        why = "its tasks exited without a result (a task's exit code is in its log)"
-    raise RuntimeError(f"local job {job.job_id} ended without a result: {why}; resubmit it to "
-                       "resume from its newest checkpoint:\n" + _log_tail(job))
-
-
-def _log_tail(job: Any, lines: int = 30) -> str:
-    out = []
-    for t in _job_ids(job)[1][:2]:
-        for path in (t.paths.stdout, t.paths.stderr):
-            try:
-                text = Path(path).read_text(errors="replace").splitlines()
-            except OSError:
-                continue
-            out.append(f"--- {path}\n" + "\n".join(text[-lines:]))
-    return "\n".join(out) or "(no log)"

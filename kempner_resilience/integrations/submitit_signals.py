@@ -13,12 +13,20 @@ import signal
 import threading
 from typing import Any
 
+from kempner_resilience.config import normalize_signal
 from kempner_resilience.log import get_logger
 
-__all__ = ["SignalTakeover", "in_submitit_job", "in_local_task"]
+__all__ = ["SignalTakeover", "in_submitit_job", "in_local_task", "preempt_signal"]
 
 # One logger for the whole integration, as before the split: users filter their logs on it.
 log = get_logger("kempner_resilience.integrations.submitit")
+
+
+def preempt_signal() -> int:
+    """The signal submitit uses for preemption and time-outs (``SIGUSR2`` unless
+    ``$SUBMITIT_PREEMPT_SIGNAL`` says otherwise)."""
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    return int(getattr(signal, normalize_signal(name)))
 
 
 def in_local_task() -> bool:
