@@ -186,7 +186,8 @@ def test_a_second_sigint_or_sigterm_at_the_agent_forces_every_worker_out(tmp_pat
     assert not list(tmp_path.glob("cleanup.*.finished"))
     # Forced out, nothing was saved: the agent must not say a checkpoint was committed.
     assert "checkpoint committed" not in log, log[-3000:]
-    assert "no checkpoint is claimed" in _agent_last_line(log)
+    last = _agent_last_line(log)      # rank 0's report says none, or there is no report
+    assert "committed no checkpoint" in last or "no checkpoint is claimed" in last, last
 
 
 def test_a_sigterm_before_the_workers_start_ends_the_agent_with_143_without_starting_them(
