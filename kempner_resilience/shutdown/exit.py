@@ -12,10 +12,8 @@ Two ways to leave, chosen by ``watchdog.exit_mode`` (or ``ResilientRun(exit_mode
   be cut off because its own finalisation is slow), unless the run's teardown left something
   behind that could hold that exit forever (a cleanup or executor task that did not finish, a
   process group with a dead member): then the exit is bounded, from the moment it starts
-  (``threading``'s exit hook), by ``watchdog.exit_timeout_s``, with the run's code. A script
-  that lets the ``SystemExit`` reach its top level has no caller that lives on: the interpreter
-  drops the exception and exits with its code, and there the slow finalisation is skipped as in
-  ``exit`` (see ``RunExit``).
+  (``threading``'s exit hook), by ``watchdog.exit_timeout_s``, with the run's code. The
+  interpreter's finalisation stays (see ``RunExit``).
 * ``auto`` (default): ``raise`` in an IPython shell or kernel (``get_ipython`` in builtins, which
   IPython puts there) and in an interactive interpreter; ``exit`` in a scheduled or launched rank
   (``SLURM_JOB_ID`` or ``RANK`` in the environment); ``raise`` otherwise. Nothing is inferred
@@ -26,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import builtins
-import gc
 import os
 import sys
 import threading
@@ -42,7 +39,7 @@ __all__ = ["ExitMode", "RunExit", "resolve", "leave", "bound_exit"]
 
 log = get_logger(__name__)
 
-# Set when a run left in `exit` mode, or its SystemExit ended a script (RunExit): atexit
+# Set when a run left in `exit` mode: atexit
 # (registered at import, so it runs after the handlers registered later, the user's and their
 # libraries') then skips the interpreter's finalisation: with 1 GiB of tensors, 1-2 s of freeing
 # them object by object, module teardown and torch's C++ destructors, after every byte is durable.
@@ -52,45 +49,12 @@ _fast_exit_code: list[int] = []
 class RunExit(SystemExit):
     """The ``SystemExit`` a run leaves with (``code``: the run's exit code).
 
-    In ``raise`` mode a caller may catch it and live on, or it may reach the top of a script,
-    where the interpreter drops it and exits with its code. Only that second case is known when
-    it is dropped (``__del__``): on the main thread, with no Python frame running (a caller that
-    caught it, a test runner, IPython, a ``try`` in the script, drops it from its own code), not
-    from the garbage collector (a cycle freed while the top level handles another exit), the
-    interpreter neither finalising nor interactive (``-i`` keeps the session). Then the process
-    leaves as in ``exit`` mode, after the user's atexit handlers; in any other case nothing
-    changes (at worst the finalisation stays slow).
+    In ``raise`` mode the interpreter's finalisation is NOT skipped when it reaches a script's
+    top level: when it is dropped there, nothing tells whether the interpreter exits with its
+    code or with another exception's that it is the context of (``except SystemExit:
+    sys.exit(3)``; submitit's local task turns 75 into 144 that way), and a wrong exit code is
+    worse than a slow exit. Launched and SLURM ranks run in ``exit`` mode, where it is skipped.
     """
-
-    def __del__(self) -> None:
-        try:
-            if _ends_the_script(self):
-                _fast_exit_code[:] = [int(self.code)]
-        except Exception:            # never an error from a destructor
-            pass
-
-
-_collecting = [False]
-
-
-def _gc_phase(phase: str, info: dict[str, int]) -> None:
-    _collecting[0] = phase == "start"
-
-
-def _ends_the_script(exc: BaseException) -> bool:
-    """Called from ``RunExit.__del__``: see its docstring."""
-    code = getattr(exc, "code", None)
-    if not isinstance(code, int) or isinstance(code, bool) or _fast_exit_code or _collecting[0]:
-        return False
-    if threading.current_thread() is not threading.main_thread() or sys.is_finalizing():
-        return False
-    if sys.flags.interactive or sys.flags.inspect or hasattr(sys, "ps1"):
-        return False
-    try:
-        sys._getframe(2)        # 0: here, 1: __del__, 2: the code that dropped it
-    except ValueError:          # nobody: the interpreter's top level
-        return True
-    return False
 
 
 def _fast_exit() -> None:
@@ -163,8 +127,6 @@ def leave(deadline: DeadlineWatchdog, code: int, mode: ExitMode, exit_timeout_s:
     bound_exit(deadline, code, mode, exit_timeout_s, left_behind)
     if mode is ExitMode.EXIT:
         _fast_exit_code[:] = [int(code)]
-    elif _gc_phase not in gc.callbacks:
-        gc.callbacks.append(_gc_phase)   # told apart from the top level's drop: RunExit
     if error is not None and (keep_traceback or mode is ExitMode.RAISE):
         raise error
     raise RunExit(int(code)) from None
