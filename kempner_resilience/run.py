@@ -32,6 +32,7 @@ from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.identity import RUN_ID_ENV
 from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start
 from kempner_resilience.log import announce, get_logger
+from kempner_resilience.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import outcome, sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
@@ -78,9 +79,9 @@ class ResilientRun:
         self._hang = HangWatchdog(config.watchdog.hang_timeout_s,
                                   busy_timeout_s=config.watchdog.checkpoint_timeout_s,
                                   on_hang=self._on_hang, on_decide=self._on_hang_decided)
-        self._parts = sequence.RunParts(config, self._handler, self._hang,
-                                        TeardownStack(config.watchdog.cleanup_timeout_s),
-                                        leaving.resolve(mode))
+        self._parts = RunState(config, self._handler, self._hang,
+                                 TeardownStack(config.watchdog.cleanup_timeout_s),
+                                 leaving.resolve(mode))
         self._explicit_run_id = run_id or os.environ.get(RUN_ID_ENV) or None
         self._entered = False
         self._done = False
@@ -275,7 +276,7 @@ class ResilientRun:
         self._hang.hold()      # nothing is saved once the hang path decided to exit
         t0 = time.monotonic()
         info = self._parts.ckpt.save(self.step, reason="manual")
-        self._parts.last_saved = info
+        self._parts.saved(info)
         self._saved(info, time.monotonic() - t0)
         return info
 
@@ -534,7 +535,7 @@ class ResilientRun:
             sequence.give_up(self._parts, step, e)
         self._save_failed(step, failed)
         if info is not None:
-            self._parts.last_saved = info
+            self._parts.saved(info)
         done = info or ckpt.last_committed        # an async save commits in the background
         if done is not None and done is not self._recorded:
             self._saved(done, time.monotonic() - t0 if info is not None
