@@ -22,7 +22,7 @@ LAYERS = {
     "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer", "backstop",
              "agreement", "teardown", "faults", "ledger", "version", "fileio"},
     "library": {"checkpoint", "slurm", "identity", "goodput", "rescue"},
-    "run": {"", "run", "runstate", "shutdown", "aio"},
+    "run": {"", "run", "begin", "runstate", "shutdown", "aio"},
     "top": {"cli", "demo", "integrations"},
 }
 ABOVE = {  # what each layer must never import

@@ -38,6 +38,7 @@ from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU, HostStaging
 from kempner_resilience.checkpoint.info import (CheckpointCorrupt, CheckpointError, CheckpointInfo,
                                                describe_error)
 from kempner_resilience.checkpoint.info import CheckpointDirError, SavePeerLost
+from kempner_resilience.checkpoint.lease import Lease
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.writer import STAGING_MISMATCH, ChecksummingWriter
@@ -90,11 +91,19 @@ class CheckpointManager:
 
     ``peer_timeout_s`` bounds a save's wait for the other ranks (see the module docstring;
     ``ResilientRun`` passes ``watchdog.hang_timeout_s``); None keeps the gloo group's default.
+    ``busy_hook`` is entered around every foreground save and load (``ResilientRun`` widens the
+    hang budget in it); ``manifest_extra`` is recorded in every manifest besides the run id
+    (the SLURM job id, the restart count); ``lease`` (``checkpoint.lease.Lease``, rank 0's) is
+    released by ``close`` once the last save is drained. The run id and the lease can also be
+    given once the directory is known usable (``check_dir``, then ``claim``).
     """
 
     def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
                  world_size: int = 1, process_group: Any = None,
-                 run_id: str | None = None, peer_timeout_s: float | None = None) -> None:
+                 run_id: str | None = None, peer_timeout_s: float | None = None,
+                 busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+                 manifest_extra: Mapping[str, Any] | None = None,
+                 lease: Lease | None = None) -> None:
         self.config = config
         self.run_id = run_id
         self.peer_timeout_s = peer_timeout_s
@@ -133,12 +142,9 @@ class CheckpointManager:
         self._failed_saves = 0                    # periodic saves failed in a row (all ranks alike)
         self._last_failure = ""
         self._closed = False
-        # Entered around every foreground save/load: ResilientRun widens the hang budget here.
-        self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
-        # checkpoint.lease.Lease of rank 0 (set by ResilientRun), released by close().
-        self.lease: Any = None
-        # Recorded in every manifest besides run_id (ResilientRun: SLURM job id, restart count).
-        self.manifest_extra: dict[str, Any] = {}
+        self._busy_hook = busy_hook
+        self._lease = lease
+        self.manifest_extra: dict[str, Any] = dict(manifest_extra or {})
 
     # ----------------------------------------------------------------------------------- status
 
@@ -215,7 +221,7 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def _foreground(self) -> Iterator[None]:
-        with self._lock, self.busy_hook():
+        with self._lock, self._busy_hook():
             with self._busy_lock:
                 self._busy += 1
             try:
@@ -225,6 +231,13 @@ class CheckpointManager:
                     self._busy -= 1
 
     # -------------------------------------------------------------------------------- start-up
+
+    def claim(self, run_id: str, lease: Lease | None) -> None:
+        """The run this directory's checkpoints belong to, and rank 0's lease on it: known only
+        once ``check_dir`` found the directory usable (the run id is read from or written into
+        it, the lease taken in it). Before any save."""
+        self.run_id = run_id
+        self._lease = lease
 
     def check_dir(self) -> None:
         """Fail early if checkpoints cannot be written: the directory's parent is missing, it is
@@ -654,8 +667,8 @@ class CheckpointManager:
         with self._foreground():
             self._drain_background(raise_errors=False, lost_peer=False)
             self._join_retention()
-        if self.lease is not None:       # after the last write: the directory is free now
-            self.lease.release()
+        if self._lease is not None:       # after the last write: the directory is free now
+            self._lease.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self

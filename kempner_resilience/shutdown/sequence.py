@@ -34,7 +34,7 @@ from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
 
 __all__ = ["stop", "fail", "give_up", "complete", "requeue_after_failure",
-           "rescue", "record"]
+           "rescue", "record", "local_restart_count"]
 
 log = get_logger(__name__)
 
@@ -216,7 +216,7 @@ def _requeue_decision(parts: RunState) -> Verdict:
     ledger = None
     if parts.ckpt is not None:
         ledger = RestartLedger.for_checkpoint_dir(parts.config.checkpoint.dir)
-    who = parts.slurm if parts.slurm is not None else _local_restart_count()
+    who = parts.slurm if parts.slurm is not None else local_restart_count()
     verdict = decide_requeue(who, ledger, parts.committed_step(), parts.config.requeue)
     if not verdict.requeue:
         return verdict.verdict
@@ -300,7 +300,7 @@ def _name(signum: int | None) -> str:
     return signal.Signals(signum).name if signum else "?"
 
 
-def _local_restart_count() -> int | None:
+def local_restart_count() -> int | None:
     """Restarts so far when a local launcher (the demo's) relaunches us; None if unknown."""
     value = os.environ.get("KEMPNER_RESTART_COUNT")
     return int(value) if value and value.isdigit() else None
