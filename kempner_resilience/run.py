@@ -8,8 +8,9 @@ with kempner_resilience.ResilientRun(cfg, state={"model": model, "optim": optim}
 ```
 
 ``run.steps()`` is the safe point: each boundary is a heartbeat for the hang watchdog, the place
-where periodic checkpoints are written and where all ranks agree to stop. This module sets the
-run up (signals, agreement, SLURM checks, checkpoints and resume) and serves the user API; how a
+where periodic checkpoints are written and where all ranks agree to stop. This module serves
+the user API and runs the loop; how a run begins (signals, agreement, SLURM checks, identity,
+checkpoints and resume, rescue) is the set-up sequence, ``kempner_resilience.begin``; how a
 run ends (emergency checkpoint, requeue, teardown, the exit code and leaving) is
 ``kempner_resilience.shutdown``. After a shutdown, ``SystemExit`` carries the documented code,
 so code after the loop (a "final" save of a model that is not final) never runs by mistake.
@@ -19,26 +20,26 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
-import uuid
-from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from kempner_resilience.agreement import StopAgreement, StopDecision
+from kempner_resilience.agreement import StopDecision
+from kempner_resilience.begin import begin
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
 from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.identity import RUN_ID_ENV
-from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start
-from kempner_resilience.log import announce, get_logger
+from kempner_resilience.log import get_logger
+from kempner_resilience.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import outcome, sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
-from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
-from kempner_resilience.teardown import TeardownStack
+from kempner_resilience.teardown import CleanupResult, TeardownStack
 from kempner_resilience.watchdog import HangWatchdog
+
+if TYPE_CHECKING:
+    from kempner_resilience.checkpoint.info import CheckpointInfo
 
 __all__ = ["ResilientRun", "REPORT_ENV"]
 
@@ -78,14 +79,14 @@ class ResilientRun:
         self._hang = HangWatchdog(config.watchdog.hang_timeout_s,
                                   busy_timeout_s=config.watchdog.checkpoint_timeout_s,
                                   on_hang=self._on_hang, on_decide=self._on_hang_decided)
-        self._parts = sequence.RunParts(config, self._handler, self._hang,
-                                        TeardownStack(config.watchdog.cleanup_timeout_s),
-                                        leaving.resolve(mode))
+        self._parts = RunState(config, self._handler, self._hang,
+                                 TeardownStack(config.watchdog.cleanup_timeout_s),
+                                 leaving.resolve(mode))
         self._explicit_run_id = run_id or os.environ.get(RUN_ID_ENV) or None
         self._entered = False
         self._done = False
         self._looped = False
-        self._recorded: Any = None        # the newest commit the ledger has recorded
+        self._recorded: CheckpointInfo | None = None   # the newest commit the ledger recorded
 
     # ------------------------------------------------------------------ context
 
@@ -93,30 +94,13 @@ class ResilientRun:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("ResilientRun must be entered on the main thread (Python only "
                                "delivers signals there)")
-        self._handler.install()
-        try:
-            self._parts.agreement = StopAgreement.from_torch()
-            self._handler.add_forced_exit_hook(
-                lambda code: self._parts.agreement.announce_forced_exit(code))
-            self._handler.add_forced_exit_hook(self._on_forced_exit)
-            self._setup_slurm()
-            self._setup_clock()
-            # Imported now, never on the shutdown path: a tracker told how the attempt ends.
-            self._parts.trackers = Trackers.from_config(self.config.integrations)
-            self._hang.start()  # before resuming: a load that hangs is a hang too
-            with self._hang.busy():  # imports, directory checks and the load may be slow
-                self._setup_checkpoints()
-                self._preflight()
-            if self._parts.run_id is None:     # no checkpoints: an id for this attempt only
-                from kempner_resilience.identity import new_run_id
+        begin(self._parts, self.state, self._explicit_run_id)   # the set-up sequence
+        if self._parts.ckpt is not None:
+            from kempner_resilience.checkpoint import CheckpointError
 
-                mine = (self._explicit_run_id or new_run_id()) if self.rank == 0 else None
-                self._parts.run_id = self._parts.agreement.share_text("run_id", mine, 120.0)
-            self._hang.last_words(outcome.hang_words(self._parts))
-        except BaseException:
-            self._hang.stop()
-            self._handler.uninstall(keep_deadline=self._handler.requested())
-            raise
+            # Kept for the per-step save check: no import statement on every step.
+            self._checkpoint_error = CheckpointError
+            self._recorded = self._parts.ckpt.last_committed   # the ledger records only newer
         self._entered = True
         return self
 
@@ -184,7 +168,7 @@ class ResilientRun:
         return self._parts.start_step
 
     @property
-    def resumed_from(self) -> Any:
+    def resumed_from(self) -> CheckpointInfo | None:
         """The ``CheckpointInfo`` this run resumed from, or None for a fresh start."""
         return self._parts.resumed_from
 
@@ -205,7 +189,7 @@ class ResilientRun:
         return self._parts.timings
 
     @property
-    def cleanup_results(self) -> list[Any]:
+    def cleanup_results(self) -> list[CleanupResult]:
         return self._parts.cleanup_results
 
     def should_stop(self) -> bool:
@@ -268,14 +252,14 @@ class ResilientRun:
         """Shut ``executor`` down at shutdown with ``cancel_futures=True``."""
         return self._parts.teardown.add_executor(executor, name=name, timeout_s=timeout_s)
 
-    def save(self) -> Any:
+    def save(self) -> CheckpointInfo:
         """Write a checkpoint now (collective); returns its info."""
         if self._parts.ckpt is None:
             raise RuntimeError("no checkpoint state: pass state={...} to ResilientRun")
         self._hang.hold()      # nothing is saved once the hang path decided to exit
         t0 = time.monotonic()
         info = self._parts.ckpt.save(self.step, reason="manual")
-        self._parts.last_saved = info
+        self._parts.saved(info)
         self._saved(info, time.monotonic() - t0)
         return info
 
@@ -300,227 +284,6 @@ class ResilientRun:
                 return int(getattr(signal, name))
         return int(signal.SIGUSR1)
 
-    def _setup_clock(self) -> None:
-        """The allocation's end, read once: from the environment on every rank, else asked of
-        SLURM by rank 0 alone (bounded) and shared, so a big job does not flood slurmctld."""
-        from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
-
-        parts, cfg = self._parts, self.config.requeue
-        if os.environ.get(END_TIME_ENV):
-            end = job_end_time(timeout=cfg.scontrol_timeout_s)
-        elif parts.slurm is None:
-            end = None
-        else:
-            mine = None
-            if parts.rank == 0:
-                mine = job_end_time(timeout=cfg.scontrol_timeout_s)
-            text = parts.agreement.share_text("end_time", "" if mine is None else repr(mine),
-                                              cfg.scontrol_timeout_s + 30.0)
-            end = float(text) if text else None
-        parts.clock = RunClock(end, margin_s=cfg.time_limit_margin_s,
-                               stop_enabled=cfg.time_limit_stop)
-        if end is not None and parts.rank == 0:
-            log.info("the allocation ends in %.0f s%s", parts.clock.remaining(),
-                     "" if cfg.time_limit_stop else " (requeue.time_limit_stop is off)")
-
-    def _setup_slurm(self) -> None:
-        from kempner_resilience.slurm import SlurmJob
-
-        self._parts.slurm = SlurmJob.from_env()
-
-    def _preflight(self) -> None:
-        """Rank 0 says once what stands between this job and a safe shutdown: a signal that
-        never reaches the ranks, or an emergency save that cannot fit in the signal's lead
-        (checked once the state and the last save are known: after the resume)."""
-        from kempner_resilience.slurm import SaveFacts, format_findings, preflight
-
-        job, ckpt = self._parts.slurm, self._parts.ckpt
-        if job is None or job.procid != 0:
-            return
-        save = None
-        try:
-            if ckpt is not None:
-                est, last = ckpt.estimate(), ckpt.last_committed
-                save = SaveFacts(est.seconds, est.measured, ckpt.state.nbytes(),
-                                 None if last is None else int(last.nbytes),
-                                 None if last is None else float(last.save_seconds))
-            findings = preflight(self.config, save=save,
-                                 timeout=self.config.requeue.scontrol_timeout_s)
-        except Exception:
-            log.exception("preflight checks failed to run")
-            return
-        problems = [f for f in findings if f.level in ("warn", "error")]
-        if problems:
-            log.warning("preflight found problems (run `kempner-resilience doctor` inside the "
-                        "job for details):\n%s", format_findings(problems))
-        for f in findings:
-            if f.code in ("save-fits", "time-limit-stop-covers"):
-                log.info("%s", f.message)
-
-    def _setup_checkpoints(self) -> None:
-        if self.state is None:
-            return
-        from kempner_resilience.checkpoint import CheckpointError, CheckpointManager
-
-        # Kept for the per-step save check: no import statement on every step.
-        self._checkpoint_error = CheckpointError
-        parts = self._parts
-        # A save waits for the other ranks no longer than any step does (hang_timeout_s) plus
-        # what the save itself takes; the hang budget's widening to checkpoint_timeout_s during
-        # a save is for this rank's own write, not for waiting on a rank that is gone or paused.
-        hang_s = self.config.watchdog.hang_timeout_s
-        parts.ckpt = ckpt = CheckpointManager(self.config.checkpoint, self.state,
-                                              rank=parts.agreement.rank,
-                                              world_size=parts.agreement.world_size,
-                                              peer_timeout_s=hang_s if hang_s > 0 else None)
-        # Saves and loads widen the hang budget, so a slow save is never taken for a hang.
-        ckpt.busy_hook = self._hang.busy
-        ckpt.check_dir()
-        parts.run_id = ckpt.run_id = self._resolve_run_id(ckpt.root)
-        job = parts.slurm
-        restarts = job.restart_count if job is not None else _local_restart_count()
-        self._hold_directory(ckpt.root, restarts)
-        self._mark_forced_exits_in(ckpt.root)
-        ckpt.manifest_extra = {"job_id": None if job is None else job.requeue_id,
-                               "restart_count": restarts}
-        if self.config.checkpoint.ledger:
-            # Rank 0 writes the ledger; another rank only a rescue it wrote (rank 0 may be the
-            # rank that died, and then no one else would record the step the rescue kept).
-            parts.ledger = Ledger(ckpt.root / LEDGER_NAME, run_id=parts.run_id,
-                                  attempt=restarts or 0,
-                                  only=None if parts.rank == 0 else ("rescue",))
-        parts.ledger.event("start", t0=_attempt_start(), job_id=ckpt.manifest_extra["job_id"],
-                           restart_count=restarts, world_size=parts.agreement.world_size,
-                           hosts=(job.nodelist if job is not None and job.nodelist
-                                  else socket.gethostname()))
-        info = None
-        if self.config.checkpoint.resume:
-            t0 = time.monotonic()
-            info = ckpt.resume()
-            if info is not None:
-                parts.resumed_from = info
-                parts.step = parts.start_step = int(info.step)
-                parts.timings["resume_s"] = time.monotonic() - t0
-                parts.ledger.event("resume", step=int(info.step),
-                                   load_s=round(parts.timings["resume_s"], 4))
-        self._announce_start(info)
-        parts.clock.set_save_estimate(ckpt.estimate().seconds)
-        self._recorded = ckpt.last_committed      # the ledger records only newer commits
-        self._setup_rescue()
-
-    def _announce_start(self, info: Any) -> None:
-        """One line per run on rank 0, visible at Python's default log level: where it resumed
-        from, or that it starts fresh and why."""
-        if self._parts.rank != 0:
-            return
-        ckpt = self._parts.ckpt
-        if info is not None:
-            announce(log, "resumed from %s (step %d, reason %s) in %.2f s", info.path, info.step,
-                     info.reason, self._parts.timings.get("resume_s", 0.0))
-        elif not self.config.checkpoint.resume:
-            announce(log, "starting fresh at step 0: checkpoint.resume is off (%s)", ckpt.root)
-        else:
-            announce(log, "starting fresh at step 0: no committed checkpoint in %s", ckpt.root)
-
-    def _setup_rescue(self) -> None:
-        """The just-in-time rescue (``kempner_resilience.rescue``), when every rank holds the
-        full state; collective."""
-        parts, cfg = self._parts, self.config.rescue
-        if not cfg.enabled or parts.agreement.world_size < 2:
-            return
-        from kempner_resilience.rescue import Rescuer
-
-        parts.rescue = Rescuer.start(cfg, parts.ckpt, rank=parts.rank,
-                                     world_size=parts.agreement.world_size)
-        if parts.rescue is not None:
-            # The hang watchdog runs the rescue before it exits: give it the time.
-            self._hang.on_hang_budget_s += cfg.budget_s
-
-    def _hold_directory(self, root: Any, restarts: int | None) -> None:
-        """Rank 0 takes the directory's lease (one live run per ``checkpoint.dir``) before
-        anything is written into it; every rank gets the same refusal when another live run
-        holds it. Given up at teardown; one left by a killed run is taken over."""
-        from kempner_resilience.checkpoint import lease
-
-        parts = self._parts
-        text = "ok"
-        if parts.rank == 0:
-            job = parts.slurm
-            try:
-                held = lease.acquire(root, job_id=None if job is None else job.requeue_id,
-                                     restart_count=restarts, run_id=parts.run_id)
-                parts.ckpt.lease = held        # given up once its last save is drained
-            except lease.DirectoryInUseError as e:
-                text = "refused:" + str(e)
-            except OSError as e:
-                log.warning("cannot hold %s with a lease (%s): a second run on this directory "
-                            "would not be noticed", root, e)
-        text = parts.agreement.share_text("lease", text,
-                                          lease.STALE_S + 4 * lease.HEARTBEAT_S + 60.0)
-        kind, _, why = text.partition(":")
-        if kind == "refused":
-            raise lease.DirectoryInUseError(why)
-
-    def _mark_forced_exits_in(self, root: Any) -> None:
-        """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in ``root``: the
-        store, which normally carries the news, dies with rank 0 when rank 0 is that rank.
-        Rank 0, holding the lease, clears the markers of earlier attempts, then hands every rank
-        this attempt's token (collective)."""
-        parts = self._parts
-        if parts.agreement.store is None:
-            return
-        from kempner_resilience.agreement import FORCED_MARKER_PREFIX
-
-        token = None
-        if parts.rank == 0:
-            token = uuid.uuid4().hex[:12]
-            try:
-                for old in Path(root).glob(FORCED_MARKER_PREFIX + "*"):
-                    old.unlink(missing_ok=True)
-            except OSError as e:     # a stale marker has another token: it is never read
-                log.debug("cannot clear old forced-exit markers in %s: %s", root, e)
-        token = parts.agreement.share_text("attempt_token", token, 120.0)
-        parts.agreement.use_forced_marker(Path(root), token)
-
-    def _resolve_run_id(self, root: Any) -> str:
-        """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
-        every rank gets the id, or the same refusal."""
-        from kempner_resilience import identity
-        from kempner_resilience.checkpoint import layout
-
-        parts, cfg = self._parts, self.config.checkpoint
-        text = None
-        if parts.rank == 0:
-            try:
-                # repair: a damaged run.json is rewritten from the checkpoints' run id, so
-                # it neither blocks the restart nor gives this attempt an unrecorded id.
-                rid = self._explicit_run_id
-                recorded = identity.repair(root, rid)
-                if rid is None:
-                    rid, _ = identity.load_or_create(root)
-                elif recorded is None:
-                    rid, _ = identity.load_or_create(root, rid)
-                if cfg.resume:
-                    try:
-                        identity.check_same_run(root, rid, layout.scan(root), recorded)
-                    except identity.OtherRunError as e:
-                        if not cfg.allow_other_run:
-                            raise
-                        log.warning("%s; continuing: checkpoint.allow_other_run is true",
-                                    str(e).split("; refusing")[0])
-                text = "ok:" + rid
-            except identity.OtherRunError as e:
-                text = "refused:" + str(e)
-            except OSError as e:
-                text = "ok:" + (self._explicit_run_id or identity.new_run_id())
-                log.warning("cannot record the run id in %s (%s); this attempt uses %s", root,
-                            e, text[3:])
-        text = parts.agreement.share_text("run_id", text, 120.0)
-        kind, _, value = text.partition(":")
-        if kind == "refused":
-            raise identity.OtherRunError(value)
-        return value
-
     def _periodic_save(self, step: int) -> None:
         ckpt = self._parts.ckpt
         t0 = time.monotonic()
@@ -534,7 +297,7 @@ class ResilientRun:
             sequence.give_up(self._parts, step, e)
         self._save_failed(step, failed)
         if info is not None:
-            self._parts.last_saved = info
+            self._parts.saved(info)
         done = info or ckpt.last_committed        # an async save commits in the background
         if done is not None and done is not self._recorded:
             self._saved(done, time.monotonic() - t0 if info is not None
@@ -547,7 +310,7 @@ class ResilientRun:
             self._parts.ledger.event("save_failed", step=step, failed=ckpt.failed_saves,
                                      reason=ckpt.last_failure[:500])
 
-    def _saved(self, info: Any, blocking_s: float) -> None:
+    def _saved(self, info: CheckpointInfo, blocking_s: float) -> None:
         """A periodic or manual save committed: the ledger, and the clock's save estimate."""
         parts = self._parts
         self._recorded = info
@@ -557,14 +320,6 @@ class ResilientRun:
                            bw_mib_s=round(info.nbytes / secs / 2**20, 1))
         parts.clock.set_save_estimate(parts.ckpt.estimate().seconds)
         self._hang.last_words(outcome.hang_words(parts))   # the report's saved step
-
-    def _on_forced_exit(self, code: int) -> None:
-        """The signal thread, just before its ``os._exit(code)`` for a second SIGINT/SIGTERM
-        (the table's code for FORCED, 128 + the signal): record the ending as every other one
-        is. The signal thread waits for its hooks at most a second, then leaves regardless."""
-        if self._parts.outcome is None:
-            sequence.record(self._parts, Facts(Ending.FORCED, self._parts.step,
-                                               signum=code - 128))
 
     def _on_hang_decided(self) -> None:
         """The hang watchdog's thread, the moment it decided: freeze the rescue's boundary, so
@@ -587,12 +342,3 @@ class ResilientRun:
         verdict = sequence.requeue_after_failure(self._parts, "hang")
         sequence.record(self._parts, Facts(Ending.HANG, self._parts.step, requeue=verdict))
 
-
-def _local_restart_count() -> int | None:
-    from kempner_resilience.shutdown.sequence import _local_restart_count as count
-
-    return count()
-
-
-def _attempt_start() -> float:
-    return attempt_start()

@@ -263,6 +263,12 @@ class HangWatchdog:
         self._backstop: BackstopMonitor | CExitTimer | None = None
         self.enabled = self.timeout_s > 0
 
+    def reserve_for_on_hang(self, seconds: float) -> None:
+        """Give ``on_hang`` ``seconds`` more before the backstop ends the process: for a part
+        that joins the hang path after the watchdog started (the rescue, set up after the
+        resume, which the watchdog already guards)."""
+        self.on_hang_budget_s += seconds
+
     def start(self) -> "HangWatchdog":
         if self.enabled and self._thread is None:
             self._backstop = BackstopMonitor(HANG_CODE)

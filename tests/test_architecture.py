@@ -3,8 +3,8 @@ slurm/ <- run, shutdown/ <- cli/, demo/, integrations/), the shutdown steps neve
 nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names every module.
 
 Imports are read with ``ast`` (every import in a module, at the top or inside a function), so a
-lazy import counts as much as a top-level one; only the cycle check leaves out imports under
-``if TYPE_CHECKING:``, which never run.
+lazy import counts as much as a top-level one, and so does one under ``if TYPE_CHECKING:``: a
+cycle of type imports is still two modules that cannot be read one without the other.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ LAYERS = {
     "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer", "backstop",
              "agreement", "teardown", "faults", "ledger", "version", "fileio"},
     "library": {"checkpoint", "slurm", "identity", "goodput", "rescue"},
-    "run": {"", "run", "shutdown", "aio"},
+    "run": {"", "run", "begin", "runstate", "shutdown", "aio"},
     "top": {"cli", "demo", "integrations"},
 }
 ABOVE = {  # what each layer must never import
@@ -67,24 +67,14 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _type_checking_only(tree: ast.AST) -> set[ast.AST]:
-    """Imports under ``if TYPE_CHECKING:``: annotations only, never executed."""
-    return {n for node in ast.walk(tree) if isinstance(node, ast.If)
-            and "TYPE_CHECKING" in ast.unparse(node.test)
-            for stmt in node.body for n in ast.walk(stmt)}
-
-
-def _imports(name: str, runtime_only: bool = False) -> set[str]:
+def _imports(name: str) -> set[str]:
     """The package modules ``name`` imports ('' for ``kempner_resilience`` itself)."""
     path = MODULES[name]
     parts = name.split(".") if name else []
     package = parts if path.name == "__init__.py" else parts[:-1]
     tree = ast.parse(path.read_text(), str(path))
-    skip = _type_checking_only(tree) if runtime_only else set()
     found = set()
     for node in ast.walk(tree):
-        if node in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -109,7 +99,6 @@ def _local(dotted: str) -> str:
 
 
 IMPORTS = {name: _imports(name) for name in MODULES}
-RUNTIME_IMPORTS = {name: _imports(name, runtime_only=True) for name in MODULES}
 
 
 def _layer(name: str) -> str | None:
@@ -146,13 +135,13 @@ def test_only_the_cli_imports_the_cli():
             for dep in IMPORTS[name] if dep.split(".")[0] == "cli"] == []
 
 
-def test_the_package_has_no_import_cycles():
+def test_the_package_has_no_import_cycles_type_checking_imports_included():
     cycles, state, stack = [], {}, []
 
     def visit(name: str) -> None:
         state[name] = "open"
         stack.append(name)
-        for dep in sorted(RUNTIME_IMPORTS[name]):
+        for dep in sorted(IMPORTS[name]):     # TYPE_CHECKING imports included
             if state.get(dep) == "open":
                 cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
             elif dep not in state:
@@ -236,3 +225,23 @@ def test_the_design_picture_names_every_module():
                if p.name not in ("__init__.py", "__main__.py")
                and str(p.relative_to(PKG)) not in names]
     assert missing == [], "add them to the picture in docs/design.md (## Architecture)"
+
+
+# Modules still over the limit, each with the change that brings it under: the other split of
+# issue 22 (integrations/, the checksumming writer) empties the first three; the manager's
+# async background and resume loop are still to move out (checkpoint/saver.py took the save).
+OVER_400_PENDING = {
+    "integrations/submitit.py": "split in a parallel branch (issue 22)",
+    "integrations/torchrun.py": "split in a parallel branch (issue 22)",
+    "checkpoint/writer.py": "split in a parallel branch (issue 22)",
+    "checkpoint/manager.py": "the async background save and the resume loop still to move out",
+}
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(PKG)): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert sorted(set(long) - set(OVER_400_PENDING)) == [], \
+        f"split these by job: {long}"
+    assert sorted(set(OVER_400_PENDING) - set(long)) == [], \
+        "under 400 lines now: drop it from OVER_400_PENDING"

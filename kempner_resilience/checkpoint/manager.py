@@ -27,22 +27,19 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never on the emergency path
-from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 
-from kempner_resilience.checkpoint import commit, dircheck, layout, loader, retention
+from kempner_resilience.checkpoint import dircheck, layout, loader, retention
 from kempner_resilience.checkpoint.comm import Comm, PendingMax
-from kempner_resilience.checkpoint.estimate import Estimate, SaveEstimator
+from kempner_resilience.checkpoint.estimate import Estimate
 from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU, HostStaging
 from kempner_resilience.checkpoint.info import (CheckpointCorrupt, CheckpointError, CheckpointInfo,
                                                describe_error)
 from kempner_resilience.checkpoint.info import CheckpointDirError, SavePeerLost
+from kempner_resilience.checkpoint.lease import Lease
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
-from kempner_resilience.checkpoint.writer import STAGING_MISMATCH, ChecksummingWriter
+from kempner_resilience.checkpoint.saver import Saver
 from kempner_resilience.config import CheckpointConfig, StagingMode
-from kempner_resilience.faults import first_line, is_peer_failure
 from kempner_resilience.log import get_logger
 
 log = get_logger(__name__)
@@ -90,11 +87,19 @@ class CheckpointManager:
 
     ``peer_timeout_s`` bounds a save's wait for the other ranks (see the module docstring;
     ``ResilientRun`` passes ``watchdog.hang_timeout_s``); None keeps the gloo group's default.
+    ``busy_hook`` is entered around every foreground save and load (``ResilientRun`` widens the
+    hang budget in it); ``manifest_extra`` is recorded in every manifest besides the run id
+    (the SLURM job id, the restart count); ``lease`` (``checkpoint.lease.Lease``, rank 0's) is
+    released by ``close`` once the last save is drained. The run id and the lease can also be
+    given once the directory is known usable (``check_dir``, then ``claim``).
     """
 
     def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
                  world_size: int = 1, process_group: Any = None,
-                 run_id: str | None = None, peer_timeout_s: float | None = None) -> None:
+                 run_id: str | None = None, peer_timeout_s: float | None = None,
+                 busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext,
+                 manifest_extra: Mapping[str, Any] | None = None,
+                 lease: Lease | None = None) -> None:
         self.config = config
         self.run_id = run_id
         self.peer_timeout_s = peer_timeout_s
@@ -118,27 +123,20 @@ class CheckpointManager:
         self._busy_lock = threading.Lock()
         self._bg: _Background | None = None
         self._stager = Stager(pin=config.staging is StagingMode.PINNED)
-        self._staging = self._reserve_staging()
-        # Staging is trusted once the run's first staged save matched a plain copy, tensor by
-        # tensor; until then emergency saves (no second chance) go unstaged.
-        self._staging_proven = False
-        self._writing: set[Path] = set()         # directories being written: retention skips them
-        self._estimator = SaveEstimator()         # measured saves of this rank
+        self._saver = Saver(config, self.state, rank=rank, world_size=world_size,
+                            peer_timeout_s=peer_timeout_s, staging=self._reserve_staging(),
+                            manifest_extra=dict(manifest_extra or {}),
+                            last_good=lambda: self._last_committed or self.latest())
+        self._saver.claim(run_id)
         self._last_save_step = -1
         self._last_save_time = time.monotonic()
         self._pending_time: PendingMax | None = None
         self._last_committed: CheckpointInfo | None = None
-        self._retention_thread: threading.Thread | None = None
-        self._left_alone: set[Path] = set()       # what retention already said it leaves alone
         self._failed_saves = 0                    # periodic saves failed in a row (all ranks alike)
         self._last_failure = ""
         self._closed = False
-        # Entered around every foreground save/load: ResilientRun widens the hang budget here.
-        self.busy_hook: Callable[[], ContextManager[None]] = contextlib.nullcontext
-        # checkpoint.lease.Lease of rank 0 (set by ResilientRun), released by close().
-        self.lease: Any = None
-        # Recorded in every manifest besides run_id (ResilientRun: SLURM job id, restart count).
-        self.manifest_extra: dict[str, Any] = {}
+        self._busy_hook = busy_hook
+        self._lease = lease
 
     # ----------------------------------------------------------------------------------- status
 
@@ -152,6 +150,12 @@ class CheckpointManager:
     def last_committed(self) -> CheckpointInfo | None:
         """The newest checkpoint this manager committed or resumed from."""
         return self._last_committed
+
+    @property
+    def manifest_extra(self) -> dict[str, Any]:
+        """What every manifest records besides the run id (the SLURM job id, the restart
+        count): a rescue's manifest records the same."""
+        return self._saver.manifest_extra
 
     @property
     def comm(self) -> Comm:
@@ -178,7 +182,7 @@ class CheckpointManager:
     def staging(self) -> HostStaging | None:
         """The host buffers GPU state is saved and loaded through (None: no GPU state, or
         ``checkpoint.staging: off``)."""
-        return self._staging
+        return self._saver.staging
 
     def _reserve_staging(self) -> HostStaging | None:
         """Allocate the staging buffers for this rank's device state, before any signal can
@@ -215,7 +219,7 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def _foreground(self) -> Iterator[None]:
-        with self._lock, self.busy_hook():
+        with self._lock, self._busy_hook():
             with self._busy_lock:
                 self._busy += 1
             try:
@@ -226,11 +230,19 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------------- start-up
 
+    def claim(self, run_id: str, lease: Lease | None) -> None:
+        """The run this directory's checkpoints belong to, and rank 0's lease on it: known only
+        once ``check_dir`` found the directory usable (the run id is read from or written into
+        it, the lease taken in it). Before any save."""
+        self.run_id = run_id
+        self._saver.claim(run_id)
+        self._lease = lease
+
     def check_dir(self) -> None:
         """Fail early if checkpoints cannot be written: the directory's parent is missing, it is
         not writable, or it lacks the space for about one save. Collective: every rank raises
         the same ``CheckpointDirError`` (exit code 78 when a script leaves it uncaught)."""
-        clean = (lambda: retention.clean_trash(self.root, self.run_id, self._leave_alone)) \
+        clean = (lambda: retention.clean_trash(self.root, self.run_id, self._saver.leave_alone)) \
             if self.rank == 0 else None
         problem = dircheck.local_problem(self.root, self.state.nbytes(), self.rank, clean)
         problems = self._fg.all_gather_object(problem)
@@ -303,7 +315,7 @@ class CheckpointManager:
     def _try_load(self, path: Path) -> tuple[CheckpointInfo | None, str]:
         t0 = time.monotonic()
         info, why, nread = loader.try_load(path, self.config, self.state, self.rank, self._fg,
-                                           self._staging)
+                                           self._saver.staging)
         if info is None:
             return None, why
         loader.restore_ddp_buckets(self.state, self._fg, self.rank)
@@ -311,7 +323,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._last_committed = info
         # The previous attempt's save time is the best evidence until this one saves.
-        self._estimator.seed(info.save_seconds, self.state.nbytes())
+        self._saver.estimator.seed(info.save_seconds, self.state.nbytes())
         log.info("resumed from %s (step %d): %.3f GiB read in %.2f s", path, info.step,
                  nread / _GIB, time.monotonic() - t0)
         return info, ""
@@ -458,7 +470,7 @@ class CheckpointManager:
                 log.error("async checkpoint of step %d failed: %s", step, describe_error(e))
 
     def _bg_remaining(self, bg: _Background) -> Estimate:
-        return self._estimator.remaining(self.state.nbytes(), time.monotonic() - bg.started)
+        return self._saver.estimator.remaining(self.state.nbytes(), time.monotonic() - bg.started)
 
     def wait(self) -> None:
         """Block until an in-flight async save is committed; CheckpointError if it failed."""
@@ -486,158 +498,23 @@ class CheckpointManager:
                 raise bg.error
             raise CheckpointError(f"async checkpoint of step {bg.step} failed: {bg.error}")
 
-    # ------------------------------------------------------------------------- the save itself
-
-    def _distrust_staging(self, why: str) -> None:
-        """The staging path wrote other bytes than the tensors hold: never use it again in this
-        run (saves and loads go the plain way) and say which tensor showed it."""
-        log.error("checkpoint staging is OFF for the rest of this run: %s. The save is written "
-                  "again without staging; nothing staged was committed. Please report this "
-                  "(GPU, driver, torch version) and set checkpoint.staging: off meanwhile", why)
-        self._staging = None
-
     def _save_state(self, sd: dict[str, Any], step: int, reason: str, comm: Comm,
                     abort: threading.Event | None, t0: float, blocked: float) -> CheckpointInfo:
-        """Write and commit ``sd``; every collective in it waits for the other ranks at most
-        ``peer_timeout_s`` plus this rank's estimate of the save, and a lost peer raises
-        ``SavePeerLost`` (see the module docstring)."""
-        slack, bound = self.peer_timeout_s, None
-        if slack is not None and comm.distributed:
-            bound = slack + self.estimate().seconds
-        try:
-            with comm.bounded(bound):
-                return self._write_and_commit(sd, step, reason, comm, abort, t0, blocked)
-        except CheckpointError:
-            raise
-        except (Exception, CheckpointException) as e:
-            if not is_peer_failure(e):
-                raise
-            within = "" if bound is None or slack is None else (
-                f" or did not answer within {bound:.1f} s (watchdog.hang_timeout_s {slack:g} s "
-                f"+ this save's estimate {bound - slack:.1f} s)")
-            raise SavePeerLost(f"{reason} checkpoint of step {step}: another rank is gone"
-                               f"{within}: {first_line(e)}") from e
-
-    def _write_and_commit(self, sd: dict[str, Any], step: int, reason: str, comm: Comm,
-                          abort: threading.Event | None, t0: float,
-                          blocked: float) -> CheckpointInfo:
-        # Rank 0 picks a fresh directory; a failure there must reach every rank.
-        choice: tuple[str | None, str | None] = (None, None)
-        if self.rank == 0:
-            self._join_retention()     # it must not see our new, still partial directory
-            try:
-                choice = (str(layout.create_step_dir(self.root, step, self.run_id)), None)
-            except OSError as e:
-                choice = (None, describe_error(e))
-        path_s, err = comm.broadcast_object(choice)
-        if path_s is None:
-            raise CheckpointError(self._failure_text(step, self.root, err or "?"))
-        path = Path(path_s)
-        self._writing.add(path)
-        try:
-            staging = self._staging if self._staging_proven or reason != "emergency" else None
-            prove = staging is not None and not self._staging_proven
-            writer = ChecksummingWriter(path, threads=self.config.io_threads, abort=abort,
-                                        staging=staging, prove=prove)
-            failure: BaseException | None = None
-            try:
-                # Plan caching: with an unchanged state layout (every save after the first),
-                # DCP reuses the global plan and metadata instead of rebuilding them.
-                dcp.save(sd, storage_writer=writer, process_group=comm.dcp_group,
-                         planner=DefaultSavePlanner(enable_plan_caching=True),
-                         no_dist=comm.dcp_no_dist)
-            except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
-                if is_peer_failure(e):
-                    # Its own collective failed: the group is broken (after a gloo timeout every
-                    # later operation fails), so no gather of the failure either.
-                    raise
-                failure = e
-            gathered = comm.all_gather_object(
-                (writer.files if failure is None else None, describe_error(failure)))
-            mismatch = next((why for _, why in gathered if why and STAGING_MISMATCH in why), None)
-            if mismatch is not None:
-                # Same list on every rank (all_gather): all drop staging and save again.
-                if self.rank == 0:
-                    with contextlib.suppress(OSError):
-                        retention.remove_dir(path)
-                self._distrust_staging(mismatch)
-                return self._write_and_commit(sd, step, reason, comm, abort, t0, blocked)
-            status: str | None = None
-            manifest: dict[str, Any] = {}
-            if self.rank == 0:
-                status = commit.commit(path, step, reason, gathered, t0, blocked,
-                                       self.world_size, manifest,
-                                       {"run_id": self.run_id, **self.manifest_extra})
-            status, committed_at, nbytes = comm.broadcast_object(
-                (status, manifest.get("committed_at", 0.0), manifest.get("nbytes", 0)))
-            if status is not None:
-                if self.rank == 0:
-                    with contextlib.suppress(OSError):
-                        retention.remove_dir(path)
-                raise CheckpointError(self._failure_text(step, path, status))
-        finally:
-            self._writing.discard(path)
-        if prove and writer.proven_records:      # a save that staged nothing proves nothing
-            self._staging_proven = True
-            log.info("staging proven: the first staged save matched a plain copy (%d tensors)",
-                     writer.proven_records)
-        elapsed = time.monotonic() - t0
-        self._estimator.record(elapsed, writer.write_seconds, self.state.nbytes())
-        info = CheckpointInfo(step=step, path=path, reason=reason, committed_at=committed_at,
-                              nbytes=nbytes, world_size=self.world_size, save_seconds=elapsed,
-                              blocked_seconds=blocked or elapsed)
+        """Write and commit ``sd`` (``Saver.save``), then count it for the cadence."""
+        info = self._saver.save(sd, step, reason, comm, abort, t0, blocked)
         self._last_committed = info
         self._failed_saves = 0
         if reason != "periodic-async":
             self._last_save_step = step
             self._last_save_time = time.monotonic()
-        log.info("checkpoint step %d committed (%s): %.3f GiB in %.2f s (writing %.2f s) -> %s",
-                 step, reason, nbytes / _GIB, elapsed, writer.write_seconds, path)
-        if self.rank == 0 and reason != "emergency":
-            # In a thread: deleting a large checkpoint takes about a second here, and nobody
-            # needs to wait for it (a crash mid-delete leaves only a .trash-* directory). Not
-            # after an emergency save: the process is about to exit; the next run cleans up.
-            self._join_retention()
-            self._retention_thread = threading.Thread(target=self._retention,
-                                                      name="ckpt-retention", daemon=True)
-            self._retention_thread.start()
         return info
-
-    def _join_retention(self) -> None:
-        t = self._retention_thread
-        if t is not None and t is not threading.current_thread():
-            t.join()
-        self._retention_thread = None
-
-    def _failure_text(self, step: int, path: Path, status: str) -> str:
-        return commit.failure_text(step, path, status, self.root,
-                                   self._last_committed or self.latest())
-
-    def _retention(self) -> None:
-        try:
-            retention.clean_trash(self.root, self.run_id, self._leave_alone)
-            victims = retention.select_for_deletion(layout.scan(self.root), self.config.keep_last,
-                                                 self.config.keep_every, set(self._writing),
-                                                 run_id=self.run_id, on_skip=self._leave_alone)
-            for e in victims:
-                log.info("retention: removing %s checkpoint %s",
-                         "old" if e.committed else "abandoned partial", e.path)
-                with contextlib.suppress(FileNotFoundError):
-                    retention.remove_dir(e.path)
-        except OSError as e:
-            log.warning("retention in %s failed (checkpoints are unaffected): %s", self.root, e)
-
-    def _leave_alone(self, path: Path, why: str) -> None:
-        if path not in self._left_alone:       # once per directory, not at every save
-            self._left_alone.add(path)
-            log.warning("retention: leaving %s alone: %s", path, why)
 
     # ----------------------------------------------------------------------------- estimates
 
     def estimate(self) -> Estimate:
         """This rank's estimate of a synchronous save of the current state, from the last
         measured saves (see ``checkpoint.estimate``); ``measured`` is False before any."""
-        return self._estimator.estimate(self.state.nbytes())
+        return self._saver.estimator.estimate(self.state.nbytes())
 
     def estimate_save_seconds(self) -> float:
         """Seconds a synchronous save of the current state should take on this rank (a
@@ -653,9 +530,9 @@ class CheckpointManager:
         self._closed = True
         with self._foreground():
             self._drain_background(raise_errors=False, lost_peer=False)
-            self._join_retention()
-        if self.lease is not None:       # after the last write: the directory is free now
-            self.lease.release()
+            self._saver.join_retention()
+        if self._lease is not None:       # after the last write: the directory is free now
+            self._lease.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -21,12 +21,12 @@ from kempner_resilience.shutdown.timing import shutdown_times
 from kempner_resilience.teardown import TeardownStack
 
 if TYPE_CHECKING:
-    from kempner_resilience.shutdown.sequence import RunParts
+    from kempner_resilience.runstate import RunState
 
 __all__ = ["Ending", "Saved", "Verdict", "Facts", "exit_code", "record", "hang_words"]
 
 
-def record(parts: "RunParts", facts: Facts) -> int:
+def record(parts: "RunState", facts: Facts) -> int:
     """The code for ``facts`` (the table's); the ledger's ``exit`` event, the trackers' finish
     and the run report say so. Returns the code."""
     code = int(exit_code(facts))
@@ -41,7 +41,7 @@ def record(parts: "RunParts", facts: Facts) -> int:
     return code
 
 
-def _finish_trackers(parts: "RunParts", code: int) -> None:
+def _finish_trackers(parts: "RunState", code: int) -> None:
     """Tell the trackers how the attempt ends, within a cleanup's time and the deadline (an
     online W&B run uploads what is left when it finishes)."""
     if parts.trackers.active:
@@ -50,7 +50,7 @@ def _finish_trackers(parts: "RunParts", code: int) -> None:
         stack.run(deadline=parts.handler.deadline.deadline)
 
 
-def hang_words(parts: "RunParts") -> dict[str, Any]:
+def hang_words(parts: "RunState") -> dict[str, Any]:
     """What ``record`` would write for a hang, for the hang backstop's monitor process to write
     in its stead when no Python runs in the process (``HangWatchdog.last_words``): the ledger's
     ``exit`` event (``by: backstop``; the monitor adds the time, and knows no step) and the run

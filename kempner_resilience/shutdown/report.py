@@ -11,7 +11,7 @@ from kempner_resilience.fileio import write_atomic
 from kempner_resilience.log import get_logger
 
 if TYPE_CHECKING:
-    from kempner_resilience.shutdown.sequence import RunParts
+    from kempner_resilience.runstate import RunState
 
 __all__ = ["REPORT_ENV", "write_report", "build_report", "report_path"]
 
@@ -20,7 +20,7 @@ REPORT_ENV = "KEMPNER_RESILIENCE_REPORT"
 log = get_logger(__name__)
 
 
-def write_report(parts: "RunParts", code: int) -> None:
+def write_report(parts: "RunState", code: int) -> None:
     """Rank 0 writes the report atomically; nothing happens without the variable."""
     path = report_path(parts)
     if path is None:
@@ -34,13 +34,13 @@ def write_report(parts: "RunParts", code: int) -> None:
         log.warning("could not write the run report %s: %s", path, e)
 
 
-def report_path(parts: "RunParts") -> str | None:
+def report_path(parts: "RunState") -> str | None:
     """Where this rank writes the report: rank 0, with the variable set; else None."""
     path = os.environ.get(REPORT_ENV)
     return path if path and parts.rank == 0 else None
 
 
-def build_report(parts: "RunParts", code: int) -> dict[str, Any]:
+def build_report(parts: "RunState", code: int) -> dict[str, Any]:
     """The report's content for an attempt that ends now with ``code`` (``parts.outcome``)."""
     o, info = parts.outcome, parts.last_saved
     stopped = o is not None and o.ending in (Ending.SIGNAL, Ending.SAVES_FAILING)

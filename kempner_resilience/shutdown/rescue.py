@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kempner_resilience.shutdown.sequence import RunParts
+    from kempner_resilience.runstate import RunState
 
 __all__ = ["rescue", "close_rescue"]
 
 
-def rescue(parts: "RunParts", why: str) -> None:
+def rescue(parts: "RunState", why: str) -> None:
     """Within ``rescue.budget_s`` (the caller's deadline is the backstop). The rescuer logs the
     outcome; the ledger records it (the writer a commit, rank 0 a failure), and a committed
     rescue becomes the checkpoint a requeue comes back to."""
@@ -22,7 +22,7 @@ def rescue(parts: "RunParts", why: str) -> None:
     result = r.rescue(why, parts.committed_step())
     parts.timings["rescue_s"] = result.seconds
     if result.info is not None:
-        parts.last_saved = result.info
+        parts.saved(result.info)
     committed = result.info is not None
     if (committed and result.writer == parts.rank) or (parts.rank == 0 and not committed):
         # A committed rescue is recorded by its writer (rank 0 may be the rank that died),
@@ -32,7 +32,7 @@ def rescue(parts: "RunParts", why: str) -> None:
                            seconds=round(result.seconds, 4), rank=parts.rank)
 
 
-def close_rescue(parts: "RunParts", clean: bool = True) -> None:
+def close_rescue(parts: "RunState", clean: bool = True) -> None:
     """No rescue from here on. A stop on purpose (signal, completion, failing saves) tells the
     buddy goodbye; ``clean=False`` (a failure ending) leaves it woken, as a dead rank would."""
     if parts.rescue is not None:

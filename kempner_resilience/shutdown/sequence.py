@@ -19,71 +19,29 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from kempner_resilience import exitcodes
-from kempner_resilience.agreement import StopAgreement, StopDecision
-from kempner_resilience.config import Action, ExitMode, ResilienceConfig
-from kempner_resilience.ledger import Ledger
+from kempner_resilience.agreement import StopDecision
+from kempner_resilience.config import Action, ExitMode
 from kempner_resilience.log import get_logger
+from kempner_resilience.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import (Ending, Facts, Saved, Verdict, exit_code,
                                                  record)
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
-from kempner_resilience.shutdown.trackers import Trackers
-from kempner_resilience.signals import ShutdownHandler
-from kempner_resilience.slurm.clock import RunClock
 from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
-from kempner_resilience.watchdog import HangWatchdog
 
-__all__ = ["RunParts", "stop", "fail", "give_up", "complete", "requeue_after_failure",
-           "rescue", "record"]
+__all__ = ["stop", "fail", "give_up", "complete", "requeue_after_failure",
+           "rescue", "record", "local_restart_count"]
 
 log = get_logger(__name__)
 
 
-@dataclass
-class RunParts:
-    """What the shutdown works with; ``ResilientRun`` builds it and keeps it current."""
-
-    config: ResilienceConfig
-    handler: ShutdownHandler
-    hang: HangWatchdog
-    teardown: TeardownStack
-    exit_mode: ExitMode
-    agreement: StopAgreement = field(default_factory=StopAgreement)
-    ledger: Ledger = field(default_factory=lambda: Ledger(None))   # rank 0's run ledger
-    clock: RunClock = field(default_factory=lambda: RunClock(None))  # the allocation's end
-    trackers: Trackers = field(default_factory=Trackers)  # told how the attempt ends (W&B)
-    run_id: str | None = None
-    loop_end_wall: float | None = None  # time.time() when steps() ran out of steps
-    ckpt: Any = None                  # CheckpointManager, when the run has state
-    rescue: Any = None                # Rescuer, when the state is replicated (rescue/)
-    slurm: Any = None                 # SlurmJob, inside a SLURM job
-    last_saved: Any = None            # CheckpointInfo of the newest commit by this process
-    resumed_from: Any = None          # CheckpointInfo the run resumed from
-    start_step: int = 0
-    step: int = 0                     # completed steps: the current step boundary
-    timings: dict[str, float] = field(default_factory=dict)
-    cleanup_results: list[Any] = field(default_factory=list)
-    left_behind: list[str] = field(default_factory=list)  # what teardown could not end
-    save_lost_peer: bool = False      # the emergency save failed because a rank is gone
-    outcome: Facts | None = None      # how the run ended, once recorded (outcome.record)
-
-    @property
-    def rank(self) -> int:
-        return self.agreement.rank
-
-    def committed_step(self) -> int | None:
-        info = self.last_saved or self.resumed_from
-        return None if info is None else int(info.step)
-
-
 # ------------------------------------------------------------------------------ the paths
 
-def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
+def stop(parts: RunState, decision: StopDecision) -> NoReturn:
     """Every rank stops at ``decision.step``: save, requeue, tear down, leave."""
     close_rescue(parts)
     action = _action(parts, decision.signum)
@@ -111,7 +69,7 @@ def stop(parts: RunParts, decision: StopDecision) -> NoReturn:
     _leave(parts, o)
 
 
-def fail(parts: RunParts, exc: BaseException) -> None:
+def fail(parts: RunState, exc: BaseException) -> None:
     """An exception ended the loop. Returns (the caller re-raises it) only for the user's own
     error in ``raise`` mode; otherwise leaves with the outcome's code."""
     from kempner_resilience.faults import first_line, is_peer_failure
@@ -145,7 +103,7 @@ def fail(parts: RunParts, exc: BaseException) -> None:
     _leave(parts, o, error=exc, keep_traceback=not lost)
 
 
-def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
+def give_up(parts: RunState, step: int, err: BaseException) -> NoReturn:
     """``checkpoint.max_failed_saves`` periodic saves in a row failed (on every rank alike): stop
     with CHECKPOINT_FAILED, without an emergency save that would fail the same way."""
     parts.hang.stop()
@@ -155,7 +113,7 @@ def give_up(parts: RunParts, step: int, err: BaseException) -> NoReturn:
     _leave(parts, Facts(Ending.SAVES_FAILING, step))
 
 
-def complete(parts: RunParts, step: int) -> None:
+def complete(parts: RunState, step: int) -> None:
     """All steps ran: cleanups, drain saves, report; the caller's code goes on."""
     close_rescue(parts)
     parts.teardown.run()
@@ -164,7 +122,7 @@ def complete(parts: RunParts, step: int) -> None:
     record(parts, Facts(Ending.COMPLETED, step))
 
 
-def requeue_after_failure(parts: RunParts, why: str) -> Verdict | None:
+def requeue_after_failure(parts: RunState, why: str) -> Verdict | None:
     """Rank 0, under SLURM, with a committed checkpoint to come back to, within the restart
     budget: requeue now, since nobody else will (a local launcher sees the exit code). The
     failure's code stays its own (PEER_LOST, HANG): the verdict is logged, None when no
@@ -183,7 +141,7 @@ def requeue_after_failure(parts: RunParts, why: str) -> Verdict | None:
 
 # ------------------------------------------------------------------------------ the steps
 
-def _start_deadline(parts: RunParts, decision: StopDecision) -> None:
+def _start_deadline(parts: RunState, decision: StopDecision) -> None:
     """The rank that got the signal armed its deadline then; the others start theirs now."""
     parts.hang.stop()            # from here the shutdown deadline governs
     if parts.handler.request is None:
@@ -199,7 +157,7 @@ def _start_deadline(parts: RunParts, decision: StopDecision) -> None:
         parts.handler.deadline.arm(end, why)
 
 
-def _emergency_save(parts: RunParts, step: int) -> Saved:
+def _emergency_save(parts: RunState, step: int) -> Saved:
     """Budget: the shutdown deadline (the manager refuses a save measured not to fit)."""
     if parts.ckpt is None:
         return Saved.NOTHING
@@ -229,13 +187,13 @@ def _emergency_save(parts: RunParts, step: int) -> Saved:
     if info is None:
         return Saved.FAILED
     parts.timings["emergency_save_s"] = time.monotonic() - t0
-    parts.last_saved = info
+    parts.saved(info)
     log.info("emergency checkpoint for step %d committed in %.2f s: %s", step,
              parts.timings["emergency_save_s"], getattr(info, "path", info))
     return Saved.COMMITTED
 
 
-def _requeue(parts: RunParts) -> Verdict:
+def _requeue(parts: RunState) -> Verdict:
     """Rank 0 decides (budget, scontrol with its own timeout); every rank learns its verdict
     through the store within what is left of the deadline."""
     mine = _requeue_decision(parts).value if parts.rank == 0 else None
@@ -251,14 +209,14 @@ def _requeue(parts: RunParts) -> Verdict:
     return verdict
 
 
-def _requeue_decision(parts: RunParts) -> Verdict:
+def _requeue_decision(parts: RunState) -> Verdict:
     from kempner_resilience.slurm import decide_requeue, requeue_job
     from kempner_resilience.slurm.requeue import RestartLedger
 
     ledger = None
     if parts.ckpt is not None:
         ledger = RestartLedger.for_checkpoint_dir(parts.config.checkpoint.dir)
-    who = parts.slurm if parts.slurm is not None else _local_restart_count()
+    who = parts.slurm if parts.slurm is not None else local_restart_count()
     verdict = decide_requeue(who, ledger, parts.committed_step(), parts.config.requeue)
     if not verdict.requeue:
         return verdict.verdict
@@ -272,7 +230,7 @@ def _requeue_decision(parts: RunParts) -> Verdict:
     return result.verdict
 
 
-def _peer_forced_code(parts: RunParts) -> int | None:
+def _peer_forced_code(parts: RunState) -> int | None:
     """The code another rank was forced out with (a repeated SIGTERM/SIGINT), if any."""
     forced = parts.agreement.forced_exit()
     if forced is None or forced[1] == parts.rank:
@@ -287,7 +245,7 @@ def _peer_forced_code(parts: RunParts) -> int | None:
     return code
 
 
-def _teardown(parts: RunParts, *, peers_alive: bool) -> None:
+def _teardown(parts: RunState, *, peers_alive: bool) -> None:
     """The user's cleanups (newest first), then ours; each bounded, all within the deadline."""
     deadline = parts.handler.deadline.deadline
     t0 = time.monotonic()
@@ -311,7 +269,7 @@ def _teardown(parts: RunParts, *, peers_alive: bool) -> None:
         parts.left_behind.append("the process group (a peer is gone)")
 
 
-def _leave(parts: RunParts, o: Facts, error: BaseException | None = None,
+def _leave(parts: RunState, o: Facts, error: BaseException | None = None,
            keep_traceback: bool = False) -> NoReturn:
     code = record(parts, o)
     if not keep_traceback and o.peer_forced_code is None:   # else _peer_forced_code said it
@@ -328,13 +286,13 @@ def _leave(parts: RunParts, o: Facts, error: BaseException | None = None,
 
 # ------------------------------------------------------------------------------ small helpers
 
-def _stop_reason(parts: RunParts, decision: StopDecision) -> str:
+def _stop_reason(parts: RunState, decision: StopDecision) -> str:
     if parts.clock.fired and parts.handler.request is None:
         return "time-limit"
     return _name(decision.signum)
 
 
-def _action(parts: RunParts, signum: int) -> Action:
+def _action(parts: RunState, signum: int) -> Action:
     return parts.config.signals.actions.get(_name(signum), Action.STOP)
 
 
@@ -342,7 +300,7 @@ def _name(signum: int | None) -> str:
     return signal.Signals(signum).name if signum else "?"
 
 
-def _local_restart_count() -> int | None:
+def local_restart_count() -> int | None:
     """Restarts so far when a local launcher (the demo's) relaunches us; None if unknown."""
     value = os.environ.get("KEMPNER_RESTART_COUNT")
     return int(value) if value and value.isdigit() else None

@@ -1,0 +1,314 @@
+"""How a run begins: the set-up sequence, one step a line, filling the run's state.
+
+``begin`` is the counterpart of the shutdown sequence (``shutdown/sequence.py``): what
+``ResilientRun.__enter__`` does, in order. Each part is built with what it needs (the
+checkpoint manager with its busy hook and manifest fields, the run id and lease it belongs to
+once its directory is known usable) and put into the ``RunState``; nothing here sets an
+attribute on a part after building it. Several steps are collectives (every rank runs them in
+the same order): rank 0 decides (the allocation's end, the run id, the directory lease) and
+every rank learns the decision, or the same refusal, through the agreement's store.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from kempner_resilience import identity
+from kempner_resilience.agreement import FORCED_MARKER_PREFIX, StopAgreement
+from kempner_resilience.exitcodes import Ending, Facts
+from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start
+from kempner_resilience.log import announce, get_logger
+from kempner_resilience.runstate import RunState
+from kempner_resilience.shutdown import outcome
+from kempner_resilience.shutdown.sequence import local_restart_count, record
+from kempner_resilience.shutdown.trackers import Trackers
+from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
+from kempner_resilience.slurm.env import SlurmJob
+
+if TYPE_CHECKING:
+    from kempner_resilience.checkpoint.info import CheckpointInfo
+    from kempner_resilience.checkpoint.lease import Lease
+    from kempner_resilience.checkpoint.manager import CheckpointManager
+    from kempner_resilience.rescue.rescuer import Rescuer
+
+__all__ = ["begin"]
+
+log = get_logger(__name__)
+
+
+def begin(run: RunState, state: Mapping[str, Any] | None, run_id: str | None) -> RunState:
+    """Set the run up on the main thread (collective), and return its filled state. On any
+    error the watchdog and the signal handlers are taken down again before it is raised."""
+    run.handler.install()
+    try:
+        run.agreement = StopAgreement.from_torch()              # rank, world size, the store
+        _record_forced_exits(run)                               # a repeated SIGTERM/SIGINT
+        run.slurm = SlurmJob.from_env()                         # None outside SLURM
+        run.clock = _allocation_clock(run)                      # the allocation's end
+        run.trackers = Trackers.from_config(run.config.integrations)  # imported now, not later
+        run.hang.start()                                        # a load that hangs is a hang
+        with run.hang.busy():                 # imports, directory checks and the load are slow
+            if state is not None:
+                _checkpoints(run, state, run_id)  # identity, lease, ledger, resume, rescue
+            _preflight(run)
+        if run.run_id is None:                                  # no checkpoints
+            run.run_id = _attempt_run_id(run, run_id)           # an id for this attempt only
+        run.hang.last_words(outcome.hang_words(run))            # what the backstop writes
+    except BaseException:
+        run.hang.stop()
+        run.handler.uninstall(keep_deadline=run.handler.requested())
+        raise
+    return run
+
+
+def _checkpoints(run: RunState, state: Mapping[str, Any], run_id: str | None) -> None:
+    """The checkpoint steps, in order: the directory checked, the run's identity and the
+    directory's lease, the ledger's start, the resume, then the rescue."""
+    restarts = run.slurm.restart_count if run.slurm is not None else local_restart_count()
+    run.ckpt = ckpt = _manager(run, state, restarts)
+    ckpt.check_dir()                                       # writable, room for a save
+    run.run_id = _resolve_run_id(run, ckpt.root, run_id)   # run.json, checkpoints are ours
+    ckpt.claim(run.run_id, _hold_directory(run, ckpt.root, restarts))
+    _mark_forced_exits_in(run, ckpt.root)
+    run.ledger = _ledger(run, ckpt.root, restarts)
+    _resume(run, ckpt)
+    _announce_start(run, ckpt, run.resumed_from)
+    run.clock.set_save_estimate(ckpt.estimate().seconds)
+    run.rescue = _rescue(run, ckpt)
+
+
+# ------------------------------------------------------------------------------ the steps
+
+def _record_forced_exits(run: RunState) -> None:
+    """The signal thread, just before its ``os._exit`` for a second SIGINT/SIGTERM: the other
+    ranks are told (the store, a marker), then the ending is recorded as every other one is.
+    The signal thread waits for its hooks at most a second, then leaves regardless."""
+    run.handler.add_forced_exit_hook(lambda code: run.agreement.announce_forced_exit(code))
+
+    def forced(code: int) -> None:     # the table's code for FORCED: 128 + the signal
+        if run.outcome is None:
+            record(run, Facts(Ending.FORCED, run.step, signum=code - 128))
+
+    run.handler.add_forced_exit_hook(forced)
+
+
+def _allocation_clock(run: RunState) -> RunClock:
+    """The allocation's end, read once: from the environment on every rank, else asked of
+    SLURM by rank 0 alone (bounded) and shared, so a big job does not flood slurmctld."""
+    cfg = run.config.requeue
+    if os.environ.get(END_TIME_ENV):
+        end = job_end_time(timeout=cfg.scontrol_timeout_s)
+    elif run.slurm is None:
+        end = None
+    else:
+        mine = job_end_time(timeout=cfg.scontrol_timeout_s) if run.rank == 0 else None
+        text = run.agreement.share_text("end_time", "" if mine is None else repr(mine),
+                                        cfg.scontrol_timeout_s + 30.0)
+        end = float(text) if text else None
+    clock = RunClock(end, margin_s=cfg.time_limit_margin_s, stop_enabled=cfg.time_limit_stop)
+    if end is not None and run.rank == 0:
+        log.info("the allocation ends in %.0f s%s", clock.remaining(),
+                 "" if cfg.time_limit_stop else " (requeue.time_limit_stop is off)")
+    return clock
+
+
+def _manager(run: RunState, state: Mapping[str, Any], restarts: int | None
+             ) -> CheckpointManager:
+    from kempner_resilience.checkpoint import CheckpointManager   # torch: only with state
+
+    # A save waits for the other ranks no longer than any step does (hang_timeout_s) plus
+    # what the save itself takes; the hang budget's widening to checkpoint_timeout_s during
+    # a save is for this rank's own write, not for waiting on a rank that is gone or paused.
+    hang_s = run.config.watchdog.hang_timeout_s
+    job = run.slurm
+    return CheckpointManager(run.config.checkpoint, state, rank=run.agreement.rank,
+                             world_size=run.agreement.world_size,
+                             peer_timeout_s=hang_s if hang_s > 0 else None,
+                             # saves and loads widen the hang budget: a slow save is no hang
+                             busy_hook=run.hang.busy,
+                             manifest_extra={"job_id": None if job is None else job.requeue_id,
+                                             "restart_count": restarts})
+
+
+def _resolve_run_id(run: RunState, root: Path, explicit: str | None) -> str:
+    """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
+    every rank gets the id, or the same refusal."""
+    from kempner_resilience.checkpoint import layout
+
+    cfg = run.config.checkpoint
+    text = None
+    if run.rank == 0:
+        try:
+            # repair: a damaged run.json is rewritten from the checkpoints' run id, so
+            # it neither blocks the restart nor gives this attempt an unrecorded id.
+            rid = explicit
+            recorded = identity.repair(root, rid)
+            if rid is None:
+                rid, _ = identity.load_or_create(root)
+            elif recorded is None:
+                rid, _ = identity.load_or_create(root, rid)
+            if cfg.resume:
+                try:
+                    identity.check_same_run(root, rid, layout.scan(root), recorded)
+                except identity.OtherRunError as e:
+                    if not cfg.allow_other_run:
+                        raise
+                    log.warning("%s; continuing: checkpoint.allow_other_run is true",
+                                str(e).split("; refusing")[0])
+            text = "ok:" + rid
+        except identity.OtherRunError as e:
+            text = "refused:" + str(e)
+        except OSError as e:
+            text = "ok:" + (explicit or identity.new_run_id())
+            log.warning("cannot record the run id in %s (%s); this attempt uses %s", root,
+                        e, text[3:])
+    text = run.agreement.share_text("run_id", text, 120.0)
+    kind, _, value = text.partition(":")
+    if kind == "refused":
+        raise identity.OtherRunError(value)
+    return value
+
+
+def _hold_directory(run: RunState, root: Path, restarts: int | None) -> Lease | None:
+    """Rank 0 takes the directory's lease (one live run per ``checkpoint.dir``) before
+    anything is written into it; every rank gets the same refusal when another live run
+    holds it. Given up at teardown; one left by a killed run is taken over."""
+    from kempner_resilience.checkpoint import lease
+
+    held, text = None, "ok"
+    if run.rank == 0:
+        job = run.slurm
+        try:
+            held = lease.acquire(root, job_id=None if job is None else job.requeue_id,
+                                 restart_count=restarts, run_id=run.run_id)
+        except lease.DirectoryInUseError as e:
+            text = "refused:" + str(e)
+        except OSError as e:
+            log.warning("cannot hold %s with a lease (%s): a second run on this directory "
+                        "would not be noticed", root, e)
+    text = run.agreement.share_text("lease", text,
+                                    lease.STALE_S + 4 * lease.HEARTBEAT_S + 60.0)
+    kind, _, why = text.partition(":")
+    if kind == "refused":
+        raise lease.DirectoryInUseError(why)
+    return held
+
+
+def _mark_forced_exits_in(run: RunState, root: Path) -> None:
+    """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in ``root``: the
+    store, which normally carries the news, dies with rank 0 when rank 0 is that rank.
+    Rank 0, holding the lease, clears the markers of earlier attempts, then hands every rank
+    this attempt's token (collective)."""
+    if run.agreement.store is None:
+        return
+    token = None
+    if run.rank == 0:
+        token = uuid.uuid4().hex[:12]
+        try:
+            for old in Path(root).glob(FORCED_MARKER_PREFIX + "*"):
+                old.unlink(missing_ok=True)
+        except OSError as e:     # a stale marker has another token: it is never read
+            log.debug("cannot clear old forced-exit markers in %s: %s", root, e)
+    token = run.agreement.share_text("attempt_token", token, 120.0)
+    run.agreement.use_forced_marker(Path(root), token)
+
+
+def _ledger(run: RunState, root: Path, restarts: int | None) -> Ledger:
+    """The run ledger, and its ``start`` event. Rank 0 writes it; another rank only a rescue
+    it wrote (rank 0 may be the rank that died, and then no one else would record the step
+    the rescue kept)."""
+    ledger = run.ledger
+    if run.config.checkpoint.ledger:
+        ledger = Ledger(root / LEDGER_NAME, run_id=run.run_id, attempt=restarts or 0,
+                        only=None if run.rank == 0 else ("rescue",))
+    job = run.slurm
+    ledger.event("start", t0=attempt_start(), job_id=None if job is None else job.requeue_id,
+                 restart_count=restarts, world_size=run.agreement.world_size,
+                 hosts=(job.nodelist if job is not None and job.nodelist
+                        else socket.gethostname()))
+    return ledger
+
+
+def _resume(run: RunState, ckpt: CheckpointManager) -> None:
+    """The newest committed checkpoint loaded into the state (collective): the step to go on
+    from, and how long the load took."""
+    if not run.config.checkpoint.resume:
+        return
+    t0 = time.monotonic()
+    info = ckpt.resume()
+    if info is None:
+        return
+    run.resumed_from = info
+    run.step = run.start_step = int(info.step)
+    run.timings["resume_s"] = time.monotonic() - t0
+    run.ledger.event("resume", step=int(info.step), load_s=round(run.timings["resume_s"], 4))
+
+
+def _announce_start(run: RunState, ckpt: CheckpointManager, info: CheckpointInfo | None
+                    ) -> None:
+    """One line per run on rank 0, visible at Python's default log level: where it resumed
+    from, or that it starts fresh and why."""
+    if run.rank != 0:
+        return
+    if info is not None:
+        announce(log, "resumed from %s (step %d, reason %s) in %.2f s", info.path, info.step,
+                 info.reason, run.timings.get("resume_s", 0.0))
+    elif not run.config.checkpoint.resume:
+        announce(log, "starting fresh at step 0: checkpoint.resume is off (%s)", ckpt.root)
+    else:
+        announce(log, "starting fresh at step 0: no committed checkpoint in %s", ckpt.root)
+
+
+def _rescue(run: RunState, ckpt: CheckpointManager) -> Rescuer | None:
+    """The just-in-time rescue (``kempner_resilience.rescue``), when every rank holds the
+    full state; collective."""
+    cfg = run.config.rescue
+    if not cfg.enabled or run.agreement.world_size < 2:
+        return None
+    from kempner_resilience.rescue import Rescuer
+
+    rescuer = Rescuer.start(cfg, ckpt, rank=run.rank, world_size=run.agreement.world_size)
+    if rescuer is not None:
+        run.hang.reserve_for_on_hang(cfg.budget_s)   # the hang path runs the rescue first
+    return rescuer
+
+
+def _preflight(run: RunState) -> None:
+    """Rank 0 says once what stands between this job and a safe shutdown: a signal that
+    never reaches the ranks, or an emergency save that cannot fit in the signal's lead
+    (checked once the state and the last save are known: after the resume)."""
+    from kempner_resilience.slurm import SaveFacts, format_findings, preflight
+
+    job, ckpt = run.slurm, run.ckpt
+    if job is None or job.procid != 0:
+        return
+    save = None
+    try:
+        if ckpt is not None:
+            est, last = ckpt.estimate(), ckpt.last_committed
+            save = SaveFacts(est.seconds, est.measured, ckpt.state.nbytes(),
+                             None if last is None else int(last.nbytes),
+                             None if last is None else float(last.save_seconds))
+        findings = preflight(run.config, save=save,
+                             timeout=run.config.requeue.scontrol_timeout_s)
+    except Exception:
+        log.exception("preflight checks failed to run")
+        return
+    problems = [f for f in findings if f.level in ("warn", "error")]
+    if problems:
+        log.warning("preflight found problems (run `kempner-resilience doctor` inside the "
+                    "job for details):\n%s", format_findings(problems))
+    for f in findings:
+        if f.code in ("save-fits", "time-limit-stop-covers"):
+            log.info("%s", f.message)
+
+
+def _attempt_run_id(run: RunState, explicit: str | None) -> str:
+    """Without checkpoints, an id for this attempt only: rank 0's, shared (collective)."""
+    mine = (explicit or identity.new_run_id()) if run.rank == 0 else None
+    return run.agreement.share_text("run_id", mine, 120.0)

@@ -1,0 +1,212 @@
+"""Writing one save and committing it: the step directory, DCP's write through the
+checksumming writer, the commit (manifest, rename, fsync) on rank 0, then retention.
+
+``Saver.save`` is the one way a state dict becomes a committed checkpoint, for the periodic,
+manual, emergency and background saves alike (``CheckpointManager`` decides when and on which
+group, and keeps the cadence and the failure count). Every collective in it waits for the
+other ranks at most ``peer_timeout_s`` plus this rank's estimate of the save; a lost peer is
+raised as ``SavePeerLost`` (see ``checkpoint/manager.py``'s docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never on the emergency path
+from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from kempner_resilience.checkpoint import commit, layout, retention
+from kempner_resilience.checkpoint.comm import Comm
+from kempner_resilience.checkpoint.estimate import SaveEstimator
+from kempner_resilience.checkpoint.hostbuf import HostStaging
+from kempner_resilience.checkpoint.info import (CheckpointError, CheckpointInfo, SavePeerLost,
+                                               describe_error)
+from kempner_resilience.checkpoint.state import TrainState
+from kempner_resilience.checkpoint.writer import STAGING_MISMATCH, ChecksummingWriter
+from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.faults import first_line, is_peer_failure
+from kempner_resilience.log import get_logger
+
+__all__ = ["Saver"]
+
+log = get_logger(__name__)
+
+_GIB = 2**30
+
+
+class Saver:
+    """Writes and commits saves of ``state`` under ``config.dir`` for one rank.
+
+    ``staging`` (the host buffers GPU state goes through) is trusted once the run's first
+    staged save matched a plain copy, tensor by tensor; until then emergency saves (no second
+    chance) go unstaged, and a mismatch turns it off for the run. ``last_good`` names the
+    newest good checkpoint for a failure's message. ``estimator`` holds this rank's measured
+    saves.
+    """
+
+    def __init__(self, config: CheckpointConfig, state: TrainState, *, rank: int,
+                 world_size: int, peer_timeout_s: float | None, staging: HostStaging | None,
+                 manifest_extra: dict[str, Any],
+                 last_good: Callable[[], CheckpointInfo | None]) -> None:
+        self.config = config
+        self.root = Path(config.dir)
+        self.state = state
+        self.rank = rank
+        self.world_size = world_size
+        self.peer_timeout_s = peer_timeout_s
+        self.staging = staging
+        self.staging_proven = False
+        self.manifest_extra = manifest_extra
+        self.run_id: str | None = None            # the manager's, once claimed
+        self.estimator = SaveEstimator()          # measured saves of this rank
+        self._last_good = last_good
+        self._writing: set[Path] = set()          # directories being written: retention skips them
+        self._retention_thread: threading.Thread | None = None
+        self._left_alone: set[Path] = set()       # what retention already said it leaves alone
+
+    def claim(self, run_id: str | None) -> None:
+        """The run the step directories are marked with (their ownership marker)."""
+        self.run_id = run_id
+
+    def distrust_staging(self, why: str) -> None:
+        """The staging path wrote other bytes than the tensors hold: never use it again in this
+        run (saves and loads go the plain way) and say which tensor showed it."""
+        log.error("checkpoint staging is OFF for the rest of this run: %s. The save is written "
+                  "again without staging; nothing staged was committed. Please report this "
+                  "(GPU, driver, torch version) and set checkpoint.staging: off meanwhile", why)
+        self.staging = None
+
+    def save(self, sd: dict[str, Any], step: int, reason: str, comm: Comm,
+                    abort: threading.Event | None, t0: float, blocked: float) -> CheckpointInfo:
+        """Write and commit ``sd``; every collective in it waits for the other ranks at most
+        ``peer_timeout_s`` plus this rank's estimate of the save, and a lost peer raises
+        ``SavePeerLost`` (see the module docstring)."""
+        slack, bound = self.peer_timeout_s, None
+        if slack is not None and comm.distributed:
+            bound = slack + self.estimator.estimate(self.state.nbytes()).seconds
+        try:
+            with comm.bounded(bound):
+                return self._write_and_commit(sd, step, reason, comm, abort, t0, blocked)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:
+            if not is_peer_failure(e):
+                raise
+            within = "" if bound is None or slack is None else (
+                f" or did not answer within {bound:.1f} s (watchdog.hang_timeout_s {slack:g} s "
+                f"+ this save's estimate {bound - slack:.1f} s)")
+            raise SavePeerLost(f"{reason} checkpoint of step {step}: another rank is gone"
+                               f"{within}: {first_line(e)}") from e
+
+    def _write_and_commit(self, sd: dict[str, Any], step: int, reason: str, comm: Comm,
+                          abort: threading.Event | None, t0: float,
+                          blocked: float) -> CheckpointInfo:
+        # Rank 0 picks a fresh directory; a failure there must reach every rank.
+        choice: tuple[str | None, str | None] = (None, None)
+        if self.rank == 0:
+            self.join_retention()     # it must not see our new, still partial directory
+            try:
+                choice = (str(layout.create_step_dir(self.root, step, self.run_id)), None)
+            except OSError as e:
+                choice = (None, describe_error(e))
+        path_s, err = comm.broadcast_object(choice)
+        if path_s is None:
+            raise CheckpointError(self._failure_text(step, self.root, err or "?"))
+        path = Path(path_s)
+        self._writing.add(path)
+        try:
+            staging = self.staging if self.staging_proven or reason != "emergency" else None
+            prove = staging is not None and not self.staging_proven
+            writer = ChecksummingWriter(path, threads=self.config.io_threads, abort=abort,
+                                        staging=staging, prove=prove)
+            failure: BaseException | None = None
+            try:
+                # Plan caching: with an unchanged state layout (every save after the first),
+                # DCP reuses the global plan and metadata instead of rebuilding them.
+                dcp.save(sd, storage_writer=writer, process_group=comm.dcp_group,
+                         planner=DefaultSavePlanner(enable_plan_caching=True),
+                         no_dist=comm.dcp_no_dist)
+            except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
+                if is_peer_failure(e):
+                    # Its own collective failed: the group is broken (after a gloo timeout every
+                    # later operation fails), so no gather of the failure either.
+                    raise
+                failure = e
+            gathered = comm.all_gather_object(
+                (writer.files if failure is None else None, describe_error(failure)))
+            mismatch = next((why for _, why in gathered if why and STAGING_MISMATCH in why), None)
+            if mismatch is not None:
+                # Same list on every rank (all_gather): all drop staging and save again.
+                if self.rank == 0:
+                    with contextlib.suppress(OSError):
+                        retention.remove_dir(path)
+                self.distrust_staging(mismatch)
+                return self._write_and_commit(sd, step, reason, comm, abort, t0, blocked)
+            status: str | None = None
+            manifest: dict[str, Any] = {}
+            if self.rank == 0:
+                status = commit.commit(path, step, reason, gathered, t0, blocked,
+                                       self.world_size, manifest,
+                                       {"run_id": self.run_id, **self.manifest_extra})
+            status, committed_at, nbytes = comm.broadcast_object(
+                (status, manifest.get("committed_at", 0.0), manifest.get("nbytes", 0)))
+            if status is not None:
+                if self.rank == 0:
+                    with contextlib.suppress(OSError):
+                        retention.remove_dir(path)
+                raise CheckpointError(self._failure_text(step, path, status))
+        finally:
+            self._writing.discard(path)
+        if prove and writer.proven_records:      # a save that staged nothing proves nothing
+            self.staging_proven = True
+            log.info("staging proven: the first staged save matched a plain copy (%d tensors)",
+                     writer.proven_records)
+        elapsed = time.monotonic() - t0
+        self.estimator.record(elapsed, writer.write_seconds, self.state.nbytes())
+        info = CheckpointInfo(step=step, path=path, reason=reason, committed_at=committed_at,
+                              nbytes=nbytes, world_size=self.world_size, save_seconds=elapsed,
+                              blocked_seconds=blocked or elapsed)
+        log.info("checkpoint step %d committed (%s): %.3f GiB in %.2f s (writing %.2f s) -> %s",
+                 step, reason, nbytes / _GIB, elapsed, writer.write_seconds, path)
+        if self.rank == 0 and reason != "emergency":
+            # In a thread: deleting a large checkpoint takes about a second here, and nobody
+            # needs to wait for it (a crash mid-delete leaves only a .trash-* directory). Not
+            # after an emergency save: the process is about to exit; the next run cleans up.
+            self.join_retention()
+            self._retention_thread = threading.Thread(target=self._retention,
+                                                      name="ckpt-retention", daemon=True)
+            self._retention_thread.start()
+        return info
+
+    def join_retention(self) -> None:
+        t = self._retention_thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+        self._retention_thread = None
+
+    def _failure_text(self, step: int, path: Path, status: str) -> str:
+        return commit.failure_text(step, path, status, self.root, self._last_good())
+
+    def _retention(self) -> None:
+        try:
+            retention.clean_trash(self.root, self.run_id, self.leave_alone)
+            victims = retention.select_for_deletion(layout.scan(self.root), self.config.keep_last,
+                                                 self.config.keep_every, set(self._writing),
+                                                 run_id=self.run_id, on_skip=self.leave_alone)
+            for e in victims:
+                log.info("retention: removing %s checkpoint %s",
+                         "old" if e.committed else "abandoned partial", e.path)
+                with contextlib.suppress(FileNotFoundError):
+                    retention.remove_dir(e.path)
+        except OSError as e:
+            log.warning("retention in %s failed (checkpoints are unaffected): %s", self.root, e)
+
+    def leave_alone(self, path: Path, why: str) -> None:
+        if path not in self._left_alone:       # once per directory, not at every save
+            self._left_alone.add(path)
+            log.warning("retention: leaving %s alone: %s", path, why)
