@@ -231,9 +231,6 @@ def test_the_design_picture_names_every_module():
 # issue 22 (integrations/, the checksumming writer) empties the first three; the manager's
 # async background and resume loop are still to move out (checkpoint/saver.py took the save).
 OVER_400_PENDING = {
-    "integrations/submitit.py": "split in a parallel branch (issue 22)",
-    "integrations/torchrun.py": "split in a parallel branch (issue 22)",
-    "checkpoint/writer.py": "split in a parallel branch (issue 22)",
     "checkpoint/manager.py": "the async background save and the resume loop still to move out",
 }
 

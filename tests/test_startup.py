@@ -270,6 +270,8 @@ def test_every_example_imports_kempner_resilience_before_torch():
     bad: list[str] = []
     for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)):
+            if "kempner_resilience" not in block:    # a script before adoption (quickstart)
+                continue
             bad += import_order_violations(f"{doc.name} python block {i + 1}", block)
     nb = json.loads((REPO / "docs" / "submitit.ipynb").read_text())
     cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
