@@ -20,7 +20,8 @@ PKG = ROOT / "kempner_resilience"
 # "ctimer", the kernel-timer backstop, arrives with the watchdog split of the run.py rewrite).
 LAYERS = {
     "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer", "backstop",
-             "agreement", "teardown", "faults", "ledger", "version", "fileio"},
+             "agreement", "teardown", "faults", "ledger", "version", "fileio",
+             "procs"},
     "library": {"checkpoint", "slurm", "identity", "goodput", "rescue"},
     "run": {"", "run", "begin", "runstate", "shutdown", "aio"},
     "top": {"cli", "demo", "integrations"},

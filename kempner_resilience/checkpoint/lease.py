@@ -36,6 +36,7 @@ from typing import Any
 
 from kempner_resilience.checkpoint.info import CheckpointDirError
 from kempner_resilience.log import get_logger
+from kempner_resilience.procs import pid_alive, process_start
 
 __all__ = ["LEASE_FILE", "DirectoryInUseError", "Lease", "acquire"]
 
@@ -54,17 +55,8 @@ class DirectoryInUseError(CheckpointDirError):
     """Another live run holds ``checkpoint.dir`` (exit 78 CONFIG when uncaught)."""
 
 
-def _proc_start(pid: int) -> str | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def _me(job_id: str | None, restart_count: int | None, run_id: str | None) -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _proc_start(os.getpid()),
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()),
             "job_id": job_id, "restart_count": restart_count, "run_id": run_id,
             "token": uuid.uuid4().hex, "since": time.time()}
 
@@ -180,7 +172,7 @@ def _gone_at_once(holder: dict[str, Any], me: dict[str, Any]) -> str | None:
     if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int):
         if holder["pid"] == me["pid"] and holder.get("start") == me["start"]:
             return "held by this process"
-        if _proc_start(holder["pid"]) != holder.get("start"):
+        if not pid_alive(holder["pid"], holder.get("start")):
             return f"its holder, pid {holder['pid']} on this host, has exited"
         return None
     job, restarts = holder.get("job_id"), holder.get("restart_count")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kempner_resilience.fileio import write_atomic
+from kempner_resilience.procs import pid_alive, process_start
 
 __all__ = ["RescueFiles", "RESCUE_DIR", "remove_stale", "pid_alive", "process_start"]
 
@@ -50,38 +51,6 @@ def _write_whole(path: Path, data: bytes, *, exclusive: bool = False) -> bool:
     # Not durable (no fsync): these files live for one attempt and only other processes read
     # them; a snapshot is as large as a rank's state, and the rescue's budget is seconds.
     return write_atomic(path, data, exclusive=exclusive, durable=False, mode=0o600)
-
-
-def _stat(pid: int) -> list[bytes]:
-    """The fields of /proc/<pid>/stat after the command name (which may hold spaces): the
-    state first; [] if unknown."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return []
-    return raw[raw.rfind(b")") + 2:].split()
-
-
-def process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` (clock ticks since boot, /proc), None if unknown."""
-    fields = _stat(pid)
-    return fields[19].decode() if len(fields) > 19 else None
-
-
-def pid_alive(pid: int, start: str | None = None) -> bool:
-    """Whether process ``pid`` of this host lives (and is the one that started at ``start``)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    fields = _stat(pid)
-    if fields and fields[0] in (b"Z", b"X"):
-        return False                   # dead, not yet reaped by its parent (srun, a launcher)
-    if start is not None and len(fields) > 19 and fields[19].decode() != start:
-        return False                   # the pid was reused
-    return True
 
 
 class Heartbeat:
