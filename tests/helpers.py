@@ -34,6 +34,17 @@ def start(script: Path, *args: str, **extra_env: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env(**extra_env))
 
 
+def start_running(script: Path, stamp: Path, *args: str) -> subprocess.Popen:
+    """``script STAMP ARGS...`` started; returns once it wrote STAMP (its loop is running)."""
+    proc = start(script, str(stamp), *args)
+    try:
+        wait_for_file(stamp)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
 def wait_for_file(path: Path, timeout: float = 60.0, contains: str | None = None) -> str:
     """Wait until ``path`` exists (and holds ``contains``); returns its text."""
     end = time.monotonic() + timeout
@@ -120,7 +131,7 @@ def run_rescue_job(work: Path, *extra: str, steps: int, every: int, ranks: int,
            "--set", f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={every}"]
     for s in sets:
         cmd += ["--set", s]
-    relaunch = {int(ExitCode.PEER_LOST), int(ExitCode.HANG), -signal.SIGKILL}
+    relaunch = {int(ExitCode.PEER_LOST), int(ExitCode.HANG), 128 + signal.SIGKILL}
     launches = LocalLauncher([*cmd, *extra], ranks=ranks, workdir=work, max_launches=2,
                              relaunch_codes=relaunch, stop_timeout_s=90,
                              on_launch=on_launch).run()

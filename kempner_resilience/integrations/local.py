@@ -146,10 +146,7 @@ class LocalLauncher:
         self.env = env or {}
         self.on_progress = on_progress
         self.on_launch = on_launch
-        # A negative code (Popen's "killed by signal N") also names the shell's 128 + N, which
-        # is how a launch whose ranks were all killed reports itself (job_exit_code).
-        self.relaunch_codes = frozenset(relaunch_codes) | {128 - c for c in relaunch_codes
-                                                           if c < 0}
+        self.relaunch_codes = frozenset(relaunch_codes)   # job codes (a killed rank: 128 + N)
         self.stop_timeout_s = stop_timeout_s
         self.launches: list[Launch] = []
         self._received: list[int] = []     # signals to forward, appended by the handler
