@@ -64,7 +64,7 @@ def test_a_committed_stop_exits_with_the_requeue_verdict_or_the_signal_conventio
 
 
 def test_sigterm_with_action_requeue_and_requeue_disabled_exits_143_in_a_real_run(tmp_path):
-    from helpers import start, wait_for_file, write_script
+    from helpers import start_running, write_script
 
     script = write_script(tmp_path, """
         import sys, time
@@ -77,10 +77,8 @@ def test_sigterm_with_action_requeue_and_requeue_disabled_exits_143_in_a_real_ru
                     open(sys.argv[1], "w").write("running")
                 time.sleep(0.01)
     """)
-    stamp = tmp_path / "stamp"
-    proc = start(script, str(stamp))
+    proc = start_running(script, tmp_path / "stamp")
     try:
-        wait_for_file(stamp)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:

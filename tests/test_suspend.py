@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, env, start, wait_for_file, write_script
+from helpers import assert_bitwise_equal, env, start_running, wait_for_file, write_script
 from kempner_resilience.demo.launcher import LocalLauncher
 
 HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py"
@@ -172,10 +172,8 @@ def test_the_hang_backstop_monitor_ends_with_its_rank_when_the_rank_is_killed(tm
                     open(sys.argv[1], "w").write("running")
                 time.sleep(0.01)
     """)
-    stamp = tmp_path / "stamp"
-    proc = start(script, str(stamp))
+    proc = start_running(script, tmp_path / "stamp")
     try:
-        wait_for_file(stamp)
         [monitor] = _children(proc.pid)        # the backstop's monitor process
         assert not _gone(monitor)
     finally:
