@@ -19,7 +19,7 @@ import tempfile
 import time
 
 import kempner_resilience as kr
-from kempner_resilience.ledger import Ledger
+from kempner_resilience.core.ledger import Ledger
 
 CFG = ["watchdog.hang_timeout_s=600"]
 

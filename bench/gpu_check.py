@@ -46,7 +46,7 @@ PEER_LOST, REQUEUE, SIGINT_CODE, HANG = 81, 75, 130, 42
 TRAIN = """
 import argparse, os, signal, sys
 import kempner_resilience as kr                      # before torch (see startup.py)
-from kempner_resilience.log import configure
+from kempner_resilience.core.log import configure
 import torch, torch.nn as nn
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from kempner_resilience.watchdog import HangWatchdog
+from kempner_resilience.stop.watchdog import HangWatchdog
 
 
 def per_call_us(fn, n: int) -> float:

@@ -13,7 +13,7 @@ import os as _os
 
 # First, before this package or the script imports anything heavy: a --signal warning that
 # arrives during the rest of start-up (torch, the model) is recorded instead of killing the rank.
-from kempner_resilience import startup as _startup
+from kempner_resilience.core import startup as _startup
 
 if "SLURM_JOB_ID" in _os.environ:
     _startup.install_early_recorder()
@@ -23,11 +23,11 @@ from kempner_resilience import exitcodes  # noqa: E402
 from kempner_resilience.config import (Action, ConfigError, ExitMode, ResilienceConfig,  # noqa: E402
                                        load_config)
 from kempner_resilience.exitcodes import ExitCode  # noqa: E402
-from kempner_resilience.run import ResilientRun  # noqa: E402
-from kempner_resilience.signals import ShutdownHandler, ShutdownRequest  # noqa: E402
-from kempner_resilience.startup import StartupError  # noqa: E402
+from kempner_resilience.run.resilient import ResilientRun  # noqa: E402
+from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest  # noqa: E402
+from kempner_resilience.core.startup import StartupError  # noqa: E402
 
-from kempner_resilience.version import __version__  # noqa: E402
+from kempner_resilience.core.version import __version__  # noqa: E402
 
 __all__ = [
     "Action",

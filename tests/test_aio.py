@@ -1,4 +1,4 @@
-"""kempner_resilience.aio.run: signals cancel the main task and every task's cleanup runs."""
+"""kempner_resilience.run.aio.run: signals cancel the main task and every task's cleanup runs."""
 
 import signal
 import subprocess
@@ -8,7 +8,7 @@ from helpers import start, wait_for_file, write_script
 
 FIFTY_TASKS = """
 import asyncio, socket, sys
-from kempner_resilience import aio
+from kempner_resilience.run import aio
 
 log_path, ready, fail = sys.argv[1], sys.argv[2], sys.argv[3] == "fail"
 released = open(log_path, "w", buffering=1)
@@ -82,7 +82,7 @@ def test_one_task_raising_releases_all_fifty(tmp_path):
 
 
 def test_result_of_the_coroutine_is_returned():
-    from kempner_resilience import aio
+    from kempner_resilience.run import aio
 
     async def main():
         return 42

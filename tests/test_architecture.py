@@ -1,5 +1,6 @@
-"""The package's shape, checked from its source: dependencies point one way (core <- checkpoint/,
-slurm/ <- run, shutdown/ <- cli/, demo/, integrations/), the shutdown steps never reach forward,
+"""The package's shape, checked from its source: dependencies point one way (core/, stop/,
+config/ <- checkpoint/, slurm/, rescue/, integrations/ <- run/, shutdown/ <- cli/, demo/), a
+folder is a layer or one job within one, the shutdown steps never reach forward,
 nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names every module.
 
 Imports are read with ``ast`` (every import in a module, at the top or inside a function), so a
@@ -16,16 +17,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "kempner_resilience"
 
-# Every module's layer, by the first part of its path ("" is the package's own __init__.py;
-# "ctimer", the kernel-timer backstop, arrives with the watchdog split of the run.py rewrite).
+# Every module's layer, by its folder (the first part of its path; "" is the package's own
+# __init__.py; "exitcodes", the exit codes, is a core module at the root because its path is
+# public). docs/design.md argues it.
 LAYERS = {
-    "core": {"config", "log", "exitcodes", "startup", "signals", "watchdog", "ctimer", "backstop",
-             "agreement", "teardown", "faults", "ledger", "version", "fileio",
-             "procs"},
-    "library": {"checkpoint", "slurm", "identity", "goodput", "rescue"},
-    "run": {"", "run", "begin", "runstate", "shutdown", "aio"},
-    "top": {"cli", "demo", "integrations"},
+    "core": {"core", "config", "stop", "exitcodes"},
+    "library": {"checkpoint", "slurm", "rescue", "integrations"},
+    "run": {"", "run", "shutdown"},
+    "top": {"cli", "demo"},
 }
+# The package root holds only the public names and the public exit-code path: every other
+# module is in the folder of its layer or job.
+ROOT_MODULES = {"", "exitcodes"}
 ABOVE = {  # what each layer must never import
     "core": LAYERS["library"] | LAYERS["run"] | LAYERS["top"],
     "library": LAYERS["run"] | LAYERS["top"],
@@ -33,18 +36,18 @@ ABOVE = {  # what each layer must never import
 }
 
 # The shutdown path in order; each step's module imports nothing of the steps after it.
-SHUTDOWN_STEPS = ["signals", "agreement", "checkpoint.manager", "slurm.requeue", "teardown",
-                  "shutdown.exit"]
+SHUTDOWN_STEPS = ["stop.signals", "stop.agreement", "checkpoint.manager", "slurm.requeue",
+                  "stop.teardown", "shutdown.exit"]
 
 # (module, the name it looks up in sys.modules) -> why that is not sniffing the caller.
 SYS_MODULES_ALLOWED = {
-    ("faults", "torch.distributed"): "a collective error can only come from torch.distributed if "
+    ("core.faults", "torch.distributed"): "a collective error can only come from torch.distributed if "
                                      "it is loaded; looking it up avoids importing torch",
-    ("agreement", "torch.distributed"): "no process group exists unless torch.distributed is "
+    ("stop.agreement", "torch.distributed"): "no process group exists unless torch.distributed is "
                                         "loaded; from_torch must not import torch to find out",
-    ("teardown", "torch"): "no CUDA work to synchronize unless torch is loaded; teardown must "
+    ("stop.teardown", "torch"): "no CUDA work to synchronize unless torch is loaded; teardown must "
                            "not import torch (seconds) while the deadline runs",
-    ("teardown", "torch.distributed"): "no process group to destroy unless torch.distributed "
+    ("stop.teardown", "torch.distributed"): "no process group to destroy unless torch.distributed "
                                        "is loaded",
     ("integrations.submitit", "torch"): "no tensor can be in a submission unless torch is "
                                         "loaded; the check must not import torch",
@@ -127,8 +130,14 @@ def test_checkpoint_and_slurm_import_nothing_from_the_run_or_above():
     assert _violations("library") == []
 
 
-def test_run_and_shutdown_import_nothing_from_the_cli_demo_or_integrations():
+def test_run_and_shutdown_import_nothing_from_the_cli_or_demo():
     assert _violations("run") == []
+
+
+def test_no_module_sits_loose_at_the_package_root():
+    assert sorted(n for n in MODULES if "." not in n and not (PKG / n).is_dir()
+                  and n not in ROOT_MODULES) == [], \
+        "put it in the folder of its layer or job (docs/design.md, ## Architecture)"
 
 
 def test_only_the_cli_imports_the_cli():

@@ -259,7 +259,7 @@ FULL_DISK_JOB = """
 import kempner_resilience as kr
 import json, logging, os, signal, sys, threading
 import torch, torch.distributed as dist
-from kempner_resilience.log import configure
+from kempner_resilience.core.log import configure
 
 a = json.loads(sys.argv[1])
 rank = int(sys.argv[2]) if len(sys.argv) > 2 else 0
@@ -395,7 +395,7 @@ def test_a_failed_emergency_save_exits_80_with_one_error_line_and_no_traceback(m
 def test_a_failed_periodic_save_is_in_the_ledger_and_the_report_with_its_reason(mount_tmpfs,
                                                                                 capsys):
     from kempner_resilience.cli import main as cli_main
-    from kempner_resilience.ledger import read_ledger
+    from kempner_resilience.core.ledger import read_ledger
 
     disk = mount_tmpfs("small", "size=2m")
     ckpt = disk / "ckpt"

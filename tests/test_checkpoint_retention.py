@@ -31,7 +31,7 @@ RUN = """
 import kempner_resilience as kr
 import sys
 import torch
-from kempner_resilience.log import configure
+from kempner_resilience.core.log import configure
 
 configure()
 model = torch.nn.Linear(8, 8)

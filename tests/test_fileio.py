@@ -13,14 +13,14 @@ import time
 
 from helpers import env, write_script
 from kempner_resilience.checkpoint import layout
-from kempner_resilience.fileio import temp_name, temp_target, write_atomic
+from kempner_resilience.core.fileio import temp_name, temp_target, write_atomic
 
 SIZE = 1 << 20
 
 # Writes versions 1, 2, 3, ... of one file, each SIZE bytes of the version's number, until killed.
 WRITER = """
 import sys
-from kempner_resilience.fileio import write_atomic
+from kempner_resilience.core.fileio import write_atomic
 target, exclusive = sys.argv[1], sys.argv[2] == "1"
 version = 0
 while True:
@@ -35,7 +35,7 @@ while True:
 # Write 3 MiB under a file size limit of 4 KiB: the kernel fails the write (EFBIG) partway.
 LIMITED = """
 import errno, resource, signal, sys
-from kempner_resilience.fileio import write_atomic
+from kempner_resilience.core.fileio import write_atomic
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # EFBIG instead of being killed
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 try:

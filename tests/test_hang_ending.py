@@ -18,7 +18,7 @@ import pytest
 from helpers import env, write_script
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.ledger import read_ledger
+from kempner_resilience.core.ledger import read_ledger
 
 HANGS = """
 import ctypes, sys, time

@@ -21,8 +21,8 @@ from helpers import env, require, write_script
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.demo.launcher import LocalLauncher, train_command
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.goodput import PARTS, analyze_dir
-from kempner_resilience.ledger import Ledger, read_ledger
+from kempner_resilience.core.goodput import PARTS, analyze_dir
+from kempner_resilience.core.ledger import Ledger, read_ledger
 
 STEPS = 30
 
@@ -152,7 +152,7 @@ def test_the_goodput_page_shows_the_report_and_plot_of_its_committed_ledger(caps
 
 WRITER = """
 import sys
-from kempner_resilience.ledger import Ledger
+from kempner_resilience.core.ledger import Ledger
 ledger = Ledger(sys.argv[1], run_id="r", max_bytes=1 << 40)
 blob = "x" * (4 << 20)      # 4 MiB lines: a write the kernel can cut short at a SIGKILL
 ledger.event("start", t0=0.0, restart_count=0)
@@ -264,7 +264,7 @@ def test_a_worker_of_the_torchrun_agent_counts_its_attempt_from_the_agents_start
     # The agent's imports and rendezvous are the attempt's time: without this, `report` counted
     # them as queue time. A group torch elastic restarts starts with its own processes, and the
     # job's start under SLURM comes first of all.
-    from kempner_resilience.ledger import AGENT_START_ENV, attempt_start, process_start_time
+    from kempner_resilience.core.ledger import AGENT_START_ENV, attempt_start, process_start_time
 
     own = process_start_time()
     agent = own - 30.0

@@ -20,8 +20,8 @@ import pytest
 from helpers import env, require
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.demo.launcher import train_command
-from kempner_resilience.goodput import analyze
-from kempner_resilience.ledger import MAX_BYTES, read_ledger
+from kempner_resilience.core.goodput import analyze
+from kempner_resilience.core.ledger import MAX_BYTES, read_ledger
 
 DOCS_LEDGER = Path(__file__).resolve().parents[1] / "docs" / "goodput-ledger.jsonl"
 RUN = "20261123-141734-f7d8c087"       # the run id of the docs' ledger

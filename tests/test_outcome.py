@@ -6,7 +6,8 @@ import itertools
 import signal
 from pathlib import Path
 
-from kempner_resilience import startup, watchdog
+from kempner_resilience.core import startup
+from kempner_resilience.stop import watchdog
 from kempner_resilience.exitcodes import (CLI_ONLY, ROWS, Ending, ExitCode, Facts, Saved,
                                           Verdict, endings_markdown, exit_code)
 
@@ -90,7 +91,7 @@ def test_sigterm_with_action_requeue_and_requeue_disabled_exits_143_in_a_real_ru
 
 def test_a_run_forced_out_by_a_second_sigint_records_its_ending_in_the_ledger(tmp_path):
     from helpers import start, wait_for_file, write_script
-    from kempner_resilience.ledger import read_ledger
+    from kempner_resilience.core.ledger import read_ledger
 
     script = write_script(tmp_path, """
         import sys, time

@@ -22,8 +22,8 @@ import pytest
 from helpers import assert_bitwise_equal, committed_manifests, rank_logs, run_rescue_job
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.goodput import analyze_dir
-from kempner_resilience.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.goodput import analyze_dir
+from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 
 STEPS, EVERY, FAIL_AT = 30, 10, 25
 

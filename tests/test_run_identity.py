@@ -12,8 +12,8 @@ import pytest
 import torch.nn as nn
 
 import kempner_resilience as kr
-from kempner_resilience.identity import RUN_ID_ENV, OtherRunError
-from kempner_resilience.startup import StartupError
+from kempner_resilience.checkpoint.identity import RUN_ID_ENV, OtherRunError
+from kempner_resilience.core.startup import StartupError
 
 
 def train(ckpt_dir, steps=3, *, run_id=None, allow_other=False):
@@ -91,7 +91,7 @@ def _demo(ckpt_dir, steps):
 
 def test_a_truncated_run_json_is_repaired_and_the_run_resumes_under_its_old_id(tmp_path):
     from kempner_resilience.checkpoint import layout
-    from kempner_resilience.ledger import read_ledger
+    from kempner_resilience.core.ledger import read_ledger
 
     ck = tmp_path / "ck"
     first = _demo(ck, 6)

@@ -19,7 +19,7 @@ import torch
 import kempner_resilience as kr
 from helpers import env, write_script
 from kempner_resilience.config import load_config
-from kempner_resilience.identity import RUN_ID_ENV
+from kempner_resilience.checkpoint.identity import RUN_ID_ENV
 from kempner_resilience.slurm.budget import SaveFacts, save_budget
 from kempner_resilience.slurm.scontrol import kill_wait
 

@@ -21,7 +21,7 @@ import pytest
 from kempner_resilience.checkpoint import SavePeerLost, layout
 from kempner_resilience.demo.launcher import free_port
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.faults import is_peer_failure
+from kempner_resilience.core.faults import is_peer_failure
 
 HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "stop_in_save.py"
 STEPS, EVERY, STOP_AT = 8, 2, 4

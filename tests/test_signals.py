@@ -138,7 +138,7 @@ def test_second_sigterm_exits_143_at_once(tmp_path):
 def _as_torchrun_worker() -> dict[str, str]:
     """The environment `kempner-resilience torchrun` gives its workers: their parent-death
     signal is PARENT_DEATH_SIGNAL, named in the environment."""
-    from kempner_resilience.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
+    from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 
     return {PARENT_DEATH_ENV: str(PARENT_DEATH_SIGNAL)}
 
@@ -147,7 +147,7 @@ def test_a_parent_death_signal_repeated_by_each_exiting_thread_is_one_graceful_s
         tmp_path):
     # The kernel sends the parent-death signal as each thread of the dying launcher exits: three
     # deliveries, then SLURM's SIGTERM to what is left of the step. One stop at the boundary.
-    from kempner_resilience.signals import PARENT_DEATH_SIGNAL
+    from kempner_resilience.stop.signals import PARENT_DEATH_SIGNAL
 
     pdeath = str(PARENT_DEATH_SIGNAL)
     proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
@@ -161,7 +161,7 @@ def test_a_parent_death_signal_repeated_by_each_exiting_thread_is_one_graceful_s
 
 @pytest.mark.parametrize("first", [[], ["parent death"]])
 def test_a_second_sigterm_still_forces_a_torchrun_worker_out_at_once(tmp_path, first):
-    from kempner_resilience.signals import PARENT_DEATH_SIGNAL
+    from kempner_resilience.stop.signals import PARENT_DEATH_SIGNAL
 
     proc = start(write_script(tmp_path, LOOP), "10", "60", **_as_torchrun_worker())
     try:

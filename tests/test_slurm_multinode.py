@@ -26,7 +26,7 @@ from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 from slurm_fixtures import (multinode_cluster, multinode_jobs, submit,  # noqa: F401
                             wait_for, wait_job)
 
@@ -37,7 +37,7 @@ RANKS, NODES = 4, 2
 TRAIN_ARGS = ["--no-ddp"]
 CLI = str(Path(sys.executable).parent / "kempner-resilience")
 PROBES = Path(__file__).resolve().parent / "cluster"
-# A rank whose peer died exits with this code (kempner_resilience.run: a failed collective after
+# A rank whose peer died exits with this code (kempner_resilience.run.resilient: a failed collective after
 # a peer's death; rank 0 requeues when a committed checkpoint exists).
 PEER_LOST = int(getattr(ExitCode, "PEER_LOST", 81))
 HANG = int(ExitCode.HANG)

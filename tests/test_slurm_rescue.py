@@ -27,7 +27,7 @@ import pytest
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
-from kempner_resilience.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 from slurm_fixtures import multinode_cluster, multinode_jobs  # noqa: F401
 
 pytestmark = [pytest.mark.slurm]

@@ -17,8 +17,8 @@ import pytest
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.goodput import PARTS, analyze_dir
-from kempner_resilience.ledger import read_ledger
+from kempner_resilience.core.goodput import PARTS, analyze_dir
+from kempner_resilience.core.ledger import read_ledger
 from slurm_fixtures import slurm_cluster, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -7,7 +7,7 @@ import time
 
 from helpers import write_script
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.teardown import TeardownStack
+from kempner_resilience.stop.teardown import TeardownStack
 
 
 def test_cleanups_run_newest_first():

@@ -21,7 +21,7 @@ import kempner_resilience as kr
 from helpers import assert_bitwise_equal, env
 from kempner_resilience.demo.launcher import LocalLauncher, train_command
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.ledger import read_ledger
+from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.slurm.clock import RunClock, job_end_time
 
 STEPS = 60

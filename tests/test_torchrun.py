@@ -26,7 +26,7 @@ from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.cli.torchrun import separate
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.torchrun import exit_code, forward_signals
-from kempner_resilience.ledger import read_ledger
+from kempner_resilience.core.ledger import read_ledger
 
 # Each rank is a single-process run (no process group, no torch): it only has to hear the
 # signal and shut down; rank 0's shutdown holds a cleanup of --cleanup-s seconds.
@@ -326,7 +326,7 @@ def test_an_agent_killed_outright_leaves_an_emergency_checkpoint_143_on_every_wo
     # The agent is multi-threaded: the kernel sends a worker's parent-death signal as each of
     # its threads exits, several times within milliseconds. That must count as one stop, not
     # as "a second SIGTERM" that forces the worker out without its checkpoint.
-    from kempner_resilience.ledger import LEDGER_NAME, read_ledger
+    from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 
     ckpt = tmp_path / "ckpt"
     reaper_py = write_script(tmp_path, SUBREAPER, "subreaper.py")

@@ -19,7 +19,7 @@ import torch
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.checkpoint.dircheck import disk_full
 from kempner_resilience.checkpoint.info import CheckpointInfo, describe_error
-from kempner_resilience.version import __version__
+from kempner_resilience.core.version import __version__
 
 __all__ = ["commit", "failure_text"]
 

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from kempner_resilience.checkpoint.info import CheckpointError
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 log = get_logger(__name__)
 

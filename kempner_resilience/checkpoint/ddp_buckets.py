@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 log = get_logger(__name__)
 

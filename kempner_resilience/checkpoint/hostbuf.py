@@ -31,7 +31,7 @@ import torch
 
 from kempner_resilience.checkpoint import recordfmt
 from kempner_resilience.config import StagingMode
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["HostStaging", "Slot", "Chunk", "ENV_STAGE_CPU", "flat_bytes", "chunk_layout"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kempner_resilience.startup import StartupError
+from kempner_resilience.core.startup import StartupError
 
 __all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDirError", "CheckpointInfo",
            "SavePeerLost", "describe_error"]

@@ -29,8 +29,8 @@ from typing import Any, Iterable
 
 from kempner_resilience.checkpoint import integrity
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointInfo
-from kempner_resilience.fileio import fsync_dir, temp_target, write_atomic
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.fileio import fsync_dir, temp_target, write_atomic
+from kempner_resilience.core.log import get_logger
 
 log = get_logger(__name__)
 

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from kempner_resilience.checkpoint.info import CheckpointDirError
-from kempner_resilience.log import get_logger
-from kempner_resilience.procs import pid_alive, process_start
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.procs import pid_alive, process_start
 
 __all__ = ["LEASE_FILE", "DirectoryInUseError", "Lease", "acquire"]
 

@@ -21,7 +21,7 @@ from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo, 
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.config import CheckpointConfig
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["candidates", "try_load", "restore_ddp_buckets"]
 

@@ -40,7 +40,7 @@ from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.saver import Saver
 from kempner_resilience.config import CheckpointConfig, StagingMode
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 log = get_logger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
 from kempner_resilience.checkpoint.layout import (MANIFEST_NAME, MARKER_NAME, TRASH_PREFIX,
                                                   Entry, is_our_file, read_manifest, read_marker)
-from kempner_resilience.fileio import fsync_dir
+from kempner_resilience.core.fileio import fsync_dir
 
 __all__ = ["why_not_ours", "remove_dir", "clean_trash", "select_for_deletion"]
 

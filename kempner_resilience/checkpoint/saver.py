@@ -29,8 +29,8 @@ from kempner_resilience.checkpoint.info import (CheckpointError, CheckpointInfo,
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.writer import STAGING_MISMATCH, ChecksummingWriter
 from kempner_resilience.config import CheckpointConfig
-from kempner_resilience.faults import first_line, is_peer_failure
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.faults import first_line, is_peer_failure
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["Saver"]
 

@@ -36,7 +36,7 @@ from kempner_resilience.checkpoint.data import (LoaderEntry, is_stateful_loader,
                                                 plain_loader_error, warn_global_seed)
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.info import CheckpointError
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 try:  # numpy is optional
     import numpy as _np

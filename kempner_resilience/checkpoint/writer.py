@@ -43,7 +43,7 @@ from kempner_resilience.checkpoint import recordfmt
 from kempner_resilience.checkpoint.hostbuf import HostStaging, caller_streams
 from kempner_resilience.checkpoint.layout import file_crc
 from kempner_resilience.checkpoint.outfile import ENV_STAGE_FAULT, OutFile, SaveAborted
-from kempner_resilience.fileio import fsync_dir
+from kempner_resilience.core.fileio import fsync_dir
 
 __all__ = ["ChecksummingWriter", "SaveAborted", "StagingMismatch", "STAGING_MISMATCH",
            "ENV_STAGE_FAULT"]

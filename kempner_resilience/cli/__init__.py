@@ -20,7 +20,7 @@ from kempner_resilience import __version__
 from kempner_resilience.cli.common import CliError, Verb, config_args
 from kempner_resilience.config import load_config
 from kempner_resilience.exitcodes import TABLE, ExitCode
-from kempner_resilience.startup import StartupError
+from kempner_resilience.core.startup import StartupError
 
 __all__ = ["main", "build_parser", "register", "CliError"]
 
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verb:
         parser.print_help()
         return int(ExitCode.USAGE)
-    from kempner_resilience.log import configure
+    from kempner_resilience.core.log import configure
 
     configure("DEBUG" if args.verbose else "INFO")
     try:

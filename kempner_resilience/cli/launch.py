@@ -17,7 +17,7 @@ import shutil
 
 from kempner_resilience.cli.common import CliError, Verb
 from kempner_resilience.exitcodes import RUN_AGAIN, describe
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["VERBS"]
 

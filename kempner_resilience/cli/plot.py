@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kempner_resilience.goodput import Goodput
+from kempner_resilience.core.goodput import Goodput
 
 __all__ = ["MISSING_MATPLOTLIB", "plot_timeline", "supported_formats"]
 

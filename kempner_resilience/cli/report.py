@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from kempner_resilience.cli.common import CliError, Verb
-from kempner_resilience.goodput import PARTS, Attempt, Goodput, analyze
-from kempner_resilience.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.goodput import PARTS, Attempt, Goodput, analyze
+from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 
 _LABELS = {"startup": "start-up", "load": "checkpoint load",
            "save_blocking": "periodic-save blocking", "kept": "steps kept (goodput)",

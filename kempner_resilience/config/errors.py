@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kempner_resilience.startup import StartupError
+from kempner_resilience.core.startup import StartupError
 
 __all__ = ["ConfigError", "ConfigFileNotFoundError"]
 

@@ -21,9 +21,9 @@ import time
 from typing import Any
 
 # Before torch: a SIGUSR1 that arrives while torch loads is then recorded, not fatal (see
-# kempner_resilience.startup). Scripts copied from this one keep the order.
+# kempner_resilience.core.startup). Scripts copied from this one keep the order.
 import kempner_resilience as kr
-from kempner_resilience.log import configure
+from kempner_resilience.core.log import configure
 
 import torch
 import torch.distributed as dist

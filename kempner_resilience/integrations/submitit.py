@@ -81,7 +81,7 @@ from kempner_resilience.integrations.submitit_env import (preempt_when_controlle
                                                           write_config_file)
 from kempner_resilience.integrations.submitit_signals import (SignalTakeover, in_local_task,
                                                               in_submitit_job, preempt_signal)
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["ResilientJob", "submit", "make_executor", "wait", "interrupt", "preempt_signal",
            "check_small", "resolve_callable", "MAX_PICKLE_BYTES", "LOCAL_REQUEUE_CODE"]

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["make_executor", "interrupt", "wait", "is_local_job"]
 

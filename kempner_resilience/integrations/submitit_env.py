@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kempner_resilience.config import ResilienceConfig
-from kempner_resilience.fileio import write_atomic
+from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.integrations.submitit_signals import preempt_signal
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["setup_rank_env", "setup_local_env", "preempt_when_controller_dies", "count_start",
            "write_config_file", "OUTER_JOB_VARS"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from submitit.local.local import LocalJob, LocalJobEnvironment
 
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["ResilientLocalJob", "interrupt_tasks", "local_task_pids"]
 

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from kempner_resilience.config import normalize_signal
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["SignalTakeover", "in_submitit_job", "in_local_task", "preempt_signal"]
 
@@ -44,7 +44,7 @@ def in_submitit_job() -> bool:
 
 def _run_active() -> bool:
     """True while a ``ResilientRun``'s ShutdownHandler is installed in this process."""
-    from kempner_resilience.signals import active_handlers
+    from kempner_resilience.stop.signals import active_handlers
 
     return bool(active_handlers())
 

@@ -50,8 +50,8 @@ from kempner_resilience.integrations.torchrun_agent import (AGENT_NAME, MARGIN_S
                                                             Interrupted, patched)
 from kempner_resilience.integrations.torchrun_report import (RunReport, exit_code,
                                                              what_the_workers_did)
-from kempner_resilience.ledger import AGENT_START_ENV, process_start_time
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.ledger import AGENT_START_ENV, process_start_time
+from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
 __all__ = ["run", "forward_signals", "exit_code", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
@@ -187,7 +187,7 @@ def _restore(handlers: Mapping[int, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kempner_resilience.integrations.torchrun [torchrun args] script [args]``
     (config from ``$KEMPNER_RESILIENCE_CONFIG``)."""
-    from kempner_resilience.log import configure
+    from kempner_resilience.core.log import configure
 
     configure("INFO")
     return run(sys.argv[1:] if argv is None else argv)

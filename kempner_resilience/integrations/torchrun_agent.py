@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from kempner_resilience.config import ResilienceConfig
-from kempner_resilience.log import get_logger
-from kempner_resilience.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 
 __all__ = ["Agent", "Interrupted", "patched", "MARGIN_S", "AGENT_NAME"]
 

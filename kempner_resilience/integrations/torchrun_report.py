@@ -10,7 +10,7 @@ import tempfile
 from typing import Any, Mapping
 
 from kempner_resilience.exitcodes import ExitCode, describe
-from kempner_resilience.shutdown.report import REPORT_ENV
+from kempner_resilience.core.ledger import REPORT_ENV
 
 __all__ = ["exit_code", "what_the_workers_did", "RunReport"]
 

@@ -38,8 +38,8 @@ from typing import Any, Mapping, NamedTuple
 import torch
 
 from kempner_resilience.checkpoint.state import TrainState
-from kempner_resilience.log import get_logger
-from kempner_resilience.watchdog import hold_until_exit
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.stop.watchdog import hold_until_exit
 
 try:  # numpy is optional
     import numpy as _np

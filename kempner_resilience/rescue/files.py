@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kempner_resilience.fileio import write_atomic
-from kempner_resilience.procs import pid_alive, process_start
+from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.procs import pid_alive, process_start
 
 __all__ = ["RescueFiles", "RESCUE_DIR", "remove_stale", "pid_alive", "process_start"]
 

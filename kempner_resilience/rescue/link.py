@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable
 
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["BuddyLink", "local_address", "buddy_offset"]
 

@@ -42,7 +42,7 @@ from typing import Any
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo
 from kempner_resilience.config import RescueConfig
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 from kempner_resilience.rescue import files as rfiles
 from kempner_resilience.rescue import replicas
 from kempner_resilience.rescue.boundary import Boundary

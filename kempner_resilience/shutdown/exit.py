@@ -31,9 +31,9 @@ import time
 from typing import NoReturn, Sequence
 
 from kempner_resilience.config import ExitMode
-from kempner_resilience.log import get_logger
-from kempner_resilience.teardown import flush_logs
-from kempner_resilience.watchdog import DeadlineWatchdog
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.stop.teardown import flush_logs
+from kempner_resilience.stop.watchdog import DeadlineWatchdog
 
 __all__ = ["ExitMode", "RunExit", "resolve", "leave", "bound_exit"]
 

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.shutdown.report import build_report, report_path, write_report
 from kempner_resilience.shutdown.timing import shutdown_times
-from kempner_resilience.teardown import TeardownStack
+from kempner_resilience.stop.teardown import TeardownStack
 
 if TYPE_CHECKING:
-    from kempner_resilience.runstate import RunState
+    from kempner_resilience.run.runstate import RunState
 
 __all__ = ["Ending", "Saved", "Verdict", "Facts", "exit_code", "record", "hang_words"]
 

@@ -7,15 +7,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kempner_resilience.exitcodes import Ending
-from kempner_resilience.fileio import write_atomic
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.ledger import REPORT_ENV
+from kempner_resilience.core.log import get_logger
 
 if TYPE_CHECKING:
-    from kempner_resilience.runstate import RunState
+    from kempner_resilience.run.runstate import RunState
 
 __all__ = ["REPORT_ENV", "write_report", "build_report", "report_path"]
-
-REPORT_ENV = "KEMPNER_RESILIENCE_REPORT"
 
 log = get_logger(__name__)
 

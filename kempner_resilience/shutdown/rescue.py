@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kempner_resilience.runstate import RunState
+    from kempner_resilience.run.runstate import RunState
 
 __all__ = ["rescue", "close_rescue"]
 

@@ -22,15 +22,15 @@ import time
 from typing import NoReturn
 
 from kempner_resilience import exitcodes
-from kempner_resilience.agreement import StopDecision
+from kempner_resilience.stop.agreement import StopDecision
 from kempner_resilience.config import Action, ExitMode
-from kempner_resilience.log import get_logger
-from kempner_resilience.runstate import RunState
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import (Ending, Facts, Saved, Verdict, exit_code,
                                                  record)
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
-from kempner_resilience.teardown import (TeardownStack, cuda_synchronize,
+from kempner_resilience.stop.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
 
 __all__ = ["stop", "fail", "give_up", "complete", "requeue_after_failure",
@@ -72,7 +72,7 @@ def stop(parts: RunState, decision: StopDecision) -> NoReturn:
 def fail(parts: RunState, exc: BaseException) -> None:
     """An exception ended the loop. Returns (the caller re-raises it) only for the user's own
     error in ``raise`` mode; otherwise leaves with the outcome's code."""
-    from kempner_resilience.faults import first_line, is_peer_failure
+    from kempner_resilience.core.faults import first_line, is_peer_failure
 
     parts.hang.stop()
     lost = is_peer_failure(exc)
@@ -168,13 +168,13 @@ def _emergency_save(parts: RunState, step: int) -> Saved:
         info = parts.ckpt.emergency_save(step, deadline=parts.handler.deadline.deadline)
     except (CheckpointError, SavePeerLost, OSError) as e:
         # Expected (full disk, quota, I/O, a peer gone mid-save): the message names the cause.
-        from kempner_resilience.faults import is_peer_failure
+        from kempner_resilience.core.faults import is_peer_failure
 
         parts.save_lost_peer = is_peer_failure(e)
         log.error("emergency checkpoint at step %d failed: %s", step, e)
         return Saved.FAILED
     except Exception as e:
-        from kempner_resilience.faults import first_line, is_peer_failure
+        from kempner_resilience.core.faults import first_line, is_peer_failure
 
         if is_peer_failure(e):   # a rank left mid-save (forced out, killed): no bug, one line
             parts.save_lost_peer = True

@@ -15,7 +15,7 @@ import time
 from typing import Any, Mapping
 
 from kempner_resilience.config import ExitMode
-from kempner_resilience.signals import ShutdownRequest
+from kempner_resilience.stop.signals import ShutdownRequest
 
 __all__ = ["STEP_FIELDS", "shutdown_times"]
 

@@ -23,7 +23,7 @@ import subprocess
 import time
 from typing import Mapping
 
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.scontrol import parse_slurm_time, show_job
 
 __all__ = ["RunClock", "job_end_time", "END_TIME_ENV"]

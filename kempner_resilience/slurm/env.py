@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.scontrol import parse_slurm_time, run_scontrol, show_job
 
 __all__ = ["SlurmJob", "SignalSpec", "parse_signal_spec", "expand_hostlist", "first_host",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 from kempner_resilience.config import Action, ResilienceConfig
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.budget import SaveFacts, save_budget
 from kempner_resilience.slurm.clock import END_TIME_ENV
 from kempner_resilience.slurm.env import SignalSpec, SlurmJob

@@ -25,8 +25,8 @@ from typing import Any
 
 from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode, Verdict
-from kempner_resilience.fileio import write_atomic
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
 

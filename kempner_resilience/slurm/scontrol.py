@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["ScontrolResult", "run_scontrol", "show_job", "parse_show_job", "parse_slurm_time",
            "find_scontrol", "kill_wait"]

@@ -20,7 +20,7 @@ from importlib import resources
 from typing import Mapping
 
 from kempner_resilience.config import Action, ResilienceConfig
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["TEMPLATES", "template_text", "signal_lead_time", "requeue_signal", "render_sbatch",
            "LIMIT_MARGIN_S", "REQUEUE_TEARDOWN_S"]

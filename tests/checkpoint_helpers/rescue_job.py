@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kempner_resilience as kr  # noqa: E402
 from kempner_resilience.demo.train import build  # noqa: E402
-from kempner_resilience.log import configure  # noqa: E402
+from kempner_resilience.core.log import configure  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

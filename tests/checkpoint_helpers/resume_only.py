@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from checkpoint_helpers import toy  # noqa: E402
 from kempner_resilience.checkpoint import CheckpointManager  # noqa: E402
 from kempner_resilience.config import CheckpointConfig  # noqa: E402
-from kempner_resilience.log import configure  # noqa: E402
+from kempner_resilience.core.log import configure  # noqa: E402
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ from typing import Any, Awaitable, Callable, Coroutine
 
 from kempner_resilience.config import ResilienceConfig, SignalsConfig, load_config
 from kempner_resilience.exitcodes import Ending, Facts, exit_code
-from kempner_resilience.log import get_logger
-from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 
 __all__ = ["run"]
 

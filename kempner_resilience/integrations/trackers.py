@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from kempner_resilience.config import IntegrationsConfig
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["Trackers", "WANDB_MISSING"]
 

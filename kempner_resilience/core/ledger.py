@@ -54,11 +54,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from kempner_resilience.fileio import write_atomic
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["Ledger", "LEDGER_NAME", "MAX_BYTES", "read_ledger", "valid_event",
-           "process_start_time", "attempt_start", "AGENT_START_ENV"]
+           "process_start_time", "attempt_start", "AGENT_START_ENV", "REPORT_ENV"]
 
 log = get_logger(__name__)
 
@@ -67,6 +67,9 @@ MAX_BYTES = 4 * 2**20
 #: Set by the ``kempner-resilience torchrun`` agent in its workers' environment: its own start
 #: time (epoch seconds). The agent's start-up and rendezvous are the attempt's, not queue time.
 AGENT_START_ENV = "KEMPNER_RESILIENCE_AGENT_START"
+#: Where rank 0 writes the run report (JSON: how the attempt ended) for its launcher; set by the
+#: user or by the ``kempner-resilience torchrun`` agent, which reads it back for its last line.
+REPORT_ENV = "KEMPNER_RESILIENCE_REPORT"
 
 
 def process_start_time() -> float:

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kempner_resilience.checkpoint.info import CheckpointDirError
-from kempner_resilience.fileio import write_atomic
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["RUN_FILE", "RUN_ID_ENV", "OtherRunError", "new_run_id", "read_run_id", "repair",
            "load_or_create", "other_run_ids", "check_same_run"]

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["CExitTimer", "install_exit_handler"]
 

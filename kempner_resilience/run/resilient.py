@@ -10,7 +10,7 @@ with kempner_resilience.ResilientRun(cfg, state={"model": model, "optim": optim}
 ``run.steps()`` is the safe point: each boundary is a heartbeat for the hang watchdog, the place
 where periodic checkpoints are written and where all ranks agree to stop. This module serves
 the user API and runs the loop; how a run begins (signals, agreement, SLURM checks, identity,
-checkpoints and resume, rescue) is the set-up sequence, ``kempner_resilience.begin``; how a
+checkpoints and resume, rescue) is the set-up sequence, ``kempner_resilience.run.begin``; how a
 run ends (emergency checkpoint, requeue, teardown, the exit code and leaving) is
 ``kempner_resilience.shutdown``. After a shutdown, ``SystemExit`` carries the documented code,
 so code after the loop (a "final" save of a model that is not final) never runs by mistake.
@@ -24,19 +24,19 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from kempner_resilience.agreement import StopDecision
-from kempner_resilience.begin import begin
+from kempner_resilience.stop.agreement import StopDecision
+from kempner_resilience.run.begin import begin
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
 from kempner_resilience.exitcodes import Ending, Facts
-from kempner_resilience.identity import RUN_ID_ENV
-from kempner_resilience.log import get_logger
-from kempner_resilience.runstate import RunState
+from kempner_resilience.checkpoint.identity import RUN_ID_ENV
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import outcome, sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
-from kempner_resilience.signals import ShutdownHandler, ShutdownRequest
-from kempner_resilience.teardown import CleanupResult, TeardownStack
-from kempner_resilience.watchdog import HangWatchdog
+from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
+from kempner_resilience.stop.teardown import CleanupResult, TeardownStack
+from kempner_resilience.stop.watchdog import HangWatchdog
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -60,7 +60,7 @@ class ResilientRun:
             run, ``"raise"`` when the caller lives on after the ``SystemExit`` (a notebook, a
             test), ``"auto"`` to decide (see ``kempner_resilience.shutdown.exit``).
         run_id: this run's id (default: ``$KEMPNER_RESILIENCE_RUN_ID``, else the one in
-            ``checkpoint.dir/run.json``, else a new one); see ``kempner_resilience.identity``.
+            ``checkpoint.dir/run.json``, else a new one); see ``kempner_resilience.checkpoint.identity``.
     """
 
     def __init__(self, config: ResilienceConfig | str | os.PathLike[str] | Mapping[str, Any]

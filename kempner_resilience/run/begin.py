@@ -18,15 +18,15 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from kempner_resilience import identity
-from kempner_resilience.agreement import FORCED_MARKER_PREFIX, StopAgreement
+from kempner_resilience.checkpoint import identity
+from kempner_resilience.stop.agreement import FORCED_MARKER_PREFIX, StopAgreement
 from kempner_resilience.exitcodes import Ending, Facts
-from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start
-from kempner_resilience.log import announce, get_logger
-from kempner_resilience.runstate import RunState
+from kempner_resilience.core.ledger import LEDGER_NAME, Ledger, attempt_start
+from kempner_resilience.core.log import announce, get_logger
+from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import outcome
 from kempner_resilience.shutdown.sequence import local_restart_count, record
-from kempner_resilience.shutdown.trackers import Trackers
+from kempner_resilience.integrations.trackers import Trackers
 from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
 from kempner_resilience.slurm.env import SlurmJob
 

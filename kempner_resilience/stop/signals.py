@@ -29,9 +29,9 @@ from typing import Any, Callable, Mapping
 
 from kempner_resilience.config import Action, SignalsConfig
 from kempner_resilience.exitcodes import Ending, Facts, exit_code
-from kempner_resilience.log import get_logger
-from kempner_resilience.startup import _early, _early_record, install_early_recorder
-from kempner_resilience.watchdog import DeadlineWatchdog
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.startup import _early, _early_record, install_early_recorder
+from kempner_resilience.stop.watchdog import DeadlineWatchdog
 
 __all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers", "install_early_recorder",
            "PARENT_DEATH_SIGNAL", "PARENT_DEATH_ENV", "parent_death_signal"]

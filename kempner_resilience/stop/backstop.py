@@ -37,8 +37,8 @@ import subprocess
 import sys
 from time import monotonic
 
-from kempner_resilience.ctimer import install_exit_handler
-from kempner_resilience.log import get_logger
+from kempner_resilience.stop.ctimer import install_exit_handler
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["BackstopMonitor", "POLL_S", "PAUSE_MIN_S", "MAX_WORDS"]
 

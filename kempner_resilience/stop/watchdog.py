@@ -29,10 +29,10 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from kempner_resilience.backstop import BackstopMonitor
-from kempner_resilience.ctimer import CExitTimer
+from kempner_resilience.stop.backstop import BackstopMonitor
+from kempner_resilience.stop.ctimer import CExitTimer
 from kempner_resilience.exitcodes import Ending, Facts, exit_code
-from kempner_resilience.log import get_logger
+from kempner_resilience.core.log import get_logger
 
 __all__ = ["CExitTimer", "DeadlineWatchdog", "HangWatchdog", "dump_all_stacks", "hold_until_exit"]
 

@@ -32,7 +32,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from kempner_resilience.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 
 __all__ = ["Attempt", "Goodput", "analyze", "analyze_dir", "run_ids", "PARTS"]
 

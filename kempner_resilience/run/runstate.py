@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kempner_resilience.agreement import StopAgreement
+from kempner_resilience.stop.agreement import StopAgreement
 from kempner_resilience.config import ExitMode, ResilienceConfig
 from kempner_resilience.exitcodes import Facts
-from kempner_resilience.ledger import Ledger
-from kempner_resilience.shutdown.trackers import Trackers
-from kempner_resilience.signals import ShutdownHandler
+from kempner_resilience.core.ledger import Ledger
+from kempner_resilience.integrations.trackers import Trackers
+from kempner_resilience.stop.signals import ShutdownHandler
 from kempner_resilience.slurm.clock import RunClock
-from kempner_resilience.teardown import CleanupResult, TeardownStack
-from kempner_resilience.watchdog import HangWatchdog
+from kempner_resilience.stop.teardown import CleanupResult, TeardownStack
+from kempner_resilience.stop.watchdog import HangWatchdog
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo

@@ -1,0 +1,2 @@
+"""What every layer uses: logging, small files written whole, processes, the run ledger, the
+start-up guards."""

@@ -1,0 +1,1 @@
+"""The run a training script holds: ResilientRun, its set-up sequence, its state."""
