@@ -31,7 +31,7 @@ PKG = "kempner_resilience"
 
 # old module (dotted, below the package) -> new module
 TABLE: dict[str, str] = {
-    # core/: what every layer uses (logging, files, processes, the ledger, the exit codes)
+    # core/: what every layer uses (logging, files, processes, the ledger, start-up guards)
     "log": "core.log",
     "fileio": "core.fileio",
     "procs": "core.procs",

@@ -25,7 +25,7 @@ from helpers import env, free_port, wait_for_file, write_script
 from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.cli.torchrun import separate
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.torchrun import exit_code, forward_signals
+from kempner_resilience.integrations.torchrun import agent_exit_code, forward_signals
 from kempner_resilience.core.ledger import read_ledger
 
 # Each rank is a single-process run (no process group, no torch): it only has to hear the
@@ -236,9 +236,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_agent_exits_with_the_lowest_ranks_failure_and_a_signal_death_as_128_plus_n():
-    assert exit_code({0: 0, 1: 0}) == 0
-    assert exit_code({3: 75, 1: 143, 2: 0}) == 143
-    assert exit_code({0: -signal.SIGKILL, 1: 75}) == 128 + signal.SIGKILL
+    assert agent_exit_code({0: 0, 1: 0}) == 0
+    assert agent_exit_code({3: 75, 1: 143, 2: 0}) == 143
+    assert agent_exit_code({0: -signal.SIGKILL, 1: 75}) == 128 + signal.SIGKILL
 
 
 def _fake_scontrol(tmp_path: Path, config: str) -> dict[str, str]:

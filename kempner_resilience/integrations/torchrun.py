@@ -25,7 +25,7 @@ slower rank 0 that was still finishing its shutdown loses it.
   ``$KEMPNER_RESILIENCE_PARENT_DEATH_SIGNAL``: their ShutdownHandler counts its repeats once and
   stops as for SIGTERM (checkpoint, 143).
 
-The agent's exit code is the workers' (``exit_code``): 75 when rank 0 requeued the job. Its
+The agent's exit code is the workers' (``agent_exit_code``): 75 when rank 0 requeued the job. Its
 last line says what it knows about the checkpoint, from rank 0's run report (the agent points
 ``$KEMPNER_RESILIENCE_REPORT`` at a file of its own): the newest checkpoint the run committed,
 or none; without a report (rank 0 forced out or killed, or started by another node's agent) it
@@ -48,13 +48,13 @@ from typing import Any, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.integrations.torchrun_agent import (AGENT_NAME, MARGIN_S, Agent,
                                                             Interrupted, patched)
-from kempner_resilience.integrations.torchrun_report import (RunReport, exit_code,
+from kempner_resilience.integrations.torchrun_report import (RunReport, agent_exit_code,
                                                              what_the_workers_did)
 from kempner_resilience.core.ledger import AGENT_START_ENV, process_start_time
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
-__all__ = ["run", "forward_signals", "exit_code", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
+__all__ = ["run", "forward_signals", "agent_exit_code", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
 
 log = get_logger("kempner_resilience.integrations.torchrun")  # also as __main__
 
@@ -120,7 +120,7 @@ def _signals(config: ResilienceConfig) -> list[int]:
 def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         forward: bool | None = None) -> int:
     """Run ``torchrun argv`` (its own arguments, then the script's) in this process as a
-    well-behaved srun task; returns the exit code for the batch script (see ``exit_code``).
+    well-behaved srun task; returns the exit code for the batch script (see ``agent_exit_code``).
 
     ``config``: the package config the workers use (their grace and exit timeout bound the
     agent's wait); default ``load_config()``. ``forward``: None decides with
@@ -165,7 +165,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                 torchrun_main(list(argv))
             except ChildFailedError as e:
                 codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
-                code = exit_code(codes)
+                code = agent_exit_code(codes)
                 log.warning("%s: workers exited with %s: exiting with %s", AGENT_NAME, codes,
                             what_the_workers_did(code, report.read()))
                 return code

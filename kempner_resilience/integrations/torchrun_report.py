@@ -12,10 +12,10 @@ from typing import Any, Mapping
 from kempner_resilience.exitcodes import ExitCode, describe
 from kempner_resilience.core.ledger import REPORT_ENV
 
-__all__ = ["exit_code", "what_the_workers_did", "RunReport"]
+__all__ = ["agent_exit_code", "what_the_workers_did", "RunReport"]
 
 
-def exit_code(codes: Mapping[int, int]) -> int:
+def agent_exit_code(codes: Mapping[int, int]) -> int:
     """The agent's exit code from its workers' ``{global rank: returncode}``: the lowest rank's
     non-zero code, a death by signal N as 128+N (as a shell reports it); 0 when all are 0."""
     for rank in sorted(codes):

@@ -31,11 +31,13 @@ from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
 
 __all__ = ["RequeueResult", "requeue_job", "Outcome", "Decision", "RestartLedger",
-           "decide_requeue", "LEDGER_NAME"]
+           "decide_requeue", "RESTARTS_NAME"]
 
 _log = get_logger(__name__)
 
-LEDGER_NAME = ".kempner_restarts.json"
+#: The restart record in checkpoint.dir (restart count and committed step per attempt, for the
+#: budget and the no-progress guard); not the run ledger, core.ledger.LEDGER_NAME.
+RESTARTS_NAME = ".kempner_restarts.json"
 
 
 # ------------------------------------------------------------------------ scontrol requeue
@@ -155,7 +157,7 @@ class RestartLedger:
 
     @classmethod
     def for_checkpoint_dir(cls, checkpoint_dir: str | os.PathLike[str]) -> "RestartLedger":
-        return cls.load(Path(checkpoint_dir) / LEDGER_NAME)
+        return cls.load(Path(checkpoint_dir) / RESTARTS_NAME)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "RestartLedger":
