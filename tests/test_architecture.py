@@ -237,18 +237,7 @@ def test_the_design_picture_names_every_module():
     assert missing == [], "add them to the picture in docs/design.md (## Architecture)"
 
 
-# Modules still over the limit, each with the change that brings it under: the other split of
-# issue 22 (integrations/, the checksumming writer) empties the first three; the manager's
-# async background and resume loop are still to move out (checkpoint/saver.py took the save).
-OVER_400_PENDING = {
-    "checkpoint/manager.py": "the async background save and the resume loop still to move out",
-}
-
-
 def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(PKG)): n for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > 400}
-    assert sorted(set(long) - set(OVER_400_PENDING)) == [], \
-        f"split these by job: {long}"
-    assert sorted(set(OVER_400_PENDING) - set(long)) == [], \
-        "under 400 lines now: drop it from OVER_400_PENDING"
+    assert long == {}, f"split these by job: {long}"

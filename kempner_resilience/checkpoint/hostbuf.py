@@ -24,16 +24,21 @@ CRCs over the staged bytes, resume through staging) runs on machines without a G
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
-from typing import Any, Iterator
+import time
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from kempner_resilience.checkpoint import recordfmt
-from kempner_resilience.config import StagingMode
+from kempner_resilience.config import CheckpointConfig, StagingMode
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["HostStaging", "Slot", "Chunk", "ENV_STAGE_CPU", "flat_bytes", "chunk_layout"]
+__all__ = ["HostStaging", "Slot", "Chunk", "ENV_STAGE_CPU", "flat_bytes", "chunk_layout", "reserve"]
+
+if TYPE_CHECKING:
+    from kempner_resilience.checkpoint.state import TrainState
 
 log = get_logger(__name__)
 
@@ -267,3 +272,32 @@ class HostStaging:
                 finally:
                     with self._lock:
                         self._free.append(slot)
+
+
+def reserve(config: CheckpointConfig, state: "TrainState", rank: int) -> HostStaging | None:
+    """The staging buffers for this rank's device state, allocated now, before any signal can
+    come (pinning costs ~1 s per GiB), and logged by rank 0; None without device state or with
+    ``checkpoint.staging: off``. ``KEMPNER_RESILIENCE_STAGE_CPU=1`` stages CPU state too: for
+    tests and benchmarks of the pipeline on machines without a GPU."""
+    device_bytes, kind = state.device_nbytes()
+    stage_cpu = os.environ.get(ENV_STAGE_CPU, "") == "1"
+    say = log.info if rank == 0 else log.debug
+    if config.staging is StagingMode.OFF:
+        if device_bytes:
+            say("staging: off, %.2f GiB of %s state is copied into fresh host memory at every "
+                "save", device_bytes / 2**30, (kind or "").upper())
+        return None
+    if not device_bytes and not stage_cpu:
+        return None
+    t0 = time.monotonic()
+    state_bytes = device_bytes or state.nbytes()
+    device = next((p.device for m in state.modules.values() for p in m.parameters()), None)
+    staging = HostStaging.allocate(config.staging, int(config.staging_cap_gib * 2**30),
+                                   config.io_threads, state_bytes, stage_cpu=stage_cpu,
+                                   device=device)
+    what = f"{kind.upper()} state" if device_bytes and kind else \
+        f"CPU state ({ENV_STAGE_CPU}=1: for tests and benchmarks)"
+    say("staging: %s for %.2f GiB of %s (checkpoint.staging_cap_gib=%g), allocated in %.2f s",
+        staging.describe(), state_bytes / 2**30, what, config.staging_cap_gib,
+        time.monotonic() - t0)
+    return staging

@@ -319,3 +319,21 @@ def verify_entry(entry: Entry, progress: integrity.Progress | None = None) -> No
     integrity.check_metadata(entry.path, integrity.load_metadata(entry.path), man)
     verify_files(entry.path, man, [n for n in man["files"] if n != integrity.METADATA_NAME],
                  progress)
+
+
+def latest(root: Path, allow_foreign_owner: bool) -> CheckpointInfo | None:
+    """The newest committed checkpoint under ``root`` that passes the cheap checks (manifest,
+    file sizes, owner); bad ones are logged and skipped. Reads no data."""
+    for entry in reversed(scan(root)):
+        if entry.damaged:
+            log.warning("skipping checkpoint %s: %s", entry.path, entry.problem)
+            continue
+        if not entry.committed:
+            continue
+        try:
+            validate(entry, allow_foreign_owner)
+        except CheckpointCorrupt as e:
+            log.warning("skipping checkpoint %s: %s", entry.path, e)
+            continue
+        return entry.info()
+    return None

@@ -23,7 +23,7 @@ from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["candidates", "try_load", "restore_ddp_buckets"]
+__all__ = ["candidates", "load_newest", "try_load", "restore_ddp_buckets"]
 
 log = get_logger(__name__)
 
@@ -36,6 +36,44 @@ def candidates(root: Path) -> tuple[list[str] | None, str | None]:
                 if e.committed or e.damaged], None
     except OSError as e:
         return None, f"{e.strerror}"
+
+
+def load_newest(root: Path, config: CheckpointConfig, state: TrainState, rank: int, comm: Comm,
+                staging: HostStaging | None = None) -> tuple[CheckpointInfo, int] | None:
+    """Load the newest checkpoint under ``root`` that loads into ``state`` on every rank, and
+    give each DDP its bucket layout back: (its info, bytes read), or None when there is none.
+
+    A checkpoint that fails validation or checksum verification is skipped with a warning and
+    the previous one is tried; CheckpointError when checkpoints exist but none loads (the
+    model may then be partially overwritten). Collective.
+    """
+    # Rank 0 lists, every rank tries the same list: all make the same choice. Damaged entries
+    # are tried too, so the warning below names them and the fall-back is the same as for any
+    # other per-checkpoint error.
+    listing = candidates(root) if rank == 0 else (None, None)
+    paths, err = comm.broadcast_object(listing)
+    if paths is None:
+        raise CheckpointError(f"cannot list the checkpoints in {root} ({err}); fix its "
+                              "permissions or set checkpoint.resume: false")
+    failures: list[str] = []
+    for p in paths:
+        info, why, nread = try_load(Path(p), config, state, rank, comm, staging)
+        if info is not None:
+            restore_ddp_buckets(state, comm, rank)
+            if failures:
+                log.warning("resumed from the older checkpoint %s after skipping: %s",
+                            p, "; ".join(failures))
+            return info, nread
+        failures.append(f"{p}: {why}")
+        log.warning("cannot resume from %s (%s); falling back to the previous checkpoint",
+                    p, why)
+    if failures:
+        raise CheckpointError(
+            f"no committed checkpoint in {root} could be loaded ({'; '.join(failures)}). The "
+            "model/optimizer may be partially overwritten: restart the process. To start "
+            "fresh, move the step_* directories away or set checkpoint.resume: false")
+    log.debug("no committed checkpoint in %s: starting fresh", root)
+    return None
 
 
 def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,

@@ -19,7 +19,6 @@ stall of gloo's 30-minute default.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import warnings
@@ -28,15 +27,15 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch.distributed as dist
 
-from kempner_resilience.checkpoint import dircheck, layout, loader, retention
-from kempner_resilience.checkpoint.comm import Comm, PendingMax
+from kempner_resilience.checkpoint import dircheck, hostbuf, layout, loader, retention
+from kempner_resilience.checkpoint.background import BackgroundSaver
+from kempner_resilience.checkpoint.cadence import Cadence
+from kempner_resilience.checkpoint.comm import Comm
 from kempner_resilience.checkpoint.estimate import Estimate
-from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU, HostStaging
-from kempner_resilience.checkpoint.info import (CheckpointCorrupt, CheckpointError, CheckpointInfo,
-                                               describe_error)
+from kempner_resilience.checkpoint.hostbuf import HostStaging
+from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo
 from kempner_resilience.checkpoint.info import CheckpointDirError, SavePeerLost
 from kempner_resilience.checkpoint.lease import Lease
-from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.saver import Saver
 from kempner_resilience.config import CheckpointConfig, StagingMode
@@ -51,19 +50,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
                         "uninitialized", category=UserWarning)
 
 _GIB = 2**30
-
-
-class _Background:
-    """One async save in flight."""
-
-    def __init__(self, step: int, nbytes: int) -> None:
-        self.step = step
-        self.nbytes = nbytes
-        self.started = time.monotonic()
-        self.abort = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.info: CheckpointInfo | None = None
-        self.error: BaseException | None = None
 
 
 class CheckpointManager:
@@ -117,23 +103,20 @@ class CheckpointManager:
         else:
             fg = bg = None
         self._fg = Comm(fg, rank, world_size)
-        self._bgcomm = Comm(bg, rank, world_size)
         self._lock = threading.RLock()          # one foreground operation at a time
         self._busy = 0
         self._busy_lock = threading.Lock()
-        self._bg: _Background | None = None
-        self._stager = Stager(pin=config.staging is StagingMode.PINNED)
         self._saver = Saver(config, self.state, rank=rank, world_size=world_size,
-                            peer_timeout_s=peer_timeout_s, staging=self._reserve_staging(),
+                            peer_timeout_s=peer_timeout_s,
+                            staging=hostbuf.reserve(config, self.state, rank),
                             manifest_extra=dict(manifest_extra or {}),
                             last_good=lambda: self._last_committed or self.latest())
         self._saver.claim(run_id)
-        self._last_save_step = -1
-        self._last_save_time = time.monotonic()
-        self._pending_time: PendingMax | None = None
+        self._async = BackgroundSaver(self._save_state, Comm(bg, rank, world_size),
+                                      pin=config.staging is StagingMode.PINNED,
+                                      max_failed_saves=config.max_failed_saves)
+        self._cadence = Cadence(config, self._fg)
         self._last_committed: CheckpointInfo | None = None
-        self._failed_saves = 0                    # periodic saves failed in a row (all ranks alike)
-        self._last_failure = ""
         self._closed = False
         self._busy_hook = busy_hook
         self._lease = lease
@@ -166,56 +149,22 @@ class CheckpointManager:
     @property
     def failed_saves(self) -> int:
         """Periodic saves that failed in a row since the last commit (the same on every rank)."""
-        return self._failed_saves
+        return self._cadence.failed
 
     @property
     def last_failure(self) -> str:
         """Why the last failed periodic save failed ("" when none has)."""
-        return self._last_failure
+        return self._cadence.last_failure
 
     @property
     def async_in_flight(self) -> bool:
-        bg = self._bg
-        return bg is not None and bg.thread is not None and bg.thread.is_alive()
+        return self._async.running is not None
 
     @property
     def staging(self) -> HostStaging | None:
         """The host buffers GPU state is saved and loaded through (None: no GPU state, or
         ``checkpoint.staging: off``)."""
         return self._saver.staging
-
-    def _reserve_staging(self) -> HostStaging | None:
-        """Allocate the staging buffers for this rank's device state, before any signal can
-        come (pinning costs ~1 s per GiB). ``KEMPNER_RESILIENCE_STAGE_CPU=1`` stages CPU state
-        too: for tests and benchmarks of the pipeline on machines without a GPU."""
-        cfg = self.config
-        device_bytes, kind = self.state.device_nbytes()
-        stage_cpu = os.environ.get(ENV_STAGE_CPU, "") == "1"
-        say = log.info if self.rank == 0 else log.debug
-        if cfg.staging is StagingMode.OFF:
-            if device_bytes:
-                say("staging: off, %.2f GiB of %s state is copied into fresh host memory at "
-                    "every save", device_bytes / _GIB, (kind or "").upper())
-            return None
-        if not device_bytes and not stage_cpu:
-            return None
-        t0 = time.monotonic()
-        state_bytes = device_bytes or self.state.nbytes()
-        staging = HostStaging.allocate(cfg.staging, int(cfg.staging_cap_gib * _GIB),
-                                       cfg.io_threads, state_bytes, stage_cpu=stage_cpu,
-                                       device=self._device())
-        what = f"{kind.upper()} state" if device_bytes and kind else \
-            f"CPU state ({ENV_STAGE_CPU}=1: for tests and benchmarks)"
-        say("staging: %s for %.2f GiB of %s (checkpoint.staging_cap_gib=%g), allocated in "
-            "%.2f s", staging.describe(), state_bytes / _GIB, what, cfg.staging_cap_gib,
-            time.monotonic() - t0)
-        return staging
-
-    def _device(self) -> Any:
-        for module in self.state.modules.values():
-            for p in module.parameters():
-                return p.device
-        return None
 
     @contextlib.contextmanager
     def _foreground(self) -> Iterator[None]:
@@ -251,82 +200,36 @@ class CheckpointManager:
         if bad:
             raise CheckpointDirError("; ".join(bad))
 
-    # ---------------------------------------------------------------------------- discovery
-
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint that passes the cheap checks (manifest, file sizes,
         owner); bad ones are logged and skipped. Local (no collectives), reads no data."""
-        for entry in reversed(layout.scan(self.root)):
-            if entry.damaged:
-                log.warning("skipping checkpoint %s: %s", entry.path, entry.problem)
-                continue
-            if not entry.committed:
-                continue
-            try:
-                layout.validate(entry, self.config.allow_foreign_owner)
-            except CheckpointCorrupt as e:
-                log.warning("skipping checkpoint %s: %s", entry.path, e)
-                continue
-            return entry.info()
-        return None
+        return layout.latest(self.root, self.config.allow_foreign_owner)
 
-    # ------------------------------------------------------------------------------- resume
+    # ---------------------------------------------------------------------------- resume
 
     def resume(self) -> CheckpointInfo | None:
-        """Load the newest good checkpoint into ``state`` on every rank and restore RNG streams.
-
-        A checkpoint that fails validation or checksum verification is skipped with a warning
-        and the previous one is tried. Returns None when there is none (fresh start) or when
-        ``config.resume`` is off; raises CheckpointError when checkpoints exist but none loads
-        (the model may then be partially overwritten). Collective.
-        """
+        """Load the newest good checkpoint into ``state`` on every rank and restore RNG streams
+        (``loader.load_newest``: a bad one is skipped, the previous one tried). None when there
+        is none (fresh start) or ``config.resume`` is off; CheckpointError when checkpoints
+        exist but none loads. Collective."""
         if not self.config.resume:
             log.info("checkpoint.resume is off: starting fresh")
             return None
         with self._foreground():
             self._drain_background(raise_errors=False)
-            # Rank 0 lists, every rank tries the same list: all make the same choice. Damaged
-            # entries are tried too, so the warning below names them and the fall-back is
-            # the same as for any other per-checkpoint error.
-            listing = loader.candidates(self.root) if self.rank == 0 else (None, None)
-            candidates, err = self._fg.broadcast_object(listing)
-            if candidates is None:
-                raise CheckpointError(f"cannot list the checkpoints in {self.root} ({err}); fix "
-                                      "its permissions or set checkpoint.resume: false")
-            failures: list[str] = []
-            for p in candidates:
-                info, why = self._try_load(Path(p))
-                if info is not None:
-                    if failures:
-                        log.warning("resumed from the older checkpoint %s after skipping: %s",
-                                    p, "; ".join(failures))
-                    return info
-                failures.append(f"{p}: {why}")
-                log.warning("cannot resume from %s (%s); falling back to the previous checkpoint",
-                            p, why)
-            if failures:
-                raise CheckpointError(
-                    f"no committed checkpoint in {self.root} could be loaded ({'; '.join(failures)}). "
-                    "The model/optimizer may be partially overwritten: restart the process. To "
-                    "start fresh, move the step_* directories away or set checkpoint.resume: false")
-            log.debug("no committed checkpoint in %s: starting fresh", self.root)
-            return None
-
-    def _try_load(self, path: Path) -> tuple[CheckpointInfo | None, str]:
-        t0 = time.monotonic()
-        info, why, nread = loader.try_load(path, self.config, self.state, self.rank, self._fg,
-                                           self._saver.staging)
-        if info is None:
-            return None, why
-        loader.restore_ddp_buckets(self.state, self._fg, self.rank)
-        self._last_save_step = info.step
-        self._last_save_time = time.monotonic()
-        self._last_committed = info
-        # The previous attempt's save time is the best evidence until this one saves.
-        self._saver.estimator.seed(info.save_seconds, self.state.nbytes())
-        log.info("resumed from %s (step %d): %.3f GiB read in %.2f s", path, info.step,
-                 nread / _GIB, time.monotonic() - t0)
-        return info, ""
+            t0 = time.monotonic()
+            found = loader.load_newest(self.root, self.config, self.state, self.rank, self._fg,
+                                       self._saver.staging)
+            if found is None:
+                return None
+            info, nread = found
+            self._cadence.saved(info.step)
+            self._last_committed = info
+            # The previous attempt's save time is the best evidence until this one saves.
+            self._saver.estimator.seed(info.save_seconds, self.state.nbytes())
+            log.info("resumed from %s (step %d): %.3f GiB read in %.2f s", info.path, info.step,
+                     nread / _GIB, time.monotonic() - t0)
+            return info
 
     # --------------------------------------------------------------------------------- saves
 
@@ -337,48 +240,26 @@ class CheckpointManager:
         checkpoint stays, the next periodic save tries again. Raises CheckpointError once
         ``config.max_failed_saves`` in a row have failed (for async saves: when the next one is
         due). Collective: call it on every rank at every step."""
-        cfg = self.config
         self.state.buckets.observe()
-        due = cfg.every_steps > 0 and step % cfg.every_steps == 0
-        if cfg.every_minutes > 0:
-            # Clocks differ across ranks: agree through an all-reduce started at the previous
-            # call and read now, so no rank waits on it inside a step.
-            if self._fg.distributed:
-                due = due or (self._pending_time is not None and self._pending_time.result() > 0)
-            else:
-                due = due or self._minutes_due()
         info = None
-        if due and step != self._last_save_step:
-            if cfg.async_:
+        if self._cadence.due(step):
+            if self.config.async_:
                 self._start_async(step)
             else:
                 try:
                     info = self.save(step, reason="periodic")
                 except CheckpointError as e:     # raised on every rank together
-                    self._last_save_time = time.monotonic()   # retry at the next cadence
+                    self._cadence.retry_later()
                     self._periodic_failed(e)
-        if cfg.every_minutes > 0 and self._fg.distributed:
-            self._pending_time = self._fg.max_async(1.0 if self._minutes_due() else 0.0)
+        self._cadence.step_done()
         return info
 
     def _periodic_failed(self, err: BaseException) -> None:
-        self._failed_saves += 1
-        self._last_failure = str(err)
-        self._check_failures()
+        self._cadence.save_failed(err)
+        self._cadence.check_failures()
         log.warning("%s Training goes on; the next periodic save tries again (%d of "
-                    "checkpoint.max_failed_saves=%d failed in a row).", err, self._failed_saves,
+                    "checkpoint.max_failed_saves=%d failed in a row).", err, self._cadence.failed,
                     self.config.max_failed_saves)
-
-    def _check_failures(self) -> None:
-        n, limit = self._failed_saves, self.config.max_failed_saves
-        if n >= limit:
-            raise CheckpointError(
-                f"{n} periodic checkpoints in a row failed (checkpoint.max_failed_saves={limit}), "
-                f"the last with: {self._last_failure} Fix the cause and restart the job; it "
-                "resumes from the newest committed checkpoint.")
-
-    def _minutes_due(self) -> bool:
-        return time.monotonic() - self._last_save_time >= self.config.every_minutes * 60
 
     def save(self, step: int, *, reason: str = "periodic") -> CheckpointInfo:
         """Synchronous save of ``step`` completed steps into a fresh directory, committed when
@@ -398,9 +279,11 @@ class CheckpointManager:
         Collective."""
         with self._foreground():
             margin = self.config.save_margin_s
-            bg = self._bg
-            if bg is not None and bg.thread is not None and bg.thread.is_alive():
-                left = self._agreed_estimate(self._bg_remaining(bg), self.estimate())
+            bg = self._async.running
+            if bg is not None:
+                remaining = self._saver.estimator.remaining(self.state.nbytes(),
+                                                            time.monotonic() - bg.started)
+                left = self._agreed_estimate(remaining, self.estimate())
                 fits = deadline is None or left is None or \
                     time.monotonic() + left <= deadline - margin
                 if not fits:
@@ -408,9 +291,9 @@ class CheckpointManager:
                                 "and the emergency save", bg.step)
                     bg.abort.set()
                 bg.thread.join(None if deadline is None else max(deadline - time.monotonic(), 0))
-                if bg.thread.is_alive():     # stuck: leave it behind, it writes elsewhere
+                if bg.alive:     # stuck: leave it behind, it writes elsewhere
                     log.warning("async save of step %d did not stop; not waiting for it", bg.step)
-                    self._bg = None
+                    self._async.leave_behind()
             self._drain_background(raise_errors=False, lost_peer=False)
             last = self._last_committed
             if last is not None and last.step == step:
@@ -438,39 +321,10 @@ class CheckpointManager:
     def _start_async(self, step: int) -> None:
         with self._foreground():
             self._drain_background(raise_errors=False)
-            self._check_failures()
+            self._cadence.check_failures()
             t0 = time.monotonic()
-            staged = self._stager.stage(self.state.capture(step, self.rank))
-            self._stager.synchronize()
-            blocked = time.monotonic() - t0
-            bg = _Background(step, self._stager.staged_bytes)
-            bg.thread = threading.Thread(target=self._run_background,
-                                         args=(bg, staged, step, t0, blocked),
-                                         name="ckpt-async-save", daemon=True)
-            self._bg = bg
-            self._last_save_step = step          # cadence: counts as saved when started
-            self._last_save_time = time.monotonic()
-            bg.thread.start()
-
-    def _run_background(self, bg: _Background, staged: dict[str, Any], step: int, t0: float,
-                        blocked: float) -> None:
-        try:
-            bg.info = self._save_state(staged, step, "periodic-async", self._bgcomm, bg.abort,
-                                       t0, blocked)
-        except BaseException as e:  # reported by wait()/logged here; never kills the thread
-            bg.error = e
-            if bg.abort.is_set():
-                log.info("async checkpoint of step %d abandoned for the emergency save", step)
-            elif isinstance(e, CheckpointError):
-                # Counted when the next save is due, in the foreground, where all ranks agree.
-                log.warning("async %s Training goes on; the next periodic save tries again (%d "
-                            "of checkpoint.max_failed_saves=%d failed in a row).", e,
-                            self._failed_saves + 1, self.config.max_failed_saves)
-            else:
-                log.error("async checkpoint of step %d failed: %s", step, describe_error(e))
-
-    def _bg_remaining(self, bg: _Background) -> Estimate:
-        return self._saver.estimator.remaining(self.state.nbytes(), time.monotonic() - bg.started)
+            self._async.start(self.state.capture(step, self.rank), step, t0, self._cadence.failed)
+            self._cadence.saved(step)            # cadence: counts as saved when started
 
     def wait(self) -> None:
         """Block until an in-flight async save is committed; CheckpointError if it failed."""
@@ -482,17 +336,13 @@ class CheckpointManager:
         training thread, unless ``lost_peer`` is False (the emergency save, which tries its own
         group, and close): its group is broken, and a lost peer ends the run like one found in
         a training collective, never counted as a failed save."""
-        bg = self._bg
+        bg = self._async.finish()
         if bg is None:
             return
-        if bg.thread is not None:
-            bg.thread.join()
-        self._bg = None
         if isinstance(bg.error, SavePeerLost) and lost_peer:
             raise bg.error
         if bg.error is not None:
-            self._failed_saves += 1
-            self._last_failure = str(bg.error)
+            self._cadence.save_failed(bg.error)
         if bg.error is not None and raise_errors:
             if isinstance(bg.error, CheckpointError):
                 raise bg.error
@@ -503,10 +353,9 @@ class CheckpointManager:
         """Write and commit ``sd`` (``Saver.save``), then count it for the cadence."""
         info = self._saver.save(sd, step, reason, comm, abort, t0, blocked)
         self._last_committed = info
-        self._failed_saves = 0
+        self._cadence.committed()
         if reason != "periodic-async":
-            self._last_save_step = step
-            self._last_save_time = time.monotonic()
+            self._cadence.saved(step)
         return info
 
     # ----------------------------------------------------------------------------- estimates
