@@ -1,6 +1,7 @@
 """The package's shape, checked from its source: dependencies point one way (core/, stop/,
 config/ <- checkpoint/, slurm/, rescue/, integrations/ <- run/, shutdown/ <- cli/, demo/), a
-folder is a layer or one job within one, the shutdown steps never reach forward,
+folder is a layer or one job within one, the shutdown steps never reach forward, no module
+sets an attribute on another module's part (only records are filled in from outside),
 nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names every module.
 
 Imports are read with ``ast`` (every import in a module, at the top or inside a function), so a
@@ -11,6 +12,7 @@ cycle of type imports is still two modules that cannot be read one without the o
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -241,3 +243,105 @@ def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(PKG)): n for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}, f"split these by job: {long}"
+
+
+# Records: typed bags of what happened, filled in step by step by design; every other class of
+# the package is a part, which gets what it needs through its constructor and whose attributes
+# only its own module sets (issue 22). Class -> why it is a record.
+RECORDS = {
+    "RunState": "the run's record (run/runstate.py): the set-up sequence fills it one part per "
+                "step, the loop and the shutdown sequence record in it what happened",
+    "Facts": "what happened (exitcodes.py), filled in by the shutdown sequence as it learns it; "
+             "the one exit-code table reads it",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(name: str) -> ast.Module:
+    return ast.parse(MODULES[name].read_text())
+
+
+def _classes() -> dict[str, tuple[str, set[str]]]:
+    """class name -> (its module, the attributes it owns: class-level names, methods, and
+    ``self.x`` assigned in its methods)."""
+    out: dict[str, tuple[str, set[str]]] = {}
+    for name in MODULES:
+        for cls in ast.walk(_tree(name)):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            attrs: set[str] = set()
+            for node in cls.body:
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    attrs.add(node.target.id)
+                elif isinstance(node, ast.Assign):
+                    attrs |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    attrs.add(node.name)
+                    attrs |= {t.attr for t in _stores(node) if _on_self(t)}
+            out.setdefault(cls.name, (name, attrs))
+    return out
+
+
+def _stores(tree: ast.AST) -> list[ast.Attribute]:
+    """Every ``x.attr`` assigned to in ``tree`` (=, +=, annotated)."""
+    return [t for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store) for t in [node]]
+
+
+def _on_self(t: ast.Attribute) -> bool:
+    return isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")
+
+
+def _type_names(annotation: ast.AST | None) -> set[str]:
+    """The class names an annotation mentions (``"RunState"``, ``Foo | None``)."""
+    if annotation is None:
+        return set()
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return set(re.findall(r"\b[A-Z]\w*", annotation.value))
+    return {n.id for n in ast.walk(annotation) if isinstance(n, ast.Name)}
+
+
+def _foreign_stores(name: str, classes: dict[str, tuple[str, set[str]]]) -> list[str]:
+    """``x.attr = ...`` in module ``name`` that sets an attribute of another module's part.
+    ``x``'s class is read from its annotation or its construction in the same function when
+    it can be; otherwise from the attribute's name (owned by no class here nor any record)."""
+    tree = _tree(name)
+    returns = {f.name: _type_names(f.returns) for f in tree.body
+               if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own = {a for mod, attrs in classes.values() if mod == name for a in attrs}
+    records = {a for cls in RECORDS for a in classes[cls][1]}
+    parts_elsewhere = {a for cls, (mod, attrs) in classes.items()
+                       if mod != name and cls not in RECORDS for a in attrs}
+    found = []
+    for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
+                                                              ast.AsyncFunctionDef))]:
+        types: dict[str, set[str]] = {a.arg: _type_names(a.annotation)
+                                      for a in func.args.args + func.args.kwonlyargs}
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                f = node.value.func
+                cls = f.id if isinstance(f, ast.Name) else \
+                    f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) \
+                    else None
+                made = {cls} if cls in classes else returns.get(cls or "", set())
+                for t in node.targets:
+                    if isinstance(t, ast.Name) and made:
+                        types[t.id] = made
+        for t in _stores(func):
+            if _on_self(t) or t.attr in own:
+                continue
+            known = {c for c in types.get(getattr(t.value, "id", ""), set()) if c in classes}
+            if known:
+                bad = any(c not in RECORDS and classes[c][0] != name for c in known)
+            else:
+                bad = t.attr in parts_elsewhere and t.attr not in records
+            if bad:
+                found.append(f"{MODULES[name].relative_to(ROOT)}:{t.lineno}: {ast.unparse(t)}")
+    return sorted(set(found))
+
+
+def test_no_attribute_is_set_on_a_part_after_its_construction_by_another_module():
+    classes = _classes()
+    assert [s for name in MODULES for s in _foreign_stores(name, classes)] == [], \
+        ("give the part what it needs through its constructor or a method of its own; only "
+         "RECORDS are filled in from outside")

@@ -189,10 +189,14 @@ class Boundary:
             if flat_ok:
                 self._groups.append(([t.view(-1) for t in lives], flat))
 
-    def detach(self) -> None:
+    def detach(self, why: str | None = None) -> None:
+        """Take the hooks off; with ``why``, no step boundary is offered from now on (``error``
+        says why, unless an earlier failure already does)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if why is not None and self.error is None:
+            self.error = why
 
     def freeze(self, timeout_s: float) -> bool:
         """From now on, threads other than the caller stop at their next optimizer step or

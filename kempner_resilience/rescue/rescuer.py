@@ -151,8 +151,7 @@ class Rescuer:
 
     def close(self, clean: bool = True) -> None:
         """The loop ended (or the run stops on purpose): no rescue from here on."""
-        self.boundary.detach()
-        self.boundary.error = self.boundary.error or "the training loop has ended"
+        self.boundary.detach("the training loop has ended")
         self.link.close(clean=clean)
 
     # ------------------------------------------------------------------------- the rescue
