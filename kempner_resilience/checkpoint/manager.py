@@ -36,6 +36,7 @@ from kempner_resilience.checkpoint.info import (CheckpointCorrupt, CheckpointErr
                                                describe_error)
 from kempner_resilience.checkpoint.info import CheckpointDirError, SavePeerLost
 from kempner_resilience.checkpoint.lease import Lease
+from kempner_resilience.checkpoint.sharded import mesh_field
 from kempner_resilience.checkpoint.staging import Stager
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.saver import Saver
@@ -125,7 +126,8 @@ class CheckpointManager:
         self._stager = Stager(pin=config.staging is StagingMode.PINNED)
         self._saver = Saver(config, self.state, rank=rank, world_size=world_size,
                             peer_timeout_s=peer_timeout_s, staging=self._reserve_staging(),
-                            manifest_extra=dict(manifest_extra or {}),
+                            manifest_extra={**(manifest_extra or {}),
+                                            **mesh_field(self.state.modules.values())},
                             last_good=lambda: self._last_committed or self.latest())
         self._saver.claim(run_id)
         self._last_save_step = -1

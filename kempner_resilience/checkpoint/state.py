@@ -36,6 +36,8 @@ from kempner_resilience.checkpoint.data import (LoaderEntry, is_stateful_loader,
                                                 plain_loader_error, warn_global_seed)
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.info import CheckpointError
+from kempner_resilience.checkpoint.sharded import (blob_source, local, saved_ranks,
+                                                   world_change_line)
 from kempner_resilience.log import get_logger
 
 try:  # numpy is optional
@@ -129,6 +131,7 @@ class TrainState:
                 self.optims[name] = (value, self._owner(name, value))
         self.buckets = BucketLayouts(self.modules if ddp_buckets else {})
         self.loaded_buckets: dict[str, Any] | None = None
+        self._nbytes: int | None = None     # counted in the training thread (see nbytes)
 
     def _owner(self, name: str, optim: torch.optim.Optimizer) -> nn.Module:
         ids = {id(p) for g in optim.param_groups for p in g["params"]}
@@ -139,19 +142,32 @@ class TrainState:
                               "optimizer's parameters; add the model to the state too")
 
     def nbytes(self) -> int:
-        """Bytes of tensor state on this rank (optimizer state not created yet counted as 2x
-        the parameters, as for Adam): the size estimate for space checks and deadlines."""
+        """Bytes of tensor state on this rank (DTensors: their local shards; optimizer state
+        not created yet counted as 2x the parameters, as for Adam): the size estimate for space
+        checks and deadlines.
+
+        Counted once, then again at each ``capture`` (the training thread, at a step
+        boundary); other calls return that count. A background save asks from its own thread,
+        while the training thread is mid-step: an FSDP2 module's ``state_dict()`` then runs its
+        hooks on parameters that are being unsharded, and the next backward failed
+        ("setStorage ... out of bounds for storage of size 0")."""
+        if self._nbytes is None:
+            self._nbytes = self._count_bytes()
+        return self._nbytes
+
+    def _count_bytes(self) -> int:
         total = 0
         for m in self.modules.values():
-            total += sum(t.numel() * t.element_size() for t in m.state_dict().values()
+            total += sum(local(t).numel() * t.element_size() for t in m.state_dict().values()
                          if isinstance(t, torch.Tensor))
         for optim, module in self.optims.values():
             st = [t for s in optim.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor)]
             if st:
-                total += sum(t.numel() * t.element_size() for t in st)
+                total += sum(local(t).numel() * t.element_size() for t in st)
             else:
-                total += 2 * sum(p.numel() * p.element_size() for p in module.parameters())
+                total += 2 * sum(local(p).numel() * p.element_size()
+                                 for p in module.parameters())
         return total
 
     def device_nbytes(self) -> tuple[int, str | None]:
@@ -162,10 +178,10 @@ class TrainState:
 
         def add(t: torch.Tensor, times: int = 1) -> None:
             nonlocal total, kind
-            local = getattr(t, "_local_tensor", t)      # a DTensor's shard on this rank
-            if local.device.type not in ("cpu", "meta"):
-                total += times * local.numel() * local.element_size()
-                kind = kind or local.device.type
+            mine = local(t)        # a DTensor's shard on this rank
+            if mine.device.type not in ("cpu", "meta"):
+                total += times * mine.numel() * mine.element_size()
+                kind = kind or mine.device.type
 
         for m in self.modules.values():
             for t in m.state_dict().values():
@@ -190,6 +206,7 @@ class TrainState:
     def capture(self, step: int, rank: int) -> dict[str, Any]:
         """The DCP state dict for a save. Tensors are the live ones (no copy)."""
         sd = self.tensor_state()
+        self._nbytes = self._count_bytes()
         blob = {"step": step, "rng": capture_rng(),
                 "objects": {n: o.state_dict() for n, o in self.others.items()}}
         if self.buckets.ddps:
@@ -199,19 +216,28 @@ class TrainState:
         sd[rank_key(rank)] = buf.getvalue()
         return sd
 
-    def load_template(self, rank: int, saved_keys: set[str]) -> tuple[dict[str, Any], str | None]:
+    def load_template(self, rank: int, saved_keys: set[str], world_size: int = 1
+                      ) -> tuple[dict[str, Any], str | None]:
         """A state dict DCP loads into in place, and which rank's blob it holds.
 
-        Falls back to rank 0's blob (with a warning) when the checkpoint was written by fewer
-        ranks: DCP reshards tensors, but per-rank RNG and data positions cannot be resharded.
+        DCP reshards tensors (FSDP2/HSDP at another mesh, DDP at another world size); per-rank
+        state cannot be resharded: at another world size rank r takes saved rank r's blob, or
+        ``r % saved`` when the checkpoint was written by fewer ranks (``sharded.blob_source``),
+        and rank 0 says so once.
         """
         sd = self.tensor_state()
-        key = rank_key(rank)
-        if key not in saved_keys:
-            key = rank_key(0) if rank_key(0) in saved_keys else None
-            log.warning("checkpoint has no state for rank %d (saved with fewer ranks): %s",
-                        rank, "using rank 0's RNG/scheduler/data state" if key else
-                        "RNG/scheduler/data state not restored")
+        saved = saved_ranks(saved_keys)
+        source = blob_source(rank, world_size, saved)
+        if rank == 0 and (line := world_change_line(world_size, saved)) is not None:
+            log.warning("%s", line)
+        if saved == 0:
+            log.warning("checkpoint has no per-rank state: RNG/scheduler/data state not "
+                        "restored")
+        key = None if source is None else rank_key(source)
+        if key is not None and key not in saved_keys:
+            log.warning("checkpoint has no state for rank %d: RNG/scheduler/data state not "
+                        "restored", source)
+            key = None
         if key is not None:
             sd[key] = b""
         return sd, key
