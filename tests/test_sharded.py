@@ -87,6 +87,20 @@ def test_async_save_of_fsdp2_state_resumes_bitwise_equal(tmp_path, reference):
     assert_bitwise_equal(ref, got)
 
 
+def test_a_stateful_app_state_of_an_fsdp2_model_is_saved_sharded_and_resumes_bitwise(
+        tmp_path, reference):
+    # DCP's tutorial pattern: model and optimizer inside one Stateful (get_state_dict /
+    # set_state_dict). Its DTensors go through DCP, not pickled into a rank's private blob.
+    _, ref = reference("fsdp")
+    launches, got = run_job(tmp_path, 2, "fsdp", STEPS, interrupts={5: "SIGUSR1"},
+                            extra=["--app"])
+    assert [l.exit_code for l in launches] == [ExitCode.REQUEUE, 0], launches[0].stderr_tail
+    assert_bitwise_equal(ref, got)
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(str(tmp_path / "ckpt" / f"step_{STEPS:09d}")).read_metadata()
+    assert "app.model.0.weight" in saved.state_dict_metadata
+
+
 def test_each_shard_of_an_hsdp_checkpoint_is_written_once_and_checksummed(reference):
     src, _ = reference("hsdp")
     path = src / "ckpt" / f"step_{STEPS:09d}"

@@ -127,7 +127,7 @@ class CheckpointManager:
         self._saver = Saver(config, self.state, rank=rank, world_size=world_size,
                             peer_timeout_s=peer_timeout_s, staging=self._reserve_staging(),
                             manifest_extra={**(manifest_extra or {}),
-                                            **mesh_field(self.state.modules.values())},
+                                            **mesh_field(self.state.every_module())},
                             last_good=lambda: self._last_committed or self.latest())
         self._saver.claim(run_id)
         self._last_save_step = -1

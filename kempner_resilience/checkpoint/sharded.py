@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - torch without DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = ["is_dtensor", "local", "rewrap", "describe_mesh", "mesh_field", "mesh_text", "saved_ranks",
-           "blob_source", "world_change_line"]
+           "blob_source", "world_change_line", "sharded_parts", "tensors"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -131,3 +131,38 @@ def world_change_line(world: int, saved: int) -> str | None:
 
 def _ranks(first: int, last: int) -> str:
     return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
+def sharded_parts(obj: Any) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """The FSDP2/HSDP modules (a DTensor parameter) and the optimizers of DTensor parameters
+    that ``obj`` (a ``Stateful`` "app state") holds as attributes or items of a list, tuple or
+    dict attribute. Looked at without calling ``obj.state_dict()``: ``get_optimizer_state_dict``
+    on a fresh optimizer runs a step to create its state (Adam's step count then starts at 1)."""
+    modules: list[nn.Module] = []
+    optims: list[torch.optim.Optimizer] = []
+    try:
+        attrs = list(vars(obj).values())
+    except TypeError:       # no __dict__
+        return modules, optims
+    for value in attrs:
+        items = list(value.values()) if isinstance(value, dict) else \
+            list(value) if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if isinstance(item, nn.Module) and any(is_dtensor(p) for p in item.parameters()):
+                modules.append(item)
+            elif isinstance(item, torch.optim.Optimizer) and any(
+                    is_dtensor(p) for g in item.param_groups for p in g["params"]):
+                optims.append(item)
+    return modules, optims
+
+
+def tensors(value: Any) -> Iterable[torch.Tensor]:
+    """Every tensor in a nested dict/list state dict."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors(v)

@@ -5,6 +5,10 @@ The DCP state dict has three kinds of entries:
 * ``<name>`` for each ``nn.Module`` (plain or DDP) and each optimizer, through
   ``torch.distributed.checkpoint.state_dict`` (it strips DDP's ``module.`` prefix and keys
   optimizer state by parameter name, so checkpoints move between plain and DDP models);
+* ``<name>`` for each object that holds an FSDP2/HSDP model or optimizer (a ``Stateful`` "app
+  state" that calls ``get_state_dict``/``set_state_dict`` on an FSDP2 model and its optimizer, as in
+  DCP's tutorial and torchtitan's ``ModelWrapper``): its state dict as DCP entries, so it is
+  resharded at load like a module's, then handed to its ``load_state_dict``;
 * ``rank_state.rank<r>``: one opaque blob per rank with the step, the RNG states (python
   ``random``, numpy, torch CPU, CUDA), the ``state_dict()`` of every other object (scheduler,
   data iterator, ...) and each DDP's gradient bucket layout (see ``ddp_buckets``). The key is
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import io
 import random
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -37,7 +41,7 @@ from kempner_resilience.checkpoint.data import (LoaderEntry, is_stateful_loader,
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.info import CheckpointError
 from kempner_resilience.checkpoint.sharded import (blob_source, local, saved_ranks,
-                                                   world_change_line)
+                                                   sharded_parts, world_change_line)
 from kempner_resilience.log import get_logger
 
 try:  # numpy is optional
@@ -103,6 +107,8 @@ class TrainState:
         self.modules: dict[str, nn.Module] = {}
         self.optims: dict[str, tuple[torch.optim.Optimizer, nn.Module]] = {}
         self.others: dict[str, Any] = {}
+        self.apps: dict[str, Any] = {}      # Stateful objects of sharded state (see above)
+        self._app_parts: list[tuple[nn.Module | None, torch.optim.Optimizer | None]] = []
         for name, value in state.items():
             if not isinstance(name, str) or not name or "." in name or name.startswith("rank_state"):
                 raise CheckpointError(f"state key {name!r} is not allowed: use a plain name "
@@ -119,6 +125,13 @@ class TrainState:
                 raise plain_loader_error(name)
             elif callable(getattr(value, "state_dict", None)) and callable(
                     getattr(value, "load_state_dict", None)):
+                # Sharded state pickled into one rank's blob could not be resharded, and
+                # every rank would write its copy: DTensors go through DCP.
+                modules, optims = sharded_parts(value)
+                if modules or optims:
+                    self.apps[name] = value
+                    self._app_parts += [(m, None) for m in modules] + [(None, o) for o in optims]
+                    continue
                 self.others[name] = value
                 warn_global_seed(name, value)
             else:
@@ -155,52 +168,52 @@ class TrainState:
             self._nbytes = self._count_bytes()
         return self._nbytes
 
-    def _count_bytes(self) -> int:
-        total = 0
-        for m in self.modules.values():
-            total += sum(local(t).numel() * t.element_size() for t in m.state_dict().values()
-                         if isinstance(t, torch.Tensor))
-        for optim, module in self.optims.values():
+    def every_module(self) -> list[nn.Module]:
+        """The modules, and those inside app states."""
+        return [*self.modules.values(), *(m for m, _ in self._app_parts if m is not None)]
+
+    def _sized(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """(tensor, times) for every tensor the state saves: modules' state, optimizer state or,
+        before the optimizer has any, its parameters twice (as for Adam); the modules and
+        optimizers inside app states too."""
+        modules = self.every_module()
+        optims = [*((o, list(m.parameters())) for o, m in self.optims.values()),
+                  *((o, [p for g in o.param_groups for p in g["params"]])
+                    for _, o in self._app_parts if o is not None)]
+        for m in modules:
+            for t in m.state_dict().values():
+                if isinstance(t, torch.Tensor):
+                    yield t, 1
+        for optim, params in optims:
             st = [t for s in optim.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor)]
-            if st:
-                total += sum(local(t).numel() * t.element_size() for t in st)
-            else:
-                total += 2 * sum(local(p).numel() * p.element_size()
-                                 for p in module.parameters())
-        return total
+            for t in st or params:
+                yield t, 1 if st else 2
+
+    def _count_bytes(self) -> int:
+        return sum(times * local(t).numel() * t.element_size() for t, times in self._sized())
 
     def device_nbytes(self) -> tuple[int, str | None]:
         """Bytes of this rank's tensor state on an accelerator (DTensors: their local shards;
         optimizer state not created yet counted as in ``nbytes``), and that device's type
         (``"cuda"``), or (0, None) when all of it is in CPU memory."""
         total, kind = 0, None
-
-        def add(t: torch.Tensor, times: int = 1) -> None:
-            nonlocal total, kind
+        for t, times in self._sized():
             mine = local(t)        # a DTensor's shard on this rank
             if mine.device.type not in ("cpu", "meta"):
                 total += times * mine.numel() * mine.element_size()
                 kind = kind or mine.device.type
-
-        for m in self.modules.values():
-            for t in m.state_dict().values():
-                if isinstance(t, torch.Tensor):
-                    add(t)
-        for optim, module in self.optims.values():
-            st = [t for s in optim.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor)]
-            for t in st or list(module.parameters()):
-                add(t, 1 if st else 2)
         return total, kind
 
     def tensor_state(self) -> dict[str, Any]:
-        """The modules' and optimizers' DCP state dicts: the live tensors (no copy)."""
+        """The modules', optimizers' and apps' DCP state dicts: the live tensors (no copy)."""
         sd: dict[str, Any] = {}
         for name, module in self.modules.items():
             sd[name] = get_model_state_dict(module, options=_OPTS)
         for name, (optim, module) in self.optims.items():
             sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+        for name, app in self.apps.items():
+            sd[name] = app.state_dict()
         return sd
 
     def capture(self, step: int, rank: int) -> dict[str, Any]:
@@ -248,6 +261,8 @@ class TrainState:
             set_model_state_dict(module, sd[name], options=_OPTS)
         for name, (optim, module) in self.optims.items():
             set_optimizer_state_dict(module, optim, sd[name], options=_OPTS)
+        for name, app in self.apps.items():
+            app.load_state_dict(sd[name])
         if blob_key is None:
             return None
         blob = torch.load(io.BytesIO(sd[blob_key]), map_location="cpu", weights_only=False)

@@ -7,6 +7,8 @@ them.
     --out PATH          after the run, the full (gathered) weights and optimizer state: rank 0
                         writes PATH (every rank takes part in the gather)
     --dump-resumed PATH the same, right after the resume (what was loaded), with the step
+    --app               model and optimizer go to ResilientRun inside one ``Stateful`` app
+                        state (``get_state_dict``/``set_state_dict``, as in DCP's tutorial)
 
 Launched by ``LocalLauncher`` (rank, world and port from the environment, ``--progress``
 appended).
@@ -30,7 +32,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # noqa: E402
                                                      get_model_state_dict,
-                                                     get_optimizer_state_dict)
+                                                     get_optimizer_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 
@@ -53,6 +56,21 @@ def build(rank: int, world: int, mesh_kind: str) -> dict:
     return {"model": model, "optim": optim, "sched": sched, "data": data}
 
 
+class AppState:
+    """DCP's tutorial wrapper: the model and optimizer as one ``Stateful``."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(self.model, self.optim, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
+
+
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
     """The gathered weights and optimizer state (collective), on CPU."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -66,6 +84,7 @@ def main() -> int:
     p.add_argument("--mesh", choices=("fsdp", "hsdp"), default="fsdp")
     p.add_argument("--out", required=True)
     p.add_argument("--dump-resumed")
+    p.add_argument("--app", action="store_true")
     p.add_argument("--progress")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
@@ -75,6 +94,8 @@ def main() -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     state = build(rank, world, args.mesh)
     model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
+    if args.app:
+        state = {"app": AppState(model, optim), "sched": sched, "data": data}
     progress = open(args.progress, "a", buffering=1) if args.progress else None
     cfg = kr.load_config(None, args.overrides)
     with kr.ResilientRun(cfg, state=state) as run:
