@@ -136,7 +136,7 @@ def _ranks(first: int, last: int) -> str:
 def sharded_parts(obj: Any) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
     """The FSDP2/HSDP modules (a DTensor parameter) and the optimizers of DTensor parameters
     that ``obj`` (a ``Stateful`` "app state") holds as attributes or items of a list, tuple or
-    dict attribute. Looked at without calling ``obj.state_dict()``: ``get_optimizer_state_dict``
+    dict attribute; none unless it holds such a module. Looked at without calling ``obj.state_dict()``: ``get_optimizer_state_dict``
     on a fresh optimizer runs a step to create its state (Adam's step count then starts at 1)."""
     modules: list[nn.Module] = []
     optims: list[torch.optim.Optimizer] = []
@@ -153,7 +153,9 @@ def sharded_parts(obj: Any) -> tuple[list[nn.Module], list[torch.optim.Optimizer
             elif isinstance(item, torch.optim.Optimizer) and any(
                     is_dtensor(p) for g in item.param_groups for p in g["params"]):
                 optims.append(item)
-    return modules, optims
+    # An LR scheduler holds the optimizer too, but its state is the rank's own (the blob): only
+    # an object that holds a sharded module is an app state.
+    return (modules, optims) if modules else ([], [])
 
 
 def tensors(value: Any) -> Iterable[torch.Tensor]:
