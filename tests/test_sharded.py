@@ -156,3 +156,12 @@ def test_ls_and_verify_show_the_mesh_a_checkpoint_was_written_with(reference):
                if ln.split()[0] == str(STEPS))
     assert "replicate=2,shard=2" in row.split()
     assert "mesh replicate=2,shard=2" in _cli("verify", str(step))
+
+
+def test_a_state_dict_passed_instead_of_the_model_is_refused_naming_the_fix():
+    from kempner_resilience.checkpoint.info import CheckpointError
+    from kempner_resilience.checkpoint.state import TrainState
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match="pass the model and optimizer themselves"):
+        TrainState({"model": model.state_dict()})

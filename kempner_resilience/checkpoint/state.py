@@ -134,6 +134,14 @@ class TrainState:
                     continue
                 self.others[name] = value
                 warn_global_seed(name, value)
+            elif isinstance(value, dict):
+                # What get_state_dict returns is a snapshot of names and tensors: a resume
+                # must put it back into the model (set_state_dict), which a dict cannot do.
+                raise CheckpointError(
+                    f"state[{name!r}] is a dict (a state dict?): pass the model and optimizer "
+                    "themselves, e.g. state={'model': model, 'optim': optim} (ResilientRun calls "
+                    "get_state_dict at every save and set_state_dict at resume), or an object "
+                    "with state_dict()/load_state_dict() that calls them")
             else:
                 raise CheckpointError(
                     f"state[{name!r}] is a {type(value).__name__}, which has no state_dict()/"
