@@ -99,6 +99,9 @@ def test_a_stateful_app_state_of_an_fsdp2_model_is_saved_sharded_and_resumes_bit
     from torch.distributed.checkpoint import FileSystemReader
     saved = FileSystemReader(str(tmp_path / "ckpt" / f"step_{STEPS:09d}")).read_metadata()
     assert "app.model.0.weight" in saved.state_dict_metadata
+    # The rescue, which needs every rank's full state, knows it is sharded too.
+    assert "rescue off: rank 0: state['app'] holds sharded state" in \
+        (tmp_path / "rank0.0.log").read_text()
 
 
 def test_each_shard_of_an_hsdp_checkpoint_is_written_once_and_checksummed(reference):
