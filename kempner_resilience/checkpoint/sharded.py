@@ -9,8 +9,11 @@ ours:
 * ``local`` / ``rewrap``: a background save snapshots a DTensor's local shard (never the
   global tensor: that would gather) and hands DCP a DTensor over the snapshot;
 * ``describe_mesh``: the device mesh the model was sharded over, recorded in the manifest so
-  ``ls`` and ``verify`` show what a checkpoint was written with, and a resume at another mesh
-  can say so.
+  ``ls`` and ``verify`` show what a checkpoint was written with;
+* ``blob_source``: whose per-rank state (RNG, data position) each rank takes at another world
+  size, and the line rank 0 logs about it (docs/sharded.md);
+* ``sharded_parts``: whether a ``Stateful`` "app state" holds an FSDP2 model (its state then goes
+  through DCP, not into a rank's private blob).
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ try:
 except ImportError:  # pragma: no cover - torch without DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["is_dtensor", "local", "rewrap", "describe_mesh", "mesh_field", "mesh_text", "saved_ranks",
-           "blob_source", "world_change_line", "sharded_parts", "tensors"]
+__all__ = ["is_dtensor", "local", "rewrap", "describe_mesh", "mesh_field", "mesh_text",
+           "saved_ranks", "blob_source", "world_change_line", "sharded_parts"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -125,8 +128,9 @@ def world_change_line(world: int, saved: int) -> str | None:
     return (f"checkpoint written by {written}, resuming on {world}: weights, optimizer "
             f"state and step are resharded exactly; rank r takes the per-rank state (RNG "
             f"streams, data position, scheduler/other objects) of saved rank r % {saved}, so "
-            f"{_ranks(saved, world - 1)} repeat{'s' if world - saved == 1 else ''} the random streams and data position of "
-            f"{_ranks(0, min(saved, world - saved) - 1)} (docs/sharded.md)")
+            f"{_ranks(saved, world - 1)} repeat{'s' if world - saved == 1 else ''} the random "
+            f"streams and data position of {_ranks(0, min(saved, world - saved) - 1)} "
+            f"(docs/sharded.md)")
 
 
 def _ranks(first: int, last: int) -> str:
@@ -136,8 +140,9 @@ def _ranks(first: int, last: int) -> str:
 def sharded_parts(obj: Any) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
     """The FSDP2/HSDP modules (a DTensor parameter) and the optimizers of DTensor parameters
     that ``obj`` (a ``Stateful`` "app state") holds as attributes or items of a list, tuple or
-    dict attribute; none unless it holds such a module. Looked at without calling ``obj.state_dict()``: ``get_optimizer_state_dict``
-    on a fresh optimizer runs a step to create its state (Adam's step count then starts at 1)."""
+    dict attribute; none unless it holds such a module. Looked at without calling
+    ``obj.state_dict()``: ``get_optimizer_state_dict`` on a fresh optimizer runs a step to
+    create its state (Adam's step count then starts at 1)."""
     modules: list[nn.Module] = []
     optims: list[torch.optim.Optimizer] = []
     try:
@@ -157,14 +162,3 @@ def sharded_parts(obj: Any) -> tuple[list[nn.Module], list[torch.optim.Optimizer
     # an object that holds a sharded module is an app state.
     return (modules, optims) if modules else ([], [])
 
-
-def tensors(value: Any) -> Iterable[torch.Tensor]:
-    """Every tensor in a nested dict/list state dict."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from tensors(v)

@@ -95,8 +95,10 @@ def _params(module: nn.Module) -> set[int]:
 class TrainState:
     """The user's ``{"model": ..., "optim": ..., "sched": ..., "data": ...}`` classified.
 
-    Modules and optimizers go through DCP's state_dict API; every other value must have
-    ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction otherwise). A
+    Modules and optimizers go through DCP's state_dict API, and so does an object that holds an
+    FSDP2/HSDP module (``apps``: its own ``state_dict()``/``load_state_dict()``); every other
+    value must have ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction
+    otherwise) and goes into the rank's blob. A
     plain ``DataLoader`` is refused with the fix named (``ResumableLoader``); a
     ``StatefulDataLoader`` is kept with its sampler's epoch (``data.LoaderEntry``).
     With ``ddp_buckets``, the gradient bucket layout of every DDP among the modules is saved and
