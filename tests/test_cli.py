@@ -92,11 +92,12 @@ def demo_checkpoints(tmp_path_factory):
     return root
 
 
-def test_ls_lists_step_time_size_reason_committed_verified(demo_checkpoints):
+def test_ls_lists_step_time_size_reason_mesh_committed_verified(demo_checkpoints):
     proc = run("ls", str(demo_checkpoints))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["step", "time", "size", "reason", "committed", "verified", "path"]
+    assert lines[0].split() == ["step", "time", "size", "reason", "mesh", "committed",
+                                 "verified", "path"]
     assert lines[1].split()[0] == "9" and "no (partial)" in lines[1]
     assert [ln.split()[0] for ln in lines[2:4]] == ["6", "3"]
     assert all("periodic" in ln and "yes" in ln and "sizes ok" in ln for ln in lines[2:4])

@@ -96,7 +96,8 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
                                  threads=config.io_threads, staging=staging)
         metadata = reader.read_metadata()
         integrity.check_metadata(path, metadata, entry.manifest or {})
-        sd, blob_key = state.load_template(rank, set(metadata.state_dict_metadata))
+        sd, blob_key = state.load_template(rank, set(metadata.state_dict_metadata),
+                                           comm.world_size)
     except (CheckpointError, OSError) as e:
         local = str(e) if isinstance(e, CheckpointError) else \
             f"{e.filename or path}: {e.strerror or e}"

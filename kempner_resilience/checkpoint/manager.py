@@ -36,6 +36,7 @@ from kempner_resilience.checkpoint.hostbuf import HostStaging
 from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo
 from kempner_resilience.checkpoint.info import CheckpointDirError, SavePeerLost
 from kempner_resilience.checkpoint.lease import Lease
+from kempner_resilience.checkpoint.sharded import mesh_field
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.saver import Saver
 from kempner_resilience.config import CheckpointConfig, StagingMode
@@ -109,7 +110,8 @@ class CheckpointManager:
         self._saver = Saver(config, self.state, rank=rank, world_size=world_size,
                             peer_timeout_s=peer_timeout_s,
                             staging=hostbuf.reserve(config, self.state, rank),
-                            manifest_extra=dict(manifest_extra or {}),
+                            manifest_extra={**(manifest_extra or {}),
+                                            **mesh_field(self.state.every_module())},
                             last_good=lambda: self._last_committed or self.latest())
         self._saver.claim(run_id)
         self._async = BackgroundSaver(self._save_state, Comm(bg, rank, world_size),

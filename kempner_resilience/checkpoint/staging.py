@@ -5,6 +5,10 @@ Copying into memory that already exists runs at 13-16 GiB/s here, into fresh mem
 (first-touch page faults): the buffers of one snapshot are kept and reused by the next one when the
 tensor's key, shape and dtype match. Only tensors are copied; other values are immutable bytes
 (the per-rank blob) or small python objects (copied with ``copy.deepcopy``).
+
+A DTensor (FSDP2/HSDP state) is snapshotted through its local shard only, and handed back as a
+DTensor over that snapshot (``sharded.rewrap``): copying the DTensor itself into a plain buffer
+is refused by torch, and its global shape would gather the whole tensor.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import copy
 from typing import Any
 
 import torch
+
+from kempner_resilience.checkpoint.sharded import is_dtensor, local, rewrap
 
 __all__ = ["Stager"]
 
@@ -39,14 +45,15 @@ class Stager:
         if isinstance(value, torch.Tensor):
             key = path
             seen.add(key)
+            src = local(value.detach())      # a DTensor: this rank's shard, no collective
             buf = self._buffers.get(key)
-            if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                buf = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                                  pin_memory=self.pin and value.is_cuda)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, device="cpu",
+                                  pin_memory=self.pin and src.is_cuda)
                 self._buffers[key] = buf
-            buf.copy_(value.detach(), non_blocking=value.is_cuda)
+            buf.copy_(src, non_blocking=src.is_cuda)
             self.staged_bytes += buf.numel() * buf.element_size()
-            return buf
+            return rewrap(buf, value) if is_dtensor(value) else buf
         if isinstance(value, dict):
             return {k: self._stage(v, path + (k,), seen) for k, v in value.items()}
         if isinstance(value, (list, tuple)):

@@ -5,6 +5,10 @@ The DCP state dict has three kinds of entries:
 * ``<name>`` for each ``nn.Module`` (plain or DDP) and each optimizer, through
   ``torch.distributed.checkpoint.state_dict`` (it strips DDP's ``module.`` prefix and keys
   optimizer state by parameter name, so checkpoints move between plain and DDP models);
+* ``<name>`` for each object that holds an FSDP2/HSDP model or optimizer (a ``Stateful`` "app
+  state" that calls ``get_state_dict``/``set_state_dict`` on an FSDP2 model and its optimizer, as in
+  DCP's tutorial and torchtitan's ``ModelWrapper``): its state dict as DCP entries, so it is
+  resharded at load like a module's, then handed to its ``load_state_dict``;
 * ``rank_state.rank<r>``: one opaque blob per rank with the step, the RNG states (python
   ``random``, numpy, torch CPU, CUDA), the ``state_dict()`` of every other object (scheduler,
   data iterator, ...) and each DDP's gradient bucket layout (see ``ddp_buckets``). The key is
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import io
 import random
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -36,6 +40,8 @@ from kempner_resilience.checkpoint.data import (LoaderEntry, is_stateful_loader,
                                                 plain_loader_error, warn_global_seed)
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.info import CheckpointError
+from kempner_resilience.checkpoint.sharded import (blob_source, local, saved_ranks,
+                                                   sharded_parts, world_change_line)
 from kempner_resilience.core.log import get_logger
 
 try:  # numpy is optional
@@ -89,8 +95,10 @@ def _params(module: nn.Module) -> set[int]:
 class TrainState:
     """The user's ``{"model": ..., "optim": ..., "sched": ..., "data": ...}`` classified.
 
-    Modules and optimizers go through DCP's state_dict API; every other value must have
-    ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction otherwise). A
+    Modules and optimizers go through DCP's state_dict API, and so does an object that holds an
+    FSDP2/HSDP module (``apps``: its own ``state_dict()``/``load_state_dict()``); every other
+    value must have ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction
+    otherwise) and goes into the rank's blob. A
     plain ``DataLoader`` is refused with the fix named (``ResumableLoader``); a
     ``StatefulDataLoader`` is kept with its sampler's epoch (``data.LoaderEntry``).
     With ``ddp_buckets``, the gradient bucket layout of every DDP among the modules is saved and
@@ -101,6 +109,8 @@ class TrainState:
         self.modules: dict[str, nn.Module] = {}
         self.optims: dict[str, tuple[torch.optim.Optimizer, nn.Module]] = {}
         self.others: dict[str, Any] = {}
+        self.apps: dict[str, Any] = {}      # Stateful objects of sharded state (see above)
+        self._app_parts: list[tuple[nn.Module | None, torch.optim.Optimizer | None]] = []
         for name, value in state.items():
             if not isinstance(name, str) or not name or "." in name or name.startswith("rank_state"):
                 raise CheckpointError(f"state key {name!r} is not allowed: use a plain name "
@@ -117,8 +127,23 @@ class TrainState:
                 raise plain_loader_error(name)
             elif callable(getattr(value, "state_dict", None)) and callable(
                     getattr(value, "load_state_dict", None)):
+                # Sharded state pickled into one rank's blob could not be resharded, and
+                # every rank would write its copy: DTensors go through DCP.
+                modules, optims = sharded_parts(value)
+                if modules or optims:
+                    self.apps[name] = value
+                    self._app_parts += [(m, None) for m in modules] + [(None, o) for o in optims]
+                    continue
                 self.others[name] = value
                 warn_global_seed(name, value)
+            elif isinstance(value, dict):
+                # What get_state_dict returns is a snapshot of names and tensors: a resume
+                # must put it back into the model (set_state_dict), which a dict cannot do.
+                raise CheckpointError(
+                    f"state[{name!r}] is a dict (a state dict?): pass the model and optimizer "
+                    "themselves, e.g. state={'model': model, 'optim': optim} (ResilientRun calls "
+                    "get_state_dict at every save and set_state_dict at resume), or an object "
+                    "with state_dict()/load_state_dict() that calls them")
             else:
                 raise CheckpointError(
                     f"state[{name!r}] is a {type(value).__name__}, which has no state_dict()/"
@@ -129,6 +154,7 @@ class TrainState:
                 self.optims[name] = (value, self._owner(name, value))
         self.buckets = BucketLayouts(self.modules if ddp_buckets else {})
         self.loaded_buckets: dict[str, Any] | None = None
+        self._nbytes: int | None = None     # counted in the training thread (see nbytes)
 
     def _owner(self, name: str, optim: torch.optim.Optimizer) -> nn.Module:
         ids = {id(p) for g in optim.param_groups for p in g["params"]}
@@ -139,57 +165,71 @@ class TrainState:
                               "optimizer's parameters; add the model to the state too")
 
     def nbytes(self) -> int:
-        """Bytes of tensor state on this rank (optimizer state not created yet counted as 2x
-        the parameters, as for Adam): the size estimate for space checks and deadlines."""
-        total = 0
-        for m in self.modules.values():
-            total += sum(t.numel() * t.element_size() for t in m.state_dict().values()
-                         if isinstance(t, torch.Tensor))
-        for optim, module in self.optims.values():
+        """Bytes of tensor state on this rank (DTensors: their local shards; optimizer state
+        not created yet counted as 2x the parameters, as for Adam): the size estimate for space
+        checks and deadlines.
+
+        Counted once, then again at each ``capture`` (the training thread, at a step
+        boundary); other calls return that count. A background save asks from its own thread,
+        while the training thread is mid-step: an FSDP2 module's ``state_dict()`` then runs its
+        hooks on parameters that are being unsharded, and the next backward failed
+        ("setStorage ... out of bounds for storage of size 0")."""
+        if self._nbytes is None:
+            self._nbytes = self._count_bytes()
+        return self._nbytes
+
+    def every_module(self) -> list[nn.Module]:
+        """The modules, and those inside app states."""
+        return [*self.modules.values(), *(m for m, _ in self._app_parts if m is not None)]
+
+    def _sized(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """(tensor, times) for every tensor the state saves: modules' state, optimizer state or,
+        before the optimizer has any, its parameters twice (as for Adam); the modules and
+        optimizers inside app states too."""
+        modules = self.every_module()
+        optims = [*((o, list(m.parameters())) for o, m in self.optims.values()),
+                  *((o, [p for g in o.param_groups for p in g["params"]])
+                    for _, o in self._app_parts if o is not None)]
+        for m in modules:
+            for t in m.state_dict().values():
+                if isinstance(t, torch.Tensor):
+                    yield t, 1
+        for optim, params in optims:
             st = [t for s in optim.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor)]
-            if st:
-                total += sum(t.numel() * t.element_size() for t in st)
-            else:
-                total += 2 * sum(p.numel() * p.element_size() for p in module.parameters())
-        return total
+            for t in st or params:
+                yield t, 1 if st else 2
+
+    def _count_bytes(self) -> int:
+        return sum(times * local(t).numel() * t.element_size() for t, times in self._sized())
 
     def device_nbytes(self) -> tuple[int, str | None]:
         """Bytes of this rank's tensor state on an accelerator (DTensors: their local shards;
         optimizer state not created yet counted as in ``nbytes``), and that device's type
         (``"cuda"``), or (0, None) when all of it is in CPU memory."""
         total, kind = 0, None
-
-        def add(t: torch.Tensor, times: int = 1) -> None:
-            nonlocal total, kind
-            local = getattr(t, "_local_tensor", t)      # a DTensor's shard on this rank
-            if local.device.type not in ("cpu", "meta"):
-                total += times * local.numel() * local.element_size()
-                kind = kind or local.device.type
-
-        for m in self.modules.values():
-            for t in m.state_dict().values():
-                if isinstance(t, torch.Tensor):
-                    add(t)
-        for optim, module in self.optims.values():
-            st = [t for s in optim.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor)]
-            for t in st or list(module.parameters()):
-                add(t, 1 if st else 2)
+        for t, times in self._sized():
+            mine = local(t)        # a DTensor's shard on this rank
+            if mine.device.type not in ("cpu", "meta"):
+                total += times * mine.numel() * mine.element_size()
+                kind = kind or mine.device.type
         return total, kind
 
     def tensor_state(self) -> dict[str, Any]:
-        """The modules' and optimizers' DCP state dicts: the live tensors (no copy)."""
+        """The modules', optimizers' and apps' DCP state dicts: the live tensors (no copy)."""
         sd: dict[str, Any] = {}
         for name, module in self.modules.items():
             sd[name] = get_model_state_dict(module, options=_OPTS)
         for name, (optim, module) in self.optims.items():
             sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+        for name, app in self.apps.items():
+            sd[name] = app.state_dict()
         return sd
 
     def capture(self, step: int, rank: int) -> dict[str, Any]:
         """The DCP state dict for a save. Tensors are the live ones (no copy)."""
         sd = self.tensor_state()
+        self._nbytes = self._count_bytes()
         blob = {"step": step, "rng": capture_rng(),
                 "objects": {n: o.state_dict() for n, o in self.others.items()}}
         if self.buckets.ddps:
@@ -199,19 +239,28 @@ class TrainState:
         sd[rank_key(rank)] = buf.getvalue()
         return sd
 
-    def load_template(self, rank: int, saved_keys: set[str]) -> tuple[dict[str, Any], str | None]:
+    def load_template(self, rank: int, saved_keys: set[str], world_size: int = 1
+                      ) -> tuple[dict[str, Any], str | None]:
         """A state dict DCP loads into in place, and which rank's blob it holds.
 
-        Falls back to rank 0's blob (with a warning) when the checkpoint was written by fewer
-        ranks: DCP reshards tensors, but per-rank RNG and data positions cannot be resharded.
+        DCP reshards tensors (FSDP2/HSDP at another mesh, DDP at another world size); per-rank
+        state cannot be resharded: at another world size rank r takes saved rank r's blob, or
+        ``r % saved`` when the checkpoint was written by fewer ranks (``sharded.blob_source``),
+        and rank 0 says so once.
         """
         sd = self.tensor_state()
-        key = rank_key(rank)
-        if key not in saved_keys:
-            key = rank_key(0) if rank_key(0) in saved_keys else None
-            log.warning("checkpoint has no state for rank %d (saved with fewer ranks): %s",
-                        rank, "using rank 0's RNG/scheduler/data state" if key else
-                        "RNG/scheduler/data state not restored")
+        saved = saved_ranks(saved_keys)
+        source = blob_source(rank, world_size, saved)
+        if rank == 0 and (line := world_change_line(world_size, saved)) is not None:
+            log.warning("%s", line)
+        if saved == 0:
+            log.warning("checkpoint has no per-rank state: RNG/scheduler/data state not "
+                        "restored")
+        key = None if source is None else rank_key(source)
+        if key is not None and key not in saved_keys:
+            log.warning("checkpoint has no state for rank %d: RNG/scheduler/data state not "
+                        "restored", source)
+            key = None
         if key is not None:
             sd[key] = b""
         return sd, key
@@ -222,6 +271,8 @@ class TrainState:
             set_model_state_dict(module, sd[name], options=_OPTS)
         for name, (optim, module) in self.optims.items():
             set_optimizer_state_dict(module, optim, sd[name], options=_OPTS)
+        for name, app in self.apps.items():
+            app.load_state_dict(sd[name])
         if blob_key is None:
             return None
         blob = torch.load(io.BytesIO(sd[blob_key]), map_location="cpu", weights_only=False)

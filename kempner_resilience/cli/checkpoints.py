@@ -9,6 +9,7 @@ from pathlib import Path
 
 from kempner_resilience.checkpoint import integrity, layout
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
+from kempner_resilience.checkpoint.sharded import mesh_text
 from kempner_resilience.cli.common import CliError, Verb
 
 
@@ -103,7 +104,7 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def _ls_table(entries: list[layout.Entry], checksums: bool) -> int:
-    rows = [("step", "time", "size", "reason", "committed", "verified", "path")]
+    rows = [("step", "time", "size", "reason", "mesh", "committed", "verified", "path")]
     problems = []
     for e in reversed(entries):  # newest first
         m = e.manifest or {}
@@ -120,7 +121,8 @@ def _ls_table(entries: list[layout.Entry], checksums: bool) -> int:
         # A manifest exists only once committed (atomic rename): a damaged one was committed.
         committed = "yes" if e.committed or e.damaged else "no (partial)"
         rows.append((str(e.step), when, _size(int(m.get("nbytes", 0))) if m else "-",
-                     str(m.get("reason", "-")), committed, verdict, e.path.name))
+                     str(m.get("reason", "-")), mesh_text(m) if m else "-", committed, verdict,
+                     e.path.name))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
@@ -166,7 +168,8 @@ def run_verify(args: argparse.Namespace) -> int:
             checked += 1
             if problem is None:
                 man = e.manifest or {}
-                sys.stdout.write(f"OK       {e.path} (step {e.step}, {len(man['files'])} files, "
+                sys.stdout.write(f"OK       {e.path} (step {e.step}, mesh {mesh_text(man)}, "
+                                 f"{len(man['files'])} files, "
                                  f"{_size(int(man.get('nbytes', 0)))})\n")
             else:
                 failed += 1
@@ -182,8 +185,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 VERBS = [
-    Verb("ls", "list the checkpoints in a directory: step, time, size, reason, committed, "
-         "verified", setup_ls, run_ls),
+    Verb("ls", "list the checkpoints in a directory: step, time, size, reason, mesh, "
+         "committed, verified", setup_ls, run_ls),
     Verb("verify", "re-read checkpoints and check the manifest, .metadata and every record and "
          "file against their checksums; exit 1 when anything is damaged", setup_verify,
          run_verify),

@@ -52,6 +52,9 @@ def local_problem(state: TrainState) -> str | None:
             if sharded and isinstance(p, sharded):
                 return (f"state[{name!r}] has sharded parameters (DTensor): each rank holds a "
                         "part; the rescue supports DDP and replicated modules only")
+    for name in state.apps:
+        return (f"state[{name!r}] holds sharded state (DTensor): each rank holds a part; the "
+                "rescue supports DDP and replicated modules only")
     for name, (optim, _) in state.optims.items():
         if type(optim).__name__ == "ZeroRedundancyOptimizer":
             return (f"state[{name!r}] is a ZeroRedundancyOptimizer: the optimizer state is "
