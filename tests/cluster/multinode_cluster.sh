@@ -198,7 +198,7 @@ start_node() {
     alive "$(node_pidfile "$k")" && return 0
     mkdir -p "$BASE/spool/$name"
     # nsenter, not `ip netns exec`: that remounts /sys and hides the cgroup mounts slurmd needs.
-    nsenter --net="/run/netns/$name" unshare --uts \
+    without_inherited_fds nsenter --net="/run/netns/$name" unshare --uts \
         sh -c "hostname $name && exec slurmd -f '$CONF' -N $name" \
         || die "slurmd of $name failed to start; see $LOGS/slurmd-$name.log"
 }
@@ -323,7 +323,7 @@ cmd_start() {
             for ((k = 1; k <= NODES; k++)); do kill_node_procs "$k" || true; done
         fi
     fi
-    alive "$CTL_PID" || slurmctld -f "$CONF" \
+    alive "$CTL_PID" || without_inherited_fds slurmctld -f "$CONF" \
         || die "slurmctld failed to start; see $LOGS/slurmctld.log"
     for ((k = 1; k <= NODES; k++)); do start_node "$k"; done
     wait_nodes_idle 60
