@@ -160,8 +160,8 @@ MailProg=/bin/true
 JobRequeue=1
 KillWait=$KILLWAIT
 ReturnToService=2
-# A dead node is DOWN about 12 s after it stops answering (defaults: about 30 s), and its
-# --requeue jobs are requeued then.
+# A dead node is DOWN about 25 s after it stops answering (12 s with MessageTimeout=3; SLURM's
+# defaults: minutes), and its --requeue jobs are requeued then.
 SlurmdTimeout=5
 # slurmd answers a kill of a step or job only once the step has ended: up to KillWait after
 # the tasks' SIGTERM. An answer later than MessageTimeout makes slurmctld send the kill again
