@@ -170,7 +170,8 @@ def test_slurmctld_waits_out_killwait_for_slurmd_so_no_kill_is_resent_into_the_r
     # and step id, into the requeued run (same job id, step 0 again, started after cred_expire
     # = 5 s): its ranks all exit 143 and the job ends FAILED, never requeued again. That was
     # this module's CI flake (slurmctld.log: "Socket timed out" at the kill, the requeued run's
-    # "STEP <id>.0 ... CANCELLED" 62 s later, no scancel).
+    # "STEP <id>.0 ... CANCELLED" 62 s later, no scancel); tests/cluster/stale_kill_repro.sh
+    # shows it by hand.
     out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
                          timeout=30, env=multinode_cluster.env, check=True).stdout
     conf = dict(re.findall(r"^(\w+)\s*=\s*(\d+)", out, re.M))

@@ -7,10 +7,13 @@
 # Run 0 of a 2-node --requeue job ends like a rank killed alone in tests/test_slurm_rescue.py:
 # task 1 exits 9, `srun --kill-on-bad-exit` cancels the step, the batch script requeues the job
 # (rank 0's part), and task 0 takes 4 s to leave after its SIGTERM (a rescue and teardown on a
-# busy machine). slurmd answers both kills only when the step has ended; past MessageTimeout,
-# slurmctld sends the cancel again 60 s later by job and step id. Run 1's step 0 (same ids)
-# then gets SIGTERM ~60 s into its 75 s: JobState=FAILED, exit 143. With MessageTimeout above
-# those 4 s: COMPLETED. The events file says which signal came when.
+# busy machine). slurmd answers both kills only when the step has ended; past MessageTimeout
+# ("Socket timed out" in slurmctld.log, printed below), slurmctld sends the cancel again 60 s
+# later by job and step id. When run 1 has started by then (SLURM finished run 0's cleanup
+# within the minute: 1 of 2 tries here, 06:07 and 06:24 on 2026-11-24), its step 0 (same ids)
+# gets SIGTERM: JobState=FAILED, exit 143; else the resend finds nothing and run 1 completes.
+# With MessageTimeout above those 4 s no answer is late: nothing is resent, COMPLETED. The
+# events file says which signal came when.
 set -euo pipefail
 eval "$(bash "$(dirname "${BASH_SOURCE[0]}")/multinode_cluster.sh" env)"
 DIR=$(realpath -m "${1:-/tmp/kr-stale-kill}")
@@ -36,14 +39,18 @@ else
                   sleep 75 & wait; say "task $SLURM_PROCID finished"'
 fi
 JOB
+LOG="${KR_MN_BASE:-/var/tmp/kr-multinode}/log/slurmctld.log"
+seen=$(wc -l <"$LOG" 2>/dev/null || echo 0)
 id=$(sbatch --parsable --export=ALL,EV="$DIR/events" --output="$DIR/job.out" "$DIR/job.sbatch")
 echo "job $id: $DIR/events"
 for _ in $(seq 1 240); do
     info=$(scontrol show -o job "$id" 2>/dev/null || true)
-    state=$(grep -o 'JobState=[A-Z_]*' <<<"$info"); restarts=$(grep -o 'Restarts=[0-9]*' <<<"$info")
+    state=$(grep -o 'JobState=[A-Z_]*' <<<"$info" || true)
+    restarts=$(grep -o 'Restarts=[0-9]*' <<<"$info" || true)
     case "$state" in *=RUNNING|*=PENDING|*=REQUEUED|*=COMPLETING|*=CONFIGURING) ;;
         *) [ "$restarts" != Restarts=0 ] && break ;; esac
     sleep 1
 done
-echo "$state $restarts $(grep -o 'ExitCode=[0-9:]*' <<<"$info")"
+echo "$state $restarts $(grep -o 'ExitCode=[0-9:]*' <<<"$info" || true)"
 cat "$DIR/events"
+tail -n +"$((seen + 1))" "$LOG" 2>/dev/null | grep -E 'Socket timed out|Resending' || echo "(no late answer)"
