@@ -20,6 +20,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,21 @@ def test_a_rank_killed_alone_is_rescued_within_srun_s_kill_wait_and_resumes_bitw
     codes = [job.rank_exit(0, r) for r in range(RANKS)]
     assert codes[3] == 128 + signal.SIGKILL, codes
     assert all(c in (81, 143) for c in codes[:3]), codes
+
+
+def test_slurmctld_waits_out_killwait_for_slurmd_so_no_kill_is_resent_into_the_requeued_run(
+        multinode_cluster):
+    # The ending above cancels the step (srun --kill-on-bad-exit) and requeues the job (rank 0)
+    # at once. slurmd answers both kills only once the step has ended: up to KillWait after the
+    # survivors' SIGTERM (measured: 3.3 s for the rescue and teardown on a busy CI machine).
+    # An answer later than MessageTimeout makes slurmctld send the kill again 60 s later, by job
+    # and step id, into the requeued run (same job id, step 0 again, started after cred_expire
+    # = 5 s): its ranks all exit 143 and the job ends FAILED, never requeued again. That was
+    # this module's CI flake (slurmctld.log: "Socket timed out" at the kill, the requeued run's
+    # "STEP <id>.0 ... CANCELLED" 62 s later, no scancel); tests/cluster/stale_kill_repro.sh
+    # shows it by hand.
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                         timeout=30, env=multinode_cluster.env, check=True).stdout
+    conf = dict(re.findall(r"^(\w+)\s*=\s*(\d+)", out, re.M))
+    assert int(conf["MessageTimeout"]) > int(conf["KillWait"]), {
+        k: conf.get(k) for k in ("MessageTimeout", "KillWait")}

@@ -36,6 +36,8 @@ NET="${KR_MN_NET:-10.213.47}"
 CTL_PORT="${KR_MN_CTL_PORT:-7817}"
 D_PORT=$((CTL_PORT + 1))
 KILLWAIT="${KR_MN_KILLWAIT:-5}"
+# Above KillWait, with room for a loaded machine: see MessageTimeout in write_conf.
+MSG_TIMEOUT=$((KILLWAIT + 5 > 10 ? KILLWAIT + 5 : 10))
 PREFIX=krnode
 BRIDGE=krmn0
 MARK="# kr-multinode"
@@ -158,10 +160,16 @@ MailProg=/bin/true
 JobRequeue=1
 KillWait=$KILLWAIT
 ReturnToService=2
-# A dead node is DOWN about 12 s after it stops answering (defaults: about 30 s), and its
-# --requeue jobs are requeued then.
+# A dead node is DOWN about 25 s after it stops answering (12 s with MessageTimeout=3; SLURM's
+# defaults: minutes), and its --requeue jobs are requeued then.
 SlurmdTimeout=5
-MessageTimeout=3
+# slurmd answers a kill of a step or job only once the step has ended: up to KillWait after
+# the tasks' SIGTERM. An answer later than MessageTimeout makes slurmctld send the kill again
+# 60 s later, by job and step id; with cred_expire=5 (above) the requeued job, same id, step 0
+# again, already runs then, and that stale kill cancels it (every rank 143, job FAILED: the
+# rescue test's CI flake). SLURM's own guard, the default cred_expire=120 holding a requeued
+# job back 121 s, is what this cluster gives up; so the answer must always come in time.
+MessageTimeout=$MSG_TIMEOUT
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 SchedulerParameters=batch_sched_delay=0,bf_interval=1,sched_interval=2
@@ -198,7 +206,7 @@ start_node() {
     alive "$(node_pidfile "$k")" && return 0
     mkdir -p "$BASE/spool/$name"
     # nsenter, not `ip netns exec`: that remounts /sys and hides the cgroup mounts slurmd needs.
-    nsenter --net="/run/netns/$name" unshare --uts \
+    without_inherited_fds nsenter --net="/run/netns/$name" unshare --uts \
         sh -c "hostname $name && exec slurmd -f '$CONF' -N $name" \
         || die "slurmd of $name failed to start; see $LOGS/slurmd-$name.log"
 }
@@ -323,7 +331,7 @@ cmd_start() {
             for ((k = 1; k <= NODES; k++)); do kill_node_procs "$k" || true; done
         fi
     fi
-    alive "$CTL_PID" || slurmctld -f "$CONF" \
+    alive "$CTL_PID" || without_inherited_fds slurmctld -f "$CONF" \
         || die "slurmctld failed to start; see $LOGS/slurmctld.log"
     for ((k = 1; k <= NODES; k++)); do start_node "$k"; done
     wait_nodes_idle 60

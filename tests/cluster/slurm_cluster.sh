@@ -120,8 +120,9 @@ cmd_start() {
         log "configuration changed: restarting the daemons"
         cmd_stop_daemons
     fi
-    alive "$CTL_PID" || slurmctld || die "slurmctld failed to start; see $LOG_DIR/slurmctld.log"
-    alive "$D_PID" || slurmd || die "slurmd failed to start; see $LOG_DIR/slurmd.log"
+    alive "$CTL_PID" || without_inherited_fds slurmctld \
+        || die "slurmctld failed to start; see $LOG_DIR/slurmctld.log"
+    alive "$D_PID" || without_inherited_fds slurmd || die "slurmd failed to start; see $LOG_DIR/slurmd.log"
     wait_idle 60
     log "cluster up on $HOST ($((SECONDS - t0)) s, proctrack/$(proctrack))"
 }

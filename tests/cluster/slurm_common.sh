@@ -50,6 +50,19 @@ proctrack() {
     fi
 }
 
+# Runs "$@" (a daemon that outlives this script) without the descriptors the caller handed
+# down beyond stdin/stdout/stderr. Above all the one `flock /tmp/kr-slurm.lock` holds the lock
+# on: a daemon that inherits it holds the lock for as long as it lives (munged: for good), and
+# every later cluster run waits for it forever.
+without_inherited_fds() (
+    local fd
+    for fd in /proc/$BASHPID/fd/*; do
+        fd=${fd##*/}
+        [[ $fd =~ ^[0-9]+$ ]] && (( fd > 2 )) && eval "exec $fd>&-"
+    done
+    exec "$@"
+)
+
 # One munged serves every cluster on the machine (its socket is a pathname unix socket, which
 # network namespaces share).
 start_munge() {
@@ -68,5 +81,6 @@ start_munge() {
         fi
     fi
     rm -f /run/munge/munge.socket.2.lock "$MUNGE_PID"
-    runuser -u munge -- /usr/sbin/munged || die "munged failed to start (see /var/log/munge)"
+    without_inherited_fds runuser -u munge -- /usr/sbin/munged \
+        || die "munged failed to start (see /var/log/munge)"
 }
