@@ -28,7 +28,8 @@ from kempner_resilience.shutdown import outcome
 from kempner_resilience.shutdown.sequence import local_restart_count, record
 from kempner_resilience.shutdown.trackers import Trackers
 from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
-from kempner_resilience.slurm.env import SlurmJob
+from kempner_resilience.slurm.badnodes import check_allocation
+from kempner_resilience.slurm.env import SlurmJob, expand_hostlist
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -231,6 +232,10 @@ def _ledger(run: RunState, root: Path, restarts: int | None) -> Ledger:
                  restart_count=restarts, world_size=run.agreement.world_size,
                  hosts=(job.nodelist if job is not None and job.nodelist
                         else socket.gethostname()))
+    if job is not None and job.nodelist and run.rank == 0:
+        # A requeue SLURM did itself (the batch node died: no rank left to exclude the bad
+        # nodes) may land on a recorded one: say so, once, with the way out.
+        check_allocation(root, expand_hostlist(job.nodelist))
     return ledger
 
 

@@ -123,3 +123,23 @@ def test_the_shield_leaves_this_threads_signal_mask_as_it_was():
     before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
     run_scontrol(["version"], 5.0, shield=True, environ={"PATH": os.defpath})
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+
+
+def test_a_requeue_with_bad_nodes_excludes_them_once_the_job_is_pending(fake_scontrol):
+    from kempner_resilience.config import RequeueConfig
+    from kempner_resilience.slurm import requeue_job
+    calls = fake_scontrol('[ "$1" = show ] && echo "JobId=42 ExcNodeList=(null)"; exit 0')
+    res = requeue_job("42", RequeueConfig(), exclude={"n2", "n1"})
+    assert res.ok and res.excluded == ("n1", "n2") and res.exclude_error is None
+    # The order matters: a running job's exclusions cannot change.
+    assert calls.read_text().splitlines() == ["requeue 42", "show -o job 42",
+                                              "update JobId=42 ExcNodeList=n1,n2"]
+
+
+def test_a_failed_exclusion_leaves_the_requeue_standing(fake_scontrol):
+    from kempner_resilience.config import RequeueConfig
+    from kempner_resilience.slurm import requeue_job
+    fake_scontrol('[ "$1" = update ] && { echo "Job is no longer pending execution" >&2; '
+                  'exit 1; }; exit 0')
+    res = requeue_job("42", RequeueConfig(), exclude={"n2"})
+    assert res.ok and res.excluded == () and "no longer pending" in res.exclude_error
