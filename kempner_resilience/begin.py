@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from kempner_resilience import identity
 from kempner_resilience.agreement import FORCED_MARKER_PREFIX, StopAgreement
 from kempner_resilience.exitcodes import Ending, Facts
-from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start
+from kempner_resilience.ledger import LEDGER_NAME, Ledger, attempt_start, relaunch_count
 from kempner_resilience.log import announce, get_logger
 from kempner_resilience.runstate import RunState
 from kempner_resilience.shutdown import outcome
@@ -226,7 +226,8 @@ def _ledger(run: RunState, root: Path, restarts: int | None) -> Ledger:
     ledger = run.ledger
     if run.config.checkpoint.ledger:
         ledger = Ledger(root / LEDGER_NAME, run_id=run.run_id, attempt=restarts or 0,
-                        only=None if run.rank == 0 else ("rescue",))
+                        only=None if run.rank == 0 else ("rescue",),
+                        relaunch=relaunch_count())     # an in-job restart: its own attempt
     job = run.slurm
     ledger.event("start", t0=attempt_start(), job_id=None if job is None else job.requeue_id,
                  restart_count=restarts, world_size=run.agreement.world_size,
