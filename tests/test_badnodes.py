@@ -143,3 +143,24 @@ def test_a_failed_exclusion_leaves_the_requeue_standing(fake_scontrol):
                   'exit 1; }; exit 0')
     res = requeue_job("42", RequeueConfig(), exclude={"n2"})
     assert res.ok and res.excluded == () and "no longer pending" in res.exclude_error
+
+
+def test_an_exclusion_that_would_leave_the_job_no_room_to_run_is_not_made(fake_scontrol, caplog):
+    calls = fake_scontrol(
+        'case "$1 $3" in\n'
+        '  "show job") echo "JobId=42 NumNodes=2 Partition=mn ExcNodeList=n1";;\n'
+        '  "show partition") echo "PartitionName=mn Nodes=n[1-3] TotalNodes=3";;\n'
+        'esac; exit 0')
+    res = exclude_for_requeue("42", {"n2"})
+    assert res is not None and not res.ok
+    assert "leave 1 of partition mn's 3 nodes for a job of 2" in caplog.text
+    assert not any(c.startswith("update") for c in calls.read_text().splitlines())
+    # A job of one node has room left on n3: the exclusion is made.
+    calls.unlink()
+    fake_scontrol(
+        'case "$1 $3" in\n'
+        '  "show job") echo "JobId=42 NumNodes=1 Partition=mn ExcNodeList=n1";;\n'
+        '  "show partition") echo "PartitionName=mn Nodes=n[1-3] TotalNodes=3";;\n'
+        'esac; exit 0')
+    assert exclude_for_requeue("42", {"n2"}).ok
+    assert calls.read_text().splitlines()[-1] == "update JobId=42 ExcNodeList=n1,n2"

@@ -162,12 +162,21 @@ def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
     if not wanted:
         return None
     call: Scontrol = scontrol or _shielded_scontrol
+    job: dict[str, str] = {}
     if current is None:
         shown = call(["show", "-o", "job", str(job_id)], timeout)
         if shown.ok:
             jobs = parse_show_job(shown.stdout)
-            current = jobs[0].get("ExcNodeList") if jobs else None
+            job = jobs[0] if jobs else {}
+            current = job.get("ExcNodeList")
     value = merged_exclusions(current, wanted)
+    short = _too_few_left(job, value, call, timeout)
+    if short is not None:
+        _log.error("not keeping job %s off bad node(s) %s: %s, and it would never start again. "
+                   "The requeue stands; resubmit on a larger partition, or ask the admins to "
+                   "repair the nodes", job_id, ",".join(sorted(wanted)), short)
+        return ScontrolResult(("update", f"JobId={job_id}", f"ExcNodeList={value}"), 1,
+                              stderr=short)
     res = call(["update", f"JobId={job_id}", f"ExcNodeList={value}"], timeout)
     if res.ok:
         _log.warning("job %s will not run on %s again (ExcNodeList=%s)", job_id,
@@ -186,6 +195,27 @@ def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
                     "requeue and the checkpoint stand; fix: %s", job_id,
                     ",".join(sorted(wanted)), res.describe(), fix)
     return res
+
+
+def _too_few_left(job: dict[str, str], excluded: str, call: Scontrol,
+                  timeout: float) -> str | None:
+    """Why excluding ``excluded`` leaves the job's partition too few nodes to run it (None:
+    enough, or not known: then the exclusion goes ahead)."""
+    need, part = job.get("NumNodes", ""), job.get("Partition", "")
+    need = need.split("-")[0]
+    if not need.isdigit() or not part or "," in part:
+        return None
+    res = call(["show", "-o", "partition", part], timeout)
+    parts = parse_show_job(res.stdout) if res.ok else []
+    nodes = parts[0].get("Nodes", "") if parts else ""
+    if not nodes or nodes in ("(null)", "ALL"):
+        return None
+    members = set(expand_hostlist(nodes))
+    left = len(members - set(excluded.split(",")))
+    if left >= int(need):
+        return None
+    return (f"that would leave {left} of partition {part}'s {len(members)} nodes for a job of "
+            f"{need}")
 
 
 def exclude_args(ckpt_dir: str | os.PathLike[str], allocation: Iterable[str],
