@@ -42,12 +42,12 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   same allocation after a failure; written by the glue, before the new attempt's ``start``).
   The attempt it starts is an attempt of its own: its events carry ``relaunch`` (the in-job
   restart count, 1, 2, ...; absent for 0) next to ``attempt`` (SLURM's restart count), and its
-  ``start.t0`` is the relaunch (``RELAUNCH_START_ENV``), not the job's start. The glue writes it with
-  ``slurm.restart_event.record_restart``. Fields:
+  ``start.t0`` is the relaunch (``RELAUNCH_START_ENV``, else its processes' start), not the
+  job's start. The glue writes it with ``slurm.restart_event.record_restart``. Fields:
   ``relaunch``; ``reason`` (what failed, e.g. "rank 3 on krnode2 died"); ``bad_nodes`` (the
-  nodes kept out from now on, comma-separated); ``spare`` (the spare node taken in, absent:
-  none); ``step`` (the committed step the new attempt resumes from); ``failure_t`` (when the
-  failure happened, as best known); and the recovery's first three parts, each in seconds:
+  nodes kept out from now on, comma-separated or a list); ``spare`` (the spare node taken
+  in, absent: none); ``step`` (the committed step the new attempt resumes from);
+  ``failure_t`` (when the failure happened, as best known); and the recovery's first three parts, each in seconds:
   ``detect_s`` (the failure → the glue knows which node failed), ``rescue_s`` (the survivors'
   rescue, or the wait for the periodic save's commit), ``relaunch_s`` (the old step ended and
   the new one launched). The new attempt's own ``start``/``resume``/``loop`` events give the
@@ -88,7 +88,7 @@ AGENT_START_ENV = "KEMPNER_RESILIENCE_AGENT_START"
 #: Set by the batch job's in-job relaunch glue for the training it starts again inside the
 #: allocation: the in-job restart count (1, 2, ...), and when it launched the new step (epoch
 #: seconds). The new processes' ledger events are then an attempt of their own.
-RELAUNCH_ENV = "KEMPNER_RESILIENCE_RELAUNCH"
+RELAUNCH_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
 RELAUNCH_START_ENV = "KEMPNER_RESILIENCE_RELAUNCH_START"
 
 
@@ -113,9 +113,11 @@ def attempt_start(environ: dict[str, str] | None = None) -> float:
     or not a number is ignored."""
     env = os.environ if environ is None else environ
     now = time.time()
-    # An in-job relaunch began when the glue launched it, long after the job's start.
-    candidates = [env.get(RELAUNCH_START_ENV, "")] if relaunch_count(env) else []
-    candidates.append(env.get("SLURM_JOB_START_TIME", ""))
+    # An in-job relaunch began when the glue launched it (else: its processes' start), long
+    # after the job's start, which SLURM keeps for every step.
+    relaunched = relaunch_count(env) > 0
+    candidates = [env.get(RELAUNCH_START_ENV, "")] if relaunched else \
+        [env.get("SLURM_JOB_START_TIME", "")]
     if env.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
         candidates.append(env.get(AGENT_START_ENV, ""))
     own = process_start_time()
@@ -172,7 +174,8 @@ _FIELDS: dict[str, Callable[[Any], bool]] = {
     "agree_s": _duration, "save_s": _duration, "requeue_s": _duration, "teardown_s": _duration,
     "shutdown_s": _duration, "leave": _text,
     "detect_s": _duration, "rescue_s": _duration, "relaunch_s": _duration,
-    "failure_t": _time, "relaunch": _count, "bad_nodes": _text, "spare": _text,
+    "failure_t": _time, "relaunch": _count, "spare": _text,
+    "bad_nodes": lambda x: _text(x) or (isinstance(x, list) and all(map(_text, x))),
     "excluded": _text,
     "bw_mib_s": lambda x: _number(x) and x >= 0,
     "attempt": _count, "step": _count, "last_step": _count, "n": _count, "bytes": _count,

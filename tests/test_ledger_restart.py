@@ -104,3 +104,30 @@ def test_report_plot_draws_the_relaunch_of_an_in_job_restart(relaunched, tmp_pat
     pixels = imread(png)[..., :3]
     relaunch = np.array([0x76, 0xB7, 0xB2]) / 255           # the relaunch's colour
     assert (np.abs(pixels - relaunch).max(axis=-1) < 0.01).sum() > 20
+
+
+def test_a_relaunched_step_starts_its_attempt_at_its_own_start_not_the_jobs():
+    from kempner_resilience.ledger import RELAUNCH_ENV, attempt_start, process_start_time
+
+    job_start = time.time() - 3600      # SLURM keeps the job's start for every step
+    own = process_start_time()
+    assert attempt_start({"SLURM_JOB_START_TIME": str(job_start)}) == job_start
+    assert abs(attempt_start({"SLURM_JOB_START_TIME": str(job_start), RELAUNCH_ENV: "2"})
+               - own) < 1.0
+    launched = own - 1.5                # the glue launched it just before the process began
+    assert attempt_start({"SLURM_JOB_START_TIME": str(job_start),
+                          **relaunch_env(2, launched)}) == launched
+
+
+def test_a_restart_event_naming_its_bad_nodes_as_a_list_is_read_and_reported(tmp_path, capsys):
+    from kempner_resilience.ledger import Ledger
+
+    led = Ledger(tmp_path / "ledger.jsonl", run_id="r")
+    led.event("start", t0=time.time() - 10)
+    led.event("restart", reason="rank 2 hung", bad_nodes=["n2", "n5"], spare="n9")
+    led.event("start", t0=time.time())
+    led.close()
+    assert [e["ev"] for e in read_ledger(tmp_path / "ledger.jsonl")] == \
+        ["start", "restart", "start"]
+    assert cli_main(["report", str(tmp_path)]) == 0
+    assert "rank 2 hung; kept out: n2,n5; spare: n9" in capsys.readouterr().out

@@ -91,8 +91,9 @@ def _recoveries(g: Goodput) -> list[str]:
             out += ["", "in-job restarts (same job, no requeue): the failure to the first step"]
         rec = a.recovery
         what = [r.get("reason") or "?"]
-        if r.get("bad_nodes"):
-            what.append(f"kept out: {r['bad_nodes']}")
+        bad = r.get("bad_nodes")
+        if bad:
+            what.append("kept out: " + (bad if isinstance(bad, str) else ",".join(bad)))
         what.append(f"spare: {r['spare']}" if r.get("spare") else "no spare")
         if r.get("step") is not None:
             what.append(f"resumed at step {r['step']}")
