@@ -47,7 +47,8 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   ``relaunch``; ``reason`` (what failed, e.g. "rank 3 on krnode2 died"); ``bad_nodes`` (the
   nodes kept out from now on, comma-separated or a list); ``spare`` (the spare node taken
   in, absent: none); ``step`` (the committed step the new attempt resumes from);
-  ``failure_t`` (when the failure happened, as best known); and the recovery's first three parts, each in seconds:
+  ``failure_t`` (when the failure happened, as best known); and the recovery's first three
+  parts, each in seconds:
   ``detect_s`` (the failure → the glue knows which node failed), ``rescue_s`` (the survivors'
   rescue, or the wait for the periodic save's commit), ``relaunch_s`` (the old step ended and
   the new one launched). The new attempt's own ``start``/``resume``/``loop`` events give the
