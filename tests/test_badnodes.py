@@ -164,3 +164,20 @@ def test_an_exclusion_that_would_leave_the_job_no_room_to_run_is_not_made(fake_s
         'esac; exit 0')
     assert exclude_for_requeue("42", {"n2"}).ok
     assert calls.read_text().splitlines()[-1] == "update JobId=42 ExcNodeList=n1,n2"
+
+
+def test_a_job_with_spares_asks_for_fewer_nodes_rather_than_never_start(fake_scontrol,
+                                                                       caplog):
+    # 2 nodes train, 1 is a spare; two of the partition's 4 nodes went bad: 2 are left.
+    calls = fake_scontrol(
+        'case "$1 $3" in\n'
+        '  "show job") echo "JobId=42 NumNodes=3 Partition=mn ExcNodeList=(null)";;\n'
+        '  "show partition") echo "PartitionName=mn Nodes=n[1-4] TotalNodes=4";;\n'
+        'esac; exit 0')
+    assert exclude_for_requeue("42", {"n1", "n2"}, min_nodes=2).ok
+    assert calls.read_text().splitlines()[-1] == \
+        "update JobId=42 ExcNodeList=n1,n2 NumNodes=2"
+    assert "spares given up" in caplog.text
+    # Fewer left than the training needs: nothing is excluded.
+    assert not exclude_for_requeue("42", {"n1", "n2", "n3"}, min_nodes=2).ok
+    assert not calls.read_text().splitlines()[-1].startswith("update JobId=42 ExcNodeList=n1,n2,n3")

@@ -228,7 +228,9 @@ def _requeue_decision(parts: RunState) -> Verdict:
     t0 = time.monotonic()
     # Every requeue of a run with recorded bad nodes keeps the job off them (slurm/badnodes.py).
     exclude = bad_nodes(parts.config.checkpoint.dir) if parts.ckpt is not None else set()
-    result = requeue_job(parts.slurm, parts.config.requeue, exclude=exclude)
+    # The training's own step spans the nodes it needs; any other node of the job is a spare.
+    result = requeue_job(parts.slurm, parts.config.requeue, exclude=exclude,
+                         min_nodes=parts.slurm.nnodes)
     parts.timings["scontrol_requeue_s"] = time.monotonic() - t0
     if exclude:
         parts.ledger.event("exclude", bad_nodes=",".join(sorted(exclude)),

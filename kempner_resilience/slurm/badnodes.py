@@ -150,14 +150,18 @@ def _shielded_scontrol(args: Sequence[str], timeout: float) -> ScontrolResult:
 
 def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
                         scontrol: Scontrol | None = None, timeout: float = 10.0,
-                        current: str | None = None) -> ScontrolResult | None:
+                        current: str | None = None,
+                        min_nodes: int | None = None) -> ScontrolResult | None:
     """Make SLURM keep the job off ``nodes`` when it runs again after a requeue.
 
     Call it right AFTER ``scontrol requeue`` succeeded (while the job is pending; a running
     job's exclusions cannot change). Sets ``ExcNodeList`` to the job's current exclusions
-    (``current``, else read with ``scontrol show job``) plus ``nodes``. Returns the update's
-    result (None when there is nothing to exclude); never raises: a failure is logged with the
-    fix, and the requeue stands without the exclusion."""
+    (``current``, else read with ``scontrol show job``) plus ``nodes``. When that leaves its
+    partition fewer nodes than the job asks for, the job would never start: with ``min_nodes``
+    (the nodes the training needs; the rest were spares) and at least that many left, the job
+    asks for only the nodes left (``NumNodes``, spares given up), else nothing is excluded.
+    Returns the update's result (None when there is nothing to exclude); never raises: a
+    failure is logged with the fix, and the requeue stands without the exclusion."""
     wanted = {n for n in nodes if n}
     if not wanted:
         return None
@@ -170,14 +174,19 @@ def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
             job = jobs[0] if jobs else {}
             current = job.get("ExcNodeList")
     value = merged_exclusions(current, wanted)
-    short = _too_few_left(job, value, call, timeout)
-    if short is not None:
-        _log.error("not keeping job %s off bad node(s) %s: %s, and it would never start again. "
-                   "The requeue stands; resubmit on a larger partition, or ask the admins to "
-                   "repair the nodes", job_id, ",".join(sorted(wanted)), short)
-        return ScontrolResult(("update", f"JobId={job_id}", f"ExcNodeList={value}"), 1,
-                              stderr=short)
-    res = call(["update", f"JobId={job_id}", f"ExcNodeList={value}"], timeout)
+    args = ["update", f"JobId={job_id}", f"ExcNodeList={value}"]
+    room = _room(job, value, call, timeout)
+    if room is not None and room[0] < room[1]:
+        left, need, why = room
+        if min_nodes is None or left < min_nodes:
+            _log.error("not keeping job %s off bad node(s) %s: %s, and it would never start "
+                       "again. The requeue stands; resubmit on a larger partition, or ask the "
+                       "admins to repair the nodes", job_id, ",".join(sorted(wanted)), why)
+            return ScontrolResult(tuple(args), 1, stderr=why)
+        _log.warning("job %s: %s; it asks for %d node(s) instead (its spares given up, %d "
+                     "needed to train)", job_id, why, left, min_nodes)
+        args.append(f"NumNodes={left}")
+    res = call(args, timeout)
     if res.ok:
         _log.warning("job %s will not run on %s again (ExcNodeList=%s)", job_id,
                      ",".join(sorted(wanted)), value)
@@ -197,10 +206,10 @@ def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
     return res
 
 
-def _too_few_left(job: dict[str, str], excluded: str, call: Scontrol,
-                  timeout: float) -> str | None:
-    """Why excluding ``excluded`` leaves the job's partition too few nodes to run it (None:
-    enough, or not known: then the exclusion goes ahead)."""
+def _room(job: dict[str, str], excluded: str, call: Scontrol,
+          timeout: float) -> tuple[int, int, str] | None:
+    """(nodes left in the job's partition once ``excluded`` are out, nodes the job asks for,
+    a sentence saying so); None when not known (then the exclusion goes ahead)."""
     need, part = job.get("NumNodes", ""), job.get("Partition", "")
     need = need.split("-")[0]
     if not need.isdigit() or not part or "," in part:
@@ -212,10 +221,8 @@ def _too_few_left(job: dict[str, str], excluded: str, call: Scontrol,
         return None
     members = set(expand_hostlist(nodes))
     left = len(members - set(excluded.split(",")))
-    if left >= int(need):
-        return None
-    return (f"that would leave {left} of partition {part}'s {len(members)} nodes for a job of "
-            f"{need}")
+    return left, int(need), (f"that would leave {left} of partition {part}'s {len(members)} "
+                             f"nodes for a job of {need}")
 
 
 def exclude_args(ckpt_dir: str | os.PathLike[str], allocation: Iterable[str],

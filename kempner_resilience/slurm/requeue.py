@@ -87,7 +87,7 @@ def _fix_for(res: ScontrolResult, job_id: str) -> str:
 
 
 def requeue_job(job: SlurmJob | str, config: RequeueConfig, *,
-                exclude: Iterable[str] = ()) -> RequeueResult:
+                exclude: Iterable[str] = (), min_nodes: int | None = None) -> RequeueResult:
     """Run ``scontrol requeue <job.requeue_id>`` (argument list, no shell) with a time limit.
 
     Retries ``config.retries`` extra times after a failure that may be transient (non-zero exit,
@@ -97,13 +97,15 @@ def requeue_job(job: SlurmJob | str, config: RequeueConfig, *,
     ``exclude``: nodes the job must not run on again. Once requeued (pending: the only state in
     which SLURM lets its excluded nodes change, and it cannot start again while this process
     runs) its ``ExcNodeList`` gains them; a failed update is logged with its fix and leaves the
-    requeue standing (``excluded`` empty, ``exclude_error`` says why).
+    requeue standing (``excluded`` empty, ``exclude_error`` says why). ``min_nodes``: the
+    nodes the training needs (the rest are spares), so that the requeued job may ask for fewer
+    nodes rather than never start (``badnodes.exclude_for_requeue``).
     """
     result = _requeue(job, config)
     nodes = sorted(set(exclude))
     if not result.ok or not nodes:
         return result
-    res = exclude_for_requeue(result.job_id, set(nodes),
+    res = exclude_for_requeue(result.job_id, set(nodes), min_nodes=min_nodes,
                               timeout=float(config.scontrol_timeout_s))
     if res is not None and res.ok:
         return dataclasses.replace(result, excluded=tuple(nodes))
