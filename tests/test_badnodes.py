@@ -181,3 +181,20 @@ def test_a_job_with_spares_asks_for_fewer_nodes_rather_than_never_start(fake_sco
     # Fewer left than the training needs: nothing is excluded.
     assert not exclude_for_requeue("42", {"n1", "n2", "n3"}, min_nodes=2).ok
     assert not calls.read_text().splitlines()[-1].startswith("update JobId=42 ExcNodeList=n1,n2,n3")
+
+
+def test_the_batch_step_requeues_and_excludes_from_a_step_of_its_own(fake_scontrol, tmp_path):
+    # SLURM SIGKILLs the batch step at once on a requeue: neither it nor a child of its own
+    # could make the update after it, so both commands run in a one-task srun step.
+    from kempner_resilience.config import RequeueConfig
+    from kempner_resilience.slurm import SlurmJob, requeue_job
+    calls = fake_scontrol('[ "$1" = show ] && echo "JobId=42 ExcNodeList=(null)"; exit 0')
+    srun = calls.parent / "bin" / "srun"
+    srun.write_text(f'#!/bin/bash\necho "srun $@" >> {calls}\n'
+                    'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"\n')
+    srun.chmod(0o755)
+    res = requeue_job(SlurmJob(job_id="42"), RequeueConfig(), exclude={"n2"})
+    assert res.ok and res.excluded == ("n2",)
+    lines = calls.read_text().splitlines()
+    assert lines[0] == "show -o job 42" and lines[1].startswith("srun --overlap --nodes=1")
+    assert lines[2:] == ["requeue 42", "update JobId=42 ExcNodeList=n2"]

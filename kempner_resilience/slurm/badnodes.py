@@ -29,6 +29,8 @@ import errno
 import fcntl
 import json
 import os
+import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -36,10 +38,12 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from kempner_resilience.fileio import write_atomic
 from kempner_resilience.log import get_logger
 from kempner_resilience.slurm.env import expand_hostlist
-from kempner_resilience.slurm.scontrol import ScontrolResult, parse_show_job, run_scontrol
+from kempner_resilience.slurm.scontrol import (ScontrolResult, find_scontrol, parse_show_job,
+                                               run_scontrol)
 
 __all__ = ["BAD_NODES_NAME", "record_bad_nodes", "bad_nodes", "bad_node_records",
-           "exclude_for_requeue", "merged_exclusions", "exclude_args", "check_allocation"]
+           "exclude_for_requeue", "requeue_excluding", "merged_exclusions", "exclude_args",
+           "check_allocation"]
 
 _log = get_logger(__name__)
 
@@ -166,6 +170,51 @@ def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
     if not wanted:
         return None
     call: Scontrol = scontrol or _shielded_scontrol
+    args = _plan(job_id, wanted, call, timeout, current, min_nodes)
+    if isinstance(args, ScontrolResult):
+        return args
+    return _report(job_id, wanted, call(args, timeout))
+
+
+def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.0,
+                      min_nodes: int | None = None) -> ScontrolResult | None:
+    """``scontrol requeue`` then the exclusion, for a caller in the batch step, which SLURM
+    SIGKILLs at once on a requeue (no SIGTERM, no KillWait; measured on 22.05), so it can never
+    make a second call, nor can a child of its own. Both run in a one-task srun step on this
+    node (``--overlap``): a step's processes get SIGTERM, which they ignore, and SIGKILL only
+    ``KillWait`` later. The job's exclusions and partition are read first (a running job's can
+    be read). None when there is nothing to exclude or no srun (the caller requeues as usual);
+    else the step's result: exit 3 when the requeue failed, else the update's."""
+    wanted = {n for n in nodes if n}
+    srun = find_scontrol(name="srun")
+    exe = find_scontrol()
+    if not wanted or srun is None or exe is None:
+        return None
+    args = _plan(job_id, wanted, _shielded_scontrol, timeout, None, min_nodes)
+    update = [] if isinstance(args, ScontrolResult) else args
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    script = ('s=$0; j=$1; shift; trap "" TERM INT HUP USR1 USR2; '
+              '"$s" requeue "$j" || exit 3; [ $# = 0 ] || exec "$s" "$@"')
+    cmd = [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
+           "--job-name=kr-requeue", "--kill-on-bad-exit=0", "/bin/sh", "-c", script, exe,
+           str(job_id), *update]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * 3,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return ScontrolResult(tuple(cmd), None, "", str(e), timed_out=True,
+                              seconds=time.monotonic() - t0)
+    res = ScontrolResult(("requeue", str(job_id), *update[1:]), proc.returncode, proc.stdout,
+                         proc.stderr, seconds=time.monotonic() - t0)
+    if update and proc.returncode != 3:
+        _report(job_id, wanted, res)
+    return res
+
+
+def _plan(job_id: str, wanted: set[str], call: Scontrol, timeout: float, current: str | None,
+          min_nodes: int | None) -> list[str] | ScontrolResult:
+    """The update's arguments, or the failed result saying why none is made."""
     job: dict[str, str] = {}
     if current is None:
         shown = call(["show", "-o", "job", str(job_id)], timeout)
@@ -186,10 +235,14 @@ def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
         _log.warning("job %s: %s; it asks for %d node(s) instead (its spares given up, %d "
                      "needed to train)", job_id, why, left, min_nodes)
         args.append(f"NumNodes={left}")
-    res = call(args, timeout)
+    return args
+
+
+def _report(job_id: str, wanted: set[str], res: ScontrolResult) -> ScontrolResult:
+    """Log what the update did (the fix when it failed); returns ``res``."""
     if res.ok:
-        _log.warning("job %s will not run on %s again (ExcNodeList=%s)", job_id,
-                     ",".join(sorted(wanted)), value)
+        _log.warning("job %s will not run on %s again (%s)", job_id, ",".join(sorted(wanted)),
+                     " ".join(a for a in res.args if "=" in a and not a.startswith("JobId")))
     else:
         text = (res.stderr + res.stdout).lower()
         if "not pending" in text or "no longer pending" in text:

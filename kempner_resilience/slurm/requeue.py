@@ -30,7 +30,7 @@ from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode, Verdict
 from kempner_resilience.fileio import write_atomic
 from kempner_resilience.log import get_logger
-from kempner_resilience.slurm.badnodes import exclude_for_requeue
+from kempner_resilience.slurm.badnodes import exclude_for_requeue, requeue_excluding
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
 
@@ -101,8 +101,19 @@ def requeue_job(job: SlurmJob | str, config: RequeueConfig, *,
     nodes the training needs (the rest are spares), so that the requeued job may ask for fewer
     nodes rather than never start (``badnodes.exclude_for_requeue``).
     """
-    result = _requeue(job, config)
     nodes = sorted(set(exclude))
+    if nodes and isinstance(job, SlurmJob) and job.step_id in (None, "batch"):
+        # The batch step is SIGKILLed at once on a requeue: both commands run in a step.
+        both = requeue_excluding(job.requeue_id, nodes, min_nodes=min_nodes,
+                                 timeout=float(config.scontrol_timeout_s))
+        if both is not None and both.returncode not in (None, 3):
+            _log.info("requeued job %s (with the exclusion: %s)", job.requeue_id,
+                      "ok" if both.ok else both.describe())
+            return RequeueResult(True, job.requeue_id, f"job {job.requeue_id} requeued", 1, 0,
+                                 excluded=tuple(nodes) if both.ok else (),
+                                 exclude_error=None if both.ok else both.describe())
+        # The requeue itself failed (or scontrol did not run): the usual path, with retries.
+    result = _requeue(job, config)
     if not result.ok or not nodes:
         return result
     res = exclude_for_requeue(result.job_id, set(nodes), min_nodes=min_nodes,
