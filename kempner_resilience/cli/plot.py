@@ -3,7 +3,9 @@
 One row per attempt, on one time axis from the first attempt's start: start-up, checkpoint
 load, the training loop (split into steps kept and steps lost, in proportion to their step
 counts, as the report does), the periodic saves that blocked training (ticks where they
-happened), emergency save + shutdown, and the time between attempts. The legend carries each
+happened), emergency save + shutdown, and the time between attempts; an in-job restart's row
+starts with its detection, rescue and relaunch (drawn back from its start), then its start-up
+and load: the recovery from the failure to its first step. The legend carries each
 part's total, the title the goodput.
 
 matplotlib is an optional extra (``pip install 'kempner_resilience[plot]'``); it is imported
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kempner_resilience.core.goodput import Goodput
+from kempner_resilience.core.goodput import Goodput, split_attempts
 
 __all__ = ["MISSING_MATPLOTLIB", "plot_timeline", "supported_formats"]
 
@@ -32,6 +34,10 @@ STYLE = {
     "save_blocking": ("periodic-save blocking", "#1b1b1b"),
     "shutdown": ("emergency save + shutdown", "#f28e2b"),
     "queue": ("between attempts (queue)", "#e8e8e8"),
+    # An in-job restart's recovery before its start-up and load (the allocation held).
+    "detection": ("detection", "#b07aa1"),
+    "rescue": ("rescue", "#edc948"),
+    "relaunch": ("relaunch", "#76b7b2"),
 }
 
 
@@ -78,15 +84,10 @@ def plot_timeline(g: Goodput, events: list[dict[str, Any]],
         return (t - origin) / scale
 
     # Save events by attempt, split as goodput.analyze splits them: a new one at each start.
-    saves: dict[int, list[dict[str, Any]]] = {}
-    k = -1
     if g.other_runs:                # the run analysed only, as goodput.analyze filters them
         events = [e for e in events if e.get("run_id") in (g.run_id, None)]
-    for e in events:
-        if e.get("ev") == "start" or k < 0:
-            k += 1
-        if e.get("ev") == "save" and e.get("t") is not None:
-            saves.setdefault(k, []).append(e)
+    saves = {k: [e for e in group if e.get("ev") == "save" and e.get("t") is not None]
+             for k, group in enumerate(split_attempts(events))}
 
     n = len(g.attempts)
     fig, ax = plt.subplots(figsize=(9.0, 1.2 + 0.42 * n), dpi=100)
@@ -112,6 +113,13 @@ def plot_timeline(g: Goodput, events: list[dict[str, Any]],
         if ticks:
             ax.broken_barh(ticks, (y - height / 2, height),
                            facecolors=STYLE["save_blocking"][1])
+        rec, hi = a.recovery, a.t0
+        for part in ("relaunch", "rescue", "detection"):    # back from the start, in the gap
+            lo = hi - rec.get(part, 0.0)
+            if hi > lo:
+                ax.broken_barh([(x(lo), x(hi) - x(lo))], (y - height / 2, height),
+                               facecolors=STYLE[part][1])
+            hi = lo
         if a.queue_after_s and a.queue_after_s > 0:
             ax.broken_barh([(x(a.end), a.queue_after_s / scale)], (y - height / 2, height),
                            facecolors=STYLE["queue"][1], edgecolor="#9a9a9a", hatch="//",
@@ -123,6 +131,7 @@ def plot_timeline(g: Goodput, events: list[dict[str, Any]],
                 fontsize=8)
     ax.set_yticks(range(n))
     ax.set_yticklabels([f"attempt {a.restart_count if a.restart_count is not None else a.index}"
+                        + (f"+{a.relaunch} in-job" if a.relaunch else "")
                         + (f"\njob {a.job_id}" if a.job_id else "") for a in g.attempts],
                        fontsize=8)
     ax.set_ylim(n - 0.5, -0.5)          # the first attempt on top
@@ -138,6 +147,10 @@ def plot_timeline(g: Goodput, events: list[dict[str, Any]],
                      label=f"{STYLE[p][0]} {_short(g.parts[p])}")
                for p in ("startup", "load", "kept", "lost", "save_blocking", "shutdown",
                          "queue")]
+    relaunched = [a for a in g.attempts if a.restart is not None]
+    handles += [Patch(facecolor=STYLE[p][1], label=f"{STYLE[p][0]} "
+                      f"{_short(sum(a.recovery[p] for a in relaunched))}")
+                for p in ("detection", "rescue", "relaunch") if relaunched]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.5 / (n + 1) - 0.12),
               ncol=4, fontsize=8, frameon=False)
     try:

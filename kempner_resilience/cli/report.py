@@ -10,13 +10,16 @@ import time
 from pathlib import Path
 
 from kempner_resilience.cli.common import CliError, Verb
-from kempner_resilience.core.goodput import PARTS, Attempt, Goodput, analyze
+from kempner_resilience.core.goodput import PARTS, RECOVERY, Attempt, Goodput, analyze
 from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 
 _LABELS = {"startup": "start-up", "load": "checkpoint load",
            "save_blocking": "periodic-save blocking", "kept": "steps kept (goodput)",
            "lost": "steps lost (redone)", "shutdown": "emergency save + shutdown",
-           "queue": "between attempts (queue)"}
+           "queue": "between attempts (queue)",
+           "in_job": "relaunch gaps (in the job)"}
+_RECOVERY_LABELS = {"detection": "detection", "rescue": "rescue", "relaunch": "relaunch",
+                    "startup": "start-up", "load": "load"}
 
 
 def _hms(s: float) -> str:
@@ -45,7 +48,7 @@ def render(g: Goodput) -> str:
     for a in g.attempts:
         stop = "-" if a.stop_signal is None else f"{a.stop_signal}@{a.stop_step}"
         saves = str(a.saves) + (f" ({a.failed_saves} failed)" if a.failed_saves else "")
-        rows.append((str(a.restart_count if a.restart_count is not None else a.index),
+        rows.append((_name(a),
                      str(a.job_id or "-"), _when(a.t0), _hms(a.wall_s),
                      f"{a.start_step}-{a.last_step}", str(a.kept_steps), saves, stop, _exit(a)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -61,13 +64,43 @@ def render(g: Goodput) -> str:
         out += ["", "failed periodic saves (training went on):"]
         out += [f"  attempt {a.restart_count if a.restart_count is not None else a.index}, "
                 f"{f[:200]}" for a, f in failed]
+    out += _recoveries(g)
     out += ["", f"goodput {100 * g.goodput:.1f}% of {_hms(g.allocated_s)} allocated "
                 f"({100 * g.wall_goodput:.1f}% of {_hms(g.wall_s)} wall, queue included)"]
-    for p in (*PARTS, "queue"):
+    for p in (*PARTS, "queue", *(("in_job",) if g.parts.get("in_job") else ())):
         v = g.parts[p]
         share = 100 * v / g.wall_s if g.wall_s > 0 else 0.0
         out.append(f"  {_LABELS[p]:<27} {_hms(v):>10}  {share:5.1f}%")
     return "\n".join(out) + "\n"
+
+
+def _name(a: Attempt) -> str:
+    """'2' for the job's third launch, '2+1' for its first in-job restart after that."""
+    base = str(a.restart_count if a.restart_count is not None else a.index)
+    return f"{base}+{a.relaunch}" if a.relaunch else base
+
+
+def _recoveries(g: Goodput) -> list[str]:
+    """Each in-job restart: what failed, what is kept out, and where its recovery went."""
+    out: list[str] = []
+    for a in g.attempts:
+        r = a.restart
+        if r is None:
+            continue
+        if not out:
+            out += ["", "in-job restarts (same job, no requeue): the failure to the first step"]
+        rec = a.recovery
+        what = [r.get("reason") or "?"]
+        bad = r.get("bad_nodes")
+        if bad:
+            what.append("kept out: " + (bad if isinstance(bad, str) else ",".join(bad)))
+        what.append(f"spare: {r['spare']}" if r.get("spare") else "no spare")
+        if r.get("step") is not None:
+            what.append(f"resumed at step {r['step']}")
+        out.append(f"  {_name(a)}: " + "; ".join(what))
+        out.append(f"    {_hms(sum(rec.values()))} = " + " + ".join(
+            f"{_RECOVERY_LABELS[k]} {_hms(rec[k])}" for k in RECOVERY))
+    return out
 
 
 def setup_report(p: argparse.ArgumentParser) -> None:

@@ -15,9 +15,14 @@ add up to it exactly:
   teardown.
 
 Between attempts, ``queue`` is the time from one attempt's last event to the next one's start
-(pending in the queue, or a node lost before it could say goodbye). Goodput is ``kept`` over the
-allocated time (the attempts' wall times); ``wall_goodput`` is ``kept`` over the whole span,
-queue included.
+(pending in the queue, or a node lost before it could say goodbye). An in-job restart (a
+``restart`` event: the batch job started the training again inside its allocation, no requeue)
+begins an attempt of its own, and the time between it and the attempt before is ``in_job``
+(the allocation was held: detection, rescue, relaunch), not queue. Its ``recovery`` splits the
+time from the failure to its first step into ``detection``, ``rescue``, ``relaunch`` (from the
+``restart`` event) and its own ``startup`` and ``load``. Goodput is ``kept`` over the allocated
+time (the attempts' wall times and the in-job gaps); ``wall_goodput`` is ``kept`` over the
+whole span, queue included.
 
 A ledger is read as ``read_ledger`` returns it (every known field of the right type, or absent)
 and any such ledger gives an analysis: a missing time is taken from the attempt's other events,
@@ -34,9 +39,12 @@ from typing import Any, Iterable
 
 from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 
-__all__ = ["Attempt", "Goodput", "analyze", "analyze_dir", "run_ids", "PARTS"]
+__all__ = ["Attempt", "Goodput", "analyze", "analyze_dir", "run_ids", "split_attempts",
+           "PARTS", "RECOVERY"]
 
 PARTS = ("startup", "load", "save_blocking", "kept", "lost", "shutdown")
+#: An in-job restart's recovery, from the failure to the new attempt's first step, in order.
+RECOVERY = ("detection", "rescue", "relaunch", "startup", "load")
 
 
 @dataclass
@@ -63,7 +71,21 @@ class Attempt:
     failed_saves: int = 0           # periodic saves that failed (training went on)
     failures: list[str] = field(default_factory=list)   # "step N: reason", the first few
     parts: dict[str, float] = field(default_factory=dict)
-    queue_after_s: float | None = None   # to the next attempt's start
+    queue_after_s: float | None = None   # to the next attempt's start (in the queue)
+    relaunch: int = 0                    # in-job restart count (0: a launch of the job)
+    restart: dict[str, Any] | None = None    # the ``restart`` event that started it (in-job)
+    in_job_after_s: float | None = None  # to the next attempt's start, in the allocation
+
+    @property
+    def recovery(self) -> dict[str, float]:
+        """An in-job restart's time from the failure to its first step, split as ``RECOVERY``
+        (empty for a launch of the job)."""
+        if self.restart is None:
+            return {}
+        r = self.restart
+        return {"detection": _num(r.get("detect_s"), 0.0), "rescue": _num(r.get("rescue_s"), 0.0),
+                "relaunch": _num(r.get("relaunch_s"), 0.0), "startup": self.parts["startup"],
+                "load": self.parts["load"]}
 
     @property
     def wall_s(self) -> float:
@@ -91,13 +113,18 @@ class Goodput:
         return {"run_id": self.run_id, "goodput": self.goodput,
                 "wall_goodput": self.wall_goodput, "allocated_s": self.allocated_s,
                 "wall_s": self.wall_s, "parts_s": self.parts, "other_runs": self.other_runs,
-                "attempts": [dict(asdict(a), wall_s=a.wall_s) for a in self.attempts]}
+                "attempts": [dict(asdict(a), wall_s=a.wall_s, recovery=a.recovery)
+                             for a in self.attempts]}
 
 
-def _split(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def split_attempts(events: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The events of each attempt: a new one at each ``start``, and at each ``restart`` (an
+    in-job restart, written just before the ``start`` of the attempt it launched)."""
     groups: list[list[dict[str, Any]]] = []
     for e in events:
-        if e["ev"] == "start" or not groups:
+        joins = e["ev"] == "start" and groups and \
+            [x["ev"] for x in groups[-1]] == ["restart"]
+        if (e["ev"] in ("start", "restart") and not joins) or not groups:
             groups.append([])
         groups[-1].append(e)
     return groups
@@ -131,6 +158,7 @@ def _attempt(i: int, evs: list[dict[str, Any]]) -> tuple[Attempt, dict[str, Any]
             # Recorded by rank 0 and by the writer: the same step, maybe twice.
             committed = rescue_step = max(e["step"], rescue_step or 0)
     start, resume, loop = by.get("start", evs[0]), by.get("resume"), by.get("loop")
+    restart = by.get("restart")
     stop, ext = by.get("stop"), by.get("exit")
     times = [e["t"] for e in evs if e.get("t") is not None]
     t0 = _num(start.get("t0"), _num(start.get("t"), min(times, default=0.0)))
@@ -147,7 +175,9 @@ def _attempt(i: int, evs: list[dict[str, Any]]) -> tuple[Attempt, dict[str, Any]
                 stop_signal=(stop or {}).get("signal"), stop_step=(stop or {}).get("step"),
                 exit_code=(ext or {}).get("code"), ending=(ext or {}).get("ending"),
                 crashed=ext is None, rescue_step=rescue_step, failed_saves=failed,
-                failures=failures)
+                failures=failures, relaunch=start.get("relaunch") or 0,
+                restart=None if restart is None else
+                {k: v for k, v in restart.items() if k not in ("ev", "run_id", "attempt")})
     load = _num((resume or {}).get("load_s"), 0.0)
     t_loop = min(max(_num((loop or {}).get("t"), end), t0), end)
     if stop and stop.get("t") is not None:
@@ -185,13 +215,16 @@ def analyze(events: list[dict[str, Any]], run_id: str | None = None) -> Goodput:
     others = {r: n for r, n in ids.items() if r != run_id}
     if others:
         events = [e for e in events if e.get("run_id") in (run_id, None)]
-    pairs = [_attempt(i, g) for i, g in enumerate(_split(events))]
+    pairs = [_attempt(i, g) for i, g in enumerate(split_attempts(events))]
     attempts = [a for a, _ in pairs]
     for k, (a, extra) in enumerate(pairs):
         if k + 1 < len(attempts):
             nxt = attempts[k + 1]
             kept_upto = nxt.start_step
-            a.queue_after_s = nxt.t0 - a.end
+            if nxt.restart is not None:     # relaunched in the allocation: held, not queued
+                a.in_job_after_s = max(nxt.t0 - a.end, 0.0)
+            else:
+                a.queue_after_s = nxt.t0 - a.end
         elif extra["completed"]:
             kept_upto = a.last_step
         else:
@@ -204,7 +237,8 @@ def analyze(events: list[dict[str, Any]], run_id: str | None = None) -> Goodput:
         a.parts["lost"] = loop_s - a.parts["kept"]
     parts = {p: sum(a.parts[p] for a in attempts) for p in PARTS}
     parts["queue"] = sum(a.queue_after_s or 0.0 for a in attempts)
-    allocated = sum(a.wall_s for a in attempts)
+    parts["in_job"] = sum(a.in_job_after_s or 0.0 for a in attempts)
+    allocated = sum(a.wall_s for a in attempts) + parts["in_job"]
     wall = (attempts[-1].end - attempts[0].t0) if attempts else 0.0
     return Goodput(run_id, attempts, parts, allocated, wall, others)
 

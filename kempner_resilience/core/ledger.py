@@ -35,6 +35,24 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   (rank 0 may be the rank that died), one that committed nothing by rank 0: ``step``,
   ``committed``, ``writer`` (the rank that wrote it), ``why`` (nothing committed), ``reason``,
   ``seconds``, ``rank`` (the rank that recorded it).
+* ``exclude``: a requeue of a run with recorded bad nodes (``slurm/badnodes.py``):
+  ``bad_nodes`` (the nodes asked to be excluded, comma-separated), ``excluded`` (those the
+  requeued job is now kept off; empty when the update failed), ``why`` (the failure).
+* ``restart``: an in-job restart (the batch job's glue started the training again inside the
+  same allocation after a failure; written by the glue, before the new attempt's ``start``).
+  The attempt it starts is an attempt of its own: its events carry ``relaunch`` (the in-job
+  restart count, 1, 2, ...; absent for 0) next to ``attempt`` (SLURM's restart count), and its
+  ``start.t0`` is the relaunch (``RELAUNCH_START_ENV``, else its processes' start), not the
+  job's start. The glue writes it with ``slurm.restart_event.record_restart``. Fields:
+  ``relaunch``; ``reason`` (what failed, e.g. "rank 3 on krnode2 died"); ``bad_nodes`` (the
+  nodes kept out from now on, comma-separated or a list); ``spare`` (the spare node taken
+  in, absent: none); ``step`` (the committed step the new attempt resumes from);
+  ``failure_t`` (when the failure happened, as best known); and the recovery's first three
+  parts, each in seconds:
+  ``detect_s`` (the failure → the glue knows which node failed), ``rescue_s`` (the survivors'
+  rescue, or the wait for the periodic save's commit), ``relaunch_s`` (the old step ended and
+  the new one launched). The new attempt's own ``start``/``resume``/``loop`` events give the
+  last two: start-up and load (``goodput.Attempt.recovery``).
 * ``requeue``: ``verdict`` (``exitcodes.Verdict``), ``code``, ``seconds``. ``exit``: ``code``,
   ``ending`` (``exitcodes.Ending``), ``step`` (the last step reached; absent when the hang
   backstop's monitor process wrote it, for a hang that held the GIL), ``by`` (``backstop``
@@ -52,13 +70,14 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["Ledger", "LEDGER_NAME", "MAX_BYTES", "read_ledger", "valid_event",
-           "process_start_time", "attempt_start", "AGENT_START_ENV", "REPORT_ENV"]
+           "process_start_time", "attempt_start", "AGENT_START_ENV", "REPORT_ENV",
+           "RELAUNCH_ENV", "RELAUNCH_START_ENV", "relaunch_count"]
 
 log = get_logger(__name__)
 
@@ -70,6 +89,11 @@ AGENT_START_ENV = "KEMPNER_RESILIENCE_AGENT_START"
 #: Where rank 0 writes the run report (JSON: how the attempt ended) for its launcher; set by the
 #: user or by the ``kempner-resilience torchrun`` agent, which reads it back for its last line.
 REPORT_ENV = "KEMPNER_RESILIENCE_REPORT"
+#: Set by the batch job's in-job relaunch glue for the training it starts again inside the
+#: allocation: the in-job restart count (1, 2, ...), and when it launched the new step (epoch
+#: seconds). The new processes' ledger events are then an attempt of their own.
+RELAUNCH_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
+RELAUNCH_START_ENV = "KEMPNER_RESILIENCE_RELAUNCH_START"
 
 
 def process_start_time() -> float:
@@ -93,7 +117,11 @@ def attempt_start(environ: dict[str, str] | None = None) -> float:
     or not a number is ignored."""
     env = os.environ if environ is None else environ
     now = time.time()
-    candidates = [env.get("SLURM_JOB_START_TIME", "")]
+    # An in-job relaunch began when the glue launched it (else: its processes' start), long
+    # after the job's start, which SLURM keeps for every step.
+    relaunched = relaunch_count(env) > 0
+    candidates = [env.get(RELAUNCH_START_ENV, "")] if relaunched else \
+        [env.get("SLURM_JOB_START_TIME", "")]
     if env.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
         candidates.append(env.get(AGENT_START_ENV, ""))
     own = process_start_time()
@@ -105,6 +133,12 @@ def attempt_start(environ: dict[str, str] | None = None) -> float:
         if 0 < start <= now:
             return min(start, own)
     return own
+
+
+def relaunch_count(environ: Mapping[str, str] | None = None) -> int:
+    """This process's in-job restart count (``RELAUNCH_ENV``; 0 when unset or not a count)."""
+    raw = (os.environ if environ is None else environ).get(RELAUNCH_ENV, "")
+    return int(raw) if raw.isdigit() and len(raw) < 10 else 0
 
 
 # What each known field may hold (None is always allowed: unknown). A field outside this table
@@ -143,6 +177,10 @@ _FIELDS: dict[str, Callable[[Any], bool]] = {
     "blocking_s": _duration, "load_s": _duration, "seconds": _duration,
     "agree_s": _duration, "save_s": _duration, "requeue_s": _duration, "teardown_s": _duration,
     "shutdown_s": _duration, "leave": _text,
+    "detect_s": _duration, "rescue_s": _duration, "relaunch_s": _duration,
+    "failure_t": _time, "relaunch": _count, "spare": _text,
+    "bad_nodes": lambda x: _text(x) or (isinstance(x, list) and all(map(_text, x))),
+    "excluded": _text,
     "bw_mib_s": lambda x: _number(x) and x >= 0,
     "attempt": _count, "step": _count, "last_step": _count, "n": _count, "bytes": _count,
     "restart_count": _count, "world_size": _count, "writer": _count, "rank": _count,
@@ -216,10 +254,11 @@ class Ledger:
 
     def __init__(self, path: str | os.PathLike[str] | None, *, run_id: str | None = None,
                  attempt: int = 0, max_bytes: int = MAX_BYTES,
-                 only: Iterable[str] | None = None) -> None:
+                 only: Iterable[str] | None = None, relaunch: int = 0) -> None:
         self.path = None if path is None else Path(path)
         self.run_id = run_id
         self.attempt = attempt
+        self.relaunch = relaunch        # in-job restarts: every event carries it when not 0
         self.max_bytes = max_bytes
         self.only = None if only is None else frozenset(only)
         self._fd: int | None = None
@@ -237,7 +276,8 @@ class Ledger:
         if not self.active or (self.only is not None and ev not in self.only):
             return
         rec = {"ev": ev, "t": round(time.time(), 3), "attempt": self.attempt,
-               "run_id": self.run_id, **fields}
+               "run_id": self.run_id, **({"relaunch": self.relaunch} if self.relaunch else {}),
+               **fields}
         self.last_event = rec
         try:
             line = (json.dumps(rec, separators=(",", ":"), default=str) + "\n").encode()
@@ -312,10 +352,10 @@ class Ledger:
         lines = [json.dumps(e, separators=(",", ":"), default=str) + "\n" for e in events]
         budget = self.max_bytes // 2
         while events and sum(map(len, lines)) > budget:
-            oldest = events[0].get("attempt")
-            if oldest == self.attempt:
+            oldest = _key(events[0])
+            if oldest == (self.attempt, self.relaunch):
                 break                  # a handful of events: nothing more to fold or drop
-            keep = [i for i, e in enumerate(events) if e.get("attempt") != oldest]
+            keep = [i for i, e in enumerate(events) if _key(e) != oldest]
             events, lines = [events[i] for i in keep], [lines[i] for i in keep]
         write_atomic(self.path, "".join(lines))
         self.close()
@@ -334,14 +374,20 @@ def _fold_saves(events: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         if e.get("ev") != "save":
             yield e
             continue
-        s = summary.get((e.get("run_id"), a))
+        s = summary.get((e.get("run_id"), _key(e)))
         if s is None:
-            s = summary[(e.get("run_id"), a)] = {"ev": "saves", "t": e.get("t"), "attempt": a,
-                              "run_id": e.get("run_id"), "n": 0, "blocking_s": 0.0,
-                              "bytes": 0, "last_step": None}
+            s = summary[(e.get("run_id"), _key(e))] = {
+                "ev": "saves", "t": e.get("t"), "attempt": a, "run_id": e.get("run_id"),
+                **({"relaunch": e["relaunch"]} if e.get("relaunch") else {}),
+                "n": 0, "blocking_s": 0.0, "bytes": 0, "last_step": None}
             yield s      # filled in as the loop goes on
         s["n"] += 1
         s["blocking_s"] = round(min(s["blocking_s"] + (e.get("blocking_s") or 0.0),
                                     _MAX_DURATION), 4)
         s["bytes"] = min(s["bytes"] + (e.get("bytes") or 0), _MAX_COUNT)
         s["last_step"] = e.get("step")
+
+
+def _key(e: dict[str, Any]) -> tuple[Any, int]:
+    """The attempt an event belongs to: SLURM's restart count and the in-job restart count."""
+    return e.get("attempt"), e.get("relaunch") or 0

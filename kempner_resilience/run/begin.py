@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING, Any, Mapping
 from kempner_resilience.checkpoint import identity
 from kempner_resilience.stop.agreement import FORCED_MARKER_PREFIX, StopAgreement
 from kempner_resilience.exitcodes import Ending, Facts
-from kempner_resilience.core.ledger import LEDGER_NAME, Ledger, attempt_start
+from kempner_resilience.core.ledger import LEDGER_NAME, Ledger, attempt_start, relaunch_count
 from kempner_resilience.core.log import announce, get_logger
 from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import outcome
 from kempner_resilience.shutdown.sequence import local_restart_count, record
 from kempner_resilience.integrations.trackers import Trackers
 from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
-from kempner_resilience.slurm.env import SlurmJob
+from kempner_resilience.slurm.badnodes import check_allocation
+from kempner_resilience.slurm.env import SlurmJob, expand_hostlist
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -225,12 +226,17 @@ def _ledger(run: RunState, root: Path, restarts: int | None) -> Ledger:
     ledger = run.ledger
     if run.config.checkpoint.ledger:
         ledger = Ledger(root / LEDGER_NAME, run_id=run.run_id, attempt=restarts or 0,
-                        only=None if run.rank == 0 else ("rescue",))
+                        only=None if run.rank == 0 else ("rescue",),
+                        relaunch=relaunch_count())     # an in-job restart: its own attempt
     job = run.slurm
     ledger.event("start", t0=attempt_start(), job_id=None if job is None else job.requeue_id,
                  restart_count=restarts, world_size=run.agreement.world_size,
                  hosts=(job.nodelist if job is not None and job.nodelist
                         else socket.gethostname()))
+    if job is not None and job.nodelist and run.rank == 0:
+        # A requeue SLURM did itself (the batch node died: no rank left to exclude the bad
+        # nodes) may land on a recorded one: say so, once, with the way out.
+        check_allocation(root, expand_hostlist(job.nodelist))
     return ledger
 
 

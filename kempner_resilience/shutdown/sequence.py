@@ -211,6 +211,7 @@ def _requeue(parts: RunState) -> Verdict:
 
 def _requeue_decision(parts: RunState) -> Verdict:
     from kempner_resilience.slurm import decide_requeue, requeue_job
+    from kempner_resilience.slurm.badnodes import bad_nodes
     from kempner_resilience.slurm.requeue import RestartLedger
 
     ledger = None
@@ -225,8 +226,15 @@ def _requeue_decision(parts: RunState) -> Verdict:
     if parts.slurm is None:
         return Verdict.REQUEUED  # "run me again": the local launcher relaunches
     t0 = time.monotonic()
-    result = requeue_job(parts.slurm, parts.config.requeue)
+    # Every requeue of a run with recorded bad nodes keeps the job off them (slurm/badnodes.py).
+    exclude = bad_nodes(parts.config.checkpoint.dir) if parts.ckpt is not None else set()
+    # The training's own step spans the nodes it needs; any other node of the job is a spare.
+    result = requeue_job(parts.slurm, parts.config.requeue, exclude=exclude,
+                         min_nodes=parts.slurm.nnodes)
     parts.timings["scontrol_requeue_s"] = time.monotonic() - t0
+    if exclude:
+        parts.ledger.event("exclude", bad_nodes=",".join(sorted(exclude)),
+                           excluded=",".join(result.excluded), why=result.exclude_error)
     return result.verdict
 
 

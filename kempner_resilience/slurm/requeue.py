@@ -6,7 +6,9 @@ Two separate jobs:
   checkpoints, so it works the same outside SLURM (there a "requeue" decision means "exit with
   REQUEUE and let the local launcher relaunch").
 * ``requeue_job``: ``scontrol requeue <id>`` with a time limit and retries. Call it only after the
-  emergency checkpoint is committed: SLURM SIGTERMs every task of the job at once.
+  emergency checkpoint is committed: SLURM SIGTERMs every task of the job at once. With
+  ``exclude`` (the run's recorded bad nodes, ``slurm/badnodes.py``) the requeued job's
+  ``ExcNodeList`` gains them right after the requeue, so it never runs on them again.
 
 Neither raises into the caller for an expected failure: they return a value carrying the
 verdict (``exitcodes.Verdict``: requeued, or why not); the exit code is the one table's
@@ -15,18 +17,20 @@ verdict (``exitcodes.Verdict``: requeued, or why not); the exit code is the one 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode, Verdict
 from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.slurm.badnodes import exclude_for_requeue, requeue_excluding
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
 
@@ -51,6 +55,10 @@ class RequeueResult:
     message: str
     attempts: int
     returncode: int | None = None
+    #: The nodes the requeued job is now kept off (empty: none asked, or the update failed).
+    excluded: tuple[str, ...] = ()
+    #: Why the exclusion asked for did not take (None: it did, or none was asked).
+    exclude_error: str | None = None
 
     @property
     def verdict(self) -> Verdict:
@@ -80,13 +88,44 @@ def _fix_for(res: ScontrolResult, job_id: str) -> str:
     return "resubmit the job by hand; see the scontrol message above"
 
 
-def requeue_job(job: SlurmJob | str, config: RequeueConfig) -> RequeueResult:
+def requeue_job(job: SlurmJob | str, config: RequeueConfig, *,
+                exclude: Iterable[str] = (), min_nodes: int | None = None) -> RequeueResult:
     """Run ``scontrol requeue <job.requeue_id>`` (argument list, no shell) with a time limit.
 
     Retries ``config.retries`` extra times after a failure that may be transient (non-zero exit,
     hang); a missing binary or a job that cannot be requeued is not retried. Never raises for
     those failures: the result's ``message`` says what happened and how to fix it.
+
+    ``exclude``: nodes the job must not run on again. Once requeued (pending: the only state in
+    which SLURM lets its excluded nodes change, and it cannot start again while this process
+    runs) its ``ExcNodeList`` gains them; a failed update is logged with its fix and leaves the
+    requeue standing (``excluded`` empty, ``exclude_error`` says why). ``min_nodes``: the
+    nodes the training needs (the rest are spares), so that the requeued job may ask for fewer
+    nodes rather than never start (``badnodes.exclude_for_requeue``).
     """
+    nodes = sorted(set(exclude))
+    if nodes and isinstance(job, SlurmJob) and job.step_id in (None, "batch"):
+        # The batch step is SIGKILLed at once on a requeue: both commands run in a step.
+        both = requeue_excluding(job.requeue_id, nodes, min_nodes=min_nodes,
+                                 timeout=float(config.scontrol_timeout_s))
+        if both is not None and both.returncode not in (None, 3):
+            _log.info("requeued job %s (with the exclusion: %s)", job.requeue_id,
+                      "ok" if both.ok else both.describe())
+            return RequeueResult(True, job.requeue_id, f"job {job.requeue_id} requeued", 1, 0,
+                                 excluded=tuple(nodes) if both.ok else (),
+                                 exclude_error=None if both.ok else both.describe())
+        # The requeue itself failed (or scontrol did not run): the usual path, with retries.
+    result = _requeue(job, config)
+    if not result.ok or not nodes:
+        return result
+    res = exclude_for_requeue(result.job_id, set(nodes), min_nodes=min_nodes,
+                              timeout=float(config.scontrol_timeout_s))
+    if res is not None and res.ok:
+        return dataclasses.replace(result, excluded=tuple(nodes))
+    return dataclasses.replace(result, exclude_error=res.describe() if res else "not run")
+
+
+def _requeue(job: SlurmJob | str, config: RequeueConfig) -> RequeueResult:
     job_id = job.requeue_id if isinstance(job, SlurmJob) else str(job)
     attempts = 0
     res: ScontrolResult | None = None

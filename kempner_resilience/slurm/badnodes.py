@@ -1,0 +1,308 @@
+"""The run's memory of bad nodes: nodes implicated in a failure stay out for the rest of the run.
+
+A node whose rank died or hung is recorded in ``bad-nodes.json`` next to the checkpoints
+(``checkpoint.dir``), so the record outlives the job's processes, its in-job relaunches and its
+requeues. Who writes: the code that detects the failure (the batch job's relaunch glue, the
+survivors' rescue) calls ``record_bad_nodes``. Who reads: the relaunch glue (``srun --exclude``,
+``exclude_args``), the requeue path (``exclude_for_requeue``, so that SLURM never starts the job
+again on them even once they are IDLE), and a new attempt's start (``check_allocation``: a clear
+line when SLURM itself requeued the job onto a recorded node).
+
+The file is small JSON, replaced whole (``fileio.write_atomic``); concurrent writers are
+serialised by an advisory lock on a sidecar file, waited on for at most a few seconds (a holder
+that hangs costs only the lock, never the record: the write goes ahead unlocked, logged). A
+missing file means no bad nodes; a malformed one is logged and read as none: a lost memory costs
+at most a relaunch on a bad node, never the checkpoint.
+
+The SLURM mechanism (proved on the test cluster, ``tests/test_slurm_badnodes.py``): a running
+job's excluded nodes cannot be changed (``scontrol update JobId=J ExcNodeList=...`` answers
+"Job is no longer pending execution"). Right after ``scontrol requeue J`` the job is PENDING
+(still completing while any of its processes run, the caller's included, so it cannot start
+again before the update lands), and there the update is accepted; the requeued job is then
+never placed on those nodes, IDLE or not. ``exclude_for_requeue`` runs that update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.slurm.env import expand_hostlist
+from kempner_resilience.slurm.scontrol import (ScontrolResult, find_scontrol, parse_show_job,
+                                               run_scontrol)
+
+__all__ = ["BAD_NODES_NAME", "record_bad_nodes", "bad_nodes", "bad_node_records",
+           "exclude_for_requeue", "requeue_excluding", "merged_exclusions", "exclude_args",
+           "check_allocation"]
+
+_log = get_logger(__name__)
+
+BAD_NODES_NAME = "bad-nodes.json"
+_LOCK_NAME = ".bad-nodes.lock"
+_LOCK_WAIT_S = 5.0
+
+#: ``scontrol`` as ``exclude_for_requeue`` calls it: (args, timeout) -> result.
+Scontrol = Callable[[Sequence[str], float], ScontrolResult]
+
+
+def _path(ckpt_dir: str | os.PathLike[str]) -> Path:
+    return Path(ckpt_dir) / BAD_NODES_NAME
+
+
+def bad_node_records(ckpt_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """node -> {reason, job_id, t (first recorded), last_t, count}; empty when none are
+    recorded or the file is unreadable (logged)."""
+    p = _path(ckpt_dir)
+    try:
+        data = json.loads(p.read_text())
+        nodes = data["nodes"]
+        if not isinstance(nodes, dict) or not all(isinstance(k, str) and k for k in nodes):
+            raise ValueError("'nodes' is not a mapping of node names")
+        return {k: dict(v) if isinstance(v, dict) else {} for k, v in nodes.items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        _log.warning("bad-node record %s unreadable (%s); treating it as empty: nodes that "
+                     "failed before may be used again (remove or fix the file to silence this)",
+                     p, e)
+        return {}
+
+
+def bad_nodes(ckpt_dir: str | os.PathLike[str]) -> set[str]:
+    """Every node recorded so far (empty if none; a malformed file: warned, read as empty)."""
+    return set(bad_node_records(ckpt_dir))
+
+
+@contextlib.contextmanager
+def _locked(ckpt_dir: Path) -> Iterator[None]:
+    """An advisory lock on the sidecar file, waited on for at most ``_LOCK_WAIT_S``."""
+    fd = None
+    try:
+        fd = os.open(ckpt_dir / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                    _log.warning("bad-node record: lock %s not taken (%s); writing unlocked",
+                                 ckpt_dir / _LOCK_NAME, e)
+                    break
+                time.sleep(0.02)
+    except OSError as e:  # a read-only or lock-less filesystem: the write itself will tell
+        _log.debug("bad-node lock unavailable: %s", e)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)   # releases the lock
+
+
+def record_bad_nodes(ckpt_dir: str | os.PathLike[str], nodes: Iterable[str], *, reason: str,
+                     job_id: str | None) -> set[str]:
+    """Add ``nodes`` (with why and when) to the run's record; returns the whole set now
+    recorded. Idempotent: a node recorded again keeps its first reason and time, and counts.
+    Raises OSError only when the record cannot be written (the caller logs and goes on)."""
+    new = {n.strip() for n in nodes if n and n.strip()}
+    d = Path(ckpt_dir)
+    if not new:
+        return bad_nodes(d)
+    d.mkdir(parents=True, exist_ok=True)
+    now = round(time.time(), 3)
+    with _locked(d):
+        records = bad_node_records(d)
+        for n in sorted(new):
+            rec = records.get(n)
+            if rec is None:
+                records[n] = {"reason": reason, "job_id": job_id, "t": now, "last_t": now,
+                              "count": 1}
+            else:
+                rec["last_t"] = now
+                rec["count"] = int(rec.get("count", 1)) + 1
+        write_atomic(_path(d), json.dumps({"version": 1, "nodes": records}, indent=1,
+                                          sort_keys=True))
+    _log.warning("node(s) %s recorded as bad (%s); the run keeps them out from now on "
+                 "(%s)", ",".join(sorted(new)), reason, _path(d))
+    return set(records)
+
+
+def merged_exclusions(current: str | None, nodes: Iterable[str]) -> str:
+    """The job's ``ExcNodeList`` (``current``, a hostlist, None/``(null)`` when empty) with
+    ``nodes`` added: a comma-separated, sorted list (scontrol accepts it as is)."""
+    have: set[str] = set()
+    if current and current not in ("(null)", "None", "N/A"):
+        have = set(expand_hostlist(current))
+    return ",".join(sorted(have | set(nodes)))
+
+
+def _shielded_scontrol(args: Sequence[str], timeout: float) -> ScontrolResult:
+    # The requeue we follow makes slurmstepd SIGTERM every process of the job (our scontrol
+    # included) a few milliseconds later; the update must not die of it.
+    return run_scontrol(list(args), timeout, shield=True)
+
+
+def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
+                        scontrol: Scontrol | None = None, timeout: float = 10.0,
+                        current: str | None = None,
+                        min_nodes: int | None = None) -> ScontrolResult | None:
+    """Make SLURM keep the job off ``nodes`` when it runs again after a requeue.
+
+    Call it right AFTER ``scontrol requeue`` succeeded (while the job is pending; a running
+    job's exclusions cannot change). Sets ``ExcNodeList`` to the job's current exclusions
+    (``current``, else read with ``scontrol show job``) plus ``nodes``. When that leaves its
+    partition fewer nodes than the job asks for, the job would never start: with ``min_nodes``
+    (the nodes the training needs; the rest were spares) and at least that many left, the job
+    asks for only the nodes left (``NumNodes``, spares given up), else nothing is excluded.
+    Returns the update's result (None when there is nothing to exclude); never raises: a
+    failure is logged with the fix, and the requeue stands without the exclusion."""
+    wanted = {n for n in nodes if n}
+    if not wanted:
+        return None
+    call: Scontrol = scontrol or _shielded_scontrol
+    args = _plan(job_id, wanted, call, timeout, current, min_nodes)
+    if isinstance(args, ScontrolResult):
+        return args
+    return _report(job_id, wanted, call(args, timeout))
+
+
+def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.0,
+                      min_nodes: int | None = None) -> ScontrolResult | None:
+    """``scontrol requeue`` then the exclusion, for a caller in the batch step, which SLURM
+    SIGKILLs at once on a requeue (no SIGTERM, no KillWait; measured on 22.05), so it can never
+    make a second call, nor can a child of its own. Both run in a one-task srun step on this
+    node (``--overlap``): a step's processes get SIGTERM, which they ignore, and SIGKILL only
+    ``KillWait`` later. The job's exclusions and partition are read first (a running job's can
+    be read). None when there is nothing to exclude or no srun (the caller requeues as usual);
+    else the step's result: exit 3 when the requeue failed, else the update's."""
+    wanted = {n for n in nodes if n}
+    srun = find_scontrol(name="srun")
+    exe = find_scontrol()
+    if not wanted or srun is None or exe is None:
+        return None
+    args = _plan(job_id, wanted, _shielded_scontrol, timeout, None, min_nodes)
+    update = [] if isinstance(args, ScontrolResult) else args
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    script = ('s=$0; j=$1; shift; trap "" TERM INT HUP USR1 USR2; '
+              '"$s" requeue "$j" || exit 3; [ $# = 0 ] || exec "$s" "$@"')
+    cmd = [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
+           "--job-name=kr-requeue", "--kill-on-bad-exit=0", "/bin/sh", "-c", script, exe,
+           str(job_id), *update]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout * 3,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return ScontrolResult(tuple(cmd), None, "", str(e), timed_out=True,
+                              seconds=time.monotonic() - t0)
+    res = ScontrolResult(("requeue", str(job_id), *update[1:]), proc.returncode, proc.stdout,
+                         proc.stderr, seconds=time.monotonic() - t0)
+    if update and proc.returncode != 3:
+        _report(job_id, wanted, res)
+    return res
+
+
+def _plan(job_id: str, wanted: set[str], call: Scontrol, timeout: float, current: str | None,
+          min_nodes: int | None) -> list[str] | ScontrolResult:
+    """The update's arguments, or the failed result saying why none is made."""
+    job: dict[str, str] = {}
+    if current is None:
+        shown = call(["show", "-o", "job", str(job_id)], timeout)
+        if shown.ok:
+            jobs = parse_show_job(shown.stdout)
+            job = jobs[0] if jobs else {}
+            current = job.get("ExcNodeList")
+    value = merged_exclusions(current, wanted)
+    args = ["update", f"JobId={job_id}", f"ExcNodeList={value}"]
+    room = _room(job, value, call, timeout)
+    if room is not None and room[0] < room[1]:
+        left, need, why = room
+        if min_nodes is None or left < min_nodes:
+            _log.error("not keeping job %s off bad node(s) %s: %s, and it would never start "
+                       "again. The requeue stands; resubmit on a larger partition, or ask the "
+                       "admins to repair the nodes", job_id, ",".join(sorted(wanted)), why)
+            return ScontrolResult(tuple(args), 1, stderr=why)
+        _log.warning("job %s: %s; it asks for %d node(s) instead (its spares given up, %d "
+                     "needed to train)", job_id, why, left, min_nodes)
+        args.append(f"NumNodes={left}")
+    return args
+
+
+def _report(job_id: str, wanted: set[str], res: ScontrolResult) -> ScontrolResult:
+    """Log what the update did (the fix when it failed); returns ``res``."""
+    if res.ok:
+        _log.warning("job %s will not run on %s again (%s)", job_id, ",".join(sorted(wanted)),
+                     " ".join(a for a in res.args if "=" in a and not a.startswith("JobId")))
+    else:
+        text = (res.stderr + res.stdout).lower()
+        if "not pending" in text or "no longer pending" in text:
+            fix = ("the job was not pending: exclusions can only change after `scontrol "
+                   "requeue` (a bug if you see this after one)")
+        elif "access" in text or "permission" in text or "not authorized" in text:
+            fix = ("the site does not let users update their jobs' ExcNodeList; ask the admins "
+                   "to drain the node(s), or resubmit with `sbatch --exclude=...`")
+        else:
+            fix = "resubmit with `sbatch --exclude=...` if the job lands on them again"
+        _log.error("could not keep job %s off bad node(s) %s after the requeue: %s. The "
+                    "requeue and the checkpoint stand; fix: %s", job_id,
+                    ",".join(sorted(wanted)), res.describe(), fix)
+    return res
+
+
+def _room(job: dict[str, str], excluded: str, call: Scontrol,
+          timeout: float) -> tuple[int, int, str] | None:
+    """(nodes left in the job's partition once ``excluded`` are out, nodes the job asks for,
+    a sentence saying so); None when not known (then the exclusion goes ahead)."""
+    need, part = job.get("NumNodes", ""), job.get("Partition", "")
+    need = need.split("-")[0]
+    if not need.isdigit() or not part or "," in part:
+        return None
+    res = call(["show", "-o", "partition", part], timeout)
+    parts = parse_show_job(res.stdout) if res.ok else []
+    nodes = parts[0].get("Nodes", "") if parts else ""
+    if not nodes or nodes in ("(null)", "ALL"):
+        return None
+    members = set(expand_hostlist(nodes))
+    left = len(members - set(excluded.split(",")))
+    return left, int(need), (f"that would leave {left} of partition {part}'s {len(members)} "
+                             f"nodes for a job of {need}")
+
+
+def exclude_args(ckpt_dir: str | os.PathLike[str], allocation: Iterable[str],
+                 needed: int) -> list[str]:
+    """``srun`` arguments keeping a step off the recorded bad nodes of ``allocation`` when the
+    rest still holds ``needed`` nodes (``["--exclude=a,b"]``), else ``[]`` (logged)."""
+    nodes = list(allocation)
+    bad = sorted(bad_nodes(ckpt_dir) & set(nodes))
+    if not bad:
+        return []
+    if len(nodes) - len(bad) < needed:
+        _log.error("the allocation %s holds recorded bad node(s) %s, and only %d good node(s) "
+                   "for the %d needed: training runs on them anyway", ",".join(nodes),
+                   ",".join(bad), len(nodes) - len(bad), needed)
+        return []
+    return [f"--exclude={','.join(bad)}"]
+
+
+def check_allocation(ckpt_dir: str | os.PathLike[str], hosts: Iterable[str]) -> set[str]:
+    """The recorded bad nodes among this attempt's ``hosts``, each named in one warning (a
+    requeue SLURM did itself, after a node failure, had no rank left to exclude them)."""
+    records = bad_node_records(ckpt_dir)
+    here = sorted(set(hosts) & set(records))
+    for n in here:
+        r = records[n]
+        _log.warning("this attempt runs on node %s, recorded bad (%s, job %s): SLURM requeued "
+                     "the job onto it (a requeue we did would have excluded it); if it fails "
+                     "again, ask the admins to drain it or resubmit with --exclude=%s", n,
+                     r.get("reason", "?"), r.get("job_id", "?"), n)
+    return set(here)

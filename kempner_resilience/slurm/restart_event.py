@@ -1,0 +1,41 @@
+"""The ledger's ``restart`` event: what the in-job relaunch glue writes when it starts the
+training again inside the allocation (the fields: ``kempner_resilience.core.ledger``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from kempner_resilience.core.ledger import LEDGER_NAME, RELAUNCH_ENV, RELAUNCH_START_ENV, Ledger
+
+__all__ = ["record_restart", "relaunch_env"]
+
+
+def relaunch_env(relaunch: int, launched_t: float) -> dict[str, str]:
+    """The environment the glue gives the relaunched training: its in-job restart count and
+    when it was launched (its attempt's ``start.t0``)."""
+    return {RELAUNCH_ENV: str(int(relaunch)), RELAUNCH_START_ENV: repr(float(launched_t))}
+
+
+def record_restart(ckpt_dir: str | os.PathLike[str], *, relaunch: int, reason: str,
+                   bad_nodes: Iterable[str] = (), spare: str | None = None,
+                   step: int | None = None, failure_t: float | None = None,
+                   detect_s: float | None = None, rescue_s: float | None = None,
+                   relaunch_s: float | None = None, attempt: int = 0,
+                   run_id: str | None = None) -> dict[str, Any] | None:
+    """Append the ``restart`` event of an in-job restart to ``ckpt_dir``'s ledger (the glue's
+    side; see the module docstring for the fields). ``attempt``: SLURM's restart count. Never
+    raises; returns the event written (None: the ledger is off)."""
+    led = Ledger(Path(ckpt_dir) / LEDGER_NAME, run_id=run_id, attempt=attempt,
+                 relaunch=relaunch, only=("restart",))
+    try:
+        led.event("restart", reason=reason, bad_nodes=",".join(sorted(set(bad_nodes))),
+                  spare=spare, step=step,
+                  failure_t=None if failure_t is None else round(failure_t, 3),
+                  **{k: None if v is None else round(max(v, 0.0), 4) for k, v in
+                     (("detect_s", detect_s), ("rescue_s", rescue_s),
+                      ("relaunch_s", relaunch_s))})
+        return led.last_event
+    finally:
+        led.close()
