@@ -6,7 +6,8 @@ second launch is the requeue.
 HSDP 2 x 2 (``("replicate", "shard")``): the other replica group holds every shard of the last
 step boundary, so the survivors write it (at most one step lost) and the resumed run ends bitwise
 equal to an uninterrupted one. Pure FSDP (no replica dimension): the rescue is off with one log
-line saying why, and the run resumes bitwise from its periodic checkpoint.
+line saying why, and the run resumes bitwise from its periodic checkpoint. A shard whose every
+holder died is not guessed: the survivors write nothing and the run falls back the same way.
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ def test_hsdp_rank_killed_between_saves_is_rescued_from_the_other_replica_group_
     assert chunk_layout(ckpt / f"step_{rescued:09d}") == chunk_layout(ckpt / f"step_{2 * EVERY:09d}")
     assert f"committed step {rescued}" in rank_logs(tmp_path)
     assert second.report["resumed_from"] == rescued and second.exit_codes == [0] * 4
+    assert_bitwise_equal(hsdp_reference, weights)
+
+
+@pytest.mark.slow
+def test_hsdp_both_holders_of_a_shard_killed_falls_back_to_the_periodic_save_bitwise(
+        tmp_path, hsdp_reference):
+    # Ranks 1 and 3 hold shard column 1 (one per replica group): nobody has it any more. Their
+    # per-rank state survives on their buddies (ranks 2 and 0); the shards do not.
+    launches, weights = run_job(tmp_path, "hsdp", 4, "--kill-at", "1,3:15")
+    first, second = launches
+    assert first.exit_codes == [ExitCode.PEER_LOST, -signal.SIGKILL] * 2
+    assert "no shards of step 15 for shard column(s) [1]" in rank_logs(tmp_path)
+    assert {m["reason"] for m in committed_manifests(tmp_path).values()} == {"periodic"}
+    assert second.report["resumed_from"] == EVERY and second.exit_codes == [0] * 4
     assert_bitwise_equal(hsdp_reference, weights)
 
 

@@ -339,16 +339,17 @@ class Rescuer:
                     hopeless.setdefault(r, now)
             ranks_done = missing <= hopeless.keys() and all(now - hopeless[r] >= GIVE_UP_S
                                                             for r in missing)
-            cols_done = layout is not None and sharded.hopeless(self.files.dir, layout,
-                                                                missing_cols)
+            cols_done = layout is not None and sharded.hopeless(
+                self.files.dir, layout, missing_cols, offered, now - waited, GIVE_UP_S)
             if (missing and ranks_done) or cols_done:     # either one is enough to give up
                 break
             if not said and time.monotonic() - waited > 1.0:
                 said = True
-                log.warning("rescue: waiting up to %.0f s for the state of step %d from "
-                            "rank(s) %s and shard column(s) %s (have: %s)",
-                            wait_end - time.monotonic(), step, sorted(missing),
-                            sorted(missing_cols), self.files.listing())
+                what = [f"rank(s) {sorted(missing)}"] if missing else []
+                what += [f"shard column(s) {sorted(missing_cols)}"] if missing_cols else []
+                log.warning("rescue: waiting up to %.0f s for the state of step %d from %s "
+                            "(have: %s)", wait_end - time.monotonic(), step, " and ".join(what),
+                            self.files.listing())
             time.sleep(_POLL_S)
         waited = time.monotonic() - waited
         blobs = {r: self.files.get(r, step) for r in sorted(need - missing)}

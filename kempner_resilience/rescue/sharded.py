@@ -15,7 +15,7 @@ written:
   boundary, copied once into one file of the rescue directory (``shards.c<col>.step<S>``), by the
   first holder of each column only (the file appears whole, created only if absent). A holder
   that cannot (its state moved past the boundary) says so (``noshards.<rank>``), so the writer
-  stops waiting for a column whose holders all refused.
+  stops waiting for a column whose holders all refused or never reached the rescue (dead).
 * ``chunked`` (the writer): its own state dict with every DTensor replaced by all of its chunks
   (its own local shard and the other columns' from the files); ``ChunkPlanner`` writes them as
   one no-collective DCP save whose metadata describes each tensor by the same chunks (offsets,
@@ -190,12 +190,16 @@ def missing(directory: Path, layout: ShardLayout, step: int) -> set[int]:
                                                                      layout.count)
 
 
-def hopeless(directory: Path, layout: ShardLayout, missing_cols: set[int]) -> bool:
-    """A missing column whose holders all said they have nothing: it is not coming."""
+def hopeless(directory: Path, layout: ShardLayout, missing_cols: set[int], offered: set[int],
+             waited_s: float, give_up_s: float) -> bool:
+    """A missing column is not coming: each of its holders said it has nothing, or (after
+    ``give_up_s`` of waiting) never offered anything at all (``offered``: the ranks that
+    reached the rescue; a live holder is woken over the buddy links within that time)."""
     if not missing_cols:
         return False
     said = refused(directory)
-    return any(set(layout.holders(c)) <= said for c in missing_cols)
+    return any(all(h in said or (h not in offered and waited_s >= give_up_s)
+                   for h in layout.holders(c)) for c in missing_cols)
 
 
 def collect(directory: Path, layout: ShardLayout, step: int, missing_cols: set[int]

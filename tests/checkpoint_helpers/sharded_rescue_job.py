@@ -5,8 +5,9 @@ data iterator and per-rank dropout streams, on ``WORLD_SIZE`` gloo ranks (CPU). 
 optimizer go to ResilientRun as the user holds them. In the first launch only
 (``KEMPNER_RESTART_COUNT`` 0), as a real failure would, once:
 
-    --kill-at R:S     rank R SIGKILLs itself in step S after its forward pass (the others are
-                      in the backward's reduce-scatter or all-reduce)
+    --kill-at R[,R...]:S
+                      rank R (each of them) SIGKILLs itself in step S after its forward pass
+                      (the others are in the backward's reduce-scatter or all-reduce)
 
 Launched by ``LocalLauncher`` or srun (rank, world and port from the environment); every rank
 takes part in gathering the full weights and optimizer state at the end, and rank 0 writes them
@@ -69,9 +70,10 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     first = os.environ.get("KEMPNER_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT",
                                                                    "0")) == "0"
-    kill = (-1, -1)
+    kill_ranks, kill_step = [], -1
     if first and args.kill_at:
-        kill = tuple(int(v) for v in args.kill_at.split(":"))
+        ranks, at = args.kill_at.split(":")
+        kill_ranks, kill_step = [int(r) for r in ranks.split(",")], int(at)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     state = build(rank, world, args.mesh)
     model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
@@ -82,7 +84,7 @@ def main() -> int:
             x, y = next(data)
             optim.zero_grad()
             loss = nn.functional.mse_loss(model(x), y)
-            if (rank, step) == kill:
+            if step == kill_step and rank in kill_ranks:
                 os.kill(os.getpid(), signal.SIGKILL)
             loss.backward()
             optim.step()
