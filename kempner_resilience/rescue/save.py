@@ -67,7 +67,8 @@ def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, byte
     """Write and commit the state of boundary ``step`` under ``root``; ``blobs`` holds every
     rank's snapshot of it. ``extra`` goes into the manifest (run id, job, the rescue's record).
     ``shards`` (sharded state): the other columns' local shards (``sharded.load_column``), which
-    with this rank's own make up every DTensor. ``still_valid`` runs after the write, before the commit: a reason there (the live state
+    with this rank's own make up every DTensor. ``still_valid`` runs after the write, before
+    the commit: a reason there (the live state
     moved during the write) commits nothing. Raises CheckpointError (nothing committed) on any
     failure."""
     t0 = time.monotonic()
