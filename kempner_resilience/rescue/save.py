@@ -2,7 +2,9 @@
 
 The writer holds a full replica (DDP), so its live parameters and optimizer state, still at the
 boundary (``Boundary`` refused otherwise), with the persistent buffers put back to their
-boundary copies, are the whole tensor state. The per-rank blobs (RNG streams, data position,
+boundary copies, are the whole tensor state. Sharded (HSDP): its own shards and, from the
+rescue files, one holder's shards of every other column (``sharded``), written as all the chunks
+of each DTensor, as a periodic save describes them. The per-rank blobs (RNG streams, data position,
 scheduler) of every rank come from the snapshots: its own, and the others' from the rescue files.
 DCP writes them without a process group (``no_dist``: one ``__0_0.distcp`` file that any world
 size loads) through the package's checksumming writer into a fresh step directory, and the
