@@ -78,6 +78,22 @@ def test_hsdp_rank_killed_between_saves_is_rescued_from_the_other_replica_group_
 
 
 @pytest.mark.slow
+def test_hsdp_rank_hanging_with_the_gil_held_is_rescued_by_the_others_watchdogs_bitwise(
+        tmp_path, hsdp_reference):
+    # The survivors' training threads stay blocked in a collective of the backward (FSDP2's
+    # parameters unsharded meanwhile): their hang watchdogs write the boundary from their own
+    # thread.
+    launches, weights = run_job(tmp_path, "hsdp", 4, "--hang-at", "3:15",
+                                "--set", "watchdog.hang_timeout_s=5")
+    first, second = launches
+    assert first.exit_codes == [ExitCode.HANG] * 4
+    rescue = committed_manifests(tmp_path)[15]
+    assert rescue["reason"] == "rescue" and rescue["rescue"]["reason"] == "hang"
+    assert second.report["resumed_from"] == 15
+    assert_bitwise_equal(hsdp_reference, weights)
+
+
+@pytest.mark.slow
 def test_hsdp_both_holders_of_a_shard_killed_falls_back_to_the_periodic_save_bitwise(
         tmp_path, hsdp_reference):
     # Ranks 1 and 3 hold shard column 1 (one per replica group): nobody has it any more. Their

@@ -8,6 +8,8 @@ optimizer go to ResilientRun as the user holds them. In the first launch only
     --kill-at R[,R...]:S
                       rank R (each of them) SIGKILLs itself in step S after its forward pass
                       (the others are in the backward's reduce-scatter or all-reduce)
+    --hang-at R:S     rank R hangs in step S after its forward pass, in a C call that holds
+                      the GIL (the others wait in a collective until their hang watchdog)
 
 Launched by ``LocalLauncher`` or srun (rank, world and port from the environment); every rank
 takes part in gathering the full weights and optimizer state at the end, and rank 0 writes them
@@ -17,6 +19,7 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import sys
@@ -36,6 +39,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # noqa: 
                                                      get_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+
+def _hang_holding_the_gil() -> None:
+    # PyDLL keeps the GIL across the call: no Python thread of this process runs again.
+    libc = ctypes.PyDLL(None)
+    mutex = ctypes.create_string_buffer(64)
+    libc.pthread_mutex_init(mutex, None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
 
 
 def build(rank: int, world: int, mesh_kind: str) -> dict:
@@ -62,6 +74,7 @@ def main() -> int:
     p.add_argument("--mesh", choices=("fsdp", "hsdp"), default="hsdp")
     p.add_argument("--out", required=True)
     p.add_argument("--kill-at")
+    p.add_argument("--hang-at")
     p.add_argument("--progress")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
@@ -74,6 +87,9 @@ def main() -> int:
     if first and args.kill_at:
         ranks, at = args.kill_at.split(":")
         kill_ranks, kill_step = [int(r) for r in ranks.split(",")], int(at)
+    hang = (-1, -1)
+    if first and args.hang_at:
+        hang = tuple(int(v) for v in args.hang_at.split(":"))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     state = build(rank, world, args.mesh)
     model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
@@ -86,6 +102,8 @@ def main() -> int:
             loss = nn.functional.mse_loss(model(x), y)
             if step == kill_step and rank in kill_ranks:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if (rank, step) == hang:
+                _hang_holding_the_gil()
             loss.backward()
             optim.step()
             sched.step()
