@@ -129,7 +129,7 @@ def _walk(value: Any, path: Path_ = ()) -> Iterator[tuple[Path_, Any]]:
 
 
 def local_shards(sd: Mapping[str, Any]) -> dict[Path_, tuple[tuple[int, ...], torch.Tensor]]:
-    """Every DTensor of a state dict: its path -> (global offsets, local tensor, live)."""
+    """Every DTensor of a state dict: its path -> (global offsets, local tensor: live)."""
     out = {}
     for path, value in _walk(sd):
         if DTensor is not None and isinstance(value, DTensor):
