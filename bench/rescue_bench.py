@@ -5,6 +5,11 @@
    for the demo's state (DDP MLP, Adam, StepLR, data iterator) and for a model with 100
    BatchNorm layers (300 buffers to copy). Target (issue 16): <= 250 us, 0.5 % of a 50 ms step.
    The snapshot's parts are timed alone too (``encode``: RNG streams + state_dict()s, pickled).
+   ``--sharded``: the same for sharded state, 4 ranks of HSDP (``fully_shard`` on a 2 x 2
+   ``("replicate", "shard")`` mesh): the demo's model, and 100 Linear + BatchNorm layers each
+   ``fully_shard``ed (their buffers stay whole: 300 to copy); and HSDP 2 x 1 on 2 ranks, as many
+   processes as the DDP rows (4 ranks on a 2-core machine also time the wait for a core: the
+   mark's CPU time is printed too).
 2. Rescue time: a replicated model with Adam holding SIZE of state (parameters + optimizer),
    rank 1 SIGKILLed between steps; rank 0 detects it in its next collective, writes the rescue
    checkpoint and commits it. Reported: kill -> committed (wall clock, from the manifest's commit
@@ -14,7 +19,7 @@
    node under srun; instead of rank 1's process, its whole node is killed (every process,
    ``kill-node``) while it waits between steps 3 and 4. The node is started again afterwards.
 
-    python bench/rescue_bench.py [--steps 1000] [--sizes 200M,2G] [--nodes 2]
+    python bench/rescue_bench.py [--steps 1000] [--sizes 200M,2G] [--nodes 2] [--sharded]
 """
 
 from __future__ import annotations
@@ -61,11 +66,23 @@ def _worker_mark(steps: int, kind: str, ckpt: str) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    state = build(rank, world)
-    if kind == "bn":
+    sharded = kind.startswith("hsdp")
+    # "hsdp": 2 x 2 on 4 ranks; "hsdp1": 2 x 1 on 2 ranks (as many processes as the DDP rows)
+    state = build(rank, world, hsdp={"hsdp": 2, "hsdp1": 1}.get(kind, 0))
+    if kind in ("bn", "hsdp-bn"):
         torch.manual_seed(0)
         layers = [m for _ in range(100) for m in (nn.Linear(64, 64), nn.BatchNorm1d(64))]
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers))
+        model = nn.Sequential(*layers)
+        if sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+            for layer in layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            model = nn.parallel.DistributedDataParallel(model)
         state["model"] = model
         state["optim"] = torch.optim.Adam(model.parameters())
         state["sched"] = torch.optim.lr_scheduler.StepLR(state["optim"], 7)
@@ -78,43 +95,55 @@ def _worker_mark(steps: int, kind: str, ckpt: str) -> None:
         rounds = []
         for _ in range(3):
             dist.barrier()
-            took = sent = 0.0
+            took = sent = cpu = 0.0
             for i in range(steps):
+                c0 = time.thread_time()
                 t0 = time.perf_counter()
                 payload = rescue.boundary.mark(i)      # what rescue.mark(i) does, timed apart
                 t1 = time.perf_counter()
                 rescue.link.send(i, payload)
                 t2 = time.perf_counter()
+                # The thread's CPU time too: with more ranks than cores (4 HSDP ranks on 2),
+                # the wall clock also counts the time the rank waited for a core.
+                cpu += time.thread_time() - c0
                 took, sent = took + t2 - t0, sent + t2 - t1
                 # The step: ~2 ms of compute (a sleep lets the core idle and the next mark
                 # then runs on cold caches, timing the machine's wake-up more than the mark);
                 # torch releases the GIL, so the buddy's thread receives meanwhile.
                 torch.mm(busy, busy)
-            rounds.append((took / steps * 1e6, sent / steps * 1e6))
+            rounds.append((took / steps * 1e6, sent / steps * 1e6, cpu / steps * 1e6))
         enc = timeit.timeit(lambda: encode(1, others), number=steps) / steps * 1e6
         b = rescue.boundary
         copy = timeit.timeit(b._copy_buffers, number=steps) / steps * 1e6 if b._live else 0.0
         dist.barrier()
         for _ in run.steps(0):
             pass
-    mark_us, send_us = sorted(rounds)[len(rounds) // 2]
-    print(json.dumps({"rank": rank, "mark_us": mark_us, "send_us": send_us, "encode_us": enc,
+    mark_us, send_us, cpu_us = sorted(rounds)[len(rounds) // 2]
+    print(json.dumps({"rank": rank, "mark_us": mark_us, "send_us": send_us, "cpu_us": cpu_us,
+                      "encode_us": enc,
                       "copy_us": copy, "buffers": len(b._live)}), flush=True)
     dist.destroy_process_group()
 
 
-def per_step(steps: int) -> None:
-    for kind, what in (("demo", "demo state (MLP, Adam, StepLR, data)"),
-                       ("bn", "100 BatchNorm layers (300 buffers)")):
+def per_step(steps: int, sharded: bool = False) -> None:
+    kinds = (("demo", "demo state (MLP, Adam, StepLR, data)", 2),
+             ("bn", "100 BatchNorm layers (300 buffers)", 2))
+    if sharded:
+        kinds += (("hsdp1", "HSDP 2 x 1 (2 ranks), demo state", 2),
+                  ("hsdp", "HSDP 2 x 2, demo state (fully_shard MLP, Adam, StepLR, data)", 4),
+                 ("hsdp-bn", "HSDP 2 x 2, 100 fully_shard Linear + BatchNorm (300 buffers)", 4))
+    for kind, what, world in kinds:
         with tempfile.TemporaryDirectory() as d:
-            res = _spawn(["--worker-mark", kind, str(steps), d])
+            res = _spawn(["--worker-mark", kind, str(steps), d], world=world)
         rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in res if r.returncode == 0]
         if len(rows) != len(res):
             print(f"{what}: failed\n" + "\n".join(r.stderr[-2000:] for r in res))
             continue
         mark = max(r["mark_us"] for r in rows)
+        cpu = max(r["cpu_us"] for r in rows)
         print(f"{what}: mark {mark:.1f} us/step ({mark / 50_000 * 100:.3f} % of a 50 ms step, "
-              f"of which the send {max(r['send_us'] for r in rows):.1f} us; "
+              f"of which the send {max(r['send_us'] for r in rows):.1f} us; its CPU time "
+              f"{cpu:.1f} us, {cpu / 50_000 * 100:.3f} %; "
               f"alone: snapshot encode {max(r['encode_us'] for r in rows):.1f} us, copy of "
               f"{rows[0]['buffers']} buffers {max(r['copy_us'] for r in rows):.1f} us)")
 
@@ -238,7 +267,13 @@ def main() -> None:
     p.add_argument("--sizes", default="200M,2G")
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1,
                    help="2: the rescue time on 2 nodes of the namespace SLURM cluster (root)")
+    p.add_argument("--sharded", action="store_true",
+                   help="only the per-step mark: DDP (2 ranks) and sharded state (HSDP, 4 "
+                        "ranks) side by side")
     args = p.parse_args()
+    if args.sharded:
+        per_step(args.steps, sharded=True)
+        return
     if args.nodes == 2:
         for size in args.sizes.split(","):
             rescue_time_on_nodes(size)

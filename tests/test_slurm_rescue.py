@@ -12,6 +12,11 @@ always end bitwise equal. The same with one rank's process killed alone (its nod
 srun's --kill-on-bad-exit SIGTERMs the others at once). ``KR_RESCUE_KILLS=10`` repeats each
 case at 10 random steps (by hand; CI runs one of each); the rescue itself is shown
 deterministically in tests/test_rescue.py.
+
+The same with HSDP (``fully_shard`` on a ``("replicate", "shard")`` mesh: the replica dimension
+across the 2 nodes, the shard dimension within each): the other node's replica group holds every
+shard, so the node's loss is rescued from it (tests/test_rescue_sharded.py shows it with local
+processes).
 """
 
 from __future__ import annotations
@@ -43,6 +48,13 @@ KILLS = int(os.environ.get("KR_RESCUE_KILLS", "1"))
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run: 4 plain DDP processes, no SLURM, no checkpoints."""
     return run_reference(tmp_path_factory.mktemp("rescue-reference"), ranks=RANKS, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(tmp_path_factory) -> Path:
+    """The uninterrupted HSDP run: 4 plain processes, 2 replica groups of 2 shards."""
+    return run_reference(tmp_path_factory.mktemp("rescue-hsdp-reference"), ranks=RANKS,
+                         steps=STEPS, train_args=("--hsdp", str(RANKS // NODES)))
 
 
 def _manifests(root: Path) -> dict[int, dict]:
@@ -177,3 +189,24 @@ def test_slurmctld_waits_out_killwait_for_slurmd_so_no_kill_is_resent_into_the_r
     conf = dict(re.findall(r"^(\w+)\s*=\s*(\d+)", out, re.M))
     assert int(conf["MessageTimeout"]) > int(conf["KillWait"]), {
         k: conf.get(k) for k in ("MessageTimeout", "KillWait")}
+
+
+def test_hsdp_a_node_killed_between_periodic_saves_is_rescued_from_the_other_node_s_replica_group(
+        multinode_cluster, tmp_path, hsdp_reference, multinode_jobs):
+    # Ranks 0, 1 on the first node are replica group 0 (shards 0 and 1), ranks 2, 3 on the
+    # second node replica group 1. The second node dies: ranks 0 and 1 hold every shard, and
+    # ranks 2 and 3's per-rank state lives on them (buddy links, rank + 2).
+    kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
+    job = _submit(multinode_cluster, tmp_path, multinode_jobs,
+                  train_args=("--hsdp", str(RANKS // NODES)))
+    job.wait_step(kill_at, timeout=240)
+    dead = job.hosts()[1]
+    multinode_jobs[1].append(dead)
+    multinode_cluster.kill_node(dead)
+    _completes_bitwise(job, hsdp_reference, f"a node killed at {kill_at}")
+
+    step = _rescued_step(job)
+    assert step is not None, "no rescue: " + job.log_text()[-3000:]
+    rescue = _manifests(job.checkpoints)[step]["rescue"]
+    assert rescue["writer_rank"] in (0, 1) and rescue["sharded"]["columns"] == 2
+    assert step >= kill_at - 1

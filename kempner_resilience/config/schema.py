@@ -325,8 +325,9 @@ class RescueConfig(_Section):
     enabled: bool = field(default=True, metadata=_help(
         "when a peer dies or hangs, the surviving ranks write the state at the last step "
         "boundary as a committed checkpoint (one step lost instead of a checkpoint interval); "
-        "active only when every rank holds the full state (DDP or replicated modules, 2+ "
-        "ranks), see docs/design.md"))
+        "active only when the survivors hold the whole state: DDP or replicated modules, or "
+        "HSDP (each shard on every replica group; not pure FSDP), 2+ ranks, see "
+        "docs/design.md"))
     budget_s: float = field(default=120.0, metadata=_help(
         "seconds from the failure until the rescue checkpoint must be committed (waiting for "
         "the survivors' per-rank state included); past it the process exits with its failure "

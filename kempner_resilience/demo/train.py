@@ -2,7 +2,8 @@
 
 An MLP with dropout, Adam, a step LR schedule and a seeded shuffling data iterator, trained with
 DDP over gloo when there are several ranks (``--no-ddp``: the gradients are all-reduced one
-parameter at a time instead, in the same order every step). Everything that influences the
+parameter at a time instead, in the same order every step; ``--hsdp S``: ``fully_shard`` on a
+``("replicate", "shard")`` mesh with S ranks per replica group, HSDP). Everything that influences the
 result (weights, optimizer moments, scheduler, data position, every RNG stream) goes through the
 checkpoint, so an interrupted-and-resumed run ends bitwise equal to an uninterrupted one.
 
@@ -72,15 +73,26 @@ class ShuffledBatches:
         self._order = self._make_order()
 
 
-def build(rank: int = 0, world: int = 1, hidden: int = 64, seed: int = 0, ddp: bool = True
-          ) -> dict[str, Any]:
+def build(rank: int = 0, world: int = 1, hidden: int = 64, seed: int = 0, ddp: bool = True,
+          hsdp: int = 0) -> dict[str, Any]:
     """Model, optimizer, scheduler and data for one rank, all seeded. ``ddp=False`` leaves the
-    model unwrapped (the caller all-reduces the gradients: ``allreduce_grads``)."""
+    model unwrapped (the caller all-reduces the gradients: ``allreduce_grads``); ``hsdp=S``
+    shards it with ``fully_shard`` over S ranks per replica group (ranks placed node by node:
+    a ``("replicate", "shard")`` mesh whose rows are the nodes when S is the ranks per node)."""
     torch.manual_seed(seed)
     model: nn.Module = nn.Sequential(nn.Linear(16, hidden), nn.ReLU(), nn.Dropout(0.1),
                                      nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.1),
                                      nn.Linear(hidden, 1))
-    if world > 1 and ddp:
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world // hsdp, hsdp),
+                                mesh_dim_names=("replicate", "shard"))
+        for layer in (model[0], model[3], model[6]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif world > 1 and ddp:
         model = nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.7)
@@ -151,6 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-ddp", action="store_true",
                    help="all-reduce the gradients one parameter at a time instead of wrapping "
                         "the model in DDP (bitwise reproducible at any world size)")
+    p.add_argument("--hsdp", type=int, default=0, metavar="S",
+                   help="shard the model with fully_shard (FSDP2) over S ranks per replica "
+                        "group (HSDP) instead of DDP")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     configure("WARNING" if args.quiet else "INFO")
     rank, world = _init_distributed()
     cfg = kr.load_config(args.config, args.overrides)
-    state = build(rank, world, ddp=not args.no_ddp)
+    state = build(rank, world, ddp=not args.no_ddp, hsdp=args.hsdp)
     model, optim, sched, data = state["model"], state["optim"], state["sched"], state["data"]
     loss_fn = nn.MSELoss()
     progress = open(args.progress, "a", buffering=1) if args.progress else None
@@ -189,7 +204,17 @@ def main(argv: list[str] | None = None) -> int:
                 progress.write(f"rank {rank} step {step}\n")
             if rank == 0 and not args.quiet:
                 print(f"step {step} loss {loss.item():.6f}", flush=True)
-    if args.out and rank == 0:
+    if args.out and args.hsdp:
+        # The full weights and optimizer state, gathered from the shards (every rank takes part).
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = {"model": get_model_state_dict(model, options=opts),
+                "optim": get_optimizer_state_dict(model, optim, options=opts)}
+        if rank == 0:
+            torch.save(full, args.out)
+    elif args.out and rank == 0:
         inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         torch.save({"model": inner.state_dict(), "optim": optim.state_dict()}, args.out)
     if world > 1:

@@ -40,9 +40,10 @@ def _sharding_types() -> tuple[type, ...]:
     return tuple(found)
 
 
-def local_problem(state: TrainState) -> str | None:
-    """Why this rank's state is not a full replica, or None."""
-    sharded = _sharding_types()
+def local_problem(state: TrainState, sharded_ok: bool = False) -> str | None:
+    """Why this rank's state is not a full replica, or None. ``sharded_ok``: DTensors and
+    ``fully_shard`` modules are allowed (``rescue.sharded`` found the replicas of each shard)."""
+    sharded = () if sharded_ok else _sharding_types()
     for name, module in state.modules.items():
         for sub in module.modules():
             if sharded and isinstance(sub, sharded):
@@ -64,6 +65,7 @@ def local_problem(state: TrainState) -> str | None:
 
 def _crc(t: torch.Tensor, crc: int) -> int:
     t = t.detach()
+    t = t.to_local() if hasattr(t, "to_local") else t      # a DTensor: this rank's shard
     if t.numel() == 0:
         return crc
     raw = t.contiguous().reshape(-1).view(torch.uint8).cpu()
@@ -72,7 +74,8 @@ def _crc(t: torch.Tensor, crc: int) -> int:
 
 def fingerprint(state: TrainState) -> int:
     """A checksum of the tensors of the modules not wrapped in DDP (0 when every module is):
-    equal on every rank when they are replicas."""
+    equal on every rank when they are replicas (sharded modules: their local shards, equal on
+    the ranks that hold the same shards)."""
     crc = 0
     for name, module in sorted(state.modules.items()):
         if isinstance(module, DDP):

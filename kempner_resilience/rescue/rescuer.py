@@ -44,7 +44,7 @@ from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo
 from kempner_resilience.config import RescueConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.rescue import files as rfiles
-from kempner_resilience.rescue import replicas
+from kempner_resilience.rescue import replicas, sharded
 from kempner_resilience.rescue.boundary import Boundary
 from kempner_resilience.rescue.link import BuddyLink, buddy_offset, local_address
 from kempner_resilience.rescue.save import write_rescue
@@ -87,6 +87,7 @@ class Rescuer:
         self._woken = False
         self._offered: set[tuple[int, int]] = set()
         self.offset = 1                   # a rank's snapshots also live on rank + offset
+        self.shards: sharded.ShardLayout | None = None   # sharded state (HSDP): who holds what
         self._running = threading.Event()
         self._finished = threading.Event()
         self._result: RescueResult | None = None
@@ -99,9 +100,11 @@ class Rescuer:
         """Collective (the checkpoint manager's group): decide on every rank alike whether the
         rescue is possible, and connect the buddy links. Rank 0 logs why when it is not."""
         state = ckpt.state
-        why = replicas.local_problem(state)
+        layout, why = sharded.detect(state, world_size)
+        why = why or replicas.local_problem(state, sharded_ok=layout is not None)
         fp = replicas.fingerprint(state) if why is None else 0
         self = cls(config, ckpt, rank=rank, world_size=world_size, attempt="")
+        self.shards = layout
         host = local_address()
         try:
             addr = self.link.listen(host)
@@ -112,8 +115,15 @@ class Rescuer:
             if rank == 0 else None
         gathered = ckpt.comm.all_gather_object((why, fp, addr, socket.gethostname(), ids))
         whys = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
-        if not whys and len({g[1] for g in gathered}) > 1:
-            whys = ["the modules not wrapped in DDP differ across ranks (not replicas)"]
+        # Sharded: the ranks of one column hold the same local shards (replicas of them).
+        columns = layout.columns if layout is not None else (0,) * world_size
+        for column in set(columns):
+            if not whys and len({g[1] for r, g in enumerate(gathered)
+                                 if columns[r] == column}) > 1:
+                whys = ["the modules not wrapped in DDP differ across ranks (not replicas)"
+                        if layout is None else
+                        f"the ranks holding shard column {column} hold different shards "
+                        "(not replicas)"]
         if whys:
             self.link.close(clean=False)
             if rank == 0:
@@ -132,8 +142,9 @@ class Rescuer:
         self.boundary.attach()
         if rank == 0:
             rfiles.remove_stale(ckpt.root, attempt)
-            log.info("rescue on: %d replicas; each rank's step state also lives on rank "
-                     "+%d; budget %.0f s", world_size, offset, config.budget_s)
+            log.info("rescue on: %s; each rank's step state also lives on rank +%d; budget "
+                     "%.0f s", f"{world_size} replicas" if layout is None else layout.describe(),
+                     offset, config.budget_s)
         return self
 
     # ----------------------------------------------------------------------------- per step
@@ -220,20 +231,34 @@ class Rescuer:
                 "no step completed yet"
         if why is not None:
             log.warning("rescue: this rank cannot write one: %s", why)
+            self._contribute(None, generation)
             return self._await_other(step, why, deadline)
         assert step is not None
         try:
             claimed = self.files.claim(self.rank, step)
         except OSError as e:
             log.warning("rescue: cannot claim it in %s: %s", self.files.dir, e)
+            self._contribute(step, generation)
             return self._await_other(step, f"the claim could not be written ({e})", deadline)
         if not claimed:
+            self._contribute(step, generation)
             return self._await_other(step, None, deadline)
         beat = self.files.heartbeat()
         try:
             return self._write(step, generation, reason, t0, deadline)
         finally:
             beat.stop()
+
+    def _contribute(self, step: int | None, generation: int) -> None:
+        """Sharded state: offer this rank's shards of boundary ``step`` (None: not at it)."""
+        if self.shards is not None:
+            who = self.files.claimant()
+            writer = who.get("rank") if who else None
+            if isinstance(writer, int) and 0 <= writer < self.world_size and \
+                    self.shards.columns[writer] == self.shards.column:
+                return      # the writer holds this rank's shards itself
+            sharded.offer(self.files.dir, self.ckpt.state, self.shards, self.rank, step,
+                          lambda: self._moved(step, generation) if step is not None else None)
 
     def _moved(self, step: int, generation: int) -> str | None:
         """Why the live state is no longer that of boundary ``step`` (None: it still is)."""
@@ -296,24 +321,34 @@ class Rescuer:
         waited = time.monotonic()
         said = False
         hopeless: dict[int, float] = {}   # rank -> when its holders had offered without it
+        # Sharded state: the shards of every other column, from one of its holders.
+        layout = self.shards
+        missing_cols: set[int] = set()
         while True:
             self._offer()          # snapshots that arrived from the predecessor meanwhile
             missing = need - self.files.ranks_at(step)
+            if layout is not None:
+                missing_cols = sharded.missing(self.files.dir, layout, step)
             now = time.monotonic()
-            if not missing or now >= min(wait_end, deadline):
+            if (not missing and not missing_cols) or now >= min(wait_end, deadline):
                 break
             offered = self.files.offered()
             for r in missing:
                 if r in offered or (r + self.offset) % self.world_size in offered:
                     hopeless.setdefault(r, now)
-            if missing <= hopeless.keys() and all(now - hopeless[r] >= GIVE_UP_S
-                                                  for r in missing):
+            ranks_done = missing <= hopeless.keys() and all(now - hopeless[r] >= GIVE_UP_S
+                                                            for r in missing)
+            cols_done = layout is not None and sharded.hopeless(
+                self.files.dir, layout, missing_cols, offered, now - waited, GIVE_UP_S)
+            if (missing and ranks_done) or cols_done:     # either one is enough to give up
                 break
             if not said and time.monotonic() - waited > 1.0:
                 said = True
-                log.warning("rescue: waiting up to %.0f s for the state of step %d from "
-                            "rank(s) %s (have: %s)", wait_end - time.monotonic(), step,
-                            sorted(missing), self.files.listing())
+                what = [f"rank(s) {sorted(missing)}"] if missing else []
+                what += [f"shard column(s) {sorted(missing_cols)}"] if missing_cols else []
+                log.warning("rescue: waiting up to %.0f s for the state of step %d from %s "
+                            "(have: %s)", wait_end - time.monotonic(), step, " and ".join(what),
+                            self.files.listing())
             time.sleep(_POLL_S)
         waited = time.monotonic() - waited
         blobs = {r: self.files.get(r, step) for r in sorted(need - missing)}
@@ -322,6 +357,11 @@ class Rescuer:
             why = (f"no state of step {step} from rank(s) {sorted(missing)} (each rank's RNG and "
                    "data position live only on it and its buddy: both gone or stuck)")
             return self._done(step, None, why)
+        shards = None
+        if layout is not None:
+            shards, why = sharded.collect(self.files.dir, layout, step, missing_cols)
+            if why is not None:
+                return self._done(step, None, why)
         moved = self._moved(step, generation)
         if moved is not None:
             return self._done(step, None, moved)
@@ -329,13 +369,15 @@ class Rescuer:
         extra = {**self.ckpt.manifest_extra,
                  "rescue": {"reason": reason, "writer_rank": self.rank,
                             "world_size": self.world_size, "attempt": self.files.dir.name,
+                            **({} if layout is None else
+                               {"sharded": {"mesh": layout.mesh, "columns": layout.count}}),
                             "waited_for_state_s": round(waited, 4),
                             "detected_to_write_s": round(time.monotonic() - t0, 4)}}
         try:
             info = write_rescue(self.ckpt.state, self.boundary, blobs, step,
                                 root=self.ckpt.root, run_id=self.ckpt.run_id,
                                 io_threads=cfg.io_threads, world_size=self.world_size,
-                                extra=extra,
+                                extra=extra, shards=shards,
                                 still_valid=lambda: self._moved(step, generation))
         except CheckpointError as e:
             return self._done(step, None, str(e))

@@ -2,7 +2,9 @@
 
 The writer holds a full replica (DDP), so its live parameters and optimizer state, still at the
 boundary (``Boundary`` refused otherwise), with the persistent buffers put back to their
-boundary copies, are the whole tensor state. The per-rank blobs (RNG streams, data position,
+boundary copies, are the whole tensor state. Sharded (HSDP): its own shards and, from the
+rescue files, one holder's shards of every other column (``sharded``), written as all the chunks
+of each DTensor, as a periodic save describes them. The per-rank blobs (RNG streams, data position,
 scheduler) of every rank come from the snapshots: its own, and the others' from the rescue files.
 DCP writes them without a process group (``no_dist``: one ``__0_0.distcp`` file that any world
 size loads) through the package's checksumming writer into a fresh step directory, and the
@@ -28,20 +30,25 @@ from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY
 from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo, describe_error
 from kempner_resilience.checkpoint.state import TrainState, rank_key
 from kempner_resilience.checkpoint.writer import ChecksummingWriter
+from kempner_resilience.rescue import sharded
 from kempner_resilience.rescue.boundary import Boundary, decode
 
 __all__ = ["write_rescue"]
 
 
 def _state_dict(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes],
-                step: int) -> dict[str, Any]:
+                step: int, shards: list[Mapping[Any, tuple]] | None) -> dict[str, Any]:
     sd = state.tensor_state()
     buffers = boundary.boundary_buffers()
     if buffers:
         for name in state.modules:
             sd[name] = {k: buffers.get(v.data_ptr(), v)
-                        if isinstance(v, torch.Tensor) and v.numel() else v
+                        if isinstance(v, torch.Tensor) and v.numel()
+                        and not sharded.is_dtensor(v) else v
                         for k, v in sd[name].items()}
+    if shards is not None:
+        # Sharded (HSDP): every DTensor as all its chunks, this rank's and the other columns'.
+        sd = sharded.chunked(sd, sharded.local_shards(sd), shards)
     record = state.buckets.record(observe=False) if state.buckets.ddps else None
     for rank, payload in sorted(blobs.items()):
         blob = decode(payload)
@@ -57,15 +64,17 @@ def _state_dict(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes
 
 def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes], step: int,
                  *, root: Path, run_id: str | None, io_threads: int, world_size: int,
-                 extra: Mapping[str, Any],
+                 extra: Mapping[str, Any], shards: list[Mapping[Any, tuple]] | None = None,
                  still_valid: Callable[[], str | None] = lambda: None) -> CheckpointInfo:
     """Write and commit the state of boundary ``step`` under ``root``; ``blobs`` holds every
     rank's snapshot of it. ``extra`` goes into the manifest (run id, job, the rescue's record).
-    ``still_valid`` runs after the write, before the commit: a reason there (the live state
+    ``shards`` (sharded state): the other columns' local shards (``sharded.load_column``), which
+    with this rank's own make up every DTensor. ``still_valid`` runs after the write, before
+    the commit: a reason there (the live state
     moved during the write) commits nothing. Raises CheckpointError (nothing committed) on any
     failure."""
     t0 = time.monotonic()
-    sd = _state_dict(state, boundary, blobs, step)
+    sd = _state_dict(state, boundary, blobs, step, shards)
     try:
         path = layout.create_step_dir(root, step, run_id)
     except OSError as e:
@@ -75,7 +84,8 @@ def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, byte
     manifest: dict[str, Any] = {}
     try:
         writer = ChecksummingWriter(path, threads=io_threads)
-        dcp.save(sd, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+        planner = DefaultSavePlanner() if shards is None else sharded.ChunkPlanner()
+        dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
         # What was checked before the write, checked again: the files hold the live tensors
         # as they were while written, so they are the boundary's only if nothing stepped.
         status = still_valid()
