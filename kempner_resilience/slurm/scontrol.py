@@ -63,23 +63,42 @@ def find_scontrol(environ: Mapping[str, str] | None = None, name: str = "scontro
     return shutil.which(name, path=env.get("PATH", os.defpath))
 
 
+# The shield's wrapper: an ignored disposition survives exec, so scontrol ignores them too.
+_SHIELD = 'trap "" TERM INT HUP USR1 USR2; exec "$0" "$@"'
+_SHIELD_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
+
+
 def run_scontrol(args: list[str] | tuple[str, ...], timeout: float = 10.0, *,
-                 environ: Mapping[str, str] | None = None) -> ScontrolResult:
-    """Run ``scontrol *args`` with a time limit; never raises for a missing binary or a hang."""
+                 environ: Mapping[str, str] | None = None,
+                 shield: bool = False) -> ScontrolResult:
+    """Run ``scontrol *args`` with a time limit; never raises for a missing binary or a hang.
+
+    ``shield``: the call survives the job's own SIGTERM (a call made right after ``scontrol
+    requeue``, which makes slurmstepd signal every process of the job a few ms later): the
+    child starts with those signals blocked (inherited from this thread's mask over fork and
+    exec, so there is no window) and ignores them (``trap ''`` before exec). SIGKILL, after
+    KillWait, still ends it; the time limit stays."""
     exe = find_scontrol(environ)
     full = ("scontrol", *args)
     if exe is None:
         return ScontrolResult(full, None, missing=True)
+    argv = [exe, *args]
+    if shield and os.path.exists("/bin/sh"):
+        argv = ["/bin/sh", "-c", _SHIELD, exe, *args]
     t0 = time.monotonic()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SHIELD_SIGNALS) if shield else None
     try:
         # Own session: on a hang the whole group is killed (a wrapper script's children too,
         # which would otherwise keep the pipes open and block us), and a terminal's Ctrl+C
         # meant for the training process never reaches it.
-        proc = subprocess.Popen([exe, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, text=True, start_new_session=True,
                                 env=None if environ is None else dict(environ))
     except OSError as e:  # not executable, vanished between which() and exec, ...
         return ScontrolResult(full, None, "", str(e), missing=True, seconds=time.monotonic() - t0)
+    finally:
+        if old_mask is not None:    # this thread takes its signals again (a pending one now)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -26,6 +26,8 @@
 #   KR_MN_NET       the /24's first three octets (default 10.213.47)
 #   KR_MN_CTL_PORT  slurmctld port (default 7817); slurmd listens on the next one
 #   KR_MN_KILLWAIT  KillWait seconds (default 5)
+#   KR_MN_SLURMD_TIMEOUT  SlurmdTimeout seconds (default 5; production clusters use 300: a
+#                   dead node stays "responding" that long, see tests/test_slurm_spares.py)
 #   KR_SLURM_NO_INSTALL=1  never run apt-get (fail instead when slurm is missing)
 set -euo pipefail
 
@@ -36,6 +38,7 @@ NET="${KR_MN_NET:-10.213.47}"
 CTL_PORT="${KR_MN_CTL_PORT:-7817}"
 D_PORT=$((CTL_PORT + 1))
 KILLWAIT="${KR_MN_KILLWAIT:-5}"
+SLURMD_TIMEOUT="${KR_MN_SLURMD_TIMEOUT:-5}"
 PREFIX=krnode
 BRIDGE=krmn0
 MARK="# kr-multinode"
@@ -159,8 +162,8 @@ JobRequeue=1
 KillWait=$KILLWAIT
 ReturnToService=2
 # A dead node is DOWN about 12 s after it stops answering (defaults: about 30 s), and its
-# --requeue jobs are requeued then.
-SlurmdTimeout=5
+# --requeue jobs are requeued then (KR_MN_SLURMD_TIMEOUT=300: five minutes, as in production).
+SlurmdTimeout=$SLURMD_TIMEOUT
 MessageTimeout=3
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none

@@ -68,5 +68,14 @@ start_munge() {
         fi
     fi
     rm -f /run/munge/munge.socket.2.lock "$MUNGE_PID"
-    runuser -u munge -- /usr/sbin/munged || die "munged failed to start (see /var/log/munge)"
+    # munged outlives this script and every cluster: it must not inherit our descriptors. The
+    # suite runs these scripts under `flock /tmp/kr-slurm.lock ...`, whose lock a munged holding
+    # that fd would keep forever (every later flock waits for good).
+    (
+        for fd in /proc/$BASHPID/fd/*; do
+            fd=${fd##*/}
+            (( fd > 2 )) && eval "exec $fd>&-" 2>/dev/null
+        done
+        exec runuser -u munge -- /usr/sbin/munged
+    ) || die "munged failed to start (see /var/log/munge)"
 }

@@ -1,0 +1,149 @@
+"""What one srun step of a job with spare nodes did, read from srun's own messages: the pure
+part of the relaunch in place (``slurm/relaunch.py`` runs the steps).
+
+srun reports every task that ends badly on its stderr, one line per node and code
+(``srun: error: krnode1: tasks 0-1: Exited with exit code 81``, ``... task 3: Killed``), and a
+node that SLURM declared dead (``srun: error: Node failure on krnode2``). A node that died
+says nothing at all: its slurmd and slurmstepd died with it, and SLURM notices only after
+``SlurmdTimeout`` (300 s in production). So the node that stays silent while the others report
+their tasks' ends is the dead one; the survivors' codes say what kind of ending it was
+(``PEER_LOST``/``HANG``: a failure the rescue may have saved, worth a relaunch on a spare).
+
+Nothing here runs a process or needs SLURM.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from kempner_resilience.exitcodes import ExitCode
+
+__all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES",
+           "IN_JOB_ENV", "RESTART_INDEX_ENV"]
+
+# Set by the relaunch loop in every task's environment: the loop owns what follows a failure
+# (a relaunch on a spare, or the requeue), so rank 0 must not requeue the job itself.
+IN_JOB_ENV = "KEMPNER_RESILIENCE_IN_JOB_RELAUNCH"
+# The in-job restart's number (1, 2, ...; unset in the first step): SLURM_RESTART_COUNT stays
+# the same across relaunches in place, this tells them apart (log and report names).
+RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
+
+# Codes after which the job is worth running again from its newest checkpoint in the same
+# allocation: a rank is gone or hung (the survivors rescued or fell back), or a rank was killed.
+FAILURE_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.HANG)})
+# What the survivors of someone else's failure end with; any other bad ending points at the
+# task's own node (HANG: the hung rank's kernel timer; a signal: the rank was killed).
+_SURVIVOR_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.SIGTERM), 0})
+# Codes that end the job as they are: a relaunch would not help (a bug, a bad config) or the
+# job is already on its way back to the queue (REQUEUE) or asked not to be (NO_REQUEUE).
+_FINAL_CODES = frozenset({int(ExitCode.ERROR), int(ExitCode.CONFIG), int(ExitCode.REQUEUE),
+                          int(ExitCode.NO_REQUEUE), int(ExitCode.REQUEUE_FAILED),
+                          int(ExitCode.CHECKPOINT_FAILED), int(ExitCode.SIGINT)})
+
+_TASKS = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.*)$")
+_NODE_FAIL = re.compile(r"^srun: error: Node failure on (\S+)")
+_EXITED = re.compile(r"Exited with exit code (\d+)")
+_SIGNAL_WORDS = {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM,
+                 "Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT,
+                 "Bus error": signal.SIGBUS, "Interrupt": signal.SIGINT}
+
+
+@dataclass(frozen=True)
+class TaskEnd:
+    """srun's report of tasks on one node that ended badly (``node_failure``: the whole node)."""
+
+    node: str
+    tasks: tuple[int, ...] = ()
+    code: int | None = None              # the exit code, 128 + N for a signal
+    node_failure: bool = False
+
+
+def _task_ids(text: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit():
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(out)
+
+
+def parse_srun_line(line: str) -> TaskEnd | None:
+    """One line of srun's stderr -> what it reports about a task's end, or None."""
+    line = line.strip()
+    m = _NODE_FAIL.match(line)
+    if m:
+        return TaskEnd(m.group(1), node_failure=True)
+    m = _TASKS.match(line)
+    if not m:
+        return None
+    node, tasks, what = m.group(1), _task_ids(m.group(2)), m.group(3)
+    e = _EXITED.search(what)
+    if e:
+        return TaskEnd(node, tasks, int(e.group(1)))
+    for word, sig in _SIGNAL_WORDS.items():
+        if what.startswith(word):
+            return TaskEnd(node, tasks, 128 + int(sig))
+    return None
+
+
+@dataclass
+class StepReport:
+    """Everything srun said about one step's task ends, in order."""
+
+    nodes: Sequence[str]                 # the step's nodes
+    ntasks: int                          # the step's tasks
+    ends: list[TaskEnd] = field(default_factory=list)
+
+    def add(self, end: TaskEnd) -> None:
+        self.ends.append(end)
+
+    @property
+    def reported_tasks(self) -> set[int]:
+        return {t for e in self.ends for t in e.tasks}
+
+    @property
+    def complete(self) -> bool:
+        """Every task's end was reported (nothing more to wait for)."""
+        return len(self.reported_tasks) >= self.ntasks
+
+    @property
+    def codes(self) -> set[int]:
+        return {e.code for e in self.ends if e.code is not None}
+
+    @property
+    def failed(self) -> bool:
+        """A failure ending worth a relaunch: a rank lost or hung, a rank killed by a signal
+        other than the shutdown's own (SIGTERM/SIGINT), or a node declared dead; and nothing
+        that ends the job as it is (a bug, a requeue already under way)."""
+        if self.codes & _FINAL_CODES:
+            return False
+        killed = {c for c in self.codes if c > 128 and c not in (int(ExitCode.SIGTERM),
+                                                                 int(ExitCode.SIGINT))}
+        return bool(self.codes & FAILURE_CODES or killed
+                    or any(e.node_failure for e in self.ends))
+
+    def implicated(self) -> set[str]:
+        """The nodes to keep out: those SLURM declared dead or that never reported while the
+        others did (a dead node says nothing), else those whose own tasks failed (a killed or
+        hung rank: not the survivors' PEER_LOST/SIGTERM); when every node looks guilty (every
+        rank's hang watchdog fired), the node of the first bad report."""
+        heard = {e.node for e in self.ends}
+        silent = {e.node for e in self.ends if e.node_failure} | (set(self.nodes) - heard
+                                                                  if self.ends else set())
+        if silent:
+            return silent
+        own = [e.node for e in self.ends if e.code is not None and e.code not in _SURVIVOR_CODES]
+        if own and set(own) >= set(self.nodes) and len(self.nodes) > 1:
+            return {own[0]}
+        return set(own)
+
+
+def choose_nodes(nodes: Iterable[str], bad: Iterable[str], n: int) -> list[str] | None:
+    """The first ``n`` of the allocation's ``nodes`` (SLURM's order: rank 0 lands on the first)
+    that are not ``bad``; None when fewer than ``n`` are left."""
+    bad_set = set(bad)
+    good = [h for h in nodes if h not in bad_set]
+    return good[:n] if len(good) >= n else None
