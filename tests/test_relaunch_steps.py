@@ -78,3 +78,10 @@ def test_sbatch_spares_asks_for_n_plus_k_nodes_with_no_kill_and_runs_the_step_lo
     assert argv[argv.index("--") + 1:] == ["python", "train.py", "--lr", "0.1"]
     assert not any(line.startswith("srun ") for line in text.splitlines())
 
+
+
+def test_the_step_is_over_once_every_node_heard_from_reported_all_its_tasks():
+    r = _report(["n1", "n2", "n3"], 6, ["srun: error: n1: task 0: Exited with exit code 81"])
+    assert not r.heard_complete(2)           # n1's task 1 is still rescuing
+    r.add(parse_srun_line("srun: error: n1: task 1: Exited with exit code 143"))
+    assert r.heard_complete(2) and not r.complete

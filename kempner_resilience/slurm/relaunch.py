@@ -55,10 +55,14 @@ __all__ = ["Relauncher", "StepResult", "run_in_place"]
 
 _log = get_logger(__name__)
 
-# After a failure ending, this long without a new task report and the step is over on every
-# node that can still report: the survivors report one after the other as they finish their
-# rescue (srun's --kill-on-bad-exit SIGTERMs them at the first bad exit).
-SETTLE_S = 3.0
+# After a failure ending, once every node that reported has reported all its tasks, this long
+# without news and the step is over on every node that can still report: the silent ones are
+# dead. The survivors report as they finish their rescue (srun's --kill-on-bad-exit SIGTERMs
+# them at the first bad exit, their slurmstepd SIGKILLs them KillWait later).
+SETTLE_S = 2.0
+# Without news for this long the step is over whatever was reported (a survivor node that
+# reported some of its tasks only: SLURM's KillWait, 30 s by default, has passed).
+SETTLE_MAX_S = 45.0
 # The ending of an old step (srun killed, the step cancelled) is bounded by this.
 END_STEP_S = 10.0
 
@@ -269,8 +273,9 @@ class Relauncher:
             with lock:
                 failed = report.failed and not self.stopping
                 quiet = time.monotonic() - last_news[0]
-                done = report.complete
-            if failed and (done or quiet >= self.settle_s):
+                done = report.complete or (quiet >= self.settle_s and
+                                           report.heard_complete(self.tasks_per_node))
+            if failed and (done or quiet >= SETTLE_MAX_S):
                 # The tasks that can still report have; the silent ones are on a dead node,
                 # which SLURM may take SlurmdTimeout to notice. End the step now.
                 self._end_step(proc)

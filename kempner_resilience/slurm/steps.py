@@ -109,6 +109,15 @@ class StepReport:
         """Every task's end was reported (nothing more to wait for)."""
         return len(self.reported_tasks) >= self.ntasks
 
+    def heard_complete(self, tasks_per_node: int) -> bool:
+        """Every node that reported a task's end has reported all of its tasks' ends: what is
+        missing is whole nodes, the silent (dead) ones."""
+        per: dict[str, set[int]] = {}
+        for e in self.ends:
+            if not e.node_failure:
+                per.setdefault(e.node, set()).update(e.tasks)
+        return bool(per) and all(len(t) >= tasks_per_node for t in per.values())
+
     @property
     def codes(self) -> set[int]:
         return {e.code for e in self.ends if e.code is not None}
