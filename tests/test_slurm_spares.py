@@ -55,11 +55,13 @@ def slow_death(multinode_cluster):
     _cluster_with(5)
 
 
-def _submit(cluster, tmp_path: Path, jobs) -> DemoJob:
+def _submit(cluster, tmp_path: Path, jobs, *, hang_timeout_s: float = 30,
+            train_args: tuple[str, ...] = ()) -> DemoJob:
     env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env.get('PATH', '')}")
     job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, spares=SPARES, steps=STEPS,
                     step_time=STEP_TIME, every_steps=EVERY, rank_files=True, env=env,
-                    sets=["watchdog.hang_timeout_s=30"])
+                    sets=[f"watchdog.hang_timeout_s={hang_timeout_s}"],
+                    train_args=list(train_args))
     jobs[0].append(job)
     job.submit()
     return job
@@ -117,3 +119,22 @@ def test_the_relaunch_does_not_wait_for_slurm_to_notice_the_dead_node(
     state = subprocess.run(["sinfo", "-h", "-n", dead, "-o", "%t"], capture_output=True,
                            text=True, env=slow_death.env, timeout=30).stdout.strip()
     assert "down" not in state, state
+
+
+def test_a_rank_hung_with_the_gil_held_gets_its_node_excluded_and_the_spare_takes_over_bitwise(
+        multinode_cluster, tmp_path, reference, multinode_jobs):
+    # Rank 2 (krnode2) hangs inside step 60 in a C call that keeps the GIL: its kernel-timer
+    # watchdog ends it with HANG, before the others (their watchdogs also fire, then rescue).
+    hang_at = 60
+    job = _submit(multinode_cluster, tmp_path, multinode_jobs, hang_timeout_s=8,
+                  train_args=("--hang-at", str(hang_at), "--hang-rank", "2", "--hang-holds-gil",
+                              "--hang-marker", str(tmp_path / "hang.done")))
+    info = job.wait_state(timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", job.log_text()[-4000:]
+    same, total, diff = compare_weights(reference, job.weights)
+    assert not diff, f"{len(diff)} of {total} tensors differ after a hang at {hang_at}"
+    assert job.rank_exit("0.0", 2) == 42
+    assert bad_nodes(job.checkpoints) == {"krnode2"}
+    assert job.report("0.1") is not None and job.report("0.1")["resumed_from"] in (hang_at,
+                                                                                    EVERY)
+    assert "--nodelist=krnode1,krnode3" in job.log_text(), job.log_text()[-3000:]
