@@ -278,7 +278,7 @@ class Relauncher:
             if failed and (done or quiet >= SETTLE_MAX_S):
                 # The tasks that can still report have; the silent ones are on a dead node,
                 # which SLURM may take SlurmdTimeout to notice. End the step now.
-                self._end_step(proc)
+                self._end_step(proc, index)
                 res.ended_by_us = True
                 break
         res.code = proc.wait()
@@ -288,8 +288,8 @@ class Relauncher:
             res.code = int(ExitCode.PEER_LOST)
         return res
 
-    def _end_step(self, proc: subprocess.Popen[str]) -> None:
-        step = self._step_id(proc)
+    def _end_step(self, proc: subprocess.Popen[str], index: int) -> None:
+        step = self._step_id(index)
         proc.kill()
         try:
             proc.wait(timeout=END_STEP_S)
@@ -301,8 +301,9 @@ class Relauncher:
             if out.returncode:
                 _log.info("scancel %s: %s", step, (out.stderr or out.stdout).strip())
 
-    def _step_id(self, proc: subprocess.Popen[str]) -> str | None:
-        """JOB.STEP of the step this srun started (the newest kr-step-* of the job)."""
+    def _step_id(self, index: int) -> str | None:
+        """JOB.STEP of step ``index`` (srun named it kr-step-INDEX); an old step may still be
+        listed, completing on a dead node."""
         try:
             out = subprocess.run(["squeue", "-h", "-s", "-j", self.job.job_id, "-o", "%i %j"],
                                  capture_output=True, text=True, timeout=END_STEP_S,
@@ -310,7 +311,7 @@ class Relauncher:
         except (OSError, subprocess.TimeoutExpired):
             return None
         ids = [line.split()[0] for line in out.stdout.splitlines()
-               if len(line.split()) == 2 and line.split()[1].startswith("kr-step-")]
+               if line.split()[1:] == [f"kr-step-{index}"]]
         return ids[-1] if ids else None
 
 
