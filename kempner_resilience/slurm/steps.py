@@ -138,7 +138,10 @@ class StepReport:
         """The nodes to keep out: those SLURM declared dead or that never reported while the
         others did (a dead node says nothing), else those whose own tasks failed (a killed or
         hung rank: not the survivors' PEER_LOST/SIGTERM); when every node looks guilty (every
-        rank's hang watchdog fired), the node of the first bad report."""
+        rank's hang watchdog fired), the node of the first bad report. That last guess is
+        weak: a rank hung with the GIL held is ended by its backstop about a second after the
+        others' watchdogs fire, so it reports last, and a survivor that rescues long reports
+        later still; knowing the hung rank needs word from the ranks themselves."""
         heard = {e.node for e in self.ends}
         silent = {e.node for e in self.ends if e.node_failure} | (set(self.nodes) - heard
                                                                   if self.ends else set())
