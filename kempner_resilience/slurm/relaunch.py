@@ -295,11 +295,18 @@ class Relauncher:
             proc.wait(timeout=END_STEP_S)
         except subprocess.TimeoutExpired:
             _log.error("srun (pid %d) did not exit after SIGKILL", proc.pid)
-        if step is not None:
+        if step is None:
+            return
+        # SLURM then forgets the step on the live nodes at once; on a dead node it stays
+        # "completing" until SlurmdTimeout, which the next step's --overlap gets around.
+        try:
             out = subprocess.run(["scancel", "--quiet", step], capture_output=True, text=True,
                                  timeout=END_STEP_S, stdin=subprocess.DEVNULL)
-            if out.returncode:
-                _log.info("scancel %s: %s", step, (out.stderr or out.stdout).strip())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            _log.warning("scancel %s failed (%s); starting the next step anyway", step, e)
+            return
+        if out.returncode:
+            _log.info("scancel %s: %s", step, (out.stderr or out.stdout).strip())
 
     def _step_id(self, index: int) -> str | None:
         """JOB.STEP of step ``index`` (srun named it kr-step-INDEX); an old step may still be
