@@ -85,3 +85,21 @@ def test_the_step_is_over_once_every_node_heard_from_reported_all_its_tasks():
     assert not r.heard_complete(2)           # n1's task 1 is still rescuing
     r.add(parse_srun_line("srun: error: n1: task 1: Exited with exit code 143"))
     assert r.heard_complete(2) and not r.complete
+
+
+def test_when_every_rank_ends_with_hang_the_node_of_the_rank_that_never_said_so_is_the_bad_one(
+        tmp_path):
+    from kempner_resilience.slurm.steps import (IN_JOB_ENV, hang_seen_dir, hang_seen_ranks,
+                                                note_hang_seen)
+
+    env = {IN_JOB_ENV: "1", "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}
+    for rank in (0, 1, 3):                    # rank 2 hung with the GIL held: no word from it
+        note_hang_seen(tmp_path, rank, env)
+    note_hang_seen(tmp_path, 2, {})           # outside the step loop: nothing written
+    seen = hang_seen_ranks(hang_seen_dir(tmp_path, "7", 0, 0))
+    assert seen == {0, 1, 3}
+    # srun reported the survivors' node first: the order alone would blame n1.
+    r = _report(["n1", "n2"], 4, ["srun: error: n1: tasks 0-1: Exited with exit code 42",
+                                  "srun: error: n2: task 3: Exited with exit code 42",
+                                  "srun: error: n2: task 2: Exited with exit code 42"])
+    assert r.implicated(seen, 2) == {"n2"}

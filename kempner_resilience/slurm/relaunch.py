@@ -48,6 +48,8 @@ from kempner_resilience.slurm.steps import (
     RESTART_INDEX_ENV,
     StepReport,
     choose_nodes,
+    hang_seen_dir,
+    hang_seen_ranks,
     parse_srun_line,
 )
 
@@ -123,7 +125,9 @@ class Relauncher:
             res = self.run_step(nodes, index)
             if not res.report.failed or self.stopping:
                 return res.code
-            implicated = res.report.implicated()
+            seen = hang_seen_ranks(hang_seen_dir(self.ckpt_dir, self.job.job_id,
+                                                 self.job.restart_count, index))
+            implicated = res.report.implicated(seen, self.tasks_per_node)
             reason = self._reason(res.report)
             try:
                 now_bad = record_bad_nodes(self.ckpt_dir, implicated, reason=reason,

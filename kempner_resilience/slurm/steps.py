@@ -14,15 +14,18 @@ Nothing here runs a process or needs SLURM.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
 
 from kempner_resilience.exitcodes import ExitCode
 
 __all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES",
-           "IN_JOB_ENV", "RESTART_INDEX_ENV"]
+           "IN_JOB_ENV", "RESTART_INDEX_ENV", "note_hang_seen", "hang_seen_dir",
+           "hang_seen_ranks"]
 
 # Set by the relaunch loop in every task's environment: the loop owns what follows a failure
 # (a relaunch on a spare, or the requeue), so rank 0 must not requeue the job itself.
@@ -134,14 +137,15 @@ class StepReport:
         return bool(self.codes & FAILURE_CODES or killed
                     or any(e.node_failure for e in self.ends))
 
-    def implicated(self) -> set[str]:
+    def implicated(self, hang_seen: set[int] | None = None,
+                   tasks_per_node: int = 1) -> set[str]:
         """The nodes to keep out: those SLURM declared dead or that never reported while the
         others did (a dead node says nothing), else those whose own tasks failed (a killed or
         hung rank: not the survivors' PEER_LOST/SIGTERM); when every node looks guilty (every
-        rank's hang watchdog fired), the node of the first bad report. That last guess is
-        weak: a rank hung with the GIL held is ended by its backstop about a second after the
-        others' watchdogs fire, so it reports last, and a survivor that rescues long reports
-        later still; knowing the hung rank needs word from the ranks themselves."""
+        rank's hang watchdog fired), the nodes of the ranks missing from ``hang_seen`` (a
+        rank hung with the GIL held cannot say its watchdog ran: its backstop ends it, about a
+        second after the others' watchdogs fire, so the order of srun's reports does not tell),
+        and without that word the node of the first bad report, a guess."""
         heard = {e.node for e in self.ends}
         silent = {e.node for e in self.ends if e.node_failure} | (set(self.nodes) - heard
                                                                   if self.ends else set())
@@ -149,8 +153,50 @@ class StepReport:
             return silent
         own = [e.node for e in self.ends if e.code is not None and e.code not in _SURVIVOR_CODES]
         if own and set(own) >= set(self.nodes) and len(self.nodes) > 1:
+            # Every rank ended with HANG. The ranks whose hang watchdog ran in Python said so
+            # (``note_hang_seen``); a rank that did not was hung with the GIL held. Tasks are
+            # laid out in blocks: task r runs on nodes[r // tasks_per_node].
+            if hang_seen:
+                quiet = {self.nodes[r // tasks_per_node] for r in range(self.ntasks)
+                         if r not in hang_seen and r // tasks_per_node < len(self.nodes)}
+                if quiet and quiet != set(self.nodes):
+                    return quiet
             return {own[0]}
         return set(own)
+
+
+_HANG_SEEN = ".in-job-hang"
+
+
+def hang_seen_dir(ckpt_dir: str | os.PathLike[str], job_id: str, restart_count: int,
+                  index: int) -> Path:
+    """Where the ranks of one step (job, requeue, relaunch in place) say their watchdog ran."""
+    return Path(ckpt_dir) / _HANG_SEEN / f"{job_id}.{restart_count}.{index}"
+
+
+def note_hang_seen(ckpt_dir: str | os.PathLike[str], rank: int,
+                   environ: Mapping[str, str] | None = None) -> None:
+    """Under ``kempner-resilience srun`` only: this rank's hang watchdog ran in Python, so this
+    rank is not the one hung with the GIL held. One empty file per rank; never raises."""
+    env = os.environ if environ is None else environ
+    if not env.get(IN_JOB_ENV) or not env.get("SLURM_JOB_ID"):
+        return
+    try:
+        d = hang_seen_dir(ckpt_dir, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0),
+                          int(env.get(RESTART_INDEX_ENV) or 0))
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank-{int(rank)}").touch()
+    except (OSError, ValueError):
+        pass
+
+
+def hang_seen_ranks(directory: Path) -> set[int]:
+    """The ranks that said so (``note_hang_seen``)."""
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return set()
+    return {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()}
 
 
 def choose_nodes(nodes: Iterable[str], bad: Iterable[str], n: int) -> list[str] | None:
