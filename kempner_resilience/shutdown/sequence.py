@@ -30,6 +30,7 @@ from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import (Ending, Facts, Saved, Verdict, exit_code,
                                                  record)
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
+from kempner_resilience.slurm.steps import IN_JOB_ENV
 from kempner_resilience.stop.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
 
@@ -128,6 +129,11 @@ def requeue_after_failure(parts: RunState, why: str) -> Verdict | None:
     failure's code stays its own (PEER_LOST, HANG): the verdict is logged, None when no
     requeue was tried."""
     if parts.slurm is None or parts.rank != 0 or parts.committed_step() is None:
+        return None
+    if os.environ.get(IN_JOB_ENV):
+        # `kempner-resilience srun` (spare nodes) started this step: it relaunches the
+        # training on a spare, or requeues the job itself, once every survivor has left.
+        log.warning("%s: leaving the relaunch or requeue to the job's step loop", why)
         return None
     try:
         verdict = _requeue_decision(parts)

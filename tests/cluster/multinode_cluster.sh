@@ -26,6 +26,8 @@
 #   KR_MN_NET       the /24's first three octets (default 10.213.47)
 #   KR_MN_CTL_PORT  slurmctld port (default 7817); slurmd listens on the next one
 #   KR_MN_KILLWAIT  KillWait seconds (default 5)
+#   KR_MN_SLURMD_TIMEOUT  SlurmdTimeout seconds (default 5; production clusters use 300: a
+#                   dead node stays "responding" that long, see tests/test_slurm_spares.py)
 #   KR_SLURM_NO_INSTALL=1  never run apt-get (fail instead when slurm is missing)
 set -euo pipefail
 
@@ -38,6 +40,7 @@ D_PORT=$((CTL_PORT + 1))
 KILLWAIT="${KR_MN_KILLWAIT:-5}"
 # Above KillWait, with room for a loaded machine: see MessageTimeout in write_conf.
 MSG_TIMEOUT=$((KILLWAIT + 5 > 10 ? KILLWAIT + 5 : 10))
+SLURMD_TIMEOUT="${KR_MN_SLURMD_TIMEOUT:-5}"
 PREFIX=krnode
 BRIDGE=krmn0
 MARK="# kr-multinode"
@@ -162,7 +165,8 @@ KillWait=$KILLWAIT
 ReturnToService=2
 # A dead node is DOWN about 25 s after it stops answering (12 s with MessageTimeout=3; SLURM's
 # defaults: minutes), and its --requeue jobs are requeued then.
-SlurmdTimeout=5
+# KR_MN_SLURMD_TIMEOUT=300: five minutes, as in production.
+SlurmdTimeout=$SLURMD_TIMEOUT
 # slurmd answers a kill of a step or job only once the step has ended: up to KillWait after
 # the tasks' SIGTERM. An answer later than MessageTimeout makes slurmctld send the kill again
 # 60 s later, by job and step id; with cred_expire=5 (above) the requeued job, same id, step 0

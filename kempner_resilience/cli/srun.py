@@ -1,0 +1,62 @@
+"""`kempner-resilience srun`: the training as srun steps that are relaunched in place, on a
+spare node, after a node or rank failure (``slurm/relaunch.py``).
+
+    kempner-resilience srun --spares 1 [--config F] [--set K=V] -- python train.py ...
+
+Run it in the batch script of a job that asked for N + K nodes with ``#SBATCH --no-kill``
+(``kempner-resilience sbatch --spares K`` writes one); it trains on N of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kempner_resilience.cli.common import CliError, Verb, config_args
+from kempner_resilience.config import load_config
+
+__all__ = ["VERBS"]
+
+
+def _setup(p: argparse.ArgumentParser) -> None:
+    p.usage = "%(prog)s --spares K [options] -- COMMAND ..."
+    p.add_argument("--spares", type=int, required=True, metavar="K",
+                   help="nodes of the allocation kept as spares (the training runs on the "
+                        "other ones, one srun task per --ntasks-per-node)")
+    p.add_argument("--in-job-restarts", type=int, default=None, metavar="R",
+                   help="relaunches in place before a failure requeues the job (default: "
+                        "--spares)")
+    config_args(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="what every srun task runs, after `--`")
+    p.epilog = ("The exit status is the last step's srun status (PEER_LOST 81 when a failed "
+                "step was ended here). After a failure ending (PEER_LOST, HANG, a killed rank, "
+                "a dead node) with a committed checkpoint, the training starts again on the "
+                "healthy nodes plus a spare, at most --in-job-restarts times; then, or "
+                "with no spare left, the job is requeued. The checkpoint.dir of --config/--set "
+                "must be the training's.")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kempner_resilience.slurm.relaunch import run_in_place
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CliError("give the training command after `--`, e.g. -- python train.py", 2)
+    if command[0].startswith("-"):
+        raise CliError(f"unknown option {command[0]!r}; put the training command after `--`",
+                       2)
+    restarts = args.spares if args.in_job_restarts is None else args.in_job_restarts
+    if args.spares < 0 or restarts < 0:
+        raise CliError("--spares and --in-job-restarts must be >= 0", 2)
+    cfg = load_config(args.config, args.overrides)
+    try:
+        return run_in_place(command, args.spares, cfg, restarts)
+    except ValueError as e:
+        raise CliError(str(e), 2) from None
+
+
+VERBS = [Verb("srun", "run the training as srun steps relaunched in place on a spare node "
+              "after a node or rank failure (batch script of `sbatch --spares K`)", _setup,
+              _run)]

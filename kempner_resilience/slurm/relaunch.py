@@ -1,0 +1,353 @@
+"""Relaunch in place: the training as srun steps inside one allocation with spare nodes.
+
+The batch script of a job with spares (``kempner-resilience sbatch --spares K``: N + K nodes,
+``#SBATCH --no-kill``) runs ``kempner-resilience srun --spares K -- python train.py``, which is
+this loop:
+
+1. start ``srun`` on N nodes of the allocation, not the recorded bad ones (``badnodes``), with
+   ``MASTER_ADDR`` the first of them (rank 0's: SLURM places tasks in its node order);
+2. read srun's stderr (passed on to the job's log) for task ends (``slurm/steps.py``);
+3. a failure ending (PEER_LOST, HANG, a killed rank, a node failure): wait until the survivors
+   have finished (their rescue runs before they exit) and ``settle_s`` passed without news,
+   record the nodes that stayed silent or failed on their own as bad, end the old step
+   (srun killed, ``scancel JOB.STEP``) without waiting for SLURM to notice the dead node
+   (``SlurmdTimeout``, 300 s in production), and start the next step on the healthy nodes plus
+   a spare, from the newest committed checkpoint: same job, no requeue, ``SLURM_RESTART_COUNT``
+   unchanged;
+4. anything else ends the job as before, with the step's code: done, a signal's stop and
+   requeue (the ranks requeue themselves, as without spares), a bug.
+
+When no relaunch is possible (no spare left, ``--in-job-restarts`` spent, no progress
+over ``requeue.max_no_progress`` relaunches, no committed checkpoint, the job being stopped),
+the loop requeues the job as rank 0 would have (``decide_requeue`` + ``requeue_job``: the
+restart budget, the bad nodes excluded): the ranks leave the requeue after a failure to the
+loop (``IN_JOB_ENV``), since rank 0 may be the dead one. A dead batch node ends this loop
+too: SLURM's own node-failure requeue takes over there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.core.ledger import LEDGER_NAME, RELAUNCH_START_ENV, read_ledger
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
+from kempner_resilience.slurm.restart_event import record_restart
+from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
+from kempner_resilience.slurm.steps import (
+    IN_JOB_ENV,
+    RESTART_INDEX_ENV,
+    StepReport,
+    choose_nodes,
+    hang_seen_dir,
+    hang_seen_ranks,
+    parse_srun_line,
+)
+
+__all__ = ["Relauncher", "StepResult", "run_in_place"]
+
+_log = get_logger(__name__)
+
+# After a failure ending, once every node that reported has reported all its tasks, this long
+# without news and the step is over on every node that can still report: the silent ones are
+# dead. The survivors report as they finish their rescue (srun's --kill-on-bad-exit SIGTERMs
+# them at the first bad exit, their slurmstepd SIGKILLs them KillWait later).
+SETTLE_S = 2.0
+# Without news for this long the step is over whatever was reported (a survivor node that
+# reported some of its tasks only: SLURM's KillWait, 30 s by default, has passed).
+SETTLE_MAX_S = 45.0
+# The ending of an old step (srun killed, the step cancelled) is bounded by this.
+END_STEP_S = 10.0
+
+
+@dataclass
+class StepResult:
+    code: int                            # srun's exit status (ours when we ended it)
+    report: StepReport
+    first_bad_t: float | None = None     # wall time of srun's first bad task report
+    ended_t: float | None = None         # wall time the step was over (srun gone)
+    ended_by_us: bool = False
+
+
+@dataclass
+class Relauncher:
+    """The loop; ``run()`` returns the job's exit code."""
+
+    command: Sequence[str]
+    spares: int
+    config: ResilienceConfig
+    in_job_restarts: int = 1
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    srun: Sequence[str] = ("srun",)
+    settle_s: float = SETTLE_S
+    stopping: bool = False               # a signal came: no relaunch from now on
+
+    def __post_init__(self) -> None:
+        env = self.environ
+        job = SlurmJob.from_env(env)
+        if job is None or not env.get("SLURM_JOB_NODELIST"):
+            raise ValueError("not inside a SLURM job (no SLURM_JOB_ID/SLURM_JOB_NODELIST): run "
+                             "`kempner-resilience srun` in the batch script of a job")
+        self.job = job
+        self.nodes = expand_hostlist(env["SLURM_JOB_NODELIST"])
+        self.need = len(self.nodes) - int(self.spares)
+        if self.spares < 0 or self.need < 1:
+            raise ValueError(f"--spares {self.spares} leaves no node to train on in an "
+                             f"allocation of {len(self.nodes)}; ask sbatch for N + spares nodes")
+        tpn = (env.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0]
+        self.tasks_per_node = int(tpn) if tpn.isdigit() else 1
+        self.ckpt_dir = Path(self.config.checkpoint.dir)
+        base = env.get("MASTER_PORT")
+        self.port = int(base) if base and base.isdigit() else master_port(job.job_id)
+        self.committed_at_relaunch: list[int | None] = []
+        self._relaunches = 0                 # in-job restarts so far (the ledger's relaunch)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        index = 0
+        while True:
+            bad = bad_nodes(self.ckpt_dir)
+            nodes = choose_nodes(self.nodes, bad, self.need)
+            if nodes is None:
+                _log.error("only %d of the allocation's %d nodes are not recorded bad (%s); "
+                           "%d needed: requeueing", len(set(self.nodes) - bad), len(self.nodes),
+                           ",".join(sorted(bad)), self.need)
+                return self._requeue(int(ExitCode.PEER_LOST))
+            res = self.run_step(nodes, index)
+            if not res.report.failed or self.stopping:
+                return res.code
+            seen = hang_seen_ranks(hang_seen_dir(self.ckpt_dir, self.job.job_id,
+                                                 self.job.restart_count, index))
+            implicated = res.report.implicated(seen, self.tasks_per_node)
+            reason = self._reason(res.report)
+            try:
+                now_bad = record_bad_nodes(self.ckpt_dir, implicated, reason=reason,
+                                           job_id=self.job.job_id)
+            except OSError as e:       # the relaunch still avoids them in this job
+                _log.error("cannot record bad nodes %s: %s", sorted(implicated), e)
+                now_bad = bad | implicated
+            why_not = self._why_not_relaunch(now_bad, index)
+            if why_not:
+                _log.warning("step %d failed (%s on %s); no relaunch in place: %s", index,
+                             reason, ",".join(sorted(implicated)) or "?", why_not)
+                return self._requeue(res.code)
+            nxt = choose_nodes(self.nodes, now_bad, self.need) or []
+            spare = sorted(set(nxt) - set(nodes))
+            _log.warning("step %d failed (%s on %s): relaunching in place on %s (spare %s), "
+                         "from the committed step %s", index, reason,
+                         ",".join(sorted(implicated)) or "?", ",".join(nxt),
+                         ",".join(spare) or "-", self._committed_step())
+            self._ledger_restart(res, reason, implicated, spare)
+            index += 1
+
+    def _reason(self, report: StepReport) -> str:
+        if any(e.node_failure for e in report.ends) or (set(report.nodes)
+                                                        - {e.node for e in report.ends}):
+            return "node lost"
+        codes = report.codes
+        if int(ExitCode.HANG) in codes:
+            return "hang"
+        if any(c > 128 for c in codes - {int(ExitCode.SIGTERM)}):
+            return "rank killed"
+        return "peer lost"
+
+    def _why_not_relaunch(self, bad: set[str], index: int) -> str | None:
+        limit = int(self.in_job_restarts)
+        if self.stopping:
+            return "the job is being stopped"
+        if index + 1 > limit:
+            return f"--in-job-restarts={limit} relaunch(es) spent"
+        if choose_nodes(self.nodes, bad, self.need) is None:
+            return "no spare node left"
+        step = self._committed_step()
+        if step is None:
+            return "no committed checkpoint to resume from"
+        self.committed_at_relaunch.append(step)
+        guard = int(self.config.requeue.max_no_progress)
+        seen = self.committed_at_relaunch
+        if guard and len(seen) > guard and all(s == step for s in seen[-guard - 1:]):
+            return (f"no progress: the committed step stayed at {step} over {guard} relaunches "
+                    "in a row (requeue.max_no_progress)")
+        return None
+
+    def _committed_step(self) -> int | None:
+        from kempner_resilience.checkpoint import layout
+
+        try:
+            steps = [e.step for e in layout.scan(self.ckpt_dir) if e.committed]
+        except OSError:
+            return None
+        return max(steps) if steps else None
+
+    def _requeue(self, code: int) -> int:
+        """The ranks left the requeue after a failure to us: do it as rank 0 would have (with
+        a committed checkpoint, within the restart budget). The code stays the failure's."""
+        if self._committed_step() is None or self.stopping:
+            return code
+        from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
+
+        ledger = RestartLedger.for_checkpoint_dir(self.ckpt_dir)
+        decision = decide_requeue(self.job, ledger, self._committed_step(),
+                                  self.config.requeue)
+        if decision.requeue:
+            # The failed nodes are kept out of the requeued job too (badnodes).
+            requeue_job(self.job, self.config.requeue, exclude=bad_nodes(self.ckpt_dir),
+                        min_nodes=self.need)
+        return code
+
+    def _ledger_restart(self, res: StepResult, reason: str, bad: set[str],
+                        spare: list[str]) -> None:
+        """The ``restart`` event (fields: ``core.ledger``), its parts back to back so that
+        ``report`` adds them up: detection (the first bad news -> every node heard from, less
+        the survivors' rescue, which runs meanwhile), rescue, relaunch (the old step over -> now,
+        the new step's launch)."""
+        path = self.ckpt_dir / LEDGER_NAME
+        events = read_ledger(path) if path.exists() else []
+        attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
+        run_id = next((e.get("run_id") for e in reversed(events) if e.get("run_id")), None)
+        rescue = next((e for e in reversed(events) if e.get("ev") == "rescue"
+                       and res.first_bad_t is not None
+                       and float(e.get("t", 0)) >= res.first_bad_t - 120), None)
+        rescue_s = (float(rescue["seconds"]) if rescue is not None
+                    and isinstance(rescue.get("seconds"), (int, float)) else None)
+        detect_s = relaunch_s = None
+        if res.first_bad_t is not None and res.ended_t is not None:
+            detect_s = max(0.0, res.ended_t - res.first_bad_t - (rescue_s or 0.0))
+            relaunch_s = time.time() - res.ended_t
+        record_restart(self.ckpt_dir, relaunch=self._relaunches + 1, reason=reason,
+                       bad_nodes=bad, spare=",".join(spare) or None,
+                       step=self._committed_step(), failure_t=res.first_bad_t,
+                       detect_s=detect_s, rescue_s=rescue_s, relaunch_s=relaunch_s,
+                       attempt=attempt, run_id=run_id)
+        self._relaunches += 1
+
+    # ------------------------------------------------------------------ one step
+
+    def step_command(self, nodes: Sequence[str], index: int) -> list[str]:
+        n = len(nodes)
+        # --overlap on a relaunch: the old step is still "completing" on the dead node until
+        # SLURM notices (SlurmdTimeout) and keeps its CPUs on the survivors busy till then;
+        # without it the new step waits that long (measured: pending until killed at 30 s with
+        # SlurmdTimeout=300, started at once with --overlap).
+        overlap = ["--overlap"] if index else []
+        return [*self.srun, "--kill-on-bad-exit=1", *overlap, f"--job-name=kr-step-{index}",
+                f"--nodes={n}", f"--ntasks={n * self.tasks_per_node}",
+                f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
+                *self.command]
+
+    def step_env(self, nodes: Sequence[str], index: int) -> dict[str, str]:
+        env = dict(self.environ)
+        env["MASTER_ADDR"] = nodes[0]
+        # A fresh port for each step: the old rendezvous' port may still be held on a survivor.
+        env["MASTER_PORT"] = str(self.port + index)
+        env[IN_JOB_ENV] = "1"
+        env.pop(RESTART_INDEX_ENV, None)
+        env.pop(RELAUNCH_START_ENV, None)
+        if index:
+            env[RESTART_INDEX_ENV] = str(index)
+            # The new attempt starts at its launch, not at the job's start (core.ledger).
+            env[RELAUNCH_START_ENV] = repr(time.time())
+        return env
+
+    def run_step(self, nodes: Sequence[str], index: int) -> StepResult:
+        report = StepReport(list(nodes), len(nodes) * self.tasks_per_node)
+        cmd = self.step_command(nodes, index)
+        _log.info("step %d: %s", index, " ".join(cmd))
+        proc = subprocess.Popen(cmd, env=self.step_env(nodes, index), stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace")
+        res = StepResult(0, report)
+        last_news = [time.monotonic()]
+        lock = threading.Lock()
+
+        def read() -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+                end = parse_srun_line(line)
+                if end is not None:
+                    with lock:
+                        report.add(end)
+                        last_news[0] = time.monotonic()
+                        if res.first_bad_t is None and report.failed:
+                            res.first_bad_t = time.time()
+
+        reader = threading.Thread(target=read, name="kr-srun-stderr", daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            time.sleep(0.1)
+            with lock:
+                failed = report.failed and not self.stopping
+                quiet = time.monotonic() - last_news[0]
+                done = report.complete or (quiet >= self.settle_s and
+                                           report.heard_complete(self.tasks_per_node))
+            if failed and (done or quiet >= SETTLE_MAX_S):
+                # The tasks that can still report have; the silent ones are on a dead node,
+                # which SLURM may take SlurmdTimeout to notice. End the step now.
+                self._end_step(proc, index)
+                res.ended_by_us = True
+                break
+        res.code = proc.wait()
+        res.ended_t = time.time()
+        reader.join(timeout=2.0)
+        if res.ended_by_us:
+            res.code = int(ExitCode.PEER_LOST)
+        return res
+
+    def _end_step(self, proc: subprocess.Popen[str], index: int) -> None:
+        step = self._step_id(index)
+        proc.kill()
+        try:
+            proc.wait(timeout=END_STEP_S)
+        except subprocess.TimeoutExpired:
+            _log.error("srun (pid %d) did not exit after SIGKILL", proc.pid)
+        if step is None:
+            return
+        # SLURM then forgets the step on the live nodes at once; on a dead node it stays
+        # "completing" until SlurmdTimeout, which the next step's --overlap gets around.
+        try:
+            out = subprocess.run(["scancel", "--quiet", step], capture_output=True, text=True,
+                                 timeout=END_STEP_S, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            _log.warning("scancel %s failed (%s); starting the next step anyway", step, e)
+            return
+        if out.returncode:
+            _log.info("scancel %s: %s", step, (out.stderr or out.stdout).strip())
+
+    def _step_id(self, index: int) -> str | None:
+        """JOB.STEP of step ``index`` (srun named it kr-step-INDEX); an old step may still be
+        listed, completing on a dead node."""
+        try:
+            out = subprocess.run(["squeue", "-h", "-s", "-j", self.job.job_id, "-o", "%i %j"],
+                                 capture_output=True, text=True, timeout=END_STEP_S,
+                                 stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        ids = [line.split()[0] for line in out.stdout.splitlines()
+               if line.split()[1:] == [f"kr-step-{index}"]]
+        return ids[-1] if ids else None
+
+
+def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,
+                 in_job_restarts: int) -> int:
+    """``kempner-resilience srun``: run the loop with this process's environment; signals
+    (the job's SIGTERM, a preemption) stop relaunches, the ranks handle them themselves."""
+    loop = Relauncher(command, spares, config, in_job_restarts)
+
+    def stop(signum: int, frame: object) -> None:
+        loop.stopping = True       # only recorded: srun and the ranks get the signal from SLURM
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, stop)
+    return loop.run()

@@ -1,0 +1,207 @@
+"""What one srun step of a job with spare nodes did, read from srun's own messages: the pure
+part of the relaunch in place (``slurm/relaunch.py`` runs the steps).
+
+srun reports every task that ends badly on its stderr, one line per node and code
+(``srun: error: krnode1: tasks 0-1: Exited with exit code 81``, ``... task 3: Killed``), and a
+node that SLURM declared dead (``srun: error: Node failure on krnode2``). A node that died
+says nothing at all: its slurmd and slurmstepd died with it, and SLURM notices only after
+``SlurmdTimeout`` (300 s in production). So the node that stays silent while the others report
+their tasks' ends is the dead one; the survivors' codes say what kind of ending it was
+(``PEER_LOST``/``HANG``: a failure the rescue may have saved, worth a relaunch on a spare).
+
+Nothing here runs a process or needs SLURM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from kempner_resilience.exitcodes import ExitCode
+
+__all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES",
+           "IN_JOB_ENV", "RESTART_INDEX_ENV", "note_hang_seen", "hang_seen_dir",
+           "hang_seen_ranks"]
+
+# Set by the relaunch loop in every task's environment: the loop owns what follows a failure
+# (a relaunch on a spare, or the requeue), so rank 0 must not requeue the job itself.
+IN_JOB_ENV = "KEMPNER_RESILIENCE_IN_JOB_RELAUNCH"
+# The in-job restart's number (1, 2, ...; unset in the first step): SLURM_RESTART_COUNT stays
+# the same across relaunches in place, this tells them apart (log and report names).
+RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
+
+# Codes after which the job is worth running again from its newest checkpoint in the same
+# allocation: a rank is gone or hung (the survivors rescued or fell back), or a rank was killed.
+FAILURE_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.HANG)})
+# What the survivors of someone else's failure end with; any other bad ending points at the
+# task's own node (HANG: the hung rank's kernel timer; a signal: the rank was killed).
+_SURVIVOR_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.SIGTERM), 0})
+# Codes that end the job as they are: a relaunch would not help (a bug, a bad config) or the
+# job is already on its way back to the queue (REQUEUE) or asked not to be (NO_REQUEUE).
+_FINAL_CODES = frozenset({int(ExitCode.ERROR), int(ExitCode.CONFIG), int(ExitCode.REQUEUE),
+                          int(ExitCode.NO_REQUEUE), int(ExitCode.REQUEUE_FAILED),
+                          int(ExitCode.CHECKPOINT_FAILED), int(ExitCode.SIGINT)})
+
+_TASKS = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.*)$")
+_NODE_FAIL = re.compile(r"^srun: error: Node failure on (\S+)")
+_EXITED = re.compile(r"Exited with exit code (\d+)")
+_SIGNAL_WORDS = {"Killed": signal.SIGKILL, "Terminated": signal.SIGTERM,
+                 "Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT,
+                 "Bus error": signal.SIGBUS, "Interrupt": signal.SIGINT}
+
+
+@dataclass(frozen=True)
+class TaskEnd:
+    """srun's report of tasks on one node that ended badly (``node_failure``: the whole node)."""
+
+    node: str
+    tasks: tuple[int, ...] = ()
+    code: int | None = None              # the exit code, 128 + N for a signal
+    node_failure: bool = False
+
+
+def _task_ids(text: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit():
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(out)
+
+
+def parse_srun_line(line: str) -> TaskEnd | None:
+    """One line of srun's stderr -> what it reports about a task's end, or None."""
+    line = line.strip()
+    m = _NODE_FAIL.match(line)
+    if m:
+        return TaskEnd(m.group(1), node_failure=True)
+    m = _TASKS.match(line)
+    if not m:
+        return None
+    node, tasks, what = m.group(1), _task_ids(m.group(2)), m.group(3)
+    e = _EXITED.search(what)
+    if e:
+        return TaskEnd(node, tasks, int(e.group(1)))
+    for word, sig in _SIGNAL_WORDS.items():
+        if what.startswith(word):
+            return TaskEnd(node, tasks, 128 + int(sig))
+    return None
+
+
+@dataclass
+class StepReport:
+    """Everything srun said about one step's task ends, in order."""
+
+    nodes: Sequence[str]                 # the step's nodes
+    ntasks: int                          # the step's tasks
+    ends: list[TaskEnd] = field(default_factory=list)
+
+    def add(self, end: TaskEnd) -> None:
+        self.ends.append(end)
+
+    @property
+    def reported_tasks(self) -> set[int]:
+        return {t for e in self.ends for t in e.tasks}
+
+    @property
+    def complete(self) -> bool:
+        """Every task's end was reported (nothing more to wait for)."""
+        return len(self.reported_tasks) >= self.ntasks
+
+    def heard_complete(self, tasks_per_node: int) -> bool:
+        """Every node that reported a task's end has reported all of its tasks' ends: what is
+        missing is whole nodes, the silent (dead) ones."""
+        per: dict[str, set[int]] = {}
+        for e in self.ends:
+            if not e.node_failure:
+                per.setdefault(e.node, set()).update(e.tasks)
+        return bool(per) and all(len(t) >= tasks_per_node for t in per.values())
+
+    @property
+    def codes(self) -> set[int]:
+        return {e.code for e in self.ends if e.code is not None}
+
+    @property
+    def failed(self) -> bool:
+        """A failure ending worth a relaunch: a rank lost or hung, a rank killed by a signal
+        other than the shutdown's own (SIGTERM/SIGINT), or a node declared dead; and nothing
+        that ends the job as it is (a bug, a requeue already under way)."""
+        if self.codes & _FINAL_CODES:
+            return False
+        killed = {c for c in self.codes if c > 128 and c not in (int(ExitCode.SIGTERM),
+                                                                 int(ExitCode.SIGINT))}
+        return bool(self.codes & FAILURE_CODES or killed
+                    or any(e.node_failure for e in self.ends))
+
+    def implicated(self, hang_seen: set[int] | None = None,
+                   tasks_per_node: int = 1) -> set[str]:
+        """The nodes to keep out: those SLURM declared dead or that never reported while the
+        others did (a dead node says nothing), else those whose own tasks failed (a killed or
+        hung rank: not the survivors' PEER_LOST/SIGTERM); when every node looks guilty (every
+        rank's hang watchdog fired), the nodes of the ranks missing from ``hang_seen`` (a
+        rank hung with the GIL held cannot say its watchdog ran: its backstop ends it, about a
+        second after the others' watchdogs fire, so the order of srun's reports does not tell),
+        and without that word the node of the first bad report, a guess."""
+        heard = {e.node for e in self.ends}
+        silent = {e.node for e in self.ends if e.node_failure} | (set(self.nodes) - heard
+                                                                  if self.ends else set())
+        if silent:
+            return silent
+        own = [e.node for e in self.ends if e.code is not None and e.code not in _SURVIVOR_CODES]
+        if own and set(own) >= set(self.nodes) and len(self.nodes) > 1:
+            # Every rank ended with HANG. The ranks whose hang watchdog ran in Python said so
+            # (``note_hang_seen``); a rank that did not was hung with the GIL held. Tasks are
+            # laid out in blocks: task r runs on nodes[r // tasks_per_node].
+            if hang_seen:
+                quiet = {self.nodes[r // tasks_per_node] for r in range(self.ntasks)
+                         if r not in hang_seen and r // tasks_per_node < len(self.nodes)}
+                if quiet and quiet != set(self.nodes):
+                    return quiet
+            return {own[0]}
+        return set(own)
+
+
+_HANG_SEEN = ".in-job-hang"
+
+
+def hang_seen_dir(ckpt_dir: str | os.PathLike[str], job_id: str, restart_count: int,
+                  index: int) -> Path:
+    """Where the ranks of one step (job, requeue, relaunch in place) say their watchdog ran."""
+    return Path(ckpt_dir) / _HANG_SEEN / f"{job_id}.{restart_count}.{index}"
+
+
+def note_hang_seen(ckpt_dir: str | os.PathLike[str], rank: int,
+                   environ: Mapping[str, str] | None = None) -> None:
+    """Under ``kempner-resilience srun`` only: this rank's hang watchdog ran in Python, so this
+    rank is not the one hung with the GIL held. One empty file per rank; never raises."""
+    env = os.environ if environ is None else environ
+    if not env.get(IN_JOB_ENV) or not env.get("SLURM_JOB_ID"):
+        return
+    try:
+        d = hang_seen_dir(ckpt_dir, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0),
+                          int(env.get(RESTART_INDEX_ENV) or 0))
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank-{int(rank)}").touch()
+    except (OSError, ValueError):
+        pass
+
+
+def hang_seen_ranks(directory: Path) -> set[int]:
+    """The ranks that said so (``note_hang_seen``)."""
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return set()
+    return {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()}
+
+
+def choose_nodes(nodes: Iterable[str], bad: Iterable[str], n: int) -> list[str] | None:
+    """The first ``n`` of the allocation's ``nodes`` (SLURM's order: rank 0 lands on the first)
+    that are not ``bad``; None when fewer than ``n`` are left."""
+    bad_set = set(bad)
+    good = [h for h in nodes if h not in bad_set]
+    return good[:n] if len(good) >= n else None
