@@ -50,6 +50,7 @@ from kempner_resilience.integrations.torchrun_agent import (AGENT_NAME, MARGIN_S
                                                             Interrupted, patched)
 from kempner_resilience.integrations.torchrun_report import (RunReport, exit_code,
                                                              what_the_workers_did)
+from kempner_resilience.integrations.torchrun_spares import in_place_settings, relaunching
 from kempner_resilience.ledger import AGENT_START_ENV, process_start_time
 from kempner_resilience.log import get_logger
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
@@ -158,7 +159,9 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
                  "are forwarded" if forward else "are not forwarded", why)
-        with patched(agent) as replaced:
+        settings = in_place_settings(argv)
+        with patched(agent) as replaced, relaunching(agent, settings if replaced else None) \
+                as inplace:
             if not replaced:
                 _restore(previous)
             try:
@@ -169,6 +172,16 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                 log.warning("%s: workers exited with %s: exiting with %s", AGENT_NAME, codes,
                             what_the_workers_did(code, report.read()))
                 return code
+            except Exception as e:
+                if inplace is None or not inplace.unused_standby():
+                    raise
+                # A spare that was never needed: the run ended (or its rendezvous host went,
+                # and the others requeue); its job is done, not failed.
+                log.info("%s: standby node not needed (%s: %s); exiting with 0", AGENT_NAME,
+                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                return 0
+        if inplace is not None and inplace.unused_standby():
+            log.info("%s: standby node not needed; exiting with 0", AGENT_NAME)
         return 0
     except Interrupted as e:
         log.warning("%s: %s; exiting with %d", AGENT_NAME, e, 128 + e.signum)
