@@ -102,6 +102,11 @@ def _setup_sbatch(p: argparse.ArgumentParser) -> None:
                         "--nproc-per-node with multi_node_torchrun; default 1")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node; default: no --gpus-per-node line")
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="spare nodes (template multi_node_torchrun): ask for NODES + K with "
+                        "--no-kill; a spare takes a failed node's place in the same job")
+    p.add_argument("--in-job-restarts", type=int, default=None, metavar="R",
+                   help="relaunches in place before a failure requeues (default: --spares)")
     p.add_argument("--array", help="sbatch --array spec, e.g. 0-9 (template job_array)")
     p.add_argument("--save-seconds", type=float, metavar="S",
                    help="measured emergency-save time: raises the --signal lead time if needed")
@@ -145,7 +150,8 @@ def sbatch(args: argparse.Namespace) -> int:
             ntasks_per_node=args.ntasks_per_node, gpus_per_node=args.gpus_per_node,
             array=args.array, output=args.log,
             config_path=os.path.abspath(args.config) if args.config else None,
-            save_seconds=args.save_seconds, lead_time_s=args.lead_time, extra=extra)
+            save_seconds=args.save_seconds, lead_time_s=args.lead_time, extra=extra,
+            spares=args.spares, in_job_restarts=args.in_job_restarts)
     except ValueError as e:
         raise CliError(str(e), 2) from None
     if not args.output or args.output == "-":

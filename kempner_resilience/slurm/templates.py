@@ -46,6 +46,8 @@ _SRUN = "srun --kill-on-bad-exit=1 "
 # The part of the launch line that stays: ``command`` replaces the rest.
 _LAUNCH = {"multi_node_torchrun": _SRUN + '"${TORCHRUN[@]}" '}
 _NPROC = re.compile(r"^NPROC_PER_NODE=\d+$")
+_SPARES = re.compile(r"^SPARES=\d+$")
+_RESTARTS = re.compile(r"^IN_JOB_RESTARTS=\d+$")
 _CONFIG_EXPORT = re.compile(r"^#?\s*export KEMPNER_RESILIENCE_CONFIG=")
 _SIGNAL_COMMENT = re.compile(r"^# (?:SIG)?[A-Z0-9]+ \d+ s before the time limit")
 
@@ -148,7 +150,8 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
                   gpus_per_node: int | None = None, array: str | None = None,
                   output: str | None = None, config_path: str | None = None,
                   save_seconds: float | None = None, lead_time_s: float | None = None,
-                  extra: Mapping[str, object | None] | None = None) -> str:
+                  extra: Mapping[str, object | None] | None = None, spares: int = 0,
+                  in_job_restarts: int | None = None) -> str:
     """Rewrite a template's values; the result is a complete batch script for ``sbatch``.
 
     ``command``: what each srun task runs (a string, used as written, or an argument list,
@@ -159,6 +162,9 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
     a value of None gives a bare ``--key``; a key the template already has is replaced in
     place). ``config_path`` is exported as ``KEMPNER_RESILIENCE_CONFIG``. The ``--signal`` lead
     time comes from ``signal_lead_time``.
+    ``spares`` (``multi_node_torchrun``): ask for ``nodes + spares`` nodes with ``--no-kill``
+    and train on ``nodes``; a standby takes a failed node's place in the job, at most
+    ``in_job_restarts`` times (default: ``spares``).
     """
     config = config or ResilienceConfig()
     if template not in TEMPLATES:
@@ -172,6 +178,12 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
         raise ValueError("template 'job_array' needs array='0-9' (an sbatch --array spec)")
     if template != "job_array" and array:
         raise ValueError(f"array={array!r} needs template='job_array'")
+    if spares < 0 or (in_job_restarts is not None and in_job_restarts < 0):
+        raise ValueError("spares and in_job_restarts must be >= 0")
+    if spares and template != "multi_node_torchrun":
+        raise ValueError(f"template {template!r} takes no spares; spare nodes relaunch in place "
+                         "with template 'multi_node_torchrun'")
+    restarts = (spares if in_job_restarts is None else int(in_job_restarts)) if spares else 0
     if ntasks_per_node < 1:
         raise ValueError("ntasks_per_node must be >= 1 (one task per GPU)")
     if gpus_per_node is not None and int(gpus_per_node) < 0:
@@ -191,7 +203,10 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
         s.require(key)
     s.set("job-name", job_name)
     s.set("time", time)
-    s.set("nodes", int(nodes))
+    s.set("nodes", int(nodes) + int(spares))
+    if spares:
+        # A dead node must not take the allocation with it: the spare takes its place.
+        s.set("no-kill", None, after="nodes")
     torchrun = template == "multi_node_torchrun"
     s.set("ntasks-per-node", 1 if torchrun else int(ntasks_per_node))
     if gpus_per_node:
@@ -221,6 +236,10 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
             srun_seen = True
         elif torchrun and _NPROC.match(line):
             line = f"NPROC_PER_NODE={int(ntasks_per_node)}"
+        elif torchrun and _SPARES.match(line):
+            line = f"SPARES={int(spares)}"
+        elif torchrun and _RESTARTS.match(line):
+            line = f"IN_JOB_RESTARTS={restarts}"
         out.append(line)
     if not srun_seen:
         raise ValueError(f"template {template!r} has no `{launch.strip()} ...` line")
