@@ -159,7 +159,7 @@ class DemoJob:
         steps = re.findall(r"^rank 0 step (\d+)$", text, re.M)
         return int(steps[-1]) if steps else None
 
-    def steps_done_in_run(self, restart: int) -> int | None:
+    def steps_done_in_run(self, restart: int | str) -> int | None:
         """Rank 0's newest step in the run with SLURM_RESTART_COUNT ``restart``."""
         marker = f"# run {restart}\n"
         try:
@@ -172,14 +172,14 @@ class DemoJob:
                            re.M)
         return int(steps[-1]) if steps else None
 
-    def report(self, restart: int) -> dict[str, Any] | None:
+    def report(self, restart: int | str) -> dict[str, Any] | None:
         """Rank 0's KEMPNER_RESILIENCE_REPORT for run ``restart`` (0 = first run)."""
         try:
             return json.loads((self.workdir / f"report.{restart}.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 
-    def rank_exit(self, restart: int, rank: int) -> int | None:
+    def rank_exit(self, restart: int | str, rank: int) -> int | None:
         """Rank ``rank``'s exit status in run ``restart`` (``rank_files`` jobs); None when the
         rank has not exited, or died with its node."""
         try:
@@ -187,7 +187,7 @@ class DemoJob:
         except (FileNotFoundError, ValueError):
             return None
 
-    def rank_stderr(self, restart: int, rank: int) -> str:
+    def rank_stderr(self, restart: int | str, rank: int) -> str:
         """Rank ``rank``'s stderr in run ``restart`` (``rank_files`` jobs)."""
         try:
             return (self.workdir / f"rank.{restart}.{rank}.err").read_text(errors="replace")
@@ -254,7 +254,8 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
               job_name: str = "kr-demo", python: str = sys.executable,
               extra: dict[str, object | None] | None = None,
               train_args: Iterable[str] = (), nodes: int = 1, rank_files: bool = False,
-              env: dict[str, str] | None = None, torchrun: bool = False) -> DemoJob:
+              env: dict[str, str] | None = None, torchrun: bool = False,
+              spares: int = 0) -> DemoJob:
     """Render ``single_node`` (``multi_node`` when ``nodes > 1``) for the demo trainer into
     ``workdir/job.sbatch``: ``ranks`` srun tasks in all, ``ranks / nodes`` on each node.
     ``torchrun``: ``multi_node_torchrun`` instead, one ``kempner-resilience torchrun`` agent per
@@ -267,6 +268,8 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     extra trainer arguments (``--hang-at``, ``--no-ddp``). ``rank_files``: each rank's stderr goes
     to ``workdir/rank.k.R.err`` and its exit status to ``workdir/rank.k.R.exit`` instead (what a
     rank on a surviving node saw when another node died). ``env``: see ``DemoJob``.
+    ``spares`` (with ``torchrun``): that many spare nodes; a run then is ``k.g`` (SLURM's
+    restart count, torch's worker-group restarts in the job: ``report.0.1.json``).
     """
     from kempner_resilience.config import load_config
     from kempner_resilience.slurm.templates import render_sbatch
@@ -285,6 +288,8 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
         train += ["--set", o]
     train += [str(a) for a in train_args]
     run = "${SLURM_RESTART_COUNT:-0}"
+    if spares:      # a relaunch in place keeps SLURM's count: torch's count tells the runs apart
+        run += ".${TORCHELASTIC_RESTART_COUNT:-0}"
     # One srun line (the template's). Each task's bash names the report after the restart count,
     # marks where a run starts in the progress file (rank 0 only: torchrun's RANK, else srun's
     # SLURM_PROCID) and execs the trainer, so the signals reach Python directly. Everything that
@@ -318,7 +323,8 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
         else "single_node"
     text = render_sbatch(cfg, template=template, job_name=job_name, command=command,
                          time=time_limit, nodes=nodes, ntasks_per_node=ranks // nodes,
-                         output=str(work / "job.out"), lead_time_s=lead_time_s, extra=all_extra)
+                         output=str(work / "job.out"), lead_time_s=lead_time_s, extra=all_extra,
+                         spares=spares)
     script = work / "job.sbatch"
     script.write_text(text)
     cli = ["sbatch", "--template", template, "--job-name", job_name, "--time", time_limit,
@@ -326,6 +332,8 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
            "--log", str(work / "job.out")]
     if lead_time_s is not None:
         cli += ["--lead-time", str(lead_time_s)]
+    if spares:
+        cli += ["--spares", str(spares)]
     for o in overrides:
         cli += ["--set", o]
     for key, val in all_extra.items():

@@ -168,6 +168,11 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                 torchrun_main(list(argv))
             except ChildFailedError as e:
                 codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
+                if inplace is not None and inplace.left:
+                    # Not a failed task for srun: the job goes on without this node.
+                    log.warning("%s: workers exited with %s; this node left the job to a "
+                                "spare: exiting with 0", AGENT_NAME, codes)
+                    return 0
                 code = exit_code(codes)
                 log.warning("%s: workers exited with %s: exiting with %s", AGENT_NAME, codes,
                             what_the_workers_did(code, report.read()))

@@ -29,6 +29,7 @@ What torch lacks, and this module adds (``relaunching``):
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -83,6 +84,7 @@ class InPlace:
         self.settings = settings
         self.standby = False          # torch put this agent in a round's redundancy list
         self.restarts = 0
+        self.left = False             # this node was implicated and left the job to a spare
         self._lock = threading.Lock()
 
     def unused_standby(self) -> bool:
@@ -97,13 +99,18 @@ class InPlace:
         codes = sorted(set(failures.values()))
         if any(c not in _RESCUED and c >= 0 for c in codes):
             return False, f"workers exited with {codes}: not a failure the rescue handles"
-        if any(c < 0 for c in codes):
-            return False, (f"a worker on this node was killed ({codes}): this node is "
-                           "implicated and leaves, a spare takes its place")
         spares = live_standbys(self.settings)
         if not spares:
             return False, ("no standby node waits" if spares is not None
                            else "the rendezvous store is unreachable") + ": the job requeues"
+        if any(c < 0 for c in codes):
+            # Its worker died on its own (the OOM killer, a GPU fault): the node is implicated.
+            # It leaves the rendezvous (without closing it) and exits 0, so that the step goes
+            # on and the standby takes its place.
+            self.left = True
+            return False, (f"a worker on this node was killed ({codes}): this node is "
+                           f"implicated and leaves; a standby ({', '.join(spares)}) takes its "
+                           "place")
         return True, f"standby node(s) waiting: {', '.join(spares)}"
 
     def worker_env(self, restarts_left: int) -> str:
@@ -133,8 +140,9 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
     cls = api.SimpleElasticAgent
     local = lea.LocalElasticAgent       # the agent torchrun runs; it has its own monitor
     executor = getattr(dr, "_DistributedRendezvousOpExecutor", None)
+    handler = dr.DynamicRendezvousHandler
     names = [(local, "_monitor_workers"), (cls, "_initialize_workers"),
-             (executor, "_add_to_redundancy_list")]
+             (executor, "_add_to_redundancy_list"), (handler, "shutdown")]
     missing = [n for owner, n in names if owner is None or n not in vars(owner)]
     if missing:
         log.warning("%s: this torch lacks %s: no relaunch in place (failures requeue the job)",
@@ -172,6 +180,19 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
         inplace.standby = True
         return stock[(executor, "_add_to_redundancy_list")](self)
 
+    def shutdown(self: Any) -> Any:
+        if not inplace.left:
+            return stock[(handler, "shutdown")](self)
+        # torch closes the rendezvous when its agent ends: for the whole job, the survivors'
+        # next round included. A node that leaves only takes itself out of the round.
+        try:
+            self._stop_heartbeats()
+            self._op_executor.run(dr._RendezvousExitOp(), time.monotonic() + 10.0)
+        except Exception as e:    # its heartbeat goes stale instead: the round opens later
+            log.warning("%s: could not leave the rendezvous (%s)", AGENT_NAME, e)
+        return True
+
+    setattr(handler, "shutdown", shutdown)
     setattr(local, "_monitor_workers", monitor)
     setattr(cls, "_initialize_workers", initialize)
     setattr(executor, "_add_to_redundancy_list", redundant)
