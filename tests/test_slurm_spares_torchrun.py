@@ -109,4 +109,4 @@ def test_a_training_node_killed_between_saves_is_replaced_by_the_spare_in_the_sa
     assert relaunched["world_size"] == RANKS
     # The spare's agent stood by, then took the dead node's place.
     assert f"torchrun agent on {spare}: standby" in log, log[-4000:]
-    assert "relaunching in place" in log and "not requeued" in log, log[-4000:]
+    assert "relaunching in place" in log, log[-4000:]
