@@ -132,3 +132,27 @@ def test_a_signal_ending_with_restarts_left_exits_with_the_workers_code_and_no_r
     err = (tmp_path / "agent.0.err").read_text()
     assert code == ExitCode.REQUEUE, err[-3000:]
     assert "no relaunch in place: a signal ending" in err, err[-3000:]
+
+
+def test_without_a_standby_the_survivor_does_not_wait_for_one_and_exits_with_peer_lost(
+        tmp_path):
+    # The second death with one spare, or no spare at all: torch alone would restart and wait
+    # in the rendezvous for a node that never comes; the fallback is rank 0's requeue (under
+    # SLURM) and the workers' code.
+    port = free_port()
+    agents = [_agent(tmp_path, 0, port, 2, 100_000)]
+    _listening(port)
+    agents.append(_agent(tmp_path, 1, port, 2, 100_000))
+    try:
+        wait_for_file(tmp_path / "progress.1", timeout=120, contains="step 5\n")
+        victim = agents[1]
+        workers = _children(victim.pid)
+        os.killpg(victim.pid, signal.SIGKILL)          # the node dies: agent and worker
+        for w in workers:
+            os.kill(w, signal.SIGKILL)
+        [code] = _finish(agents[:1], timeout=90)
+    finally:
+        _finish(agents, timeout=0)
+    err = (tmp_path / "agent.0.err").read_text()
+    assert code == ExitCode.PEER_LOST, err[-3000:]
+    assert "no relaunch in place: no standby node waits" in err, err[-3000:]
