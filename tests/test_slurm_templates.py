@@ -106,11 +106,37 @@ def test_torchrun_template_runs_one_agent_per_node_and_ntasks_per_node_workers_o
         assert line in lines, line
     launcher = text.split("TORCHRUN=(", 1)[1].split(")", 1)[0].split()
     assert launcher[:2] == ["kempner-resilience", "torchrun"]
-    for arg in ('--nnodes="$SLURM_NNODES"', '--nproc-per-node="$NPROC_PER_NODE"',
-                "--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_HOST:$RDZV_PORT"',
-                "--max-restarts=0", "--no-python"):
+    for arg in ('--nproc-per-node="$NPROC_PER_NODE"',
+                "--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_HOST:$RDZV_PORT"', "--no-python"):
         assert arg in launcher, arg
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    # No spares: every node trains, torchrun never restarts (a requeue does), no --no-kill.
+    agent = _torchrun_argv(text, nnodes=3)
+    assert "--nnodes=3" in agent and "--max-restarts=0" in agent, agent
+    assert "#SBATCH --no-kill" not in lines
+
+
+def _torchrun_argv(text: str, nnodes: int) -> list[str]:
+    """The agent's command line as bash expands it in a job of ``nnodes`` nodes."""
+    body = text.split("\nNPROC_PER_NODE=", 1)[1].split("\nsrun ", 1)[0]
+    shell = (f"SLURM_NNODES={nnodes} SLURM_JOB_ID=7 SLURM_JOB_NODELIST=n1; NPROC_PER_NODE="
+             f"{body}\nprintf '%s\\n' \"${{TORCHRUN[@]}}\"")
+    out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def test_torchrun_template_with_spares_asks_for_them_with_no_kill_and_trains_on_the_rest():
+    text = render_sbatch(template="multi_node_torchrun", nodes=2, spares=1, ntasks_per_node=4)
+    lines = text.splitlines()
+    assert "#SBATCH --nodes=3" in lines and "#SBATCH --no-kill" in lines
+    agent = _torchrun_argv(text, nnodes=3)
+    # Two nodes train; the third agent waits as torch's standby; one in-job restart.
+    assert "--nnodes=2" in agent and "--max-restarts=1" in agent, agent
+    agent = _torchrun_argv(render_sbatch(template="multi_node_torchrun", nodes=2, spares=2,
+                                         in_job_restarts=5), nnodes=4)
+    assert "--nnodes=2" in agent and "--max-restarts=5" in agent, agent
+    with pytest.raises(ValueError, match="multi_node_torchrun"):
+        render_sbatch(template="single_node", spares=1)
 
 
 def test_lead_time_covers_grace_or_measured_save_plus_margin():

@@ -268,9 +268,10 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     extra trainer arguments (``--hang-at``, ``--no-ddp``). ``rank_files``: each rank's stderr goes
     to ``workdir/rank.k.R.err`` and its exit status to ``workdir/rank.k.R.exit`` instead (what a
     rank on a surviving node saw when another node died). ``env``: see ``DemoJob``.
-    ``spares``: that many spare nodes (``multi_node``: ``kempner-resilience srun`` runs the
-    steps, it must be on the job's PATH); a run then is ``k.i`` (SLURM's restart count, the
-    relaunch in place: ``report.0.1.json``).
+    ``spares``: that many spare nodes; a run then is ``k.i`` (SLURM's restart count, then
+    the relaunch in place: ``report.0.1.json``). ``multi_node``: ``kempner-resilience srun``
+    runs the steps (it must be on the job's PATH) and counts the relaunches; with
+    ``torchrun``: torch's worker-group restarts in the job.
     """
     from kempner_resilience.config import load_config
     from kempner_resilience.slurm.templates import render_sbatch
@@ -289,7 +290,9 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
         train += ["--set", o]
     train += [str(a) for a in train_args]
     run = "${SLURM_RESTART_COUNT:-0}"
-    if spares and not torchrun:   # a relaunch in place keeps SLURM's count; the loop counts
+    if spares and torchrun:   # a relaunch in place keeps SLURM's count: torch's counts
+        run += ".${TORCHELASTIC_RESTART_COUNT:-0}"
+    elif spares:              # the step loop counts its relaunches
         run += ".${KEMPNER_RESILIENCE_IN_JOB_RESTART:-0}"
     # One srun line (the template's). Each task's bash names the report after the restart count,
     # marks where a run starts in the progress file (rank 0 only: torchrun's RANK, else srun's

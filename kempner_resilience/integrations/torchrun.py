@@ -50,6 +50,7 @@ from kempner_resilience.integrations.torchrun_agent import (AGENT_NAME, MARGIN_S
                                                             Interrupted, patched)
 from kempner_resilience.integrations.torchrun_report import (RunReport, agent_exit_code,
                                                              what_the_workers_did)
+from kempner_resilience.integrations.torchrun_spares import in_place_settings, relaunching
 from kempner_resilience.core.ledger import AGENT_START_ENV, process_start_time
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
@@ -158,17 +159,34 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
                  "are forwarded" if forward else "are not forwarded", why)
-        with patched(agent) as replaced:
+        settings = in_place_settings(argv)
+        with patched(agent) as replaced, relaunching(agent, settings if replaced else None) \
+                as inplace:
             if not replaced:
                 _restore(previous)
             try:
                 torchrun_main(list(argv))
             except ChildFailedError as e:
                 codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
+                if inplace is not None and inplace.left:
+                    # Not a failed task for srun: the job goes on without this node.
+                    log.warning("%s: workers exited with %s; this node left the job to a "
+                                "spare: exiting with 0", AGENT_NAME, codes)
+                    return 0
                 code = agent_exit_code(codes)
                 log.warning("%s: workers exited with %s: exiting with %s", AGENT_NAME, codes,
                             what_the_workers_did(code, report.read()))
                 return code
+            except Exception as e:
+                if inplace is None or not inplace.unused_standby():
+                    raise
+                # A spare that was never needed: the run ended (or its rendezvous host went,
+                # and the others requeue); its job is done, not failed.
+                log.info("%s: standby node not needed (%s: %s); exiting with 0", AGENT_NAME,
+                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                return 0
+        if inplace is not None and inplace.unused_standby():
+            log.info("%s: standby node not needed; exiting with 0", AGENT_NAME)
         return 0
     except Interrupted as e:
         log.warning("%s: %s; exiting with %d", AGENT_NAME, e, 128 + e.signum)

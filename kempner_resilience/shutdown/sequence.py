@@ -135,6 +135,8 @@ def requeue_after_failure(parts: RunState, why: str) -> Verdict | None:
         # training on a spare, or requeues the job itself, once every survivor has left.
         log.warning("%s: leaving the relaunch or requeue to the job's step loop", why)
         return None
+    if _relaunch_in_place(why):
+        return None
     try:
         verdict = _requeue_decision(parts)
     except Exception as e:      # never let the requeue attempt stop the exit
@@ -143,6 +145,27 @@ def requeue_after_failure(parts: RunState, why: str) -> Verdict | None:
     log.warning("%s: %s", why, "job requeued" if verdict is Verdict.REQUEUED
                 else f"not requeued ({verdict})")
     return verdict
+
+
+def _relaunch_in_place(why: str) -> bool:
+    """Under a torchrun agent with in-job restarts left and a standby agent waiting (spare
+    nodes, ``slurm/standby.py``), the agents restart the training on the survivors plus the
+    spare from the checkpoint just committed: no requeue (it would end the allocation). Without
+    a standby, the requeue as before."""
+    from kempner_resilience.slurm.standby import live_standbys, relaunch_from_env
+
+    relaunch = relaunch_from_env()
+    if relaunch is None:
+        return False
+    spares = live_standbys(relaunch)
+    if not spares:
+        log.warning("%s: no standby node left for an in-job relaunch (%s): requeueing", why,
+                    "rendezvous unreadable" if spares is None else "none waiting")
+        return False
+    log.warning("%s: not requeued: the torchrun agents relaunch the training in this job, a "
+                "standby node (%s) taking the failed one's place (%d in-job restart(s) left)",
+                why, ", ".join(spares), relaunch.restarts_left)
+    return True
 
 
 # ------------------------------------------------------------------------------ the steps

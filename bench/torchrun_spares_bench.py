@@ -1,0 +1,123 @@
+"""A node's death with a spare node, template ``multi_node_torchrun``: the time from the kill to
+the first step of the training relaunched in the same job, split into its parts. Issue 23's
+target: at most 60 s on the 2-core test machines.
+
+On the namespace SLURM cluster (``tests/cluster/multinode_cluster.sh``, needs root; started when
+not running; hold ``/tmp/kr-slurm.lock``): 3 nodes, 2 training (2 gloo DDP workers each under a
+``kempner-resilience torchrun`` agent) and 1 standby agent. Each round submits the demo job
+(``sbatch --spares 1``), kills a training node that is not the rendezvous host at a random
+step between two periodic saves, and reads the parts from the run ledger:
+
+* ``rescue``: kill -> the survivors' rescue committed (detection included: their collective
+  fails at once when the node's sockets close);
+* ``relaunch``: -> the relaunched workers' ``start`` event (the workers exit, the agents'
+  decision, the dead agent's heartbeat going stale (``keep_alive`` 2 s x 5), the new
+  rendezvous round with the standby, process start, Python and torch imports);
+* ``load``: -> the checkpoint loaded (``resume``); ``first_step``: -> the training loop runs.
+
+    flock /tmp/kr-slurm.lock python bench/torchrun_spares_bench.py [--kills 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+SCRIPT = REPO / "tests" / "cluster" / "multinode_cluster.sh"
+STEPS, EVERY = 130, 50
+
+
+def _cluster() -> dict[str, str]:
+    subprocess.run(["bash", str(SCRIPT), "start"], check=True, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    conf = subprocess.run(["bash", str(SCRIPT), "env"], capture_output=True, text=True,
+                          check=True).stdout.strip().removeprefix("export SLURM_CONF=")
+    return dict(os.environ, SLURM_CONF=conf,
+                PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                PYTHONPATH=str(REPO))
+
+
+def _workers_on(node: str, workdir: Path) -> bool:
+    pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True,
+                          text=True).stdout.split()
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # A worker, not an agent (whose command line names the workers' command too).
+        if b"kempner_resilience.demo.train" in argv and str(workdir).encode() in argv \
+                and any(v.startswith(b"RANK=") for v in environ):
+            return True
+    return False
+
+
+def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
+    from kempner_resilience.demo.slurm_demo import write_job
+    from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+
+    job = write_job(work, ranks=4, nodes=2, spares=1, steps=STEPS, step_time=0.05,
+                    every_steps=EVERY, env=env, torchrun=True,
+                    sets=["watchdog.hang_timeout_s=30"])
+    job.submit()
+    try:
+        job.wait_step(5, timeout=300)
+        nodes = job.hosts()
+        victim = [n for n in nodes[1:] if _workers_on(n, job.workdir)][-1]
+        job.wait_step(random.randint(EVERY + 3, 2 * EVERY - 5), timeout=300)
+        killed = time.time()
+        subprocess.run(["bash", str(SCRIPT), "kill-node", victim[len("krnode"):]], check=True,
+                       timeout=60, stdout=subprocess.DEVNULL)
+        info = job.wait_state(timeout=300)
+        if info.get("JobState") != "COMPLETED" or info.get("Restarts") != "0":
+            raise RuntimeError(f"job ended {info}: {job.log_text()[-2000:]}")
+        evs = read_ledger(job.checkpoints / LEDGER_NAME)
+        first: dict[str, float] = {}
+        for e in evs:
+            if e["t"] >= killed - 1.0:   # the rescue may be stamped before our clock read
+                first.setdefault(e["ev"], e["t"])
+        if not {"rescue", "start", "resume", "loop"} <= set(first):
+            raise RuntimeError(f"ledger after the kill at {killed:.3f}: "
+                               f"{[(e['ev'], e['t']) for e in evs]}")
+        parts = {"rescue": first["rescue"] - killed,
+                 "relaunch": first["start"] - first["rescue"],
+                 "load": first["resume"] - first["start"],
+                 "first_step": first["loop"] - first["resume"]}
+        parts["total"] = first["loop"] - killed
+        return parts
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "restart-node", victim[len("krnode"):]],
+                       timeout=120, stdout=subprocess.DEVNULL)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=5)
+    args = ap.parse_args()
+    env = _cluster()
+    rows = []
+    for i in range(args.kills):
+        with tempfile.TemporaryDirectory(prefix="kr-trun-spares-") as d:
+            parts = one_kill(env, Path(d) / "job")
+        rows.append(parts)
+        print(json.dumps({"kill": i + 1, **{k: round(v, 2) for k, v in parts.items()}}),
+              flush=True)
+    keys = rows[0].keys()
+    print("median: " + ", ".join(
+        f"{k} {sorted(r[k] for r in rows)[len(rows) // 2]:.1f} s" for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

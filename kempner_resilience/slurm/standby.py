@@ -1,0 +1,96 @@
+"""Relaunch in place under torchrun: is there a standby agent to take a failed node's place?
+
+With spare nodes (``kempner-resilience sbatch --template multi_node_torchrun --spares K``) every
+node of the allocation runs a torchrun agent; the first N complete torch's c10d rendezvous and
+train, the others wait in its *redundancy list* (standby). After a failure ending whose rescue
+(or periodic save) committed, the survivors' agents restart their workers in a new rendezvous
+round, which a standby agent joins: same job, no requeue. Whether that can happen is a fact of
+the rendezvous state, kept in torch's store on the rendezvous host; rank 0 reads it here before
+it decides between leaving the relaunch to the agents and requeueing the job (no standby left:
+the fallback is today's requeue).
+
+The agent (``integrations/torchrun_spares.py``) tells its workers where the rendezvous is and
+how many in-job restarts it has left in ``$KEMPNER_RESILIENCE_RELAUNCH`` (JSON, see ``Relaunch``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Mapping
+
+from kempner_resilience.core.log import get_logger
+
+__all__ = ["RELAUNCH_ENV", "Relaunch", "relaunch_from_env", "live_standbys", "standbys_in"]
+
+log = get_logger(__name__)
+
+#: Set by the torchrun agent in its workers' environment when it restarts them in place.
+RELAUNCH_ENV = "KEMPNER_RESILIENCE_RELAUNCH"
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """What a worker knows about the in-job relaunch its agent would do."""
+
+    endpoint: str          # the c10d rendezvous store, host:port
+    run_id: str            # torchrun's --rdzv-id
+    restarts_left: int     # the agent's in-job restarts left (torchrun --max-restarts budget)
+    stale_s: float         # a heartbeat older than this: the agent is gone (keep-alive window)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def relaunch_from_env(environ: Mapping[str, str] | None = None) -> Relaunch | None:
+    """The relaunch the agent offers (None: not under such an agent, or no restart left)."""
+    raw = (os.environ if environ is None else environ).get(RELAUNCH_ENV)
+    if not raw:
+        return None
+    try:
+        r = Relaunch(**json.loads(raw))
+    except (ValueError, TypeError) as e:
+        log.warning("ignoring $%s=%r (%s): failures requeue the job", RELAUNCH_ENV, raw, e)
+        return None
+    return r if r.restarts_left > 0 else None
+
+
+def standbys_in(state: Any, stale_s: float, now: datetime | None = None) -> list[str]:
+    """Host names of the agents waiting outside the current round (torch's redundancy and wait
+    lists) whose heartbeat is fresh: the nodes a relaunch can take."""
+    now = now or datetime.now(timezone.utc)
+    beats = getattr(state, "last_heartbeats", {}) or {}
+    waiting = set(getattr(state, "redundancy_list", ()) or ()) | \
+        set(getattr(state, "wait_list", ()) or ())
+    fresh = []
+    for node in waiting:
+        beat = beats.get(node)
+        if beat is not None and now - beat <= timedelta(seconds=stale_s):
+            fresh.append(str(getattr(node, "addr", node)))
+    return sorted(fresh)
+
+
+def live_standbys(relaunch: Relaunch, timeout_s: float = 5.0) -> list[str] | None:
+    """The standby agents in the rendezvous now (host names), or None when its store cannot be
+    read within ``timeout_s`` (the rendezvous host is gone: a relaunch is impossible)."""
+    try:
+        from torch.distributed import TCPStore
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import \
+            C10dRendezvousBackend
+
+        host, _, port = relaunch.endpoint.rpartition(":")
+        store = TCPStore(host, int(port), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        got = C10dRendezvousBackend(store, relaunch.run_id).get_state()
+        if got is None:
+            return []
+        # torch's own record of the rendezvous (pickled by its dynamic rendezvous handler, in
+        # the job's own store): what its agents read themselves.
+        state = pickle.loads(got[0])
+    except Exception as e:   # the store's host died, a torch without these names, a timeout
+        log.warning("could not read the torchrun rendezvous at %s (%s)", relaunch.endpoint, e)
+        return None
+    return standbys_in(state, relaunch.stale_s)

@@ -1,0 +1,158 @@
+"""`kempner-resilience torchrun` with a spare, without SLURM: what the agents do after a failure.
+
+Real torchrun agents (torch's c10d rendezvous on this machine, ``--max-restarts=1``) start real
+demo workers (gloo). Three agents with ``--nnodes=2``: two train, torch keeps the third as a
+standby. The multi-node cluster test (tests/test_slurm_spares_torchrun.py) kills a whole node;
+here only what the agents decide: a node whose own worker was killed leaves and the standby
+takes its place, and a signal ending never relaunches.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import env, free_port, wait_for_file
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.demo.compare import compare_weights
+from kempner_resilience.demo.slurm_demo import run_reference
+from kempner_resilience.exitcodes import ExitCode
+
+STEPS, EVERY = 100, 40
+
+
+def _agent(work: Path, i: int, port: int, nnodes: int, steps: int, nproc: int = 1
+           ) -> subprocess.Popen:
+    """Agent ``i``: its workers log their steps to ``progress.i``."""
+    cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", f"--nnodes={nnodes}",
+           f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=spares",
+           "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3", "--max-restarts=1",
+           "--monitor-interval=0.2", "--no-python", sys.executable, "-m",
+           "kempner_resilience.demo.train", "--steps", str(steps), "--step-time", "0.05",
+           "--out", str(work / "weights.pt"), "--progress", str(work / f"progress.{i}"),
+           "--set", f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={EVERY}"]
+    return subprocess.Popen(cmd, stdout=open(work / f"agent.{i}.out", "w"),
+                            stderr=open(work / f"agent.{i}.err", "w"), stdin=subprocess.DEVNULL,
+                            cwd=work, start_new_session=True,
+                            env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS="yes",
+                                    OMP_NUM_THREADS="1"))
+
+
+def _listening(port: int, timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"no rendezvous store on port {port}")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
+
+
+def _finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[int | None]:
+    end = time.monotonic() + timeout
+    try:
+        for a in agents:
+            try:
+                a.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [a.poll() for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                for w in _children(a.pid):
+                    os.kill(w, signal.SIGKILL)
+
+
+def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bitwise(
+        tmp_path):
+    reference = run_reference(tmp_path / "reference", ranks=2, steps=STEPS)
+    work = tmp_path / "job"
+    work.mkdir()
+    port = free_port()
+    agents = [_agent(work, 0, port, 2, STEPS)]
+    _listening(port)            # agent 0 hosts the rendezvous store (the first node)
+    agents += [_agent(work, i, port, 2, STEPS) for i in (1, 2)]
+    try:
+        wait_for_file(work / "progress.0", timeout=120, contains="step 5\n")
+        # Two agents train; the third waits in torch's redundancy list.
+        training = [i for i, a in enumerate(agents) if _children(a.pid)]
+        assert len(training) == 2 and 0 in training, training
+        [victim] = [i for i in training if i != 0]
+        [standby] = {0, 1, 2} - set(training)
+        wait_for_file(work / f"progress.{victim}", timeout=60, contains=f"step {EVERY + 10}\n")
+        for w in _children(agents[victim].pid):
+            os.kill(w, signal.SIGKILL)       # its worker dies (the OOM killer, a GPU fault)
+        codes = _finish(agents)
+    finally:
+        _finish(agents, timeout=0)
+    errs = {i: (work / f"agent.{i}.err").read_text() for i in range(3)}
+    assert codes == [0, 0, 0], (codes, errs[victim][-3000:])
+    assert "this node left the job to a spare" in errs[victim], errs[victim][-3000:]
+    # The standby trained from the rescued step on; the run ends bitwise equal.
+    rescued = [e.step for e in layout.scan(work / "ckpt")
+               if e.committed and e.manifest.get("reason") == "rescue"]
+    assert rescued, errs[0][-3000:]
+    assert f"step {STEPS - 1}\n" in (work / f"progress.{standby}").read_text()
+    same, total, diff = compare_weights(reference, work / "weights.pt")
+    assert not diff, f"{len(diff)} of {total} tensors differ"
+
+
+def test_a_signal_ending_with_restarts_left_exits_with_the_workers_code_and_no_relaunch(
+        tmp_path):
+    # A time limit or a preemption: save, requeue, exit. torch alone would restart the workers.
+    port = free_port()
+    agent = _agent(tmp_path, 0, port, 1, 100_000, nproc=2)
+    try:
+        wait_for_file(tmp_path / "progress.0", timeout=120, contains="step 3\n")
+        agent.send_signal(signal.SIGUSR1)
+        [code] = _finish([agent], timeout=90)
+    finally:
+        _finish([agent], timeout=0)
+    err = (tmp_path / "agent.0.err").read_text()
+    assert code == ExitCode.REQUEUE, err[-3000:]
+    assert "no relaunch in place: a signal ending" in err, err[-3000:]
+
+
+def test_without_a_standby_the_survivor_does_not_wait_for_one_and_exits_with_peer_lost(
+        tmp_path):
+    # The second death with one spare, or no spare at all: torch alone would restart and wait
+    # in the rendezvous for a node that never comes; the fallback is rank 0's requeue (under
+    # SLURM) and the workers' code.
+    port = free_port()
+    agents = [_agent(tmp_path, 0, port, 2, 100_000)]
+    _listening(port)
+    agents.append(_agent(tmp_path, 1, port, 2, 100_000))
+    try:
+        wait_for_file(tmp_path / "progress.1", timeout=120, contains="step 5\n")
+        victim = agents[1]
+        workers = _children(victim.pid)
+        os.killpg(victim.pid, signal.SIGKILL)          # the node dies: agent and worker
+        for w in workers:
+            os.kill(w, signal.SIGKILL)
+        [code] = _finish(agents[:1], timeout=90)
+    finally:
+        _finish(agents, timeout=0)
+    err = (tmp_path / "agent.0.err").read_text()
+    assert code == ExitCode.PEER_LOST, err[-3000:]
+    assert "no relaunch in place: no standby node waits" in err, err[-3000:]
