@@ -13,17 +13,14 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, assert_bitwise_equal, free_port
+from adopt_helpers import doc_example, finish, start_ranks
+from helpers import assert_bitwise_equal
 from kempner_resilience.exitcodes import ExitCode
 
 SECTION = "### Adopting an existing DDP script"
@@ -31,42 +28,7 @@ PER_EPOCH, EVERY = 64, 80
 
 
 def example() -> tuple[str, str]:
-    """The "Before" and "After" scripts of the quickstart's adoption example."""
-    text = (REPO / "docs" / "quickstart.md").read_text()
-    section = text.split(SECTION + "\n", 1)[1].split("\n#", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 2, f"expected a Before and an After block under {SECTION!r}"
-    return blocks[0], blocks[1]
-
-
-def start_ranks(script: Path, work: Path) -> list[subprocess.Popen]:
-    port = str(free_port())
-    config = work.parent / "resilience.yaml"
-    config.write_text(f"checkpoint:\n  every_steps: {EVERY}\nsignals:\n  grace_s: 60\n")
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                   KEMPNER_RESILIENCE_CONFIG=str(config),
-                   KEMPNER_RESILIENCE_REPORT=str(work / "report.json"), PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=work, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    return procs
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    assert len(set(codes)) == 1, "\n".join(f"--- rank {r} exit {c}:\n{o[-2000:]}"
-                                           for r, (c, o) in enumerate(zip(codes, outs)))
-    return codes
+    return doc_example('quickstart.md', SECTION, "\n#")
 
 
 def test_the_adoption_example_changes_at_most_10_lines():
@@ -85,11 +47,11 @@ def test_the_adopted_example_interrupted_mid_epoch_resumes_bitwise(tmp_path):
 
     straight = tmp_path / "straight"
     straight.mkdir()
-    assert finish(start_ranks(script, straight)) == [0, 0]
+    assert finish(start_ranks(script, straight, EVERY)) == [0, 0]
 
     work = tmp_path / "interrupted"
     work.mkdir()
-    procs = start_ranks(script, work)
+    procs = start_ranks(script, work, EVERY)
     end = time.monotonic() + 180
     while not list((work / "checkpoints").glob("step_*/MANIFEST.json")):
         assert all(p.poll() is None for p in procs), "a rank ended before the first save"
@@ -101,7 +63,7 @@ def test_the_adopted_example_interrupted_mid_epoch_resumes_bitwise(tmp_path):
     stop = json.loads((work / "report.json").read_text())["stop_step"]
     assert stop % PER_EPOCH != 0 and stop > PER_EPOCH, f"stopped at {stop}: not mid-epoch"
 
-    assert finish(start_ranks(script, work)) == [0, 0]
+    assert finish(start_ranks(script, work, EVERY)) == [0, 0]
     resumed = json.loads((work / "report.json").read_text())["resumed_from"]
     assert resumed == stop
     assert_bitwise_equal(torch.load(straight / "model.pt"), torch.load(work / "model.pt"))

@@ -28,17 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import kempner_resilience as kr  # noqa: E402
-from kempner_resilience.demo.train import ShuffledBatches  # noqa: E402
 from kempner_resilience.core.log import configure  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (StateDictOptions,  # noqa: E402
-                                                     get_model_state_dict,
-                                                     get_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+from fsdp_job import build, full_state  # noqa: E402  (the same model, mesh and data as the save tests)
 
 
 def _hang_holding_the_gil() -> None:
@@ -48,24 +44,6 @@ def _hang_holding_the_gil() -> None:
     libc.pthread_mutex_init(mutex, None)
     libc.pthread_mutex_lock(mutex)
     libc.pthread_mutex_lock(mutex)
-
-
-def build(rank: int, world: int, mesh_kind: str) -> dict:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32),
-                          nn.ReLU(), nn.Linear(32, 1))
-    if mesh_kind == "hsdp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    for layer in (model[0], model[3], model[5]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=5, gamma=0.7)
-    data = ShuffledBatches(seed=0, rank=rank, world=world)
-    torch.manual_seed(1000 * (rank + 1))      # per-rank dropout streams
-    return {"model": model, "optim": optim, "sched": sched, "data": data}
 
 
 def main() -> int:
@@ -109,9 +87,7 @@ def main() -> int:
             sched.step()
             if progress is not None:
                 progress.write(f"rank {rank} step {step}\n")
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = {"model": get_model_state_dict(model, options=opts),
-            "optim": get_optimizer_state_dict(model, optim, options=opts)}
+    full = full_state(model, optim)
     if rank == 0:
         torch.save(full, args.out)
     dist.destroy_process_group()
