@@ -64,12 +64,26 @@ def relaunch_env(round_: int) -> dict[str, str]:
 def record_left(ckpt_dir: str | os.PathLike[str], codes: Iterable[int]) -> None:
     """This node leaves the job to a spare (its worker was killed): record it as bad."""
     node = node_name()
+    if not _known_dir(ckpt_dir, f"node {node} as bad"):
+        return
     try:
         record_bad_nodes(ckpt_dir, [node], reason=f"a worker on {node} was killed "
                          f"(exit {sorted(set(codes))}); it left the job to a spare",
                          job_id=os.environ.get("SLURM_JOB_ID"))
     except OSError as e:     # the relaunch still goes on without it; only the memory is lost
         log.error("cannot record node %s as bad in %s: %s", node, ckpt_dir, e)
+
+
+def _known_dir(ckpt_dir: str | os.PathLike[str], what: str) -> bool:
+    """Whether ``ckpt_dir`` exists (the workers made it). When it does not, the agent's config
+    names another ``checkpoint.dir`` than the workers': nothing is written (no stray
+    directory), and the log says how to fix it."""
+    if Path(ckpt_dir).is_dir():
+        return True
+    log.warning("not writing %s: no checkpoint directory %s; give the agent the workers' "
+                "checkpoint.dir (--config/--set before torchrun's arguments, or "
+                "KEMPNER_RESILIENCE_CONFIG)", what, ckpt_dir)
+    return False
 
 
 def _num(value: Any) -> float | None:
@@ -82,6 +96,8 @@ def record_agent_restart(ckpt_dir: str | os.PathLike[str], round_: int, *,
     """Write the ``restart`` event of in-job restart ``round_`` (the rank-0 agent, before it
     starts its workers). ``why``: this agent's own view of the failure, used when no node
     left (a rescued failure with every node alive). Never raises; returns the event."""
+    if not _known_dir(ckpt_dir, f"the restart event of in-job restart {round_}"):
+        return None
     try:
         d = Path(ckpt_dir)
         path = d / LEDGER_NAME
@@ -111,7 +127,7 @@ def record_agent_restart(ckpt_dir: str | os.PathLike[str], round_: int, *,
             or why or "a rescued failure"
         from kempner_resilience.checkpoint import layout
 
-        steps = [e.step for e in layout.scan(d) if e.committed] if d.is_dir() else []
+        steps = [e.step for e in layout.scan(d) if e.committed]
         attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
         run_id = next((e.get("run_id") for e in reversed(events) if e.get("run_id")), None)
         return record_restart(d, relaunch=round_, reason=reason, bad_nodes=fresh,
