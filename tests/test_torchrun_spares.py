@@ -3,12 +3,15 @@
 Real torchrun agents (torch's c10d rendezvous on this machine, ``--max-restarts=1``) start real
 demo workers (gloo). Three agents with ``--nnodes=2``: two train, torch keeps the third as a
 standby. The multi-node cluster test (tests/test_slurm_spares_torchrun.py) kills a whole node;
-here only what the agents decide: a node whose own worker was killed leaves and the standby
-takes its place, and a signal ending never relaunches.
+here only what the agents decide: a node whose own worker was killed leaves (recorded as a bad
+node) and the standby takes its place, the relaunch is an attempt of its own in the ledger, and
+a signal ending never relaunches. Each agent names its node through ``$SLURMD_NODENAME``, as
+SLURM does on a real node (they all run on this machine).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,6 +22,9 @@ from pathlib import Path
 
 from helpers import env, free_port, wait_for_file
 from kempner_resilience.checkpoint import layout
+from kempner_resilience.cli import main as cli_main
+from kempner_resilience.core.ledger import read_ledger
+from kempner_resilience.slurm.badnodes import bad_node_records
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import run_reference
 from kempner_resilience.exitcodes import ExitCode
@@ -28,7 +34,10 @@ STEPS, EVERY = 100, 40
 
 def _agent(work: Path, i: int, port: int, nnodes: int, steps: int, nproc: int = 1
            ) -> subprocess.Popen:
-    """Agent ``i``: its workers log their steps to ``progress.i``."""
+    """Agent ``i`` on node ``node{i}``: its workers log their steps to ``progress.i``; the
+    agent and its workers read the checkpoint settings from the job's config file."""
+    config = work / "resilience.yaml"
+    config.write_text(f"checkpoint:\n  dir: {work / 'ckpt'}\n  every_steps: {EVERY}\n")
     cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", f"--nnodes={nnodes}",
            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=spares",
@@ -41,7 +50,8 @@ def _agent(work: Path, i: int, port: int, nnodes: int, steps: int, nproc: int = 
                             stderr=open(work / f"agent.{i}.err", "w"), stdin=subprocess.DEVNULL,
                             cwd=work, start_new_session=True,
                             env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS="yes",
-                                    OMP_NUM_THREADS="1"))
+                                    OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}",
+                                    KEMPNER_RESILIENCE_CONFIG=str(config)))
 
 
 def _listening(port: int, timeout: float = 60) -> None:
@@ -85,7 +95,7 @@ def _finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[int | 
 
 
 def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bitwise(
-        tmp_path):
+        tmp_path, capsys):
     reference = run_reference(tmp_path / "reference", ranks=2, steps=STEPS)
     work = tmp_path / "job"
     work.mkdir()
@@ -116,6 +126,25 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
     assert f"step {STEPS - 1}\n" in (work / f"progress.{standby}").read_text()
     same, total, diff = compare_weights(reference, work / "weights.pt")
     assert not diff, f"{len(diff)} of {total} tensors differ"
+    # The run remembers: the node that left is recorded bad (a requeue keeps it off too) ...
+    assert set(bad_node_records(work / "ckpt")) == {f"node{victim}"}, errs[victim][-3000:]
+    # ... the in-job restart is in the ledger once, from the rescued step on, naming it ...
+    events = read_ledger(work / "ckpt" / "ledger.jsonl")
+    restarts = [e for e in events if e["ev"] == "restart"]
+    assert len(restarts) == 1, (restarts, errs[0][-3000:])
+    [r] = restarts
+    assert (r["relaunch"], r["bad_nodes"], r["step"]) == (1, f"node{victim}", max(rescued)), r
+    # ... and the relaunched workers' events are an attempt of their own.
+    assert {e.get("relaunch", 0) for e in events if e["ev"] == "start"} == {0, 1}
+    assert cli_main(["report", "--json", str(work / "ckpt")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [a["relaunch"] for a in data["attempts"]] == [0, 1], data["attempts"]
+    assert all(v is not None for v in data["attempts"][1]["recovery"].values()), data
+    assert cli_main(["report", str(work / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    # (outside SLURM an attempt is named by its index: "1+1", the first in-job restart)
+    assert f"1+1: a worker on node{victim} was killed" in out, out
+    assert f"kept out: node{victim}; spare: " in out and " + rescue " in out, out
 
 
 def test_a_signal_ending_with_restarts_left_exits_with_the_workers_code_and_no_relaunch(

@@ -43,7 +43,9 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   The attempt it starts is an attempt of its own: its events carry ``relaunch`` (the in-job
   restart count, 1, 2, ...; absent for 0) next to ``attempt`` (SLURM's restart count), and its
   ``start.t0`` is the relaunch (``RELAUNCH_START_ENV``, else its processes' start), not the
-  job's start. The glue writes it with ``slurm.restart_event.record_restart``. Fields:
+  job's start. The glue writes it with ``slurm.restart_event.record_restart`` (the srun loop,
+  ``slurm/relaunch.py``; under torchrun the new group's rank-0 agent,
+  ``integrations/torchrun_memory.py``). Fields:
   ``relaunch``; ``reason`` (what failed, e.g. "rank 3 on krnode2 died"); ``bad_nodes`` (the
   nodes kept out from now on, comma-separated or a list); ``spare`` (the spare node taken
   in, absent: none); ``step`` (the committed step the new attempt resumes from);

@@ -271,7 +271,7 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     ``spares``: that many spare nodes; a run then is ``k.i`` (SLURM's restart count, then
     the relaunch in place: ``report.0.1.json``). ``multi_node``: ``kempner-resilience srun``
     runs the steps (it must be on the job's PATH) and counts the relaunches; with
-    ``torchrun``: torch's worker-group restarts in the job.
+    ``torchrun``: the rendezvous rounds of torch's worker-group restarts in the job.
     """
     from kempner_resilience.config import load_config
     from kempner_resilience.slurm.templates import render_sbatch
@@ -290,9 +290,9 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
         train += ["--set", o]
     train += [str(a) for a in train_args]
     run = "${SLURM_RESTART_COUNT:-0}"
-    if spares and torchrun:   # a relaunch in place keeps SLURM's count: torch's counts
-        run += ".${TORCHELASTIC_RESTART_COUNT:-0}"
-    elif spares:              # the step loop counts its relaunches
+    if spares:   # a relaunch in place keeps SLURM's count; the glue counts its relaunches
+        # (torchrun: the rendezvous round, the same on every node, where a standby's
+        # TORCHELASTIC_RESTART_COUNT is 0)
         run += ".${KEMPNER_RESILIENCE_IN_JOB_RESTART:-0}"
     # One srun line (the template's). Each task's bash names the report after the restart count,
     # marks where a run starts in the progress file (rank 0 only: torchrun's RANK, else srun's

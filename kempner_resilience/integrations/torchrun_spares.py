@@ -22,6 +22,10 @@ What torch lacks, and this module adds (``relaunching``):
 * *The workers know.* Each worker group gets ``$KEMPNER_RESILIENCE_RELAUNCH`` (the rendezvous
   and the restarts left): rank 0 then leaves the relaunch to the agents instead of requeueing
   (``slurm/standby.py``, ``shutdown/sequence.py``).
+* *The run remembers* (``torchrun_memory.py``): the node that leaves records itself in
+  ``bad-nodes.json`` (so a requeue keeps it off too), the new group's rank-0 agent writes the
+  ledger's ``restart`` event, and every relaunched worker gets the in-job restart count (the
+  rendezvous round), so that ``report`` shows the relaunch as an attempt of its own.
 * *A standby that was never needed* ends with 0 when the run is over (the rendezvous host's
   agent closes the store on its way out), not with torch's connection error.
 """
@@ -35,7 +39,12 @@ from typing import Any, Iterator, Sequence
 
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
+from kempner_resilience.core.ledger import RELAUNCH_ENV as IN_JOB_RESTART_ENV
+from kempner_resilience.core.ledger import RELAUNCH_START_ENV
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.integrations.torchrun_memory import (record_agent_restart,
+                                                             record_left, relaunch_env,
+                                                             rendezvous_round)
 from kempner_resilience.slurm.standby import RELAUNCH_ENV, Relaunch, live_standbys
 
 __all__ = ["InPlace", "relaunching", "in_place_settings"]
@@ -85,6 +94,10 @@ class InPlace:
         self.standby = False          # torch put this agent in a round's redundancy list
         self.restarts = 0
         self.left = False             # this node was implicated and left the job to a spare
+        self.ckpt_dir = agent.config.checkpoint.dir   # where the run's memory lives
+        self.spares_seen: list[str] = []  # the standbys waiting when this agent restarted
+        self.why: str | None = None       # this agent's view of the last failure
+        self.starts = 0                   # worker groups this agent started
         self._lock = threading.Lock()
 
     def unused_standby(self) -> bool:
@@ -108,10 +121,24 @@ class InPlace:
             # It leaves the rendezvous (without closing it) and exits 0, so that the step goes
             # on and the standby takes its place.
             self.left = True
+            # Before it leaves: the survivors' next round, and so the relaunch's restart
+            # event, cannot complete until it has left.
+            record_left(self.ckpt_dir, codes)
             return False, (f"a worker on this node was killed ({codes}): this node is "
                            f"implicated and leaves; a standby ({', '.join(spares)}) takes its "
                            "place")
+        self.spares_seen = list(spares)
+        self.why = f"workers failed with {codes} (a rescued failure, every node alive)"
         return True, f"standby node(s) waiting: {', '.join(spares)}"
+
+    def spare(self, rdzv_handler: Any) -> str | None:
+        """The spare node(s) this round took in (torch's node addresses), as best known."""
+        state = getattr(getattr(rdzv_handler, "_state_holder", None), "state", None)
+        members = {str(getattr(n, "addr", n)) for n in getattr(state, "participants", {}) or {}}
+        if self.standby and self.starts == 0:      # this agent stood by until now
+            own = getattr(getattr(rdzv_handler, "_this_node", None), "addr", None)
+            return None if own is None else str(own)
+        return ",".join(sorted(members & set(self.spares_seen))) or None
 
     def worker_env(self, restarts_left: int) -> str:
         s = self.settings
@@ -142,7 +169,8 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
     executor = getattr(dr, "_DistributedRendezvousOpExecutor", None)
     handler = dr.DynamicRendezvousHandler
     names = [(local, "_monitor_workers"), (cls, "_initialize_workers"),
-             (executor, "_add_to_redundancy_list"), (handler, "shutdown")]
+             (executor, "_add_to_redundancy_list"), (handler, "shutdown"),
+             (local, "_start_workers")]
     missing = [n for owner, n in names if owner is None or n not in vars(owner)]
     if missing:
         log.warning("%s: this torch lacks %s: no relaunch in place (failures requeue the job)",
@@ -173,6 +201,23 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
         os.environ[RELAUNCH_ENV] = inplace.worker_env(self._remaining_restarts)
         return stock[(cls, "_initialize_workers")](self, worker_group)
 
+    def start(self: Any, worker_group: Any) -> Any:
+        # After the rendezvous, before the workers: the round is known, the workers not yet
+        # started. Workers of a later round are an in-job restart, an attempt of their own.
+        handler_ = worker_group.spec.rdzv_handler
+        round_ = rendezvous_round(handler_)
+        if round_ is None:       # this torch hides it: the count of this agent's restarts
+            round_ = inplace.restarts
+        for name in (IN_JOB_RESTART_ENV, RELAUNCH_START_ENV):
+            os.environ.pop(name, None)
+        os.environ.update(relaunch_env(round_))
+        if round_ > 0 and worker_group.group_rank == 0:
+            # One agent per round writes it, before its workers (global rank 0's) start.
+            record_agent_restart(inplace.ckpt_dir, round_, spare=inplace.spare(handler_),
+                                 why=inplace.why)
+        inplace.starts += 1
+        return stock[(local, "_start_workers")](self, worker_group)
+
     def redundant(self: Any) -> Any:
         if not inplace.standby:
             log.info("%s: standby (the rendezvous has its nodes): waiting to take a failed "
@@ -196,9 +241,11 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
     setattr(local, "_monitor_workers", monitor)
     setattr(cls, "_initialize_workers", initialize)
     setattr(executor, "_add_to_redundancy_list", redundant)
+    setattr(local, "_start_workers", start)
     try:
         yield inplace
     finally:
         for (owner, n), value in stock.items():
             setattr(owner, n, value)
-        os.environ.pop(RELAUNCH_ENV, None)
+        for name in (RELAUNCH_ENV, IN_JOB_RESTART_ENV, RELAUNCH_START_ENV):
+            os.environ.pop(name, None)

@@ -1,0 +1,140 @@
+"""The torchrun spares glue's memory: the bad-node record and the ledger's ``restart`` event.
+
+The srun glue (``slurm/relaunch.py``) records the nodes implicated in a failure
+(``slurm/badnodes.record_bad_nodes``) and writes one ``restart`` event per in-job restart
+(``slurm/restart_event.record_restart``). Under torchrun no single process sees the whole
+failure, so the agents share the work, each with what it alone knows:
+
+* *The node that leaves* (its own worker was killed) records its own host as bad before it
+  leaves the rendezvous (``record_left``). The survivors' next round cannot complete before it
+  has left, so the record is on disk before the restart is written and before the relaunched
+  workers start; a later requeue keeps it off too (``badnodes.exclude_for_requeue``).
+* *The new group's rank-0 agent* (exactly one per round, and the one that starts global rank 0,
+  which writes the new attempt's ``start``) writes the ``restart`` event before it starts its
+  workers (``record_agent_restart``): the reason and nodes from the bad-node record, the
+  parts of the recovery from the record's time and the survivors' ``rescue`` event.
+* *Every agent* starting workers in a later round gives them the in-job restart count and the
+  launch time (``relaunch_env``: the rendezvous round, the same on every node, unlike torch's
+  ``TORCHELASTIC_RESTART_COUNT``, which is 0 on a standby's first start), so the relaunched
+  workers' events are an attempt of their own.
+
+Node names: ``$SLURMD_NODENAME`` (SLURM's name, what ``--exclude`` takes), else the host name.
+All of it is best effort: a record that cannot be written is logged, never raised into torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.slurm.badnodes import bad_node_records, record_bad_nodes
+from kempner_resilience.slurm.restart_event import record_restart
+from kempner_resilience.slurm.restart_event import relaunch_env as _relaunch_env
+
+__all__ = ["node_name", "record_left", "record_agent_restart", "relaunch_env",
+           "rendezvous_round"]
+
+log = get_logger("kempner_resilience.integrations.torchrun")
+
+
+def node_name() -> str:
+    """This node's name as SLURM knows it (``$SLURMD_NODENAME``), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def rendezvous_round(rdzv_handler: Any) -> int | None:
+    """The round of torch's dynamic rendezvous this agent has just joined (0 for the first;
+    each in-job restart completes the next), or None when this torch does not expose it."""
+    state = getattr(getattr(rdzv_handler, "_state_holder", None), "state", None)
+    value = getattr(state, "round", None)
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def relaunch_env(round_: int) -> dict[str, str]:
+    """The environment of workers started in rendezvous round ``round_`` (empty for round 0):
+    the in-job restart count and now, their attempt's start (``core.ledger``)."""
+    return _relaunch_env(round_, time.time()) if round_ > 0 else {}
+
+
+def record_left(ckpt_dir: str | os.PathLike[str], codes: Iterable[int]) -> None:
+    """This node leaves the job to a spare (its worker was killed): record it as bad."""
+    node = node_name()
+    if not _known_dir(ckpt_dir, f"node {node} as bad"):
+        return
+    try:
+        record_bad_nodes(ckpt_dir, [node], reason=f"a worker on {node} was killed "
+                         f"(exit {sorted(set(codes))}); it left the job to a spare",
+                         job_id=os.environ.get("SLURM_JOB_ID"))
+    except OSError as e:     # the relaunch still goes on without it; only the memory is lost
+        log.error("cannot record node %s as bad in %s: %s", node, ckpt_dir, e)
+
+
+def _known_dir(ckpt_dir: str | os.PathLike[str], what: str) -> bool:
+    """Whether ``ckpt_dir`` exists (the workers made it). When it does not, the agent's config
+    names another ``checkpoint.dir`` than the workers': nothing is written (no stray
+    directory), and the log says how to fix it."""
+    if Path(ckpt_dir).is_dir():
+        return True
+    log.warning("not writing %s: no checkpoint directory %s; give the agent the workers' "
+                "checkpoint.dir (--config/--set before torchrun's arguments, or "
+                "KEMPNER_RESILIENCE_CONFIG)", what, ckpt_dir)
+    return False
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def record_agent_restart(ckpt_dir: str | os.PathLike[str], round_: int, *,
+                         spare: str | None = None, why: str | None = None
+                         ) -> dict[str, Any] | None:
+    """Write the ``restart`` event of in-job restart ``round_`` (the rank-0 agent, before it
+    starts its workers). ``why``: this agent's own view of the failure, used when no node
+    left (a rescued failure with every node alive). Never raises; returns the event."""
+    if not _known_dir(ckpt_dir, f"the restart event of in-job restart {round_}"):
+        return None
+    try:
+        d = Path(ckpt_dir)
+        path = d / LEDGER_NAME
+        events = read_ledger(path) if path.exists() else []
+        # The failure happened during the previous attempt: since its start.
+        starts = [e for e in events if e.get("ev") == "start"]
+        since = _num(starts[-1].get("t0")) if starts else None
+        since = since if since is not None else 0.0
+        fresh = {n: r for n, r in bad_node_records(d).items()
+                 if (_num(r.get("last_t")) or 0.0) >= since}
+        rescue = next((e for e in reversed(events) if e.get("ev") == "rescue"
+                       and (_num(e.get("t")) or 0.0) >= since), None)
+        rescue_end = _num(rescue.get("t")) if rescue else None
+        rescue_s = _num(rescue.get("seconds")) if rescue else None
+        rescue_t0 = None if rescue_end is None else rescue_end - (rescue_s or 0.0)
+        # When the failure happened, as best known: the leaving node recorded it as soon as
+        # its monitor saw its worker dead, or the survivors' rescue began, whichever came first.
+        known = [_num(r.get("last_t")) or 0.0 for r in fresh.values()]
+        failure_t = min(known + ([rescue_t0] if rescue_t0 is not None else []), default=None)
+        now = time.time()
+        detect_s = None if failure_t is None or rescue_t0 is None \
+            else max(0.0, rescue_t0 - failure_t)
+        # Back to back: failure -> detection -> rescue -> relaunch (this agent's launch).
+        end = rescue_end if rescue_end is not None else failure_t
+        relaunch_s = None if end is None else max(0.0, now - end)
+        reason = "; ".join(sorted({str(r.get("reason", "")) for r in fresh.values()} - {""})) \
+            or why or "a rescued failure"
+        from kempner_resilience.checkpoint import layout
+
+        steps = [e.step for e in layout.scan(d) if e.committed]
+        attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
+        run_id = next((e.get("run_id") for e in reversed(events) if e.get("run_id")), None)
+        return record_restart(d, relaunch=round_, reason=reason, bad_nodes=fresh,
+                              spare=spare, step=max(steps) if steps else None,
+                              failure_t=failure_t, detect_s=detect_s, rescue_s=rescue_s,
+                              relaunch_s=relaunch_s, attempt=attempt, run_id=run_id)
+    except Exception as e:   # the restart goes on; only its accounting is lost
+        log.error("could not write the restart event of in-job restart %d to %s: %s",
+                  round_, ckpt_dir, e)
+        return None
