@@ -89,10 +89,10 @@ def test_usr1_checkpoints_requeues_resumes_bitwise_equal(slurm_cluster, tmp_path
     assert first["stop_step"] == first["saved_step"] >= 15
     assert (job.checkpoints / f"step_{first['saved_step']:09d}").is_dir() or first["saved_path"]
     assert first["timings"]["requeue_s"] < 15
-    log = job.log_text()
-    # Rank 0 called scontrol requeue after the commit (its report says how long it took; its log
-    # line may be lost once the requeue cancels the step), and SLURM acted on it.
-    assert "DUE TO JOB REQUEUE" in log
+    # Rank 0 called scontrol requeue after the commit (its report says how long it took), and
+    # SLURM acted on it: the job ran again (Restarts=1, below). Not slurmstepd's "CANCELLED ...
+    # DUE TO JOB REQUEUE" line: when every rank has exited before slurmctld's kill reaches the
+    # step (a fast teardown; seen in CI), there is no step left to cancel and no such line.
     _assert_resumed_and_equal(job, reference(ranks), first)
 
 
