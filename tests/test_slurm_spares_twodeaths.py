@@ -109,8 +109,8 @@ def test_a_second_node_death_with_no_spare_left_requeues_off_both_dead_nodes_bit
         wait_until(lambda: job.steps_done_in_run("0.1"),
                    240, "the relaunch in place")
         assert job.info().get("Restarts") == "0"
-        cluster.restart_node(first)                   # back, IDLE, and still recorded bad
-        assert _idle(cluster, first)
+        # Back (still the job's until it leaves it: allocated, not idle), and recorded bad.
+        cluster.restart_node(first)
 
         second_kill = random.randint(first_kill + 10, 2 * EVERY - 5)
         job.wait_step(second_kill, timeout=240)
@@ -125,6 +125,10 @@ def test_a_second_node_death_with_no_spare_left_requeues_off_both_dead_nodes_bit
         assert sorted(again) == sorted({"krnode1", "krnode2", "krnode3", "krnode4"}
                                        - {first, spare}), (again, first, spare)
         assert {first, spare} <= set(expand_hostlist(info.get("ExcNodeList", ""))), info
+        # The first job gone, both failed nodes are IDLE for SLURM to give, and it gave neither.
+        wait_until(lambda: all(_idle(cluster, n) for n in (first, spare)), 60,
+                   "both failed nodes idle")
+        assert set(job.hosts()).isdisjoint({first, spare}), job.hosts()
         done = job.wait_state(timeout=240)
     finally:
         if job.job_id and job.info().get("JobState") not in (None, "COMPLETED", "FAILED",
@@ -135,8 +139,7 @@ def test_a_second_node_death_with_no_spare_left_requeues_off_both_dead_nodes_bit
 
     assert done["JobState"] == "COMPLETED" and done["Restarts"] == "1", job.log_text()[-4000:]
     assert batch_node in again
-    # Both failed nodes were IDLE for SLURM to give, and it gave neither.
-    assert all(_idle(cluster, n) for n in (first, spare))
+    assert set(expand_hostlist(done.get("NodeList", ""))).isdisjoint({first, spare})
     assert bad_nodes(job.checkpoints) == {first, spare}
     same, total, diff = compare_weights(reference, job.weights)
     assert not diff, (f"{len(diff)} of {total} tensors differ after kills at {first_kill} "
