@@ -76,13 +76,15 @@ class MultiNodeCluster:
     def kill_node(self, node: str) -> None:
         """Every process of ``node`` (slurmd, slurmstepd, the job's tasks) stopped, then
         SIGKILLed: the node is dead for SLURM and for its peers."""
-        res = _run(["bash", str(self.script), "kill-node", self._number(node)], 60)
+        res = _run(["bash", str(self.script), "kill-node", self._number(node)], 60,
+                   self._script_env())
         if res.returncode != 0:
             raise RuntimeError(f"kill-node {node} failed: {res.stderr.strip()}")
 
     def restart_node(self, node: str) -> None:
         """Start ``node``'s slurmd again and wait until the node is idle."""
-        res = _run(["bash", str(self.script), "restart-node", self._number(node)], 90)
+        res = _run(["bash", str(self.script), "restart-node", self._number(node)], 90,
+                   self._script_env())
         if res.returncode != 0:
             raise RuntimeError(f"restart-node {node} failed: {res.stderr.strip()}")
 
@@ -109,6 +111,10 @@ class MultiNodeCluster:
                     if var.startswith(b"SLURM_PROCID="):
                         found[int(var.split(b"=", 1)[1])] = (node, pid)
         return found
+
+    def _script_env(self) -> dict[str, str]:
+        # The script's node-number check follows KR_MN_NODES: this cluster's size.
+        return dict(os.environ, KR_MN_NODES=str(len(self.nodes)))
 
     def _number(self, node: str) -> str:
         if node not in self.nodes:

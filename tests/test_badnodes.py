@@ -198,3 +198,17 @@ def test_the_batch_step_requeues_and_excludes_from_a_step_of_its_own(fake_scontr
     lines = calls.read_text().splitlines()
     assert lines[0] == "show -o job 42" and lines[1].startswith("srun --overlap --nodes=1")
     assert lines[2:] == ["requeue 42", "update JobId=42 ExcNodeList=n2"]
+
+
+def test_a_job_of_tasks_per_node_giving_its_spare_up_asks_for_the_tasks_of_the_nodes_left(
+        fake_scontrol):
+    # --ntasks-per-node=2 on 3 nodes: NumTasks=6 kept with NumNodes=2 is never runnable.
+    calls = fake_scontrol(
+        'case "$1 $3" in\n'
+        '  "show job") echo "JobId=42 NumNodes=3 NumTasks=6 NtasksPerN:B:S:C=2:0:*:* '
+        'Partition=mn ExcNodeList=(null)";;\n'
+        '  "show partition") echo "PartitionName=mn Nodes=n[1-4] TotalNodes=4";;\n'
+        'esac; exit 0')
+    assert exclude_for_requeue("42", {"n1", "n2"}, min_nodes=2).ok
+    assert calls.read_text().splitlines()[-1] == \
+        "update JobId=42 ExcNodeList=n1,n2 NumNodes=2 NumTasks=4"

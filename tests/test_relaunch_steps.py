@@ -103,3 +103,25 @@ def test_when_every_rank_ends_with_hang_the_node_of_the_rank_that_never_said_so_
                                   "srun: error: n2: task 3: Exited with exit code 42",
                                   "srun: error: n2: task 2: Exited with exit code 42"])
     assert r.implicated(seen, 2) == {"n2"}
+
+
+def _loop(tmp_path, nodelist: str, job_id: str = "7"):
+    from kempner_resilience.config import load_config
+    from kempner_resilience.slurm.relaunch import Relauncher
+
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path}"])
+    return Relauncher(["true"], 1, cfg, environ={"SLURM_JOB_ID": job_id,
+                                                  "SLURM_JOB_NODELIST": nodelist,
+                                                  "SLURM_NTASKS_PER_NODE": "2"})
+
+
+def test_a_job_requeued_with_its_spare_given_up_trains_on_as_many_nodes_as_before(tmp_path):
+    # Job 7 trained on 2 nodes + 1 spare; its requeue kept 2 dead nodes out and asked for the
+    # 2 left. The batch script runs `kempner-resilience srun --spares 1` again on those 2.
+    from kempner_resilience.slurm.relaunch import record_train_nodes
+
+    assert _loop(tmp_path, "n[1-3]").need == 2
+    record_train_nodes(tmp_path, "7", 2)
+    assert _loop(tmp_path, "n[1,4]").need == 2
+    # A new submission (another job id) reusing the checkpoint dir takes its own shape.
+    assert _loop(tmp_path, "n[1,4]", job_id="8").need == 1

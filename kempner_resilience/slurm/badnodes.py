@@ -235,6 +235,12 @@ def _plan(job_id: str, wanted: set[str], call: Scontrol, timeout: float, current
         _log.warning("job %s: %s; it asks for %d node(s) instead (its spares given up, %d "
                      "needed to train)", job_id, why, left, min_nodes)
         args.append(f"NumNodes={left}")
+        # A job of --ntasks-per-node asks for that many tasks on each of its nodes
+        # (NumTasks = nodes x per node): left as is, SLURM keeps the old count and never
+        # starts the job ("BadConstraints", seen on the test cluster).
+        per_node = job.get("NtasksPerN:B:S:C", "").split(":")[0]
+        if per_node.isdigit() and int(per_node) > 0:
+            args.append(f"NumTasks={left * int(per_node)}")
     return args
 
 

@@ -23,10 +23,17 @@ the loop requeues the job as rank 0 would have (``decide_requeue`` + ``requeue_j
 restart budget, the bad nodes excluded): the ranks leave the requeue after a failure to the
 loop (``IN_JOB_ENV``), since rank 0 may be the dead one. A dead batch node ends this loop
 too: SLURM's own node-failure requeue takes over there.
+
+A requeue that keeps the bad nodes out may leave the job fewer nodes than N + K: it then asks
+for fewer (``badnodes``: ``NumNodes`` lowered, the spares given up), and the requeued job runs
+this loop again with the same ``--spares K`` on, say, N nodes. So the loop records the N it
+trains on (``TRAIN_NODES_NAME``, by job id) before that requeue, and the requeued job trains on
+N again, with the spares it has left (none), instead of on N - K.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -39,6 +46,7 @@ from typing import Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.ledger import LEDGER_NAME, RELAUNCH_START_ENV, read_ledger
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
@@ -54,7 +62,8 @@ from kempner_resilience.slurm.steps import (
     parse_srun_line,
 )
 
-__all__ = ["Relauncher", "StepResult", "run_in_place"]
+__all__ = ["Relauncher", "StepResult", "run_in_place", "TRAIN_NODES_NAME",
+           "recorded_train_nodes", "record_train_nodes"]
 
 _log = get_logger(__name__)
 
@@ -68,6 +77,32 @@ SETTLE_S = 2.0
 SETTLE_MAX_S = 45.0
 # The ending of an old step (srun killed, the step cancelled) is bounded by this.
 END_STEP_S = 10.0
+#: {job id: nodes the training runs on}, next to the checkpoints: what a requeued job whose
+#: spares were given up trains on (the module docstring).
+TRAIN_NODES_NAME = ".kempner_train_nodes.json"
+
+
+def recorded_train_nodes(ckpt_dir: Path, job_id: str) -> int | None:
+    """The nodes job ``job_id`` trained on before a requeue (None: none recorded; a record of
+    another job, a fresh submission's, does not count)."""
+    path = ckpt_dir / TRAIN_NODES_NAME
+    try:
+        value = json.loads(path.read_text()).get(str(job_id))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as e:
+        _log.warning("%s unreadable (%s): the training takes the allocation less --spares", path,
+                     e)
+        return None
+    return value if isinstance(value, int) and value >= 1 else None
+
+
+def record_train_nodes(ckpt_dir: Path, job_id: str, nodes: int) -> None:
+    """Remember that job ``job_id`` trains on ``nodes`` nodes (only this job is kept)."""
+    try:
+        write_atomic(ckpt_dir / TRAIN_NODES_NAME, json.dumps({str(job_id): int(nodes)}))
+    except OSError as e:   # the requeued job then trains on its allocation less --spares
+        _log.error("cannot record the training's %d nodes in %s: %s", nodes, ckpt_dir, e)
 
 
 @dataclass
@@ -100,13 +135,22 @@ class Relauncher:
                              "`kempner-resilience srun` in the batch script of a job")
         self.job = job
         self.nodes = expand_hostlist(env["SLURM_JOB_NODELIST"])
+        self.ckpt_dir = Path(self.config.checkpoint.dir)
         self.need = len(self.nodes) - int(self.spares)
+        recorded = recorded_train_nodes(self.ckpt_dir, job.job_id)
+        if self.spares >= 0 and recorded is not None and recorded != self.need \
+                and recorded <= len(self.nodes):
+            # Requeued with fewer nodes (the bad ones kept out, the spares given up): the
+            # training keeps its size; --spares K would have taken K of its nodes away.
+            _log.warning("job %s came back with %d node(s) after a requeue that kept bad nodes "
+                         "out: training on %d as before, %d spare(s) left", job.job_id,
+                         len(self.nodes), recorded, len(self.nodes) - recorded)
+            self.need = recorded
         if self.spares < 0 or self.need < 1:
             raise ValueError(f"--spares {self.spares} leaves no node to train on in an "
                              f"allocation of {len(self.nodes)}; ask sbatch for N + spares nodes")
         tpn = (env.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0]
         self.tasks_per_node = int(tpn) if tpn.isdigit() else 1
-        self.ckpt_dir = Path(self.config.checkpoint.dir)
         base = env.get("MASTER_PORT")
         self.port = int(base) if base and base.isdigit() else master_port(job.job_id)
         self.committed_at_relaunch: list[int | None] = []
@@ -201,6 +245,8 @@ class Relauncher:
         decision = decide_requeue(self.job, ledger, self._committed_step(),
                                   self.config.requeue)
         if decision.requeue:
+            # Before the requeue: it SIGKILLs this batch step at once.
+            record_train_nodes(self.ckpt_dir, self.job.job_id, self.need)
             # The failed nodes are kept out of the requeued job too (badnodes).
             requeue_job(self.job, self.config.requeue, exclude=bad_nodes(self.ckpt_dir),
                         min_nodes=self.need)

@@ -215,6 +215,24 @@ start_node() {
         || die "slurmd of $name failed to start; see $LOGS/slurmd-$name.log"
 }
 
+# Nodes of an earlier, larger cluster (KR_MN_NODES was higher then) still on this machine.
+extra_nodes() {
+    local ns k
+    for ns in /run/netns/"$PREFIX"*; do
+        [[ -e $ns ]] || continue
+        k=${ns##*/"$PREFIX"}
+        [[ $k =~ ^[0-9]+$ ]] && (( k > NODES )) && echo "$k"
+    done
+    return 0
+}
+
+# A node no longer in the cluster: its processes, namespace and link gone.
+remove_node() {
+    kill_node_procs "$1" || true
+    [[ -e /run/netns/$(node_name "$1") ]] && ip netns del "$(node_name "$1")"
+    ip link del "$(host_veth "$1")" >/dev/null 2>&1 || true
+}
+
 # Every process in node K's network namespace: its slurmd, slurmstepd and the job's tasks.
 node_pids() {
     local name
@@ -324,6 +342,8 @@ cmd_start() {
     write_hosts
     changed=$(write_conf)
     start_munge
+    # Shrunk (a test asked for more nodes before): the extra nodes go, as with `stop`.
+    for k in $(extra_nodes); do remove_node "$k"; done
     if (( changed )); then
         local any=0
         alive "$CTL_PID" && any=1
@@ -360,10 +380,8 @@ cmd_stop() {
     stop_daemons
     # Whatever is left in a node (a job of a dead slurmd, a stuck daemon) dies with the node.
     for ((k = 1; k <= NODES; k++)); do kill_node_procs "$k" || true; done
-    for ((k = 1; k <= NODES; k++)); do
-        [[ -e /run/netns/$(node_name "$k") ]] && ip netns del "$(node_name "$k")"
-        ip link del "$(host_veth "$k")" >/dev/null 2>&1 || true
-    done
+    for ((k = 1; k <= NODES; k++)); do remove_node "$k"; done
+    for k in $(extra_nodes); do remove_node "$k"; done
     ip link del "$BRIDGE" >/dev/null 2>&1 || true
     remove_hosts
     # Forget old jobs so the next start is clean (the logs stay for a post-mortem).
