@@ -196,8 +196,14 @@ def test_hsdp_a_node_killed_between_periodic_saves_is_rescued_from_the_other_nod
     # Ranks 0, 1 on the first node are replica group 0 (shards 0 and 1), ranks 2, 3 on the
     # second node replica group 1. The second node dies: ranks 0 and 1 hold every shard, and
     # ranks 2 and 3's per-rank state lives on them (buddy links, rank + 2).
+    # A survivor can be left waiting in a collective with the other survivor (the backward's
+    # reduce-scatter within the node, which that rank left on its gloo error): only its hang
+    # watchdog brings it to the rescue, to offer its shard column. So the hang timeout must come
+    # before SLURM's kill of the job once the dead node is DOWN (this cluster: ~25 s after the
+    # death; production, SlurmdTimeout=300: minutes). With 30 s, CI once saw SLURM's SIGTERM
+    # first: no rescue, the fallback to step 50.
     kill_at = random.randint(EVERY + 3, 2 * EVERY - 5)
-    job = _submit(multinode_cluster, tmp_path, multinode_jobs,
+    job = _submit(multinode_cluster, tmp_path, multinode_jobs, hang_timeout_s=8,
                   train_args=("--hsdp", str(RANKS // NODES)))
     job.wait_step(kill_at, timeout=240)
     dead = job.hosts()[1]
