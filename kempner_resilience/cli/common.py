@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, NamedTuple
 
-__all__ = ["CliError", "Verb", "config_args"]
+__all__ = ["CliError", "Verb", "config_args", "training_command"]
 
 
 class CliError(Exception):
@@ -32,3 +32,15 @@ def config_args(p: argparse.ArgumentParser) -> None:
                    "defaults or $KEMPNER_RESILIENCE_CONFIG)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set signals.grace_s=90 (repeatable)")
+
+
+def training_command(words: list[str]) -> list[str]:
+    """The training command given after ``--`` (argparse's REMAINDER keeps the ``--``); a
+    leading option is one of ours misspelled or misplaced, not the command (exit 2)."""
+    command = list(words)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if command and command[0].startswith("-"):
+        raise CliError(f"unknown option {command[0]!r}; put the training command after `--`",
+                       2)
+    return command

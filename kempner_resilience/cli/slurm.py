@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kempner_resilience.cli.common import CliError, Verb, config_args
+from kempner_resilience.cli.common import CliError, Verb, config_args, training_command
 from kempner_resilience.config import load_config
 
 if TYPE_CHECKING:
@@ -127,12 +127,7 @@ def _setup_sbatch(p: argparse.ArgumentParser) -> None:
 def sbatch(args: argparse.Namespace) -> int:
     from kempner_resilience.slurm.templates import render_sbatch
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if command and command[0].startswith("-"):
-        raise CliError(f"unknown option {command[0]!r}; put the training command after `--`",
-                       2)
+    command = training_command(args.command)
     template = args.template
     if template is None:
         template = "job_array" if args.array else "multi_node" if args.nodes > 1 \

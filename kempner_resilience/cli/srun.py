@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from kempner_resilience.cli.common import CliError, Verb, config_args
+from kempner_resilience.cli.common import CliError, Verb, config_args, training_command
 from kempner_resilience.config import load_config
 
 __all__ = ["VERBS"]
@@ -39,14 +39,9 @@ def _setup(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from kempner_resilience.slurm.relaunch import run_in_place
 
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+    command = training_command(args.command)
     if not command:
         raise CliError("give the training command after `--`, e.g. -- python train.py", 2)
-    if command[0].startswith("-"):
-        raise CliError(f"unknown option {command[0]!r}; put the training command after `--`",
-                       2)
     restarts = args.spares if args.in_job_restarts is None else args.in_job_restarts
     if args.spares < 0 or restarts < 0:
         raise CliError("--spares and --in-job-restarts must be >= 0", 2)
