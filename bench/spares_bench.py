@@ -35,7 +35,9 @@ SCRIPT = REPO / "tests" / "cluster" / "multinode_cluster.sh"
 STEPS, EVERY = 130, 50
 
 
-def _cluster(slurmd_timeout: int) -> dict[str, str]:
+def cluster_env(slurmd_timeout: int = 5) -> dict[str, str]:
+    """Start the multi-node test cluster; the environment its jobs are submitted with (also
+    bench/torchrun_spares_bench.py's)."""
     env = dict(os.environ, KR_MN_SLURMD_TIMEOUT=str(slurmd_timeout))
     subprocess.run(["bash", str(SCRIPT), "start"], check=True, env=env, timeout=300,
                    stdout=subprocess.DEVNULL)
@@ -104,7 +106,7 @@ def main() -> None:
     ap.add_argument("--slurmd-timeout", type=int, default=5)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    env = _cluster(args.slurmd_timeout)
+    env = cluster_env(args.slurmd_timeout)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kr-spares-bench-") as tmp:
         for i in range(args.kills):

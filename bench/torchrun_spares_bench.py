@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -33,18 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
-SCRIPT = REPO / "tests" / "cluster" / "multinode_cluster.sh"
+from spares_bench import SCRIPT, cluster_env  # noqa: E402  (bench/ is this script's path)
 STEPS, EVERY = 130, 50
-
-
-def _cluster() -> dict[str, str]:
-    subprocess.run(["bash", str(SCRIPT), "start"], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL)
-    conf = subprocess.run(["bash", str(SCRIPT), "env"], capture_output=True, text=True,
-                          check=True).stdout.strip().removeprefix("export SLURM_CONF=")
-    return dict(os.environ, SLURM_CONF=conf,
-                PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-                PYTHONPATH=str(REPO))
 
 
 def _workers_on(node: str, workdir: Path) -> bool:
@@ -105,7 +94,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=5)
     args = ap.parse_args()
-    env = _cluster()
+    env = cluster_env()
     rows = []
     for i in range(args.kills):
         with tempfile.TemporaryDirectory(prefix="kr-trun-spares-") as d:
