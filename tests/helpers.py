@@ -147,3 +147,16 @@ def committed_manifests(work: Path) -> dict[int, dict]:
 
 def rank_logs(work: Path, launch: int = 0) -> str:
     return "".join(p.read_text() for p in sorted(work.glob(f"rank*.{launch}.log")))
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (read from /proc), sorted."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, env, start_running, wait_for_file, write_script
+from helpers import (assert_bitwise_equal, child_pids, env, start_running, wait_for_file,
+                     write_script)
 from kempner_resilience.demo.launcher import LocalLauncher
 
 HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py"
@@ -143,17 +144,6 @@ def test_a_process_stopped_inside_a_long_step_is_not_taken_for_hung(tmp_path, se
     assert "done" in out
     assert "hang clock paused" in err
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except (OSError, ValueError):
-            continue
-        if entry.isdigit() and int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-            out.append(int(entry))
-    return out
-
 
 def _gone(pid: int) -> bool:
     try:
@@ -174,7 +164,7 @@ def test_the_hang_backstop_monitor_ends_with_its_rank_when_the_rank_is_killed(tm
     """)
     proc = start_running(script, tmp_path / "stamp")
     try:
-        [monitor] = _children(proc.pid)        # the backstop's monitor process
+        [monitor] = child_pids(proc.pid)        # the backstop's monitor process
         assert not _gone(monitor)
     finally:
         proc.kill()

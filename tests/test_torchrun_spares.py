@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import env, free_port, wait_for_file
+from helpers import child_pids, env, free_port, wait_for_file
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.core.ledger import read_ledger
@@ -65,17 +65,6 @@ def _listening(port: int, timeout: float = 60) -> None:
     raise AssertionError(f"no rendezvous store on port {port}")
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return sorted(kids)
-
 
 def _finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[int | None]:
     end = time.monotonic() + timeout
@@ -90,7 +79,7 @@ def _finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[int | 
         for a in agents:
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
-                for w in _children(a.pid):
+                for w in child_pids(a.pid):
                     os.kill(w, signal.SIGKILL)
 
 
@@ -106,12 +95,12 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
     try:
         wait_for_file(work / "progress.0", timeout=120, contains="step 5\n")
         # Two agents train; the third waits in torch's redundancy list.
-        training = [i for i, a in enumerate(agents) if _children(a.pid)]
+        training = [i for i, a in enumerate(agents) if child_pids(a.pid)]
         assert len(training) == 2 and 0 in training, training
         [victim] = [i for i in training if i != 0]
         [standby] = {0, 1, 2} - set(training)
         wait_for_file(work / f"progress.{victim}", timeout=60, contains=f"step {EVERY + 10}\n")
-        for w in _children(agents[victim].pid):
+        for w in child_pids(agents[victim].pid):
             os.kill(w, signal.SIGKILL)       # its worker dies (the OOM killer, a GPU fault)
         codes = _finish(agents)
     finally:
@@ -175,7 +164,7 @@ def test_without_a_standby_the_survivor_does_not_wait_for_one_and_exits_with_pee
     try:
         wait_for_file(tmp_path / "progress.1", timeout=120, contains="step 5\n")
         victim = agents[1]
-        workers = _children(victim.pid)
+        workers = child_pids(victim.pid)
         os.killpg(victim.pid, signal.SIGKILL)          # the node dies: agent and worker
         for w in workers:
             os.kill(w, signal.SIGKILL)
