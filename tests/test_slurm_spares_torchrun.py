@@ -104,7 +104,7 @@ def test_a_training_node_killed_between_saves_is_replaced_by_the_spare_in_the_sa
                if e.committed and e.manifest.get("reason") == "rescue"]
     relaunched = job.report("0.1")
     assert relaunched is not None, log[-4000:]
-    assert rescued == [relaunched["resumed_from"]], (rescued, relaunched)
+    assert rescued == [relaunched["resumed_from"]], (rescued, relaunched, log[-8000:])
     assert _steps_completed(job, "0.0") - rescued[0] <= 1
     assert relaunched["world_size"] == RANKS
     # The spare's agent stood by, then took the dead node's place.

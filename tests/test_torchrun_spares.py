@@ -32,12 +32,13 @@ from kempner_resilience.exitcodes import ExitCode
 STEPS, EVERY = 100, 40
 
 
-def _agent(work: Path, i: int, port: int, nnodes: int, steps: int, nproc: int = 1
-           ) -> subprocess.Popen:
+def _agent(work: Path, i: int, port: int, nnodes: int, steps: int, nproc: int = 1,
+           hang_timeout_s: float = 1800) -> subprocess.Popen:
     """Agent ``i`` on node ``node{i}``: its workers log their steps to ``progress.i``; the
     agent and its workers read the checkpoint settings from the job's config file."""
     config = work / "resilience.yaml"
-    config.write_text(f"checkpoint:\n  dir: {work / 'ckpt'}\n  every_steps: {EVERY}\n")
+    config.write_text(f"checkpoint:\n  dir: {work / 'ckpt'}\n  every_steps: {EVERY}\n"
+                      f"watchdog:\n  hang_timeout_s: {hang_timeout_s}\n")
     cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", f"--nnodes={nnodes}",
            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=spares",
@@ -45,7 +46,8 @@ def _agent(work: Path, i: int, port: int, nnodes: int, steps: int, nproc: int = 
            "--monitor-interval=0.2", "--no-python", sys.executable, "-m",
            "kempner_resilience.demo.train", "--steps", str(steps), "--step-time", "0.05",
            "--out", str(work / "weights.pt"), "--progress", str(work / f"progress.{i}"),
-           "--set", f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={EVERY}"]
+           "--set", f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={EVERY}",
+           "--set", f"watchdog.hang_timeout_s={hang_timeout_s}"]
     return subprocess.Popen(cmd, stdout=open(work / f"agent.{i}.out", "w"),
                             stderr=open(work / f"agent.{i}.err", "w"), stdin=subprocess.DEVNULL,
                             cwd=work, start_new_session=True,
@@ -134,6 +136,48 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
     # (outside SLURM an attempt is named by its index: "1+1", the first in-job restart)
     assert f"1+1: a worker on node{victim} was killed" in out, out
     assert f"kept out: node{victim}; spare: " in out and " + rescue " in out, out
+
+
+def test_a_frozen_node_s_place_goes_to_the_standby_only_after_the_survivors_rescued_bitwise(
+        tmp_path):
+    # The node stops answering (SIGSTOP: a hung node, a dead NIC): its rendezvous heartbeat
+    # expires after ~3 s and the standby waits for its place, but the survivor's worker sees the
+    # hang only at its 8 s hang timeout. torch alone restarts the healthy group as soon as a node
+    # waits: the survivor's rescue would be lost and the run would resume from the periodic save.
+    reference = run_reference(tmp_path / "reference", ranks=2, steps=STEPS)
+    work = tmp_path / "job"
+    work.mkdir()
+    port = free_port()
+    agents = [_agent(work, 0, port, 2, STEPS, hang_timeout_s=8)]
+    _listening(port)
+    agents += [_agent(work, i, port, 2, STEPS, hang_timeout_s=8) for i in (1, 2)]
+    frozen: list[int] = []
+    try:
+        wait_for_file(work / "progress.0", timeout=120, contains="step 5\n")
+        training = [i for i, a in enumerate(agents) if child_pids(a.pid)]
+        assert len(training) == 2 and 0 in training, training
+        [victim] = [i for i in training if i != 0]
+        [standby] = {0, 1, 2} - set(training)
+        wait_for_file(work / f"progress.{victim}", timeout=60, contains=f"step {EVERY + 10}\n")
+        frozen = [agents[victim].pid, *child_pids(agents[victim].pid)]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        codes = _finish([agents[0], agents[standby]])
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGKILL)
+        _finish(agents, timeout=0)
+    err = (work / "agent.0.err").read_text()
+    assert codes == [0, 0], (codes, err[-3000:])
+    rescued = [e.step for e in layout.scan(work / "ckpt")
+               if e.committed and e.manifest.get("reason") == "rescue"]
+    assert rescued, err[-3000:]
+    assert "a node waits for a place" in err and "relaunching in place" in err, err[-3000:]
+    [restart] = [e for e in read_ledger(work / "ckpt" / "ledger.jsonl") if e["ev"] == "restart"]
+    assert restart["step"] == max(rescued), (restart, rescued)
+    assert f"step {STEPS - 1}\n" in (work / f"progress.{standby}").read_text()
+    same, total, diff = compare_weights(reference, work / "weights.pt")
+    assert not diff, f"{len(diff)} of {total} tensors differ"
 
 
 def test_a_signal_ending_with_restarts_left_exits_with_the_workers_code_and_no_relaunch(

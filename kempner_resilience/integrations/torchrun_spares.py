@@ -26,6 +26,12 @@ What torch lacks, and this module adds (``relaunching``):
   ``bad-nodes.json`` (so a requeue keeps it off too), the new group's rank-0 agent writes the
   ledger's ``restart`` event, and every relaunched worker gets the in-job restart count (the
   rendezvous round), so that ``report`` shows the relaunch as an attempt of its own.
+* *The survivors rescue before torch restarts them.* Once the dead node's heartbeat expires,
+  the standby moves to the round's wait list and torch restarts a *healthy* worker group at
+  once (its scale-up path): under load, before the survivors' workers have seen the loss, or
+  while they are still writing the rescue, which then never commits. A waiting node is hidden
+  from that check for the workers' own bound (hang timeout + rescue budget): they fail with
+  PEER_LOST or HANG within it and the relaunch above takes over; past it torch's restart stands.
 * *A standby that was never needed* ends with 0 when the run is over (the rendezvous host's
   agent closes the store on its way out), not with torch's connection error.
 """
@@ -99,6 +105,11 @@ class InPlace:
         self.why: str | None = None       # this agent's view of the last failure
         self.starts = 0                   # worker groups this agent started
         self._lock = threading.Lock()
+        self._waiting_since: float | None = None  # a node waits while the workers run
+        rescue, hang = agent.config.rescue, agent.config.watchdog.hang_timeout_s
+        # How long a healthy group may take to see the loss (a hang: its hang timeout) and
+        # commit the rescue. Without a rescue there is nothing to wait for.
+        self.rescue_grace_s = (rescue.budget_s + max(hang, 0.0)) if rescue.enabled else 0.0
 
     def unused_standby(self) -> bool:
         """This agent only ever waited as a spare: it started no worker."""
@@ -130,6 +141,26 @@ class InPlace:
         self.spares_seen = list(spares)
         self.why = f"workers failed with {codes} (a rescued failure, every node alive)"
         return True, f"standby node(s) waiting: {', '.join(spares)}"
+
+    def nodes_waiting(self, waiting: int, now: float | None = None) -> int:
+        """What torch's monitor loop is told of ``waiting`` nodes while the workers run.
+
+        A node waits for a place only after a participant's heartbeat expired: a node died or
+        froze. The workers then fail on their own (a broken collective at once, a hang within
+        their hang timeout) and rescue the last step; torch's restart of the healthy group
+        would stop them first and lose the rescue. Hidden for ``rescue_grace_s``."""
+        now = time.monotonic() if now is None else now
+        if waiting <= 0:
+            self._waiting_since = None
+            return waiting
+        if self._waiting_since is None:
+            self._waiting_since = now
+            log.warning("%s: a node waits for a place (a participant's heartbeat expired): "
+                        "the workers get up to %.0f s to see the loss and rescue before the "
+                        "group is restarted", AGENT_NAME, self.rescue_grace_s)
+        if now - self._waiting_since < self.rescue_grace_s:
+            return 0
+        return waiting
 
     def spare(self, rdzv_handler: Any) -> str | None:
         """The spare node(s) this round took in (torch's node addresses), as best known."""
@@ -170,7 +201,7 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
     handler = dr.DynamicRendezvousHandler
     names = [(local, "_monitor_workers"), (cls, "_initialize_workers"),
              (executor, "_add_to_redundancy_list"), (handler, "shutdown"),
-             (local, "_start_workers")]
+             (local, "_start_workers"), (handler, "num_nodes_waiting")]
     missing = [n for owner, n in names if owner is None or n not in vars(owner)]
     if missing:
         log.warning("%s: this torch lacks %s: no relaunch in place (failures requeue the job)",
@@ -225,6 +256,10 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
         inplace.standby = True
         return stock[(executor, "_add_to_redundancy_list")](self)
 
+    def waiting(self: Any) -> int:
+        # torch calls it only from the monitor loop, with the worker group healthy.
+        return inplace.nodes_waiting(stock[(handler, "num_nodes_waiting")](self))
+
     def shutdown(self: Any) -> Any:
         if not inplace.left:
             return stock[(handler, "shutdown")](self)
@@ -238,6 +273,7 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
         return True
 
     setattr(handler, "shutdown", shutdown)
+    setattr(handler, "num_nodes_waiting", waiting)
     setattr(local, "_monitor_workers", monitor)
     setattr(cls, "_initialize_workers", initialize)
     setattr(executor, "_add_to_redundancy_list", redundant)
