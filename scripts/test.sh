@@ -15,13 +15,14 @@ if [ "$#" -gt 0 ]; then
 fi
 
 logs=$(mktemp -d)
-KR_TEST_SHARD=local "$PY" -m pytest -q -p no:cacheprovider >"$logs/local.log" 2>&1 &
+KR_TEST_SHARD=local "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/local.xml" \
+    >"$logs/local.log" 2>&1 &
 local_pid=$!
 # Whatever ends this script ends the other shard too, so no pytest outlives it.
 trap 'kill "$local_pid" 2>/dev/null || true' EXIT
 set +e
 echo "== SLURM tests (the other tests run alongside; their report follows) =="
-KR_TEST_SHARD=slurm "$PY" -m pytest -q -p no:cacheprovider
+KR_TEST_SHARD=slurm "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/slurm.xml"
 slurm_rc=$?
 wait "$local_pid"
 local_rc=$?
@@ -29,6 +30,11 @@ set -e
 echo
 echo "== Tests without SLURM =="
 cat "$logs/local.log"
+echo
+for shard in slurm local; do
+    echo "== $shard shard =="
+    "$PY" scripts/slowest_files.py "$logs/$shard.xml" 2>/dev/null || echo "(no report)"
+done
 rm -rf "$logs"
 echo
 echo "SLURM tests: exit $slurm_rc; other tests: exit $local_rc"
