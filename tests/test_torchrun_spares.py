@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import child_pids, env, free_port, wait_for_file
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.cli import main as cli_main
@@ -85,23 +87,38 @@ def _finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[int | 
                     os.kill(w, signal.SIGKILL)
 
 
-def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bitwise(
-        tmp_path, capsys):
-    reference = run_reference(tmp_path / "reference", ranks=2, steps=STEPS)
-    work = tmp_path / "job"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run: 2 plain DDP processes, no checkpoints."""
+    return run_reference(tmp_path_factory.mktemp("reference"), ranks=2, steps=STEPS)
+
+
+def _three_agents(work: Path, agents: list[subprocess.Popen],
+                  hang_timeout_s: float = 1800) -> tuple[int, int]:
+    """Starts three agents into ``agents`` (``--nnodes=2``) and waits until the node that is not
+    the rendezvous host has trained 10 steps past the first periodic save; returns (that
+    training node, the standby)."""
     work.mkdir()
     port = free_port()
-    agents = [_agent(work, 0, port, 2, STEPS)]
+    agents.append(_agent(work, 0, port, 2, STEPS, hang_timeout_s=hang_timeout_s))
     _listening(port)            # agent 0 hosts the rendezvous store (the first node)
-    agents += [_agent(work, i, port, 2, STEPS) for i in (1, 2)]
+    agents += [_agent(work, i, port, 2, STEPS, hang_timeout_s=hang_timeout_s) for i in (1, 2)]
+    wait_for_file(work / "progress.0", timeout=120, contains="step 5\n")
+    # Two agents train; the third waits in torch's redundancy list.
+    training = [i for i, a in enumerate(agents) if child_pids(a.pid)]
+    assert len(training) == 2 and 0 in training, training
+    [victim] = [i for i in training if i != 0]
+    [standby] = {0, 1, 2} - set(training)
+    wait_for_file(work / f"progress.{victim}", timeout=60, contains=f"step {EVERY + 10}\n")
+    return victim, standby
+
+
+def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bitwise(
+        tmp_path, capsys, reference):
+    work = tmp_path / "job"
+    agents: list[subprocess.Popen] = []
     try:
-        wait_for_file(work / "progress.0", timeout=120, contains="step 5\n")
-        # Two agents train; the third waits in torch's redundancy list.
-        training = [i for i, a in enumerate(agents) if child_pids(a.pid)]
-        assert len(training) == 2 and 0 in training, training
-        [victim] = [i for i in training if i != 0]
-        [standby] = {0, 1, 2} - set(training)
-        wait_for_file(work / f"progress.{victim}", timeout=60, contains=f"step {EVERY + 10}\n")
+        victim, standby = _three_agents(work, agents)
         for w in child_pids(agents[victim].pid):
             os.kill(w, signal.SIGKILL)       # its worker dies (the OOM killer, a GPU fault)
         codes = _finish(agents)
@@ -139,26 +156,16 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
 
 
 def test_a_frozen_node_s_place_goes_to_the_standby_only_after_the_survivors_rescued_bitwise(
-        tmp_path):
+        tmp_path, reference):
     # The node stops answering (SIGSTOP: a hung node, a dead NIC): its rendezvous heartbeat
     # expires after ~3 s and the standby waits for its place, but the survivor's worker sees the
     # hang only at its 8 s hang timeout. torch alone restarts the healthy group as soon as a node
     # waits: the survivor's rescue would be lost and the run would resume from the periodic save.
-    reference = run_reference(tmp_path / "reference", ranks=2, steps=STEPS)
     work = tmp_path / "job"
-    work.mkdir()
-    port = free_port()
-    agents = [_agent(work, 0, port, 2, STEPS, hang_timeout_s=8)]
-    _listening(port)
-    agents += [_agent(work, i, port, 2, STEPS, hang_timeout_s=8) for i in (1, 2)]
+    agents: list[subprocess.Popen] = []
     frozen: list[int] = []
     try:
-        wait_for_file(work / "progress.0", timeout=120, contains="step 5\n")
-        training = [i for i, a in enumerate(agents) if child_pids(a.pid)]
-        assert len(training) == 2 and 0 in training, training
-        [victim] = [i for i in training if i != 0]
-        [standby] = {0, 1, 2} - set(training)
-        wait_for_file(work / f"progress.{victim}", timeout=60, contains=f"step {EVERY + 10}\n")
+        victim, standby = _three_agents(work, agents, hang_timeout_s=8)
         frozen = [agents[victim].pid, *child_pids(agents[victim].pid)]
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
