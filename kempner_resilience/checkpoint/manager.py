@@ -40,6 +40,7 @@ from kempner_resilience.checkpoint.sharded import mesh_field
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.saver import Saver
 from kempner_resilience.config import CheckpointConfig, StagingMode
+from kempner_resilience.core.gcpause import gc_paused
 from kempner_resilience.core.log import get_logger
 
 log = get_logger(__name__)
@@ -279,7 +280,8 @@ class CheckpointManager:
         ``time.monotonic()`` value) minus ``save_margin_s``; without a measurement it tries (the
         deadline watchdog is the backstop). Raises CheckpointError if the save fails.
         Collective."""
-        with self._foreground():
+        # The process is about to leave: no full collections in its last save.
+        with self._foreground(), gc_paused():
             margin = self.config.save_margin_s
             bg = self._async.running
             if bg is not None:

@@ -88,6 +88,17 @@ def restore_rng(states: Mapping[str, Any]) -> None:
                         torch.cuda.device_count())
 
 
+def _import_what_state_dicts_need() -> None:
+    """Import now what torch's ``get_model_state_dict`` imports on its first call: for a module
+    with nested names it checks for ``torch.compile``'s wrapper, which imports ``torch._dynamo``
+    (0.45-0.55 s here). At set-up, not in the first save: that may be the emergency save of a
+    run preempted before its first periodic one, with the deadline running."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as e:       # a broken optional part of torch: the save imports it later
+        log.debug("torch._dynamo could not be imported in advance: %s", e)
+
+
 def _params(module: nn.Module) -> set[int]:
     return {id(p) for p in module.parameters()}
 
@@ -155,6 +166,8 @@ class TrainState:
         self.buckets = BucketLayouts(self.modules if ddp_buckets else {})
         self.loaded_buckets: dict[str, Any] | None = None
         self._nbytes: int | None = None     # counted in the training thread (see nbytes)
+        if self.modules or self.optims or self.apps:
+            _import_what_state_dicts_need()
 
     def _owner(self, name: str, optim: torch.optim.Optimizer) -> nn.Module:
         ids = {id(p) for g in optim.param_groups for p in g["params"]}
