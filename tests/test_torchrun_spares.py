@@ -34,8 +34,8 @@ from kempner_resilience.exitcodes import ExitCode
 STEPS, EVERY = 100, 40
 
 
-def _agent(work: Path, i: int, port: int, nnodes: int, steps: int, nproc: int = 1,
-           hang_timeout_s: float = 1800) -> subprocess.Popen:
+def _agent(work: Path, i: int, port: int, nnodes: int | str, steps: int, nproc: int = 1,
+           hang_timeout_s: float = 1800, rdzv_conf: str = "") -> subprocess.Popen:
     """Agent ``i`` on node ``node{i}``: its workers log their steps to ``progress.i``; the
     agent and its workers read the checkpoint settings from the job's config file."""
     config = work / "resilience.yaml"
@@ -44,7 +44,8 @@ def _agent(work: Path, i: int, port: int, nnodes: int, steps: int, nproc: int = 
     cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", f"--nnodes={nnodes}",
            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=spares",
-           "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3", "--max-restarts=1",
+           f"--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3{rdzv_conf}",
+           "--max-restarts=1",
            "--monitor-interval=0.2", "--no-python", sys.executable, "-m",
            "kempner_resilience.demo.train", "--steps", str(steps), "--step-time", "0.05",
            "--out", str(work / "weights.pt"), "--progress", str(work / f"progress.{i}"),
@@ -185,6 +186,23 @@ def test_a_frozen_node_s_place_goes_to_the_standby_only_after_the_survivors_resc
     assert f"step {STEPS - 1}\n" in (work / f"progress.{standby}").read_text()
     same, total, diff = compare_weights(reference, work / "weights.pt")
     assert not diff, f"{len(diff)} of {total} tensors differ"
+
+
+def test_an_elastic_range_takes_in_a_late_node_at_once_as_torch_does(tmp_path):
+    # --nnodes=1:2: a node that arrives while another trains is a scale-up, not a dead node's
+    # place. torch restarts the group to take it in; the hold for a rescue must not delay it.
+    port = free_port()
+    agents = [_agent(tmp_path, 0, port, "1:2", 100_000, rdzv_conf=",last_call_timeout=1")]
+    try:
+        _listening(port)
+        wait_for_file(tmp_path / "progress.0", timeout=120, contains="step 3\n")
+        agents.append(_agent(tmp_path, 1, port, "1:2", 100_000,
+                             rdzv_conf=",last_call_timeout=1"))
+        wait_for_file(tmp_path / "progress.1", timeout=90, contains=" step ")
+    finally:
+        _finish(agents, timeout=0)
+    err = (tmp_path / "agent.0.err").read_text()
+    assert "a node waits for a place" not in err, err[-3000:]
 
 
 def test_a_signal_ending_with_restarts_left_exits_with_the_workers_code_and_no_relaunch(

@@ -29,9 +29,12 @@ What torch lacks, and this module adds (``relaunching``):
 * *The survivors rescue before torch restarts them.* Once the dead node's heartbeat expires,
   the standby moves to the round's wait list and torch restarts a *healthy* worker group at
   once (its scale-up path): under load, before the survivors' workers have seen the loss, or
-  while they are still writing the rescue, which then never commits. A waiting node is hidden
-  from that check for the workers' own bound (hang timeout + rescue budget): they fail with
-  PEER_LOST or HANG within it and the relaunch above takes over; past it torch's restart stands.
+  while they are still writing the rescue, which then never commits. With a fixed node count
+  (``--nnodes=N``, as the template sets) a node waits only after a participant died or froze,
+  so a waiting node is hidden from that check for the workers' own bound (hang timeout +
+  rescue budget): they fail with PEER_LOST or HANG within it and the relaunch above takes
+  over; past it torch's restart stands. An elastic range (``--nnodes=A:B``) keeps torch's
+  scale-up as it is.
 * *A standby that was never needed* ends with 0 when the run is over (the rendezvous host's
   agent closes the store on its way out), not with torch's connection error.
 """
@@ -258,7 +261,11 @@ def relaunching(agent: Agent, settings: Relaunch | None) -> Iterator[InPlace | N
 
     def waiting(self: Any) -> int:
         # torch calls it only from the monitor loop, with the worker group healthy.
-        return inplace.nodes_waiting(stock[(handler, "num_nodes_waiting")](self))
+        n = stock[(handler, "num_nodes_waiting")](self)
+        settings_ = getattr(self, "_settings", None)
+        if getattr(settings_, "min_nodes", None) != getattr(settings_, "max_nodes", 0):
+            return n     # an elastic range (--nnodes=A:B): a waiting node may be a scale-up
+        return inplace.nodes_waiting(n)
 
     def shutdown(self: Any) -> Any:
         if not inplace.left:
