@@ -4,6 +4,8 @@ checkpoint directories below a work directory."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import pickle
 import shutil
@@ -19,12 +21,24 @@ from checkpoint_helpers import toy
 from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointManager
 from kempner_resilience.checkpoint.crc import crc32_combine
 from kempner_resilience.checkpoint.layout import file_crc
+from kempner_resilience.cli import main as cli_main
 from kempner_resilience.config import CheckpointConfig
 
 CLI = str(Path(sys.executable).parent / "kempner-resilience")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
+    """The CLI's ``main`` in this process, its output captured: the damage tests call it five
+    times each, and a process each would start torch sixty times for the same code. The
+    console script itself runs as a process in the last two tests of this module."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(list(args))
+    return subprocess.CompletedProcess(["kempner-resilience", *args], code, out.getvalue(),
+                                       err.getvalue())
+
+
+def run_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120)
 
 
@@ -218,10 +232,10 @@ def test_verify_of_a_work_directory_fails_on_damage_below_it(work_dir):
 
 def test_a_directory_without_checkpoints_says_how_far_it_looked(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
-    listing = run("ls", str(tmp_path))
+    listing = run_process("ls", str(tmp_path))
     assert listing.returncode == 0
     assert "no checkpoints" in listing.stdout and "3 levels below" in listing.stdout
-    proc = run("verify", str(tmp_path))
+    proc = run_process("verify", str(tmp_path))
     assert proc.returncode == 1
     assert "no checkpoints" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -337,3 +337,15 @@ def latest(root: Path, allow_foreign_owner: bool) -> CheckpointInfo | None:
             continue
         return entry.info()
     return None
+
+
+def mesh_text(manifest: dict[str, Any]) -> str:
+    """A manifest's mesh for people, one word (``ls`` columns): ``replicate=2,shard=2`` for a
+    sharded model, ``world=N`` for replicated or single-process state, ``-`` for neither."""
+    mesh = manifest.get("mesh")
+    if isinstance(mesh, dict) and isinstance(mesh.get("shape"), list):
+        dims = mesh.get("dims") or [None] * len(mesh["shape"])
+        return ",".join(f"{d}={s}" if d else str(s) for d, s in zip(dims, mesh["shape"]))
+    if manifest.get("world_size") is not None:
+        return f"world={manifest['world_size']}"
+    return "-"

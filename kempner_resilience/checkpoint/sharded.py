@@ -28,8 +28,8 @@ try:
 except ImportError:  # pragma: no cover - torch without DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["is_dtensor", "local", "rewrap", "describe_mesh", "mesh_field", "mesh_text",
-           "saved_ranks", "blob_source", "world_change_line", "sharded_parts"]
+__all__ = ["is_dtensor", "local", "rewrap", "describe_mesh", "mesh_field", "saved_ranks",
+           "blob_source", "world_change_line", "sharded_parts"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -76,18 +76,6 @@ def mesh_field(modules: Iterable[nn.Module]) -> dict[str, Any]:
     plain or DDP one (``ls`` then shows the world size)."""
     mesh = describe_mesh(modules)
     return {} if mesh is None else {"mesh": mesh}
-
-
-def mesh_text(manifest: dict[str, Any]) -> str:
-    """A manifest's mesh for people, one word (``ls`` columns): ``replicate=2,shard=2`` for a
-    sharded model, ``world=N`` for replicated or single-process state, ``-`` for neither."""
-    mesh = manifest.get("mesh")
-    if isinstance(mesh, dict) and isinstance(mesh.get("shape"), list):
-        dims = mesh.get("dims") or [None] * len(mesh["shape"])
-        return ",".join(f"{d}={s}" if d else str(s) for d, s in zip(dims, mesh["shape"]))
-    if manifest.get("world_size") is not None:
-        return f"world={manifest['world_size']}"
-    return "-"
 
 
 def saved_ranks(keys: Iterable[str], prefix: str = "rank_state.rank") -> int:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from kempner_resilience.checkpoint import integrity, layout
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
-from kempner_resilience.checkpoint.sharded import mesh_text
 from kempner_resilience.cli.common import CliError, Verb
 
 
@@ -121,8 +120,8 @@ def _ls_table(entries: list[layout.Entry], checksums: bool) -> int:
         # A manifest exists only once committed (atomic rename): a damaged one was committed.
         committed = "yes" if e.committed or e.damaged else "no (partial)"
         rows.append((str(e.step), when, _size(int(m.get("nbytes", 0))) if m else "-",
-                     str(m.get("reason", "-")), mesh_text(m) if m else "-", committed, verdict,
-                     e.path.name))
+                     str(m.get("reason", "-")), layout.mesh_text(m) if m else "-", committed,
+                     verdict, e.path.name))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
@@ -168,7 +167,7 @@ def run_verify(args: argparse.Namespace) -> int:
             checked += 1
             if problem is None:
                 man = e.manifest or {}
-                sys.stdout.write(f"OK       {e.path} (step {e.step}, mesh {mesh_text(man)}, "
+                sys.stdout.write(f"OK       {e.path} (step {e.step}, mesh {layout.mesh_text(man)}, "
                                  f"{len(man['files'])} files, "
                                  f"{_size(int(man.get('nbytes', 0)))})\n")
             else:
