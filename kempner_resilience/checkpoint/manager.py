@@ -284,10 +284,12 @@ class CheckpointManager:
         with self._foreground(), gc_paused():
             margin = self.config.save_margin_s
             bg = self._async.running
+            # Every rank agrees, in flight or not: a save's thread may have just ended on one
+            # rank and not on another, and the collectives must be the same on all of them.
+            remaining = Estimate(0.0, True) if bg is None else self._saver.estimator.remaining(
+                self.state.nbytes(), time.monotonic() - bg.started)
+            left = self._agreed_estimate(remaining, self.estimate())
             if bg is not None:
-                remaining = self._saver.estimator.remaining(self.state.nbytes(),
-                                                            time.monotonic() - bg.started)
-                left = self._agreed_estimate(remaining, self.estimate())
                 fits = deadline is None or left is None or \
                     time.monotonic() + left <= deadline - margin
                 if not fits:
