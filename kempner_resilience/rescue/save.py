@@ -63,6 +63,7 @@ def _state_dict(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes
     return sd
 
 
+@gc_paused()       # the process's last save: no full collections during it
 def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes], step: int,
                  *, root: Path, run_id: str | None, io_threads: int, world_size: int,
                  extra: Mapping[str, Any], shards: list[Mapping[Any, tuple]] | None = None,
@@ -74,16 +75,6 @@ def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, byte
     the commit: a reason there (the live state
     moved during the write) commits nothing. Raises CheckpointError (nothing committed) on any
     failure."""
-    with gc_paused():        # the process's last save: no full collections during it
-        return _write_rescue(state, boundary, blobs, step, root=root, run_id=run_id,
-                             io_threads=io_threads, world_size=world_size, extra=extra,
-                             shards=shards, still_valid=still_valid)
-
-
-def _write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes], step: int,
-                  *, root: Path, run_id: str | None, io_threads: int, world_size: int,
-                  extra: Mapping[str, Any], shards: list[Mapping[Any, tuple]] | None,
-                  still_valid: Callable[[], str | None]) -> CheckpointInfo:
     t0 = time.monotonic()
     sd = _state_dict(state, boundary, blobs, step, shards)
     try:
