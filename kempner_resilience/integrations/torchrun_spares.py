@@ -145,14 +145,14 @@ class InPlace:
         self.why = f"workers failed with {codes} (a rescued failure, every node alive)"
         return True, f"standby node(s) waiting: {', '.join(spares)}"
 
-    def nodes_waiting(self, waiting: int, now: float | None = None) -> int:
+    def nodes_waiting(self, waiting: int) -> int:
         """What torch's monitor loop is told of ``waiting`` nodes while the workers run.
 
         A node waits for a place only after a participant's heartbeat expired: a node died or
         froze. The workers then fail on their own (a broken collective at once, a hang within
         their hang timeout) and rescue the last step; torch's restart of the healthy group
         would stop them first and lose the rescue. Hidden for ``rescue_grace_s``."""
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         if waiting <= 0:
             self._waiting_since = None
             return waiting
