@@ -314,8 +314,24 @@ def cuda_round(args: argparse.Namespace, size_gib: float, device: torch.device,
     for i in (1, 2):
         sync()
         t0 = time.perf_counter()
-        fut = dcp.async_save({"s": flat}, checkpoint_id=str(root / f"dcp_async{i}"),
-                             async_stager=stager)
+        try:
+            fut = dcp.async_save({"s": flat}, checkpoint_id=str(root / f"dcp_async{i}"),
+                                 async_stager=stager)
+        except KeyError as e:
+            # torch 2.11's DefaultStager closes its deep-copy dispatch table at the end of every
+            # stage, so a second save through the same stager fails with KeyError: <class
+            # 'type'> (pytorch/pytorch#183413). The baseline then takes a fresh stager per save,
+            # as torch's own async_save does when given none; said so in the row.
+            if i == 1:
+                raise
+            print(f"stock DefaultStager cannot be reused on torch {torch.__version__} "
+                  f"(KeyError: {e}; pytorch#183413): save #2 takes a fresh stager", flush=True)
+            stager.close()
+            stager = DefaultStager(opts)
+            sync()
+            t0 = time.perf_counter()
+            fut = dcp.async_save({"s": flat}, checkpoint_id=str(root / f"dcp_async{i}"),
+                                 async_stager=stager)
         blocked = time.perf_counter() - t0
         fut.result()
         out[f"dcp_async_blocked{i}"] = blocked

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import torch
 from torch.futures import Future
-from torch.distributed._shard._utils import narrow_tensor_by_index
+from kempner_resilience.core.torch_private import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from kempner_resilience.checkpoint.crc import crc32_combine
+from kempner_resilience.core.torch_private import (dtype_to_storage_type_map, element_size,
+                                                   rebuild_tensor_v2)
 
 __all__ = ["Record", "tensor_record", "bytes_view", "crc32_combine", "fast_path_ok", "encodable",
            "record_template", "finish_record"]
@@ -85,7 +87,7 @@ def encodable(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _storage_types() -> dict[torch.dtype, str]:
-    return dict(torch.storage._dtype_to_storage_type_map())
+    return dict(dtype_to_storage_type_map())
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -108,7 +110,7 @@ def _pickle_for(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
 
     class _Tensor:
         def __reduce__(self):
-            return (torch._utils._rebuild_tensor_v2, rebuild_args)
+            return (rebuild_tensor_v2, rebuild_args)
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, obj):
@@ -128,7 +130,7 @@ def _local_header(name: bytes, offset: int) -> bytes:
 @functools.lru_cache(maxsize=4096)
 def _template(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int, bytes, tuple[int, int]]:
     """(prefix, crc(prefix), suffix template, offsets of the data CRC inside the suffix)."""
-    nbytes = torch._utils._element_size(dtype)
+    nbytes = element_size(dtype)
     for s in shape:
         nbytes *= s
     out = bytearray()

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -44,6 +43,7 @@ from kempner_resilience.checkpoint.hostbuf import HostStaging, caller_streams
 from kempner_resilience.checkpoint.layout import file_crc
 from kempner_resilience.checkpoint.outfile import ENV_STAGE_FAULT, OutFile, SaveAborted
 from kempner_resilience.core.fileio import fsync_dir
+from kempner_resilience.core.torch_private import StorageInfo, StoragePrefix
 
 __all__ = ["ChecksummingWriter", "SaveAborted", "StagingMismatch", "STAGING_MISMATCH",
            "ENV_STAGE_FAULT"]
@@ -95,7 +95,7 @@ class ChecksummingWriter(FileSystemWriter):
         self.write_seconds = 0.0
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix: _StoragePrefix = plan.storage_data
+        prefix: StoragePrefix = plan.storage_data
         buckets = self._buckets(plan.items)
         if self.staging is not None:
             # The writer threads' copies must follow the work queued by this (the caller's)
@@ -174,7 +174,7 @@ class ChecksummingWriter(FileSystemWriter):
                             length = rec[1]
                     records.append(rec)
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(name, offset, length)))
+                                               storage_data=StorageInfo(name, offset, length)))
                     offset += length
                     out.maybe_seal()
                 out.close()

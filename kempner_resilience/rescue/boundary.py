@@ -39,6 +39,7 @@ import torch
 
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.torch_private import foreach_copy_
 from kempner_resilience.stop.watchdog import hold_until_exit
 
 try:  # numpy is optional
@@ -260,7 +261,7 @@ class Boundary:
             for views, flat in self._groups:
                 torch.cat(views, out=flat)
         else:
-            torch._foreach_copy_(self._copies, self._live)
+            foreach_copy_(self._copies, self._live)
 
     def why_inconsistent(self) -> str | None:
         """None when the live parameters and optimizer state are still those of the last

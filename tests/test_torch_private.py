@@ -1,0 +1,25 @@
+"""The torch this package runs on: the versions it is tested on, and the private names it uses,
+checked at import with a message that names the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from kempner_resilience.core import torch_private
+
+
+def test_a_torch_older_than_the_tested_ones_is_refused_with_the_version_and_the_fix():
+    with pytest.raises(ImportError) as e:
+        torch_private.check_version("2.10.1+cu128")
+    msg = str(e.value)
+    assert "torch >= 2.11" in msg and "2.10.1+cu128" in msg and "pip install" in msg
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu", "2.14.0.dev20260101", "3.0.0"])
+def test_the_tested_torch_versions_and_newer_ones_are_accepted(version):
+    torch_private.check_version(version)
+
+
+def test_every_private_name_resolves_on_this_torch():
+    for name in torch_private.__all__:
+        assert getattr(torch_private, name) is not None, name
