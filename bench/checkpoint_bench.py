@@ -342,16 +342,27 @@ def cuda_round(args: argparse.Namespace, size_gib: float, device: torch.device,
     del stager
     _free_host_pinned()
 
-    amgr = CheckpointManager(cfg("async", every_steps=1, async_=True),
+    amgr = CheckpointManager(cfg("async", every_steps=2, async_=True),
                              {"model": model, "optim": optim})
-    for step in (1, 2):
+    # Step 1 is not due: the snapshot's buffers are allocated in the background from there on;
+    # the training steps before the first save are stood in for by waiting for that thread.
+    t0 = time.perf_counter()
+    amgr.maybe_save(1)
+    step1 = time.perf_counter() - t0
+    warming = amgr._async._stager._warming
+    if warming is not None:
+        warming.join()
+    print(f"async: the step before the first save took {step1:.3f} s (snapshot buffers "
+          f"allocated in the background over {time.perf_counter() - t0:.2f} s)", flush=True)
+    for n, step in ((1, 2), (2, 4)):
+        amgr.maybe_save(step - 1)
         sync()
         t0 = time.perf_counter()
         amgr.maybe_save(step)
         blocked = time.perf_counter() - t0
         amgr.wait()
-        out[f"async_blocked{step}"] = blocked
-        rows.append((f"ours: async periodic save #{step}: caller blocked {blocked:.3f}s",
+        out[f"async_blocked{n}"] = blocked
+        rows.append((f"ours: async periodic save #{n}: caller blocked {blocked:.3f}s",
                      nbytes / blocked / GIB))
     amgr.close()
     del amgr
@@ -399,11 +410,15 @@ def cuda_round(args: argparse.Namespace, size_gib: float, device: torch.device,
     for what, got, want in checks:
         print(f"{'PASS' if got >= want else 'FAIL'} {what}: {got:.2f}x")
     blocked = out["async_blocked2"] * per2
+    first = out["async_blocked1"] * per2
     print(f"{'PASS' if blocked <= 0.1 else 'FAIL'} async periodic save blocks training <= 0.1 s "
-          f"per 2 GiB after the first save: {blocked:.3f} s per 2 GiB (first save "
-          f"{out['async_blocked1'] * per2:.3f}; stock DefaultStager "
+          f"per 2 GiB after the first save: {blocked:.3f} s per 2 GiB (stock DefaultStager "
           f"{out['dcp_async_blocked2'] * per2:.3f}); {load()}", flush=True)
-    out["pass"] = float(all(got >= want for _, got, want in checks) and blocked <= 0.1 and exact)
+    print(f"{'PASS' if first <= 0.1 else 'FAIL'} the first async save blocks training <= 0.1 s "
+          f"per 2 GiB too: {first:.3f} s per 2 GiB (stock DefaultStager's first "
+          f"{out['dcp_async_blocked1'] * per2:.3f})", flush=True)
+    out["pass"] = float(all(got >= want for _, got, want in checks) and blocked <= 0.1
+                        and first <= 0.1 and exact)
     if not dry_run:
         shutil.rmtree(root, ignore_errors=True)
     return out

@@ -129,6 +129,33 @@ def test_async_save_blocks_the_caller_briefly_and_commits_on_wait(tmp_path: Path
         assert torch.equal(fresh["model"].state_dict()[k], v)
 
 
+def test_the_first_async_save_copies_into_buffers_allocated_before_it_in_the_background(
+        tmp_path: Path) -> None:
+    # The first async save used to allocate (pin, first-touch) its whole snapshot while
+    # training waited: 9 s for 12 GiB on an H100 machine, against 0.25 s for the next one.
+    state = _trained()
+    mgr = CheckpointManager(_cfg(tmp_path, every_steps=3, **{"async_": True}), state)
+    assert mgr.maybe_save(1) is None          # not due: the buffers are allocated from here on
+    stager = mgr._async._stager
+    stager._warming.join(timeout=60)
+    warm = {k: v.data_ptr() for k, v in stager._warm.items()}
+    n_tensors = len(state["model"].state_dict()) + sum(
+        len(s) for s in state["optim"].state.values())
+    assert len(warm) >= n_tensors
+    toy.train_step(state)
+    mgr.maybe_save(2)
+    toy.train_step(state)
+    before = _params(state)
+    mgr.maybe_save(3)
+    mgr.wait()
+    assert mgr.last_committed is not None and mgr.last_committed.step == 3
+    assert {k: stager._buffers[k].data_ptr() for k in warm} == warm   # no new allocation
+    fresh = toy.build(0)
+    CheckpointManager(_cfg(tmp_path), fresh).resume()
+    for k, v in before.items():
+        assert torch.equal(fresh["model"].state_dict()[k], v)
+
+
 def test_emergency_save_uses_measured_throughput(tmp_path: Path) -> None:
     mgr = CheckpointManager(_cfg(tmp_path, save_margin_s=0.5), _trained())
     before = mgr.estimate_save_seconds()

@@ -59,6 +59,10 @@ class BackgroundSaver:
         fl = self._flight
         return fl if fl is not None and fl.alive else None
 
+    def prewarm(self, sd: dict[str, Any]) -> None:
+        """Allocate the snapshot buffers for ``sd``'s tensors in the background (``Stager``)."""
+        self._stager.prewarm(sd)
+
     def start(self, sd: dict[str, Any], step: int, t0: float, failed_in_a_row: int) -> None:
         """Snapshot ``sd`` (captured since ``t0``) and write it in a thread. The caller has
         finished the previous one (``finish``); ``failed_in_a_row`` is for its log line."""
