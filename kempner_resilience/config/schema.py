@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kempner_resilience.config.bounds import Range
-from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundError
+from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundError, shown
 from kempner_resilience.config.serial import build, check_fields, dump
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
            "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
-           "SignalsConfig", "StagingMode", "WatchdogConfig", "normalize_signal", "ENV_CONFIG"]
+           "SignalsConfig", "StagingMode", "WatchdogConfig", "normalize_signal", "signal_or_key",
+           "ENV_CONFIG"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
 
@@ -178,7 +179,7 @@ class CheckpointConfig(_Section):
     def __post_init__(self) -> None:
         problems = check_fields(self)
         if isinstance(self.dir, str) and not self.dir.strip():
-            problems.append(("dir", f"{self.dir!r} is not a directory path; give a non-empty path"))
+            problems.append(("dir", f"{shown(self.dir)} is not a directory path; give a non-empty path"))
         elif isinstance(self.dir, str):
             # Resolved here, once, for every user of the config: the checkpoints, run.json, the
             # ledger and the restart record all live under this one absolute path, whatever
@@ -188,11 +189,22 @@ class CheckpointConfig(_Section):
             raise ConfigError(problems)
 
 
-def _normalize_or_keep(name: str) -> str:
+def _normalize_or_keep(name: str | int) -> str | int:
     try:
         return normalize_signal(name)
     except ValueError:
         return name
+
+
+def signal_or_key(name: str) -> str:
+    """The signal ``name`` spells (``USR1`` -> ``SIGUSR1``), or ``name`` when it spells none:
+    the key under which two spellings of one signal are one key (``10`` is SIGUSR1 too)."""
+    return str(_normalize_or_keep(int(name) if name.strip().isdigit() else name))
+
+
+def _spellings_conflict(table: Mapping[Any, Any]) -> bool:
+    names = [_normalize_or_keep(k) for k in table]
+    return len(set(names)) != len(names)
 
 
 def _default_actions() -> dict[str, Action]:
@@ -219,7 +231,8 @@ class SignalsConfig(_Section):
     def complete_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
         """A partial ``actions`` mapping is merged over the defaults, so that listing one
         signal never silently unhandles SIGTERM & co."""
-        if isinstance(fields.get("actions"), Mapping):
+        if isinstance(fields.get("actions"), Mapping) and not _spellings_conflict(fields["actions"]):
+            # (two spellings of one signal are left as given: __post_init__ names both)
             fields = {**fields, "actions": {**_default_actions(),
                                             **{_normalize_or_keep(k): v
                                                for k, v in fields["actions"].items()}}}
@@ -233,6 +246,7 @@ class SignalsConfig(_Section):
                                      ("grace_per_signal_s", self.grace_per_signal_s, graces)):
             if not isinstance(table, Mapping):
                 continue  # reported by check_fields
+            spelled: dict[str, str] = {}     # signal -> the key that named it first
             for key, val in table.items():
                 try:
                     name = normalize_signal(key)
@@ -245,6 +259,12 @@ class SignalsConfig(_Section):
                     problems.append((f"actions.{key}", f"{name} cannot be used for a graceful "
                                      "shutdown; use SIGUSR1, SIGUSR2, SIGTERM, SIGINT or SIGHUP"))
                     continue
+                if name in spelled:
+                    # Both would land on one signal and one value would silently win.
+                    problems.append((key_name, f"{shown(spelled[name])} and {shown(key)} both "
+                                     f"name {name}; keep one of them"))
+                    continue
+                spelled[name] = key
                 out[name] = val
         if problems:
             raise ConfigError(problems)
