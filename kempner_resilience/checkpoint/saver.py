@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never 
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from kempner_resilience.checkpoint import commit, layout, retention
+from kempner_resilience.checkpoint import commit, layout, pinned, retention
 from kempner_resilience.checkpoint.comm import Comm
 from kempner_resilience.checkpoint.estimate import SaveEstimator
 from kempner_resilience.checkpoint.hostbuf import HostStaging
@@ -195,8 +195,11 @@ class Saver:
     def _retention(self) -> None:
         try:
             retention.clean_trash(self.root, self.run_id, self.leave_alone)
+            # Pinned (pinned.json: a partial resume's full checkpoint) are never deleted; an
+            # unreadable pin file raises OSError here, and nothing is deleted.
+            protect = set(self._writing) | pinned.read(self.root)
             victims = retention.select_for_deletion(layout.scan(self.root), self.config.keep_last,
-                                                 self.config.keep_every, set(self._writing),
+                                                 self.config.keep_every, protect,
                                                  run_id=self.run_id, on_skip=self.leave_alone)
             for e in victims:
                 log.info("retention: removing %s checkpoint %s",

@@ -146,6 +146,12 @@ class CheckpointConfig(_Section):
         "verify per-file checksums before resuming from a checkpoint"))
     allow_foreign_owner: bool = field(default=False, metadata=_help(
         "allow loading checkpoint files owned by another user (they are unpickled: trust them)"))
+    allow_partial_resume: bool = field(default=False, metadata=_help(
+        "resume from a checkpoint whose entries differ from the live state (a layer or a "
+        "`state` key removed or added since it was written): what both hold is loaded, the "
+        "rest keeps its current values, and the checkpoint is pinned in dir/pinned.json so "
+        "retention keeps it whole; off: such a resume is refused with exit 78 CONFIG naming "
+        "the entries"))
     save_margin_s: float = field(default=5.0, metadata=_help(
         "seconds kept free before the deadline when deciding whether an emergency save fits",
         bounds=_seconds(3600, zero="no margin")))
