@@ -112,7 +112,7 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
         # lacks would be dropped without a word (DCP loads only what the template asks for).
         diff = statekeys.compare(sd, metadata.state_dict_metadata)
         if diff.mismatch and not config.allow_partial_resume:
-            refusal = statekeys.refusal(str(path), diff, sd, metadata.state_dict_metadata)
+            refusal = statekeys.refusal(str(path), diff)
     except (CheckpointError, OSError) as e:
         local = str(e) if isinstance(e, CheckpointError) else \
             f"{e.filename or path}: {e.strerror or e}"
@@ -131,8 +131,7 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
     except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
         return None, describe_error(e) or "load failed", 0
     blob = state.read_blob(sd, blob_key)
-    _check_objects(path, config, state, blob, diff, rank, comm,
-                   (list(sd), list(metadata.state_dict_metadata)))
+    _check_objects(path, config, state, blob, diff, rank, comm)
     step = state.restore(sd, blob_key, blob)
     if rank == 0 and (line := statekeys.dtype_line(str(path), diff)) is not None:
         log.warning("%s", line)
@@ -151,21 +150,20 @@ def _refuse_any(refusals: Any) -> None:
 
 def _check_objects(path: Path, config: CheckpointConfig, state: TrainState,
                    blob: dict[str, Any] | None, diff: statekeys.KeyDiff, rank: int,
-                   comm: Comm, tops: tuple[list[str], list[str]]) -> None:
+                   comm: Comm) -> None:
     """After the load, before anything is applied: the blob's objects (scheduler, data
     loader, ...) that the live state lacks are refused like the DCP entries; with
     ``allow_partial_resume`` rank 0 pins the checkpoint when anything of it is left out, and
-    says what. ``tops``: the live and saved DCP keys, for the words. Collective (one gather):
-    every rank refuses, or none."""
+    says what. Collective (one gather): every rank refuses, or none."""
     saved_objects = [] if blob is None else list(blob.get("objects", {}))
     objs = statekeys.objects(state.others, saved_objects)
     problem: str | None = None
     if objs.dropped and not config.allow_partial_resume:
-        problem = statekeys.refusal(str(path), objs, state.others, saved_objects)
+        problem = statekeys.refusal(str(path), objs)
     elif rank == 0 and (diff.mismatch or objs.dropped):
-        both = statekeys.KeyDiff(dropped=diff.dropped + objs.dropped, added=diff.added)
-        note = statekeys.partial_note(str(path), both, [*tops[0], *state.others],
-                                      [*tops[1], *saved_objects])
+        both = statekeys.KeyDiff(dropped=diff.dropped + objs.dropped, added=diff.added,
+                                 live=diff.live | objs.live, saved=diff.saved | objs.saved)
+        note = statekeys.partial_note(str(path), both)
         try:
             if both.dropped:
                 pinned.pin(Path(config.dir), path, note)

@@ -38,6 +38,8 @@ class KeyDiff:
     dropped: list[str] = field(default_factory=list)
     added: list[str] = field(default_factory=list)
     dtypes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    live: set[str] = field(default_factory=set)       # every key on each side, for the words
+    saved: set[str] = field(default_factory=set)
 
     @property
     def mismatch(self) -> bool:
@@ -56,7 +58,8 @@ def compare(template: Mapping[str, Any], saved: Mapping[str, Any]) -> KeyDiff:
     flat, _ = flatten_state_dict(dict(template))
     live = {k: v for k, v in flat.items() if not k.startswith(BLOB_PREFIX)}
     keys = {k for k in saved if not k.startswith(BLOB_PREFIX)}
-    diff = KeyDiff(dropped=sorted(keys - set(live)), added=sorted(set(live) - keys))
+    diff = KeyDiff(dropped=sorted(keys - set(live)), added=sorted(set(live) - keys),
+                   live=set(live), saved=keys)
     for k in sorted(keys & set(live)):
         value, props = live[k], getattr(saved[k], "properties", None)
         saved_dtype = getattr(props, "dtype", None)
@@ -70,7 +73,7 @@ def objects(live: Iterable[str], saved: Iterable[str]) -> KeyDiff:
     """The objects of the per-rank blob (scheduler, data loader, ...) the checkpoint holds and
     the live state lacks. One the live state has and the checkpoint lacks is not a loss: it
     keeps its state (``TrainState.restore`` says so)."""
-    return KeyDiff(dropped=sorted(set(saved) - set(live)))
+    return KeyDiff(dropped=sorted(set(saved) - set(live)), live=set(live), saved=set(saved))
 
 
 def _listed(keys: list[str], show: int = _SHOW) -> str:
@@ -87,11 +90,26 @@ def _scheduler_keys(keys: Iterable[str]) -> bool:
     return any(".param_groups." in k and k.endswith(".initial_lr") for k in keys)
 
 
-def _dropped_cause(diff: KeyDiff, live_tops: set[str]) -> str:
+def _state_of_live_params(diff: KeyDiff) -> bool:
+    """Every dropped key is optimizer state (``optim.state.<param>.<what>``) of a parameter
+    the live model still has (``model.<param>``): the optimizer made no state for it."""
+    params = {k.split(".", 1)[1] for k in diff.live if "." in k}
+    for k in diff.dropped:
+        top, _, rest = k.partition(".")
+        head, _, param_what = rest.partition(".")
+        if head != "state" or param_what.rpartition(".")[0] not in params:
+            return False
+    return bool(diff.dropped)
+
+
+def _dropped_cause(diff: KeyDiff) -> str:
     if _scheduler_keys(diff.dropped) and all(".param_groups." in k for k in diff.dropped):
         return ("the optimizer had an LR scheduler when the checkpoint was written and has "
                 "none now (schedulers add `initial_lr` to its param groups)")
-    gone = sorted(_tops(diff.dropped) - live_tops)
+    if _state_of_live_params(diff):
+        return ("the optimizer has no state for parameters the model still has (frozen since "
+                "the checkpoint: requires_grad=False?)")
+    gone = sorted(_tops(diff.dropped) - _tops(diff.live))
     if gone:
         names = ", ".join(f"{n!r}" for n in gone)
         return (f"state[{names}] {'is' if len(gone) == 1 else 'are'} not in the state passed "
@@ -99,11 +117,11 @@ def _dropped_cause(diff: KeyDiff, live_tops: set[str]) -> str:
     return "the model or optimizer has fewer entries than when it was saved (a layer removed?)"
 
 
-def _added_cause(diff: KeyDiff, saved_tops: set[str]) -> str:
+def _added_cause(diff: KeyDiff) -> str:
     if _scheduler_keys(diff.added):
         return ("an LR scheduler was attached to the optimizer since the checkpoint was "
                 "written (schedulers add `initial_lr` to its param groups)")
-    new = sorted(_tops(diff.added) - saved_tops)
+    new = sorted(_tops(diff.added) - _tops(diff.saved))
     if new:
         names = ", ".join(f"{n!r}" for n in new)
         return f"state[{names}] was added to the state since the checkpoint was written"
@@ -123,19 +141,17 @@ def _grouped(keys: list[str], other_tops: set[str]) -> str:
     return _listed(named + rest)
 
 
-def refusal(path: str, diff: KeyDiff, live_keys: Iterable[str],
-            saved_keys: Iterable[str]) -> str:
-    """Why ``path`` is not resumed from, and the two ways out. ``live_keys``/``saved_keys``: the
-    top-level names on each side, to name a whole entry that appeared or disappeared."""
-    live, saved = _tops(live_keys), _tops(saved_keys)
+def refusal(path: str, diff: KeyDiff) -> str:
+    """Why ``path`` is not resumed from, its likely cause, and the two ways out."""
+    live, saved = _tops(diff.live), _tops(diff.saved)
     parts = []
     if diff.dropped:
         parts.append(f"it holds {_entries(len(diff.dropped))} the live state lacks "
-                     f"({_grouped(diff.dropped, live)}): {_dropped_cause(diff, live)}; resuming "
+                     f"({_grouped(diff.dropped, live)}): {_dropped_cause(diff)}; resuming "
                      "would silently drop them, and later saves would lose them for good")
     if diff.added:
         parts.append(f"the live state has {_entries(len(diff.added))} the checkpoint lacks "
-                     f"({_grouped(diff.added, saved)}): {_added_cause(diff, saved)}")
+                     f"({_grouped(diff.added, saved)}): {_added_cause(diff)}")
     pin = (", and the full checkpoint is kept out of retention (pinned in "
            "checkpoint.dir/pinned.json)") if diff.dropped else ""
     return (f"refusing to resume from {path}: " + "; ".join(parts) + ". Fix: run the code that "
@@ -145,16 +161,15 @@ def refusal(path: str, diff: KeyDiff, live_keys: Iterable[str],
             f"current values{pin}")
 
 
-def partial_note(path: str, diff: KeyDiff, live_keys: Iterable[str] = (),
-                 saved_keys: Iterable[str] = ()) -> str:
-    """The warning of a partial resume the user asked for (keys as for ``refusal``)."""
+def partial_note(path: str, diff: KeyDiff) -> str:
+    """The warning of a partial resume the user asked for."""
     parts = []
     if diff.dropped:
-        parts.append(f"not loaded from it: {_grouped(diff.dropped, _tops(live_keys))} (the "
+        parts.append(f"not loaded from it: {_grouped(diff.dropped, _tops(diff.live))} (the "
                      "full checkpoint is pinned: retention keeps it)")
     if diff.added:
         parts.append("keeping their current values (absent from it): "
-                     f"{_grouped(diff.added, _tops(saved_keys))}")
+                     f"{_grouped(diff.added, _tops(diff.saved))}")
     return f"partial resume from {path} (checkpoint.allow_partial_resume): " + "; ".join(parts)
 
 
