@@ -28,7 +28,8 @@ class StateMismatchError(CheckpointError, StartupError):
     """The checkpoint and the live state do not hold the same entries (a layer or ``state`` key
     removed or added since it was written): resuming would silently drop saved state or cannot
     fill new state. Refused on every rank alike, and never by falling back to an older
-    checkpoint (it would not match either, or match by chance); uncaught in a script, the process exits with 78 (CONFIG). ``checkpoint.allow_partial_resume`` opts in."""
+    checkpoint (it would not match either, or match by chance); uncaught in a script, the
+    process exits with 78 (CONFIG). ``checkpoint.allow_partial_resume`` opts in."""
 
 
 class SavePeerLost(RuntimeError):

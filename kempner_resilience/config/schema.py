@@ -185,7 +185,8 @@ class CheckpointConfig(_Section):
     def __post_init__(self) -> None:
         problems = check_fields(self)
         if isinstance(self.dir, str) and not self.dir.strip():
-            problems.append(("dir", f"{shown(self.dir)} is not a directory path; give a non-empty path"))
+            problems.append(("dir", f"{shown(self.dir)} is not a directory path; give a "
+                             "non-empty path"))
         elif isinstance(self.dir, str):
             # Resolved here, once, for every user of the config: the checkpoints, run.json, the
             # ledger and the restart record all live under this one absolute path, whatever
@@ -237,7 +238,8 @@ class SignalsConfig(_Section):
     def complete_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
         """A partial ``actions`` mapping is merged over the defaults, so that listing one
         signal never silently unhandles SIGTERM & co."""
-        if isinstance(fields.get("actions"), Mapping) and not _spellings_conflict(fields["actions"]):
+        actions = fields.get("actions")
+        if isinstance(actions, Mapping) and not _spellings_conflict(actions):
             # (two spellings of one signal are left as given: __post_init__ names both)
             fields = {**fields, "actions": {**_default_actions(),
                                             **{_normalize_or_keep(k): v

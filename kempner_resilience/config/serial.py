@@ -73,7 +73,8 @@ def _coerce(tp: Any, value: Any, path: str, bounds: Range | None = None) -> Any:
         return build(tp, value, path)
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError([(path, f"{shown(value)} is not a mapping; write `key: value` lines")])
+            raise ConfigError([(path, f"{shown(value)} is not a mapping; write `key: value` "
+                                "lines")])
         _, vt = typing.get_args(tp)
         problems, out = [], {}
         for k, v in value.items():
