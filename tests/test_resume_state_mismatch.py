@@ -13,7 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from torch import nn
+
 from helpers import env, free_port, start, write_script
+from kempner_resilience.checkpoint import CheckpointManager
+from kempner_resilience.checkpoint.info import StateMismatchError
+from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.core.startup import StartupError
 from kempner_resilience.exitcodes import ExitCode
 
 # argv: CKPT VARIANT STEPS [RANK WORLD PORT] [--set key=value ...]
@@ -137,3 +145,26 @@ def test_an_fp32_checkpoint_resumed_into_a_bf16_model_warns_in_one_line(tmp_path
     assert len(lines) == 1, proc.stderr
     assert str(ckpt) in lines[0] and "float32" in lines[0] and "bfloat16" in lines[0]
     assert "finished at step 6" in proc.stdout
+
+
+def test_a_layer_frozen_since_the_checkpoint_is_refused_naming_the_frozen_layer(tmp_path):
+    # In-process (CheckpointManager), on real files: a frozen layer gets no optimizer state,
+    # so its saved Adam moments would be left behind.
+    def build(freeze: bool) -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        if freeze:
+            model[0].requires_grad_(False)
+        return {"model": model, "optim": torch.optim.Adam(model.parameters())}
+
+    state = build(False)
+    state["model"](torch.randn(3, 4)).sum().backward()
+    state["optim"].step()
+    with CheckpointManager(CheckpointConfig(dir=str(tmp_path)), state) as mgr:
+        mgr.save(1)
+    with CheckpointManager(CheckpointConfig(dir=str(tmp_path)), build(True)) as mgr:
+        with pytest.raises(StateMismatchError) as e:
+            mgr.resume()
+    assert isinstance(e.value, StartupError), "a script exits with 78 CONFIG"
+    assert "optim.state.0.weight.exp_avg" in str(e.value)
+    assert "frozen since the checkpoint" in str(e.value)
