@@ -168,3 +168,17 @@ def test_a_layer_frozen_since_the_checkpoint_is_refused_naming_the_frozen_layer(
     assert isinstance(e.value, StartupError), "a script exits with 78 CONFIG"
     assert "optim.state.0.weight.exp_avg" in str(e.value)
     assert "frozen since the checkpoint" in str(e.value)
+
+
+def test_an_unreadable_pin_file_stops_retention_instead_of_unpinning(tmp_path):
+    # pinned.json damaged (a half-edited file): retention cannot know what is pinned, so it
+    # deletes nothing rather than the one full copy a partial resume left.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    state = {"model": model, "optim": torch.optim.Adam(model.parameters())}
+    (tmp_path / "pinned.json").write_text('{"pinned": [{"dir": "step_0000')
+    with CheckpointManager(CheckpointConfig(dir=str(tmp_path), keep_last=1), state) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_000000001", "step_000000002", "step_000000003"]
