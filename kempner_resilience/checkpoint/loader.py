@@ -130,8 +130,14 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
                  no_dist=comm.dcp_no_dist)
     except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
         return None, describe_error(e) or "load failed", 0
-    blob = state.read_blob(sd, blob_key)
-    _check_objects(path, config, state, blob, diff, rank, comm)
+    blob, why = None, None
+    try:
+        blob = state.read_blob(sd, blob_key)
+    except Exception as e:   # noqa: BLE001 - checksummed, yet not unpickled here: skip on all
+        why = f"{path}: {blob_key}: {describe_error(e)}"
+    why = _check_objects(path, config, state, blob, why, diff, rank, comm)
+    if why:
+        return None, why, 0
     step = state.restore(sd, blob_key, blob)
     if rank == 0 and (line := statekeys.dtype_line(str(path), diff)) is not None:
         log.warning("%s", line)
@@ -149,16 +155,19 @@ def _refuse_any(refusals: Any) -> None:
 
 
 def _check_objects(path: Path, config: CheckpointConfig, state: TrainState,
-                   blob: dict[str, Any] | None, diff: statekeys.KeyDiff, rank: int,
-                   comm: Comm) -> None:
+                   blob: dict[str, Any] | None, why: str | None, diff: statekeys.KeyDiff,
+                   rank: int, comm: Comm) -> str | None:
     """After the load, before anything is applied: the blob's objects (scheduler, data
     loader, ...) that the live state lacks are refused like the DCP entries; with
     ``allow_partial_resume`` rank 0 pins the checkpoint when anything of it is left out, and
-    says what. Collective (one gather): every rank refuses, or none."""
+    says what. ``why``: this rank's blob could not be read. Collective (one gather): every
+    rank refuses, or none; returns every rank's ``why`` (skip this checkpoint) or None."""
     saved_objects = [] if blob is None else list(blob.get("objects", {}))
     objs = statekeys.objects(state.others, saved_objects)
     problem: str | None = None
-    if objs.dropped and not config.allow_partial_resume:
+    if why is not None:
+        pass        # reported below, on every rank
+    elif objs.dropped and not config.allow_partial_resume:
         problem = statekeys.refusal(str(path), objs)
     elif rank == 0 and (diff.mismatch or objs.dropped):
         both = statekeys.KeyDiff(dropped=diff.dropped + objs.dropped, added=diff.added,
@@ -174,7 +183,12 @@ def _check_objects(path: Path, config: CheckpointConfig, state: TrainState,
                        "file")
         else:
             log.warning("%s", note)
-    _refuse_any(comm.all_gather_object(problem))
+    gathered = comm.all_gather_object((why, problem))
+    whys = list(dict.fromkeys(w for w, _ in gathered if w))
+    if whys:
+        return "; ".join(whys)
+    _refuse_any(p for _, p in gathered)
+    return None
 
 
 def restore_ddp_buckets(state: TrainState, comm: Comm, rank: int) -> None:
