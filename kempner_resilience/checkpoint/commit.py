@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kempner_resilience.checkpoint import layout
-from kempner_resilience.checkpoint.dircheck import disk_full
+from kempner_resilience.checkpoint.dircheck import disk_full, full_words
 from kempner_resilience.checkpoint.info import CheckpointInfo, describe_error
 from kempner_resilience.core.version import __version__
 
@@ -57,15 +57,19 @@ def commit(path: Path, step: int, reason: str, gathered: list[Any], t0: float, b
 
 
 def failure_text(step: int, path: Path, status: str, root: Path,
-                 previous: CheckpointInfo | None) -> str:
-    """What failed, the fix, and that the previous checkpoint is intact."""
+                 previous: CheckpointInfo | None, keep_last: int | None = None) -> str:
+    """What failed, the fix, and that the previous checkpoint is intact. A full disk says
+    whether bytes or inodes ran out (``dircheck.note_inodes`` marked ``status``), and that
+    ``keep_last`` checkpoints need room for one more while the next one is written."""
     keep = (f"the previous committed checkpoint {previous.path} (step {previous.step}) is intact"
             if previous else "there is no previous committed checkpoint")
     if disk_full(status):
         partial = "no partial directory was left" if path == root else \
             f"the partial {path} was removed"
-        return (f"checkpoint of step {step} failed: the disk holding {root} is full "
-                "(No space left on device). Free space there or point checkpoint.dir at a "
-                f"larger filesystem; {partial} and {keep}.")
+        what, fix = full_words(status, root)
+        room = "" if keep_last is None else (
+            f" Retention deletes the oldest checkpoint only after the next one is committed, so "
+            f"checkpoint.keep_last: {keep_last} needs room for {keep_last + 1} checkpoints there.")
+        return (f"checkpoint of step {step} failed: {what}. {fix}; {partial} and {keep}.{room}")
     return (f"checkpoint of step {step} into {path} failed: {status}. The partial directory "
             f"was removed; {keep}.")

@@ -14,15 +14,52 @@ from typing import Callable
 
 from kempner_resilience.checkpoint.info import CheckpointError
 
-__all__ = ["local_problem", "disk_full"]
+__all__ = ["local_problem", "disk_full", "out_of_inodes", "note_inodes", "full_words",
+           "INODES_MARK"]
 
 _GIB = 2**30
+
+
+# Appended to a disk-full error when the filesystem ran out of inodes, not of bytes: the same
+# ENOSPC, but `df -h` shows free space and "the disk is full" sends the user the wrong way.
+INODES_MARK = "[no free inodes]"
 
 
 def disk_full(text: str) -> bool:
     """Whether an error text says the filesystem is full (or the quota spent)."""
     return "No space left on device" in text or "Disk quota exceeded" in text or \
         "[Errno 28]" in text or "[Errno 122]" in text
+
+
+def out_of_inodes(path: Path) -> bool:
+    """Whether the filesystem holding ``path`` has no inode left for us (``statvfs``'s
+    ``f_favail``). Filesystems without a fixed inode table (btrfs, many network ones) report
+    0 inodes in all: never "out of inodes"."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0
+
+
+def note_inodes(text: str, path: Path) -> str:
+    """``text`` marked with ``INODES_MARK`` when it is a disk-full error and the filesystem
+    holding ``path`` is out of inodes. Call it where the error happened, before anything is
+    removed: removing the partial save frees inodes again."""
+    if disk_full(text) and INODES_MARK not in text and out_of_inodes(path):
+        return f"{text} {INODES_MARK}"
+    return text
+
+
+def full_words(text: str, root: Path) -> tuple[str, str]:
+    """(what is full, the fix) for a disk-full error ``text`` about ``root``."""
+    if INODES_MARK in text:
+        return (f"the filesystem holding {root} has no free inodes (file entries) left, though "
+                "`df -h` may show free space (`df -i` shows 100%)",
+                "Delete files there (many small files use up the inodes) or point "
+                "checkpoint.dir at another filesystem")
+    return (f"the disk holding {root} is full (No space left on device)",
+            "Free space there or point checkpoint.dir at a larger filesystem")
 
 
 def local_problem(root: Path, state_nbytes: int, rank: int,
@@ -67,6 +104,11 @@ def _probe_write(root: Path, rank: int) -> None:
         finally:
             os.close(fd)
     except OSError as e:
+        if disk_full(str(e)) and out_of_inodes(root):
+            raise CheckpointError(f"checkpoint.dir {root} has no free inodes (file entries) "
+                                  "left, though `df -h` may show free space (`df -i` shows "
+                                  "100%); delete files there (many small files use up the "
+                                  "inodes) or point checkpoint.dir at another filesystem") from e
         if disk_full(str(e)):
             raise CheckpointError(f"checkpoint.dir {root} is full ({e.strerror}); free space "
                                   "there or point checkpoint.dir at a larger filesystem") from e

@@ -8,7 +8,7 @@ from pathlib import Path
 from kempner_resilience.core.startup import StartupError
 
 __all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDirError", "CheckpointInfo",
-           "SavePeerLost", "describe_error"]
+           "SavePeerLost", "StateMismatchError", "describe_error"]
 
 
 class CheckpointError(RuntimeError):
@@ -22,6 +22,14 @@ class CheckpointCorrupt(CheckpointError):
 class CheckpointDirError(CheckpointError, StartupError):
     """``checkpoint.dir`` cannot hold checkpoints (missing parent, not a directory, not writable,
     full), found at start: uncaught in a script, the process exits with 78 (CONFIG)."""
+
+
+class StateMismatchError(CheckpointError, StartupError):
+    """The checkpoint and the live state do not hold the same entries (a layer or ``state`` key
+    removed or added since it was written): resuming would silently drop saved state or cannot
+    fill new state. Refused on every rank alike, and never by falling back to an older
+    checkpoint (it would not match either, or match by chance); uncaught in a script, the
+    process exits with 78 (CONFIG). ``checkpoint.allow_partial_resume`` opts in."""
 
 
 class SavePeerLost(RuntimeError):

@@ -4,6 +4,12 @@ Everything before ``dcp.load`` (manifest, cheap checks, ``.metadata`` against th
 load template) runs locally and any rank's error is gathered, so all ranks skip a damaged or
 unreadable checkpoint together; ``dcp.load`` itself fails on all ranks together. The caller
 (``CheckpointManager.resume``) walks the candidates newest first.
+
+A checkpoint whose entries differ from the live state's (``statekeys``) is not skipped but
+refused on every rank (``StateMismatchError``, exit 78): an older checkpoint would differ the
+same way, or match by chance and silently resume the wrong state. With
+``checkpoint.allow_partial_resume`` what both have is loaded instead, and the checkpoint is
+pinned (``pinned``) when it holds more.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from kempner_resilience.checkpoint import integrity, layout
+from kempner_resilience.checkpoint import integrity, layout, pinned, statekeys
 from kempner_resilience.checkpoint.comm import Comm
 from kempner_resilience.checkpoint.hostbuf import HostStaging
-from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo, describe_error
+from kempner_resilience.checkpoint.info import (CheckpointError, CheckpointInfo,
+                                               StateMismatchError, describe_error)
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.config import CheckpointConfig
@@ -85,6 +93,8 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
     entry = reader = None
     sd: dict[str, Any] = {}
     blob_key: str | None = None
+    diff: statekeys.KeyDiff | None = None
+    refusal: str | None = None
     try:
         parsed = layout.parse_name(path.name)
         entry = layout.Entry(path, parsed[0] if parsed else -1, parsed[1] if parsed else 0,
@@ -98,24 +108,87 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
         integrity.check_metadata(path, metadata, entry.manifest or {})
         sd, blob_key = state.load_template(rank, set(metadata.state_dict_metadata),
                                            comm.world_size)
+        # Before anything is loaded: the entries the checkpoint holds that the live state
+        # lacks would be dropped without a word (DCP loads only what the template asks for).
+        diff = statekeys.compare(sd, metadata.state_dict_metadata)
+        if diff.mismatch and not config.allow_partial_resume:
+            refusal = statekeys.refusal(str(path), diff)
     except (CheckpointError, OSError) as e:
         local = str(e) if isinstance(e, CheckpointError) else \
             f"{e.filename or path}: {e.strerror or e}"
     except Exception as e:   # noqa: BLE001 - unpickling a damaged .metadata raises anything
         local = f"{path}: {describe_error(e)}"
-    errors = list(dict.fromkeys(e for e in comm.all_gather_object(local) if e))
-    if errors or entry is None or reader is None:
+    gathered = comm.all_gather_object((local, refusal))
+    errors = list(dict.fromkeys(e for e, _ in gathered if e))
+    if errors or entry is None or reader is None or diff is None:
         return None, "; ".join(errors), 0
+    _refuse_any(r for _, r in gathered)
     try:
-        dcp.load(sd, storage_reader=reader, process_group=comm.dcp_group,
+        # A partial resume the user asked for: entries the checkpoint lacks keep their values.
+        planner = DefaultLoadPlanner(allow_partial_load=bool(diff.added))
+        dcp.load(sd, storage_reader=reader, planner=planner, process_group=comm.dcp_group,
                  no_dist=comm.dcp_no_dist)
     except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
         return None, describe_error(e) or "load failed", 0
-    step = state.restore(sd, blob_key)
+    blob, why = None, None
+    try:
+        blob = state.read_blob(sd, blob_key)
+    except Exception as e:   # noqa: BLE001 - checksummed, yet not unpickled here: skip on all
+        why = f"{path}: {blob_key}: {describe_error(e)}"
+    why = _check_objects(path, config, state, blob, why, diff, rank, comm)
+    if why:
+        return None, why, 0
+    step = state.restore(sd, blob_key, blob)
+    if rank == 0 and (line := statekeys.dtype_line(str(path), diff)) is not None:
+        log.warning("%s", line)
     info = entry.info()
     if step is not None and step != info.step:
         log.warning("%s: manifest step %d, saved state says %d", path, info.step, step)
     return info, "", reader.bytes_read
+
+
+def _refuse_any(refusals: Any) -> None:
+    """Raise the first rank's refusal on every rank (the same list on each: all_gather)."""
+    first = next((r for r in refusals if r), None)
+    if first is not None:
+        raise StateMismatchError(first)
+
+
+def _check_objects(path: Path, config: CheckpointConfig, state: TrainState,
+                   blob: dict[str, Any] | None, why: str | None, diff: statekeys.KeyDiff,
+                   rank: int, comm: Comm) -> str | None:
+    """After the load, before anything is applied: the blob's objects (scheduler, data
+    loader, ...) that the live state lacks are refused like the DCP entries; with
+    ``allow_partial_resume`` rank 0 pins the checkpoint when anything of it is left out, and
+    says what. ``why``: this rank's blob could not be read. Collective (one gather): every
+    rank refuses, or none; returns every rank's ``why`` (skip this checkpoint) or None."""
+    saved_objects = [] if blob is None else list(blob.get("objects", {}))
+    objs = statekeys.objects(state.others, saved_objects)
+    problem: str | None = None
+    if why is not None:
+        pass        # reported below, on every rank
+    elif objs.dropped and not config.allow_partial_resume:
+        problem = statekeys.refusal(str(path), objs)
+    elif rank == 0 and (diff.mismatch or objs.dropped):
+        both = statekeys.KeyDiff(dropped=diff.dropped + objs.dropped, added=diff.added,
+                                 live=diff.live | objs.live, saved=diff.saved | objs.saved)
+        note = statekeys.partial_note(str(path), both)
+        try:
+            if both.dropped:
+                pinned.pin(Path(config.dir), path, note)
+        except OSError as e:
+            problem = (f"refusing the partial resume from {path}: it cannot be pinned in "
+                       f"{Path(config.dir) / pinned.PIN_NAME} ({e.strerror or e}), and "
+                       "retention would then delete the only full copy; fix or remove that "
+                       "file")
+        else:
+            log.warning("%s", note)
+    gathered = comm.all_gather_object((why, problem))
+    whys = list(dict.fromkeys(w for w, _ in gathered if w))
+    if whys:
+        return "; ".join(whys)
+    _refuse_any(p for _, p in gathered)
+    return None
 
 
 def restore_ddp_buckets(state: TrainState, comm: Comm, rank: int) -> None:

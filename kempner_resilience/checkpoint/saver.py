@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never 
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from kempner_resilience.checkpoint import commit, layout, retention
+from kempner_resilience.checkpoint import commit, dircheck, layout, pinned, retention
 from kempner_resilience.checkpoint.comm import Comm
 from kempner_resilience.checkpoint.estimate import SaveEstimator
 from kempner_resilience.checkpoint.hostbuf import HostStaging
@@ -113,7 +113,7 @@ class Saver:
             try:
                 choice = (str(layout.create_step_dir(self.root, step, self.run_id)), None)
             except OSError as e:
-                choice = (None, describe_error(e))
+                choice = (None, dircheck.note_inodes(describe_error(e) or "", self.root))
         path_s, err = comm.broadcast_object(choice)
         if path_s is None:
             raise CheckpointError(self._failure_text(step, self.root, err or "?"))
@@ -153,6 +153,8 @@ class Saver:
                 status = commit.commit(path, step, reason, gathered, t0, blocked,
                                        self.world_size, manifest,
                                        {"run_id": self.run_id, **self.manifest_extra})
+                if status is not None:      # while the partial save still holds its inodes
+                    status = dircheck.note_inodes(status, self.root)
             status, committed_at, nbytes = comm.broadcast_object(
                 (status, manifest.get("committed_at", 0.0), manifest.get("nbytes", 0)))
             if status is not None:
@@ -190,13 +192,17 @@ class Saver:
         self._retention_thread = None
 
     def _failure_text(self, step: int, path: Path, status: str) -> str:
-        return commit.failure_text(step, path, status, self.root, self._last_good())
+        return commit.failure_text(step, path, status, self.root, self._last_good(),
+                                   self.config.keep_last)
 
     def _retention(self) -> None:
         try:
             retention.clean_trash(self.root, self.run_id, self.leave_alone)
+            # Pinned (pinned.json: a partial resume's full checkpoint) are never deleted; an
+            # unreadable pin file raises OSError here, and nothing is deleted.
+            protect = set(self._writing) | pinned.read(self.root)
             victims = retention.select_for_deletion(layout.scan(self.root), self.config.keep_last,
-                                                 self.config.keep_every, set(self._writing),
+                                                 self.config.keep_every, protect,
                                                  run_id=self.run_id, on_skip=self.leave_alone)
             for e in victims:
                 log.info("retention: removing %s checkpoint %s",

@@ -278,17 +278,27 @@ class TrainState:
             sd[key] = b""
         return sd, key
 
-    def restore(self, sd: dict[str, Any], blob_key: str | None) -> int | None:
-        """Apply a loaded state dict; returns the saved step (None without a blob)."""
+    @staticmethod
+    def read_blob(sd: dict[str, Any], blob_key: str | None) -> dict[str, Any] | None:
+        """This rank's loaded blob (step, RNG streams, objects), or None without one."""
+        if blob_key is None:
+            return None
+        return torch.load(io.BytesIO(sd[blob_key]), map_location="cpu", weights_only=False)
+
+    def restore(self, sd: dict[str, Any], blob_key: str | None,
+                blob: dict[str, Any] | None = None) -> int | None:
+        """Apply a loaded state dict (``blob``: its blob, when already read with
+        ``read_blob``); returns the saved step (None without a blob)."""
         for name, module in self.modules.items():
             set_model_state_dict(module, sd[name], options=_OPTS)
         for name, (optim, module) in self.optims.items():
             set_optimizer_state_dict(module, optim, sd[name], options=_OPTS)
         for name, app in self.apps.items():
             app.load_state_dict(sd[name])
-        if blob_key is None:
+        if blob is None:
+            blob = self.read_blob(sd, blob_key)
+        if blob is None:
             return None
-        blob = torch.load(io.BytesIO(sd[blob_key]), map_location="cpu", weights_only=False)
         for name, obj in self.others.items():
             if name in blob["objects"]:
                 obj.load_state_dict(blob["objects"][name])

@@ -8,8 +8,11 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from kempner_resilience.config.errors import shown
 from kempner_resilience.config.schema import (ENV_CONFIG, ConfigError, ConfigFileNotFoundError,
-                                              ResilienceConfig)
+                                              ResilienceConfig, signal_or_key)
+from kempner_resilience.config.yamlread import (LIMITS, SIGNAL_TABLES, check_plain_size,
+                                                parse_yaml)
 
 __all__ = ["load_config", "SHIPPED_DEFAULTS", "shipped_path"]
 
@@ -38,9 +41,11 @@ def _apply_override(data: dict[str, Any], text: str) -> None:
     if not all(parts):
         raise ConfigError([(dotted, "empty key in override; write section.key=value")])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw, signal_or_key) if raw.strip() else ""
+    except ConfigError as e:
+        raise ConfigError([(dotted, f"value: {m}") for _, m in e.problems]) from None
     except yaml.YAMLError as e:
-        raise ConfigError([(dotted, f"value {raw!r} is not valid YAML: {e}")]) from None
+        raise ConfigError([(dotted, f"value {shown(raw)} is not valid YAML: {e}")]) from None
     node = data
     for p in parts[:-1]:
         nxt = node.get(p)
@@ -49,7 +54,36 @@ def _apply_override(data: dict[str, Any], text: str) -> None:
         if not isinstance(nxt, dict):
             raise ConfigError([(dotted, f"'{p}' is not a section; cannot set a key inside it")])
         node = nxt
+    if tuple(parts[:-1]) in SIGNAL_TABLES:
+        # `--set signals.actions.USR1=stop` replaces the file's `SIGUSR1:` entry: an override
+        # overrides, whichever spelling each side used.
+        for other in [k for k in node if signal_or_key(str(k)) == signal_or_key(parts[-1])]:
+            del node[other]
     node[parts[-1]] = value
+
+
+def _read_yaml(p: Path, source: str) -> Any:
+    """The file's data: read at most ``LIMITS.max_bytes`` (+1, to know it is longer), parsed by
+    ``yamlread`` (sizes bounded, duplicate keys and signal spellings refused, YAML 1.2 floats)."""
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(LIMITS.max_bytes + 1)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([("", f"not UTF-8 text ({e.reason} at byte {e.start}); is this the "
+                            "right file?")], source) from None
+    except OSError as e:
+        raise ConfigError([("", f"cannot be read: {e.strerror or e}")], source) from None
+    try:
+        return parse_yaml(text, signal_or_key)
+    except ConfigError as e:
+        raise ConfigError(e.problems, source) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the file's syntax "
+                            "(indentation, `key: value`, quotes)")], source) from None
 
 
 def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
@@ -74,6 +108,7 @@ def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     if isinstance(path, Mapping):
         import copy
 
+        check_plain_size(path)       # before the copy: a shared or cyclic structure stops here
         data = copy.deepcopy(dict(path))
     elif path is not None:
         p = Path(path)
@@ -84,14 +119,7 @@ def load_config(path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
         if not p.is_file():
             raise ConfigFileNotFoundError(f"config file not found: {p} (pass an existing YAML "
                                           "file, or no path for the built-in defaults)")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or str(e)
-            raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the file's syntax "
-                                "(indentation, `key: value`, quotes)")], source) from None
+        loaded = _read_yaml(p, source)
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kempner_resilience.config.bounds import Range
-from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundError
+from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundError, shown
 from kempner_resilience.config.serial import build, check_fields, dump
 
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
            "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
-           "SignalsConfig", "StagingMode", "WatchdogConfig", "normalize_signal", "ENV_CONFIG"]
+           "SignalsConfig", "StagingMode", "WatchdogConfig", "normalize_signal", "signal_or_key",
+           "ENV_CONFIG"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
 
@@ -145,6 +146,12 @@ class CheckpointConfig(_Section):
         "verify per-file checksums before resuming from a checkpoint"))
     allow_foreign_owner: bool = field(default=False, metadata=_help(
         "allow loading checkpoint files owned by another user (they are unpickled: trust them)"))
+    allow_partial_resume: bool = field(default=False, metadata=_help(
+        "resume from a checkpoint whose entries differ from the live state (a layer or a "
+        "`state` key removed or added since it was written): what both hold is loaded, the "
+        "rest keeps its current values, and the checkpoint is pinned in dir/pinned.json so "
+        "retention keeps it whole; off: such a resume is refused with exit 78 CONFIG naming "
+        "the entries"))
     save_margin_s: float = field(default=5.0, metadata=_help(
         "seconds kept free before the deadline when deciding whether an emergency save fits",
         bounds=_seconds(3600, zero="no margin")))
@@ -178,7 +185,8 @@ class CheckpointConfig(_Section):
     def __post_init__(self) -> None:
         problems = check_fields(self)
         if isinstance(self.dir, str) and not self.dir.strip():
-            problems.append(("dir", f"{self.dir!r} is not a directory path; give a non-empty path"))
+            problems.append(("dir", f"{shown(self.dir)} is not a directory path; give a "
+                             "non-empty path"))
         elif isinstance(self.dir, str):
             # Resolved here, once, for every user of the config: the checkpoints, run.json, the
             # ledger and the restart record all live under this one absolute path, whatever
@@ -188,11 +196,22 @@ class CheckpointConfig(_Section):
             raise ConfigError(problems)
 
 
-def _normalize_or_keep(name: str) -> str:
+def _normalize_or_keep(name: str | int) -> str | int:
     try:
         return normalize_signal(name)
     except ValueError:
         return name
+
+
+def signal_or_key(name: str) -> str:
+    """The signal ``name`` spells (``USR1`` -> ``SIGUSR1``), or ``name`` when it spells none:
+    the key under which two spellings of one signal are one key (``10`` is SIGUSR1 too)."""
+    return str(_normalize_or_keep(int(name) if name.strip().isdigit() else name))
+
+
+def _spellings_conflict(table: Mapping[Any, Any]) -> bool:
+    names = [_normalize_or_keep(k) for k in table]
+    return len(set(names)) != len(names)
 
 
 def _default_actions() -> dict[str, Action]:
@@ -219,7 +238,9 @@ class SignalsConfig(_Section):
     def complete_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
         """A partial ``actions`` mapping is merged over the defaults, so that listing one
         signal never silently unhandles SIGTERM & co."""
-        if isinstance(fields.get("actions"), Mapping):
+        actions = fields.get("actions")
+        if isinstance(actions, Mapping) and not _spellings_conflict(actions):
+            # (two spellings of one signal are left as given: __post_init__ names both)
             fields = {**fields, "actions": {**_default_actions(),
                                             **{_normalize_or_keep(k): v
                                                for k, v in fields["actions"].items()}}}
@@ -233,6 +254,7 @@ class SignalsConfig(_Section):
                                      ("grace_per_signal_s", self.grace_per_signal_s, graces)):
             if not isinstance(table, Mapping):
                 continue  # reported by check_fields
+            spelled: dict[str, str] = {}     # signal -> the key that named it first
             for key, val in table.items():
                 try:
                     name = normalize_signal(key)
@@ -245,6 +267,12 @@ class SignalsConfig(_Section):
                     problems.append((f"actions.{key}", f"{name} cannot be used for a graceful "
                                      "shutdown; use SIGUSR1, SIGUSR2, SIGTERM, SIGINT or SIGHUP"))
                     continue
+                if name in spelled:
+                    # Both would land on one signal and one value would silently win.
+                    problems.append((key_name, f"{shown(spelled[name])} and {shown(key)} both "
+                                     f"name {name}; keep one of them"))
+                    continue
+                spelled[name] = key
                 out[name] = val
         if problems:
             raise ConfigError(problems)

@@ -12,7 +12,7 @@ import typing
 from typing import Any, Mapping
 
 from kempner_resilience.config.bounds import Range
-from kempner_resilience.config.errors import ConfigError
+from kempner_resilience.config.errors import ConfigError, shown
 
 __all__ = ["build", "check_fields", "dump", "yaml_name"]
 
@@ -43,13 +43,13 @@ def _number(tp: Any, value: Any, path: str, bounds: Range | None) -> int | float
     """``value`` as ``tp`` (int or float) within ``bounds``: finite, and an int is a whole number
     (a count of 2.5 threads is a mistake, not something to round)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError([(path, f"{value!r} has the wrong type; expected {_type_name(tp)}"
+        raise ConfigError([(path, f"{shown(value)} has the wrong type; expected {_type_name(tp)}"
                             + (f" {bounds.text()}" if bounds else ""))])
     problem = bounds.problem(value) if bounds else None
     if problem is None and isinstance(value, float) and not math.isfinite(value):
-        problem = f"{value!r} is not a finite number"
+        problem = f"{shown(value)} is not a finite number"
     if problem is None and tp is int and isinstance(value, float) and not value.is_integer():
-        problem = f"{value!r} is not a whole number; must be an integer" + \
+        problem = f"{shown(value)} is not a whole number; must be an integer" + \
             (f" {bounds.text()}" if bounds else "")
     if problem is not None:
         raise ConfigError([(path, problem)])
@@ -58,7 +58,7 @@ def _number(tp: Any, value: Any, path: str, bounds: Range | None) -> int | float
     try:
         return float(value)
     except OverflowError:  # an int too large for a float, in a field without bounds
-        raise ConfigError([(path, f"{value!r} is too large")]) from None
+        raise ConfigError([(path, f"{shown(value)} is too large")]) from None
 
 
 def _coerce(tp: Any, value: Any, path: str, bounds: Range | None = None) -> Any:
@@ -73,7 +73,8 @@ def _coerce(tp: Any, value: Any, path: str, bounds: Range | None = None) -> Any:
         return build(tp, value, path)
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError([(path, f"{value!r} is not a mapping; write `key: value` lines")])
+            raise ConfigError([(path, f"{shown(value)} is not a mapping; write `key: value` "
+                                "lines")])
         _, vt = typing.get_args(tp)
         problems, out = [], {}
         for k, v in value.items():
@@ -86,7 +87,7 @@ def _coerce(tp: Any, value: Any, path: str, bounds: Range | None = None) -> Any:
         return out
     if tp is int or tp is float:
         return _number(tp, value, path, bounds)
-    bad = ConfigError([(path, f"{value!r} has the wrong type; expected {_type_name(tp)}")])
+    bad = ConfigError([(path, f"{shown(value)} has the wrong type; expected {_type_name(tp)}")])
     if tp is bool:
         if not isinstance(value, bool):
             raise bad
@@ -134,7 +135,7 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     (paths prefixed with ``prefix``)."""
     where = prefix or "top level"
     if not isinstance(data, Mapping):
-        raise ConfigError([(prefix, f"{where} must be a mapping of keys, got {data!r}")])
+        raise ConfigError([(prefix, f"{where} must be a mapping of keys, got {shown(data)}")])
     fields = _fields_by_yaml(cls)
     problems: list[tuple[str, str]] = []
     kwargs: dict[str, Any] = {}

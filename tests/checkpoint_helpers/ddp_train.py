@@ -61,6 +61,9 @@ def main() -> None:
     cfg = CheckpointConfig(dir=args.dir)
     if args.no_ddp_buckets:
         cfg.ddp_buckets = False
+    # A frozen layer has no optimizer state: a resume leaves the checkpoint's out, which is
+    # refused unless asked for (a partial resume; see statekeys).
+    cfg.allow_partial_resume = args.freeze_first
     mgr = CheckpointManager(cfg, {"model": ddp, "optim": optim}, rank=rank, world_size=world)
     start = 0
     if args.resume:

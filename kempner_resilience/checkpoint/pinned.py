@@ -1,0 +1,75 @@
+"""Checkpoints retention must keep whatever ``keep_last`` says: ``checkpoint.dir/pinned.json``.
+
+A partial resume (``checkpoint.allow_partial_resume``) loads only part of a checkpoint; the
+entries it left out exist nowhere else. The checkpoint it resumed from is therefore pinned here
+by rank 0 before training goes on, and retention never deletes a pinned directory. The file is
+small JSON, written whole (``fileio.write_atomic``), and a person may edit it: removing an entry
+(or the file) hands that checkpoint back to retention.
+
+A pin file that cannot be read does not mean "nothing pinned": ``read`` raises and retention
+deletes nothing until it is fixed or removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+from kempner_resilience.core.fileio import write_atomic
+
+__all__ = ["PIN_NAME", "pin", "read"]
+
+PIN_NAME = "pinned.json"
+_MAX_BYTES = 1 << 20       # thousands of pins; a larger file is not ours
+
+
+def _path(root: Path) -> Path:
+    return Path(root) / PIN_NAME
+
+
+def _load(root: Path) -> list[dict[str, Any]]:
+    file = _path(root)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO never blocks
+    except FileNotFoundError:
+        return []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{file} is not a regular file; retention deletes nothing until it "
+                          "is removed")
+        raw = os.read(fd, _MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > _MAX_BYTES:
+        raise OSError(f"{file} is larger than {_MAX_BYTES} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+        pins = data["pinned"]
+        if not isinstance(pins, list) or not all(
+                isinstance(p, dict) and isinstance(p.get("dir"), str) for p in pins):
+            raise ValueError("'pinned' must be a list of {\"dir\": ...} entries")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise OSError(f"{file} cannot be read ({type(e).__name__}: {str(e)[:200]}); retention "
+                      "deletes nothing until it is fixed or removed") from None
+    return pins
+
+
+def read(root: Path) -> set[Path]:
+    """The pinned step directories under ``root`` (empty when there is no pin file). Raises
+    OSError when the file exists but cannot be read or parsed (see the module docstring)."""
+    return {Path(root) / Path(p["dir"]).name for p in _load(root)}
+
+
+def pin(root: Path, step_dir: Path, why: str) -> None:
+    """Record ``step_dir`` (a directory directly under ``root``) as pinned, with ``why``.
+    Rank 0 only; raises OSError when it cannot be written (the caller must not go on: an
+    unpinned partial resume would lose the full checkpoint to retention)."""
+    pins = _load(root)      # unreadable: raised, never overwritten (its pins would be lost)
+    if any(Path(p["dir"]).name == step_dir.name for p in pins):
+        return
+    pins.append({"dir": step_dir.name, "why": why[:500], "pinned_at": time.time()})
+    write_atomic(_path(root), json.dumps({"format": 1, "pinned": pins}, indent=1) + "\n")
