@@ -52,6 +52,7 @@ class BackgroundSaver:
         self._stager = Stager(pin=pin)
         self._max_failed = max_failed_saves
         self._flight: Flight | None = None
+        self._prewarmed = False
 
     @property
     def running(self) -> Flight | None:
@@ -59,9 +60,13 @@ class BackgroundSaver:
         fl = self._flight
         return fl if fl is not None and fl.alive else None
 
-    def prewarm(self, sd: dict[str, Any]) -> None:
-        """Allocate the snapshot buffers for ``sd``'s tensors in the background (``Stager``)."""
-        self._stager.prewarm(sd)
+    def prewarm(self, tensor_state: Callable[[], dict[str, Any]]) -> None:
+        """Allocate the snapshot's buffers in the background (``Stager.prewarm``), once: at
+        the first step that is no save, when the optimizer's state exists (it appears at the
+        first ``step()``), so the first async save does not allocate them with training held."""
+        if not self._prewarmed:
+            self._prewarmed = True
+            self._stager.prewarm(tensor_state())
 
     def start(self, sd: dict[str, Any], step: int, t0: float, failed_in_a_row: int) -> None:
         """Snapshot ``sd`` (captured since ``t0``) and write it in a thread. The caller has

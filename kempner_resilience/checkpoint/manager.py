@@ -119,7 +119,6 @@ class CheckpointManager:
                                       pin=config.staging is StagingMode.PINNED,
                                       max_failed_saves=config.max_failed_saves)
         self._cadence = Cadence(config, self._fg)
-        self._prewarmed = False
         self._last_committed: CheckpointInfo | None = None
         self._closed = False
         self._busy_hook = busy_hook
@@ -247,12 +246,8 @@ class CheckpointManager:
         self.state.buckets.observe()
         info = None
         due = self._cadence.due(step)
-        if self.config.async_ and not self._prewarmed:
-            # Right after the first step the optimizer's state exists: the snapshot's buffers
-            # are allocated from here on in the background, not inside the first async save.
-            self._prewarmed = True
-            if not due:
-                self._async.prewarm(self.state.tensor_state())
+        if self.config.async_ and not due:     # the snapshot's buffers, once, in the background
+            self._async.prewarm(self.state.tensor_state)
         if due:
             if self.config.async_:
                 self._start_async(step)
