@@ -18,6 +18,7 @@ the trackers and the run report told how the run ended.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -125,9 +126,10 @@ def lease_lost(parts: RunState, step: int) -> NoReturn:
 
     parts.hang.stop()
     close_rescue(parts)
-    log.error("stopping at step %d: another run holds %s now (this run lost its lease); "
-              "nothing was saved and the job is not requeued", step,
-              parts.config.checkpoint.dir)
+    # Rank 0's lease said so in its one error line; the other ranks learn it here.
+    log.log(logging.INFO if parts.rank == 0 else logging.ERROR,
+            "stopping at step %d: another run holds %s now (rank 0 lost its lease); nothing "
+            "was saved and the job is not requeued", step, parts.config.checkpoint.dir)
     parts.ledger = Ledger(None)         # the holder's ledger: not ours to write any more
     _teardown(parts, peers_alive=True)
     _leave(parts, Facts(Ending.LEASE_LOST, step))
