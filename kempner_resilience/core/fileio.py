@@ -36,7 +36,7 @@ import stat
 from typing import Any, Callable
 
 __all__ = ["write_atomic", "fsync_dir", "temp_name", "temp_target", "read_bounded",
-           "read_bounded_stat",
+           "read_bounded_stat", "open_regular",
            "load_json_bounded", "parse_json", "NotARegularFile", "TooLarge", "SMALL_FILE_MAX"]
 
 # The cap for the run's small files (manifest, marker, run.json, the lease, bad-nodes.json, the
@@ -182,19 +182,9 @@ def read_bounded_stat(path: str | os.PathLike[str], max_bytes: int = SMALL_FILE_
                       follow_symlinks: bool = True) -> tuple[bytes, os.stat_result]:
     """``read_bounded``, and the ``fstat`` of the file it read (its mtime and inode, taken on
     the same open descriptor: the lease judges a holder by them)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP and not follow_symlinks:
-            raise NotARegularFile(errno.ELOOP, "a symbolic link, not a regular file",
-                                  os.fspath(path)) from None
-        raise
+    fd = open_regular(path, follow_symlinks=follow_symlinks)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotARegularFile(errno.EINVAL, f"not a regular file ({_kind(st.st_mode)})",
-                                  os.fspath(path))
         if st.st_size > max_bytes:
             raise TooLarge(errno.EFBIG, f"{st.st_size} bytes, more than the {max_bytes} a file "
                            "of this kind may hold", os.fspath(path))
@@ -210,6 +200,31 @@ def read_bounded_stat(path: str | os.PathLike[str], max_bytes: int = SMALL_FILE_
                                "kind may hold (it grew while read)", os.fspath(path))
     finally:
         os.close(fd)
+
+
+def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> int:
+    """A read-only descriptor of the regular file ``path`` (``O_NONBLOCK``: the open of a FIFO
+    returns at once; ``O_NOFOLLOW`` unless ``follow_symlinks``), or ``NotARegularFile`` for
+    anything else, judged by ``fstat`` on the descriptor itself. For files read in full by
+    their own loop (a checkpoint's data files, ``.metadata``); small files: ``read_bounded``."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks:
+            raise NotARegularFile(errno.ELOOP, "a symbolic link, not a regular file",
+                                  os.fspath(path)) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotARegularFile(errno.EINVAL, f"not a regular file ({_kind(mode)})",
+                              os.fspath(path))
+    return fd
 
 
 def load_json_bounded(path: str | os.PathLike[str], max_bytes: int = SMALL_FILE_MAX, *,
