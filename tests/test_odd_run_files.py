@@ -1,6 +1,5 @@
 """Hostile or odd run files never block a resume or hang a verb: a ``MANIFEST.json`` that is a
-FIFO, a link to /dev/zero, 200k nested ``[`` or larger than any manifest is a DAMAGED
-checkpoint, which ``ls`` and ``verify`` report at once and resume falls back past; a
+FIFO, a link to /dev/zero or 200k nested ``[`` is a DAMAGED checkpoint, which ``ls`` and ``verify`` report at once and resume falls back past; a
 ``run.json`` that is a FIFO, or an ownership marker linked to /dev/zero, does not stop a start.
 
 Real runs in their own processes on real files; every command has a timeout, so what once
@@ -18,7 +17,6 @@ import pytest
 
 from helpers import env, write_script
 from kempner_resilience.checkpoint import layout
-from kempner_resilience.core.fileio import SMALL_FILE_MAX
 
 TRAIN = """
 import sys
@@ -50,13 +48,7 @@ def _nested(p):
     p.write_bytes(b"[" * 200_000)
 
 
-def _huge(p):
-    with open(p, "r+b") as f:       # sparse: no disk used, but bigger than any manifest
-        f.truncate(SMALL_FILE_MAX + 1)
-
-
-ODD = {"fifo": _fifo, "link_to_dev_zero": _dev_zero, "200k_nested_brackets": _nested,
-       "larger_than_any_manifest": _huge}
+ODD = {"fifo": _fifo, "link_to_dev_zero": _dev_zero, "200k_nested_brackets": _nested}
 
 
 @pytest.fixture(scope="module")

@@ -130,17 +130,18 @@ class Lease:
     """A held lease: refreshed by a daemon thread until ``release()``; see the module
     docstring for how it is lost and what a lost lease means."""
 
-    def __init__(self, path: Path, me: dict[str, Any], *, timeout_s: float | None = None,
-                 heartbeat: float | None = None) -> None:
+    def __init__(self, path: Path, me: dict[str, Any], *,
+                 timeout_s: float | None = None) -> None:
         self.path = path
         self.me = me
         self.timeout_s = _timeout() if timeout_s is None else timeout_s
-        self.heartbeat_s = min(HEARTBEAT_S, self.timeout_s / 12) if heartbeat is None \
-            else heartbeat
+        self.heartbeat_s = min(HEARTBEAT_S, self.timeout_s / 12)
         self._stop = threading.Event()
         self._lock = threading.Lock()      # the heartbeat and check() judge one at a time
         self._lost: str | None = None      # why, once lost (for good)
-        self._seen_ok = time.monotonic()   # when the file last held our token
+        # When our heartbeat last moved the file's mtime (created: now). A contender judges us by
+        # that mtime, so this, not our last read, says whether one can have judged us stale.
+        self._touched = time.monotonic()
         self._rewritten = False
         self._thread = threading.Thread(target=self._beat, name="kr-lease", daemon=True)
         self._thread.start()
@@ -183,20 +184,20 @@ class Lease:
                     seen.holder.get("token") == self.me["token"]:
                 if touch:
                     os.utime(self.path)
-                self._seen_ok = now
+                    self._touched = now
                 return
-            silent = now - self._seen_ok
+            silent = now - self._touched
             if seen is None:
                 # Missing: moved away (and back), or a takeover's rename-aside window. No
-                # contender can have judged us stale while we were seen within half the
-                # timeout: write it again (O_EXCL: a contender's new lease wins the race).
+                # contender can have judged us stale while our last heartbeat is younger than
+                # half the timeout: write it again (O_EXCL: a contender's new lease wins).
                 if silent < self.timeout_s / 2:
                     if _create(self.path, self.me):
                         if not self._rewritten:
                             self._rewritten = True
                             log.warning("the lease %s was missing; written again (this run "
                                         "still holds %s)", self.path, self.path.parent)
-                        self._seen_ok = now
+                        self._touched = now
                     return                      # else someone created one: judged next time
                 self._lose(f"its lease file is gone and this run was not heard from for "
                            f"{silent:.0f} s (paused?), longer than half the lease's timeout: "

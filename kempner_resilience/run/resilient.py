@@ -29,6 +29,7 @@ from kempner_resilience.run.begin import begin
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
 from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV
+from kempner_resilience.core.ledger import Ledger
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
@@ -230,6 +231,8 @@ class ResilientRun:
                 signum = self._clock_signum       # as if the requeue signal had come
             # Rank 0 holds the lease: losing it to another run is a stop every rank agrees on.
             lost = parts.ckpt is not None and parts.ckpt.lease_lost
+            if lost and parts.ledger.active:
+                parts.ledger = Ledger(None)  # the new holder's ledger from now on, not ours
             decision = parts.agreement.poll(parts.step, signum, lost)
             if decision is not None:
                 if decision.lease_lost:
@@ -265,7 +268,10 @@ class ResilientRun:
             raise RuntimeError("no checkpoint state: pass state={...} to ResilientRun")
         self._hang.hold()      # nothing is saved once the hang path decided to exit
         t0 = time.monotonic()
-        info = self._parts.ckpt.save(self.step, reason="manual")
+        try:
+            info = self._parts.ckpt.save(self.step, reason="manual")
+        except self._lease_lost:         # on every rank: another run holds the directory
+            sequence.lease_lost(self._parts, self.step)
         self._parts.saved(info)
         self._saved(info, time.monotonic() - t0)
         return info
