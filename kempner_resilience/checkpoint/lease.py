@@ -12,31 +12,26 @@ client, so it uses only what those servers make atomic: ``O_CREAT|O_EXCL`` creat
 ``HEARTBEAT_S`` from a daemon thread. A lease left behind (SIGKILL, a dead node) is taken over:
 
 * at once when its holder is this host's process that no longer exists (pid gone, or reused:
-  the process start time differs), or an earlier attempt of this same SLURM job (SLURM ends
-  every process of a job before it runs the job again);
+  the process start time differs), an earlier attempt of this same SLURM job (SLURM ends
+  every process of a job before it runs the job again), a pid no process can have (0, -1,
+  10**30), or when ``.lease`` is no regular file (a dangling symlink: ours are made ``O_EXCL``);
 * otherwise once its mtime has not moved for ``STALE_S``, measured against the filesystem's
-  own clock (a probe file's mtime), so the clocks of different hosts are never compared. A
-  holder on another host whose mtime moves while we watch is alive: refused at once.
+  own clock (a probe file's mtime), so the clocks of different hosts are never compared, or
+  while we watched it for ``STALE_S`` (a time stamp in the future never looks old). A holder
+  on another host whose mtime moves while we watch is alive: refused at once.
 
 A takeover renames the stale file aside (of several contenders only one rename succeeds), checks
 that what it moved is the lease it judged, and creates a fresh one with ``O_EXCL``.
-
-Staleness is also judged by watching: a lease whose mtime does not move for ``STALE_S`` while
-a contender looks is stale whatever it says (a time stamp in the future, from a host whose
-clock runs ahead, never looks old by age). A lease that cannot be a live run's is taken over at
-once: one naming a pid no process can have (0, -1, 10**30), or a ``.lease`` that is not a
-regular file (a dangling symlink: our leases are only ever created with ``O_EXCL``).
 
 **A run that lost its lease.** The holder's heartbeat re-reads the file: when it names another
 run (a takeover after this one was frozen, SIGSTOP or a paused VM, longer than ``STALE_S``), the
 lease is lost for good: ``lost`` turns True, one error line says so, and ``check`` raises
 ``LeaseLost`` from then on. The saver calls ``check`` before it creates a step directory, right
 before the commit's rename, and before retention deletes anything; the step loop stops at its
-next boundary with LEASE_LOST (82), never requeued. A ``.lease`` that is merely missing (moved
-away and back, or a takeover's rename-aside window) is no loss: the holder writes it again
-(``O_EXCL``: a contender's new lease always wins), but only while the holder was seen recently
-enough that no contender can have judged it stale; missing after a longer silence, it may have
-been taken over and released meanwhile, and counts as lost.
+next boundary with LEASE_LOST (82), never requeued. A ``.lease`` merely missing (moved away and
+back, a contender's rename-aside) is written again (``O_EXCL``: a contender's new lease wins)
+while the holder's last heartbeat is too young for anyone to have judged it stale; missing
+after a longer silence, it may have been taken over and released meanwhile: lost.
 
 ``KEMPNER_RESILIENCE_LEASE_TIMEOUT_S`` sets ``STALE_S`` for a process (tests, a filesystem whose
 clients pause longer); the heartbeat is a twelfth of it, at most ``HEARTBEAT_S``.
@@ -56,8 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kempner_resilience.checkpoint.info import CheckpointDirError, CheckpointError
-from kempner_resilience.core.fileio import NotARegularFile, parse_json, read_bounded_stat
+from kempner_resilience.checkpoint.info import CheckpointDirError
+from kempner_resilience.core.fileio import (NotARegularFile, file_kind, parse_json,
+                                            read_bounded_stat)
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.procs import pid_alive, process_start
 
@@ -102,9 +98,10 @@ class DirectoryInUseError(CheckpointDirError):
     """Another live run holds ``checkpoint.dir`` (exit 78 CONFIG when uncaught)."""
 
 
-class LeaseLost(CheckpointError):
-    """Another run took ``checkpoint.dir`` over while this one held it: this run must not
-    commit, delete or write anything in it again (exit 82 LEASE_LOST)."""
+class LeaseLost(Exception):
+    """Another run took ``checkpoint.dir`` over from this one, which must write nothing there
+    again (exit 82). No failed save (no CheckpointError: nothing counts or retries it), and no
+    RuntimeError, whose text ``is_peer_failure`` reads."""
 
 
 def _me(job_id: str | None, restart_count: int | None, run_id: str | None) -> dict[str, Any]:
@@ -243,7 +240,7 @@ def _read(path: Path) -> _Seen | None:
             st = os.lstat(path)
         except FileNotFoundError:
             return None
-        return _Seen(None, st.st_mtime, st.st_ino, _kind(st.st_mode))
+        return _Seen(None, st.st_mtime, st.st_ino, file_kind(st.st_mode))
     except OSError as e:
         if e.errno != errno.EFBIG:
             raise
@@ -255,16 +252,6 @@ def _read(path: Path) -> _Seen | None:
     except ValueError:
         holder = None
     return _Seen(holder, st.st_mtime, st.st_ino)
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    return "not a regular file"
 
 
 def _fs_now(root: Path) -> float:

@@ -138,9 +138,7 @@ class CheckpointManager:
         return self._last_committed
 
     @property
-    def lease_lost(self) -> bool:
-        """Whether another run took the directory over from this one (rank 0, which holds the
-        lease; False on every other rank): nothing is saved or deleted any more."""
+    def lease_lost(self) -> bool:  # rank 0's lease, taken over by another run: save nothing
         return self._lease is not None and self._lease.lost
 
     @property
@@ -257,8 +255,6 @@ class CheckpointManager:
             else:
                 try:
                     info = self.save(step, reason="periodic")
-                except LeaseLost:                # no failed save: the run must stop
-                    raise
                 except CheckpointError as e:     # raised on every rank together
                     self._cadence.retry_later()
                     self._periodic_failed(e)
@@ -346,11 +342,10 @@ class CheckpointManager:
             self._drain_background(raise_errors=True)
 
     def _drain_background(self, raise_errors: bool, lost_peer: bool = True) -> None:
-        """Wait for the async save in flight. Its ``SavePeerLost`` (or ``LeaseLost``: another
-        run holds the directory now, and the run must stop) is raised here, in the
-        training thread, unless ``lost_peer`` is False (the emergency save, which tries its own
-        group, and close): its group is broken, and a lost peer ends the run like one found in
-        a training collective, never counted as a failed save."""
+        """Wait for the async save in flight. Its ``SavePeerLost`` (or ``LeaseLost``) is raised
+        here, in the training thread, unless ``lost_peer`` is False (the emergency save, which
+        tries its own group, and close): a lost peer or lease ends the run, never counted as a
+        failed save."""
         bg = self._async.finish()
         if bg is None:
             return

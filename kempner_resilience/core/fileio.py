@@ -36,7 +36,7 @@ import stat
 from typing import Any, Callable
 
 __all__ = ["write_atomic", "fsync_dir", "temp_name", "temp_target", "read_bounded",
-           "read_bounded_stat", "open_regular",
+           "read_bounded_stat", "open_regular", "file_kind",
            "load_json_bounded", "parse_json", "NotARegularFile", "TooLarge", "SMALL_FILE_MAX"]
 
 # The cap for the run's small files (manifest, marker, run.json, the lease, bad-nodes.json, the
@@ -222,7 +222,7 @@ def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) 
         raise
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise NotARegularFile(errno.EINVAL, f"not a regular file ({_kind(mode)})",
+        raise NotARegularFile(errno.EINVAL, f"not a regular file ({file_kind(mode)})",
                               os.fspath(path))
     return fd
 
@@ -246,7 +246,8 @@ def parse_json(raw: bytes | str) -> Any:
         raise ValueError(str(e)) from None
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, for a message ("a FIFO", "a symbolic link")."""
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
