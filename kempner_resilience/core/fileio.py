@@ -222,6 +222,9 @@ def open_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) 
         raise
     if not stat.S_ISREG(mode):
         os.close(fd)
+        if stat.S_ISDIR(mode):       # in the words the OS uses for it elsewhere
+            raise NotARegularFile(errno.EISDIR, "Is a directory, not a regular file",
+                                  os.fspath(path))
         raise NotARegularFile(errno.EINVAL, f"not a regular file ({file_kind(mode)})",
                               os.fspath(path))
     return fd
