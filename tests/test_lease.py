@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import env, start, write_script
+from helpers import env, free_port, start, write_script
 from kempner_resilience.checkpoint import layout, lease
 from kempner_resilience.exitcodes import ExitCode
 
@@ -289,3 +289,70 @@ def test_a_lease_dated_in_the_future_whose_heartbeat_never_moves_is_taken_over(t
         assert json.loads(path.read_text())["token"] == held.me["token"]
     finally:
         held.release()
+
+
+# Two gloo ranks saving every EVERY steps; at step 12 (step 10 committed) rank 0's lease is
+# replaced by another run's, as a takeover leaves it, and what the directory holds then is
+# written down beside it.
+TWO_RANKS = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+import kempner_resilience as kr
+
+ckpt, rank, port, every = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank))
+dist.init_process_group("gloo", rank=rank, world_size=2)
+cfg = kr.load_config(overrides=[f"checkpoint.dir={ckpt}", f"checkpoint.every_steps={every}",
+                                "checkpoint.keep_last=2", "watchdog.hang_timeout_s=120"])
+model = torch.nn.Linear(8, 8)
+
+def listing():
+    return {os.path.relpath(os.path.join(d, n), ckpt): os.stat(os.path.join(d, n)).st_size
+            for d, _, names in os.walk(ckpt) for n in names if n != ".lease"}
+
+with kr.ResilientRun(cfg, state={"model": model}) as run:
+    for step in run.steps(200):
+        print(f"step {step}", flush=True)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if rank == 0 and step == 12:
+            other = {"host": "node-b", "pid": 4242, "start": "1", "job_id": "99",
+                     "restart_count": 0, "run_id": "r", "token": "the-new-holder"}
+            with open(ckpt + "/.lease.new", "w") as f:
+                json.dump(other, f)
+            os.replace(ckpt + "/.lease.new", ckpt + "/.lease")
+            with open(ckpt + ".listing", "w") as f:
+                json.dump(listing(), f)
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.05)
+print("finished", flush=True)
+"""
+
+
+# every 5: the save at step 15 finds the lease lost (rank 0's check, every rank told by the
+# save's broadcast); every 10: no save comes first, the ranks agree on the stop as on a signal's.
+@pytest.mark.parametrize("every", [5, 10])
+def test_every_rank_stops_with_82_at_one_step_when_rank_0_loses_its_lease(tmp_path, every):
+    script, ckpt = write_script(tmp_path, TWO_RANKS), tmp_path / "ckpt"
+    port = str(free_port())
+    procs = [start(script, str(ckpt), str(r), port, str(every), **{lease.TIMEOUT_ENV: "1.2"})
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == int(ExitCode.LEASE_LOST), err
+        assert "Traceback" not in err and "finished" not in out
+    last = [[ln for ln in out.splitlines() if ln.startswith("step ")][-1] for out, _ in outs]
+    assert last[0] == last[1]                          # both stopped at the same boundary
+    assert int(last[0].split()[1]) < (15 if every == 5 else 20)
+    assert "lost its lease" in outs[0][1] and "rank 0 lost its lease" in outs[1][1]
+    if every == 10:
+        assert "the lease lost here at step" in outs[0][1]   # agreed through the store
+    listed = json.loads((tmp_path / "ckpt.listing").read_text())
+    now = {str(p.relative_to(ckpt)): p.stat().st_size for p in ckpt.rglob("*")
+           if p.is_file() and p.name != lease.LEASE_FILE}
+    assert now == listed                               # nothing written after the takeover
+    assert json.loads((ckpt / lease.LEASE_FILE).read_text())["token"] == "the-new-holder"
