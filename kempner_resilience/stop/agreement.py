@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kempner_resilience.core.fileio import read_bounded
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["StopAgreement", "StopDecision"]
@@ -263,7 +264,8 @@ class StopAgreement:
         if self._marker is None:
             return None
         try:
-            return _parse_forced(self._marker.read_text())
+            # Bounded: a marker replaced by a FIFO or a link to /dev/zero is no announcement.
+            return _parse_forced(read_bounded(self._marker, 4096).decode())
         except (OSError, ValueError):
             return None
 
