@@ -22,6 +22,11 @@ file behind, never a partial target. ``durable=False`` leaves out both fsyncs (a
 local disk), for files that other processes must see whole but that need not survive a crash of
 the machine: the rescue's files (a snapshot is the size of a rank's state), the run report, a
 submitit task's config.
+
+Reading is the other half: ``read_bounded`` (and ``load_json_bounded``) reads a run file that
+anyone may have replaced (a FIFO, a link to /dev/zero, a huge or deeply nested file) without
+blocking, without reading without end, and failing with one OSError or ValueError, so such a
+file is a damaged file for its reader, never a hung resume or CLI verb.
 """
 
 from __future__ import annotations

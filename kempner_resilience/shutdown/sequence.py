@@ -8,10 +8,10 @@
 ``fail`` is the path of an exception that ended the loop (a lost peer, or a bug), ``give_up``
 the one of periodic saves that keep failing, ``lease_lost`` the one of a run another run took
 ``checkpoint.dir`` over from (nothing saved, nothing written there, never requeued),
-``complete`` the normal end. Each step is a small
-function below with its own time budget: the shutdown deadline armed by the first signal (or
-here, for ranks that only agreed to someone else's), per-cleanup limits inside it, and
-``watchdog.exit_timeout_s`` for the interpreter's exit after it. Each path ends in
+``complete`` the normal end. Each step is a small function below with its own time budget: the
+shutdown deadline armed by the first signal (or here, for ranks that only agreed to someone
+else's), per-cleanup limits inside it, and ``watchdog.exit_timeout_s`` for the interpreter's
+exit after it. Each path ends in
 ``outcome.record``: the exit code from the one table (``exitcodes.exit_code``), and the ledger,
 the trackers and the run report told how the run ended.
 """
@@ -27,6 +27,7 @@ from typing import NoReturn
 from kempner_resilience import exitcodes
 from kempner_resilience.stop.agreement import StopDecision
 from kempner_resilience.config import Action, ExitMode
+from kempner_resilience.core.ledger import Ledger
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
@@ -122,8 +123,6 @@ def lease_lost(parts: RunState, step: int) -> NoReturn:
     every rank stops at ``step`` with LEASE_LOST. No emergency save, no requeue (the holder goes
     on; running this one again would only fight it), and nothing more written into the
     directory: the run ledger is left alone (its ``exit`` event too), the lease not released."""
-    from kempner_resilience.core.ledger import Ledger
-
     parts.hang.stop()
     close_rescue(parts)
     # Rank 0's lease said so in its one error line; the other ranks learn it here.
