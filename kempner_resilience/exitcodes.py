@@ -36,6 +36,7 @@ class ExitCode(enum.IntEnum):
     REQUEUE_FAILED = 79
     CHECKPOINT_FAILED = 80
     PEER_LOST = 81
+    LEASE_LOST = 82
     SIGINT = 128 + signal.SIGINT
     SIGTERM = 128 + signal.SIGTERM
 
@@ -53,6 +54,7 @@ CONFIG = ExitCode.CONFIG
 REQUEUE_FAILED = ExitCode.REQUEUE_FAILED
 CHECKPOINT_FAILED = ExitCode.CHECKPOINT_FAILED
 PEER_LOST = ExitCode.PEER_LOST
+LEASE_LOST = ExitCode.LEASE_LOST
 SIGINT = ExitCode.SIGINT
 SIGTERM = ExitCode.SIGTERM
 
@@ -90,6 +92,11 @@ TABLE: dict[ExitCode, str] = {
                         "step as a rescue checkpoint when they could (rescue.*), then this rank "
                         "left without a traceback, and rank 0 requeued the job under SLURM when "
                         "a committed checkpoint exists; resume from it",
+    ExitCode.LEASE_LOST: "another run took checkpoint.dir over (its lease, .lease) while this "
+                         "one was paused or cut off from the filesystem longer than the lease's "
+                         "timeout: this run stopped at its next step boundary without saving, "
+                         "committing, deleting or writing anything more in the directory; do "
+                         "not requeue: the run that holds the directory goes on",
     ExitCode.SIGINT: "stopped by SIGINT (Ctrl+C): checkpoint committed; a second Ctrl+C exits "
                      "at once with this code",
     ExitCode.SIGTERM: "stopped by SIGTERM (preemption, scancel): checkpoint committed; a second "
@@ -101,6 +108,8 @@ TABLE: dict[ExitCode, str] = {
 # requeueing scheduler reruns (REQUEUE: the run asked for it; HANG and PEER_LOST: a failure the
 # survivors may have rescued, which a site's requeue-on-failure reruns). A local launcher
 # (`kempner-resilience launch`) relaunches after exactly these; every other code ends the job.
+# LEASE_LOST above all must never be here: another run holds the directory, and running this one
+# again would only start a fight over it.
 RUN_AGAIN: frozenset[ExitCode] = frozenset({ExitCode.REQUEUE, ExitCode.HANG, ExitCode.PEER_LOST})
 
 
@@ -140,6 +149,7 @@ class Ending(enum.Enum):
     HANG = "hang"                      # no step finished within watchdog.hang_timeout_s
     DEADLINE = "deadline"              # the graceful shutdown overran the signal's grace
     STARTUP = "startup-error"          # a start-up error (config, checkpoint.dir) nothing caught
+    LEASE_LOST = "lease-lost"          # another run took checkpoint.dir over: stopped, no save
 
 
 class Saved(enum.Enum):
@@ -185,7 +195,8 @@ _REQUEUE_CODES = {Verdict.REQUEUED: ExitCode.REQUEUE, Verdict.BUDGET_SPENT: Exit
 _FIXED = {Ending.COMPLETED: ExitCode.OK, Ending.ERROR: ExitCode.ERROR,
           Ending.PEER_LOST: ExitCode.PEER_LOST, Ending.HANG: ExitCode.HANG,
           Ending.DEADLINE: ExitCode.DEADLINE, Ending.STARTUP: ExitCode.CONFIG,
-          Ending.SAVES_FAILING: ExitCode.CHECKPOINT_FAILED}
+          Ending.SAVES_FAILING: ExitCode.CHECKPOINT_FAILED,
+          Ending.LEASE_LOST: ExitCode.LEASE_LOST}
 
 
 def exit_code(f: Facts) -> ExitCode:
@@ -256,6 +267,8 @@ ROWS: tuple[Row, ...] = (
     Row(Facts(Ending.DEADLINE), "the graceful shutdown overran the signal's grace"),
     Row(Facts(Ending.ERROR), "the training script raised"),
     Row(Facts(Ending.STARTUP), "a start-up error (configuration, checkpoint.dir) nothing caught"),
+    Row(Facts(Ending.LEASE_LOST), "another run took checkpoint.dir over while this one was "
+        "paused: stopped at the next step boundary, nothing saved, never requeued"),
 )
 
 # Codes no run produces: the command line's own.

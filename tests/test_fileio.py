@@ -1,6 +1,7 @@
 """A small file written with ``fileio.write_atomic`` is whole or absent, never part of one: the
 write fails for real (the kernel's file size limit, as a full disk would), processes are killed
-mid-write, and writers race on one name."""
+mid-write, and writers race on one name. A run file read with ``fileio.read_bounded`` never
+blocks nor reads without end."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import sys
 import threading
 import time
 
+import pytest
+
 from helpers import env, write_script
 from kempner_resilience.checkpoint import layout
-from kempner_resilience.core.fileio import temp_name, temp_target, write_atomic
+from kempner_resilience.core.fileio import (NotARegularFile, TooLarge, load_json_bounded,
+                                            read_bounded, temp_name, temp_target, write_atomic)
 
 SIZE = 1 << 20
 
@@ -126,3 +130,30 @@ def test_retention_counts_a_killed_commits_temporary_manifest_as_ours():
     assert layout.is_our_file(temp_name(layout.MANIFEST_NAME))
     assert layout.is_our_file(temp_name(layout.MARKER_NAME))
     assert not layout.is_our_file(".notes.txt.tmp.1.0123abcd")
+
+
+def test_read_bounded_refuses_a_fifo_a_device_and_an_oversized_file_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)                                  # no writer: a plain open would block
+    zero = tmp_path / "zero"
+    os.symlink("/dev/zero", zero)                    # a plain read would never end
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 1001)
+    for path in (fifo, zero):
+        with pytest.raises(NotARegularFile):
+            read_bounded(path)
+    with pytest.raises(TooLarge):
+        read_bounded(big, max_bytes=1000)
+    assert read_bounded(big, max_bytes=1001) == b"x" * 1001
+    link = tmp_path / "link"
+    os.symlink(big, link)                            # a link to a regular file still reads
+    assert read_bounded(link, max_bytes=1001) == b"x" * 1001
+    with pytest.raises(NotARegularFile):
+        read_bounded(link, max_bytes=1001, follow_symlinks=False)
+
+
+def test_json_nested_too_deep_is_a_value_error_not_a_recursion_error(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_bytes(b"[" * 200_000)
+    with pytest.raises(ValueError, match="nested too deep"):
+        load_json_bounded(path)

@@ -19,17 +19,24 @@ import torch
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.checkpoint.dircheck import disk_full, full_words
 from kempner_resilience.checkpoint.info import CheckpointInfo, describe_error
+from kempner_resilience.checkpoint.lease import Lease, LeaseLost
 from kempner_resilience.core.version import __version__
 
-__all__ = ["commit", "failure_text"]
+__all__ = ["commit", "failure_text", "LOST_PREFIX"]
+
+#: How a commit's or a save's status text says the lease was lost (all ranks raise LeaseLost).
+LOST_PREFIX = "lease lost: "
 
 
 def commit(path: Path, step: int, reason: str, gathered: list[Any], t0: float, blocked: float,
            world_size: int, manifest: dict[str, Any],
-           extra: dict[str, Any] | None = None) -> str | None:
+           extra: dict[str, Any] | None = None,
+           lease: Lease | None = None) -> str | None:
     """Rank 0: write the manifest (filled into ``manifest``) if every rank succeeded, given
     each rank's ``(files, error)``; returns an error text or None. ``extra`` (the run id, the
-    SLURM job id and restart count) is recorded too."""
+    SLURM job id and restart count) is recorded too. ``lease`` (the directory's) is checked
+    right before the manifest's rename, the commit itself: a run that lost it commits nothing,
+    and the text then starts with ``LOST_PREFIX``."""
     errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
     if errors:
         return "; ".join(errors)
@@ -50,7 +57,11 @@ def commit(path: Path, step: int, reason: str, gathered: list[Any], t0: float, b
         "torch": torch.__version__, "host": socket.gethostname(),
         "kempner_resilience": __version__, **(extra or {}), "files": files})
     try:
-        layout.write_manifest(path, manifest)
+        # The check runs once the manifest's bytes are durable, right before the rename: a
+        # takeover during the write itself (seconds for a large save) is seen too.
+        layout.write_manifest(path, manifest, None if lease is None else lease.check)
+    except LeaseLost as e:
+        return LOST_PREFIX + str(e)
     except OSError as e:
         return describe_error(e)
     return None

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kempner_resilience.checkpoint.info import CheckpointDirError
-from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["RUN_FILE", "RUN_ID_ENV", "OtherRunError", "new_run_id", "read_run_id", "repair",
@@ -55,10 +55,10 @@ def _read(root: Path) -> tuple[str | None, str | None]:
     """``(run_id, None)``; ``(None, None)`` when there is no file; ``(None, what is wrong)``
     when there is one that records no usable id."""
     try:
-        data = json.loads((root / RUN_FILE).read_bytes())
+        data = load_json_bounded(root / RUN_FILE)     # a FIFO or /dev/zero: unreadable
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError, RecursionError) as e:
+    except (OSError, ValueError) as e:
         return None, f"unreadable ({type(e).__name__}: {e})"
     rid = data.get("run_id") if isinstance(data, dict) else None
     if not isinstance(rid, str) or not rid.strip() or len(rid) > 256:

@@ -18,6 +18,7 @@ Nothing here imports torch: `ls` and `verify` start in a fraction of a second.
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import zlib
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 from kempner_resilience.checkpoint.crc import crc32_combine
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
+from kempner_resilience.core.fileio import open_regular
 
 __all__ = ["METADATA_NAME", "check_manifest", "check_metadata", "load_metadata", "verify_data"]
 
@@ -161,7 +163,8 @@ def load_metadata(path: Path) -> Any:
                                     "ours)")
 
     try:
-        with open(where, "rb") as f:
+        # Not a FIFO nor a device (a link to /dev/zero would unpickle without end).
+        with os.fdopen(open_regular(where), "rb") as f:
             return _Unpickler(f).load()
     except CheckpointCorrupt:
         raise
@@ -193,7 +196,7 @@ def verify_data(path: Path, manifest: dict[str, Any], names: Iterable[str] | Non
             records = [[0, meta["size"], meta["crc32"]]]
         got = 0
         try:
-            with open(p, "rb", buffering=0) as f:
+            with os.fdopen(open_regular(p), "rb", buffering=0) as f:   # never a FIFO
                 for rec in records:
                     offset, length, want = rec[0], rec[1], rec[2]
                     crc, left = 0, length

@@ -25,11 +25,13 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from kempner_resilience.checkpoint import integrity
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointInfo
-from kempner_resilience.core.fileio import fsync_dir, temp_target, write_atomic
+from kempner_resilience.core.fileio import (NotARegularFile, TooLarge, fsync_dir,
+                                            load_json_bounded, parse_json, read_bounded,
+                                            temp_target, write_atomic)
 from kempner_resilience.core.log import get_logger
 
 log = get_logger(__name__)
@@ -104,11 +106,11 @@ def read_marker(path: Path) -> dict[str, Any] | None:
     """The ownership marker of a step directory; None if it has none; CheckpointCorrupt if it is
     not one of ours."""
     try:
-        raw = (path / MARKER_NAME).read_bytes()
+        marker = load_json_bounded(path / MARKER_NAME)
     except FileNotFoundError:
         return None
-    try:
-        marker = json.loads(raw)
+    except OSError as e:   # a FIFO, a device, a huge file, unreadable: not a marker of ours
+        raise CheckpointCorrupt(f"{path / MARKER_NAME}: cannot be read ({e.strerror})") from None
     except ValueError:
         marker = None
     if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT:
@@ -116,11 +118,14 @@ def read_marker(path: Path) -> dict[str, Any] | None:
     return marker
 
 
-def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(path: Path, manifest: dict[str, Any],
+                   before_commit: Callable[[], None] | None = None) -> None:
     """The commit: the manifest written whole (``write_atomic``: temporary file, fsync, rename,
     fsync the step directory), then the parent fsynced, so the step directory's name is durable
-    too."""
-    write_atomic(path / MANIFEST_NAME, json.dumps(manifest, separators=(",", ":")), mode=0o644)
+    too. ``before_commit`` runs right before the rename (the lease's check): when it raises,
+    nothing is committed."""
+    write_atomic(path / MANIFEST_NAME, json.dumps(manifest, separators=(",", ":")), mode=0o644,
+                 before_rename=before_commit)
     fsync_dir(path.parent)
 
 
@@ -131,15 +136,21 @@ class NotCommitted(CheckpointCorrupt):
 def read_manifest(path: Path) -> dict[str, Any]:
     """The parsed manifest of a step directory. NotCommitted if there is none; CheckpointCorrupt
     if it cannot be read (permissions, I/O, not a file) or is malformed."""
+    # Bounded (``read_bounded``): a manifest replaced by a FIFO, a link to /dev/zero or a huge
+    # file is damage, found without blocking or reading without end; a symlink to a regular
+    # file still reads (a checkpoint copied as a tree of links).
     try:
-        raw = (path / MANIFEST_NAME).read_bytes()
+        raw = read_bounded(path / MANIFEST_NAME)
     except FileNotFoundError:
         raise NotCommitted(f"{path}: no {MANIFEST_NAME} (never committed)") from None
+    except (NotARegularFile, TooLarge) as e:
+        raise CheckpointCorrupt(f"{path / MANIFEST_NAME}: {e.strerror}: damaged, not a "
+                                "manifest") from None
     except OSError as e:
         raise CheckpointCorrupt(f"{path / MANIFEST_NAME}: cannot be read ({e.strerror}); check "
                                 "its permissions and the filesystem") from None
     try:
-        man = json.loads(raw)
+        man = parse_json(raw)
     except ValueError as e:
         raise CheckpointCorrupt(f"{path / MANIFEST_NAME}: unreadable manifest ({e})") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT or not isinstance(

@@ -35,7 +35,7 @@ from kempner_resilience.checkpoint.estimate import Estimate
 from kempner_resilience.checkpoint.hostbuf import HostStaging
 from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo
 from kempner_resilience.checkpoint.info import CheckpointDirError, SavePeerLost
-from kempner_resilience.checkpoint.lease import Lease
+from kempner_resilience.checkpoint.lease import Lease, LeaseLost
 from kempner_resilience.checkpoint.sharded import mesh_field
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.saver import Saver
@@ -138,6 +138,10 @@ class CheckpointManager:
         return self._last_committed
 
     @property
+    def lease_lost(self) -> bool:  # rank 0's lease, taken over by another run: save nothing
+        return self._lease is not None and self._lease.lost
+
+    @property
     def manifest_extra(self) -> dict[str, Any]:
         """What every manifest records besides the run id (the SLURM job id, the restart
         count): a rescue's manifest records the same."""
@@ -187,7 +191,7 @@ class CheckpointManager:
         once ``check_dir`` found the directory usable (the run id is read from or written into
         it, the lease taken in it). Before any save."""
         self.run_id = run_id
-        self._saver.claim(run_id)
+        self._saver.claim(run_id, lease)
         self._lease = lease
 
     def check_dir(self) -> None:
@@ -341,14 +345,14 @@ class CheckpointManager:
             self._drain_background(raise_errors=True)
 
     def _drain_background(self, raise_errors: bool, lost_peer: bool = True) -> None:
-        """Wait for the async save in flight. Its ``SavePeerLost`` is raised here, in the
-        training thread, unless ``lost_peer`` is False (the emergency save, which tries its own
-        group, and close): its group is broken, and a lost peer ends the run like one found in
-        a training collective, never counted as a failed save."""
+        """Wait for the async save in flight. Its ``SavePeerLost`` (or ``LeaseLost``) is raised
+        here, in the training thread, unless ``lost_peer`` is False (the emergency save, which
+        tries its own group, and close): a lost peer or lease ends the run, never counted as a
+        failed save."""
         bg = self._async.finish()
         if bg is None:
             return
-        if isinstance(bg.error, SavePeerLost) and lost_peer:
+        if isinstance(bg.error, (SavePeerLost, LeaseLost)) and lost_peer:
             raise bg.error
         if bg.error is not None:
             self._cadence.save_failed(bg.error)

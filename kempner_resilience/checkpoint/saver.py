@@ -26,6 +26,7 @@ from kempner_resilience.checkpoint.estimate import SaveEstimator
 from kempner_resilience.checkpoint.hostbuf import HostStaging
 from kempner_resilience.checkpoint.info import (CheckpointError, CheckpointInfo, SavePeerLost,
                                                describe_error)
+from kempner_resilience.checkpoint.lease import Lease, LeaseLost
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkpoint.writer import STAGING_MISMATCH, ChecksummingWriter
 from kempner_resilience.config import CheckpointConfig
@@ -63,15 +64,19 @@ class Saver:
         self.staging_proven = False
         self.manifest_extra = manifest_extra
         self.run_id: str | None = None            # the manager's, once claimed
+        self.lease: Lease | None = None           # rank 0's lease on the directory, once claimed
         self.estimator = SaveEstimator()          # measured saves of this rank
         self._last_good = last_good
         self._writing: set[Path] = set()          # directories being written: retention skips them
         self._retention_thread: threading.Thread | None = None
         self._left_alone: set[Path] = set()       # what retention already said it leaves alone
 
-    def claim(self, run_id: str | None) -> None:
-        """The run the step directories are marked with (their ownership marker)."""
+    def claim(self, run_id: str | None, lease: Lease | None = None) -> None:
+        """The run the step directories are marked with (their ownership marker), and rank 0's
+        lease on the directory: checked before a step directory is made, before the commit's
+        rename and before retention deletes (a run that lost it writes nothing more)."""
         self.run_id = run_id
+        self.lease = lease
 
     def distrust_staging(self, why: str) -> None:
         """The staging path wrote other bytes than the tensors hold: never use it again in this
@@ -111,11 +116,16 @@ class Saver:
         if self.rank == 0:
             self.join_retention()     # it must not see our new, still partial directory
             try:
+                if self.lease is not None:
+                    self.lease.check()
                 choice = (str(layout.create_step_dir(self.root, step, self.run_id)), None)
+            except LeaseLost as e:
+                choice = (None, commit.LOST_PREFIX + str(e))
             except OSError as e:
                 choice = (None, dircheck.note_inodes(describe_error(e) or "", self.root))
         path_s, err = comm.broadcast_object(choice)
         if path_s is None:
+            _raise_if_lost(err)
             raise CheckpointError(self._failure_text(step, self.root, err or "?"))
         path = Path(path_s)
         self._writing.add(path)
@@ -152,11 +162,15 @@ class Saver:
             if self.rank == 0:
                 status = commit.commit(path, step, reason, gathered, t0, blocked,
                                        self.world_size, manifest,
-                                       {"run_id": self.run_id, **self.manifest_extra})
-                if status is not None:      # while the partial save still holds its inodes
-                    status = dircheck.note_inodes(status, self.root)
+                                       {"run_id": self.run_id, **self.manifest_extra},
+                                       lease=self.lease)
+                if status is not None and not status.startswith(commit.LOST_PREFIX):
+                    status = dircheck.note_inodes(status, self.root)   # partial still holds them
             status, committed_at, nbytes = comm.broadcast_object(
                 (status, manifest.get("committed_at", 0.0), manifest.get("nbytes", 0)))
+            # Lost: the partial directory stays as it is (this run deletes nothing there now;
+            # the holder's retention removes an abandoned partial save).
+            _raise_if_lost(status)
             if status is not None:
                 if self.rank == 0:
                     with contextlib.suppress(OSError):
@@ -197,6 +211,8 @@ class Saver:
 
     def _retention(self) -> None:
         try:
+            if self.lease is not None:
+                self.lease.check()               # a run that lost its lease deletes nothing
             retention.clean_trash(self.root, self.run_id, self.leave_alone)
             # Pinned (pinned.json: a partial resume's full checkpoint) are never deleted; an
             # unreadable pin file raises OSError here, and nothing is deleted.
@@ -205,10 +221,14 @@ class Saver:
                                                  self.config.keep_every, protect,
                                                  run_id=self.run_id, on_skip=self.leave_alone)
             for e in victims:
+                if self.lease is not None:
+                    self.lease.check()           # again before each: a deletion takes time
                 log.info("retention: removing %s checkpoint %s",
                          "old" if e.committed else "abandoned partial", e.path)
                 with contextlib.suppress(FileNotFoundError):
                     retention.remove_dir(e.path)
+        except LeaseLost:
+            log.info("retention in %s skipped: this run lost its lease", self.root)
         except OSError as e:
             log.warning("retention in %s failed (checkpoints are unaffected): %s", self.root, e)
 
@@ -216,3 +236,9 @@ class Saver:
         if path not in self._left_alone:       # once per directory, not at every save
             self._left_alone.add(path)
             log.warning("retention: leaving %s alone: %s", path, why)
+
+
+def _raise_if_lost(status: str | None) -> None:
+    """Every rank raises ``LeaseLost`` when rank 0's status says the lease was lost."""
+    if status is not None and status.startswith(commit.LOST_PREFIX):
+        raise LeaseLost(status[len(commit.LOST_PREFIX):])

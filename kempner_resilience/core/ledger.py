@@ -74,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.fileio import read_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["Ledger", "LEDGER_NAME", "MAX_BYTES", "read_ledger", "valid_event",
@@ -85,6 +85,7 @@ log = get_logger(__name__)
 
 LEDGER_NAME = "ledger.jsonl"
 MAX_BYTES = 4 * 2**20
+_READ_MAX = 16 * MAX_BYTES        # what a reader accepts (a writer with ``only`` never compacts)
 #: Set by the ``kempner-resilience torchrun`` agent in its workers' environment: its own start
 #: time (epoch seconds). The agent's start-up and rendezvous are the attempt's, not queue time.
 AGENT_START_ENV = "KEMPNER_RESILIENCE_AGENT_START"
@@ -235,18 +236,9 @@ def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _read_regular(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)     # a FIFO must not block the open
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                return b"".join(chunks)
-            chunks.append(b)
-    finally:
-        os.close(fd)
+    # Bounded (core/fileio.read_bounded): a FIFO must not block, /dev/zero not read without end;
+    # the writer keeps the file within MAX_BYTES, so a file many times that is not a ledger.
+    return read_bounded(path, _READ_MAX)
 
 
 class Ledger:

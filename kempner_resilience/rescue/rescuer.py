@@ -362,7 +362,8 @@ class Rescuer:
             shards, why = sharded.collect(self.files.dir, layout, step, missing_cols)
             if why is not None:
                 return self._done(step, None, why)
-        moved = self._moved(step, generation)
+        moved = self._moved(step, generation) or ("another run took checkpoint.dir over (the "
+                                                  "lease)" if self.ckpt.lease_lost else None)
         if moved is not None:
             return self._done(step, None, moved)
         cfg = self.ckpt.config

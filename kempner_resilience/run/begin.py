@@ -193,7 +193,7 @@ def _hold_directory(run: RunState, root: Path, restarts: int | None) -> Lease | 
             log.warning("cannot hold %s with a lease (%s): a second run on this directory "
                         "would not be noticed", root, e)
     text = run.agreement.share_text("lease", text,
-                                    lease.STALE_S + 4 * lease.HEARTBEAT_S + 60.0)
+                                    lease.stale_s() + 4 * lease.heartbeat_s() + 60.0)
     kind, _, why = text.partition(":")
     if kind == "refused":
         raise lease.DirectoryInUseError(why)

@@ -29,6 +29,7 @@ from kempner_resilience.run.begin import begin
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
 from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV
+from kempner_resilience.core.ledger import Ledger
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
@@ -98,9 +99,11 @@ class ResilientRun:
         begin(self._parts, self.state, self._explicit_run_id)   # the set-up sequence
         if self._parts.ckpt is not None:
             from kempner_resilience.checkpoint import CheckpointError
+            from kempner_resilience.checkpoint.lease import LeaseLost
 
             # Kept for the per-step save check: no import statement on every step.
             self._checkpoint_error = CheckpointError
+            self._lease_lost = LeaseLost
             self._recorded = self._parts.ckpt.last_committed   # the ledger records only newer
         self._entered = True
         return self
@@ -226,8 +229,14 @@ class ResilientRun:
             signum = self._local_signum()
             if signum is None and now >= clock.threshold and clock.due(now):
                 signum = self._clock_signum       # as if the requeue signal had come
-            decision = parts.agreement.poll(parts.step, signum)
+            # Rank 0 holds the lease: losing it to another run is a stop every rank agrees on.
+            lost = parts.ckpt is not None and parts.ckpt.lease_lost
+            if lost and parts.ledger.active:
+                parts.ledger = Ledger(None)  # the new holder's ledger from now on, not ours
+            decision = parts.agreement.poll(parts.step, signum, lost)
             if decision is not None:
+                if decision.lease_lost:
+                    sequence.lease_lost(parts, decision.step)
                 sequence.stop(parts, decision)
             yield parts.step
             if timed:
@@ -259,7 +268,10 @@ class ResilientRun:
             raise RuntimeError("no checkpoint state: pass state={...} to ResilientRun")
         self._hang.hold()      # nothing is saved once the hang path decided to exit
         t0 = time.monotonic()
-        info = self._parts.ckpt.save(self.step, reason="manual")
+        try:
+            info = self._parts.ckpt.save(self.step, reason="manual")
+        except self._lease_lost:         # on every rank: another run holds the directory
+            sequence.lease_lost(self._parts, self.step)
         self._parts.saved(info)
         self._saved(info, time.monotonic() - t0)
         return info
@@ -291,6 +303,10 @@ class ResilientRun:
         failed = ckpt.failed_saves
         try:
             info = ckpt.maybe_save(step)
+        except self._lease_lost:
+            # Raised on every rank at the same step (rank 0's check, broadcast): another run
+            # holds the directory; stop here, nothing saved.
+            sequence.lease_lost(self._parts, step)
         except self._checkpoint_error as e:
             # Raised on every rank at the same step (failures are agreed across ranks), once
             # checkpoint.max_failed_saves periodic saves in a row failed: stop every rank alike.

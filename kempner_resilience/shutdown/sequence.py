@@ -6,16 +6,19 @@
              → teardown (teardown.py) → record the ending (outcome.py) → leave (exit.py)
 
 ``fail`` is the path of an exception that ended the loop (a lost peer, or a bug), ``give_up``
-the one of periodic saves that keep failing, ``complete`` the normal end. Each step is a small
-function below with its own time budget: the shutdown deadline armed by the first signal (or
-here, for ranks that only agreed to someone else's), per-cleanup limits inside it, and
-``watchdog.exit_timeout_s`` for the interpreter's exit after it. Each path ends in
+the one of periodic saves that keep failing, ``lease_lost`` the one of a run another run took
+``checkpoint.dir`` over from (nothing saved, nothing written there, never requeued),
+``complete`` the normal end. Each step is a small function below with its own time budget: the
+shutdown deadline armed by the first signal (or here, for ranks that only agreed to someone
+else's), per-cleanup limits inside it, and ``watchdog.exit_timeout_s`` for the interpreter's
+exit after it. Each path ends in
 ``outcome.record``: the exit code from the one table (``exitcodes.exit_code``), and the ledger,
 the trackers and the run report told how the run ended.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -24,6 +27,7 @@ from typing import NoReturn
 from kempner_resilience import exitcodes
 from kempner_resilience.stop.agreement import StopDecision
 from kempner_resilience.config import Action, ExitMode
+from kempner_resilience.core.ledger import Ledger
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
@@ -34,7 +38,7 @@ from kempner_resilience.slurm.steps import IN_JOB_ENV
 from kempner_resilience.stop.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
 
-__all__ = ["stop", "fail", "give_up", "complete", "requeue_after_failure",
+__all__ = ["stop", "fail", "give_up", "lease_lost", "complete", "requeue_after_failure",
            "rescue", "record", "local_restart_count"]
 
 log = get_logger(__name__)
@@ -114,6 +118,22 @@ def give_up(parts: RunState, step: int, err: BaseException) -> NoReturn:
     _leave(parts, Facts(Ending.SAVES_FAILING, step))
 
 
+def lease_lost(parts: RunState, step: int) -> NoReturn:
+    """Another run took ``checkpoint.dir`` over (rank 0's lease, ``checkpoint/lease.py``):
+    every rank stops at ``step`` with LEASE_LOST. No emergency save, no requeue (the holder goes
+    on; running this one again would only fight it), and nothing more written into the
+    directory: the run ledger is left alone (its ``exit`` event too), the lease not released."""
+    parts.hang.stop()
+    close_rescue(parts)
+    # Rank 0's lease said so in its one error line; the other ranks learn it here.
+    log.log(logging.INFO if parts.rank == 0 else logging.ERROR,
+            "stopping at step %d: another run holds %s now (rank 0 lost its lease); nothing "
+            "was saved and the job is not requeued", step, parts.config.checkpoint.dir)
+    parts.ledger = Ledger(None)         # the holder's ledger: not ours to write any more
+    _teardown(parts, peers_alive=True)
+    _leave(parts, Facts(Ending.LEASE_LOST, step))
+
+
 def complete(parts: RunState, step: int) -> None:
     """All steps ran: cleanups, drain saves, report; the caller's code goes on."""
     close_rescue(parts)
@@ -129,6 +149,10 @@ def requeue_after_failure(parts: RunState, why: str) -> Verdict | None:
     failure's code stays its own (PEER_LOST, HANG): the verdict is logged, None when no
     requeue was tried."""
     if parts.slurm is None or parts.rank != 0 or parts.committed_step() is None:
+        return None
+    if parts.ckpt is not None and parts.ckpt.lease_lost:
+        log.warning("%s: not requeued: another run holds %s now (this run lost its lease)",
+                    why, parts.config.checkpoint.dir)
         return None
     if os.environ.get(IN_JOB_ENV):
         # `kempner-resilience srun` (spare nodes) started this step: it relaunches the
@@ -191,10 +215,13 @@ def _emergency_save(parts: RunState, step: int) -> Saved:
     if parts.ckpt is None:
         return Saved.NOTHING
     from kempner_resilience.checkpoint import CheckpointError, SavePeerLost
+    from kempner_resilience.checkpoint.lease import LeaseLost
 
     t0 = time.monotonic()
     try:
         info = parts.ckpt.emergency_save(step, deadline=parts.handler.deadline.deadline)
+    except LeaseLost:           # raised on every rank: no failed save, another run's directory
+        lease_lost(parts, step)
     except (CheckpointError, SavePeerLost, OSError) as e:
         # Expected (full disk, quota, I/O, a peer gone mid-save): the message names the cause.
         from kempner_resilience.core.faults import is_peer_failure

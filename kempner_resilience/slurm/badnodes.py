@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.env import expand_hostlist
 from kempner_resilience.slurm.scontrol import (ScontrolResult, find_scontrol, parse_show_job,
@@ -64,7 +64,7 @@ def bad_node_records(ckpt_dir: str | os.PathLike[str]) -> dict[str, dict[str, An
     recorded or the file is unreadable (logged)."""
     p = _path(ckpt_dir)
     try:
-        data = json.loads(p.read_text())
+        data = load_json_bounded(p)        # bounded: a FIFO or /dev/zero is unreadable
         nodes = data["nodes"]
         if not isinstance(nodes, dict) or not all(isinstance(k, str) and k for k in nodes):
             raise ValueError("'nodes' is not a mapping of node names")

@@ -46,7 +46,7 @@ from typing import Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.ledger import LEDGER_NAME, RELAUNCH_START_ENV, read_ledger
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
@@ -87,7 +87,7 @@ def recorded_train_nodes(ckpt_dir: Path, job_id: str) -> int | None:
     another job, a fresh submission's, does not count)."""
     path = ckpt_dir / TRAIN_NODES_NAME
     try:
-        value = json.loads(path.read_text()).get(str(job_id))
+        value = load_json_bounded(path).get(str(job_id))   # never blocks on a FIFO
     except FileNotFoundError:
         return None
     except (OSError, ValueError, AttributeError) as e:

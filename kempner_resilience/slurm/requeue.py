@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode, Verdict
-from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import exclude_for_requeue, requeue_excluding
 from kempner_resilience.slurm.env import SlurmJob
@@ -203,7 +203,7 @@ class RestartLedger:
         """Read the ledger; a missing or unreadable file gives an empty one (logged)."""
         p = Path(path)
         try:
-            data = json.loads(p.read_text())
+            data = load_json_bounded(p)    # bounded: a FIFO or /dev/zero is unreadable
             entries = {int(k): dict(v) for k, v in data.get("restarts", {}).items()}
             return cls(p, data.get("job_id"), entries)
         except FileNotFoundError:

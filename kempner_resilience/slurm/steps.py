@@ -41,10 +41,12 @@ FAILURE_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.HANG)})
 # task's own node (HANG: the hung rank's kernel timer; a signal: the rank was killed).
 _SURVIVOR_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.SIGTERM), 0})
 # Codes that end the job as they are: a relaunch would not help (a bug, a bad config) or the
-# job is already on its way back to the queue (REQUEUE) or asked not to be (NO_REQUEUE).
+# job is already on its way back to the queue (REQUEUE) or asked not to be (NO_REQUEUE,
+# LEASE_LOST: another run holds the checkpoint directory now, a relaunch would fight it).
 _FINAL_CODES = frozenset({int(ExitCode.ERROR), int(ExitCode.CONFIG), int(ExitCode.REQUEUE),
                           int(ExitCode.NO_REQUEUE), int(ExitCode.REQUEUE_FAILED),
-                          int(ExitCode.CHECKPOINT_FAILED), int(ExitCode.SIGINT)})
+                          int(ExitCode.CHECKPOINT_FAILED), int(ExitCode.SIGINT),
+                          int(ExitCode.LEASE_LOST)})
 
 _TASKS = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.*)$")
 _NODE_FAIL = re.compile(r"^srun: error: Node failure on (\S+)")

@@ -10,6 +10,10 @@ before every rank has started it. When the publisher is at boundary ``n``, no ra
 boundary ``n + 1``, so each one reads the key at a boundary no later than ``n + 2``. Ranks that
 run no collective per step can drift further apart; ``StopAgreement`` then detects a rank that
 is already past ``stop_at`` and stops it where it is, with an error in the log.
+
+The same key carries the one stop that is no signal: rank 0 lost the directory's lease
+(``checkpoint/lease.py``: another run took ``checkpoint.dir`` over). Only rank 0 holds the
+lease, so only it can know; every rank then stops at the agreed step with LEASE_LOST.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kempner_resilience.core.fileio import read_bounded
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["StopAgreement", "StopDecision"]
@@ -44,6 +49,7 @@ class StopDecision:
     step: int
     signum: int
     local: bool  # this rank received the signal itself
+    lease_lost: bool = False  # no signal: rank 0 lost checkpoint.dir's lease (signum 0)
 
 
 class StopAgreement:
@@ -59,6 +65,7 @@ class StopAgreement:
         self._decided: StopDecision | None = None
         self._stop_at: int | None = None
         self._signum = 0
+        self._lease_lost = False
         self._agreed_now = False
         self._marker: Path | None = None
 
@@ -78,8 +85,10 @@ class StopAgreement:
     def distributed(self) -> bool:
         return self.store is not None
 
-    def poll(self, step: int, local_signum: int | None) -> StopDecision | None:
-        """Call at every step boundary ``step``; returns the decision once this rank must stop."""
+    def poll(self, step: int, local_signum: int | None,
+             lease_lost: bool = False) -> StopDecision | None:
+        """Call at every step boundary ``step``; returns the decision once this rank must stop.
+        ``lease_lost``: this rank (rank 0) lost the directory's lease, a stop of its own."""
         if self._decided is not None:
             return self._decided
         if self._agreed_now:
@@ -87,13 +96,16 @@ class StopAgreement:
             self._decided = StopDecision(step, self._signum, local_signum is not None)
             return self._decided
         if self.store is None:
+            if lease_lost:
+                self._decided = StopDecision(step, 0, False, lease_lost=True)
+                return self._decided
             if local_signum is None:
                 return None
             self._decided = StopDecision(step, local_signum, True)
             return self._decided
         if self._stop_at is None:
-            if local_signum is not None:
-                self._publish(step, local_signum)
+            if local_signum is not None or lease_lost:
+                self._publish(step, local_signum or 0, lease_lost and local_signum is None)
             elif self.store.check([KEY]):
                 self._read()
             if self._stop_at is None:
@@ -104,7 +116,8 @@ class StopAgreement:
             log.error("this rank reached step %d before it saw the agreed stop step %d: ranks "
                       "are drifting apart (no collective per step?); stopping here", step,
                       self._stop_at)
-        self._decided = StopDecision(step, self._signum, local_signum is not None)
+        self._decided = StopDecision(step, self._signum, local_signum is not None,
+                                     lease_lost=self._lease_lost)
         return self._decided
 
     def stop_at(self) -> int | None:
@@ -118,20 +131,22 @@ class StopAgreement:
             return self._signum or None
         return None
 
-    def _publish(self, step: int, signum: int) -> None:
-        want = f"{step + self.lead_steps}:{signum}"
+    def _publish(self, step: int, signum: int, lease_lost: bool = False) -> None:
+        want = f"{step + self.lead_steps}:{signum}" + (":lease" if lease_lost else "")
         got = self.store.compare_set(KEY, "", want)
         self._parse(got)
         if got.decode() == want:
             log.warning("%s here at step %d: all ranks stop at step %d",
-                     signal.Signals(signum).name, step, self._stop_at)
+                        "the lease lost" if lease_lost else signal.Signals(signum).name, step,
+                        self._stop_at)
 
     def _read(self) -> None:
         self._parse(self.store.get(KEY))
 
     def _parse(self, raw: bytes) -> None:
-        at, sig = raw.decode().split(":")
+        at, sig, *why = raw.decode().split(":")
         self._stop_at, self._signum = int(at), int(sig)
+        self._lease_lost = why == ["lease"]
 
     def any_requested(self, local_signum: int | None, timeout_s: float = 600.0) -> bool:
         """Collective: True on every rank when any rank has a request (for ``should_stop``).
@@ -249,7 +264,8 @@ class StopAgreement:
         if self._marker is None:
             return None
         try:
-            return _parse_forced(self._marker.read_text())
+            # Bounded: a marker replaced by a FIFO or a link to /dev/zero is no announcement.
+            return _parse_forced(read_bounded(self._marker, 4096).decode())
         except (OSError, ValueError):
             return None
 
