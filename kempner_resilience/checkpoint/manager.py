@@ -123,6 +123,7 @@ class CheckpointManager:
         self._closed = False
         self._busy_hook = busy_hook
         self._lease = lease
+        self._earlier: frozenset[str | None] = frozenset()
 
     # ----------------------------------------------------------------------------------- status
 
@@ -182,12 +183,16 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------------- start-up
 
-    def claim(self, run_id: str, lease: Lease | None) -> None:
+    def claim(self, run_id: str, lease: Lease | None,
+              earlier: frozenset[str | None] = frozenset()) -> None:
         """The run this directory's checkpoints belong to, and rank 0's lease on it: known only
         once ``check_dir`` found the directory usable (the run id is read from or written into
-        it, the lease taken in it). Before any save."""
+        it, the lease taken in it). Before any save. ``earlier``: the lineages a fresh start
+        left behind in the directory (``identity.earlier_runs``): never resumed from, never
+        counted nor deleted by retention."""
         self.run_id = run_id
-        self._saver.claim(run_id)
+        self._earlier = frozenset(earlier)
+        self._saver.claim(run_id, self._earlier)
         self._lease = lease
 
     def check_dir(self) -> None:
@@ -221,11 +226,14 @@ class CheckpointManager:
         with self._foreground():
             self._drain_background(raise_errors=False)
             t0 = time.monotonic()
+            unloadable: list[Path] = []
             found = loader.load_newest(self.root, self.config, self.state, self.rank, self._fg,
-                                       self._saver.staging)
+                                       self._saver.staging, earlier=self._earlier,
+                                       failed=unloadable)
             if found is None:
                 return None
             info, nread = found
+            self._saver.resumed(info.path, unloadable)
             self._cadence.saved(info.step)
             self._last_committed = info
             # The previous attempt's save time is the best evidence until this one saves.
