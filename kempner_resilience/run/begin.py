@@ -291,13 +291,20 @@ def _announce_start(run: RunState, ckpt: CheckpointManager, info: CheckpointInfo
     if info is not None:
         changed = hparams.differences(before, hparams.snapshot(state))
         done = identity.completed_step(ckpt.root, run.run_id) if run.run_id else None
+        if done is None:
+            finished = ""
+        elif info.step >= done:
+            finished = (f"; this run already finished run.steps({done}): a larger total trains "
+                        "longer, the same total trains nothing (checkpoint.resume: false starts "
+                        "a new run)")
+        else:
+            finished = (f"; this run already finished run.steps({done}), but its newest "
+                        f"checkpoint is step {info.step}: steps {info.step} to {done} run again "
+                        "(run.save() after the loop keeps a finished run's last step)")
         announce(log, "run %s resumed from %s (step %d, reason %s) in %.2f s%s%s", run.run_id,
                  info.path, info.step, info.reason, run.timings.get("resume_s", 0.0),
                  "" if not changed else "; the checkpoint's optimizer settings replace the "
-                 "script's: " + ", ".join(changed),
-                 "" if done is None else f"; this run already finished run.steps({done}): a "
-                 "larger total trains longer, the same total trains nothing "
-                 "(checkpoint.resume: false starts a new run)")
+                 "script's: " + ", ".join(changed), finished)
     elif not run.config.checkpoint.resume:
         announce(log, "run %s starting fresh at step 0: checkpoint.resume is off (%s)",
                  run.run_id, ckpt.root)
