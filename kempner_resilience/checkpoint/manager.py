@@ -123,7 +123,6 @@ class CheckpointManager:
         self._closed = False
         self._busy_hook = busy_hook
         self._lease = lease
-        self._earlier: frozenset[str | None] = frozenset()
 
     # ----------------------------------------------------------------------------------- status
 
@@ -185,14 +184,10 @@ class CheckpointManager:
 
     def claim(self, run_id: str, lease: Lease | None,
               earlier: frozenset[str | None] = frozenset()) -> None:
-        """The run this directory's checkpoints belong to, and rank 0's lease on it: known only
-        once ``check_dir`` found the directory usable (the run id is read from or written into
-        it, the lease taken in it). Before any save. ``earlier``: the lineages a fresh start
-        left behind in the directory (``identity.earlier_runs``): never resumed from, never
-        counted nor deleted by retention."""
+        """The run id, rank 0's lease and the lineages a fresh start left (never resumed from,
+        counted or deleted): known once ``check_dir`` found the directory usable; before saves."""
         self.run_id = run_id
-        self._earlier = frozenset(earlier)
-        self._saver.claim(run_id, self._earlier)
+        self._saver.claim(run_id, frozenset(earlier))
         self._lease = lease
 
     def check_dir(self) -> None:
@@ -226,9 +221,9 @@ class CheckpointManager:
         with self._foreground():
             self._drain_background(raise_errors=False)
             t0 = time.monotonic()
-            unloadable: list[Path] = []
+            unloadable: list[Path] = []      # kept from this run's retention (Saver.resumed)
             found = loader.load_newest(self.root, self.config, self.state, self.rank, self._fg,
-                                       self._saver.staging, earlier=self._earlier,
+                                       self._saver.staging, earlier=self._saver.earlier,
                                        failed=unloadable)
             if found is None:
                 return None

@@ -5,8 +5,8 @@ that does not match, a truncated or missing file) would otherwise stay the "newe
 one: every later resume tries it first, and retention keeps it as the newest and deletes the good
 ones below it (``keep_last`` counts it). Rank 0 renames it to
 ``.damaged-step_000000030-<why>``: the name no longer matches the step pattern, so neither
-``scan``, resume, retention nor ``clean_trash`` ever sees it again, and it is left on disk for
-``kempner-resilience verify`` and for the user to delete. A ``DAMAGED.txt`` in it says why.
+``scan`` (so ``ls``), resume, retention nor ``clean_trash`` ever sees it again, and it is left on
+disk for the user to inspect and delete. A ``DAMAGED.txt`` in it says why.
 """
 
 from __future__ import annotations
