@@ -222,3 +222,62 @@ def test_a_damaged_checkpoint_set_aside_is_not_listed_as_a_checkpoint(tmp_path):
     train(ck, 20)                                          # resumes from 10, trains 10..19
     assert os.path.isdir(ck / f"{DAMAGED_PREFIX}step_000000020-checksum")
     assert all(not e.path.name.startswith(".") for e in layout.scan(ck))
+
+
+# ------------------------------------------------------------------ 1, on two real ranks
+
+TWO_RANKS = """
+import sys
+import torch, torch.distributed as dist
+import torch.nn as nn
+import kempner_resilience as kr
+
+ck, total, every, keep = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+cfg = kr.load_config(overrides=[f"checkpoint.dir={ck}", f"checkpoint.every_steps={every}",
+                                f"checkpoint.keep_last={keep}", "watchdog.hang_timeout_s=120"])
+with kr.ResilientRun(cfg, state={"model": model}) as run:
+    for step in run.steps(total):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+    print("start", run.start_step, "weight", model.weight.sum().item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _two_ranks(script: Path, *args: object) -> list[str]:
+    """Both ranks of a gloo job running ``script``; each one's stdout (raises on a failure)."""
+    import subprocess
+    import sys
+
+    from helpers import env, free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                      OMP_NUM_THREADS="1"))
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} exit {p.returncode}:\n{out}\n{err}"
+    return [out for out, _ in outs]
+
+
+def test_two_ranks_set_a_damaged_checkpoint_aside_and_keep_the_good_ones(tmp_path):
+    from helpers import write_script
+
+    script = write_script(tmp_path, TWO_RANKS)
+    ck = tmp_path / "ck"
+    _two_ranks(script, ck, 30, 10, 3)                     # steps 10, 20, 30
+    damage(ck / "step_000000030", "flip")                 # rank 0's shard
+    outs = _two_ranks(script, ck, 26, 5, 1)               # resumes from 20 on both ranks
+    assert all(o.startswith("start 20 ") for o in outs), outs
+    assert steps_on_disk(ck) == [25]
+    assert (ck / f"{DAMAGED_PREFIX}step_000000030-checksum").is_dir()
+    outs = _two_ranks(script, ck, 28, 5, 1)
+    expected = trained_weight(28).sum().item()
+    assert all(o.split() == ["start", "25", "weight", str(expected)] for o in outs), outs
