@@ -4,8 +4,9 @@ One run under ResilientRun (every_steps=1, keep_last=1, six saves, so retention 
 starts in a checkpoint directory where someone planted: another user's checkpoint, a step
 directory with neither our marker nor a manifest, a symlinked step directory pointing at one of
 our checkpoints elsewhere, a user's notes.txt and mydata/, another user's .trash-* directory.
-It also holds one of our own checkpoints written before the ownership marker existed, and one of
-our own interrupted deletions (.trash-*): both must go.
+It also holds one of our own checkpoints written before the ownership marker existed (the run
+starts fresh, so it is the earlier lineage's and stays), and one of our own interrupted
+deletions (.trash-*), which must go.
 """
 
 from __future__ import annotations
@@ -140,10 +141,13 @@ def test_a_symlinked_step_directory_and_its_target_survive_retention(planted_run
 def test_retention_removes_only_our_old_checkpoints_and_trash_including_pre_marker_ones(
         planted_run):
     ckpt = planted_run["ckpt"]
-    # Ours (the six saves, the pre-marker step 0, our .trash-*) are gone but the newest;
-    # everything we did not write is still there.
+    # Ours (the six saves, our .trash-*) are gone but the newest; everything we did not write
+    # is still there. The pre-marker step 0 stays: the run starts fresh (checkpoint.resume:
+    # false), so step 0 belongs to the lineage it leaves behind, which its retention never
+    # deletes (a resumed lineage's retention removes such checkpoints: test_lineage.py).
     assert sorted(os.listdir(ckpt)) == sorted([
-        "step_000000006", "step_000000001", "step_000000002", "step_000000003", "notes.txt",
+        "step_000000006", "step_000000000", "step_000000001", "step_000000002",
+        "step_000000003", "notes.txt",
         "run.json", "ledger.jsonl",   # the run's identity and ledger (identity.py, ledger.py)
         "mydata", ".trash-step_000000005-1-1"])
     assert (ckpt / "notes.txt").read_text() == "my notes"

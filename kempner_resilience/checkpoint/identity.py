@@ -13,6 +13,14 @@ bookkeeping, not the run's state: it must not block every restart, nor (with
 attempt's checkpoints. ``repair`` rewrites it (atomically, with a warning naming the file) from
 the run id the newest committed checkpoint records, or a new id when no checkpoint records one.
 
+Lineages: ``checkpoint.resume: false`` in a directory holding checkpoints starts a new lineage
+(``plan_lineage``, ``record_lineage``): a new run id is recorded in ``run.json``, and the ids it replaces are
+listed under ``earlier_runs``. Their checkpoints stay on disk: resume never continues them (it
+continues the lineage ``run.json`` names, whatever the step numbers), retention of the new run
+never counts nor deletes them, and ``check_same_run`` does not take them for another run's.
+When ``run.steps(total)`` ends its loop, ``mark_complete`` records ``completed_step`` for the
+lineage: the next start says the run is complete (or that it trains longer).
+
 The id is ``YYYYmmdd-HHMMSS-<8 hex>``: valid as a W&B run id, a TensorBoard or MLflow directory
 name. ``KEMPNER_RESILIENCE_RUN_ID`` (or ``ResilientRun(run_id=...)``) gives it explicitly.
 """
@@ -30,7 +38,8 @@ from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["RUN_FILE", "RUN_ID_ENV", "OtherRunError", "new_run_id", "read_run_id", "repair",
-           "load_or_create", "other_run_ids", "check_same_run"]
+           "load_or_create", "other_run_ids", "check_same_run", "recorded_run_id",
+           "earlier_runs", "plan_lineage", "record_lineage", "mark_complete", "completed_step"]
 
 log = get_logger(__name__)
 
@@ -51,6 +60,90 @@ def read_run_id(root: Path) -> str | None:
     return _read(root)[0]
 
 
+def _read_data(root: Path) -> dict[str, Any]:
+    """The whole of ``run.json`` ({} when absent or unreadable)."""
+    try:
+        data = json.loads((root / RUN_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def earlier_runs(root: Path) -> frozenset[str | None]:
+    """The lineages ``run.json`` records as left behind by a fresh start (``None`` among them
+    stands for checkpoints that record no run id at all)."""
+    raw = _read_data(root).get("earlier_runs")
+    if not isinstance(raw, list):
+        return frozenset()
+    return frozenset(r for r in raw if r is None or (isinstance(r, str) and len(r) <= 256))
+
+
+def completed_step(root: Path, run_id: str) -> int | None:
+    """The ``total`` whose ``run.steps(total)`` loop run ``run_id`` finished, if recorded."""
+    data = _read_data(root)
+    step = data.get("completed_step")
+    if data.get("run_id") != run_id or not isinstance(step, int) or isinstance(step, bool):
+        return None
+    return step
+
+
+def mark_complete(root: Path, run_id: str, step: int) -> None:
+    """Record that lineage ``run_id`` finished its loop at ``step`` (rank 0, at the loop's
+    end). Only into a ``run.json`` that still names this run; OSError when it cannot be
+    written."""
+    data = _read_data(root)
+    if data.get("run_id") != run_id:
+        return
+    data.update(completed_step=int(step), completed_at=time.time())
+    _write(root, data, replace=True)
+
+
+def plan_lineage(root: Path, entries: Iterable[Any], proposed: str | None = None
+                 ) -> tuple[str, dict[str, Any] | None]:
+    """A fresh start (``checkpoint.resume: false``): the run id to use, and the ``run.json`` to
+    write for it (None: nothing to write). Reads only: ``record_lineage`` writes, once the run
+    holds the directory's lease.
+
+    When the directory holds committed checkpoints not already left behind, a new lineage
+    begins (``proposed`` or a new id) and their run ids, with the one ``run.json`` named, join
+    ``earlier_runs``; otherwise the recorded id (or ``proposed``) goes on. Raises
+    OtherRunError when ``proposed`` names a lineage that has checkpoints here: starting it
+    again at step 0 would mix two trainings under one id."""
+    current = read_run_id(root)
+    earlier = set(earlier_runs(root))
+    live = {recorded_run_id(e) for e in entries if e.committed} - earlier
+    if proposed is not None and (proposed in live or proposed in earlier):
+        raise OtherRunError(
+            f"{root} already holds checkpoints of run {proposed}; checkpoint.resume: false would "
+            "train it again from step 0 under the same id. Give the new run another id "
+            f"({RUN_ID_ENV}), or resume it (checkpoint.resume: true)")
+    if not live:                      # nothing to leave behind: this lineage goes on
+        if current is None or proposed is None or proposed == current:
+            return (current or proposed or new_run_id()), None
+        return proposed, {"run_id": proposed, "created_at": time.time(),
+                          "earlier_runs": _ordered(earlier | {current})}
+    rid = proposed or new_run_id()
+    left = earlier | live | ({current} if current is not None else set())
+    return rid, {"run_id": rid, "created_at": time.time(), "earlier_runs": _ordered(left)}
+
+
+def record_lineage(root: Path, rid: str, data: dict[str, Any] | None) -> str:
+    """Write what ``plan_lineage`` decided (rank 0, holding the lease); the run id recorded.
+    With nothing to write, a missing ``run.json`` is created as by ``load_or_create``."""
+    if data is None:
+        return load_or_create(root, rid)[0]
+    _write(root, data, replace=True)
+    left = data.get("earlier_runs") or []
+    log.info("checkpoint.resume is off: run %s starts a new lineage in %s; the checkpoints of %s "
+             "are kept (never resumed from nor deleted by this run)", rid, root,
+             ", ".join("run " + r if r else "no recorded run" for r in left))
+    return rid
+
+
+def _ordered(ids: Iterable[str | None]) -> list[str | None]:
+    return sorted(ids, key=lambda r: "" if r is None else r)
+
+
 def _read(root: Path) -> tuple[str | None, str | None]:
     """``(run_id, None)``; ``(None, None)`` when there is no file; ``(None, what is wrong)``
     when there is one that records no usable id."""
@@ -67,18 +160,27 @@ def _read(root: Path) -> tuple[str | None, str | None]:
 
 
 def _recorded_by_checkpoints(root: Path) -> str | None:
-    """The run id the newest committed checkpoint records (manifest, else ownership marker)."""
+    """The run id the most recently committed checkpoint records (manifest, else ownership
+    marker): by commit time, not step, since a fresh lineage starts again at low steps."""
     from kempner_resilience.checkpoint import layout
 
     try:
         entries = layout.scan(root)
     except OSError:
         return None
-    for e in reversed(entries):
-        rid = _recorded_run_id(e) if e.committed else None
+    by_time = sorted((e for e in entries if e.committed),
+                     key=lambda e: float((e.manifest or {}).get("committed_at", 0.0) or 0.0))
+    for e in reversed(by_time):
+        rid = _recorded_run_id(e)
         if isinstance(rid, str) and rid:
             return rid
     return None
+
+
+def recorded_run_id(entry: Any) -> Any:
+    """The run id a step directory records (None when it records none): see
+    ``_recorded_run_id``."""
+    return _recorded_run_id(entry)
 
 
 def _recorded_run_id(entry: Any) -> Any:
@@ -140,13 +242,16 @@ def load_or_create(root: Path, proposed: str | None = None,
     return rid, True
 
 
-def other_run_ids(entries: Iterable[Any], run_id: str) -> dict[str, list[str]]:
+def other_run_ids(entries: Iterable[Any], run_id: str,
+                  earlier: Iterable[str | None] = ()) -> dict[str, list[str]]:
     """``{other_run_id: [step dir names]}`` for committed checkpoints recording another run id
-    (checkpoints written before run ids existed record none and count as ours)."""
+    (checkpoints written before run ids existed record none and count as ours; those of
+    ``earlier`` lineages of this directory are not another run's)."""
+    left = frozenset(earlier)
     found: dict[str, list[str]] = {}
     for e in entries:
         rid = _recorded_run_id(e) if e.committed else None
-        if rid and rid != run_id:
+        if rid and rid != run_id and rid not in left:
             found.setdefault(str(rid), []).append(e.path.name)
     return found
 
@@ -161,7 +266,7 @@ def check_same_run(root: Path, run_id: str, entries: Iterable[Any],
             f"{root / RUN_FILE} belongs to run {recorded}, but this is run {run_id} (given by "
             f"{RUN_ID_ENV} or ResilientRun(run_id=...)); refusing to resume another run's "
             f"training: {override}")
-    others = other_run_ids(entries, run_id)
+    others = other_run_ids(entries, run_id, earlier_runs(root))
     if others:
         what = "; ".join(f"run {rid}: {', '.join(sorted(names)[-3:])}"
                          for rid, names in others.items())

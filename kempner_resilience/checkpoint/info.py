@@ -7,8 +7,8 @@ from pathlib import Path
 
 from kempner_resilience.core.startup import StartupError
 
-__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDirError", "CheckpointInfo",
-           "SavePeerLost", "StateMismatchError", "describe_error"]
+__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDamaged", "CheckpointDirError",
+           "CheckpointInfo", "SavePeerLost", "StateMismatchError", "describe_error", "is_damage"]
 
 
 class CheckpointError(RuntimeError):
@@ -17,6 +17,27 @@ class CheckpointError(RuntimeError):
 
 class CheckpointCorrupt(CheckpointError):
     """A checkpoint's files do not match its manifest (checksum, size, owner) or cannot be parsed."""
+
+
+class CheckpointDamaged(CheckpointCorrupt):
+    """The bytes on disk prove the checkpoint damaged: a checksum that does not match, a file
+    shorter or longer than its manifest says, a file the manifest lists that is gone. Not a
+    permission, an I/O error or a state that does not fit (those may pass): a checkpoint that
+    fails with this at resume is set aside (``checkpoint/quarantine.py``)."""
+
+
+def is_damage(err: BaseException | None) -> bool:
+    """Whether ``err`` (or, for DCP's ``CheckpointException``, any rank's failure in it) is a
+    ``CheckpointDamaged``."""
+    if isinstance(err, CheckpointDamaged):
+        return True
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        for f in failures.values():
+            cause = f[0] if isinstance(f, tuple) and f else getattr(f, "exc", f)
+            if isinstance(cause, CheckpointDamaged):
+                return True
+    return False
 
 
 class CheckpointDirError(CheckpointError, StartupError):

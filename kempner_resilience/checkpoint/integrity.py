@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kempner_resilience.checkpoint.crc import crc32_combine
-from kempner_resilience.checkpoint.info import CheckpointCorrupt
+from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged
 from kempner_resilience.core.fileio import open_regular
 
 __all__ = ["METADATA_NAME", "check_manifest", "check_metadata", "load_metadata", "verify_data"]
@@ -203,7 +203,7 @@ def verify_data(path: Path, manifest: dict[str, Any], names: Iterable[str] | Non
                     while left:
                         n = f.readinto(view[:min(left, len(buf))])
                         if not n:
-                            raise CheckpointCorrupt(
+                            raise CheckpointDamaged(
                                 f"{p}: ends at byte {offset + length - left}, the manifest "
                                 f"says {meta['size']} bytes (truncated)")
                         crc = zlib.crc32(view[:n], crc)
@@ -213,15 +213,15 @@ def verify_data(path: Path, manifest: dict[str, Any], names: Iterable[str] | Non
                             progress(done, total, time.monotonic() - t0)
                     if crc != want:
                         at = f"@{offset}" if "records" in meta else ""
-                        raise CheckpointCorrupt(f"{p}{at}: checksum mismatch (file damaged)")
+                        raise CheckpointDamaged(f"{p}{at}: checksum mismatch (file damaged)")
                     got = crc32_combine(got, crc, length)
                 if f.read(1):
-                    raise CheckpointCorrupt(f"{p}: longer than the {meta['size']} bytes the "
+                    raise CheckpointDamaged(f"{p}: longer than the {meta['size']} bytes the "
                                             "manifest says (file damaged)")
         except FileNotFoundError:
-            raise CheckpointCorrupt(f"{p}: listed in the manifest but missing") from None
+            raise CheckpointDamaged(f"{p}: listed in the manifest but missing") from None
         except OSError as e:
             raise CheckpointCorrupt(f"{p}: cannot be read ({e.strerror}); check its "
                                     "permissions and the filesystem") from None
         if got != meta["crc32"]:
-            raise CheckpointCorrupt(f"{p}: checksum mismatch (file damaged)")
+            raise CheckpointDamaged(f"{p}: checksum mismatch (file damaged)")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kempner_resilience.checkpoint import integrity
-from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointInfo
+from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged, CheckpointInfo
 from kempner_resilience.core.fileio import (NotARegularFile, TooLarge, fsync_dir,
                                             load_json_bounded, parse_json, read_bounded,
                                             temp_target, write_atomic)
@@ -293,9 +293,9 @@ def validate(entry: Entry, allow_foreign_owner: bool) -> None:
             try:
                 st = p.stat()
             except FileNotFoundError:
-                raise CheckpointCorrupt(f"{p}: listed in the manifest but missing") from None
+                raise CheckpointDamaged(f"{p}: listed in the manifest but missing") from None
             if st.st_size != meta["size"]:
-                raise CheckpointCorrupt(f"{p}: {st.st_size} bytes, manifest says {meta['size']}")
+                raise CheckpointDamaged(f"{p}: {st.st_size} bytes, manifest says {meta['size']}")
             check_owner(p, allow_foreign_owner)
     except OSError as e:
         raise CheckpointCorrupt(f"{e.filename or entry.path}: cannot be read ({e.strerror}); "

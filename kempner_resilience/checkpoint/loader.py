@@ -15,66 +15,99 @@ pinned (``pinned``) when it holds more.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from kempner_resilience.checkpoint import integrity, layout, pinned, statekeys
+from kempner_resilience.checkpoint import (identity, integrity, layout, pinned, quarantine,
+                                          statekeys)
 from kempner_resilience.checkpoint.comm import Comm
 from kempner_resilience.checkpoint.hostbuf import HostStaging
 from kempner_resilience.checkpoint.info import (CheckpointError, CheckpointInfo,
-                                               StateMismatchError, describe_error)
+                                               StateMismatchError, describe_error, is_damage)
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["candidates", "load_newest", "try_load", "restore_ddp_buckets"]
+__all__ = ["candidates", "lineage_candidates", "load_newest", "try_load", "restore_ddp_buckets"]
 
 log = get_logger(__name__)
 
 
-def candidates(root: Path) -> tuple[list[str] | None, str | None]:
+def candidates(root: Path, earlier: Iterable[str | None] = ()
+               ) -> tuple[list[str] | None, str | None]:
     """Rank 0's list of what to try, newest first: committed checkpoints and damaged ones (so
-    the fall-back warning names them), or (None, why) when ``root`` cannot be listed."""
+    the fall-back warning names them), or (None, why) when ``root`` cannot be listed. Those
+    recording a run id in ``earlier`` (lineages a fresh start left behind, see
+    ``identity.earlier_runs``) are not tried: resume continues the newest lineage, not the
+    highest step."""
     try:
-        return [str(e.path) for e in reversed(layout.scan(root))
-                if e.committed or e.damaged], None
+        return [str(e.path) for e in lineage_candidates(layout.scan(root), earlier)], None
     except OSError as e:
         return None, f"{e.strerror}"
 
 
+def lineage_candidates(entries: Iterable[layout.Entry], earlier: Iterable[str | None] = (),
+                       run_of: Callable[[layout.Entry], Any] | None = None
+                       ) -> list[layout.Entry]:
+    """``entries`` (oldest first, as ``scan`` gives them) that resume may try, newest first:
+    committed or damaged, and not of an ``earlier`` lineage (``run_of`` gives an entry's
+    recorded run id; default: its manifest's, else its marker's). Pure when ``run_of`` is."""
+    left = frozenset(earlier)
+    recorded = run_of or identity.recorded_run_id
+    return [e for e in reversed(list(entries))
+            if (e.committed or e.damaged) and not (left and recorded(e) in left)]
+
+
 def load_newest(root: Path, config: CheckpointConfig, state: TrainState, rank: int, comm: Comm,
-                staging: HostStaging | None = None) -> tuple[CheckpointInfo, int] | None:
+                staging: HostStaging | None = None, *, earlier: Iterable[str | None] = (),
+                failed: list[Path] | None = None) -> tuple[CheckpointInfo, int] | None:
     """Load the newest checkpoint under ``root`` that loads into ``state`` on every rank, and
     give each DDP its bucket layout back: (its info, bytes read), or None when there is none.
 
     A checkpoint that fails validation or checksum verification is skipped with a warning and
     the previous one is tried; CheckpointError when checkpoints exist but none loads (the
-    model may then be partially overwritten). Collective.
+    model may then be partially overwritten). Collective. Checkpoints of ``earlier`` lineages
+    are not tried. One whose bytes prove it damaged is set aside by rank 0
+    (``quarantine.set_aside``); those that failed otherwise (permissions, a state that does not
+    fit) stay, and are appended to ``failed`` so the run's retention neither counts nor
+    deletes them.
     """
     # Rank 0 lists, every rank tries the same list: all make the same choice. Damaged entries
     # are tried too, so the warning below names them and the fall-back is the same as for any
     # other per-checkpoint error.
-    listing = candidates(root) if rank == 0 else (None, None)
+    listing = candidates(root, earlier) if rank == 0 else (None, None)
     paths, err = comm.broadcast_object(listing)
     if paths is None:
         raise CheckpointError(f"cannot list the checkpoints in {root} ({err}); fix its "
                               "permissions or set checkpoint.resume: false")
     failures: list[str] = []
-    for p in paths:
-        info, why, nread = try_load(Path(p), config, state, rank, comm, staging)
-        if info is not None:
-            restore_ddp_buckets(state, comm, rank)
-            if failures:
-                log.warning("resumed from the older checkpoint %s after skipping: %s",
-                            p, "; ".join(failures))
-            return info, nread
-        failures.append(f"{p}: {why}")
-        log.warning("cannot resume from %s (%s); falling back to the previous checkpoint",
-                    p, why)
+    damaged: list[tuple[Path, str]] = []
+    try:
+        for p in paths:
+            info, why, nread, proven = try_load(Path(p), config, state, rank, comm, staging)
+            if info is not None:
+                restore_ddp_buckets(state, comm, rank)
+                if failures:
+                    log.warning("resumed from the older checkpoint %s after skipping: %s",
+                                p, "; ".join(failures))
+                return info, nread
+            failures.append(f"{p}: {why}")
+            if proven:
+                damaged.append((Path(p), why))
+            elif failed is not None:
+                failed.append(Path(p))
+            log.warning("cannot resume from %s (%s); falling back to the previous checkpoint",
+                        p, why)
+    finally:
+        # After the walk, when no rank reads them any more: rank 0 alone renames.
+        if rank == 0:
+            for p, why in damaged:
+                if quarantine.set_aside(p, why) is None and failed is not None:
+                    failed.append(p)
     if failures:
         raise CheckpointError(
             f"no committed checkpoint in {root} could be loaded ({'; '.join(failures)}). The "
@@ -86,10 +119,13 @@ def load_newest(root: Path, config: CheckpointConfig, state: TrainState, rank: i
 
 def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
              comm: Comm, staging: HostStaging | None = None
-             ) -> tuple[CheckpointInfo | None, str, int]:
-    """Load ``path`` into ``state`` (collective): (info, "", bytes read) or (None, why, 0).
-    GPU tensors are read through ``staging``'s host buffers when given."""
+             ) -> tuple[CheckpointInfo | None, str, int, bool]:
+    """Load ``path`` into ``state`` (collective): (info, "", bytes read, False) or (None, why,
+    0, damaged), ``damaged`` when some rank's failure proves the bytes damaged
+    (``CheckpointDamaged``). GPU tensors are read through ``staging``'s host buffers when
+    given."""
     local: str | None = None
+    proven = False
     entry = reader = None
     sd: dict[str, Any] = {}
     blob_key: str | None = None
@@ -116,20 +152,21 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
     except (CheckpointError, OSError) as e:
         local = str(e) if isinstance(e, CheckpointError) else \
             f"{e.filename or path}: {e.strerror or e}"
+        proven = is_damage(e)
     except Exception as e:   # noqa: BLE001 - unpickling a damaged .metadata raises anything
         local = f"{path}: {describe_error(e)}"
-    gathered = comm.all_gather_object((local, refusal))
-    errors = list(dict.fromkeys(e for e, _ in gathered if e))
+    gathered = comm.all_gather_object((local, refusal, proven))
+    errors = list(dict.fromkeys(e for e, _, _ in gathered if e))
     if errors or entry is None or reader is None or diff is None:
-        return None, "; ".join(errors), 0
-    _refuse_any(r for _, r in gathered)
+        return None, "; ".join(errors), 0, any(d for _, _, d in gathered)
+    _refuse_any(r for _, r, _ in gathered)
     try:
         # A partial resume the user asked for: entries the checkpoint lacks keep their values.
         planner = DefaultLoadPlanner(allow_partial_load=bool(diff.added))
         dcp.load(sd, storage_reader=reader, planner=planner, process_group=comm.dcp_group,
                  no_dist=comm.dcp_no_dist)
     except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
-        return None, describe_error(e) or "load failed", 0
+        return None, describe_error(e) or "load failed", 0, is_damage(e)
     blob, why = None, None
     try:
         blob = state.read_blob(sd, blob_key)
@@ -137,14 +174,14 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
         why = f"{path}: {blob_key}: {describe_error(e)}"
     why = _check_objects(path, config, state, blob, why, diff, rank, comm)
     if why:
-        return None, why, 0
+        return None, why, 0, False
     step = state.restore(sd, blob_key, blob)
     if rank == 0 and (line := statekeys.dtype_line(str(path), diff)) is not None:
         log.warning("%s", line)
     info = entry.info()
     if step is not None and step != info.step:
         log.warning("%s: manifest step %d, saved state says %d", path, info.step, step)
-    return info, "", reader.bytes_read
+    return info, "", reader.bytes_read, False
 
 
 def _refuse_any(refusals: Any) -> None:

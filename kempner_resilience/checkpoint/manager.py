@@ -8,12 +8,11 @@ so a background save never interleaves its collectives with ours or with trainin
 work also never uses the training group, so an emergency save can run from a watchdog thread
 while the main thread is stuck in a training collective.
 
-A save's collectives (DCP's gathers of plans and write results, the commit's gather and
-broadcast) wait for the other ranks at most ``peer_timeout_s`` beyond this rank's estimate of
-the save (``checkpoint/estimate.py``: the estimate covers a slower rank's write, which the
-others wait for). A rank that dies or stops answering (SIGSTOP, a frozen node) during a save
-is then a lost peer within that bound, raised as ``SavePeerLost``, not a failed save and not a
-stall of gloo's 30-minute default.
+A save's collectives (DCP's gathers, the commit's gather and broadcast) wait for the other
+ranks at most ``peer_timeout_s`` beyond this rank's estimate of the save (``estimate.py``: it
+covers a slower rank's write). A rank that dies or stops answering (SIGSTOP, a frozen node)
+during a save is then a lost peer within that bound (``SavePeerLost``), not a failed save nor
+a stall of gloo's 30-minute default.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ __all__ = ["CheckpointManager"]
 # Single-process saves/loads are intended; DCP warns about them on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
                         "uninitialized", category=UserWarning)
-
 _GIB = 2**30
 
 
@@ -60,27 +58,23 @@ class CheckpointManager:
     ``state`` maps names to ``nn.Module`` (plain or DDP), optimizers (paired with the module that
     owns their parameters) and any object with ``state_dict()``/``load_state_dict()``. ``rank`` and
     ``world_size`` are this process's place in ``process_group`` (default: the default group);
-    with ``world_size == 1`` torch.distributed need not be initialized. ``run_id``, when given,
-    is written into each step directory's ownership marker, and retention then leaves alone
-    directories whose marker names another run (it never deletes what this package did not
-    write, see ``retention.why_not_ours``).
+    with ``world_size == 1`` torch.distributed need not be initialized. ``run_id`` is written
+    into each step directory's ownership marker; retention leaves other runs' directories
+    alone (and all that this package did not write, ``retention.why_not_ours``).
 
-    A failed periodic save (full disk, I/O error) does not raise: it is logged, the partial
-    directory removed, and the next periodic save tries again; ``maybe_save`` raises
-    ``CheckpointError`` once ``config.max_failed_saves`` periodic saves in a row have failed.
-
-    When ``state`` holds GPU tensors (sized here: move the model to its device first), the host
-    buffers that saves and loads stage them through (``config.staging``) are allocated here,
-    once, and logged by rank 0 (``staging``); no save allocates them, an emergency save least.
+    A failed periodic save (full disk, I/O error) is logged, its partial directory removed, and
+    the next one tries again; ``CheckpointError`` once ``config.max_failed_saves`` in a row fail.
+    GPU tensors (sized here: move the model first) are staged through host buffers allocated
+    here, once (``config.staging``, logged by rank 0); no save allocates them. Async snapshots'
+    buffers are allocated in the background after the first step (``Stager.prewarm``).
 
     ``peer_timeout_s`` bounds a save's wait for the other ranks (see the module docstring;
     ``ResilientRun`` passes ``watchdog.hang_timeout_s``); None keeps the gloo group's default.
     ``busy_hook`` is entered around every foreground save and load (``ResilientRun`` widens the
     hang budget in it); ``manifest_extra`` is recorded in every manifest besides the run id
     (the SLURM job id, the restart count); ``lease`` (``checkpoint.lease.Lease``, rank 0's) is
-    released by ``close`` once the last save is drained. The run id and the lease can also be
-    given once the directory is known usable (``check_dir``, then ``claim``).
-    """
+    released by ``close`` once the last save is drained. Run id and lease may come later
+    (``check_dir``, then ``claim``). """
 
     def __init__(self, config: CheckpointConfig, state: Mapping[str, Any], *, rank: int = 0,
                  world_size: int = 1, process_group: Any = None,
@@ -186,12 +180,12 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------------- start-up
 
-    def claim(self, run_id: str, lease: Lease | None) -> None:
-        """The run this directory's checkpoints belong to, and rank 0's lease on it: known only
-        once ``check_dir`` found the directory usable (the run id is read from or written into
-        it, the lease taken in it). Before any save."""
+    def claim(self, run_id: str, lease: Lease | None,
+              earlier: frozenset[str | None] = frozenset()) -> None:
+        """The run id, rank 0's lease and the lineages a fresh start left (never resumed from,
+        counted or deleted): known once ``check_dir`` found the directory usable; before saves."""
         self.run_id = run_id
-        self._saver.claim(run_id, lease)
+        self._saver.claim(run_id, lease, frozenset(earlier))
         self._lease = lease
 
     def check_dir(self) -> None:
@@ -225,11 +219,14 @@ class CheckpointManager:
         with self._foreground():
             self._drain_background(raise_errors=False)
             t0 = time.monotonic()
+            unloadable: list[Path] = []      # kept from this run's retention (Saver.resumed)
             found = loader.load_newest(self.root, self.config, self.state, self.rank, self._fg,
-                                       self._saver.staging)
+                                       self._saver.staging, earlier=self._saver.earlier,
+                                       failed=unloadable)
             if found is None:
                 return None
             info, nread = found
+            self._saver.resumed(info.path, unloadable)
             self._cadence.saved(info.step)
             self._last_committed = info
             # The previous attempt's save time is the best evidence until this one saves.

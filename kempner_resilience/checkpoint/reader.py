@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from kempner_resilience.checkpoint import recordfmt
 from kempner_resilience.checkpoint.hostbuf import HostStaging, Slot, caller_streams, flat_bytes
-from kempner_resilience.checkpoint.info import CheckpointCorrupt
+from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged
 
 __all__ = ["VerifyingReader"]
 
@@ -40,7 +40,7 @@ def _read_exact(f: Any, view: memoryview, where: str) -> None:
     while view.nbytes:
         n = f.readinto(view)
         if not n:
-            raise CheckpointCorrupt(f"{where}: file ends early (truncated)")
+            raise CheckpointDamaged(f"{where}: file ends early (truncated)")
         view = view[n:]
 
 
@@ -111,7 +111,7 @@ class VerifyingReader(FileSystemReader):
 
     def _check(self, crc: int, rec: list[Any] | None, where: str) -> None:
         if self.verify and rec is not None and crc != rec[2]:
-            raise CheckpointCorrupt(f"{where}: checksum mismatch (file damaged)")
+            raise CheckpointDamaged(f"{where}: checksum mismatch (file damaged)")
 
     def _read_file(self, name: str, jobs: list[tuple[ReadItem, Any]]) -> list[tuple[ReadItem, Any]]:
         staging = self.staging

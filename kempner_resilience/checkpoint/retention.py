@@ -6,6 +6,13 @@ saves write, and it carries our ``OWNER.json`` marker, or, for checkpoints writt
 marker existed, a committed manifest of ours. Anything else is left alone and said so. Never the
 newest committed checkpoint.
 
+Retention counts and deletes within the run's lineage only (its run id, see
+``checkpoint/identity.py``): another run's checkpoints, and those of the earlier lineages a
+fresh start left behind, are never counted by ``keep_last`` nor deleted. The saver also
+protects the checkpoint the run resumed from until the run has committed one of its own, and
+any checkpoint resume could not load (see ``plan_deletions``); one proven damaged was already set
+aside (``checkpoint/quarantine.py``).
+
 Deletion renames the directory to ``.trash-...`` first (atomic, and the new name no longer matches
 the step pattern), then removes it, so a crash mid-delete never leaves a half-deleted directory
 that looks like a checkpoint; ``clean_trash`` finishes such deletions later.
@@ -25,7 +32,7 @@ from kempner_resilience.checkpoint.layout import (MANIFEST_NAME, MARKER_NAME, TR
                                                   Entry, is_our_file, read_manifest, read_marker)
 from kempner_resilience.core.fileio import fsync_dir
 
-__all__ = ["why_not_ours", "remove_dir", "clean_trash", "select_for_deletion"]
+__all__ = ["why_not_ours", "remove_dir", "clean_trash", "select_for_deletion", "plan_deletions"]
 
 
 def why_not_ours(path: Path, manifest: dict[str, Any] | None = None,
@@ -110,23 +117,59 @@ def clean_trash(root: Path, run_id: str | None = None,
 
 def select_for_deletion(entries: list[Entry], keep_last: int, keep_every: int,
                         protect: Iterable[Path] = (), *, run_id: str | None = None,
+                        earlier: Iterable[str | None] = (),
                         on_skip: Callable[[Path, str], None] | None = None) -> list[Entry]:
-    """What retention removes: committed ones beyond ``keep_last`` (except ``keep_every``
-    multiples), and partial ones no newer than the newest commit (a later commit proves their
-    save is over: saves of one job are serial). Only directories that are ours (``why_not_ours``)
-    count or are removed; ``on_skip(path, why)`` hears about the others. Never the newest
-    committed one, never ``protect``ed paths."""
+    """What retention removes (``plan_deletions``), among the directories that are ours
+    (``why_not_ours``: checked on disk); ``on_skip(path, why)`` hears about the others.
+    Never the newest committed one of the run's lineage, never ``protect``ed paths, never a
+    checkpoint of another lineage (another ``run_id``, or one of the ``earlier`` lineages a
+    fresh start left behind)."""
+    from kempner_resilience.checkpoint.identity import recorded_run_id
+
+    left = frozenset(earlier)
     protected = {Path(p) for p in protect}
     ours: list[Entry] = []
     for e in entries:
         if e.path in protected:
             continue
-        why = why_not_ours(e.path, e.manifest, run_id)
+        earlier_lineage = bool(left) and e.committed and recorded_run_id(e) in left
+        # An earlier lineage is kept whatever it holds: only what else is odd about it is
+        # worth a warning (its run id differing from ours is the point, not news).
+        why = why_not_ours(e.path, e.manifest, None if earlier_lineage else run_id)
         if why is None:
-            ours.append(e)
+            if not earlier_lineage:
+                ours.append(e)
         elif on_skip is not None:
             on_skip(e.path, why)
-    # Only our commits count: a foreign checkpoint with a higher step must not push ours out.
+    return plan_deletions(ours, keep_last, keep_every, run_id=run_id, earlier=left,
+                          run_of=recorded_run_id)
+
+
+def plan_deletions(entries: Iterable[Entry], keep_last: int, keep_every: int,
+                   protect: Iterable[Path] = (), *, run_id: str | None = None,
+                   earlier: Iterable[str | None] = (),
+                   run_of: Callable[[Entry], Any] = lambda e: None) -> list[Entry]:
+    """The pure decision (no disk access when ``run_of`` has none): committed entries of the
+    run's lineage beyond the newest ``keep_last`` (except ``keep_every`` multiples), and
+    partial ones no newer than its newest commit (a later commit proves their save is over:
+    saves of one job are serial).
+
+    The lineage of ``run_id``: entries whose recorded run id (``run_of``) is ``run_id``, or
+    records none (written before run ids existed) unless ``None`` is among the ``earlier``
+    lineages. Entries of any other run, ``protect``ed ones and damaged ones are neither counted
+    nor removed: a checkpoint that is not this lineage's, or that resume could not load, must
+    neither push this lineage's checkpoints out nor be deleted by it.
+    """
+    protected = {Path(p) for p in protect}
+    left = frozenset(earlier)
+
+    def mine(e: Entry) -> bool:
+        rid = run_of(e)
+        if rid is None:
+            return None not in left
+        return run_id is None or rid == run_id
+
+    ours = [e for e in entries if e.path not in protected and not e.damaged and mine(e)]
     committed = [e for e in ours if e.committed]
     if not committed:
         return []
@@ -135,12 +178,6 @@ def select_for_deletion(entries: list[Entry], keep_last: int, keep_every: int,
     keep.add(newest.path)
     if keep_every > 0:
         keep.update(e.path for e in committed if e.step % keep_every == 0)
-    out = []
-    for e in ours:
-        # A damaged manifest might be a transient read error; it is not ours to judge, and
-        # `ls`/`verify` report it.
-        if e.damaged or e.path in keep:
-            continue
-        if e.committed or e.step <= newest.step:
-            out.append(e)
-    return out
+    # A damaged manifest might be a transient read error; it is not ours to judge, and
+    # `ls`/`verify` report it (damaged entries were left out above).
+    return [e for e in ours if e.path not in keep and (e.committed or e.step <= newest.step)]

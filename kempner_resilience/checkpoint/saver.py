@@ -70,13 +70,29 @@ class Saver:
         self._writing: set[Path] = set()          # directories being written: retention skips them
         self._retention_thread: threading.Thread | None = None
         self._left_alone: set[Path] = set()       # what retention already said it leaves alone
+        self.earlier: frozenset[str | None] = frozenset()   # lineages left behind: never touched
+        # Until this run commits a checkpoint of its own, the one it resumed from is the only
+        # one known to load: retention keeps it whatever keep_last says. Those resume could not
+        # load (and did not set aside) are neither counted nor deleted by this run.
+        self._resumed_from: Path | None = None
+        self._unloadable: set[Path] = set()
+        self._own_commit = False
 
-    def claim(self, run_id: str | None, lease: Lease | None = None) -> None:
-        """The run the step directories are marked with (their ownership marker), and rank 0's
-        lease on the directory: checked before a step directory is made, before the commit's
-        rename and before retention deletes (a run that lost it writes nothing more)."""
+    def claim(self, run_id: str | None, lease: Lease | None = None,
+              earlier: frozenset[str | None] = frozenset()) -> None:
+        """The run the step directories are marked with (their ownership marker); rank 0's
+        lease on the directory, checked before a step directory is made, before the commit's
+        rename and before retention deletes (a run that lost it writes nothing more); and the
+        earlier lineages of the directory that retention must leave alone."""
         self.run_id = run_id
         self.lease = lease
+        self.earlier = frozenset(earlier)
+
+    def resumed(self, path: Path, unloadable: list[Path]) -> None:
+        """The run resumed from ``path`` after ``unloadable`` failed to load: protect them
+        from this run's retention (see ``__init__``)."""
+        self._resumed_from = Path(path)
+        self._unloadable.update(Path(p) for p in unloadable)
 
     def distrust_staging(self, why: str) -> None:
         """The staging path wrote other bytes than the tensors hold: never use it again in this
@@ -178,6 +194,7 @@ class Saver:
                 raise CheckpointError(self._failure_text(step, path, status))
         finally:
             self._writing.discard(path)
+        self._own_commit = True
         if prove and writer.proven_records:      # a save that staged nothing proves nothing
             self.staging_proven = True
             log.info("staging proven: the first staged save matched a plain copy (%d tensors)",
@@ -216,10 +233,13 @@ class Saver:
             retention.clean_trash(self.root, self.run_id, self.leave_alone)
             # Pinned (pinned.json: a partial resume's full checkpoint) are never deleted; an
             # unreadable pin file raises OSError here, and nothing is deleted.
-            protect = set(self._writing) | pinned.read(self.root)
+            protect = set(self._writing) | self._unloadable | pinned.read(self.root)
+            if self._resumed_from is not None and not self._own_commit:
+                protect.add(self._resumed_from)
             victims = retention.select_for_deletion(layout.scan(self.root), self.config.keep_last,
                                                  self.config.keep_every, protect,
-                                                 run_id=self.run_id, on_skip=self.leave_alone)
+                                                 run_id=self.run_id, earlier=self.earlier,
+                                                 on_skip=self.leave_alone)
             for e in victims:
                 if self.lease is not None:
                     self.lease.check()           # again before each: a deletion takes time

@@ -134,7 +134,8 @@ class CheckpointConfig(_Section):
         "periodic save when this many minutes passed since the last one; 0 = off",
         bounds=Range(0, 10080, unit="minutes", note=_OFF)))
     keep_last: int = field(default=3, metadata=_help(
-        "committed checkpoints to keep (the newest is never deleted)",
+        "committed checkpoints of this run's lineage to keep (the newest is never deleted; "
+        "other lineages' checkpoints are never counted nor deleted)",
         bounds=_count(1, 10**6, "the newest committed checkpoint is always kept")))
     keep_every: int = field(default=0, metadata=_help(
         "also keep forever every checkpoint whose step is a multiple of N; 0 = off",
@@ -158,7 +159,8 @@ class CheckpointConfig(_Section):
     io_threads: int = field(default=4, metadata=_help(
         "writer threads per rank for saves", bounds=_count(1, 256)))
     resume: bool = field(default=True, metadata=_help(
-        "resume from the newest committed checkpoint in dir at start"))
+        "resume from the newest committed checkpoint of the run run.json names (its lineage); "
+        "false: start at step 0 as a new run (new run id), keeping the checkpoints in dir"))
     max_failed_saves: int = field(default=3, metadata=_help(
         "periodic saves that may fail in a row (full disk, I/O error) while training goes on and "
         "retries at the next cadence; at this many the run stops with 80 CHECKPOINT_FAILED",

@@ -23,6 +23,7 @@ from kempner_resilience.stop.agreement import FORCED_MARKER_PREFIX, StopAgreemen
 from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.core.ledger import LEDGER_NAME, Ledger, attempt_start, relaunch_count
 from kempner_resilience.core.log import announce, get_logger
+from kempner_resilience.run import hparams
 from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import outcome
 from kempner_resilience.shutdown.sequence import local_restart_count, record
@@ -73,12 +74,14 @@ def _checkpoints(run: RunState, state: Mapping[str, Any], run_id: str | None) ->
     restarts = run.slurm.restart_count if run.slurm is not None else local_restart_count()
     run.ckpt = ckpt = _manager(run, state, restarts)
     ckpt.check_dir()                                       # writable, room for a save
-    run.run_id = _resolve_run_id(run, ckpt.root, run_id)   # run.json, checkpoints are ours
-    ckpt.claim(run.run_id, _hold_directory(run, ckpt.root, restarts))
+    run.run_id, lineage = _resolve_run_id(run, ckpt.root, run_id)  # run.json, ours
+    held = _hold_directory(run, ckpt.root, restarts)
+    ckpt.claim(run.run_id, held, _record_lineage(run, ckpt.root, lineage))
     _mark_forced_exits_in(run, ckpt.root)
     run.ledger = _ledger(run, ckpt.root, restarts)
+    script = hparams.snapshot(state)                       # the script's, before the load
     _resume(run, ckpt)
-    _announce_start(run, ckpt, run.resumed_from)
+    _announce_start(run, ckpt, run.resumed_from, script, state)
     run.clock.set_save_estimate(ckpt.estimate().seconds)
     run.rescue = _rescue(run, ckpt)
 
@@ -136,20 +139,26 @@ def _manager(run: RunState, state: Mapping[str, Any], restarts: int | None
                                              "restart_count": restarts})
 
 
-def _resolve_run_id(run: RunState, root: Path, explicit: str | None) -> str:
+def _resolve_run_id(run: RunState, root: Path, explicit: str | None
+                    ) -> tuple[str, dict[str, Any] | None]:
     """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
-    every rank gets the id, or the same refusal."""
+    every rank gets the id, or the same refusal. With ``checkpoint.resume: false`` in a
+    directory holding checkpoints, a new lineage (``identity.plan_lineage``): its ``run.json``
+    (rank 0's, None elsewhere) is written by ``_record_lineage`` once the lease is held."""
     from kempner_resilience.checkpoint import layout
 
     cfg = run.config.checkpoint
     text = None
+    lineage: dict[str, Any] | None = None
     if run.rank == 0:
         try:
             # repair: a damaged run.json is rewritten from the checkpoints' run id, so
             # it neither blocks the restart nor gives this attempt an unrecorded id.
             rid = explicit
             recorded = identity.repair(root, rid)
-            if rid is None:
+            if not cfg.resume:
+                rid, lineage = identity.plan_lineage(root, layout.scan(root), explicit)
+            elif rid is None:
                 rid, _ = identity.load_or_create(root)
             elif recorded is None:
                 rid, _ = identity.load_or_create(root, rid)
@@ -172,7 +181,23 @@ def _resolve_run_id(run: RunState, root: Path, explicit: str | None) -> str:
     kind, _, value = text.partition(":")
     if kind == "refused":
         raise identity.OtherRunError(value)
-    return value
+    return value, lineage
+
+
+def _record_lineage(run: RunState, root: Path, lineage: dict[str, Any] | None
+                    ) -> frozenset[str | None]:
+    """Rank 0, holding the lease: write a fresh start's new lineage into ``run.json``; the
+    lineages left behind in ``root`` (rank 0's: it alone lists for resume and runs
+    retention)."""
+    if run.rank != 0:
+        return frozenset()
+    if not run.config.checkpoint.resume:
+        try:
+            identity.record_lineage(root, run.run_id or "", lineage)
+        except OSError as e:
+            log.warning("cannot record the new lineage %s in %s (%s): the next resume may not "
+                        "find it", run.run_id, root / identity.RUN_FILE, e)
+    return identity.earlier_runs(root)
 
 
 def _hold_directory(run: RunState, root: Path, restarts: int | None) -> Lease | None:
@@ -255,19 +280,37 @@ def _resume(run: RunState, ckpt: CheckpointManager) -> None:
     run.ledger.event("resume", step=int(info.step), load_s=round(run.timings["resume_s"], 4))
 
 
-def _announce_start(run: RunState, ckpt: CheckpointManager, info: CheckpointInfo | None
-                    ) -> None:
-    """One line per run on rank 0, visible at Python's default log level: where it resumed
-    from, or that it starts fresh and why."""
+def _announce_start(run: RunState, ckpt: CheckpointManager, info: CheckpointInfo | None,
+                    before: dict[str, Any], state: Mapping[str, Any]) -> None:
+    """One line per run on rank 0, visible at Python's default log level: which run it
+    continues, from where and which step, which of the script's optimizer settings the
+    checkpoint's replace, and whether that run already finished its loop; or that it starts
+    fresh and why."""
     if run.rank != 0:
         return
     if info is not None:
-        announce(log, "resumed from %s (step %d, reason %s) in %.2f s", info.path, info.step,
-                 info.reason, run.timings.get("resume_s", 0.0))
+        changed = hparams.differences(before, hparams.snapshot(state))
+        done = identity.completed_step(ckpt.root, run.run_id) if run.run_id else None
+        if done is None:
+            finished = ""
+        elif info.step >= done:
+            finished = (f"; this run already finished run.steps({done}): a larger total trains "
+                        "longer, the same total trains nothing (checkpoint.resume: false starts "
+                        "a new run)")
+        else:
+            finished = (f"; this run already finished run.steps({done}), but its newest "
+                        f"checkpoint is step {info.step}: steps {info.step} to {done} run again "
+                        "(run.save() after the loop keeps a finished run's last step)")
+        announce(log, "run %s resumed from %s (step %d, reason %s) in %.2f s%s%s", run.run_id,
+                 info.path, info.step, info.reason, run.timings.get("resume_s", 0.0),
+                 "" if not changed else "; the checkpoint's optimizer settings replace the "
+                 "script's: " + ", ".join(changed), finished)
     elif not run.config.checkpoint.resume:
-        announce(log, "starting fresh at step 0: checkpoint.resume is off (%s)", ckpt.root)
+        announce(log, "run %s starting fresh at step 0: checkpoint.resume is off (%s)",
+                 run.run_id, ckpt.root)
     else:
-        announce(log, "starting fresh at step 0: no committed checkpoint in %s", ckpt.root)
+        announce(log, "run %s starting fresh at step 0: no committed checkpoint in %s",
+                 run.run_id, ckpt.root)
 
 
 def _rescue(run: RunState, ckpt: CheckpointManager) -> Rescuer | None:

@@ -28,9 +28,10 @@ from kempner_resilience.stop.agreement import StopDecision
 from kempner_resilience.run.begin import begin
 from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
 from kempner_resilience.exitcodes import Ending, Facts
+from kempner_resilience.checkpoint import identity
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV
 from kempner_resilience.core.ledger import Ledger
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.log import announce, get_logger
 from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import outcome, sequence
@@ -221,6 +222,7 @@ class ResilientRun:
         if not self._looped:
             self._looped = True
             parts.ledger.event("loop", step=parts.step)
+            self._say_what_remains(total)
         rescue = parts.rescue
         if rescue is not None:
             rescue.mark(parts.step)
@@ -251,6 +253,36 @@ class ResilientRun:
         self._done = True
         if rescue is not None:
             rescue.close()
+        self._record_complete()
+
+    def _say_what_remains(self, total: int) -> None:
+        """Rank 0, when ``steps`` starts after a resume: a run that already reached ``total``
+        says it is complete and trains nothing; one whose loop had finished before says it
+        trains longer."""
+        parts = self._parts
+        if parts.rank != 0 or parts.resumed_from is None or parts.ckpt is None:
+            return
+        done = identity.completed_step(parts.ckpt.root, parts.run_id) if parts.run_id else None
+        if parts.step >= total:
+            announce(log, "run %s is complete: it resumed at step %d and run.steps(%d) has no "
+                     "step left to train. To train longer, raise the total; to start a new run "
+                     "in this directory, set checkpoint.resume: false (this run's checkpoints "
+                     "are kept)", parts.run_id, parts.step, total)
+        elif done is not None and done < total:
+            announce(log, "run %s finished run.steps(%d) before; training longer: steps %d to "
+                     "%d", parts.run_id, done, parts.step, total)
+
+    def _record_complete(self) -> None:
+        """Rank 0, at the end of the loop: record in ``run.json`` the step this run's lineage
+        reached (``identity.mark_complete``), for the next start's line."""
+        parts = self._parts
+        if parts.rank != 0 or parts.ckpt is None or not parts.run_id or parts.ckpt.lease_lost:
+            return       # (a run that lost its lease writes no run file any more)
+        try:
+            identity.mark_complete(parts.ckpt.root, parts.run_id, parts.step)
+        except OSError as e:
+            log.warning("cannot record that run %s completed step %d in %s: %s", parts.run_id,
+                        parts.step, parts.ckpt.root / identity.RUN_FILE, e)
 
     def add_cleanup(self, fn: Callable[[], Any], *, name: str | None = None,
                     timeout_s: float | None = None) -> Callable[[], Any]:
