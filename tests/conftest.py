@@ -31,3 +31,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path):
+    """Mount small tmpfs file systems (a full disk, inodes used up, a read-only one; needs
+    root): ``mount(name, options)`` returns the mount point. Where mounting is not permitted
+    the test skips with the reason, and fails under CI, which runs as root: a disk test that
+    cannot run is a hidden failure there."""
+    import subprocess
+
+    from slurm_fixtures import in_ci
+
+    mounted: list[Path] = []
+
+    def mount(name: str, options: str) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            why = f"cannot mount tmpfs here ({r.stderr.strip()})"
+            if in_ci():
+                pytest.fail(f"{why} [CI is set: a disk test that cannot run fails]",
+                            pytrace=False)
+            pytest.skip(why)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -51,24 +51,6 @@ def _flip_byte_in_largest_shard(ckpt: Path) -> None:
     shard.write_bytes(data)
 
 
-@pytest.fixture
-def mount_tmpfs(tmp_path: Path):
-    """Mount small tmpfs file systems (needs root); skip with the reason when not permitted."""
-    mounted: list[Path] = []
-
-    def mount(name: str, options: str) -> Path:
-        path = tmp_path / name
-        path.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount tmpfs here ({r.stderr.strip()})")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in reversed(mounted):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def test_a_corrupted_shard_is_detected_and_the_previous_checkpoint_loaded(tmp_path, caplog):

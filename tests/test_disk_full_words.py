@@ -7,7 +7,6 @@ Real files on small tmpfs mounts (we run as root; skipped where mounting is not 
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,24 +16,6 @@ from kempner_resilience.checkpoint import CheckpointError, CheckpointManager
 from kempner_resilience.config import CheckpointConfig
 
 
-@pytest.fixture
-def mount_tmpfs(tmp_path: Path):
-    """Mount a small tmpfs (needs root); skip with the reason when not permitted."""
-    mounted: list[Path] = []
-
-    def mount(name: str, options: str) -> Path:
-        path = tmp_path / name
-        path.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount tmpfs here ({r.stderr.strip()})")
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in reversed(mounted):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def _use_up_inodes(root: Path) -> int:
