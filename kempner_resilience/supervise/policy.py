@@ -20,7 +20,7 @@ row    the ranks' endings                                       job code     kin
        or did not end within the grace): those ranks left
        ``run.steps`` early (``break``, ``sys.exit(0)``)
 4      a rank exited 75 REQUEUE (a signal; the run asked)       75           REQUESTED
-5      a rank exited 81 PEER_LOST or 42 HANG                    that code    FAILURE
+5      a rank exited 42 HANG, else 81 PEER_LOST                 that code    FAILURE
 6      a rank was killed by a signal of its own (SIGKILL: OOM,  128 + N      FAILURE
        a node gone), and no rank said more
 7      ranks stopped by SIGTERM (143), nothing else             143          STOPPED
@@ -187,9 +187,11 @@ def job_code(ends: tuple[RankEnd, ...] | list[RankEnd]) -> tuple[int, Kind, tupl
         return int(ExitCode.ERROR), Kind.LEFT_EARLY, done
     if any(e.code == int(ExitCode.REQUEUE) for _, e in exits):
         return int(ExitCode.REQUEUE), Kind.REQUESTED, ()
-    rescued = [e.code for _, e in exits if e.code in RESCUED_CODES]
+    # A hung rank says why its peers lost it: HANG before PEER_LOST.
+    rescued = sorted((e.code != int(ExitCode.HANG), r, e.code) for r, e in exits
+                     if e.code in RESCUED_CODES)
     if rescued:
-        return rescued[0], Kind.FAILURE, ()
+        return rescued[0][2], Kind.FAILURE, ()
     if deaths:
         return deaths[0], Kind.FAILURE, ()
     if any(e.by_supervisor for e in ends):
