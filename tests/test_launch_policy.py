@@ -37,11 +37,23 @@ sys.exit(int(action))
 """
 
 
-def _launch(tmp_path: Path, plan: str, *options: str, timeout: float = 120):
+def _launch(tmp_path: Path, plan: str, *options: str, timeout: float = 60):
     """(exit status, stderr, [(rank, restart)] started) of ``launch OPTIONS -- SCRIPT``; every
     rank the script started is killed afterwards, whatever happened (a frozen one included)."""
     script = write_script(tmp_path, SCRIPT)
     seen = tmp_path / "seen"
+
+    def started() -> list[tuple[int, ...]]:
+        lines = seen.read_text().split("\n") if seen.exists() else []
+        return [tuple(map(int, line.split())) for line in lines if line]
+
+    def kill_ranks() -> None:       # no rank of ours outlives the test (a frozen one included)
+        for _, _, pid in started():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     proc = subprocess.Popen([sys.executable, "-m", "kempner_resilience.cli", "launch", *options,
                              "--", sys.executable, str(script), str(seen), plan],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -50,17 +62,12 @@ def _launch(tmp_path: Path, plan: str, *options: str, timeout: float = 120):
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        kill_ranks()                # they hold the launcher's stderr open
         _, err = proc.communicate()
         err += "\n[test] launch did not end within the test's timeout"
     finally:
-        lines = seen.read_text().split("\n") if seen.exists() else []
-        started = [tuple(map(int, line.split())) for line in lines if line]
-        for _, _, pid in started:           # no rank of ours outlives the test
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return proc.returncode, err, sorted((rank, restart) for rank, restart, _ in started)
+        kill_ranks()
+    return proc.returncode, err, sorted((rank, restart) for rank, restart, _ in started())
 
 
 def test_a_rank_error_its_peer_saw_as_a_lost_peer_exits_1_without_a_relaunch(tmp_path):
