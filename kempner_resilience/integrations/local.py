@@ -5,7 +5,8 @@ It does what SLURM does for a requeueable job, on one machine: start one process
 fresh port per launch), and start the job again when the launch-side policy says so
 (``supervise/policy.py``: a REQUEUE, or a rescued failure, HANG/PEER_LOST or a rank killed, as a
 site's requeue-on-failure would; never after a rank's own error, whatever its peers said), up to
-a restart budget, and with the policy's no-progress guard when it is told ``ckpt_dir``. ``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
+a restart budget, and with the policy's no-progress guard when it is told ``ckpt_dir``.
+``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
 ``SLURM_RESTART_COUNT`` does: the run's restart budget (``requeue.max_restarts``), its
 no-progress guard and its ledger count the attempts from it. ``kempner-resilience launch`` runs a
 user's script with it; ``kempner-resilience demo`` runs the demo trainer, with a work directory

@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 
 from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode
 
-__all__ = ["Action", "Kind", "Guard", "RankEnd", "Commits", "Evidence", "Decision", "job_code", "decide",
-           "RESCUED", "RUN_AGAIN", "ENDS_THE_JOB", "NOT_IN_PLACE", "RESCUED_CODES"]
+__all__ = ["Action", "Kind", "Guard", "RankEnd", "Commits", "Evidence", "Decision", "job_code",
+           "decide", "RESCUED", "RUN_AGAIN", "ENDS_THE_JOB", "NOT_IN_PLACE", "RESCUED_CODES"]
 
 RESCUED_CODES: frozenset[int] = frozenset(int(c) for c in RESCUED)
 # The codes a rank chooses that end the job as it is, whatever its peers say: a relaunch would
