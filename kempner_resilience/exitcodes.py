@@ -19,8 +19,8 @@ import enum
 import signal
 from dataclasses import dataclass
 
-__all__ = ["ExitCode", "describe", "for_signal_stop", "TABLE", "RUN_AGAIN", "Ending", "Saved",
-           "Verdict", "Facts", "exit_code", "Row", "ROWS", "CLI_ONLY", "endings_markdown"]
+__all__ = ["ExitCode", "describe", "for_signal_stop", "TABLE", "RUN_AGAIN", "RESCUED", "Ending",
+           "Saved", "Verdict", "Facts", "exit_code", "Row", "ROWS", "CLI_ONLY", "endings_markdown"]
 
 
 class ExitCode(enum.IntEnum):
@@ -104,13 +104,17 @@ TABLE: dict[ExitCode, str] = {
 }
 
 
-# The codes after which the job is to run again, from its newest committed checkpoint: what a
-# requeueing scheduler reruns (REQUEUE: the run asked for it; HANG and PEER_LOST: a failure the
-# survivors may have rescued, which a site's requeue-on-failure reruns). A local launcher
-# (`kempner-resilience launch`) relaunches after exactly these; every other code ends the job.
-# LEASE_LOST above all must never be here: another run holds the directory, and running this one
-# again would only start a fight over it.
-RUN_AGAIN: frozenset[ExitCode] = frozenset({ExitCode.REQUEUE, ExitCode.HANG, ExitCode.PEER_LOST})
+# The restartable endings, defined once here (the code contract, in the core layer) and read by
+# the launch side's one policy (``supervise/policy.py``), which the srun steps, the torchrun
+# spares and the local launcher take them from. RESCUED: a failure the survivors may have
+# rescued (a peer lost, a hang), worth a relaunch in place. RUN_AGAIN: those and REQUEUE (the run
+# asked for it): what a requeueing scheduler reruns, from the newest committed checkpoint.
+# Whether a job whose ranks ended with these does run again (a committed checkpoint, the restart
+# budget, the no-progress guard, a spare) is the policy's decision. LEASE_LOST above all must
+# never be here: another run holds the directory, and running this one again would only start a
+# fight over it.
+RESCUED: frozenset[ExitCode] = frozenset({ExitCode.HANG, ExitCode.PEER_LOST})
+RUN_AGAIN: frozenset[ExitCode] = RESCUED | {ExitCode.REQUEUE}
 
 
 def for_signal_stop(signum: int) -> ExitCode:

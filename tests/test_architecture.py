@@ -1,7 +1,7 @@
 """The package's shape, checked from its source: dependencies point one way (core/, stop/,
-config/ <- checkpoint/, slurm/, rescue/, integrations/ <- run/, shutdown/ <- cli/, demo/), a
-folder is a layer or one job within one, the shutdown steps never reach forward, no module
-sets an attribute on another module's part (only records are filled in from outside),
+config/ <- checkpoint/, slurm/, rescue/, integrations/, supervise/ <- run/, shutdown/ <- cli/,
+demo/), a folder is a layer or one job within one, the shutdown steps never reach forward, no
+module sets an attribute on another module's part (only records are filled in from outside),
 nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names every module.
 
 Imports are read with ``ast`` (every import in a module, at the top or inside a function), so a
@@ -24,7 +24,7 @@ PKG = ROOT / "kempner_resilience"
 # public). docs/design.md argues it.
 LAYERS = {
     "core": {"core", "config", "stop", "exitcodes"},
-    "library": {"checkpoint", "slurm", "rescue", "integrations"},
+    "library": {"checkpoint", "slurm", "rescue", "integrations", "supervise"},
     "run": {"", "run", "shutdown"},
     "top": {"cli", "demo"},
 }

@@ -4,10 +4,13 @@
 
 The loop SLURM runs for a requeueable job, on one machine (``integrations/local.py``): every
 rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT and ``KEMPNER_RESTART_COUNT``; a
-launch whose ranks exit with a run-again code (75 REQUEUE, 42 HANG, 81 PEER_LOST) is started
-again from the newest checkpoint, within the restart budget. Ctrl+C (or a SIGTERM to this
-process) gives each rank one SIGINT (SIGTERM): they checkpoint and exit 130 (143), and there is
-no relaunch. The exit status is the ranks' code of the last launch.
+launch whose ranks ended in a way worth running again (75 REQUEUE, 42 HANG, 81 PEER_LOST, a rank
+killed) is started again from the newest checkpoint, within the restart budget: the launch-side
+policy decides (``supervise/policy.py``), with its one rule for the job's code. Once a rank has
+ended, the others get --stop-timeout to end too and are then killed, so a frozen rank never
+holds the launch. Ctrl+C (or a SIGTERM to this process) gives each rank one SIGINT (SIGTERM):
+they checkpoint and exit 130 (143), and there is no relaunch. The exit status is the job's code
+of the last launch.
 """
 
 from __future__ import annotations
@@ -36,15 +39,22 @@ def _setup(p: argparse.ArgumentParser) -> None:
                         "check against KEMPNER_RESTART_COUNT themselves")
     p.add_argument("--stop-timeout", type=float, default=120.0, metavar="S",
                    help="after Ctrl+C or SIGTERM, seconds the ranks get to checkpoint and exit "
-                        "before they are killed; default 120")
+                        "before they are killed; also, once one rank has ended, seconds the "
+                        "others get to end before they are killed (SIGTERM, SIGKILL 10 s "
+                        "later); default 120. Survivors whose lost peer shows only through "
+                        "their hang watchdog need more than watchdog.hang_timeout_s + "
+                        "rescue.budget_s to commit the rescue")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the command every rank runs, e.g. python train.py --lr 0.1")
     codes = ", ".join(f"{int(c)} {c.name}" for c in sorted(RUN_AGAIN))
-    p.epilog = (f"Relaunched after {codes} (what a requeueing scheduler reruns); stops on 0, "
-                "on any other code and when the budget is spent. The exit status is the "
-                "ranks' code of the last launch (when they differ: the lowest rank's code among "
-                "those that exited on their own; 128+N for a rank killed by signal N); 130 "
-                "after Ctrl+C.")
+    p.epilog = (f"Relaunched after {codes} or a rank killed by a signal (what a requeueing "
+                "scheduler reruns); stops on 0, on any other code and when the budget is spent. "
+                "The exit status is the job's code of the last launch, one rule over the ranks' "
+                "codes (docs/design.md, \"One supervisor policy\"): a rank's own code (1 ERROR, "
+                "78 CONFIG, ...) over its peers' 81 PEER_LOST, so [81, 1] exits 1 without a "
+                "relaunch; ranks that exited 0 while the others lost them left run.steps early "
+                "and the job exits 1; then 75; then 81/42 (a rank SIGKILLed beside survivors' "
+                "81: 81); then 128+N for a rank killed by signal N. 130 after Ctrl+C.")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -67,24 +77,26 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(f"{command[0]!r}: no such command (not a file, not on PATH)", 2)
 
     def told(launch: Launch) -> None:
-        code = launch.exit_code
+        from kempner_resilience.supervise.policy import Action, Guard
+
+        code, decision = launch.exit_code, launch.decision
         what = f"launch {launch.index + 1} (KEMPNER_RESTART_COUNT={launch.index}): ranks " \
                f"exited {launch.exit_codes} -> {describe(code).split(':')[0]}"
         if launch.killed:
             what += f"; ranks {launch.killed} did not stop within --stop-timeout and were killed"
         if launch.interrupted:
             _log.warning("%s; stopped by a signal to the launcher: not relaunched", what)
-        elif int(code) in {int(c) for c in RUN_AGAIN}:
-            if launch.index < args.max_restarts:
-                _log.warning("%s; relaunching (restart %d of %d)", what, launch.index + 1,
-                             args.max_restarts)
-            else:
-                _log.error("%s; the restart budget (--max-restarts %d) is spent: not "
-                           "relaunched", what, args.max_restarts)
+        elif decision is not None and decision.action is not Action.LEAVE:
+            _log.warning("%s; relaunching (restart %d of %d): %s", what, launch.index + 1,
+                         args.max_restarts, decision.why)
         elif code == 0:
             _log.info("%s: done", what)
+        elif decision is not None and decision.guard is Guard.BUDGET:
+            _log.error("%s; the restart budget (--max-restarts %d) is spent: not "
+                       "relaunched", what, args.max_restarts)
         else:
-            _log.error("%s; not relaunched", what)
+            _log.error("%s; not relaunched: %s", what,
+                       decision.why if decision is not None else "")
 
     launcher = LocalLauncher(command, ranks=args.ranks, workdir=None,
                              max_launches=args.max_restarts + 1, on_launch=told,

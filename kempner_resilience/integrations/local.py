@@ -2,9 +2,11 @@
 
 It does what SLURM does for a requeueable job, on one machine: start one process per rank
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; gloo or NCCL, a
-fresh port per launch), and start the job again when it exits with a code of
-``exitcodes.RUN_AGAIN`` (REQUEUE, or HANG/PEER_LOST, as a site's requeue-on-failure would), up
-to a restart budget. ``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
+fresh port per launch), and start the job again when the launch-side policy says so
+(``supervise/policy.py``: a REQUEUE, or a rescued failure, HANG/PEER_LOST or a rank killed, as a
+site's requeue-on-failure would; never after a rank's own error, whatever its peers said), up to
+a restart budget, and with the policy's no-progress guard when it is told ``ckpt_dir``.
+``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
 ``SLURM_RESTART_COUNT`` does: the run's restart budget (``requeue.max_restarts``), its
 no-progress guard and its ledger count the attempts from it. ``kempner-resilience launch`` runs a
 user's script with it; ``kempner-resilience demo`` runs the demo trainer, with a work directory
@@ -18,6 +20,14 @@ Ctrl+C forwards a second SIGINT, which forces every rank out at once. A SIGTERM 
 (``kill``) is forwarded the same way (checkpoint, 143). Every wait after such a signal is
 bounded (``stop_timeout_s``); ranks still alive then are killed, so none is ever left behind,
 and ranks whose launcher dies get SIGTERM from the kernel (a graceful stop).
+
+A launch is bounded too: once the first rank has ended, whatever its code, the others get
+``stop_timeout_s`` (the same grace) to end as well; a rank still there then (frozen by SIGSTOP,
+stuck in a collective its lost peer will never join) gets SIGTERM, and SIGKILL
+``KILL_AFTER_TERM_S`` later. Such a rank counts as hung for the policy, never as an ending of its
+own (``RankEnd.by_supervisor``). Survivors that detect a lost peer only through their hang
+watchdog need a grace above ``watchdog.hang_timeout_s`` + ``rescue.budget_s`` to commit their
+rescue before they are killed.
 """
 
 from __future__ import annotations
@@ -35,12 +45,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kempner_resilience.exitcodes import RUN_AGAIN
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
+                                                 RankEnd, decide, job_code)
 
 __all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "RELAUNCH_CODES",
-           "FORWARDED_SIGNALS"]
+           "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
 
+_log = get_logger(__name__)
+
+# The run-again codes, as before; the decision itself is the policy's (``relaunch_codes``
+# overrides it for a caller that plays a scheduler of its own, as the demo does).
 RELAUNCH_CODES = frozenset(int(c) for c in RUN_AGAIN)
+# After the grace, a rank still alive gets SIGTERM (a graceful stop if it can still run), then
+# SIGKILL this much later (a SIGSTOPped rank cannot act on SIGTERM at all).
+KILL_AFTER_TERM_S = 10.0
 # Signals to the launcher that it forwards to every rank (once per signal received).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The variables by which a rank finds its SLURM job. Started from inside an allocation (salloc,
@@ -78,20 +98,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_exit_code(codes: Sequence[int]) -> int:
+def job_exit_code(codes: Sequence[int], killed: Sequence[int] = ()) -> int:
     """One code for a launch from its ranks' exit statuses (``Popen.returncode``: negative for a
-    rank killed by a signal, reported as a shell does, 128 + the signal).
+    rank killed by a signal) and the ranks the launcher itself killed: the policy's one rule
+    (``supervise.policy.job_code``). [81, 1] is 1 (rank 1's error, which rank 0 saw as a lost
+    peer); a rank SIGKILLed beside survivors that said 81 is 81."""
+    return job_code(_ends(codes, killed))[0]
 
-    The ranks' code when they agree; else the lowest rank's non-zero code among the ranks that
-    exited on their own: the survivors of a killed rank say what happened (PEER_LOST after a
-    rescue), the killed one only that it was killed. A killed rank's code when all were killed.
-    """
-    shell = [c if c >= 0 else 128 - c for c in codes]
-    failed = [s for c, s in zip(codes, shell) if s != 0]
-    if not failed:
-        return 0
-    own = [s for c, s in zip(codes, shell) if s != 0 and c > 0]
-    return (own or failed)[0]
+
+def _ends(codes: Sequence[int], killed: Sequence[int]) -> tuple[RankEnd, ...]:
+    return tuple(RankEnd.from_returncode(c, by_supervisor=r in killed)
+                 for r, c in enumerate(codes))
 
 
 @dataclass
@@ -109,11 +126,14 @@ class Launch:
     stderr_tail: list[str] = field(default_factory=list)
     interrupted: bool = False     # stopped by Ctrl+C or SIGTERM to the launcher: not relaunched
     killed: list[int] = field(default_factory=list)   # ranks killed after stop_timeout_s
+    decision: Decision | None = None  # the policy's answer for this launch (run() sets it)
 
     @property
     def exit_code(self) -> int:
-        """The job's code: the ranks' when they agree, else see ``job_exit_code``."""
-        return job_exit_code(self.exit_codes)
+        """The job's code: the policy's decision, else the one rule (``job_exit_code``)."""
+        if self.decision is not None:
+            return self.decision.code
+        return job_exit_code(self.exit_codes, self.killed)
 
 
 class LocalLauncher:
@@ -126,7 +146,12 @@ class LocalLauncher:
     script). ``interrupts`` (work directory only) maps a training step to the signal delivered
     when rank 0 reaches it (each is delivered once over the whole job). ``on_progress(launch,
     step)`` is called as steps complete, ``on_launch(launch)`` after each launch.
-    ``max_launches``: the first launch and the relaunches together.
+    ``max_launches``: the first launch and the relaunches together. ``ckpt_dir``: the run's
+    checkpoint directory, when the caller knows it: the policy's no-progress guard
+    (``max_no_progress`` relaunches in a row without a newer committed step) then applies.
+    ``relaunch_codes``: None, the policy decides; a set, relaunch exactly when the job's code is
+    in it (a caller that plays a scheduler of its own, as the demo does with its own signals).
+    ``stop_timeout_s``: the grace after a signal to the launcher and after the first rank's end.
     """
 
     def __init__(self, command: list[str], *, ranks: int, workdir: Path | None,
@@ -134,8 +159,9 @@ class LocalLauncher:
                  env: dict[str, str] | None = None,
                  on_progress: Callable[[int, int], None] | None = None,
                  on_launch: Callable[[Launch], None] | None = None,
-                 relaunch_codes: set[int] | frozenset[int] = RELAUNCH_CODES,
-                 stop_timeout_s: float = 60.0) -> None:
+                 relaunch_codes: set[int] | frozenset[int] | None = None,
+                 stop_timeout_s: float = 60.0, ckpt_dir: Path | None = None,
+                 max_no_progress: int = 2) -> None:
         if workdir is None and interrupts:
             raise ValueError("interrupts need a workdir (rank 0's progress file is read there)")
         self.command = list(command)
@@ -146,8 +172,10 @@ class LocalLauncher:
         self.env = env or {}
         self.on_progress = on_progress
         self.on_launch = on_launch
-        self.relaunch_codes = frozenset(relaunch_codes)   # job codes (a killed rank: 128 + N)
+        self.relaunch_codes = None if relaunch_codes is None else frozenset(relaunch_codes)
         self.stop_timeout_s = stop_timeout_s
+        self.ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
+        self.max_no_progress = max_no_progress
         self.launches: list[Launch] = []
         self._received: list[int] = []     # signals to forward, appended by the handler
 
@@ -160,20 +188,49 @@ class LocalLauncher:
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
             if main else {}
         try:
+            stalled = 0
             for index in range(self.max_launches):
+                before = self._committed_step()
                 launch = self._launch(index)
                 if self._received:      # a signal after the ranks had exited: no relaunch
                     launch.interrupted = True
                     del self._received[:]
+                commits = None if self.ckpt_dir is None else Commits(before,
+                                                                     self._committed_step())
+                launch.decision = self._decide(launch, Evidence(
+                    _ends(launch.exit_codes, launch.killed), restarts=index,
+                    max_restarts=self.max_launches - 1, commits=commits, stalled=stalled,
+                    max_no_progress=self.max_no_progress, stopping=launch.interrupted))
+                stalled = launch.decision.stalled
                 self.launches.append(launch)
                 if self.on_launch:
                     self.on_launch(launch)
-                if launch.interrupted or launch.exit_code not in self.relaunch_codes:
+                if launch.decision.action is Action.LEAVE:
                     break
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         return self.launches
+
+    def _decide(self, launch: Launch, ev: Evidence) -> Decision:
+        """The policy's decision; with ``relaunch_codes``, the caller's set instead."""
+        d = decide(ev)
+        if self.relaunch_codes is None:
+            return d
+        again = not launch.interrupted and d.code in self.relaunch_codes \
+            and ev.restarts < self.max_launches - 1
+        return Decision(Action.RELAUNCH if again else Action.LEAVE, d.code, d.kind,
+                        "the caller's relaunch codes" if again else d.why, d.stalled,
+                        d.left_early, d.guard)
+
+    def _committed_step(self) -> int | None:
+        if self.ckpt_dir is None:
+            return None
+        try:
+            steps = [e.step for e in layout.scan(self.ckpt_dir) if e.committed]
+        except OSError:
+            return None
+        return max(steps) if steps else None
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._received.append(signum)       # only record: the wait loop forwards it
@@ -222,8 +279,25 @@ class LocalLauncher:
         seen = 0
         forwarded = 0            # signals to the launcher forwarded to the ranks
         stop_by: float | None = None
+        first_end: float | None = None   # when the first rank ended: the others' grace runs
+        termed_at: float | None = None   # when the ranks left after the grace got SIGTERM
         try:
             while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if first_end is None and any(p.poll() is not None for p in procs):
+                    first_end = now
+                if first_end is not None and stop_by is None and termed_at is None \
+                        and now > first_end + self.stop_timeout_s:
+                    launch.killed = [r for r, p in enumerate(procs) if p.poll() is None]
+                    _log.warning("launch %d: ranks %s did not end within %.0f s of the first "
+                                 "rank's end (frozen or stuck): SIGTERM, then SIGKILL", index + 1,
+                                 launch.killed, self.stop_timeout_s)
+                    self._signal_all(procs, signal.SIGTERM)
+                    termed_at = now
+                if termed_at is not None and now > termed_at + min(KILL_AFTER_TERM_S,
+                                                                   self.stop_timeout_s):
+                    self._signal_all(procs, signal.SIGKILL)
+                    break
                 while len(self._received) > forwarded:
                     signum = self._received[forwarded]
                     forwarded += 1

@@ -46,7 +46,6 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
 from kempner_resilience.core.ledger import RELAUNCH_ENV as IN_JOB_RESTART_ENV
 from kempner_resilience.core.ledger import RELAUNCH_START_ENV
@@ -55,13 +54,15 @@ from kempner_resilience.integrations.torchrun_memory import (record_agent_restar
                                                              record_left, relaunch_env,
                                                              rendezvous_round)
 from kempner_resilience.slurm.standby import RELAUNCH_ENV, Relaunch, live_standbys
+from kempner_resilience.supervise.policy import RESCUED_CODES
 
 __all__ = ["InPlace", "relaunching", "in_place_settings"]
 
 log = get_logger("kempner_resilience.integrations.torchrun")
 
-# Worker exits that mean "a peer failed, the rescue ran": the ones a relaunch is for.
-_RESCUED = (int(ExitCode.PEER_LOST), int(ExitCode.HANG))
+# Worker exits that mean "a peer failed, the rescue ran": the ones a relaunch is for (the one
+# definition is the policy's, ``supervise/policy.py``).
+_RESCUED = RESCUED_CODES
 # torch's defaults (dynamic_rendezvous.RendezvousTimeout / create_handler).
 _KEEP_ALIVE_S, _KEEP_ALIVE_ATTEMPTS = 5.0, 3
 

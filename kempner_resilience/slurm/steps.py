@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.supervise.policy import NOT_IN_PLACE, RESCUED_CODES
 
 __all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES",
            "IN_JOB_ENV", "RESTART_INDEX_ENV", "note_hang_seen", "hang_seen_dir",
@@ -36,17 +37,15 @@ RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
 
 # Codes after which the job is worth running again from its newest checkpoint in the same
 # allocation: a rank is gone or hung (the survivors rescued or fell back), or a rank was killed.
-FAILURE_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.HANG)})
+# The one definition is the policy's (``supervise/policy.py``, from ``exitcodes.RESCUED``).
+FAILURE_CODES = RESCUED_CODES
 # What the survivors of someone else's failure end with; any other bad ending points at the
 # task's own node (HANG: the hung rank's kernel timer; a signal: the rank was killed).
 _SURVIVOR_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.SIGTERM), 0})
 # Codes that end the job as they are: a relaunch would not help (a bug, a bad config) or the
 # job is already on its way back to the queue (REQUEUE) or asked not to be (NO_REQUEUE,
 # LEASE_LOST: another run holds the checkpoint directory now, a relaunch would fight it).
-_FINAL_CODES = frozenset({int(ExitCode.ERROR), int(ExitCode.CONFIG), int(ExitCode.REQUEUE),
-                          int(ExitCode.NO_REQUEUE), int(ExitCode.REQUEUE_FAILED),
-                          int(ExitCode.CHECKPOINT_FAILED), int(ExitCode.SIGINT),
-                          int(ExitCode.LEASE_LOST)})
+_FINAL_CODES = NOT_IN_PLACE
 
 _TASKS = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.*)$")
 _NODE_FAIL = re.compile(r"^srun: error: Node failure on (\S+)")

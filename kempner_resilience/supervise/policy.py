@@ -1,0 +1,244 @@
+"""The one launch-side policy: from how a job's ranks ended, run it again or not, and its code.
+
+Every supervisor of ranks (the local launcher, the srun steps on spare nodes, torchrun's agents
+on spares) faces the same question once a launch of the ranks is over: relaunch it in place,
+hand it back to the scheduler, or leave, and with which exit code. This module answers it from
+the evidence alone (``Evidence``: each rank's ending, the committed step, the restart budget,
+the no-progress count, the implicated nodes and the spares): no I/O, no process, no clock, so
+that one table test (``tests/test_supervise_policy.py``) pins every row of the answer.
+
+The job's code, one rule (``job_code``); the first row that matches decides, and within a row the
+lowest rank's code:
+
+=====  =======================================================  ===========  ==============
+row    the ranks' endings                                       job code     kind
+=====  =======================================================  ===========  ==============
+1      every rank exited 0                                      0            COMPLETED
+2      a rank exited with a code of its own that ends the job   that code    FINAL
+       (1 ERROR, 78 CONFIG, 80, 82, 130, ..., any unknown code)
+3      some ranks exited 0, the others only lost them (81, 42,  1 ERROR      LEFT_EARLY
+       or did not end within the grace): those ranks left
+       ``run.steps`` early (``break``, ``sys.exit(0)``)
+4      a rank exited 75 REQUEUE (a signal; the run asked)       75           REQUESTED
+5      a rank exited 42 HANG, else 81 PEER_LOST                 that code    FAILURE
+6      a rank was killed by a signal of its own (SIGKILL: OOM,  128 + N      FAILURE
+       a node gone), and no rank said more
+7      ranks stopped by SIGTERM (143), nothing else             143          STOPPED
+=====  =======================================================  ===========  ==============
+
+Why: PEER_LOST says only "someone else failed"; the rank that failed on its own says why, so
+[81, 1] (a deterministic exception on rank 1, which rank 0 sees as a lost peer) is 1, a bug,
+never relaunched. A rank SIGKILLed beside survivors that rescued and said 81 is 81 (row 5): the
+survivors' code says what the job is (a rescued failure, to run again); 137 would only say that
+one process was killed. A rank that a supervisor itself killed after the grace
+(``RankEnd.by_supervisor``) is evidence of a hang, never of its own ending: its code is the
+supervisor's signal, so it counts like a HANG in rows 3 and 5 (and HANG when nothing else is
+known).
+
+The decision (``decide``), in order: a completed job, a signal to the supervisor (Ctrl+C), and
+rows 2, 3 and 7 leave with their code. Rows 4-6 run again unless the restart budget is spent
+(leave with the job's code, as a scheduler that stops requeueing does) or the committed step did
+not advance over ``max_no_progress`` relaunches in a row (leave with 77 NO_REQUEUE). A relaunch
+resumes from the newest committed checkpoint; when nothing was ever committed it starts fresh:
+that loses nothing a requeue or a hand restart would not, and a job that never commits makes
+no progress, so the guard bounds it. A failure that implicates nodes relaunches in place only
+onto spares; with none left the job is handed to the scheduler (REQUEUE), which can give it
+other nodes. A REQUEUE ending (row 4) is always the scheduler's.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field
+
+from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode
+
+__all__ = ["Action", "Kind", "Guard", "RankEnd", "Commits", "Evidence", "Decision", "job_code",
+           "decide", "RESCUED", "RUN_AGAIN", "ENDS_THE_JOB", "NOT_IN_PLACE", "RESCUED_CODES"]
+
+RESCUED_CODES: frozenset[int] = frozenset(int(c) for c in RESCUED)
+# The codes a rank chooses that end the job as it is, whatever its peers say: a relaunch would
+# repeat a bug or a bad config, or the run asked not to run again (NO_REQUEUE, REQUEUE_FAILED,
+# LEASE_LOST: another run holds checkpoint.dir, a relaunch would fight it), or a person stopped
+# it (SIGINT). Any code outside the documented table counts here too (row 2 of ``job_code``).
+ENDS_THE_JOB: frozenset[int] = frozenset(int(c) for c in (
+    ExitCode.ERROR, ExitCode.USAGE, ExitCode.CONFIG, ExitCode.NO_REQUEUE,
+    ExitCode.REQUEUE_FAILED, ExitCode.CHECKPOINT_FAILED, ExitCode.SIGINT, ExitCode.LEASE_LOST,
+    ExitCode.STOPPED, ExitCode.DEADLINE))
+# What a step of srun on spares never relaunches in place (``slurm/steps.py``): the job ends as
+# it is, or is already on its way back to the queue (REQUEUE: rank 0 requeued it).
+NOT_IN_PLACE: frozenset[int] = (ENDS_THE_JOB - {int(ExitCode.STOPPED), int(ExitCode.DEADLINE),
+                                                int(ExitCode.USAGE)}) | {int(ExitCode.REQUEUE)}
+# The stop signals: a rank that ends by one (or exits 128 + it) was stopped, not broken.
+_STOP_SIGNALS = (int(signal.SIGTERM), int(signal.SIGINT))
+
+
+class Action(enum.Enum):
+    """What the supervisor does next."""
+
+    RELAUNCH = "relaunch"   # start the ranks again here, from the newest committed checkpoint
+    REQUEUE = "requeue"     # hand the job to the scheduler to run again (a local launcher, the
+                            # ranks' scheduler, relaunches)
+    LEAVE = "leave"         # the job ends with Decision.code
+
+
+class Kind(enum.Enum):
+    """What the ranks' endings say the job's ending was (the rows of ``job_code``)."""
+
+    COMPLETED = "completed"
+    FINAL = "final"             # a rank's own code ends the job (a bug, a config, a stop)
+    LEFT_EARLY = "left-early"   # ranks exited 0 while the others lost them
+    REQUESTED = "requested"     # the ranks asked to run again (75)
+    FAILURE = "failure"         # a peer lost, a hang, a rank killed: worth running again
+    STOPPED = "stopped"         # stopped by SIGTERM
+
+
+class Guard(enum.Enum):
+    """Which guarantee stopped a job that was to run again (``Decision.guard``)."""
+
+    BUDGET = "budget"            # the restart budget is spent
+    NO_PROGRESS = "no-progress"  # no newer committed step over max_no_progress relaunches
+    NO_SPARE = "no-spare"        # no spare node left for a relaunch in place (a requeue)
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank ended: ``code`` as a shell reports it (128 + N for signal N)."""
+
+    code: int
+    signaled: bool = False       # killed by a signal (not an exit with that code)
+    by_supervisor: bool = False  # the supervisor ended it after the grace (it had not ended)
+
+    @classmethod
+    def from_returncode(cls, rc: int, by_supervisor: bool = False) -> "RankEnd":
+        """From ``Popen.returncode`` (negative: killed by that signal)."""
+        return cls(128 - rc if rc < 0 else rc, signaled=rc < 0, by_supervisor=by_supervisor)
+
+    @property
+    def own_death(self) -> bool:
+        """Killed by a signal that was not a stop and not the supervisor's: the rank's own
+        death (the OOM killer, a GPU fault, a node gone, a stray ``kill -9``)."""
+        return self.signaled and not self.by_supervisor and self.code - 128 not in _STOP_SIGNALS
+
+
+@dataclass(frozen=True)
+class Commits:
+    """The committed checkpoint's step when the launch started and now (None: none yet)."""
+
+    before: int | None
+    now: int | None
+
+    @property
+    def advanced(self) -> bool:
+        return self.now is not None and (self.before is None or self.now > self.before)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything the decision needs, gathered by a backend after one launch of the ranks."""
+
+    ends: tuple[RankEnd, ...]                 # rank r's ending at index r
+    restarts: int = 0                         # relaunches before this launch
+    max_restarts: int | None = None           # relaunches allowed in all (None: no limit)
+    commits: Commits | None = None            # None: this backend cannot see the checkpoints
+    stalled: int = 0                          # relaunches in a row before this one whose launch
+                                              # ended without a newer committed step
+    max_no_progress: int = 0                  # leave after that many (0: no guard)
+    implicated: frozenset[str] = frozenset()  # nodes the failure points at (kept out)
+    spares: int | None = None                 # spare nodes left (None: relaunch where it ran)
+    stopping: bool = False                    # the supervisor was told to stop (Ctrl+C, TERM)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer: what to do, the job's code, why, and what to carry to the next decision."""
+
+    action: Action
+    code: int
+    kind: Kind
+    why: str
+    stalled: int = 0                          # ``Evidence.stalled`` for the next launch
+    left_early: tuple[int, ...] = field(default=())   # ranks that left run.steps early
+    guard: Guard | None = None                # the guarantee that stopped a run-again
+
+
+def _code_of(end: RankEnd) -> int:
+    return int(ExitCode.HANG) if end.by_supervisor else end.code
+
+
+def job_code(ends: tuple[RankEnd, ...] | list[RankEnd]) -> tuple[int, Kind, tuple[int, ...]]:
+    """The job's code from its ranks' endings, the kind of ending, and the ranks that left
+    ``run.steps`` early (row 3); the rule is the module's table."""
+    if all(e.code == 0 and not e.by_supervisor for e in ends):
+        return 0, Kind.COMPLETED, ()
+    exits = [(r, e) for r, e in enumerate(ends) if not e.signaled and not e.by_supervisor]
+    final = [e.code for _, e in exits if e.code not in (0, int(ExitCode.SIGTERM))
+             and (e.code in ENDS_THE_JOB or e.code not in RUN_AGAIN)]
+    if final:
+        return final[0], Kind.FINAL, ()
+    done = tuple(r for r, e in exits if e.code == 0)
+    deaths = [e.code for e in ends if e.own_death]
+    # Row 3: nothing but zeros and ranks that only lost a peer (or were stopped or ended by
+    # the supervisor after the grace): the ranks that exited 0 left while the others ran.
+    lost_only = all(_code_of(e) in RESCUED_CODES or e.code in (0, int(ExitCode.SIGTERM))
+                    for e in ends)
+    if done and not deaths and lost_only:
+        return int(ExitCode.ERROR), Kind.LEFT_EARLY, done
+    if any(e.code == int(ExitCode.REQUEUE) for _, e in exits):
+        return int(ExitCode.REQUEUE), Kind.REQUESTED, ()
+    # A hung rank says why its peers lost it: HANG before PEER_LOST.
+    rescued = sorted((e.code != int(ExitCode.HANG), r, e.code) for r, e in exits
+                     if e.code in RESCUED_CODES)
+    if rescued:
+        return rescued[0][2], Kind.FAILURE, ()
+    if deaths:
+        return deaths[0], Kind.FAILURE, ()
+    if any(e.by_supervisor for e in ends):
+        return int(ExitCode.HANG), Kind.FAILURE, ()
+    # Only stops remain (143 exits, deaths by SIGTERM/SIGINT) next to zeros.
+    stops = [e.code for e in ends if e.code != 0]
+    return stops[0], (Kind.FINAL if stops[0] == int(ExitCode.SIGINT) else Kind.STOPPED), ()
+
+
+def decide(ev: Evidence) -> Decision:
+    """Relaunch, requeue or leave, and the job's code; the order is the module docstring's."""
+    code, kind, early = job_code(ev.ends)
+    if kind is Kind.COMPLETED:
+        return Decision(Action.LEAVE, 0, kind, "every rank finished")
+    if ev.stopping:
+        return Decision(Action.LEAVE, code, kind, "the supervisor was told to stop: no relaunch")
+    if kind is Kind.LEFT_EARLY:
+        lost = [r for r in range(len(ev.ends)) if r not in early]
+        return Decision(Action.LEAVE, code, kind,
+                        f"rank(s) {list(early)} left run.steps early (exit 0) while rank(s) "
+                        f"{lost} still ran and lost them: a script that leaves the loop on some "
+                        "ranks only (break, sys.exit), not a node failure; not relaunched",
+                        left_early=early)
+    if kind in (Kind.FINAL, Kind.STOPPED):
+        return Decision(Action.LEAVE, code, kind,
+                        f"a rank ended with {code} of its own: a relaunch would not help")
+    # A job that is to run again (REQUESTED, FAILURE): the guarantees, in order.
+    stalled = ev.stalled
+    if ev.commits is not None:
+        stalled = 0 if ev.commits.advanced else ev.stalled + (1 if ev.restarts > 0 else 0)
+    if ev.max_restarts is not None and ev.restarts >= ev.max_restarts:
+        return Decision(Action.LEAVE, code, kind,
+                        f"the restart budget ({ev.max_restarts}) is spent", stalled,
+                        guard=Guard.BUDGET)
+    if ev.commits is not None and ev.max_no_progress > 0 and stalled >= ev.max_no_progress:
+        return Decision(Action.LEAVE, int(ExitCode.NO_REQUEUE), kind,
+                        f"no progress: the committed step stayed at {ev.commits.now} over "
+                        f"{stalled} relaunch(es) in a row (max_no_progress "
+                        f"{ev.max_no_progress})", stalled, guard=Guard.NO_PROGRESS)
+    start = "from scratch (nothing was ever committed)" if ev.commits is not None \
+        and ev.commits.now is None else "from the newest committed checkpoint" \
+        + ("" if ev.commits is None else f" (step {ev.commits.now})")
+    if kind is Kind.REQUESTED:
+        return Decision(Action.REQUEUE, code, kind, f"the ranks asked to run again; {start}",
+                        stalled)
+    if ev.implicated and ev.spares is not None and ev.spares < len(ev.implicated):
+        return Decision(Action.REQUEUE, code, kind,
+                        f"no spare node left for {sorted(ev.implicated)}: the scheduler runs "
+                        f"it again elsewhere, {start}", stalled, guard=Guard.NO_SPARE)
+    return Decision(Action.RELAUNCH, code, kind, f"a failure worth a relaunch; {start}", stalled)
