@@ -14,8 +14,8 @@ attempt's checkpoints. ``repair`` rewrites it (atomically, with a warning naming
 the run id the newest committed checkpoint records, or a new id when no checkpoint records one.
 
 Lineages: ``checkpoint.resume: false`` in a directory holding checkpoints starts a new lineage
-(``plan_lineage``, ``record_lineage``): a new run id is recorded in ``run.json``, and the ids it replaces are
-listed under ``earlier_runs``. Their checkpoints stay on disk: resume never continues them (it
+(``plan_lineage``, ``record_lineage``): a new run id is recorded in ``run.json``, and the ids it
+replaces are listed under ``earlier_runs``. Their checkpoints stay on disk: resume never continues them (it
 continues the lineage ``run.json`` names, whatever the step numbers), retention of the new run
 never counts nor deletes them, and ``check_same_run`` does not take them for another run's.
 When ``run.steps(total)`` ends its loop, ``mark_complete`` records ``completed_step`` for the
@@ -63,8 +63,8 @@ def read_run_id(root: Path) -> str | None:
 def _read_data(root: Path) -> dict[str, Any]:
     """The whole of ``run.json`` ({} when absent or unreadable)."""
     try:
-        data = json.loads((root / RUN_FILE).read_bytes())
-    except (OSError, ValueError, RecursionError):
+        data = load_json_bounded(root / RUN_FILE)     # a FIFO or /dev/zero: unreadable
+    except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -171,19 +171,13 @@ def _recorded_by_checkpoints(root: Path) -> str | None:
     by_time = sorted((e for e in entries if e.committed),
                      key=lambda e: float((e.manifest or {}).get("committed_at", 0.0) or 0.0))
     for e in reversed(by_time):
-        rid = _recorded_run_id(e)
+        rid = recorded_run_id(e)
         if isinstance(rid, str) and rid:
             return rid
     return None
 
 
 def recorded_run_id(entry: Any) -> Any:
-    """The run id a step directory records (None when it records none): see
-    ``_recorded_run_id``."""
-    return _recorded_run_id(entry)
-
-
-def _recorded_run_id(entry: Any) -> Any:
     """The run id a checkpoint records: its manifest's, else its ownership marker's."""
     from kempner_resilience.checkpoint import layout
 
@@ -250,7 +244,7 @@ def other_run_ids(entries: Iterable[Any], run_id: str,
     left = frozenset(earlier)
     found: dict[str, list[str]] = {}
     for e in entries:
-        rid = _recorded_run_id(e) if e.committed else None
+        rid = recorded_run_id(e) if e.committed else None
         if rid and rid != run_id and rid not in left:
             found.setdefault(str(rid), []).append(e.path.name)
     return found

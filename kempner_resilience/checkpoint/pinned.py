@@ -13,13 +13,11 @@ deletes nothing until it is fixed or removed.
 from __future__ import annotations
 
 import json
-import os
-import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.fileio import parse_json, read_bounded, write_atomic
 
 __all__ = ["PIN_NAME", "pin", "read"]
 
@@ -34,25 +32,18 @@ def _path(root: Path) -> Path:
 def _load(root: Path) -> list[dict[str, Any]]:
     file = _path(root)
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO never blocks
+        raw = read_bounded(file, _MAX_BYTES)      # a FIFO never blocks, /dev/zero is refused
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise OSError(f"{file} cannot be read ({e.strerror or e}); retention deletes nothing "
+                      "until it is removed") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{file} is not a regular file; retention deletes nothing until it "
-                          "is removed")
-        raw = os.read(fd, _MAX_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > _MAX_BYTES:
-        raise OSError(f"{file} is larger than {_MAX_BYTES} bytes")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-        pins = data["pinned"]
+        pins = parse_json(raw)["pinned"]
         if not isinstance(pins, list) or not all(
                 isinstance(p, dict) and isinstance(p.get("dir"), str) for p in pins):
             raise ValueError("'pinned' must be a list of {\"dir\": ...} entries")
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise OSError(f"{file} cannot be read ({type(e).__name__}: {str(e)[:200]}); retention "
                       "deletes nothing until it is fixed or removed") from None
     return pins
