@@ -79,7 +79,7 @@ def _checkpoints(run: RunState, state: Mapping[str, Any], run_id: str | None) ->
     ckpt.claim(run.run_id, held, _record_lineage(run, ckpt.root, lineage))
     _mark_forced_exits_in(run, ckpt.root)
     run.ledger = _ledger(run, ckpt.root, restarts)
-    script = hparams.snapshot(state)                       # the script's, before the load
+    script = hparams.snapshot(state) if run.rank == 0 else {}  # the script's, before the load
     _resume(run, ckpt)
     _announce_start(run, ckpt, run.resumed_from, script, state)
     run.clock.set_save_estimate(ckpt.estimate().seconds)
@@ -291,6 +291,7 @@ def _announce_start(run: RunState, ckpt: CheckpointManager, info: CheckpointInfo
     if info is not None:
         changed = hparams.differences(before, hparams.snapshot(state))
         done = identity.completed_step(ckpt.root, run.run_id) if run.run_id else None
+        run.completed_step = done            # read once: run.steps() says what remains
         if done is None:
             finished = ""
         elif info.step >= done:

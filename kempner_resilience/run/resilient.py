@@ -262,7 +262,7 @@ class ResilientRun:
         parts = self._parts
         if parts.rank != 0 or parts.resumed_from is None or parts.ckpt is None:
             return
-        done = identity.completed_step(parts.ckpt.root, parts.run_id) if parts.run_id else None
+        done = parts.completed_step        # read from run.json at the start (begin.py)
         if parts.step >= total:
             announce(log, "run %s is complete: it resumed at step %d and run.steps(%d) has no "
                      "step left to train. To train longer, raise the total; to start a new run "

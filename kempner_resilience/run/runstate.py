@@ -51,6 +51,7 @@ class RunState:
     slurm: SlurmJob | None = None     # inside a SLURM job
     last_saved: CheckpointInfo | None = None   # the newest commit by this process
     resumed_from: CheckpointInfo | None = None  # the checkpoint the run resumed from
+    completed_step: int | None = None  # rank 0: the total a finished loop of this run reached
     start_step: int = 0
     step: int = 0                     # completed steps: the current step boundary
     timings: dict[str, float] = field(default_factory=dict)
