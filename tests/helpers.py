@@ -160,3 +160,10 @@ def child_pids(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             kids.append(int(stat.parent.name))
     return sorted(kids)
+
+
+def fill_disk(root: Path, leave: int = 8192) -> None:
+    """Fill the file system of ``root`` (a small tmpfs) up to ``leave`` bytes: less than one
+    save, so the next one fails with a full disk."""
+    st = os.statvfs(root)
+    (root / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - leave))

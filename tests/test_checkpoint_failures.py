@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import toy
-from helpers import free_port, start, write_script
+from helpers import fill_disk, free_port, start, write_script
 from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager, layout
 from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.exitcodes import ExitCode
@@ -105,8 +105,7 @@ def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(mo
     mgr.check_dir()
     first = mgr.save(1)
     w1 = {k: v.clone() for k, v in state["model"].state_dict().items()}
-    free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
-    (root / "filler").write_bytes(b"\0" * (free - 8192))       # leave less than one save
+    fill_disk(root)                                  # leave less than one save
     toy.train_step(state)
     with pytest.raises(CheckpointError) as exc:
         mgr.save(2)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint_helpers import toy
+from helpers import fill_disk
 from kempner_resilience.checkpoint import CheckpointError, CheckpointManager
 from kempner_resilience.config import CheckpointConfig
 
@@ -57,8 +58,7 @@ def test_a_full_disk_says_keep_last_needs_room_for_one_checkpoint_more(mount_tmp
     mgr = CheckpointManager(CheckpointConfig(dir=str(root / "ckpt"), keep_last=3), state)
     mgr.check_dir()
     mgr.save(1)
-    free = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
-    (root / "filler").write_bytes(b"\0" * (free - 8192))       # leave less than one save
+    fill_disk(root)                                  # leave less than one save
     toy.train_step(state)
     with pytest.raises(CheckpointError) as exc:
         mgr.save(2)
