@@ -85,7 +85,10 @@ log = get_logger(__name__)
 
 LEDGER_NAME = "ledger.jsonl"
 MAX_BYTES = 4 * 2**20
-_READ_MAX = 16 * MAX_BYTES        # what a reader accepts (a writer with ``only`` never compacts)
+# What a reader accepts. Far above MAX_BYTES: a writer with ``only`` never compacts, and one
+# killed mid-event leaves what it wrote (CI saw 75 MB of 4 MiB events before a SIGKILL); a
+# FIFO or /dev/zero is refused by read_bounded whatever the size.
+_READ_MAX = 1 << 30
 #: Set by the ``kempner-resilience torchrun`` agent in its workers' environment: its own start
 #: time (epoch seconds). The agent's start-up and rendezvous are the attempt's, not queue time.
 AGENT_START_ENV = "KEMPNER_RESILIENCE_AGENT_START"
@@ -236,8 +239,7 @@ def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _read_regular(path: Path) -> bytes:
-    # Bounded (core/fileio.read_bounded): a FIFO must not block, /dev/zero not read without end;
-    # the writer keeps the file within MAX_BYTES, so a file many times that is not a ledger.
+    # Bounded (core/fileio.read_bounded): a FIFO must not block, /dev/zero not read without end.
     return read_bounded(path, _READ_MAX)
 
 
