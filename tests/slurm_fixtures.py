@@ -35,7 +35,7 @@ import pytest
 
 from kempner_resilience.slurm.scontrol import parse_show_job
 
-__all__ = ["slurm_cluster", "multinode_cluster", "submit", "wait_job", "job_info", "wait_for",
+__all__ = ["slurm_cluster", "multinode_cluster", "slow_death", "submit", "wait_job", "job_info", "wait_for",
            "SlurmCluster", "MultiNodeCluster", "CLUSTER_SCRIPT", "MULTINODE_SCRIPT",
            "TERMINAL_STATES", "in_ci"]
 
@@ -277,6 +277,24 @@ def multinode_jobs(multinode_cluster):
             job.cancel()
     for node in dead:
         multinode_cluster.restart_node(node)
+
+
+def _cluster_with(slurmd_timeout: int) -> None:
+    """(Re)start the multi-node cluster's daemons with this SlurmdTimeout (a changed config
+    restarts them)."""
+    env = dict(os.environ, KR_MN_SLURMD_TIMEOUT=str(slurmd_timeout))
+    res = subprocess.run(["bash", str(MULTINODE_SCRIPT), "start"], capture_output=True,
+                         text=True, timeout=180, env=env, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.fixture
+def slow_death(multinode_cluster):
+    """The multi-node cluster with production's SlurmdTimeout=300: a dead node stays "up" for
+    SLURM for five minutes. The default (5 s) comes back afterwards."""
+    _cluster_with(300)
+    yield multinode_cluster
+    _cluster_with(5)
 
 
 def submit(script: str | os.PathLike[str], *args: str, cwd: str | os.PathLike[str] | None = None,

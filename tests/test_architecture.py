@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,10 +240,15 @@ def test_the_design_picture_names_every_module():
     assert missing == [], "add them to the picture in docs/design.md (## Architecture)"
 
 
-def test_no_module_is_over_400_lines():
-    long = {str(p.relative_to(PKG)): n for p in MODULES.values()
-            if (n := len(p.read_text().splitlines())) > 400}
+def test_no_module_is_over_600_lines():
+    # A concept decides where a file ends (issue 29): past 400 lines a module is worth a look
+    # (a warning in the test report), past 600 it holds more than one job.
+    sizes = {str(p.relative_to(PKG)): len(p.read_text().splitlines()) for p in MODULES.values()}
+    long = {name: n for name, n in sizes.items() if n > 600}
     assert long == {}, f"split these by job: {long}"
+    for name, n in sorted(sizes.items()):
+        if n > 400:
+            warnings.warn(f"{name} has {n} lines: does it still hold one job?", stacklevel=1)
 
 
 # Records: typed bags of what happened, filled in step by step by design; every other class of

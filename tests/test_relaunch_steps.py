@@ -89,14 +89,13 @@ def test_the_step_is_over_once_every_node_heard_from_reported_all_its_tasks():
 
 def test_when_every_rank_ends_with_hang_the_node_of_the_rank_that_never_said_so_is_the_bad_one(
         tmp_path):
-    from kempner_resilience.slurm.steps import (IN_JOB_ENV, hang_seen_dir, hang_seen_ranks,
-                                                note_hang_seen)
+    from kempner_resilience.supervise.channel import Channel
 
-    env = {IN_JOB_ENV: "1", "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}
+    channel = Channel(tmp_path)
     for rank in (0, 1, 3):                    # rank 2 hung with the GIL held: no word from it
-        note_hang_seen(tmp_path, rank, env)
-    note_hang_seen(tmp_path, 2, {})           # outside the step loop: nothing written
-    seen = hang_seen_ranks(hang_seen_dir(tmp_path, "7", 0, 0))
+        channel.note_hang_seen("0.0", rank)
+    channel.note_hang_seen("0.1", 2)          # another launch's word does not count
+    seen = channel.hang_seen("0.0")
     assert seen == {0, 1, 3}
     # srun reported the survivors' node first: the order alone would blame n1.
     r = _report(["n1", "n2"], 4, ["srun: error: n1: tasks 0-1: Exited with exit code 42",
@@ -115,13 +114,14 @@ def _loop(tmp_path, nodelist: str, job_id: str = "7"):
                                                   "SLURM_NTASKS_PER_NODE": "2"})
 
 
-def test_a_job_requeued_with_its_spare_given_up_trains_on_as_many_nodes_as_before(tmp_path):
+def test_a_job_requeued_with_its_spare_given_up_trains_on_as_many_nodes_as_before(tmp_path,
+                                                                                  monkeypatch):
     # Job 7 trained on 2 nodes + 1 spare; its requeue kept 2 dead nodes out and asked for the
     # 2 left. The batch script runs `kempner-resilience srun --spares 1` again on those 2.
-    from kempner_resilience.slurm.relaunch import record_train_nodes
-
-    assert _loop(tmp_path, "n[1-3]").need == 2
-    record_train_nodes(tmp_path, "7", 2)
+    monkeypatch.chdir(tmp_path)
+    loop = _loop(tmp_path, "n[1-3]")
+    assert loop.need == 2
+    loop.channel.record_train_nodes(2)
     assert _loop(tmp_path, "n[1,4]").need == 2
-    # A new submission (another job id) reusing the checkpoint dir takes its own shape.
+    # A new submission (another job id) from the same directory takes its own shape.
     assert _loop(tmp_path, "n[1,4]", job_id="8").need == 1

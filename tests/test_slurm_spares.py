@@ -10,7 +10,6 @@ relaunch never waits for SLURM to notice the death.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import subprocess
@@ -23,7 +22,7 @@ from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, wait_until, write_job
 from kempner_resilience.slurm.badnodes import bad_nodes
-from slurm_fixtures import MULTINODE_SCRIPT, multinode_cluster, multinode_jobs  # noqa: F401
+from slurm_fixtures import multinode_cluster, multinode_jobs, slow_death  # noqa: F401
 
 pytestmark = [pytest.mark.slurm]
 
@@ -38,30 +37,13 @@ def reference(tmp_path_factory) -> Path:
     return run_reference(tmp_path_factory.mktemp("spares-reference"), ranks=RANKS, steps=STEPS)
 
 
-def _cluster_with(slurmd_timeout: int) -> None:
-    """(Re)start the cluster's daemons with this SlurmdTimeout (a changed config restarts them)."""
-    env = dict(os.environ, KR_MN_SLURMD_TIMEOUT=str(slurmd_timeout))
-    res = subprocess.run(["bash", str(MULTINODE_SCRIPT), "start"], capture_output=True,
-                         text=True, timeout=180, env=env, stdin=subprocess.DEVNULL)
-    assert res.returncode == 0, res.stderr[-2000:]
-
-
-@pytest.fixture
-def slow_death(multinode_cluster):
-    """The cluster with production's SlurmdTimeout=300: a dead node stays "up" for SLURM for
-    five minutes. The default (5 s) comes back afterwards."""
-    _cluster_with(300)
-    yield multinode_cluster
-    _cluster_with(5)
-
-
 def _submit(cluster, tmp_path: Path, jobs, *, hang_timeout_s: float = 30,
-            train_args: tuple[str, ...] = ()) -> DemoJob:
+            train_args: tuple[str, ...] = (), name: str = "job", **options) -> DemoJob:
     env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env.get('PATH', '')}")
-    job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, spares=SPARES, steps=STEPS,
+    job = write_job(tmp_path / name, ranks=RANKS, nodes=NODES, spares=SPARES, steps=STEPS,
                     step_time=STEP_TIME, every_steps=EVERY, rank_files=True, env=env,
                     sets=[f"watchdog.hang_timeout_s={hang_timeout_s}"],
-                    train_args=list(train_args))
+                    train_args=list(train_args), **options)
     jobs[0].append(job)
     job.submit()
     return job
@@ -141,3 +123,32 @@ def test_a_rank_hung_with_the_gil_held_gets_its_node_excluded_and_the_spare_take
     assert job.report("0.1") is not None and job.report("0.1")["resumed_from"] in (hang_at,
                                                                                     EVERY)
     assert "--nodelist=krnode1,krnode3" in job.log_text(), job.log_text()[-3000:]
+
+
+def test_the_readme_usage_relaunches_in_place_ends_completed_and_keeps_its_bad_nodes_to_itself(
+        slow_death, tmp_path, reference, multinode_jobs):
+    # The README's usage (issue 29): the script sets checkpoint.dir in code; `sbatch --spares 1`
+    # is given no --set, and the job is submitted from a directory whose ./checkpoints is not
+    # the run's. The ranks tell `kempner-resilience srun` which run it supervises.
+    job = _submit(slow_death, tmp_path, multinode_jobs, name="a", config_in_script=True,
+                  submit_dir=tmp_path)
+    assert "--set" not in job.sbatch_args and "--set" not in job.script.read_text()
+    dead = _kill_a_training_node_and_finish(slow_death, job, multinode_jobs, reference)
+    # Over within a minute of its training, although SLURM has not noticed the dead node yet.
+    info = job.wait_state(timeout=60)
+    assert info["JobState"] == "COMPLETED", (info, job.log_text()[-3000:])
+    # Nothing was guessed into the submit directory; the job's channel went with the job.
+    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / ".kempner-resilience").exists()
+
+    # A second run from the same directory, on the node the first one lost (back up now): it
+    # has no bad node of its own, so it trains on the first two nodes.
+    slow_death.restart_node(dead)
+    multinode_jobs[1].remove(dead)
+    other = _submit(slow_death, tmp_path, multinode_jobs, name="b", config_in_script=True,
+                    submit_dir=tmp_path)
+    info = other.wait_state(timeout=240)
+    assert info["JobState"] == "COMPLETED", other.log_text()[-3000:]
+    assert bad_nodes(other.checkpoints) == set() and bad_nodes(job.checkpoints) == {dead}
+    nodes = other.hosts()
+    assert f"--nodelist={nodes[0]},{nodes[1]}" in other.log_text(), other.log_text()[-3000:]

@@ -23,7 +23,8 @@ CLI = str(Path(sys.executable).parent / "kempner-resilience")
 # Each template's launch line with the default command. multi_node_torchrun runs one
 # `kempner-resilience torchrun` agent per node; no template runs a plain torchrun.
 LAUNCH = {name: "srun --kill-on-bad-exit=1 python train.py" for name in TEMPLATES}
-LAUNCH["multi_node_torchrun"] = 'srun --kill-on-bad-exit=1 "${TORCHRUN[@]}" python train.py'
+LAUNCH["multi_node_torchrun"] = ('kempner-resilience srun --spares=0 --in-job-restarts=0 -- '
+                                 '"${TORCHRUN[@]}" python train.py')
 PLAIN_TORCHRUN = re.compile(r"(?<!kempner-resilience )\btorchrun\b")
 MULTI_NODE = ("multi_node", "multi_node_torchrun")
 
@@ -102,7 +103,7 @@ def test_torchrun_template_runs_one_agent_per_node_and_ntasks_per_node_workers_o
                          command=["python", "train.py", "--name", "a b"])
     lines = text.splitlines()
     for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "NPROC_PER_NODE=8",
-                 'srun --kill-on-bad-exit=1 "${TORCHRUN[@]}" python train.py --name \'a b\''):
+                 LAUNCH["multi_node_torchrun"] + " --name 'a b'"):
         assert line in lines, line
     launcher = text.split("TORCHRUN=(", 1)[1].split(")", 1)[0].split()
     assert launcher[:2] == ["kempner-resilience", "torchrun"]
@@ -118,7 +119,7 @@ def test_torchrun_template_runs_one_agent_per_node_and_ntasks_per_node_workers_o
 
 def _torchrun_argv(text: str, nnodes: int) -> list[str]:
     """The agent's command line as bash expands it in a job of ``nnodes`` nodes."""
-    body = text.split("\nNPROC_PER_NODE=", 1)[1].split("\nsrun ", 1)[0]
+    body = text.split("\nNPROC_PER_NODE=", 1)[1].split("\nkempner-resilience srun ", 1)[0]
     shell = (f"SLURM_NNODES={nnodes} SLURM_JOB_ID=7 SLURM_JOB_NODELIST=n1; NPROC_PER_NODE="
              f"{body}\nprintf '%s\\n' \"${{TORCHRUN[@]}}\"")
     out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)

@@ -43,7 +43,6 @@ import errno
 import json
 import os
 import socket
-import stat
 import threading
 import time
 import uuid

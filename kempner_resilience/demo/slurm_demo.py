@@ -119,6 +119,8 @@ class DemoJob:
     #: ``kempner-resilience`` arguments that render the same batch script (``sbatch ...``).
     sbatch_args: list[str] = field(default_factory=list)
     signals_sent: list[tuple[str, float, int | None]] = field(default_factory=list)
+    #: where ``sbatch`` runs (the job's SLURM_SUBMIT_DIR); None: ``workdir``.
+    submit_dir: Path | None = None
 
     @property
     def log(self) -> Path:
@@ -137,7 +139,8 @@ class DemoJob:
         return self.workdir / "progress.txt"
 
     def submit(self, *args: str) -> str:
-        self.job_id = submit(self.script, *args, cwd=self.workdir, env=self.env)
+        self.job_id = submit(self.script, *args, cwd=self.submit_dir or self.workdir,
+                             env=self.env)
         return self.job_id
 
     def info(self) -> dict[str, str]:
@@ -255,7 +258,8 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
               extra: dict[str, object | None] | None = None,
               train_args: Iterable[str] = (), nodes: int = 1, rank_files: bool = False,
               env: dict[str, str] | None = None, torchrun: bool = False,
-              spares: int = 0) -> DemoJob:
+              spares: int = 0, config_in_script: bool = False,
+              submit_dir: Path | None = None) -> DemoJob:
     """Render ``single_node`` (``multi_node`` when ``nodes > 1``) for the demo trainer into
     ``workdir/job.sbatch``: ``ranks`` srun tasks in all, ``ranks / nodes`` on each node.
     ``torchrun``: ``multi_node_torchrun`` instead, one ``kempner-resilience torchrun`` agent per
@@ -272,6 +276,9 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     the relaunch in place: ``report.0.1.json``). ``multi_node``: ``kempner-resilience srun``
     runs the steps (it must be on the job's PATH) and counts the relaunches; with
     ``torchrun``: the rendezvous rounds of torch's worker-group restarts in the job.
+    ``config_in_script``: the config reaches the trainer only (it sets ``checkpoint.dir`` in
+    code, as the README shows), never ``kempner-resilience sbatch``/``srun``. ``submit_dir``:
+    where ``sbatch`` runs (default ``workdir``).
     """
     from kempner_resilience.config import load_config
     from kempner_resilience.slurm.templates import render_sbatch
@@ -328,7 +335,8 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     text = render_sbatch(cfg, template=template, job_name=job_name, command=command,
                          time=time_limit, nodes=nodes, ntasks_per_node=ranks // nodes,
                          output=str(work / "job.out"), lead_time_s=lead_time_s, extra=all_extra,
-                         spares=spares, overrides=overrides if spares else ())
+                         spares=spares,
+                         overrides=overrides if spares and not config_in_script else ())
     script = work / "job.sbatch"
     script.write_text(text)
     cli = ["sbatch", "--template", template, "--job-name", job_name, "--time", time_limit,
@@ -338,12 +346,13 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
         cli += ["--lead-time", str(lead_time_s)]
     if spares:
         cli += ["--spares", str(spares)]
-    for o in overrides:
+    for o in () if config_in_script else overrides:
         cli += ["--set", o]
     for key, val in all_extra.items():
         cli += ["--extra", key if val is None else f"{key}={val}"]
     cli += ["--", *command]
-    return DemoJob(work, script, ranks, steps, env=env, nodes=nodes, sbatch_args=cli)
+    return DemoJob(work, script, ranks, steps, env=env, nodes=nodes, sbatch_args=cli,
+                   submit_dir=submit_dir)
 
 
 def run_reference(workdir: Path | str, *, ranks: int, steps: int, python: str = sys.executable,

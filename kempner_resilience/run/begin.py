@@ -31,6 +31,7 @@ from kempner_resilience.integrations.trackers import Trackers
 from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
 from kempner_resilience.slurm.badnodes import check_allocation
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist
+from kempner_resilience.supervise.channel import Channel
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -57,6 +58,9 @@ def begin(run: RunState, state: Mapping[str, Any] | None, run_id: str | None) ->
         with run.hang.busy():                 # imports, directory checks and the load are slow
             if state is not None:
                 _checkpoints(run, state, run_id)  # identity, lease, ledger, resume, rescue
+                if run.rank == 0:                 # the supervisor learns which run this is
+                    run.supervisor = Channel.from_env()
+                    run.tell_supervisor()
             _preflight(run)
         if run.run_id is None:                                  # no checkpoints
             run.run_id = _attempt_run_id(run, run_id)           # an id for this attempt only

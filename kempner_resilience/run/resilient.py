@@ -37,7 +37,7 @@ from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import outcome, sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
-from kempner_resilience.slurm.steps import note_hang_seen
+from kempner_resilience.supervise.channel import Channel, launch_name
 from kempner_resilience.stop.teardown import CleanupResult, TeardownStack
 from kempner_resilience.stop.watchdog import HangWatchdog
 
@@ -376,10 +376,12 @@ class ResilientRun:
         watchdog holds the rest of the loop at its next heartbeat)."""
         if self._parts.rescue is not None:
             self._parts.rescue.freeze()
-        # Under `kempner-resilience srun` (spare nodes): this rank's watchdog ran in Python, so
-        # it is not the rank hung with the GIL held; the step loop keeps the silent one's node
-        # out of the relaunch.
-        note_hang_seen(self._parts.config.checkpoint.dir, self._parts.rank)
+        # Under a supervisor (`kempner-resilience srun`, spare nodes): this rank's watchdog ran
+        # in Python, so it is not the rank hung with the GIL held; the supervisor keeps the
+        # silent one's node out of the relaunch.
+        channel = Channel.from_env()
+        if channel is not None:
+            channel.note_hang_seen(launch_name(), self._parts.rank)
 
     def _on_hang(self) -> None:
         """Runs in the hang watchdog's thread before the HANG exit, the main thread stuck or

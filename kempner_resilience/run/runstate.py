@@ -9,7 +9,7 @@ one, never each other, so the types point one way: this module names the parts' 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from kempner_resilience.stop.agreement import StopAgreement
@@ -21,6 +21,7 @@ from kempner_resilience.stop.signals import ShutdownHandler
 from kempner_resilience.slurm.clock import RunClock
 from kempner_resilience.stop.teardown import CleanupResult, TeardownStack
 from kempner_resilience.stop.watchdog import HangWatchdog
+from kempner_resilience.supervise.channel import Channel, report_now
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -59,6 +60,7 @@ class RunState:
     left_behind: list[str] = field(default_factory=list)  # what teardown could not end
     save_lost_peer: bool = False      # the emergency save failed because a rank is gone
     outcome: Facts | None = None      # how the run ended, once recorded (outcome.record)
+    supervisor: Channel | None = None  # rank 0 under a supervisor: where it reports the run
 
     @property
     def rank(self) -> int:
@@ -72,4 +74,15 @@ class RunState:
         """This process committed ``info`` (a periodic, manual, emergency or rescue save): the
         step a requeue comes back to."""
         self.last_saved = info
+        self.tell_supervisor()
+
+    def tell_supervisor(self, code: int | None = None) -> None:
+        """Rank 0 under a supervisor (``supervise/channel.py``): which run this is (its resolved
+        checkpoint.dir, run id, requeue settings), its committed step and, once it ended, its
+        exit code. Never raises; nothing without a supervisor or without checkpoints."""
+        if self.supervisor is None or self.ckpt is None:
+            return
+        report_now(self.supervisor, self.ckpt.root, run_id=self.run_id,
+                   committed=self.committed_step(), code=code,
+                   requeue=asdict(self.config.requeue))
 

@@ -3,7 +3,8 @@
 The exit code comes from the one table, ``exitcodes.exit_code`` (what happened, ``Facts``, to
 the code; it lives in ``exitcodes`` so that the core layer's deciders, the signal thread and the
 watchdogs, use it too). ``record`` then says how the attempt ended, the same way for every
-ending: the run ledger's ``exit`` event, the trackers' finish (bounded) and the run report.
+ending: the run ledger's ``exit`` event, the trackers' finish (bounded), the run report and, under a supervisor, rank 0's word to it
+(``supervise/channel.py``).
 
 Callers: the shutdown sequence's paths (``complete``, ``stop``, ``fail``, ``give_up``), and the
 hang watchdog's thread (``ResilientRun._on_hang``). A hang that holds the GIL runs no Python in
@@ -38,6 +39,7 @@ def record(parts: "RunState", facts: Facts) -> int:
     parts.ledger.close()
     _finish_trackers(parts, code)
     write_report(parts, code)
+    parts.tell_supervisor(code)
     return code
 
 

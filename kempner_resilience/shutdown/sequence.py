@@ -34,7 +34,7 @@ from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import (Ending, Facts, Saved, Verdict, exit_code,
                                                  record)
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
-from kempner_resilience.slurm.steps import IN_JOB_ENV
+from kempner_resilience.supervise.channel import CHANNEL_ENV
 from kempner_resilience.stop.teardown import (TeardownStack, cuda_synchronize,
                                          destroy_process_group, flush_logs)
 
@@ -154,7 +154,7 @@ def requeue_after_failure(parts: RunState, why: str) -> Verdict | None:
         log.warning("%s: not requeued: another run holds %s now (this run lost its lease)",
                     why, parts.config.checkpoint.dir)
         return None
-    if os.environ.get(IN_JOB_ENV):
+    if os.environ.get(CHANNEL_ENV):
         # `kempner-resilience srun` (spare nodes) started this step: it relaunches the
         # training on a spare, or requeues the job itself, once every survivor has left.
         log.warning("%s: leaving the relaunch or requeue to the job's step loop", why)

@@ -33,7 +33,6 @@ N again, with the spares it has left (none), instead of on N - K.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -45,25 +44,17 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.config.schema import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.ledger import LEDGER_NAME, RELAUNCH_START_ENV, read_ledger
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
-from kempner_resilience.slurm.steps import (
-    IN_JOB_ENV,
-    RESTART_INDEX_ENV,
-    StepReport,
-    choose_nodes,
-    hang_seen_dir,
-    hang_seen_ranks,
-    parse_srun_line,
-)
+from kempner_resilience.slurm.steps import RESTART_INDEX_ENV, StepReport, choose_nodes, parse_srun_line
+from kempner_resilience.supervise.channel import Channel
 
-__all__ = ["Relauncher", "StepResult", "run_in_place", "TRAIN_NODES_NAME",
-           "recorded_train_nodes", "record_train_nodes"]
+__all__ = ["Relauncher", "StepResult", "run_in_place", "FINISHED_GRACE_S"]
 
 _log = get_logger(__name__)
 
@@ -77,32 +68,10 @@ SETTLE_S = 2.0
 SETTLE_MAX_S = 45.0
 # The ending of an old step (srun killed, the step cancelled) is bounded by this.
 END_STEP_S = 10.0
-#: {job id: nodes the training runs on}, next to the checkpoints: what a requeued job whose
-#: spares were given up trains on (the module docstring).
-TRAIN_NODES_NAME = ".kempner_train_nodes.json"
-
-
-def recorded_train_nodes(ckpt_dir: Path, job_id: str) -> int | None:
-    """The nodes job ``job_id`` trained on before a requeue (None: none recorded; a record of
-    another job, a fresh submission's, does not count)."""
-    path = ckpt_dir / TRAIN_NODES_NAME
-    try:
-        value = load_json_bounded(path).get(str(job_id))   # never blocks on a FIFO
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, AttributeError) as e:
-        _log.warning("%s unreadable (%s): the training takes the allocation less --spares", path,
-                     e)
-        return None
-    return value if isinstance(value, int) and value >= 1 else None
-
-
-def record_train_nodes(ckpt_dir: Path, job_id: str, nodes: int) -> None:
-    """Remember that job ``job_id`` trains on ``nodes`` nodes (only this job is kept)."""
-    try:
-        write_atomic(ckpt_dir / TRAIN_NODES_NAME, json.dumps({str(job_id): int(nodes)}))
-    except OSError as e:   # the requeued job then trains on its allocation less --spares
-        _log.error("cannot record the training's %d nodes in %s: %s", nodes, ckpt_dir, e)
+# After rank 0 said that its run finished (exit code 0 in the channel), this long for the step
+# to end by itself; then the step is ended here: srun may be waiting for a task on a dead node
+# that SLURM has not noticed yet (SlurmdTimeout), while the training is over.
+FINISHED_GRACE_S = 20.0
 
 
 @dataclass
@@ -112,6 +81,7 @@ class StepResult:
     first_bad_t: float | None = None     # wall time of srun's first bad task report
     ended_t: float | None = None         # wall time the step was over (srun gone)
     ended_by_us: bool = False
+    finished: bool = False               # ended here after rank 0 said the run finished
 
 
 @dataclass
@@ -125,6 +95,7 @@ class Relauncher:
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     srun: Sequence[str] = ("srun",)
     settle_s: float = SETTLE_S
+    finished_grace_s: float = FINISHED_GRACE_S
     stopping: bool = False               # a signal came: no relaunch from now on
 
     def __post_init__(self) -> None:
@@ -135,9 +106,11 @@ class Relauncher:
                              "`kempner-resilience srun` in the batch script of a job")
         self.job = job
         self.nodes = expand_hostlist(env["SLURM_JOB_NODELIST"])
-        self.ckpt_dir = Path(self.config.checkpoint.dir)
+        # The ranks tell the loop which run it supervises (supervise/channel.py); a requeued job
+        # (same id) finds the report of its earlier attempt there.
+        self.channel = Channel.for_job(job.job_id, env)
         self.need = len(self.nodes) - int(self.spares)
-        recorded = recorded_train_nodes(self.ckpt_dir, job.job_id)
+        recorded = self.channel.train_nodes()
         if self.spares >= 0 and recorded is not None and recorded != self.need \
                 and recorded <= len(self.nodes):
             # Requeued with fewer nodes (the bad ones kept out, the spares given up): the
@@ -156,9 +129,35 @@ class Relauncher:
         self.committed_at_relaunch: list[int | None] = []
         self._relaunches = 0                 # in-job restarts so far (the ledger's relaunch)
 
+    # ------------------------------------------------------------------ the run it supervises
+
+    @property
+    def ckpt_dir(self) -> Path:
+        """The run's directory as rank 0 reported it; before any report, the checkpoint.dir
+        of ``--config``/``--set`` (a script that sets it in code has not said it yet)."""
+        report = self.channel.read()
+        return Path(report.run_dir) if report is not None else Path(self.config.checkpoint.dir)
+
+    def requeue_config(self) -> RequeueConfig:
+        """The run's requeue settings as rank 0 reported them, else ``--config``/``--set``'s."""
+        report = self.channel.read()
+        if report is not None and report.requeue:
+            try:
+                return RequeueConfig(**report.requeue)
+            except (TypeError, ValueError) as e:
+                _log.warning("the ranks' requeue settings are unusable (%s): using the loop's", e)
+        return self.config.requeue
+
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
+        """The loop; the job's exit code. The channel goes when the job ends for good."""
+        code, requeued = self._loop()
+        if not requeued and code != int(ExitCode.REQUEUE):
+            self.channel.remove()
+        return code
+
+    def _loop(self) -> tuple[int, bool]:
         index = 0
         while True:
             bad = bad_nodes(self.ckpt_dir)
@@ -169,10 +168,9 @@ class Relauncher:
                            ",".join(sorted(bad)), self.need)
                 return self._requeue(int(ExitCode.PEER_LOST))
             res = self.run_step(nodes, index)
-            if not res.report.failed or self.stopping:
-                return res.code
-            seen = hang_seen_ranks(hang_seen_dir(self.ckpt_dir, self.job.job_id,
-                                                 self.job.restart_count, index))
+            if res.finished or not res.report.failed or self.stopping:
+                return res.code, False
+            seen = self.channel.hang_seen(f"{self.job.restart_count}.{index}")
             implicated = res.report.implicated(seen, self.tasks_per_node)
             reason = self._reason(res.report)
             try:
@@ -218,7 +216,7 @@ class Relauncher:
         if step is None:
             return "no committed checkpoint to resume from"
         self.committed_at_relaunch.append(step)
-        guard = int(self.config.requeue.max_no_progress)
+        guard = int(self.requeue_config().max_no_progress)
         seen = self.committed_at_relaunch
         if guard and len(seen) > guard and all(s == step for s in seen[-guard - 1:]):
             return (f"no progress: the committed step stayed at {step} over {guard} relaunches "
@@ -234,23 +232,24 @@ class Relauncher:
             return None
         return max(steps) if steps else None
 
-    def _requeue(self, code: int) -> int:
+    def _requeue(self, code: int) -> tuple[int, bool]:
         """The ranks left the requeue after a failure to us: do it as rank 0 would have (with
-        a committed checkpoint, within the restart budget). The code stays the failure's."""
+        a committed checkpoint, within the restart budget). The code stays the failure's;
+        whether the job was requeued comes with it."""
         if self._committed_step() is None or self.stopping:
-            return code
+            return code, False
         from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
 
-        ledger = RestartLedger.for_checkpoint_dir(self.ckpt_dir)
-        decision = decide_requeue(self.job, ledger, self._committed_step(),
-                                  self.config.requeue)
-        if decision.requeue:
-            # Before the requeue: it SIGKILLs this batch step at once.
-            record_train_nodes(self.ckpt_dir, self.job.job_id, self.need)
-            # The failed nodes are kept out of the requeued job too (badnodes).
-            requeue_job(self.job, self.config.requeue, exclude=bad_nodes(self.ckpt_dir),
-                        min_nodes=self.need)
-        return code
+        ckpt_dir, cfg = self.ckpt_dir, self.requeue_config()
+        ledger = RestartLedger.for_checkpoint_dir(ckpt_dir)
+        decision = decide_requeue(self.job, ledger, self._committed_step(), cfg)
+        if not decision.requeue:
+            return code, False
+        # Before the requeue: it SIGKILLs this batch step at once.
+        self.channel.record_train_nodes(self.need)
+        # The failed nodes are kept out of the requeued job too (badnodes).
+        requeue_job(self.job, cfg, exclude=bad_nodes(ckpt_dir), min_nodes=self.need)
+        return code, True
 
     def _ledger_restart(self, res: StepResult, reason: str, bad: set[str],
                         spare: list[str]) -> None:
@@ -297,7 +296,7 @@ class Relauncher:
         env["MASTER_ADDR"] = nodes[0]
         # A fresh port for each step: the old rendezvous' port may still be held on a survivor.
         env["MASTER_PORT"] = str(self.port + index)
-        env[IN_JOB_ENV] = "1"
+        env.update(self.channel.env())       # IN_JOB_ENV: the loop owns the run-again
         env.pop(RESTART_INDEX_ENV, None)
         env.pop(RELAUNCH_START_ENV, None)
         if index:
@@ -331,6 +330,7 @@ class Relauncher:
 
         reader = threading.Thread(target=read, name="kr-srun-stderr", daemon=True)
         reader.start()
+        finish = _FinishWatch(self.channel, self.finished_grace_s)
         while proc.poll() is None:
             time.sleep(0.1)
             with lock:
@@ -344,10 +344,19 @@ class Relauncher:
                 self._end_step(proc, index)
                 res.ended_by_us = True
                 break
+            if not failed and finish.over():
+                _log.warning("step %d: rank 0 finished the run %.0f s ago and the step has not "
+                             "ended (a task on a node SLURM has not yet declared dead): ending "
+                             "it, the job is done", index, self.finished_grace_s)
+                self._end_step(proc, index)
+                res.finished = True
+                break
         res.code = proc.wait()
         res.ended_t = time.time()
         reader.join(timeout=2.0)
-        if res.ended_by_us:
+        if res.finished:
+            res.code = 0
+        elif res.ended_by_us:
             res.code = int(ExitCode.PEER_LOST)
         return res
 
@@ -383,6 +392,27 @@ class Relauncher:
         ids = [line.split()[0] for line in out.stdout.splitlines()
                if line.split()[1:] == [f"kr-step-{index}"]]
         return ids[-1] if ids else None
+
+
+class _FinishWatch:
+    """Whether rank 0 said, in this launch, that its run finished (exit code 0) at least
+    ``grace_s`` ago. A report already there at the launch is an earlier launch's and never
+    counts; the channel is read at most once a second."""
+
+    def __init__(self, channel: Channel, grace_s: float) -> None:
+        self.channel, self.grace_s = channel, grace_s
+        self.before = channel.read()
+        self.seen: float | None = None       # monotonic time the finish was first read
+        self.next = 0.0
+
+    def over(self) -> bool:
+        now = time.monotonic()
+        if self.seen is None and now >= self.next:
+            self.next = now + 1.0
+            r = self.channel.read()
+            if r is not None and r.code == 0 and r != self.before:
+                self.seen = now
+        return self.seen is not None and now - self.seen >= self.grace_s
 
 
 def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,

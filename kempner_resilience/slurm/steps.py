@@ -14,26 +14,22 @@ Nothing here runs a process or needs SLURM.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.supervise.channel import CHANNEL_ENV, RESTART_INDEX_ENV
 from kempner_resilience.supervise.policy import NOT_IN_PLACE, RESCUED_CODES
 
 __all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES",
-           "IN_JOB_ENV", "RESTART_INDEX_ENV", "note_hang_seen", "hang_seen_dir",
-           "hang_seen_ranks"]
+           "IN_JOB_ENV", "RESTART_INDEX_ENV"]
 
-# Set by the relaunch loop in every task's environment: the loop owns what follows a failure
-# (a relaunch on a spare, or the requeue), so rank 0 must not requeue the job itself.
-IN_JOB_ENV = "KEMPNER_RESILIENCE_IN_JOB_RELAUNCH"
-# The in-job restart's number (1, 2, ...; unset in the first step): SLURM_RESTART_COUNT stays
-# the same across relaunches in place, this tells them apart (log and report names).
-RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
+# Set by the relaunch loop in every task's environment: the supervisor's channel
+# (``supervise/channel.py``). The loop owns what follows a failure (a relaunch on a spare, or
+# the requeue), so rank 0 must not requeue the job itself.
+IN_JOB_ENV = CHANNEL_ENV
 
 # Codes after which the job is worth running again from its newest checkpoint in the same
 # allocation: a rank is gone or hung (the survivors rescued or fell back), or a rank was killed.
@@ -164,40 +160,6 @@ class StepReport:
                     return quiet
             return {own[0]}
         return set(own)
-
-
-_HANG_SEEN = ".in-job-hang"
-
-
-def hang_seen_dir(ckpt_dir: str | os.PathLike[str], job_id: str, restart_count: int,
-                  index: int) -> Path:
-    """Where the ranks of one step (job, requeue, relaunch in place) say their watchdog ran."""
-    return Path(ckpt_dir) / _HANG_SEEN / f"{job_id}.{restart_count}.{index}"
-
-
-def note_hang_seen(ckpt_dir: str | os.PathLike[str], rank: int,
-                   environ: Mapping[str, str] | None = None) -> None:
-    """Under ``kempner-resilience srun`` only: this rank's hang watchdog ran in Python, so this
-    rank is not the one hung with the GIL held. One empty file per rank; never raises."""
-    env = os.environ if environ is None else environ
-    if not env.get(IN_JOB_ENV) or not env.get("SLURM_JOB_ID"):
-        return
-    try:
-        d = hang_seen_dir(ckpt_dir, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0),
-                          int(env.get(RESTART_INDEX_ENV) or 0))
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"rank-{int(rank)}").touch()
-    except (OSError, ValueError):
-        pass
-
-
-def hang_seen_ranks(directory: Path) -> set[int]:
-    """The ranks that said so (``note_hang_seen``)."""
-    try:
-        names = [p.name for p in directory.iterdir()]
-    except OSError:
-        return set()
-    return {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()}
 
 
 def choose_nodes(nodes: Iterable[str], bad: Iterable[str], n: int) -> list[str] | None:

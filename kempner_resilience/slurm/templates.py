@@ -8,7 +8,8 @@ those defaults, written by ``scripts/regen_slurm.py`` (a test checks they are in
 ``render_sbatch`` rewrites a template's values in place: it replaces ``#SBATCH --key=value``
 lines, adds or removes the optional ones (GPUs, extra site options, the config export) and
 replaces the command of the ``srun --kill-on-bad-exit=1 ...`` line (in ``multi_node_torchrun``,
-what follows ``"${TORCHRUN[@]}"``: each worker's command); every comment stays.
+``kempner-resilience srun ... -- "${TORCHRUN[@]}" ...``: what follows ``"${TORCHRUN[@]}"``, each
+worker's command); every comment stays.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ REQUEUE_TEARDOWN_S = 20.0
 _SBATCH = re.compile(r"^#SBATCH\s+--([\w-]+)(?:[=\s](.*))?$")
 _SRUN = "srun --kill-on-bad-exit=1 "
 # The part of the launch line that stays: ``command`` replaces the rest.
-_LAUNCH = {"multi_node_torchrun": _SRUN + '"${TORCHRUN[@]}" '}
+_LAUNCH = {"multi_node_torchrun":
+           'kempner-resilience srun --spares=0 --in-job-restarts=0 -- "${TORCHRUN[@]}" '}
 _NPROC = re.compile(r"^NPROC_PER_NODE=\d+$")
 _SPARES = re.compile(r"^SPARES=\d+$")
 _RESTARTS = re.compile(r"^IN_JOB_RESTARTS=\d+$")

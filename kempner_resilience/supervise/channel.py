@@ -1,0 +1,207 @@
+"""The one channel between a supervisor and its ranks: a job-scoped directory named in the
+environment, where rank 0 says which run it is and the supervisor keeps its own memory.
+
+A supervisor of ranks (``kempner-resilience srun``'s step loop; the torchrun template runs its
+agents under it too) must know the run it supervises: its checkpoint directory (to see what was
+committed, to keep the bad nodes with the run), its run id, its requeue settings. Reading the
+user's config cannot tell: a script that sets ``checkpoint.dir`` in code (the README's usage)
+gives the supervisor nothing to read, and guessing ``./checkpoints`` loses the relaunch and
+mixes the memory of unrelated runs started from the same directory. So the ranks tell:
+
+- the supervisor creates one directory per job (``Channel.for_job``: ``.kempner-resilience/
+  job-<id>`` in the directory the job was submitted from, which every node of a SLURM cluster
+  shares) and names it in the ranks' environment (``CHANNEL_ENV``, ``$KEMPNER_RESILIENCE_
+  SUPERVISOR``): a rank that finds it knows that a supervisor decides whether the job runs
+  again, and leaves the requeue after a failure to it;
+- rank 0 writes ``run.json`` there (``RunReport``): when the run has set up (the resolved
+  ``checkpoint.dir``, run id, requeue settings), after each commit, and once more with its exit
+  code when it ends. Atomic replaces, never fsynced: a reader sees a whole report or the one
+  before; a crash of the machine ends the supervisor that reads it too;
+- the ranks of one launch say there that their hang watchdog ran (``hang_seen``: a rank hung
+  with the GIL held cannot, which singles its node out);
+- the supervisor keeps its per-job memory there (``train_nodes``); what belongs to the run and
+  outlives the job (bad nodes, restart events) goes to the run's directory that rank 0 named.
+
+The directory lives as long as the job: a requeued job keeps its id and finds its run again
+before its ranks have said anything; the supervisor removes it when the job ends for good
+(``Channel.remove``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from kempner_resilience.core.fileio import load_json_bounded, write_atomic
+from kempner_resilience.core.log import get_logger
+
+__all__ = ["CHANNEL_ENV", "RESTART_INDEX_ENV", "Channel", "RunReport", "REPORT_NAME", "report_now",
+           "launch_name"]
+
+_log = get_logger(__name__)
+
+#: The channel's directory, set by the supervisor in every rank's environment.
+CHANNEL_ENV = "KEMPNER_RESILIENCE_SUPERVISOR"
+#: The relaunch in place's number (1, 2, ...; unset in the first launch), set by the supervisor:
+#: SLURM_RESTART_COUNT stays the same across relaunches in place, this tells them apart.
+RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
+#: Rank 0's report, in the channel.
+REPORT_NAME = "run.json"
+_HANG_SEEN = "hang-seen"
+_TRAIN_NODES = "train-nodes.json"
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """What rank 0 says about its run (``run.json`` in the channel)."""
+
+    run_dir: str                          # the resolved checkpoint.dir
+    run_id: str | None = None
+    committed: int | None = None          # the newest step this run committed or resumed from
+    code: int | None = None               # the exit code, once the attempt has ended
+    requeue: Mapping[str, Any] = field(default_factory=dict)   # the run's requeue section
+    host: str = ""
+    pid: int = 0
+    t: float = 0.0                        # time.time() of the report
+
+    @classmethod
+    def from_json(cls, data: Any) -> "RunReport":
+        """From ``run.json``'s content; ValueError names what is wrong."""
+        if not isinstance(data, dict) or not isinstance(data.get("run_dir"), str) \
+                or not data["run_dir"]:
+            raise ValueError("not a run report: no run_dir")
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        for key in ("committed", "code"):
+            if known.get(key) is not None and not isinstance(known[key], int):
+                raise ValueError(f"run report: {key} is {known[key]!r}, not an integer")
+        if not isinstance(known.get("requeue", {}), dict):
+            raise ValueError("run report: requeue is not a mapping")
+        return cls(**known)
+
+    @property
+    def ended(self) -> bool:
+        return self.code is not None
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One job's channel directory (see the module docstring)."""
+
+    root: Path
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Channel | None":
+        """The channel a supervisor gave this process, or None (no supervisor)."""
+        value = (os.environ if environ is None else environ).get(CHANNEL_ENV)
+        return cls(Path(value)) if value else None
+
+    @classmethod
+    def for_job(cls, job_id: str, environ: Mapping[str, str] | None = None,
+                cwd: str | os.PathLike[str] | None = None) -> "Channel":
+        """The channel of job ``job_id``: ``.kempner-resilience/job-<id>`` under
+        ``SLURM_SUBMIT_DIR`` (or ``cwd``), which every node of the job sees; created. Only a
+        supervisor sets ``CHANNEL_ENV``: a rank that finds it leaves the run-again decision to
+        that supervisor, so a value inherited from outside is never reused."""
+        env = os.environ if environ is None else environ
+        base = Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd())
+        root = (base / ".kempner-resilience" / f"job-{job_id}").resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        return cls(root)
+
+    def env(self) -> dict[str, str]:
+        """The variables that hand this channel to the ranks."""
+        return {CHANNEL_ENV: str(self.root)}
+
+    # ------------------------------------------------------------------ rank 0's report
+
+    def report(self, report: RunReport) -> None:
+        """Replace ``run.json`` with ``report``; never raises (a rank never stops for it)."""
+        data = asdict(report)
+        data["requeue"] = dict(report.requeue)
+        try:
+            write_atomic(self.root / REPORT_NAME, json.dumps(data), durable=False)
+        except (OSError, TypeError, ValueError) as e:
+            _log.warning("cannot tell the supervisor about the run in %s: %s", self.root, e)
+
+    def read(self) -> RunReport | None:
+        """Rank 0's latest report; None when there is none yet or it cannot be read (logged)."""
+        path = self.root / REPORT_NAME
+        try:
+            return RunReport.from_json(load_json_bounded(path))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as e:
+            _log.warning("the ranks' report %s is unreadable (%s): the run is unknown", path, e)
+            return None
+
+    # ------------------------------------------------------------------ the ranks' hang words
+
+    def hang_seen_dir(self, launch: str) -> Path:
+        """Where the ranks of launch ``launch`` say that their hang watchdog ran."""
+        return self.root / _HANG_SEEN / launch
+
+    def note_hang_seen(self, launch: str, rank: int) -> None:
+        """This rank's hang watchdog ran in Python (it is not hung with the GIL held). One empty
+        file per rank; never raises."""
+        try:
+            d = self.hang_seen_dir(launch)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"rank-{int(rank)}").touch()
+        except (OSError, ValueError):
+            pass
+
+    def hang_seen(self, launch: str) -> set[int]:
+        """The ranks of launch ``launch`` whose hang watchdog said so."""
+        try:
+            names = [p.name for p in self.hang_seen_dir(launch).iterdir()]
+        except OSError:
+            return set()
+        return {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()}
+
+    # ------------------------------------------------------------------ the supervisor's memory
+
+    def train_nodes(self) -> int | None:
+        """The nodes the training of this job ran on before a requeue (None: not recorded)."""
+        try:
+            value = load_json_bounded(self.root / _TRAIN_NODES)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            _log.warning("%s unreadable (%s)", self.root / _TRAIN_NODES, e)
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) \
+            and value >= 1 else None
+
+    def record_train_nodes(self, nodes: int) -> None:
+        """Remember that this job trains on ``nodes`` nodes (for its requeued self)."""
+        try:
+            write_atomic(self.root / _TRAIN_NODES, json.dumps(int(nodes)))
+        except OSError as e:
+            _log.error("cannot record the training's %d nodes in %s: %s", nodes, self.root, e)
+
+    def remove(self) -> None:
+        """The job is over for good: its channel goes (bounded: a local directory walk)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            self.root.parent.rmdir()      # .kempner-resilience/, when this was its last job
+        except OSError:
+            pass
+
+
+def launch_name(environ: Mapping[str, str] | None = None) -> str:
+    """This launch of the ranks within the job: ``<requeues>.<relaunches in place>``."""
+    env = os.environ if environ is None else environ
+    return f"{env.get('SLURM_RESTART_COUNT') or 0}.{env.get(RESTART_INDEX_ENV) or 0}"
+
+
+def report_now(channel: Channel, run_dir: str | os.PathLike[str], *, run_id: str | None,
+               committed: int | None, code: int | None,
+               requeue: Mapping[str, Any]) -> None:
+    """Rank 0's report with this host, process and time (``Channel.report``)."""
+    channel.report(RunReport(str(Path(run_dir).resolve()), run_id, committed, code,
+                             dict(requeue), os.uname().nodename, os.getpid(), time.time()))

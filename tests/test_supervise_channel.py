@@ -1,0 +1,119 @@
+"""The ranks tell their supervisor which run it supervises (``supervise/channel.py``).
+
+A real training script that sets ``checkpoint.dir`` in code, as the README shows, runs under a
+channel the way ``kempner-resilience srun`` starts its ranks; what is asserted is what the
+supervisor then knows: the directory, the run id, the committed step and the exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import env, write_script
+from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, RunReport
+
+SCRIPT = """
+import sys, torch
+import kempner_resilience as kr
+
+cfg = kr.load_config(overrides=[f"checkpoint.dir={sys.argv[1]}", "checkpoint.every_steps=2",
+                                "requeue.max_no_progress=5"])
+model = torch.nn.Linear(2, 2)
+with kr.ResilientRun(cfg, state={"model": model}) as run:
+    for step in run.steps(int(sys.argv[2])):
+        pass
+"""
+
+
+def _train(tmp_path: Path, steps: int, channel: Channel | None) -> subprocess.CompletedProcess:
+    script = write_script(tmp_path, SCRIPT)
+    extra = channel.env() if channel is not None else {}
+    e = env(**extra)
+    if channel is None:
+        e.pop(CHANNEL_ENV, None)
+    return subprocess.run([sys.executable, str(script), "ckpts", str(steps)], cwd=tmp_path,
+                          env=e, capture_output=True, text=True, timeout=120)
+
+
+def test_rank_0_tells_the_supervisor_the_directory_the_script_set_in_code(tmp_path):
+    channel = Channel.for_job("41", {}, cwd=tmp_path)
+    res = _train(tmp_path, 5, channel)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = channel.read()
+    run_json = json.loads((tmp_path / "ckpts" / "run.json").read_text())
+    assert report is not None
+    assert report.run_dir == str((tmp_path / "ckpts").resolve())
+    assert report.run_id == run_json["run_id"]
+    assert report.committed == 4          # the last periodic save of 5 steps, every 2
+    assert report.code == 0
+    assert report.requeue["max_no_progress"] == 5
+
+
+def test_without_a_supervisor_no_channel_is_written(tmp_path):
+    res = _train(tmp_path, 3, None)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (tmp_path / ".kempner-resilience").exists()
+
+
+def test_the_channel_of_a_job_lives_in_the_directory_it_was_submitted_from(tmp_path):
+    channel = Channel.for_job("7", {"SLURM_SUBMIT_DIR": str(tmp_path)}, cwd="/")
+    assert channel.root == (tmp_path / ".kempner-resilience" / "job-7").resolve()
+    assert channel.root.is_dir()
+    assert Channel.from_env(channel.env()) == channel
+    channel.remove()
+    assert not (tmp_path / ".kempner-resilience").exists()
+
+
+def test_two_jobs_from_one_directory_get_two_channels(tmp_path):
+    a = Channel.for_job("7", {}, cwd=tmp_path)
+    b = Channel.for_job("8", {}, cwd=tmp_path)
+    a.record_train_nodes(2)
+    assert a.root != b.root and b.train_nodes() is None and a.train_nodes() == 2
+
+
+def test_an_unreadable_report_leaves_the_run_unknown_and_says_so(tmp_path, caplog):
+    channel = Channel.for_job("7", {}, cwd=tmp_path)
+    (channel.root / "run.json").write_text('{"run_dir": 3}')
+    assert channel.read() is None
+    assert "unreadable" in caplog.text
+
+
+def test_a_report_without_a_committed_step_reads_back_as_written(tmp_path):
+    channel = Channel.for_job("7", {}, cwd=tmp_path)
+    channel.report(RunReport("/x", "r1", None, None, {"enabled": True}, "h", 1, 2.0))
+    assert channel.read() == RunReport("/x", "r1", None, None, {"enabled": True}, "h", 1, 2.0)
+
+
+def test_the_step_loop_follows_the_directory_rank_0_reported_not_its_own_config(tmp_path,
+                                                                                   monkeypatch):
+    from kempner_resilience.config import load_config
+    from kempner_resilience.slurm.relaunch import Relauncher
+
+    monkeypatch.chdir(tmp_path)
+    loop = Relauncher(["true"], 1, load_config(None, []),
+                      environ={"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-3]"})
+    assert loop.ckpt_dir == tmp_path / "checkpoints"     # nothing said yet: the config's
+    loop.channel.report(RunReport(str(tmp_path / "mine"), "r", 10, None,
+                                  {"max_no_progress": 7}))
+    assert loop.ckpt_dir == tmp_path / "mine"
+    assert loop.requeue_config().max_no_progress == 7
+    env_ = loop.step_env(["n1", "n2"], 0)
+    assert Channel.from_env(env_) == loop.channel
+
+
+def test_a_finish_said_in_an_earlier_launch_does_not_end_the_next_one(tmp_path):
+    from kempner_resilience.slurm.relaunch import _FinishWatch
+
+    channel = Channel.for_job("7", {}, cwd=tmp_path)
+    channel.report(RunReport("/x", "r", 4, 0, {}, "h", 1, 1.0))
+    watch = _FinishWatch(channel, 0.0)
+    assert not watch.over()
+    channel.report(RunReport("/x", "r", 4, None, {}, "h", 2, 2.0))   # the new rank 0 started
+    watch.next = 0.0
+    assert not watch.over()
+    channel.report(RunReport("/x", "r", 6, 0, {}, "h", 2, 3.0))      # and finished
+    watch.next = 0.0
+    assert watch.over()
