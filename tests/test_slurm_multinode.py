@@ -177,7 +177,7 @@ def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_res
     job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=0.1,
                     train_args=TRAIN_ARGS, env=env, torchrun=True)
     multinode_jobs[0].append(job)
-    assert ('kempner-resilience srun --spares=0 --in-job-restarts=0 -- "${TORCHRUN[@]}" bash -c'
+    assert ('kempner-resilience srun --agents -- "${TORCHRUN[@]}" bash -c'
             in job.script.read_text())
     job.submit()
     job.wait_step(12, timeout=180)

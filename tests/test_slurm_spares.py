@@ -132,7 +132,10 @@ def test_the_readme_usage_relaunches_in_place_ends_completed_and_keeps_its_bad_n
     # the run's. The ranks tell `kempner-resilience srun` which run it supervises.
     job = _submit(slow_death, tmp_path, multinode_jobs, name="a", config_in_script=True,
                   submit_dir=tmp_path)
-    assert "--set" not in job.sbatch_args and "--set" not in job.script.read_text()
+    own = job.sbatch_args[:job.sbatch_args.index("--")]
+    [loop] = [line for line in job.script.read_text().splitlines()
+              if line.startswith("kempner-resilience srun")]
+    assert "--set" not in own and "--set" not in loop.split(" -- ")[0], loop
     dead = _kill_a_training_node_and_finish(slow_death, job, multinode_jobs, reference)
     # Over within a minute of its training, although SLURM has not noticed the dead node yet.
     info = job.wait_state(timeout=60)

@@ -22,7 +22,7 @@ import pytest
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
-from slurm_fixtures import multinode_cluster, multinode_jobs  # noqa: F401
+from slurm_fixtures import multinode_cluster, multinode_jobs, slow_death  # noqa: F401
 
 pytestmark = [pytest.mark.slurm]
 
@@ -65,6 +65,21 @@ def _steps_completed(job: DemoJob, run: str) -> int:
 
 def test_a_training_node_killed_between_saves_is_replaced_by_the_spare_in_the_same_job_bitwise(
         multinode_cluster, tmp_path, reference, multinode_jobs):
+    _kill_a_training_node_and_finish(multinode_cluster, tmp_path, reference, multinode_jobs)
+
+
+def test_with_production_slurmd_timeout_the_job_ends_completed_within_a_minute_of_its_training(
+        slow_death, tmp_path, reference, multinode_jobs):
+    # SLURM takes 300 s to notice the dead node; srun would wait that long for its agent after
+    # the training finished, the allocation held idle (issue 29). `kempner-resilience srun
+    # --agents` ends the step once rank 0 said the run finished.
+    job = _kill_a_training_node_and_finish(slow_death, tmp_path, reference, multinode_jobs)
+    trained = job.progress.stat().st_mtime
+    ended = job.log.stat().st_mtime                 # the batch script's last line
+    assert ended - trained < 60, (ended - trained, job.log_text()[-3000:])
+
+
+def _kill_a_training_node_and_finish(multinode_cluster, tmp_path, reference, multinode_jobs):
     env = dict(multinode_cluster.env,
                PATH=f"{Path(sys.executable).parent}:{multinode_cluster.env.get('PATH', '')}")
     job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=STEP_TIME,
@@ -110,3 +125,4 @@ def test_a_training_node_killed_between_saves_is_replaced_by_the_spare_in_the_sa
     # The spare's agent stood by, then took the dead node's place.
     assert f"torchrun agent on {spare}: standby" in log, log[-4000:]
     assert "relaunching in place" in log, log[-4000:]
+    return job

@@ -23,7 +23,7 @@ CLI = str(Path(sys.executable).parent / "kempner-resilience")
 # Each template's launch line with the default command. multi_node_torchrun runs one
 # `kempner-resilience torchrun` agent per node; no template runs a plain torchrun.
 LAUNCH = {name: "srun --kill-on-bad-exit=1 python train.py" for name in TEMPLATES}
-LAUNCH["multi_node_torchrun"] = ('kempner-resilience srun --spares=0 --in-job-restarts=0 -- '
+LAUNCH["multi_node_torchrun"] = ('kempner-resilience srun --agents -- '
                                  '"${TORCHRUN[@]}" python train.py')
 PLAIN_TORCHRUN = re.compile(r"(?<!kempner-resilience )\btorchrun\b")
 MULTI_NODE = ("multi_node", "multi_node_torchrun")

@@ -18,13 +18,18 @@ __all__ = ["VERBS"]
 
 
 def _setup(p: argparse.ArgumentParser) -> None:
-    p.usage = "%(prog)s --spares K [options] -- COMMAND ..."
-    p.add_argument("--spares", type=int, required=True, metavar="K",
+    p.usage = "%(prog)s [--spares K | --agents] [options] -- COMMAND ..."
+    p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="nodes of the allocation kept as spares (the training runs on the "
-                        "other ones, one srun task per --ntasks-per-node)")
+                        "other ones, one srun task per --ntasks-per-node; default 0)")
     p.add_argument("--in-job-restarts", type=int, default=None, metavar="R",
                    help="relaunches in place before a failure requeues the job (default: "
                         "--spares)")
+    p.add_argument("--agents", action="store_true",
+                   help="each task restarts its own workers (`kempner-resilience torchrun` on "
+                        "every node, standbys included): the step is never ended or relaunched "
+                        "for a failure, only ended once the run finished; a failure that ends "
+                        "it requeues the job (template multi_node_torchrun)")
     config_args(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="what every srun task runs, after `--`")
@@ -43,11 +48,14 @@ def _run(args: argparse.Namespace) -> int:
     if not command:
         raise CliError("give the training command after `--`, e.g. -- python train.py", 2)
     restarts = args.spares if args.in_job_restarts is None else args.in_job_restarts
+    if args.agents and (args.spares or restarts):
+        raise CliError("--agents takes no --spares/--in-job-restarts: the agents (torchrun's "
+                       "--max-restarts and standbys) relaunch in place themselves", 2)
     if args.spares < 0 or restarts < 0:
         raise CliError("--spares and --in-job-restarts must be >= 0", 2)
     cfg = load_config(args.config, args.overrides)
     try:
-        return run_in_place(command, args.spares, cfg, restarts)
+        return run_in_place(command, args.spares, cfg, restarts, agents=args.agents)
     except ValueError as e:
         raise CliError(str(e), 2) from None
 

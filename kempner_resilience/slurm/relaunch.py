@@ -51,7 +51,8 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
-from kempner_resilience.slurm.steps import RESTART_INDEX_ENV, StepReport, choose_nodes, parse_srun_line
+from kempner_resilience.slurm.steps import (FAILURE_CODES, RESTART_INDEX_ENV, StepReport,
+                                            choose_nodes, parse_srun_line)
 from kempner_resilience.supervise.channel import Channel
 
 __all__ = ["Relauncher", "StepResult", "run_in_place", "FINISHED_GRACE_S"]
@@ -96,6 +97,11 @@ class Relauncher:
     srun: Sequence[str] = ("srun",)
     settle_s: float = SETTLE_S
     finished_grace_s: float = FINISHED_GRACE_S
+    # Each task is a launcher that restarts its own workers (a torchrun agent on every node,
+    # the standbys among them): a task's failure or a dead node is theirs to handle, so the
+    # step is never ended for it nor relaunched; it ends by itself, or here once rank 0 said
+    # the run finished; a failure that ends it is requeued.
+    agents: bool = False
     stopping: bool = False               # a signal came: no relaunch from now on
 
     def __post_init__(self) -> None:
@@ -168,6 +174,8 @@ class Relauncher:
                            ",".join(sorted(bad)), self.need)
                 return self._requeue(int(ExitCode.PEER_LOST))
             res = self.run_step(nodes, index)
+            if self.agents:
+                return self._after_agents(res, index)
             if res.finished or not res.report.failed or self.stopping:
                 return res.code, False
             seen = self.channel.hang_seen(f"{self.job.restart_count}.{index}")
@@ -192,6 +200,17 @@ class Relauncher:
                          ",".join(spare) or "-", self._committed_step())
             self._ledger_restart(res, reason, implicated, spare)
             index += 1
+
+    def _after_agents(self, res: StepResult, index: int) -> tuple[int, bool]:
+        """The agents' step ended: by their code alone (a dead node's silence or srun's "Node
+        failure" line was theirs to handle), a failure worth running again is requeued."""
+        code = res.code
+        killed = code > 128 and code not in (int(ExitCode.SIGTERM), int(ExitCode.SIGINT))
+        if res.finished or self.stopping or not (code in FAILURE_CODES or killed):
+            return code, False
+        _log.warning("step %d: the agents ended with %d (their in-place restarts, if any, are "
+                     "spent): requeueing", index, code)
+        return self._requeue(code)
 
     def _reason(self, report: StepReport) -> str:
         if any(e.node_failure for e in report.ends) or (set(report.nodes)
@@ -334,7 +353,7 @@ class Relauncher:
         while proc.poll() is None:
             time.sleep(0.1)
             with lock:
-                failed = report.failed and not self.stopping
+                failed = report.failed and not self.stopping and not self.agents
                 quiet = time.monotonic() - last_news[0]
                 done = report.complete or (quiet >= self.settle_s and
                                            report.heard_complete(self.tasks_per_node))
@@ -416,10 +435,10 @@ class _FinishWatch:
 
 
 def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,
-                 in_job_restarts: int) -> int:
+                 in_job_restarts: int, agents: bool = False) -> int:
     """``kempner-resilience srun``: run the loop with this process's environment; signals
     (the job's SIGTERM, a preemption) stop relaunches, the ranks handle them themselves."""
-    loop = Relauncher(command, spares, config, in_job_restarts)
+    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents)
 
     def stop(signum: int, frame: object) -> None:
         loop.stopping = True       # only recorded: srun and the ranks get the signal from SLURM

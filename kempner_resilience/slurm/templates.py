@@ -46,7 +46,7 @@ _SBATCH = re.compile(r"^#SBATCH\s+--([\w-]+)(?:[=\s](.*))?$")
 _SRUN = "srun --kill-on-bad-exit=1 "
 # The part of the launch line that stays: ``command`` replaces the rest.
 _LAUNCH = {"multi_node_torchrun":
-           'kempner-resilience srun --spares=0 --in-job-restarts=0 -- "${TORCHRUN[@]}" '}
+           'kempner-resilience srun --agents -- "${TORCHRUN[@]}" '}
 _NPROC = re.compile(r"^NPROC_PER_NODE=\d+$")
 _SPARES = re.compile(r"^SPARES=\d+$")
 _RESTARTS = re.compile(r"^IN_JOB_RESTARTS=\d+$")
