@@ -185,24 +185,26 @@ class Relauncher:
             self._stalled = decision.stalled
             implicated = set(ev.implicated)
             reason, where = self._reason(res.report), ",".join(sorted(implicated)) or "?"
+            what = f"{reason} on {where}" if decision.kind is Kind.FAILURE \
+                else decision.kind.value
             if decision.kind is Kind.FAILURE and not ev.stopping and implicated:
                 self._record_bad(implicated, reason)
             if decision.action is Action.RELAUNCH:
                 nxt = choose_nodes(self.nodes, bad_nodes(self.ckpt_dir) | self._bad_here,
                                    self.need) or []
                 spare = sorted(set(nxt) - set(nodes))
-                _log.warning("step %d failed (%s on %s): relaunching in place on %s (spare %s): "
-                             "%s", index, reason, where, ",".join(nxt), ",".join(spare) or "-",
-                             decision.why)
+                _log.warning("step %d failed (%s): relaunching in place on %s (spare %s): %s",
+                             index, what, ",".join(nxt), ",".join(spare) or "-", decision.why)
                 self._ledger_restart(res, reason, implicated, spare)
                 index += 1
                 continue
             if decision.action is Action.REQUEUE:
-                _log.warning("step %d ended with %d (%s on %s); no relaunch in place: %s", index,
-                             decision.code, reason, where, decision.why)
+                _log.warning("step %d ended with %d (%s); no relaunch in place: %s", index,
+                             decision.code, what, decision.why)
                 return self._requeue(decision)
             log = _log.info if decision.code == 0 else _log.warning
-            log("step %d: the job ends with %d: %s", index, decision.code, decision.why)
+            log("step %d ended with %d (%s): the job ends: %s", index, decision.code, what,
+                decision.why)
             return decision.code, False
 
     def _after_step(self, res: StepResult, index: int,
