@@ -125,3 +125,210 @@ def test_a_job_requeued_with_its_spare_given_up_trains_on_as_many_nodes_as_befor
     assert _loop(tmp_path, "n[1,4]").need == 2
     # A new submission (another job id) from the same directory takes its own shape.
     assert _loop(tmp_path, "n[1,4]", job_id="8").need == 1
+
+
+# ------------------------------------------------------------------------ a step as evidence
+# slurm/evidence.py: what srun said, and how the step ended, as each task's ending.
+
+def _ends(nodes, ntasks, lines, *, ended_by_loop=False, srun_code=0, tasks_per_node=1):
+    from kempner_resilience.slurm.evidence import task_ends
+
+    return task_ends(_report(nodes, ntasks, lines), srun_code=srun_code,
+                     ended_by_loop=ended_by_loop, tasks_per_node=tasks_per_node)
+
+
+def test_a_task_srun_never_named_exited_0_when_srun_ended_by_itself():
+    ends = _ends(["n1", "n2"], 2, ["srun: error: n2: task 1: Exited with exit code 81"],
+                 srun_code=81)
+    assert [(e.code, e.signaled) for e in ends] == [(0, False), (81, False)]
+
+
+def test_the_tasks_of_a_node_silent_until_the_loop_ended_the_step_died_with_their_node():
+    ends = _ends(["n1", "n2"], 4, ["srun: error: n1: tasks 0-1: Exited with exit code 81"],
+                 ended_by_loop=True, tasks_per_node=2)
+    assert [e.code for e in ends] == [81, 81, 137, 137]
+    assert ends[2].own_death and ends[3].own_death
+
+
+def test_a_task_that_never_ended_beside_its_node_s_reported_ones_was_ended_by_the_loop():
+    ends = _ends(["n1", "n2"], 4, ["srun: error: n1: task 0: Exited with exit code 42",
+                                   "srun: error: n2: tasks 2-3: Exited with exit code 42"],
+                 ended_by_loop=True, tasks_per_node=2)
+    assert ends[1].by_supervisor and not ends[1].own_death
+    assert not any(e.by_supervisor for i, e in enumerate(ends) if i != 1)
+
+
+def test_a_node_slurm_declared_dead_took_its_tasks_with_it():
+    ends = _ends(["n1", "n2"], 2, ["srun: error: Node failure on n2",
+                                   "srun: error: n1: task 0: Exited with exit code 81"],
+                 srun_code=1)
+    assert ends[1].own_death and ends[0].code == 81
+
+
+def test_srun_s_signal_words_are_deaths_by_that_signal_its_exit_codes_are_exits():
+    killed, exited = _ends(["n1", "n2"], 2, ["srun: error: n1: task 0: Killed",
+                                             "srun: error: n2: task 1: Exited with exit code 137"],
+                           srun_code=137)
+    assert (killed.code, killed.signaled) == (137, True)
+    assert (exited.code, exited.signaled) == (137, False)
+
+
+def test_a_step_srun_could_not_launch_ends_every_task_with_srun_s_status():
+    ends = _ends(["n1", "n2"], 2, ["srun: error: Unable to create step for job 7"], srun_code=1)
+    assert [e.code for e in ends] == [1, 1]
+
+
+def test_the_evidence_carries_the_loop_s_budget_commits_spares_and_slurm_behind_it():
+    from kempner_resilience.slurm.evidence import LoopState, step_evidence
+    from kempner_resilience.supervise.policy import Commits
+
+    report = _report(["n1", "n2"], 2, ["srun: error: n2: task 1: Exited with exit code 42",
+                                       "srun: error: n1: task 0: Exited with exit code 42"])
+    state = LoopState(relaunches=1, max_relaunches=2, requeue_left=True, committed_before=10,
+                      committed_now=12, stalled=1, max_no_progress=3, spares=1)
+    ev = step_evidence(report, state, srun_code=42, ended_by_loop=True, hang_seen={0})
+    assert (ev.restarts, ev.max_restarts, ev.scheduler_left) == (1, 2, True)
+    assert (ev.commits, ev.stalled, ev.max_no_progress) == (Commits(10, 12), 1, 3)
+    assert (ev.spares, ev.implicated, ev.stopping) == (1, frozenset({"n2"}), False)
+
+
+# ------------------------------------------------------------------------ the loop's decisions
+# Relauncher._after_step: the policy on a finished step; the loop acts on its answer.
+
+def _commit(root, step):
+    from kempner_resilience.checkpoint import layout
+
+    path = layout.create_step_dir(root, step)
+    (path / "__0_0.distcp").write_bytes(b"x")
+    layout.write_manifest(path, {"format": layout.FORMAT, "step": step, "committed_at": step,
+                                 "files": {"__0_0.distcp": {"size": 1, "crc32": 0x8CDC1683}}})
+
+
+def _supervising(tmp_path, *, nodelist="n[1-3]", in_job_restarts=1, restart_count=0,
+                 requeue=None):
+    """A loop on 2 nodes + 1 spare whose rank 0 reported the run in tmp_path/run."""
+    from kempner_resilience.config import load_config
+    from kempner_resilience.slurm.relaunch import Relauncher
+    from kempner_resilience.supervise.channel import RunReport
+
+    loop = Relauncher(["python", "train.py"], 1, load_config(None, []), in_job_restarts,
+                      environ={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodelist,
+                               "SLURM_RESTART_COUNT": str(restart_count),
+                               "SLURM_SUBMIT_DIR": str(tmp_path)})
+    loop.channel.report(RunReport(str(tmp_path / "run"), "r", None, None, requeue or {}))
+    return loop
+
+
+def _step(lines, *, nodes=("n1", "n2"), code=0, ended_by_loop=False):
+    from kempner_resilience.slurm.relaunch import StepResult
+
+    return StepResult(code, _report(list(nodes), len(nodes), lines), ended_by_us=ended_by_loop)
+
+
+NODE_KILLED = ["srun: error: n1: task 0: Exited with exit code 81"]     # n2 says nothing
+
+
+def test_the_loop_relaunches_from_scratch_when_nothing_was_ever_committed(tmp_path):
+    # Before the policy, the loop refused and the job ended; a fresh start loses nothing.
+    from kempner_resilience.supervise.policy import Action
+
+    loop = _supervising(tmp_path)
+    ev, d = loop._after_step(_step(NODE_KILLED, ended_by_loop=True), 0, None)
+    assert (d.action, d.code, ev.implicated) == (Action.RELAUNCH, 81, frozenset({"n2"}))
+    assert "from scratch" in d.why
+
+
+def test_its_relaunches_in_place_spent_the_loop_hands_the_job_to_slurm_while_it_requeues(
+        tmp_path):
+    from kempner_resilience.supervise.policy import Action, Guard
+
+    _commit(tmp_path / "run", 20)
+    loop = _supervising(tmp_path, restart_count=2, requeue={"max_restarts": 3})
+    d = loop._after_step(_step(NODE_KILLED, ended_by_loop=True), 1, 10)[1]
+    assert (d.action, d.code, d.guard) == (Action.REQUEUE, 81, Guard.BUDGET)
+    spent = _supervising(tmp_path, restart_count=3, requeue={"max_restarts": 3})
+    d = spent._after_step(_step(NODE_KILLED, ended_by_loop=True), 1, 10)[1]
+    assert (d.action, d.code, d.guard) == (Action.LEAVE, 81, Guard.BUDGET)
+
+
+def test_relaunches_without_a_newer_commit_over_max_no_progress_end_the_job_with_77(tmp_path):
+    from kempner_resilience.supervise.policy import Action, Guard
+
+    _commit(tmp_path / "run", 20)
+    loop = _supervising(tmp_path, nodelist="n[1-5]", in_job_restarts=5,
+                        requeue={"max_no_progress": 2})
+    loop._stalled = 1                       # the relaunch before this one committed nothing
+    d = loop._after_step(_step(NODE_KILLED, ended_by_loop=True), 2, 20)[1]
+    assert (d.action, d.code, d.guard) == (Action.LEAVE, 77, Guard.NO_PROGRESS)
+
+
+def _requeues(monkeypatch) -> list:
+    from kempner_resilience.slurm import requeue
+
+    calls: list = []
+    monkeypatch.setattr(requeue, "requeue_job",
+                        lambda job, cfg, *, exclude=(), min_nodes=None:
+                        calls.append((sorted(exclude), min_nodes)))
+    return calls
+
+
+def test_the_loop_requeues_only_with_a_committed_checkpoint_and_keeps_the_bad_nodes_out(
+        tmp_path, monkeypatch):
+    from kempner_resilience.supervise.policy import Action, Guard, Kind, Decision
+
+    calls = _requeues(monkeypatch)
+    loop = _supervising(tmp_path)
+    no_spare = Decision(Action.REQUEUE, 81, Kind.FAILURE, "no spare", guard=Guard.NO_SPARE)
+    assert loop._requeue(no_spare) == (81, False) and calls == []    # nothing to come back to
+    _commit(tmp_path / "run", 20)
+    loop._record_bad({"n2"}, "node lost")
+    assert loop._requeue(no_spare) == (81, True)
+    assert calls == [(["n2"], 2)]
+
+
+def test_a_requeue_the_ranks_asked_for_is_theirs(tmp_path, monkeypatch):
+    from kempner_resilience.supervise.policy import Action
+
+    calls = _requeues(monkeypatch)
+    _commit(tmp_path / "run", 20)
+    loop = _supervising(tmp_path)
+    d = loop._after_step(_step(["srun: error: n1: tasks 0-1: Exited with exit code 75"],
+                               code=75), 0, 20)[1]
+    assert (d.action, d.code) == (Action.REQUEUE, 75)
+    assert loop._requeue(d) == (75, False) and calls == []       # rank 0 requeued the job
+
+
+def test_a_node_killed_is_recorded_bad_with_the_run_and_the_next_step_runs_on_the_spare(
+        tmp_path, monkeypatch):
+    from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+    from kempner_resilience.slurm.badnodes import bad_nodes
+
+    monkeypatch.chdir(tmp_path)
+    _commit(tmp_path / "run", 20)
+    loop = _supervising(tmp_path)
+    steps = {0: _step(NODE_KILLED, ended_by_loop=True), 1: _step([])}
+    ran: list = []
+
+    def run_step(nodes, index):
+        ran.append(list(nodes))
+        return steps[index]
+
+    monkeypatch.setattr(loop, "run_step", run_step)
+    assert loop.run() == 0
+    assert ran == [["n1", "n2"], ["n1", "n3"]]
+    assert bad_nodes(tmp_path / "run") == {"n2"}
+    events = read_ledger(tmp_path / "run" / LEDGER_NAME)
+    assert [e.get("bad_nodes") for e in events if e.get("ev") == "restart"] == ["n2"]
+
+
+def test_a_rank_s_own_error_ends_the_job_with_its_code_and_marks_no_node_bad(tmp_path,
+                                                                             monkeypatch):
+    from kempner_resilience.slurm.badnodes import bad_nodes
+
+    _commit(tmp_path / "run", 20)
+    loop = _supervising(tmp_path)
+    bug = _step(["srun: error: n1: task 0: Exited with exit code 81",
+                 "srun: error: n2: task 1: Exited with exit code 1"], code=81)
+    monkeypatch.setattr(loop, "run_step", lambda nodes, index: bug)
+    assert loop.run() == 1                  # not srun's status (81): rank 1's own code
+    assert bad_nodes(tmp_path / "run") == set()

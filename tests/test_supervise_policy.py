@@ -58,6 +58,9 @@ ROWS = {
     "the restart budget is spent: the job's code stays": (
         Evidence((killed(), exited(LOST)), commits=COMMITTED, restarts=3, max_restarts=3),
         Action.LEAVE, LOST),
+    "the relaunches in place spent, the scheduler behind still requeues: its turn": (
+        Evidence((killed(), exited(LOST)), commits=COMMITTED, restarts=1, max_restarts=1,
+                 scheduler_left=True), Action.REQUEUE, LOST),
     "no progress: the committed step stayed over max_no_progress relaunches": (
         Evidence((killed(), exited(LOST)), commits=Commits(20, 20), restarts=2, stalled=1,
                  max_no_progress=2), Action.LEAVE, int(ExitCode.NO_REQUEUE)),

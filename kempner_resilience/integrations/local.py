@@ -50,7 +50,8 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  RankEnd, decide, job_code)
 
-__all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "RELAUNCH_CODES",
+__all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "launch_evidence",
+           "RELAUNCH_CODES",
            "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
 
 _log = get_logger(__name__)
@@ -109,6 +110,20 @@ def job_exit_code(codes: Sequence[int], killed: Sequence[int] = ()) -> int:
 def _ends(codes: Sequence[int], killed: Sequence[int]) -> tuple[RankEnd, ...]:
     return tuple(RankEnd.from_returncode(c, by_supervisor=r in killed)
                  for r, c in enumerate(codes))
+
+
+def launch_evidence(codes: Sequence[int], killed: Sequence[int] = (), *, index: int = 0,
+                    max_launches: int = 10, commits: Commits | None = None, stalled: int = 0,
+                    max_no_progress: int = 2, interrupted: bool = False) -> Evidence:
+    """The policy's evidence after launch ``index`` (0: the first): the ranks' exit statuses
+    (``Popen.returncode``, negative for a signal), the ranks the launcher killed after the
+    grace, the budget (``max_launches``: the first launch and the relaunches together), the
+    commits (None: the launcher does not know the checkpoint directory), the no-progress count
+    and guard, and whether a signal to the launcher stopped it. One machine: no nodes to
+    implicate, no spares; the launcher is the scheduler, nothing stands behind it."""
+    return Evidence(_ends(codes, killed), restarts=index, max_restarts=max_launches - 1,
+                    commits=commits, stalled=stalled, max_no_progress=max_no_progress,
+                    stopping=interrupted)
 
 
 @dataclass
@@ -197,10 +212,10 @@ class LocalLauncher:
                     del self._received[:]
                 commits = None if self.ckpt_dir is None else Commits(before,
                                                                      self._committed_step())
-                launch.decision = self._decide(launch, Evidence(
-                    _ends(launch.exit_codes, launch.killed), restarts=index,
-                    max_restarts=self.max_launches - 1, commits=commits, stalled=stalled,
-                    max_no_progress=self.max_no_progress, stopping=launch.interrupted))
+                launch.decision = self._decide(launch, launch_evidence(
+                    launch.exit_codes, launch.killed, index=index,
+                    max_launches=self.max_launches, commits=commits, stalled=stalled,
+                    max_no_progress=self.max_no_progress, interrupted=launch.interrupted))
                 stalled = launch.decision.stalled
                 self.launches.append(launch)
                 if self.on_launch:

@@ -9,20 +9,24 @@ this loop:
 2. read srun's stderr (passed on to the job's log) for task ends (``slurm/steps.py``);
 3. a failure ending (PEER_LOST, HANG, a killed rank, a node failure): wait until the survivors
    have finished (their rescue runs before they exit) and ``settle_s`` passed without news,
-   record the nodes that stayed silent or failed on their own as bad, end the old step
-   (srun killed, ``scancel JOB.STEP``) without waiting for SLURM to notice the dead node
-   (``SlurmdTimeout``, 300 s in production), and start the next step on the healthy nodes plus
-   a spare, from the newest committed checkpoint: same job, no requeue, ``SLURM_RESTART_COUNT``
-   unchanged;
-4. anything else ends the job as before, with the step's code: done, a signal's stop and
-   requeue (the ranks requeue themselves, as without spares), a bug.
+   then end the old step (srun killed, ``scancel JOB.STEP``) without waiting for SLURM to
+   notice the dead node (``SlurmdTimeout``, 300 s in production);
+4. whatever the ending, ask the one policy what follows (``supervise/policy.py``'s
+   ``decide``, on the step's evidence: ``slurm/evidence.py``): RELAUNCH: record the
+   implicated nodes as bad (with the run) and start the next step on the healthy nodes plus a
+   spare, from the newest committed checkpoint (from scratch when nothing was ever committed):
+   same job, no requeue, ``SLURM_RESTART_COUNT`` unchanged; REQUEUE: requeue the job (below);
+   LEAVE: the job ends with the decision's code (done, a bug, a stop, the budget spent, no
+   progress over ``requeue.max_no_progress`` relaunches: 77).
 
-When no relaunch is possible (no spare left, ``--in-job-restarts`` spent, no progress
-over ``requeue.max_no_progress`` relaunches, no committed checkpoint, the job being stopped),
-the loop requeues the job as rank 0 would have (``decide_requeue`` + ``requeue_job``: the
-restart budget, the bad nodes excluded): the ranks leave the requeue after a failure to the
-loop (``IN_JOB_ENV``), since rank 0 may be the dead one. A dead batch node ends this loop
-too: SLURM's own node-failure requeue takes over there.
+The policy requeues when no spare is left for the implicated nodes or when
+``--in-job-restarts`` are spent while SLURM would still requeue the job (its requeue budget
+left). The loop then requeues the job as rank 0 would have (``decide_requeue`` +
+``requeue_job``: a committed checkpoint to come back to, the restart budget, the bad nodes
+excluded): the ranks leave the requeue after a failure to the loop (``IN_JOB_ENV``), since
+rank 0 may be the dead one. The ranks that asked to run again (75, a signal) requeued the job
+themselves, as without spares. A dead batch node ends this loop too: SLURM's own node-failure
+requeue takes over there.
 
 A requeue that keeps the bad nodes out may leave the job fewer nodes than N + K: it then asks
 for fewer (``badnodes``: ``NumNodes`` lowered, the spares given up), and the requeued job runs
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -51,9 +56,11 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
+from kempner_resilience.slurm.evidence import LoopState, step_evidence
 from kempner_resilience.slurm.steps import (FAILURE_CODES, RESTART_INDEX_ENV, StepReport,
                                             choose_nodes, parse_srun_line)
 from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.policy import Action, Decision, Evidence, Guard, Kind, decide
 
 __all__ = ["Relauncher", "StepResult", "run_in_place", "FINISHED_GRACE_S"]
 
@@ -132,8 +139,10 @@ class Relauncher:
         self.tasks_per_node = int(tpn) if tpn.isdigit() else 1
         base = env.get("MASTER_PORT")
         self.port = int(base) if base and base.isdigit() else master_port(job.job_id)
-        self.committed_at_relaunch: list[int | None] = []
         self._relaunches = 0                 # in-job restarts so far (the ledger's relaunch)
+        self._stalled = 0                    # relaunches in a row without a newer commit
+        self._bad_here: set[str] = set()     # nodes this job's failures implicated
+        self._unanswered: set[str] = set()   # nodes of a finished step that had not ended
 
     # ------------------------------------------------------------------ the run it supervises
 
@@ -160,46 +169,112 @@ class Relauncher:
         """The loop; the job's exit code. The channel goes when the job ends for good."""
         code, requeued = self._loop()
         if not requeued and code != int(ExitCode.REQUEUE):
+            self._release(self._bad_here | self._unanswered)
             self.channel.remove()
         return code
+
+    def _release(self, dead: set[str]) -> None:
+        """The job ends for good: give back the nodes that failed or did not answer, so that it
+        ends COMPLETED now. SLURM otherwise keeps it COMPLETING until it notices a dead node
+        (``SlurmdTimeout``, 300 s in production), its other nodes held (measured on the
+        namespace cluster: COMPLETED at once after the shrink, COMPLETING for 300 s without).
+        A job may shrink itself (``scontrol update JobId= NodeList=``); the batch node stays.
+        scontrol writes its resize scripts into its working directory: the channel, removed
+        next. Bounded; a failure is only logged."""
+        batch = self.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        keep = [n for n in self.nodes if n not in dead or n == batch]
+        if not dead - {batch} or batch not in self.nodes:
+            return
+        cmd = ["scontrol", "update", f"JobId={self.job.job_id}", f"NodeList={','.join(keep)}"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=END_STEP_S,
+                                 stdin=subprocess.DEVNULL, cwd=self.channel.root)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            _log.warning("could not give back node(s) %s (%s): the job may stay COMPLETING "
+                         "until SLURM notices them", ",".join(sorted(dead - {batch})), e)
+            return
+        if out.returncode:
+            _log.warning("could not give back node(s) %s: %s", ",".join(sorted(dead - {batch})),
+                         (out.stderr or out.stdout).strip())
+        else:
+            _log.info("gave back node(s) %s: the job ends without waiting for SLURM to notice "
+                      "them", ",".join(sorted(dead - {batch})))
 
     def _loop(self) -> tuple[int, bool]:
         index = 0
         while True:
-            bad = bad_nodes(self.ckpt_dir)
+            bad = bad_nodes(self.ckpt_dir) | self._bad_here
             nodes = choose_nodes(self.nodes, bad, self.need)
             if nodes is None:
-                _log.error("only %d of the allocation's %d nodes are not recorded bad (%s); "
-                           "%d needed: requeueing", len(set(self.nodes) - bad), len(self.nodes),
-                           ",".join(sorted(bad)), self.need)
-                return self._requeue(int(ExitCode.PEER_LOST))
+                # No step can start at all (a requeued job that came back with its bad nodes
+                # in the allocation): no ranks ended, so nothing for the policy to weigh; the
+                # scheduler's turn, as when a failure finds no spare left.
+                why = (f"only {len(set(self.nodes) - bad)} of the allocation's "
+                       f"{len(self.nodes)} nodes are not recorded bad ({','.join(sorted(bad))}); "
+                       f"{self.need} needed")
+                _log.error("%s: requeueing", why)
+                return self._requeue(Decision(Action.REQUEUE, int(ExitCode.PEER_LOST),
+                                              Kind.FAILURE, why, guard=Guard.NO_SPARE))
+            before = self._committed_step()
             res = self.run_step(nodes, index)
             if self.agents:
                 return self._after_agents(res, index)
-            if res.finished or not res.report.failed or self.stopping:
-                return res.code, False
-            seen = self.channel.hang_seen(f"{self.job.restart_count}.{index}")
-            implicated = res.report.implicated(seen, self.tasks_per_node)
-            reason = self._reason(res.report)
-            try:
-                now_bad = record_bad_nodes(self.ckpt_dir, implicated, reason=reason,
-                                           job_id=self.job.job_id)
-            except OSError as e:       # the relaunch still avoids them in this job
-                _log.error("cannot record bad nodes %s: %s", sorted(implicated), e)
-                now_bad = bad | implicated
-            why_not = self._why_not_relaunch(now_bad, index)
-            if why_not:
-                _log.warning("step %d failed (%s on %s); no relaunch in place: %s", index,
-                             reason, ",".join(sorted(implicated)) or "?", why_not)
-                return self._requeue(res.code)
-            nxt = choose_nodes(self.nodes, now_bad, self.need) or []
-            spare = sorted(set(nxt) - set(nodes))
-            _log.warning("step %d failed (%s on %s): relaunching in place on %s (spare %s), "
-                         "from the committed step %s", index, reason,
-                         ",".join(sorted(implicated)) or "?", ",".join(nxt),
-                         ",".join(spare) or "-", self._committed_step())
-            self._ledger_restart(res, reason, implicated, spare)
-            index += 1
+            if res.finished:
+                return 0, False
+            ev, decision = self._after_step(res, index, before)
+            self._stalled = decision.stalled
+            implicated = set(ev.implicated)
+            reason, where = self._reason(res.report), ",".join(sorted(implicated)) or "?"
+            what = f"{reason} on {where}" if decision.kind is Kind.FAILURE \
+                else decision.kind.value
+            if decision.kind is Kind.FAILURE and not ev.stopping and implicated:
+                self._record_bad(implicated, reason)
+            if decision.action is Action.RELAUNCH:
+                nxt = choose_nodes(self.nodes, bad_nodes(self.ckpt_dir) | self._bad_here,
+                                   self.need) or []
+                spare = sorted(set(nxt) - set(nodes))
+                _log.warning("step %d failed (%s): relaunching in place on %s (spare %s): %s",
+                             index, what, ",".join(nxt), ",".join(spare) or "-", decision.why)
+                self._ledger_restart(res, reason, implicated, spare)
+                index += 1
+                continue
+            if decision.action is Action.REQUEUE:
+                _log.warning("step %d ended with %d (%s); no relaunch in place: %s", index,
+                             decision.code, what, decision.why)
+                return self._requeue(decision)
+            log = _log.info if decision.code == 0 else _log.warning
+            log("step %d ended with %d (%s): the job ends: %s", index, decision.code, what,
+                decision.why)
+            return decision.code, False
+
+    def _after_step(self, res: StepResult, index: int,
+                    committed_before: int | None) -> tuple[Evidence, Decision]:
+        """What follows step ``index``: the policy's decision (``supervise/policy.py``) on the
+        step's evidence (``slurm/evidence.py``): its srun report, the hang marks in the
+        channel, the run's commits before (``committed_before``) and now, the budget, the
+        spares. Reads the run's directory and the channel; acts on nothing."""
+        cfg = self.requeue_config()
+        bad = bad_nodes(self.ckpt_dir) | self._bad_here
+        state = LoopState(
+            relaunches=index, max_relaunches=int(self.in_job_restarts),
+            requeue_left=bool(cfg.enabled) and (not cfg.max_restarts
+                                                or self.job.restart_count < cfg.max_restarts),
+            committed_before=committed_before, committed_now=self._committed_step(),
+            stalled=self._stalled, max_no_progress=int(cfg.max_no_progress),
+            spares=len(set(self.nodes) - bad - set(res.report.nodes)), stopping=self.stopping)
+        seen = self.channel.hang_seen(f"{self.job.restart_count}.{index}")
+        ev = step_evidence(res.report, state, srun_code=res.code, ended_by_loop=res.ended_by_us,
+                           hang_seen=seen, tasks_per_node=self.tasks_per_node)
+        return ev, decide(ev)
+
+    def _record_bad(self, nodes: set[str], reason: str) -> None:
+        """Keep ``nodes`` out: with the run (its bad-nodes.json) and, whatever the filesystem
+        says, in this job's next steps."""
+        self._bad_here |= nodes
+        try:
+            record_bad_nodes(self.ckpt_dir, nodes, reason=reason, job_id=self.job.job_id)
+        except OSError as e:       # the relaunch still avoids them in this job
+            _log.error("cannot record bad nodes %s: %s", sorted(nodes), e)
 
     def _after_agents(self, res: StepResult, index: int) -> tuple[int, bool]:
         """The agents' step ended: by their code alone (a dead node's silence or srun's "Node
@@ -208,9 +283,10 @@ class Relauncher:
         killed = code > 128 and code not in (int(ExitCode.SIGTERM), int(ExitCode.SIGINT))
         if res.finished or self.stopping or not (code in FAILURE_CODES or killed):
             return code, False
-        _log.warning("step %d: the agents ended with %d (their in-place restarts, if any, are "
-                     "spent): requeueing", index, code)
-        return self._requeue(code)
+        why = (f"the agents ended with {code} (their in-place restarts, if any, are spent): "
+               "the scheduler runs it again")
+        _log.warning("step %d: %s", index, why)
+        return self._requeue(Decision(Action.REQUEUE, code, Kind.FAILURE, why))
 
     def _reason(self, report: StepReport) -> str:
         if any(e.node_failure for e in report.ends) or (set(report.nodes)
@@ -223,25 +299,6 @@ class Relauncher:
             return "rank killed"
         return "peer lost"
 
-    def _why_not_relaunch(self, bad: set[str], index: int) -> str | None:
-        limit = int(self.in_job_restarts)
-        if self.stopping:
-            return "the job is being stopped"
-        if index + 1 > limit:
-            return f"--in-job-restarts={limit} relaunch(es) spent"
-        if choose_nodes(self.nodes, bad, self.need) is None:
-            return "no spare node left"
-        step = self._committed_step()
-        if step is None:
-            return "no committed checkpoint to resume from"
-        self.committed_at_relaunch.append(step)
-        guard = int(self.requeue_config().max_no_progress)
-        seen = self.committed_at_relaunch
-        if guard and len(seen) > guard and all(s == step for s in seen[-guard - 1:]):
-            return (f"no progress: the committed step stayed at {step} over {guard} relaunches "
-                    "in a row (requeue.max_no_progress)")
-        return None
-
     def _committed_step(self) -> int | None:
         from kempner_resilience.checkpoint import layout
 
@@ -251,23 +308,31 @@ class Relauncher:
             return None
         return max(steps) if steps else None
 
-    def _requeue(self, code: int) -> tuple[int, bool]:
-        """The ranks left the requeue after a failure to us: do it as rank 0 would have (with
-        a committed checkpoint, within the restart budget). The code stays the failure's;
-        whether the job was requeued comes with it."""
-        if self._committed_step() is None or self.stopping:
+    def _requeue(self, decision: Decision) -> tuple[int, bool]:
+        """The policy's REQUEUE. The ranks asked (75): rank 0 requeued the job itself, as
+        without spares. After a failure the ranks left the requeue to us: do it as rank 0 would
+        have, with a committed checkpoint to come back to and within the restart budget
+        (``decide_requeue``). The code stays the decision's; whether the job was requeued comes
+        with it."""
+        code = decision.code
+        if decision.kind is Kind.REQUESTED or self.stopping:
+            return code, False
+        if self._committed_step() is None:
+            _log.warning("not requeued: no committed checkpoint to come back to; the job ends "
+                         "with %d", code)
             return code, False
         from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
 
         ckpt_dir, cfg = self.ckpt_dir, self.requeue_config()
         ledger = RestartLedger.for_checkpoint_dir(ckpt_dir)
-        decision = decide_requeue(self.job, ledger, self._committed_step(), cfg)
-        if not decision.requeue:
+        verdict = decide_requeue(self.job, ledger, self._committed_step(), cfg)
+        if not verdict.requeue:
             return code, False
         # Before the requeue: it SIGKILLs this batch step at once.
         self.channel.record_train_nodes(self.need)
         # The failed nodes are kept out of the requeued job too (badnodes).
-        requeue_job(self.job, cfg, exclude=bad_nodes(ckpt_dir), min_nodes=self.need)
+        requeue_job(self.job, cfg, exclude=bad_nodes(ckpt_dir) | self._bad_here,
+                    min_nodes=self.need)
         return code, True
 
     def _ledger_restart(self, res: StepResult, reason: str, bad: set[str],
@@ -364,6 +429,9 @@ class Relauncher:
                 res.ended_by_us = True
                 break
             if not failed and finish.over():
+                # The tasks that have not ended are on nodes that no longer answer (or are
+                # slow to leave); which ones srun does not say: all but the batch node go back.
+                self._unanswered |= set(nodes)
                 _log.warning("step %d: rank 0 finished the run %.0f s ago and the step has not "
                              "ended (a task on a node SLURM has not yet declared dead): ending "
                              "it, the job is done", index, self.finished_grace_s)

@@ -59,6 +59,7 @@ class TaskEnd:
     tasks: tuple[int, ...] = ()
     code: int | None = None              # the exit code, 128 + N for a signal
     node_failure: bool = False
+    signaled: bool = False               # killed by that signal (srun: "Killed"), not an exit
 
 
 def _task_ids(text: str) -> tuple[int, ...]:
@@ -85,7 +86,7 @@ def parse_srun_line(line: str) -> TaskEnd | None:
         return TaskEnd(node, tasks, int(e.group(1)))
     for word, sig in _SIGNAL_WORDS.items():
         if what.startswith(word):
-            return TaskEnd(node, tasks, 128 + int(sig))
+            return TaskEnd(node, tasks, 128 + int(sig), signaled=True)
     return None
 
 
@@ -124,9 +125,11 @@ class StepReport:
 
     @property
     def failed(self) -> bool:
-        """A failure ending worth a relaunch: a rank lost or hung, a rank killed by a signal
-        other than the shutdown's own (SIGTERM/SIGINT), or a node declared dead; and nothing
-        that ends the job as it is (a bug, a requeue already under way)."""
+        """srun reported a failure ending, after which the loop ends the step once the nodes
+        that can still report have (``relaunch.Relauncher.run_step``): a rank lost or hung, a
+        rank killed by a signal other than the shutdown's own (SIGTERM/SIGINT), or a node
+        declared dead; and nothing that ends the job as it is (a bug, a requeue already under
+        way). Whether the job then runs again is the policy's (``slurm/evidence.py``)."""
         if self.codes & _FINAL_CODES:
             return False
         killed = {c for c in self.codes if c > 128 and c not in (int(ExitCode.SIGTERM),

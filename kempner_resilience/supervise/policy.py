@@ -43,7 +43,10 @@ resumes from the newest committed checkpoint; when nothing was ever committed it
 that loses nothing a requeue or a hand restart would not, and a job that never commits makes
 no progress, so the guard bounds it. A failure that implicates nodes relaunches in place only
 onto spares; with none left the job is handed to the scheduler (REQUEUE), which can give it
-other nodes. A REQUEUE ending (row 4) is always the scheduler's.
+other nodes. A REQUEUE ending (row 4) is always the scheduler's. A supervisor with a scheduler
+behind it (``Evidence.scheduler_left``: the srun step loop inside a SLURM job, whose budget is
+of relaunches in place) hands the job to that scheduler once its own budget is spent, instead
+of leaving: the scheduler's budget, checked when it requeues, is the job's.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ class Kind(enum.Enum):
 class Guard(enum.Enum):
     """Which guarantee stopped a job that was to run again (``Decision.guard``)."""
 
-    BUDGET = "budget"            # the restart budget is spent
+    BUDGET = "budget"            # the restart budget is spent (with a scheduler behind the
+                                 # supervisor: its relaunches in place, a REQUEUE)
     NO_PROGRESS = "no-progress"  # no newer committed step over max_no_progress relaunches
     NO_SPARE = "no-spare"        # no spare node left for a relaunch in place (a requeue)
 
@@ -148,6 +152,10 @@ class Evidence:
     implicated: frozenset[str] = frozenset()  # nodes the failure points at (kept out)
     spares: int | None = None                 # spare nodes left (None: relaunch where it ran)
     stopping: bool = False                    # the supervisor was told to stop (Ctrl+C, TERM)
+    scheduler_left: bool = False              # a scheduler behind this supervisor would still
+                                              # run the job again (srun's step loop in a SLURM
+                                              # job whose requeue budget is not spent): once
+                                              # max_restarts is spent, the job is handed to it
 
 
 @dataclass(frozen=True)
@@ -222,7 +230,8 @@ def decide(ev: Evidence) -> Decision:
     stalled = ev.stalled
     if ev.commits is not None:
         stalled = 0 if ev.commits.advanced else ev.stalled + (1 if ev.restarts > 0 else 0)
-    if ev.max_restarts is not None and ev.restarts >= ev.max_restarts:
+    spent = ev.max_restarts is not None and ev.restarts >= ev.max_restarts
+    if spent and not ev.scheduler_left:
         return Decision(Action.LEAVE, code, kind,
                         f"the restart budget ({ev.max_restarts}) is spent", stalled,
                         guard=Guard.BUDGET)
@@ -237,6 +246,10 @@ def decide(ev: Evidence) -> Decision:
     if kind is Kind.REQUESTED:
         return Decision(Action.REQUEUE, code, kind, f"the ranks asked to run again; {start}",
                         stalled)
+    if spent:
+        return Decision(Action.REQUEUE, code, kind,
+                        f"the {ev.max_restarts} relaunch(es) in place are spent: the scheduler "
+                        f"runs it again, {start}", stalled, guard=Guard.BUDGET)
     if ev.implicated and ev.spares is not None and ev.spares < len(ev.implicated):
         return Decision(Action.REQUEUE, code, kind,
                         f"no spare node left for {sorted(ev.implicated)}: the scheduler runs "

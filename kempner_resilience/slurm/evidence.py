@@ -1,0 +1,120 @@
+"""A finished srun step as the one policy's evidence: the srun step loop's side of
+``supervise/policy.py``.
+
+The step loop on spare nodes (``slurm/relaunch.py``) runs the training as srun steps. Once a
+step is over, what follows (relaunch in place on a spare, requeue, leave with a code) is the
+policy's ``decide``, as for every other supervisor of ranks; this module only turns what the
+loop knows into ``Evidence``, with no I/O:
+
+- each task's ending, from srun's stderr (``slurm/steps.py``'s ``StepReport``). A task srun
+  reported ended with that code (killed by that signal when srun says "Killed",
+  "Terminated", ...). srun reports bad endings only, so a task it never reported exited 0,
+  unless the loop had to end the step itself (srun ends by itself once every task has ended;
+  it waits for a task that has not). Then a task on a node that said nothing at all, or that
+  SLURM declared dead, died with its node (SIGKILL, its own death: the node is gone), and a
+  task on a node that reported its other tasks was frozen or stuck and ended by the loop after
+  the settle time (``RankEnd.by_supervisor``: a hang, never its own ending). A step whose srun
+  failed before any task reported (a launch error: a non-zero status, no task named) ends every
+  task with srun's status;
+- the loop's state (``LoopState``): its relaunches in place so far and ``--in-job-restarts``
+  (the budget), whether SLURM would still requeue the job (a scheduler behind the loop), the
+  run's committed step when the step started and now, the no-progress count and guard, the
+  spare nodes left, and whether the job is being stopped;
+- the nodes the failure implicates (``StepReport.implicated``, with the ranks' hang marks).
+
+Nothing here runs a process, reads a file or needs SLURM: ``tests/test_relaunch_steps.py`` and
+the failure matrix (``tests/test_failure_matrix.py``) pin it.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from kempner_resilience.slurm.steps import StepReport
+from kempner_resilience.supervise.policy import Commits, Evidence, RankEnd
+
+__all__ = ["LoopState", "task_ends", "step_evidence"]
+
+# A task that died with its node, or that the loop ended: SIGKILL is what it got (srun killed,
+# the step cancelled) or what a node's death amounts to.
+_KILLED = 128 + int(signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """What the step loop knows beside the step itself."""
+
+    relaunches: int = 0                   # relaunches in place before this step (its index)
+    max_relaunches: int = 1               # --in-job-restarts
+    requeue_left: bool = False            # SLURM would still requeue the job: requeue.enabled
+                                          # and SLURM_RESTART_COUNT < requeue.max_restarts
+    committed_before: int | None = None   # the run's newest committed step when the step began
+    committed_now: int | None = None      # ... and now (None: nothing committed)
+    stalled: int = 0                      # the previous decision's ``Decision.stalled``
+    max_no_progress: int = 0              # the run's requeue.max_no_progress (0: no guard)
+    spares: int = 0                       # the allocation's nodes outside the step, not bad
+    stopping: bool = False                # a signal came to the loop: no relaunch
+
+
+def _node_of(task: int, report: StepReport, tasks_per_node: int) -> str | None:
+    # srun lays tasks out in blocks: task r runs on nodes[r // tasks_per_node].
+    i = task // max(tasks_per_node, 1)
+    return report.nodes[i] if i < len(report.nodes) else None
+
+
+def task_ends(report: StepReport, *, srun_code: int, ended_by_loop: bool,
+              tasks_per_node: int) -> tuple[RankEnd, ...]:
+    """Each task's ending (task r at index r), from srun's reports and how the step ended
+    (the module docstring's rules). ``srun_code``: srun's status (``Popen.returncode``);
+    ``ended_by_loop``: the loop ended the step after a failure (srun had not ended)."""
+    ends: dict[int, RankEnd] = {}
+    for e in report.ends:
+        if e.code is None:
+            continue
+        for t in e.tasks:
+            if 0 <= t < report.ntasks and t not in ends:     # srun's first word on a task
+                ends[t] = RankEnd(e.code, signaled=e.signaled)
+    if not ended_by_loop:
+        named = any(e.code is not None or e.node_failure for e in report.ends)
+        if srun_code != 0 and not named:
+            # srun failed on its own (it could not launch the step): its status is everyone's.
+            own = RankEnd.from_returncode(srun_code)
+            return tuple(ends.get(t, own) for t in range(report.ntasks))
+    heard = {e.node for e in report.ends if not e.node_failure}
+    dead = {e.node for e in report.ends if e.node_failure}
+    if ended_by_loop:
+        dead |= set(report.nodes) - heard
+    out = []
+    for t in range(report.ntasks):
+        if t in ends:
+            out.append(ends[t])
+        elif _node_of(t, report, tasks_per_node) in dead:
+            out.append(RankEnd(_KILLED, signaled=True))
+        elif ended_by_loop:
+            out.append(RankEnd(_KILLED, signaled=True, by_supervisor=True))
+        else:
+            out.append(RankEnd(0))
+    return tuple(out)
+
+
+def step_evidence(report: StepReport, state: LoopState, *, srun_code: int, ended_by_loop: bool,
+                  hang_seen: set[int] | None = None, tasks_per_node: int = 1) -> Evidence:
+    """The policy's evidence for a finished step: its tasks' endings (``task_ends``), the
+    nodes it implicates (``StepReport.implicated`` with the ranks' hang marks ``hang_seen``)
+    and the loop's ``state``. The loop's budget is of relaunches in place; SLURM stands behind
+    it while its requeue budget lasts (``Evidence.scheduler_left``)."""
+    ends = task_ends(report, srun_code=srun_code, ended_by_loop=ended_by_loop,
+                     tasks_per_node=tasks_per_node)
+    return Evidence(
+        ends,
+        restarts=state.relaunches,
+        max_restarts=state.max_relaunches,
+        commits=Commits(state.committed_before, state.committed_now),
+        stalled=state.stalled,
+        max_no_progress=state.max_no_progress,
+        implicated=frozenset(report.implicated(hang_seen, tasks_per_node)),
+        spares=state.spares,
+        stopping=state.stopping,
+        scheduler_left=state.requeue_left,
+    )

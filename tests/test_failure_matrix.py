@@ -1,0 +1,208 @@
+"""One failure matrix through every backend (issue 29): each way a job's ranks can end, told in
+each backend's own words, gives the same decision (relaunch in place, requeue, leave) and the
+same job code on each.
+
+A row is one failure and, per backend, its NATIVE form: what that backend really sees.
+
+- ``srun``: the step loop on spare nodes (``slurm/relaunch.py``): srun's stderr lines (a node
+  with no line is silent), whether the loop had to end the step itself (srun waits for a task
+  that has not ended), the ranks' hang marks in the supervisor channel, the loop's budget and
+  SLURM's; run through ``Relauncher._after_step`` with a constructed ``StepResult``.
+- ``local``: the local launcher (``integrations/local.py``): each rank's ``Popen.returncode``
+  (negative: killed by that signal), the ranks it killed after the grace, the launch's index;
+  run through ``launch_evidence`` and the policy, as ``LocalLauncher.run`` does.
+
+Every row commits a newer checkpoint during the failed launch (the survivors' rescue), so the
+no-progress guard stays out of the way; the budget and the spares are the rows' own.
+
+Adding a backend (torchrun's agents next): write its native form's dataclass and a runner
+``(native form, tmp_path) -> Decision``, add the runner to ``BACKENDS`` and the form to every
+row's ``native`` (or the row and backend to ``NOT_APPLICABLE``, with why).
+``test_every_row_is_told_to_every_backend_or_says_why_not`` holds a new backend to that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.config import load_config
+from kempner_resilience.integrations.local import launch_evidence
+from kempner_resilience.slurm.relaunch import Relauncher, StepResult
+from kempner_resilience.slurm.steps import StepReport, parse_srun_line
+from kempner_resilience.supervise.channel import RunReport
+from kempner_resilience.supervise.policy import Action, Commits, Decision, decide
+
+BEFORE, RESCUED = 10, 20      # the committed step when the launch started, and after its rescue
+
+
+# ------------------------------------------------------------------------ native forms
+
+@dataclass(frozen=True)
+class Srun:
+    """A finished srun step as the step loop sees it."""
+
+    lines: tuple[str, ...]                 # srun's stderr ("srun: error: n2: task 1: Killed")
+    nodes: tuple[str, ...] = ("n1", "n2", "n3")   # the allocation, SLURM's order
+    train: int = 2                         # the nodes the training runs on (the rest: spares)
+    tasks_per_node: int = 1
+    ended_by_loop: bool = False            # srun had not ended: the loop ended the step
+    srun_code: int = 0                     # srun's own status (when it ended by itself)
+    hang_seen: tuple[int, ...] = ()        # ranks whose hang watchdog said so in the channel
+    relaunches: int = 0                    # relaunches in place before this step
+    in_job_restarts: int = 1
+    slurm_restart_count: int = 0           # SLURM_RESTART_COUNT: requeues before
+    max_restarts: int = 20                 # the run's requeue.max_restarts, as rank 0 said
+
+
+@dataclass(frozen=True)
+class Local:
+    """A finished launch as the local launcher sees it."""
+
+    codes: tuple[int, ...]                 # Popen.returncode per rank (-9: SIGKILLed)
+    killed: tuple[int, ...] = ()           # ranks it killed after the grace
+    index: int = 0                         # launches before this one
+    max_launches: int = 10
+
+
+def _commit(root: Path, step: int) -> None:
+    path = layout.create_step_dir(root, step)
+    (path / "__0_0.distcp").write_bytes(b"x")
+    layout.write_manifest(path, {"format": layout.FORMAT, "step": step, "committed_at": step,
+                                 "files": {"__0_0.distcp": {"size": 1, "crc32": 0x8CDC1683}}})
+
+
+def through_srun(step: Srun, tmp_path: Path) -> Decision:
+    run_dir = tmp_path / "run"
+    _commit(run_dir, RESCUED)
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": ",".join(step.nodes),
+           "SLURM_NTASKS_PER_NODE": str(step.tasks_per_node),
+           "SLURM_RESTART_COUNT": str(step.slurm_restart_count),
+           "SLURM_SUBMIT_DIR": str(tmp_path)}
+    loop = Relauncher(["python", "train.py"], len(step.nodes) - step.train,
+                      load_config(None, []), step.in_job_restarts, environ=env)
+    loop.channel.report(RunReport(str(run_dir), "r", RESCUED, None,
+                                  {"max_restarts": step.max_restarts}))
+    for rank in step.hang_seen:
+        loop.channel.note_hang_seen(f"{step.slurm_restart_count}.{step.relaunches}", rank)
+    report = StepReport(list(step.nodes[:step.train]), step.train * step.tasks_per_node)
+    for line in step.lines:
+        end = parse_srun_line(line)
+        assert end is not None, line
+        report.add(end)
+    result = StepResult(step.srun_code, report, ended_by_us=step.ended_by_loop)
+    return loop._after_step(result, step.relaunches, BEFORE)[1]
+
+
+def through_local(launch: Local, tmp_path: Path) -> Decision:
+    return decide(launch_evidence(launch.codes, launch.killed, index=launch.index,
+                                  max_launches=launch.max_launches,
+                                  commits=Commits(BEFORE, RESCUED)))
+
+
+#: backend -> runner of its native form. The extension point: a torchrun backend adds itself.
+BACKENDS: dict[str, Callable[[Any, Path], Decision]] = {
+    "srun": through_srun,
+    "local": through_local,
+}
+
+
+# ------------------------------------------------------------------------ the matrix
+
+@dataclass(frozen=True)
+class Row:
+    action: Action
+    code: int
+    native: dict[str, Any] = field(default_factory=dict)   # backend -> its native form
+
+
+def _err(node: str, tasks: str, what: str) -> str:
+    return f"srun: error: {node}: {'tasks' if '-' in tasks else 'task'} {tasks}: {what}"
+
+
+KILLED_BESIDE_A_SURVIVOR = (_err("n2", "1", "Killed"), _err("n1", "0", "Exited with exit code 81"))
+
+ROWS: dict[str, Row] = {
+    "every rank finished": Row(Action.LEAVE, 0, {
+        "srun": Srun(()),
+        "local": Local((0, 0)),
+    }),
+    "a rank SIGKILLed, the survivor rescued and said 81": Row(Action.RELAUNCH, 81, {
+        "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True),
+        "local": Local((81, -9)),
+    }),
+    "a node killed: it says nothing, its peers rescued and said 81": Row(Action.RELAUNCH, 81, {
+        "srun": Srun((_err("n1", "0-1", "Exited with exit code 81"),), tasks_per_node=2,
+                     ended_by_loop=True),
+        "local": Local((81, 81, -9, -9)),
+    }),
+    "a rank hung with the GIL held: its kernel timer's 42, no hang mark": Row(
+        Action.RELAUNCH, 42, {
+            "srun": Srun((_err("n2", "1", "Exited with exit code 42"),
+                          _err("n1", "0", "Exited with exit code 42")),
+                         hang_seen=(0,), ended_by_loop=True),
+            "local": Local((42, 42)),
+        }),
+    "a rank frozen (SIGSTOP): ended by the supervisor after the grace": Row(
+        Action.RELAUNCH, 42, {
+            # rank 1 on n1 never ends; n1's other task and n2's did: the loop ends the step.
+            "srun": Srun((_err("n2", "2-3", "Exited with exit code 42"),
+                          _err("n1", "0", "Exited with exit code 42")),
+                         tasks_per_node=2, hang_seen=(0, 2, 3), ended_by_loop=True),
+            "local": Local((42, -9), killed=(1,)),
+        }),
+    "rank 1's exception, which rank 0 saw as a lost peer [81, 1]": Row(Action.LEAVE, 1, {
+        "srun": Srun((_err("n1", "0", "Exited with exit code 81"),
+                      _err("n2", "1", "Exited with exit code 1")), srun_code=1),
+        "local": Local((81, 1)),
+    }),
+    "rank 0 left run.steps early [0, 81]": Row(Action.LEAVE, 1, {
+        # srun ends by itself once rank 1 has: rank 0's silence is an exit 0.
+        "srun": Srun((_err("n2", "1", "Exited with exit code 81"),), srun_code=81),
+        "local": Local((0, 81)),
+    }),
+    "a signal: every rank committed and asked to run again (75)": Row(Action.REQUEUE, 75, {
+        "srun": Srun((_err("n1", "0", "Exited with exit code 75"),
+                      _err("n2", "1", "Exited with exit code 75")), srun_code=75),
+        "local": Local((75, 75)),
+    }),
+    "no spare left for the node of the killed rank": Row(Action.REQUEUE, 81, {
+        "srun": Srun(KILLED_BESIDE_A_SURVIVOR, nodes=("n1", "n2"), ended_by_loop=True),
+    }),
+    "the restart budget spent": Row(Action.LEAVE, 81, {
+        # the relaunches in place and SLURM's requeues alike
+        "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, relaunches=1,
+                     in_job_restarts=1, slurm_restart_count=3, max_restarts=3),
+        "local": Local((81, -9), index=9, max_launches=10),
+    }),
+}
+
+#: (row, backend) -> why that backend cannot meet that row.
+NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    ("no spare left for the node of the killed rank", "local"):
+        "one machine: no node to keep out, no spare to run on; it relaunches where it ran",
+}
+
+CASES = [(name, backend) for name, row in ROWS.items() for backend in BACKENDS
+         if backend in row.native]
+
+
+@pytest.mark.parametrize("name,backend", CASES, ids=[f"{b}: {n}" for n, b in CASES])
+def test_each_backend_decides_each_row_the_same_with_the_same_job_code(name, backend,
+                                                                      tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    row = ROWS[name]
+    decision = BACKENDS[backend](row.native[backend], tmp_path)
+    assert (decision.action, decision.code) == (row.action, row.code), decision.why
+
+
+def test_every_row_is_told_to_every_backend_or_says_why_not():
+    missing = [(name, backend) for name, row in ROWS.items() for backend in BACKENDS
+               if backend not in row.native and (name, backend) not in NOT_APPLICABLE]
+    assert missing == []
+    assert all(name in ROWS and backend in BACKENDS for name, backend in NOT_APPLICABLE)
+
