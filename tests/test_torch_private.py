@@ -23,3 +23,21 @@ def test_the_tested_torch_versions_and_newer_ones_are_accepted(version):
 def test_every_private_name_resolves_on_this_torch():
     for name in torch_private.__all__:
         assert getattr(torch_private, name) is not None, name
+
+
+@pytest.mark.parametrize("group", sorted(torch_private.ELASTIC))
+def test_every_torch_elastic_name_the_torchrun_glue_relies_on_resolves_on_this_torch(group):
+    names = torch_private.elastic(group)
+    assert names is not None and len(names) == len(torch_private.ELASTIC[group][1]), group
+
+
+def test_the_torchrun_glue_extends_torch_elastic_without_changing_torchs_classes():
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from kempner_resilience.integrations.torchrun_elastic import ElasticAgent, SpareHandler
+
+    before = {cls: dict(vars(cls)) for cls in (LocalElasticAgent, dr.DynamicRendezvousHandler)}
+    assert issubclass(ElasticAgent, LocalElasticAgent)
+    assert issubclass(SpareHandler, dr.DynamicRendezvousHandler)
+    assert {cls: dict(vars(cls)) for cls in before} == before

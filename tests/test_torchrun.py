@@ -235,10 +235,16 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def test_the_agent_exits_with_the_lowest_ranks_failure_and_a_signal_death_as_128_plus_n():
+def test_the_agent_exits_with_the_policys_job_code_over_its_workers_codes():
+    # supervise/policy.py's one rule: a requeue (75) beats a peer's stop (143) or death; a
+    # rank's own code beats its peers' PEER_LOST; a killed worker beside survivors that
+    # rescued is a rescued failure; a death alone is 128 + N, as a shell reports it.
     assert agent_exit_code({0: 0, 1: 0}) == 0
-    assert agent_exit_code({3: 75, 1: 143, 2: 0}) == 143
-    assert agent_exit_code({0: -signal.SIGKILL, 1: 75}) == 128 + signal.SIGKILL
+    assert agent_exit_code({3: 75, 1: 143, 2: 0}) == ExitCode.REQUEUE
+    assert agent_exit_code({0: -signal.SIGKILL, 1: 75}) == ExitCode.REQUEUE
+    assert agent_exit_code({0: 81, 1: -signal.SIGKILL}) == ExitCode.PEER_LOST
+    assert agent_exit_code({0: 81, 1: 1}) == ExitCode.ERROR
+    assert agent_exit_code({1: -signal.SIGKILL}) == 128 + signal.SIGKILL
 
 
 def _fake_scontrol(tmp_path: Path, config: str) -> dict[str, str]:

@@ -243,3 +243,23 @@ def test_without_a_standby_the_survivor_does_not_wait_for_one_and_exits_with_pee
     err = (tmp_path / "agent.0.err").read_text()
     assert code == ExitCode.PEER_LOST, err[-3000:]
     assert "no relaunch in place: no standby node waits" in err, err[-3000:]
+
+
+def test_under_a_supervisor_the_agent_keeps_its_memory_in_the_run_rank_0_reported(tmp_path):
+    # The README's usage: the script sets checkpoint.dir in code, so the agent's own config
+    # names ./checkpoints. Rank 0 reported the real directory in the supervisor's channel.
+    from kempner_resilience.config import ResilienceConfig
+    from kempner_resilience.integrations.torchrun_agent import Agent
+    from kempner_resilience.integrations.torchrun_spares import InPlace
+    from kempner_resilience.slurm.standby import Relaunch
+    from kempner_resilience.supervise.channel import Channel, report_now
+
+    settings = Relaunch(endpoint="127.0.0.1:1", run_id="x", restarts_left=1, stale_s=1.0)
+    agent = Agent(ResilienceConfig(), forward=True)
+    channel = Channel(tmp_path / "channel")
+    (tmp_path / "channel").mkdir()
+    inplace = InPlace(agent, settings, channel)
+    assert inplace.run_dir() == str(agent.config.checkpoint.dir)   # nothing reported yet
+    report_now(channel, tmp_path / "run", run_id="r", committed=None, code=None, requeue={})
+    assert inplace.run_dir() == str((tmp_path / "run").resolve())
+    assert InPlace(agent, settings, None).run_dir() == str(agent.config.checkpoint.dir)

@@ -24,12 +24,33 @@ Optional (looked up where used; without them a feature is off and says so in the
 
 - a gloo backend's ``_set_default_timeout`` (``checkpoint/comm.py``: bounding a save's wait for
   its peers; without it the group's own timeout applies);
-- torch elastic's agent and rendezvous internals (``integrations/torchrun_spares.py``,
-  ``slurm/standby.py``: relaunch in place under torchrun; without them a failure requeues).
+- torch elastic's internals, in three named groups (``ELASTIC``), resolved on first use by the
+  torchrun glue (``elastic(group)``: the agent process only, so a training rank never imports
+  the elastic agent), each with what a torch without it loses, logged once:
+
+  * ``shutdown`` (``integrations/torchrun_elastic.py``): ``LocalElasticAgent._start_workers``,
+    which our agent subclass extends (worker tracking), its ``_pcontext`` and ``PContext.close``
+    (the started context becomes a subclass of its class whose close first waits until the
+    deadline: torch closes every worker at the first failure from inside its poll), and two module-level names torch looks up while it starts the workers, replaced
+    for the time of that start only (no class to subclass there): the subprocess handler's
+    ``Popen`` (the parent-death signal) and ``multiprocessing.api._terminate_process_handler``
+    (signals once to every worker). Without them: stock torchrun;
+  * ``restarts``: ``LocalElasticAgent._monitor_workers``, ``SimpleElasticAgent.
+    _initialize_workers`` and the agent's ``_remaining_restarts`` (``remaining_restarts``):
+    the policy's restart decision. Without them torch restarts after any failure;
+  * ``spares`` (``integrations/torchrun_elastic.py``, ``torchrun_memory.py``,
+    ``slurm/standby.py``): ``_DistributedRendezvousOpExecutor`` (subclassed: a standby is
+    noticed), ``DynamicRendezvousHandler``'s ``_op_executor``, ``_this_node``, ``_state_holder``,
+    ``_settings`` and ``_stop_heartbeats``, ``_RendezvousExitOp`` (a node that leaves without
+    closing the rendezvous) and ``_RendezvousState``'s fields (``rendezvous_state``: the round,
+    the participants, the standbys and their heartbeats). Without them: no relaunch in place
+    (a failure requeues).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 from typing import Any
 
@@ -39,9 +60,13 @@ from torch.distributed import distributed_c10d as _c10d
 from torch.distributed._shard import _utils as _shard_utils
 from torch.distributed.checkpoint import filesystem as _dcp_fs
 
+from kempner_resilience.core.log import get_logger
+
 __all__ = ["MIN_TORCH", "TESTED_ON", "check_version", "StorageInfo", "StoragePrefix",
            "narrow_tensor_by_index", "rebuild_tensor_v2", "element_size",
-           "dtype_to_storage_type_map", "foreach_copy_"]
+           "dtype_to_storage_type_map", "foreach_copy_", "ELASTIC", "elastic",
+           "remaining_restarts", "set_remaining_restarts", "rendezvous_state", "this_node",
+           "instance_missing", "SUBPROCESS_HANDLER_MODULE", "MP_API_MODULE"]
 
 # The oldest torch this package is run on: 2.11 (CUDA 13) by bench/gpu_check.py on the GPU
 # machines, 2.13 (CPU) by the test suite. An older torch is refused rather than trusted: the
@@ -69,6 +94,8 @@ def check_version(version: str) -> None:
 
 check_version(torch.__version__)
 
+_log = get_logger(__name__)
+
 _missing: list[str] = []
 
 
@@ -93,3 +120,108 @@ if _missing:
     raise ImportError(
         f"this torch ({torch.__version__}) lacks private names kempner_resilience relies on: "
         f"{'; '.join(_missing)}. It is tested on {TESTED_ON}: install one of those")
+
+
+# ---------------------------------------------------------------------------- torch elastic
+
+_EL = "torch.distributed.elastic."
+#: The modules whose module-level names the torchrun glue swaps while a worker group starts.
+SUBPROCESS_HANDLER_MODULE = _EL + "multiprocessing.subprocess_handler.subprocess_handler"
+MP_API_MODULE = _EL + "multiprocessing.api"
+_LEA = "agent.server.local_elastic_agent:LocalElasticAgent."
+_DR = "rendezvous.dynamic_rendezvous:"
+
+#: torch elastic's private names by feature: (what a torch without them loses, the names as
+#: ``module:attribute.path`` under ``torch.distributed.elastic``). Instance attributes set in
+#: ``__init__`` (``_remaining_restarts``, the handler's ``_this_node``, ...) cannot be looked up
+#: on the class: ``instance_missing`` checks them on the first instance.
+ELASTIC: dict[str, tuple[str, tuple[str, ...]]] = {
+    "shutdown": ("stock torchrun: a signal is torch's (SIGTERM, then SIGKILL 30 s later), no "
+                 "parent-death signal", (
+                     _LEA + "_start_workers", "multiprocessing.api:PContext.close",
+                     SUBPROCESS_HANDLER_MODULE[len(_EL):] + ":Popen",
+                     MP_API_MODULE[len(_EL):] + ":_terminate_process_handler")),
+    "restarts": ("torch restarts the workers after any failure, whatever the policy says", (
+        _LEA + "_monitor_workers", "agent.server.api:SimpleElasticAgent._initialize_workers")),
+    "spares": ("no relaunch in place: a failure requeues the job", (
+        _DR + "_DistributedRendezvousOpExecutor",
+        _DR + "_DistributedRendezvousOpExecutor._add_to_redundancy_list",
+        _DR + "DynamicRendezvousHandler._stop_heartbeats", _DR + "_RendezvousExitOp",
+        _DR + "_RendezvousState")),
+}
+# The instance attributes of each group, checked on the first instance (``instance_missing``).
+ELASTIC_INSTANCE = {
+    "shutdown": ("_pcontext",),
+    "restarts": ("_remaining_restarts",),
+    "spares": ("_op_executor", "_this_node", "_state_holder", "_settings"),
+}
+# _RendezvousState's fields the glue reads (torch pickles that object into its store).
+_STATE_FIELDS = ("round", "participants", "wait_list", "redundancy_list", "last_heartbeats")
+
+
+def _resolve(path: str) -> Any:
+    module, _, attrs = path.partition(":")
+    value: Any = importlib.import_module(_EL + module)
+    for name in attrs.split("."):
+        value = getattr(value, name, None)
+        if value is None:
+            return None
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def elastic(group: str) -> dict[str, Any] | None:
+    """The private names of ``ELASTIC[group]``, resolved (by their attribute path, e.g.
+    ``"_RendezvousExitOp"``, ``"LocalElasticAgent._shutdown"``); None when this torch lacks any,
+    after one warning that names them and what is lost."""
+    lost, paths = ELASTIC[group]
+    found: dict[str, Any] = {}
+    missing = []
+    for path in paths:
+        try:
+            value = _resolve(path)
+        except ImportError:
+            value = None
+        if value is None:
+            missing.append(_EL + path.replace(":", "."))
+        else:
+            found[path.partition(":")[2]] = value
+    if "_RendezvousState" in found:
+        state = found["_RendezvousState"]()
+        missing += [f"_RendezvousState.{f}" for f in _STATE_FIELDS if not hasattr(state, f)]
+    if missing:
+        _log.warning("torch %s lacks %s: %s", torch.__version__, ", ".join(missing), lost)
+        return None
+    return found
+
+
+def instance_missing(group: str, obj: Any) -> bool:
+    """Whether ``obj`` (the first instance of a torch elastic class) lacks an instance attribute
+    of ``group``; logs which and what is lost."""
+    missing = [n for n in ELASTIC_INSTANCE.get(group, ()) if not hasattr(obj, n)]
+    if missing:
+        _log.warning("torch %s: %s has no %s: %s", torch.__version__, type(obj).__name__,
+                       ", ".join(missing), ELASTIC[group][0])
+    return bool(missing)
+
+
+def remaining_restarts(agent: Any) -> int:
+    """torch's count of the in-place restarts an elastic agent has left."""
+    return int(getattr(agent, "_remaining_restarts", 0))
+
+
+def set_remaining_restarts(agent: Any, value: int) -> None:
+    """Set it: 0 makes torch stop the failed group and return FAILED instead of restarting."""
+    agent._remaining_restarts = value
+
+
+def rendezvous_state(handler: Any) -> Any:
+    """A dynamic rendezvous handler's last synced state (``_RendezvousState``), or None."""
+    return getattr(getattr(handler, "_state_holder", None), "state", None)
+
+
+def this_node(handler: Any) -> Any:
+    """A dynamic rendezvous handler's own node descriptor (``addr``), or None."""
+    return getattr(handler, "_this_node", None)
+
+

@@ -6,15 +6,16 @@ agent forwards it and SIGKILLs the workers 30 s later, whatever they are doing. 
 worker exits first it SIGTERMs the others: a second SIGTERM forces a worker out at once, so a
 slower rank 0 that was still finishing its shutdown loses it.
 
-``run`` runs torchrun's own ``main`` in this process with three pieces of torch elastic replaced
-(each looked up defensively: a missing name logs a warning and keeps torch's behaviour):
+``run`` runs torchrun in this process as torch's ``launch_agent`` would, with our elastic
+agent (``torchrun_launch.py``, ``torchrun_elastic.py``: subclasses of torch's, each private name
+checked in ``core/torch_private.py``; a torch without them runs stock torchrun, logged):
 
-* its signal handler (``multiprocessing.api._terminate_process_handler``): a signal at the agent
-  is recorded and sent once to every worker, unless SLURM delivers it to the workers itself
-  (``forward_signals``). The workers decide what it means (a second SIGTERM/SIGINT forces them
-  out, anything else tightens their deadline), so the agent never escalates on its own.
-* ``PContext.close``: once a signal came or a worker exited, the agent waits for every worker
-  to exit on its own, until the package's shutdown deadline (the signal's grace +
+* its signal handler: a signal at the agent is recorded and sent once to every worker, unless
+  SLURM delivers it to the workers itself (``forward_signals``). The workers decide what it
+  means (a second SIGTERM/SIGINT forces them out, anything else tightens their deadline), so
+  the agent never escalates on its own.
+* its shutdown: once a signal came or a worker exited, the agent waits for every worker to
+  exit on its own, until the package's shutdown deadline (the signal's grace +
   ``watchdog.exit_timeout_s`` + ``MARGIN_S``); only workers still alive then are SIGKILLed.
 * the workers' ``Popen``: the agent keeps the processes, and each worker gets a signal from
   the kernel when the agent dies (``PR_SET_PDEATHSIG``): torch starts them in sessions of their
@@ -24,8 +25,11 @@ slower rank 0 that was still finishing its shutdown loses it.
   without its checkpoint. The workers get ``signals.PARENT_DEATH_SIGNAL``, named in their
   ``$KEMPNER_RESILIENCE_PARENT_DEATH_SIGNAL``: their ShutdownHandler counts its repeats once and
   stops as for SIGTERM (checkpoint, 143).
+* whether a failed worker group restarts (``--max-restarts`` > 0): the one policy's answer
+  (``supervise/policy.py``), with spare nodes through ``torchrun_spares.py``.
 
-The agent's exit code is the workers' (``agent_exit_code``): 75 when rank 0 requeued the job. Its
+The agent's exit code is the policy's job code over its workers' (``agent_exit_code``): 75 when
+rank 0 requeued the job, 81 when a worker was killed beside survivors that rescued. Its
 last line says what it knows about the checkpoint, from rank 0's run report (the agent points
 ``$KEMPNER_RESILIENCE_REPORT`` at a file of its own): the newest checkpoint the run committed,
 or none; without a report (rank 0 forced out or killed, or started by another node's agent) it
@@ -33,8 +37,8 @@ claims nothing. On a requeue (75) it also says that torch's ``failed (exitcode: 
 before is the requeue, not an error.
 
 This module is the wrapper's sequence (``run``) and the forwarding decision; the agent's side of
-a shutdown (the replaced pieces, the deadline, the reaper) is ``torchrun_agent.py``, its exit
-code and last line ``torchrun_report.py``.
+a shutdown (the deadline, the reaper) is ``torchrun_agent.py``, its exit code
+``torchrun_policy.py``, its last line ``torchrun_report.py``.
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ from typing import Any, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.integrations.torchrun_agent import (AGENT_NAME, MARGIN_S, Agent,
-                                                            Interrupted, patched)
-from kempner_resilience.integrations.torchrun_report import (RunReport, agent_exit_code,
-                                                             what_the_workers_did)
-from kempner_resilience.integrations.torchrun_spares import in_place_settings, relaunching
+                                                            Interrupted)
+from kempner_resilience.integrations.torchrun_policy import agent_exit_code
+from kempner_resilience.integrations.torchrun_report import RunReport, what_the_workers_did
+from kempner_resilience.integrations.torchrun_spares import InPlace, in_place_settings
+from kempner_resilience.supervise.channel import Channel
 from kempner_resilience.core.ledger import AGENT_START_ENV, process_start_time
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
@@ -144,6 +149,9 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
 
+        from kempner_resilience.core import torch_private
+        from kempner_resilience.integrations.torchrun_launch import launch
+
         os.environ[AGENT_ENV] = str(os.getpid())
         # The workers' ledger counts the attempt from here: the agent's imports and rendezvous
         # are the job's time, not time in the queue (goodput.py).
@@ -159,32 +167,45 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
                  "are forwarded" if forward else "are not forwarded", why)
+        shutdown_names = torch_private.elastic("shutdown")
         settings = in_place_settings(argv)
-        with patched(agent) as replaced, relaunching(agent, settings if replaced else None) \
-                as inplace:
-            if not replaced:
+        decides = torch_private.elastic("restarts") is not None
+        inplace = None
+        if shutdown_names is not None and settings is not None and decides \
+                and torch_private.elastic("spares") is not None:
+            inplace = InPlace(agent, settings, Channel.from_env())
+        try:
+            if shutdown_names is None:
+                # Everything rests on knowing the workers: without them, torchrun stays stock.
                 _restore(previous)
-            try:
                 torchrun_main(list(argv))
-            except ChildFailedError as e:
-                codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
-                if inplace is not None and inplace.left:
-                    # Not a failed task for srun: the job goes on without this node.
-                    log.warning("%s: workers exited with %s; this node left the job to a "
-                                "spare: exiting with 0", AGENT_NAME, codes)
-                    return 0
-                code = agent_exit_code(codes)
-                log.warning("%s: workers exited with %s: exiting with %s", AGENT_NAME, codes,
-                            what_the_workers_did(code, report.read()))
-                return code
-            except Exception as e:
-                if inplace is None or not inplace.unused_standby():
-                    raise
-                # A spare that was never needed: the run ended (or its rendezvous host went,
-                # and the others requeue); its job is done, not failed.
-                log.info("%s: standby node not needed (%s: %s); exiting with 0", AGENT_NAME,
-                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            else:
+                launch(argv, agent, inplace, shutdown_names, decides)
+        except ChildFailedError as e:
+            # Every worker of the last group has ended by now (torch stopped them after our
+            # wait): their codes, not only the failures torch saw first.
+            codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
+            codes = {**agent.codes(), **codes} if agent.ranks else codes
+            if inplace is not None and inplace.left:
+                # Not a failed task for srun: the job goes on without this node.
+                log.warning("%s: workers exited with %s; this node left the job to a "
+                            "spare: exiting with 0", AGENT_NAME, codes)
                 return 0
+            code = agent_exit_code(codes, agent.killed_ranks())
+            log.warning("%s: workers exited with %s: exiting with %s", AGENT_NAME, codes,
+                        what_the_workers_did(code, report.read()))
+            return code
+        except Exception as e:
+            if inplace is None or not inplace.unused_standby():
+                raise
+            # A spare that was never needed: the run ended (or its rendezvous host went,
+            # and the others requeue); its job is done, not failed.
+            log.info("%s: standby node not needed (%s: %s); exiting with 0", AGENT_NAME,
+                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return 0
+        finally:
+            if inplace is not None:
+                inplace.close()
         if inplace is not None and inplace.unused_standby():
             log.info("%s: standby node not needed; exiting with 0", AGENT_NAME)
         return 0

@@ -1,16 +1,18 @@
 """The torchrun agent's side of a shutdown: its workers tracked, signals sent once, no escalation.
 
-``patched`` replaces three pieces of torch elastic for the time of a run (see
-``integrations/torchrun.py`` for why each): the workers' ``Popen`` (the agent keeps the
-processes, and each gets ``signals.PARENT_DEATH_SIGNAL`` from the kernel when the agent dies),
-its signal handler (``Agent.on_signal``: recorded, sent once to every worker unless SLURM
-delivers it) and ``PContext.close`` (``Agent.wait_for_workers``: every worker may exit on its
-own until the shutdown deadline; only workers still alive then are SIGKILLed).
+``Agent`` is what our elastic agent (``torchrun_elastic.py``) knows of its workers: the
+processes (each gets ``signals.PARENT_DEATH_SIGNAL`` from the kernel when the agent dies), the
+signals it got (``Agent.on_signal``: recorded, sent once to every worker unless SLURM delivers
+it) and the deadline (``Agent.wait_for_workers``, before torch closes the workers: every worker
+may exit on its own until the shutdown deadline; only workers still alive then are SIGKILLed).
+``starting`` is the one place torch's module-level names are replaced, for the time of a
+worker group's start only (see there why no subclass can do it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import signal
 import socket
@@ -21,10 +23,11 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 
-__all__ = ["Agent", "Interrupted", "patched", "MARGIN_S", "AGENT_NAME"]
+__all__ = ["Agent", "Interrupted", "starting", "pdeathsig", "MARGIN_S", "AGENT_NAME"]
 
 # One logger for the whole integration, as before the split: users filter their logs on it.
 log = get_logger("kempner_resilience.integrations.torchrun")
@@ -44,6 +47,8 @@ class Agent:
         self.config = config
         self.forward = forward
         self.workers: list[subprocess.Popen] = []
+        self.ranks: dict[int, int] = {}      # worker pid -> global rank (this group)
+        self.killed: set[int] = set()        # pids the reaper killed at the deadline
         self.signals: list[int] = []
         self.deadline: float | None = None   # time.monotonic() at which survivors are killed
         self._changed = threading.Event()
@@ -57,10 +62,26 @@ class Agent:
             if self.workers and not self.alive():
                 # torch restarts the group (--max-restarts > 0): a fresh start, fresh deadline.
                 self.workers, self.signals, self.deadline = [], [], None
+                self.ranks, self.killed = {}, set()
                 self._group += 1
                 self._reaper = None
                 self._changed.set()
             self.workers.append(proc)
+
+    def name_ranks(self, ranks: dict[int, int]) -> None:
+        """``{pid: global rank}`` of the group just started (its workers' codes by rank)."""
+        with self._lock:
+            self.ranks.update(ranks)
+
+    def codes(self) -> dict[int, int]:
+        """The workers of this group that ended: ``{global rank: return code}`` (-N: signal
+        N), by the ranks named with ``name_ranks``."""
+        return {self.ranks[p.pid]: int(p.returncode) for p in list(self.workers)
+                if p.pid in self.ranks and p.poll() is not None}
+
+    def killed_ranks(self) -> set[int]:
+        """The global ranks the reaper killed at the deadline (they had not ended)."""
+        return {self.ranks[pid] for pid in self.killed if pid in self.ranks}
 
     def window(self, signum: int | None) -> float:
         """Seconds a worker may take to exit after ``signum`` (None: after a peer exited)."""
@@ -133,6 +154,7 @@ class Agent:
             log.error("%s: %d worker(s) still running at the shutdown deadline: killing them "
                       "(pids %s)", AGENT_NAME, len(survivors), [p.pid for p in survivors])
         for p in survivors:
+            self.killed.add(p.pid)
             try:
                 os.killpg(p.pid, signal.SIGKILL)    # its own session: its children too
             except OSError:
@@ -149,7 +171,9 @@ class Interrupted(BaseException):
 _PR_SET_PDEATHSIG = 1
 
 
-def _pdeathsig() -> Callable[[], None] | None:
+def pdeathsig() -> Callable[[], None] | None:
+    """The workers' ``preexec_fn``: ``PARENT_DEATH_SIGNAL`` when the agent dies (None: this
+    platform has no ``prctl``)."""
     # Resolved here, in the agent: between fork and exec the child must not dlopen anything.
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -158,34 +182,22 @@ def _pdeathsig() -> Callable[[], None] | None:
     return lambda: prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
 
 
-def _patch(module: Any, name: str, new: Any, saved: list[tuple[Any, str, Any]]) -> bool:
-    if not hasattr(module, name):
-        log.warning("torch %s has no %s.%s: keeping torchrun's own behaviour there",
-                    _torch_version(), module.__name__, name)
-        return False
-    saved.append((module, name, getattr(module, name)))
-    setattr(module, name, new)
-    return True
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
-
-
 @contextmanager
-def patched(agent: Agent) -> Iterator[bool]:
-    """torch elastic's worker Popen, signal handler and close replaced for the time of the run;
-    yields False (nothing replaced: stock torchrun) when the workers cannot be tracked."""
-    from torch.distributed.elastic.multiprocessing import api
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import \
-        subprocess_handler as sh
+def starting(agent: Agent, names: dict[str, Any]) -> Iterator[None]:
+    """For the time of one worker group's start (torch's ``_start_workers``, on the agent's
+    main thread): torch's workers' ``Popen`` and its signal handler replaced by ours.
 
-    saved: list[tuple[Any, str, Any]] = []
-    stock_popen = getattr(sh, "Popen", None)
-    stock_close = getattr(getattr(api, "PContext", None), "close", None)
-    die_with_agent = _pdeathsig()
+    No subclass can do this: ``start_processes`` (a module function) builds the process
+    context, ``PContext.start`` installs the module function ``_terminate_process_handler``
+    for the signals torch handles, and the subprocess handler calls its module's ``Popen``.
+    Re-installing our handler after the start would leave a window in which a signal raises
+    torch's ``SignalException`` (every worker SIGTERMed, then SIGKILLed 30 s later). So these
+    two module attributes are swapped while the group starts and put back right after;
+    ``names`` is ``torch_private.elastic("shutdown")``."""
+    popen_module = importlib.import_module(torch_private.SUBPROCESS_HANDLER_MODULE)
+    api_module = importlib.import_module(torch_private.MP_API_MODULE)
+    stock_popen = names["Popen"]
+    die_with_agent = pdeathsig()
 
     def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
         if die_with_agent is not None and "preexec_fn" not in kwargs:
@@ -194,24 +206,17 @@ def patched(agent: Agent) -> Iterator[bool]:
             env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
             env[PARENT_DEATH_ENV] = str(PARENT_DEATH_SIGNAL)
             kwargs["env"] = env
-        proc = stock_popen(*args, **kwargs)  # type: ignore[misc]
+        proc = stock_popen(*args, **kwargs)
         agent.add_worker(proc)
         return proc
 
-    def close(pcontext: Any, death_sig: Any = None, timeout: int = 30) -> None:
-        agent.wait_for_workers()
-        stock_close(pcontext, death_sig, timeout)  # type: ignore[misc]
-
-    # Everything rests on knowing the workers: without them, torchrun stays stock.
-    if _patch(sh, "Popen", popen, saved):
-        _patch(api, "_terminate_process_handler", agent.on_signal, saved)
-        if stock_close is not None:
-            _patch(api.PContext, "close", close, saved)
-        else:
-            log.warning("torch %s has no PContext.close: a worker that exits first gets the "
-                        "others SIGTERMed, as with stock torchrun", _torch_version())
+    saved = [(popen_module, "Popen", stock_popen),
+             (api_module, "_terminate_process_handler", names["_terminate_process_handler"])]
+    popen_module.Popen = popen
+    api_module._terminate_process_handler = agent.on_signal
     try:
-        yield bool(saved)
+        yield
     finally:
-        for module, name, value in reversed(saved):
+        for module, name, value in saved:
             setattr(module, name, value)
+

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from kempner_resilience.core import torch_private
 from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_node_records, record_bad_nodes
@@ -50,7 +51,7 @@ def node_name() -> str:
 def rendezvous_round(rdzv_handler: Any) -> int | None:
     """The round of torch's dynamic rendezvous this agent has just joined (0 for the first;
     each in-job restart completes the next), or None when this torch does not expose it."""
-    state = getattr(getattr(rdzv_handler, "_state_holder", None), "state", None)
+    state = torch_private.rendezvous_state(rdzv_handler)
     value = getattr(state, "round", None)
     return value if isinstance(value, int) and value >= 0 else None
 
@@ -61,14 +62,17 @@ def relaunch_env(round_: int) -> dict[str, str]:
     return _relaunch_env(round_, time.time()) if round_ > 0 else {}
 
 
-def record_left(ckpt_dir: str | os.PathLike[str], codes: Iterable[int]) -> None:
-    """This node leaves the job to a spare (its worker was killed): record it as bad."""
+def record_left(ckpt_dir: str | os.PathLike[str], codes: Iterable[int],
+                why: str | None = None) -> None:
+    """This node leaves the job to a spare (its worker was killed, or hung with the GIL held):
+    record it as bad. ``why``: the agent's words for it ("... on this node ...")."""
     node = node_name()
     if not _known_dir(ckpt_dir, f"node {node} as bad"):
         return
+    what = f"a worker on {node} was killed (exit {sorted(set(codes))})" \
+        if why is None or "was killed" in why else why.replace("this node", node)
     try:
-        record_bad_nodes(ckpt_dir, [node], reason=f"a worker on {node} was killed "
-                         f"(exit {sorted(set(codes))}); it left the job to a spare",
+        record_bad_nodes(ckpt_dir, [node], reason=f"{what}; it left the job to a spare",
                          job_id=os.environ.get("SLURM_JOB_ID"))
     except OSError as e:     # the relaunch still goes on without it; only the memory is lost
         log.error("cannot record node %s as bad in %s: %s", node, ckpt_dir, e)

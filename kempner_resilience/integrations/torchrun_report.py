@@ -1,5 +1,6 @@
-"""What the torchrun agent says at the end: its exit code from its workers', and a last line
-on the checkpoint taken from rank 0's run report (never more than that report says)."""
+"""What the torchrun agent says at the end: a last line on its exit code and on the checkpoint,
+taken from rank 0's run report (never more than that report says). The code itself is the
+policy's (``torchrun_policy.agent_exit_code``)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,7 @@ from typing import Any, Mapping
 from kempner_resilience.exitcodes import ExitCode, describe
 from kempner_resilience.core.ledger import REPORT_ENV
 
-__all__ = ["agent_exit_code", "what_the_workers_did", "RunReport"]
-
-
-def agent_exit_code(codes: Mapping[int, int]) -> int:
-    """The agent's exit code from its workers' ``{global rank: returncode}``: the lowest rank's
-    non-zero code, a death by signal N as 128+N (as a shell reports it); 0 when all are 0."""
-    for rank in sorted(codes):
-        code = codes[rank]
-        if code:
-            return 128 - code if code < 0 else code
-    return 0
+__all__ = ["what_the_workers_did", "RunReport"]
 
 
 # Codes whose meaning includes "checkpoint committed": from the code alone the agent cannot tell

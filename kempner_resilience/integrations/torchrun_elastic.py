@@ -1,0 +1,203 @@
+"""Our torch elastic classes: the agent torchrun runs, and its rendezvous handler with spares.
+
+torch elastic is extended here by subclassing, as NVIDIA's resiliency launcher does, never by
+replacing attributes of torch's classes: ``torchrun_launch.py`` builds these instead of torch's
+own. Every private name they rely on is checked in ``core/torch_private.py`` (``ELASTIC``)
+before they are used; a torch that lacks one keeps torch's behaviour for that part, logged.
+
+* ``ElasticAgent`` (a ``LocalElasticAgent``): its workers are tracked (``torchrun_agent.Agent``:
+  signals sent once, the parent-death signal, the deadline), torch's process context waits for
+  them to exit on their own before it closes them (a subclass of its class, ``_waiting``), and whether a failed group restarts is the
+  policy's answer (``_monitor_workers``: ``torchrun_spares.InPlace`` with spares, else
+  ``restart_decision``); with spares it also gives each group its relaunch environment and the
+  rank-0 agent writes the restart event (``_initialize_workers``, ``_start_workers``).
+* ``SpareHandler`` (a ``DynamicRendezvousHandler``): a node standing by is noticed (its op
+  executor, a subclass of torch's, reports the redundancy list), a waiting node is hidden from
+  the monitor while the survivors rescue (``num_nodes_waiting``), and a node that leaves only
+  takes itself out of the rendezvous instead of closing it for the job (``shutdown``).
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
+                                                                     RendezvousTimeout)
+
+from kempner_resilience.core import torch_private
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent, starting
+from kempner_resilience.integrations.torchrun_spares import InPlace, restart_decision
+
+__all__ = ["ElasticAgent", "SpareHandler", "spare_handler"]
+
+log = get_logger("kempner_resilience.integrations.torchrun")
+
+
+class ElasticAgent(LocalElasticAgent):
+    """torchrun's agent with our shutdown, and the policy's restart decision.
+
+    ``tracked``: what the agent knows of its workers and signals; ``inplace``: its part in
+    relaunches on spares (None: none); ``shutdown_names``: ``torch_private.elastic("shutdown")``;
+    ``decides``: the policy decides restarts (False: this torch lacks the names, torch does)."""
+
+    def __init__(self, spec: Any, logs_specs: Any, *, tracked: Agent, inplace: InPlace | None,
+                 shutdown_names: dict[str, Any], decides: bool, **kwargs: Any) -> None:
+        super().__init__(spec=spec, logs_specs=logs_specs, **kwargs)
+        self.tracked = tracked
+        self.inplace = inplace
+        self.shutdown_names = shutdown_names
+        self.decides = decides and not torch_private.instance_missing("restarts", self)
+        torch_private.instance_missing("shutdown", self)   # logged: torch closes at once
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        if self.inplace is not None:
+            self.inplace.before_initialize(torch_private.remaining_restarts(self))
+        super()._initialize_workers(worker_group)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self.inplace is not None:
+            self.inplace.before_start(worker_group.spec.rdzv_handler, worker_group.group_rank)
+        with starting(self.tracked, self.shutdown_names):
+            pids = super()._start_workers(worker_group)
+        pcontext = getattr(self, "_pcontext", None)
+        if pcontext is not None:
+            # torch's process context closes every worker at the first failure, from inside
+            # its own poll (SIGTERM, SIGKILL 30 s later): this one waits for our deadline
+            # first. The context is built by a module function (start_processes), so it
+            # becomes an instance of a subclass of its own class; torch's class is untouched.
+            pcontext.__class__ = _waiting(type(pcontext), self.tracked)
+        ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self.tracked.name_ranks({int(pid): int(ranks[lr]) for lr, pid in pids.items()
+                                 if lr in ranks})
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        left = torch_private.remaining_restarts(self)
+        if not self.decides or left <= 0 \
+                or result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            return result
+        # This node's workers that ended: torch's failures, and those that exited 0 (torch
+        # reports only failures; a rank that left early is part of the evidence).
+        codes = self.tracked.codes()
+        codes.update({int(r): int(getattr(f, "exitcode", 1))
+                      for r, f in (result.failures or {}).items()})
+        most = worker_group.spec.max_restarts
+        if self.inplace is not None:
+            ok, why = self.inplace.decide(codes, left, most)
+        else:
+            ok, why = restart_decision(codes, signalled=bool(self.tracked.signals),
+                                       restarts_left=left, max_restarts=most)
+        if ok:
+            if self.inplace is not None:
+                self.inplace.restarting()
+            log.warning("%s: workers failed with %s: relaunching in place (%s)", AGENT_NAME,
+                        codes, why)
+        else:
+            log.warning("%s: workers failed with %s: no relaunch in place: %s", AGENT_NAME,
+                        codes, why)
+            torch_private.set_remaining_restarts(self, 0)   # torch stops them, returns FAILED
+        return result
+
+
+class SpareHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous handler for an agent with spares (``inplace`` set by
+    ``spare_handler``; built only when ``torch_private.elastic("spares")`` resolved)."""
+
+    inplace: InPlace | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._names = torch_private.elastic("spares")
+        if self._names is not None and not torch_private.instance_missing("spares", self):
+            # torch builds its executor in __init__: ours replaces it, same arguments.
+            self._op_executor = _standby_executor(
+                self._names["_DistributedRendezvousOpExecutor"])(
+                self._this_node, self._state_holder, self._settings, self)
+
+    def standing_by(self) -> None:
+        """torch put this node in the round's redundancy list: it waits as a spare."""
+        if self.inplace is not None:
+            self.inplace.stand_by()
+
+    def num_nodes_waiting(self) -> int:
+        # torch calls it only from the monitor loop, with the worker group healthy.
+        n = super().num_nodes_waiting()
+        settings = getattr(self, "_settings", None)
+        if self.inplace is None or getattr(settings, "min_nodes", None) \
+                != getattr(settings, "max_nodes", 0):
+            return n     # an elastic range (--nnodes=A:B): a waiting node may be a scale-up
+        return self.inplace.nodes_waiting(n)
+
+    def shutdown(self) -> bool:
+        if self.inplace is None or not self.inplace.left or self._names is None:
+            return super().shutdown()
+        # torch closes the rendezvous when its agent ends: for the whole job, the survivors'
+        # next round included. A node that leaves only takes itself out of the round.
+        try:
+            self._stop_heartbeats()
+            self._op_executor.run(self._names["_RendezvousExitOp"](), time.monotonic() + 10.0)
+        except Exception as e:    # its heartbeat goes stale instead: the round opens later
+            log.warning("%s: could not leave the rendezvous (%s)", AGENT_NAME, e)
+        return True
+
+
+def _waiting(base: type, tracked: Agent) -> type:
+    """``base`` (torch's process context class) whose ``close`` first lets every worker end on
+    its own until the shutdown deadline, once a signal came or a worker exited
+    (``Agent.wait_for_workers``); torch then closes what is left."""
+
+    class WaitingContext(base):  # type: ignore[misc, valid-type]
+        def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+            tracked.wait_for_workers()
+            super().close(death_sig, timeout)
+
+    WaitingContext.__name__ = WaitingContext.__qualname__ = f"Waiting{base.__name__}"
+    return WaitingContext
+
+
+@functools.lru_cache(maxsize=None)
+def _standby_executor(base: type) -> type:
+    """torch's distributed op executor (private, so subclassed only once resolved), telling
+    its handler when torch adds the node to the redundancy list."""
+
+    class StandbyExecutor(base):  # type: ignore[misc, valid-type]
+        def __init__(self, node: Any, state_holder: Any, settings: Any,
+                     handler: SpareHandler) -> None:
+            super().__init__(node, state_holder, settings)
+            self._handler = handler
+
+        def _add_to_redundancy_list(self) -> None:
+            self._handler.standing_by()
+            super()._add_to_redundancy_list()
+
+    return StandbyExecutor
+
+
+def spare_handler(params: RendezvousParameters, inplace: InPlace) -> SpareHandler:
+    """The c10d rendezvous handler torch's registry would build (``create_backend``, then
+    ``dynamic_rendezvous.create_handler``'s reading of ``params``), as a ``SpareHandler``."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    backend, store = create_backend(params)
+
+    def timeout(key: str) -> timedelta | None:
+        seconds = params.get_as_int(key + "_timeout")
+        return None if seconds is None else timedelta(seconds=seconds)
+
+    handler = SpareHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
+        RendezvousTimeout(timeout("join"), timeout("last_call"), timeout("close"),
+                          timeout("heartbeat")),
+        keep_alive_interval=params.get_as_int("keep_alive_interval", 5),
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3))
+    handler.inplace = inplace
+    return handler

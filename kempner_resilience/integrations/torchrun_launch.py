@@ -1,0 +1,176 @@
+"""torchrun's launch with our agent: torch's ``launch_agent``, building our classes.
+
+``torch.distributed.run.main`` parses torchrun's arguments, turns them into a ``LaunchConfig``
+and hands it to ``launcher.api.launch_agent``, which builds the rendezvous handler, the
+``WorkerSpec`` and a ``LocalElasticAgent`` and runs it. ``launch`` does the same with the same
+public pieces (``parse_args``, ``config_from_args``, ``WorkerSpec``, ``record``), as NVIDIA's
+resiliency launcher (``ft_launcher``) does, but runs ``torchrun_elastic.ElasticAgent`` and,
+with spares, the rendezvous through ``torchrun_elastic.SpareHandler``: nothing of torch's is
+replaced for the run. Left out of torch's: the health-check server started before the
+rendezvous (Meta's internal switch, off by default) and the agent thread's name.
+
+Arguments and fields that a torch release lacks (``LaunchConfig``, ``WorkerSpec`` and the
+agent's constructor grew over 2.11-2.13) are passed only where that torch has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+import uuid
+from typing import Any, Sequence
+
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.integrations.torchrun_agent import Agent
+from kempner_resilience.integrations.torchrun_spares import InPlace
+
+__all__ = ["launch"]
+
+log = get_logger("kempner_resilience.integrations.torchrun")
+
+
+def launch(argv: Sequence[str], tracked: Agent, inplace: InPlace | None,
+           shutdown_names: dict[str, Any], decides: bool) -> Any:
+    """Run torchrun's command line ``argv`` with our agent; the workers' return values. Raises
+    torch's ``ChildFailedError`` when the workers failed, after torch's own report of it
+    (``record``), as torchrun's ``main`` does."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(list(argv))
+    _as_torchrun_does(args)
+    config, entrypoint, cmd_args = config_from_args(args)
+    return record(_launch_agent)(config, entrypoint, list(cmd_args), tracked, inplace,
+                                 shutdown_names, decides)
+
+
+def _as_torchrun_does(args: Any) -> None:
+    """torchrun's ``run``: a standalone or single-node static rendezvous is a local c10d one."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+        log.info("standalone rendezvous: --rdzv-backend=%s --rdzv-endpoint=%s --rdzv-id=%s",
+                 args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id)
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint \
+            and args.master_port is None:
+        if parse_min_max_nnodes(args.nnodes)[1] == 1:
+            args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:    # only the static rendezvous reads it
+        args.master_port = 29500
+
+
+def _entrypoint_name(entrypoint: Any, args: list[Any]) -> str:
+    if callable(entrypoint):
+        return str(getattr(entrypoint, "__name__", ""))
+    if isinstance(entrypoint, str):
+        if entrypoint == sys.executable:
+            return next((a for a in args if not str(a).startswith("-")), "")
+        return entrypoint
+    return ""
+
+
+def _static_master(params: Any) -> tuple[str | None, int | None]:
+    """The static rendezvous's master address and port (torch's ``_get_addr_and_port``)."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if params.backend != "static":
+        return None, None
+    endpoint = (params.endpoint or "").strip()
+    if not endpoint:
+        raise ValueError("Endpoint is missing in endpoint. Try to add --master-addr and "
+                         "--master-port")
+    addr, port = parse_rendezvous_endpoint(endpoint, default_port=-1)
+    if port == -1:
+        raise ValueError(f"port is missing in endpoint: {endpoint}. Try to specify "
+                         "--master-port")
+    return addr, port
+
+
+def _fields(cls: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` that ``cls`` (a dataclass) has fields for."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def _params(fn: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` that ``fn`` takes as parameters."""
+    names = set(inspect.signature(fn).parameters)
+    return {k: v for k, v in values.items() if k in names}
+
+
+def _launch_agent(config: Any, entrypoint: Any, args: list[Any], tracked: Agent,
+                  inplace: InPlace | None, shutdown_names: dict[str, Any],
+                  decides: bool) -> Any:
+    from torch.distributed.elastic import events, metrics
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry
+
+    from kempner_resilience.integrations.torchrun_elastic import ElasticAgent, spare_handler
+
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+        log.warning("config has no run_id, generated a random run_id: %s", config.run_id)
+    name = _entrypoint_name(entrypoint, args)
+    log.info("starting the elastic agent: entrypoint %s, nodes %s:%s, %s per node, run id %s, "
+             "rendezvous %s at %s, max restarts %s", name, config.min_nodes, config.max_nodes,
+             config.nproc_per_node, config.run_id, config.rdzv_backend, config.rdzv_endpoint,
+             config.max_restarts)
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                  run_id=config.run_id, min_nodes=config.min_nodes,
+                                  max_nodes=config.max_nodes, local_addr=config.local_addr,
+                                  **config.rdzv_configs)
+    master_addr, master_port = _static_master(params)
+    # Which signals torch's process context handles (ours, swapped in while workers start).
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(
+        config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    if inplace is not None and params.backend == "c10d":
+        handler = spare_handler(params, inplace)
+    else:
+        handler = registry.get_rendezvous_handler(params)
+    event_log = getattr(config, "event_log_handler", "null")
+    spec = WorkerSpec(**_fields(WorkerSpec, dict(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+        args=tuple(args), rdzv_handler=handler, max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval, master_addr=master_addr,
+        master_port=master_port, local_addr=config.local_addr, event_log_handler=event_log,
+        numa_options=getattr(config, "numa_options", None),
+        duplicate_stdout_filters=getattr(config, "duplicate_stdout_filters", None),
+        duplicate_stderr_filters=getattr(config, "duplicate_stderr_filters", None),
+        virtual_local_rank=getattr(config, "virtual_local_rank", False))))
+    agent = ElasticAgent(spec, config.logs_specs, tracked=tracked, inplace=inplace,
+                         shutdown_names=shutdown_names, decides=decides,
+                         **_params(ElasticAgent.__mro__[1].__init__, dict(
+                             start_method=config.start_method,
+                             log_line_prefix_template=config.log_line_prefix_template,
+                             shutdown_timeout=getattr(config, "shutdown_timeout", 30))))
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), event_log)
+        if result.is_failed():
+            # torch's @record copies the first failure's error file into the agent's.
+            raise ChildFailedError(name=name, failures=result.failures)
+        return result.return_values
+    except ChildFailedError:
+        raise
+    except SignalException:
+        # An agent ended by a signal keeps the rendezvous open (torch's reason: closing it
+        # ends this rdzv id for good).
+        shutdown_rdzv = False
+        events.record(agent.get_event_failed(), event_log)
+        raise
+    except Exception:
+        events.record(agent.get_event_failed(), event_log)
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()

@@ -1,0 +1,82 @@
+"""The torchrun agent's observation as the one policy's evidence (``supervise/policy.py``).
+
+A torchrun agent sees only its own node: its workers' return codes (``{global rank: code}``,
+-N for a death by signal N, as ``Popen`` and torch's ``ProcessFailure`` report them), whether
+it was signalled itself, the in-place restarts torch has left, and, with spares, the standby
+agents waiting in the rendezvous. ``observe`` turns exactly that into ``policy.Evidence``, so
+the failure matrix feeds the same rows to this backend as to the srun loop and the local
+launcher; ``agent_exit_code`` is the policy's job code over the same endings. Pure: no torch,
+no I/O (the glue gathers, ``torchrun_spares.py`` and ``torchrun_elastic.py`` act).
+
+With spares, every relaunch in place takes a standby's place in the next rendezvous round: the
+node of the failed worker when it is this one (it leaves), else a peer's, unknown here (its
+agent died with it, or it leaves): so the evidence implicates one node, this one or ``PEER``,
+and a relaunch needs one spare, as rank 0's own check of the standbys does
+(``slurm/standby.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.supervise.policy import Evidence, RankEnd, job_code
+
+__all__ = ["PEER", "rank_ends", "observe", "agent_exit_code", "implicated_here"]
+
+#: The node a survivor's failure points at when it is not this one (its name is unknown here).
+PEER = "a peer node"
+
+
+def rank_ends(codes: Mapping[int, int], killed: Iterable[int] = ()) -> tuple[RankEnd, ...]:
+    """The endings of ``codes`` (``{global rank: return code}``), lowest rank first; ``killed``:
+    the ranks the agent itself killed at its deadline (they had not ended: a hang)."""
+    by_agent = set(killed)
+    return tuple(RankEnd.from_returncode(int(codes[r]), by_supervisor=r in by_agent)
+                 for r in sorted(codes))
+
+
+def agent_exit_code(codes: Mapping[int, int], killed: Iterable[int] = ()) -> int:
+    """The agent's exit code from its workers' ``{global rank: return code}``: the policy's job
+    code (``policy.job_code``), e.g. {0: 81, 1: -SIGKILL} -> 81 (a rescued failure), [81, 1] ->
+    1 (rank 1's own exception), 0 when all are 0."""
+    if not codes:
+        return 0
+    return job_code(rank_ends(codes, killed))[0]
+
+
+def implicated_here(codes: Mapping[int, int], hang_seen: Iterable[int] = ()) -> str | None:
+    """Why this node is the one a failure points at, or None. ``codes``: this node's ended
+    workers; ``hang_seen``: the ranks of the launch whose hang watchdog ran in Python (the
+    supervisor channel's marks). A worker killed by a signal of its own (the OOM killer, a GPU
+    fault) implicates its node; so does a worker that ended with HANG without a mark while
+    others marked: it was hung with the GIL held (its backstop ended it), its peers were not."""
+    ends = dict(zip(sorted(codes), rank_ends(codes)))
+    killed = sorted({e.code for e in ends.values() if e.own_death})
+    if killed:
+        return f"a worker on this node was killed (exit {killed})"
+    seen = set(hang_seen)
+    quiet = sorted(r for r, e in ends.items() if not e.signaled and e.code == ExitCode.HANG
+                   and r not in seen)
+    if seen and quiet:
+        return (f"rank(s) {quiet} on this node hung with the GIL held (their hang watchdog "
+                f"never ran; rank(s) {sorted(seen)} saw the hang)")
+    return None
+
+
+def observe(codes: Mapping[int, int], *, signalled: bool, restarts_left: int,
+            max_restarts: int, standbys: int | None = None, node: str | None = None,
+            killed: Iterable[int] = ()) -> Evidence:
+    """The policy's evidence from one agent's view of a failed worker group.
+
+    ``codes``: its workers that ended, ``{global rank: return code}``; ``signalled``: a signal
+    reached the agent (a time limit, a preemption, Ctrl+C); ``restarts_left``/``max_restarts``:
+    torch's in-place restart budget; ``standbys``: standby agents waiting (None: no spares, the
+    group restarts where it ran); ``node``: this node when it is implicated
+    (``implicated_here``), else a peer's node is; ``killed``: ranks the agent killed itself."""
+    implicated: frozenset[str] = frozenset()
+    if standbys is not None:
+        implicated = frozenset({node or PEER})
+    return Evidence(ends=rank_ends(codes, killed), restarts=max(0, max_restarts - restarts_left),
+                    max_restarts=max_restarts, implicated=implicated, spares=standbys,
+                    stopping=signalled)
