@@ -15,7 +15,11 @@ A row is one failure and, per backend, its NATIVE form: what that backend really
 Every row commits a newer checkpoint during the failed launch (the survivors' rescue), so the
 no-progress guard stays out of the way; the budget and the spares are the rows' own.
 
-Adding a backend (torchrun's agents next): write its native form's dataclass and a runner
+- ``torchrun``: one torchrun agent (``integrations/torchrun_policy.py``): its own node's
+  workers' return codes, whether it was signalled, torch's restarts left, the standbys waiting;
+  run through ``observe`` and the policy, as the agent's monitor does.
+
+Adding a backend (Ray next): write its native form's dataclass and a runner
 ``(native form, tmp_path) -> Decision``, add the runner to ``BACKENDS`` and the form to every
 row's ``native`` (or the row and backend to ``NOT_APPLICABLE``, with why).
 ``test_every_row_is_told_to_every_backend_or_says_why_not`` holds a new backend to that.
@@ -32,6 +36,7 @@ import pytest
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import load_config
 from kempner_resilience.integrations.local import launch_evidence
+from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
 from kempner_resilience.slurm.relaunch import Relauncher, StepResult
 from kempner_resilience.slurm.steps import StepReport, parse_srun_line
 from kempner_resilience.supervise.channel import RunReport
@@ -69,6 +74,18 @@ class Local:
     max_launches: int = 10
 
 
+@dataclass(frozen=True)
+class Torchrun:
+    """A failed worker group as one torchrun agent sees it: its own node's workers only."""
+
+    codes: dict[int, int]                  # {global rank: return code} (-9: SIGKILLed)
+    killed: tuple[int, ...] = ()           # ranks the agent killed at its deadline
+    signalled: bool = False                # a signal reached the agent
+    restarts_left: int = 1                 # torch's in-place restarts left (--max-restarts)
+    max_restarts: int = 1
+    standbys: int | None = 1               # standby agents waiting (spares)
+
+
 def _commit(root: Path, step: int) -> None:
     path = layout.create_step_dir(root, step)
     (path / "__0_0.distcp").write_bytes(b"x")
@@ -104,10 +121,19 @@ def through_local(launch: Local, tmp_path: Path) -> Decision:
                                   commits=Commits(BEFORE, RESCUED)))
 
 
-#: backend -> runner of its native form. The extension point: a torchrun backend adds itself.
+def through_torchrun(group: Torchrun, tmp_path: Path) -> Decision:
+    here = implicated_here(group.codes)
+    return decide(observe(group.codes, signalled=group.signalled,
+                          restarts_left=group.restarts_left, max_restarts=group.max_restarts,
+                          standbys=group.standbys, node="this node" if here else None,
+                          killed=group.killed))
+
+
+#: backend -> runner of its native form.
 BACKENDS: dict[str, Callable[[Any, Path], Decision]] = {
     "srun": through_srun,
     "local": through_local,
+    "torchrun": through_torchrun,
 }
 
 
@@ -130,15 +156,19 @@ ROWS: dict[str, Row] = {
     "every rank finished": Row(Action.LEAVE, 0, {
         "srun": Srun(()),
         "local": Local((0, 0)),
+        "torchrun": Torchrun({0: 0, 1: 0}),
     }),
     "a rank SIGKILLed, the survivor rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True),
         "local": Local((81, -9)),
+        "torchrun": Torchrun({0: 81, 1: -9}),
     }),
     "a node killed: it says nothing, its peers rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun((_err("n1", "0-1", "Exited with exit code 81"),), tasks_per_node=2,
                      ended_by_loop=True),
         "local": Local((81, 81, -9, -9)),
+        # the survivor's agent: its own workers said 81; the dead node's agent died with it
+        "torchrun": Torchrun({0: 81, 1: 81}),
     }),
     "a rank hung with the GIL held: its kernel timer's 42, no hang mark": Row(
         Action.RELAUNCH, 42, {
@@ -146,6 +176,7 @@ ROWS: dict[str, Row] = {
                           _err("n1", "0", "Exited with exit code 42")),
                          hang_seen=(0,), ended_by_loop=True),
             "local": Local((42, 42)),
+            "torchrun": Torchrun({0: 42, 1: 42}),
         }),
     "a rank frozen (SIGSTOP): ended by the supervisor after the grace": Row(
         Action.RELAUNCH, 42, {
@@ -154,30 +185,37 @@ ROWS: dict[str, Row] = {
                           _err("n1", "0", "Exited with exit code 42")),
                          tasks_per_node=2, hang_seen=(0, 2, 3), ended_by_loop=True),
             "local": Local((42, -9), killed=(1,)),
+            "torchrun": Torchrun({0: 42, 1: -9}, killed=(1,)),
         }),
     "rank 1's exception, which rank 0 saw as a lost peer [81, 1]": Row(Action.LEAVE, 1, {
         "srun": Srun((_err("n1", "0", "Exited with exit code 81"),
                       _err("n2", "1", "Exited with exit code 1")), srun_code=1),
         "local": Local((81, 1)),
+        "torchrun": Torchrun({0: 81, 1: 1}),
     }),
     "rank 0 left run.steps early [0, 81]": Row(Action.LEAVE, 1, {
         # srun ends by itself once rank 1 has: rank 0's silence is an exit 0.
         "srun": Srun((_err("n2", "1", "Exited with exit code 81"),), srun_code=81),
         "local": Local((0, 81)),
+        "torchrun": Torchrun({0: 0, 1: 81}),
     }),
     "a signal: every rank committed and asked to run again (75)": Row(Action.REQUEUE, 75, {
         "srun": Srun((_err("n1", "0", "Exited with exit code 75"),
                       _err("n2", "1", "Exited with exit code 75")), srun_code=75),
         "local": Local((75, 75)),
+        # the ranks' own time-limit stop (no signal at the agent)
+        "torchrun": Torchrun({0: 75, 1: 75}),
     }),
     "no spare left for the node of the killed rank": Row(Action.REQUEUE, 81, {
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, nodes=("n1", "n2"), ended_by_loop=True),
+        "torchrun": Torchrun({0: 81, 1: -9}, standbys=0),
     }),
     "the restart budget spent": Row(Action.LEAVE, 81, {
         # the relaunches in place and SLURM's requeues alike
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, relaunches=1,
                      in_job_restarts=1, slurm_restart_count=3, max_restarts=3),
         "local": Local((81, -9), index=9, max_launches=10),
+        "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=0),
     }),
 }
 
