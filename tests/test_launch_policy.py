@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,39 @@ def test_a_training_script_that_raises_on_one_rank_ends_launch_with_its_error_no
             proc.communicate()
     assert proc.returncode == ExitCode.ERROR, err
     assert "launch 2 " not in err and "ValueError: a bug on rank 1" in err
+
+
+# A training that sets checkpoint.dir in code and dies at step 3 of every launch: the first
+# launch commits step 2, every later one resumes there and dies before it commits anything new.
+STALLS = """
+import os, sys
+import kempner_resilience as kr
+import torch
+
+cfg = kr.load_config(None, [f"checkpoint.dir={sys.argv[1]}", "checkpoint.every_steps=2",
+                            "requeue.max_no_progress=2"])
+model = torch.nn.Linear(2, 2)
+with open(sys.argv[2], "a") as f:
+    f.write("launch\\n")
+with kr.ResilientRun(cfg, state={"model": model}) as run:
+    for step in run.steps(100):
+        if step == 3:
+            os._exit(81)
+"""
+
+
+def test_launch_stops_a_run_that_makes_no_progress_whatever_way_the_script_sets_its_directory(
+        tmp_path):
+    # launch is given no checkpoint directory: rank 0 names its run's in the channel.
+    script = write_script(tmp_path, STALLS, "train.py")
+    seen = tmp_path / "launches"
+    channels = set(Path(tempfile.gettempdir()).glob("kempner-resilience-launch-*"))
+    res = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "launch", "--",
+                          sys.executable, str(script), str(tmp_path / "ckpt"), str(seen)],
+                         cwd=tmp_path, capture_output=True, text=True, env=env(), timeout=240)
+    assert res.returncode == ExitCode.NO_REQUEUE, res.stderr[-3000:]
+    # committed 2 (progress), then 2 relaunches in a row without a newer step: not 21 launches
+    assert seen.read_text().count("launch") == 3, res.stderr[-3000:]
+    assert "no progress" in res.stderr
+    # the launcher's channel went with it
+    assert set(Path(tempfile.gettempdir()).glob("kempner-resilience-launch-*")) <= channels

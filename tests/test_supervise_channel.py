@@ -117,3 +117,11 @@ def test_a_finish_said_in_an_earlier_launch_does_not_end_the_next_one(tmp_path):
     channel.report(RunReport("/x", "r", 6, 0, {}, "h", 2, 3.0))      # and finished
     watch.next = 0.0
     assert watch.over()
+
+
+def test_removing_a_channel_outside_a_jobs_directory_leaves_its_parent_alone(tmp_path):
+    parent = tmp_path / "empty-after"
+    channel = Channel(parent / "ch")
+    channel.root.mkdir(parents=True)
+    channel.remove()
+    assert not channel.root.exists() and parent.is_dir()

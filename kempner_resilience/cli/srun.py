@@ -33,12 +33,14 @@ def _setup(p: argparse.ArgumentParser) -> None:
     config_args(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="what every srun task runs, after `--`")
-    p.epilog = ("The exit status is the last step's srun status (PEER_LOST 81 when a failed "
-                "step was ended here). After a failure ending (PEER_LOST, HANG, a killed rank, "
-                "a dead node) with a committed checkpoint, the training starts again on the "
-                "healthy nodes plus a spare, at most --in-job-restarts times; then, or "
-                "with no spare left, the job is requeued. The checkpoint.dir of --config/--set "
-                "must be the training's.")
+    p.epilog = ("The exit status is the job's code by the one policy's rule over the ranks' "
+                "codes (docs/design.md). After a failure ending (PEER_LOST, HANG, a killed "
+                "rank, a dead node) the training starts again on the healthy nodes plus a "
+                "spare, from the newest committed checkpoint, at most --in-job-restarts "
+                "times; then, or with no spare left, the job is requeued (with a committed "
+                "checkpoint). The ranks tell the loop their checkpoint.dir and requeue "
+                "settings (KEMPNER_RESILIENCE_SUPERVISOR); --config/--set are read only "
+                "until rank 0 first reports.")
 
 
 def _run(args: argparse.Namespace) -> int:

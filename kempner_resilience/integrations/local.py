@@ -5,7 +5,9 @@ It does what SLURM does for a requeueable job, on one machine: start one process
 fresh port per launch), and start the job again when the launch-side policy says so
 (``supervise/policy.py``: a REQUEUE, or a rescued failure, HANG/PEER_LOST or a rank killed, as a
 site's requeue-on-failure would; never after a rank's own error, whatever its peers said), up to
-a restart budget, and with the policy's no-progress guard when it is told ``ckpt_dir``.
+a restart budget, and with the policy's no-progress guard over the run's commits: rank 0 names
+its run's directory in the launcher's channel (``supervise/channel.py``), whatever way the
+script sets ``checkpoint.dir``.
 ``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
 ``SLURM_RESTART_COUNT`` does: the run's restart budget (``requeue.max_restarts``), its
 no-progress guard and its ledger count the attempts from it. ``kempner-resilience launch`` runs a
@@ -39,6 +41,7 @@ import random
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +50,7 @@ from typing import Callable, Sequence
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.supervise.channel import Channel
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  RankEnd, decide, job_code)
 
@@ -192,6 +196,7 @@ class LocalLauncher:
         self.ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
         self.max_no_progress = max_no_progress
         self.launches: list[Launch] = []
+        self.channel: Channel | None = None   # the ranks' word, while run() runs
         self._received: list[int] = []     # signals to forward, appended by the handler
 
     def run(self) -> list[Launch]:
@@ -202,6 +207,9 @@ class LocalLauncher:
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
             if main else {}
+        # The ranks tell the launcher which run this is (supervise/channel.py): its directory
+        # (whatever way the script sets checkpoint.dir) and its no-progress setting.
+        self.channel = Channel(Path(tempfile.mkdtemp(prefix="kempner-resilience-launch-")))
         try:
             stalled = 0
             for index in range(self.max_launches):
@@ -210,12 +218,12 @@ class LocalLauncher:
                 if self._received:      # a signal after the ranks had exited: no relaunch
                     launch.interrupted = True
                     del self._received[:]
-                commits = None if self.ckpt_dir is None else Commits(before,
-                                                                     self._committed_step())
+                commits = None if self._run_dir() is None else Commits(before,
+                                                                       self._committed_step())
                 launch.decision = self._decide(launch, launch_evidence(
                     launch.exit_codes, launch.killed, index=index,
                     max_launches=self.max_launches, commits=commits, stalled=stalled,
-                    max_no_progress=self.max_no_progress, interrupted=launch.interrupted))
+                    max_no_progress=self._max_no_progress(), interrupted=launch.interrupted))
                 stalled = launch.decision.stalled
                 self.launches.append(launch)
                 if self.on_launch:
@@ -225,7 +233,19 @@ class LocalLauncher:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            self.channel.remove()
         return self.launches
+
+    def _run_dir(self) -> Path | None:
+        """The run's directory: as rank 0 reported it, else the caller's ``ckpt_dir``."""
+        report = self.channel.read() if self.channel is not None else None
+        return Path(report.run_dir) if report is not None else self.ckpt_dir
+
+    def _max_no_progress(self) -> int:
+        """The run's requeue.max_no_progress as rank 0 reported it, else the caller's."""
+        report = self.channel.read() if self.channel is not None else None
+        value = None if report is None else report.requeue.get("max_no_progress")
+        return value if isinstance(value, int) and value >= 0 else self.max_no_progress
 
     def _decide(self, launch: Launch, ev: Evidence) -> Decision:
         """The policy's decision; with ``relaunch_codes``, the caller's set instead."""
@@ -239,10 +259,11 @@ class LocalLauncher:
                         d.left_early, d.guard)
 
     def _committed_step(self) -> int | None:
-        if self.ckpt_dir is None:
+        run_dir = self._run_dir()
+        if run_dir is None:
             return None
         try:
-            steps = [e.step for e in layout.scan(self.ckpt_dir) if e.committed]
+            steps = [e.step for e in layout.scan(run_dir) if e.committed]
         except OSError:
             return None
         return max(steps) if steps else None
@@ -258,6 +279,8 @@ class LocalLauncher:
         env.update(RANK=str(rank), WORLD_SIZE=str(self.ranks), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(self.ranks), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, KEMPNER_RESTART_COUNT=str(index), PYTHONUNBUFFERED="1")
+        if self.channel is not None:
+            env.update(self.channel.env())
         return env
 
     def _launch(self, index: int) -> Launch:

@@ -52,6 +52,7 @@ CHANNEL_ENV = "KEMPNER_RESILIENCE_SUPERVISOR"
 RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
 #: Rank 0's report, in the channel.
 REPORT_NAME = "run.json"
+_JOBS_DIR = ".kempner-resilience"
 _HANG_SEEN = "hang-seen"
 _TRAIN_NODES = "train-nodes.json"
 
@@ -109,7 +110,7 @@ class Channel:
         that supervisor, so a value inherited from outside is never reused."""
         env = os.environ if environ is None else environ
         base = Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd())
-        root = (base / ".kempner-resilience" / f"job-{job_id}").resolve()
+        root = (base / _JOBS_DIR / f"job-{job_id}").resolve()
         root.mkdir(parents=True, exist_ok=True)
         return cls(root)
 
@@ -187,6 +188,8 @@ class Channel:
     def remove(self) -> None:
         """The job is over for good: its channel goes (bounded: a local directory walk)."""
         shutil.rmtree(self.root, ignore_errors=True)
+        if self.root.parent.name != _JOBS_DIR:
+            return
         try:
             self.root.parent.rmdir()      # .kempner-resilience/, when this was its last job
         except OSError:
