@@ -15,7 +15,10 @@ between two periodic saves, and reads the parts from the run ledger (``ledger.js
   set-up);
 * ``load``: the checkpoint loaded (``resume``); ``first_step``: -> the first step boundary.
 
-    python bench/spares_bench.py [--kills 5] [--slurmd-timeout 5]
+* ``completed_after_last_step``: the training's last step -> SLURM says COMPLETED (a dead
+  node's step stays "completing" until SLURM notices it unless the loop gives the node back).
+
+    python bench/spares_bench.py [--kills 5] [--slurmd-timeout 5] [--readme-usage]
 """
 
 from __future__ import annotations
@@ -48,13 +51,16 @@ def cluster_env(slurmd_timeout: int = 5) -> dict[str, str]:
                 PYTHONPATH=str(REPO))
 
 
-def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
+def one_kill(env: dict[str, str], work: Path, readme: bool = False) -> dict[str, float]:
     from kempner_resilience.demo.slurm_demo import wait_until, write_job
     from kempner_resilience.core.ledger import read_ledger
 
+    # readme: the script sets checkpoint.dir in code, sbatch gets no --set, and the job is
+    # submitted from a directory whose ./checkpoints is not the run's (the README's usage).
     job = write_job(work, ranks=4, nodes=2, spares=1, steps=STEPS, step_time=0.05,
                     every_steps=EVERY, rank_files=True, env=env,
-                    sets=["watchdog.hang_timeout_s=30"])
+                    sets=["watchdog.hang_timeout_s=30"], config_in_script=readme,
+                    submit_dir=work.parent if readme else None)
     job.submit()
     try:
         job.wait_step(random.randint(EVERY + 3, 2 * EVERY - 5), timeout=300)
@@ -70,7 +76,10 @@ def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
             return evs if any(e["ev"] == "loop" for e in after) else None
 
         evs = wait_until(first_loop, 300, "the relaunched training's first step", 0.5)
-        wait_until(lambda: "srun exited with" in job.log_text(), 300, "the job's end", 0.5)
+        info = job.wait_state(timeout=400)
+        completed_t = time.time()
+        if info.get("JobState") != "COMPLETED" or info.get("Restarts") != "0":
+            raise RuntimeError(f"job ended {info}: {job.log_text()[-2000:]}")
     finally:
         job.cancel()
         subprocess.run(["bash", str(SCRIPT), "restart-node", dead.removeprefix("krnode")],
@@ -97,6 +106,8 @@ def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
     parts["first_step"] = loop["t"] - resume["t"]
     parts["total"] = loop["t"] - killed
     parts["rescued"] = float(bool(rescue and rescue.get("committed")))
+    # The training's last step (rank 0's progress line) -> SLURM says COMPLETED.
+    parts["completed_after_last_step"] = completed_t - job.progress.stat().st_mtime
     return parts
 
 
@@ -104,13 +115,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--slurmd-timeout", type=int, default=5)
+    ap.add_argument("--readme-usage", action="store_true",
+                    help="checkpoint.dir set in the script only, sbatch given no --set")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     env = cluster_env(args.slurmd_timeout)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kr-spares-bench-") as tmp:
         for i in range(args.kills):
-            parts = one_kill(env, Path(tmp) / f"kill{i}")
+            parts = one_kill(env, Path(tmp) / f"kill{i}" / "job", args.readme_usage)
             rows.append(parts)
             print(json.dumps({k: round(v, 2) for k, v in parts.items()}), flush=True)
     totals = sorted(r["total"] for r in rows)

@@ -15,7 +15,10 @@ step between two periodic saves, and reads the parts from the run ledger:
   rendezvous round with the standby, process start, Python and torch imports);
 * ``load``: -> the checkpoint loaded (``resume``); ``first_step``: -> the training loop runs.
 
+* ``completed_after_last_step``: the training's last step -> SLURM says COMPLETED.
+
     flock /tmp/kr-slurm.lock python bench/torchrun_spares_bench.py [--kills 5]
+        [--slurmd-timeout 300]
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
         killed = time.time()
         subprocess.run(["bash", str(SCRIPT), "kill-node", victim[len("krnode"):]], check=True,
                        timeout=60, stdout=subprocess.DEVNULL)
-        info = job.wait_state(timeout=300)
+        info = job.wait_state(timeout=400)
+        completed_t = time.time()
         if info.get("JobState") != "COMPLETED" or info.get("Restarts") != "0":
             raise RuntimeError(f"job ended {info}: {job.log_text()[-2000:]}")
         evs = read_ledger(job.checkpoints / LEDGER_NAME)
@@ -84,6 +88,8 @@ def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
                  "load": first["resume"] - first["start"],
                  "first_step": first["loop"] - first["resume"]}
         parts["total"] = first["loop"] - killed
+        # The training's last step -> SLURM says COMPLETED (the dead node's agent step).
+        parts["completed_after_last_step"] = completed_t - job.progress.stat().st_mtime
         return parts
     finally:
         subprocess.run(["bash", str(SCRIPT), "restart-node", victim[len("krnode"):]],
@@ -93,8 +99,9 @@ def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=5)
+    ap.add_argument("--slurmd-timeout", type=int, default=5)
     args = ap.parse_args()
-    env = cluster_env()
+    env = cluster_env(args.slurmd_timeout)
     rows = []
     for i in range(args.kills):
         with tempfile.TemporaryDirectory(prefix="kr-trun-spares-") as d:
