@@ -34,6 +34,7 @@ from kempner_resilience.core.startup import _early, _early_record, install_early
 from kempner_resilience.stop.watchdog import DeadlineWatchdog
 
 __all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers", "install_early_recorder",
+           "repeat_forces",
            "PARENT_DEATH_SIGNAL", "PARENT_DEATH_ENV", "parent_death_signal"]
 
 log = get_logger(__name__)
@@ -118,9 +119,13 @@ class ShutdownHandler:
     """
 
     def __init__(self, config: SignalsConfig | None = None, *,
-                 deadline: DeadlineWatchdog | None = None) -> None:
+                 deadline: DeadlineWatchdog | None = None,
+                 forces: Callable[[int, list[int]], bool] | None = None) -> None:
         self.config = config or SignalsConfig()
         self.deadline = deadline or DeadlineWatchdog()
+        # (signal, the signals delivered before it) -> does it force the exit. A Ray driver
+        # passes its own: there a parent's SIGTERM can be handled before the Ctrl+C's SIGINT.
+        self._forces = forces or repeat_forces
         self._actions = {getattr(signal, n): a for n, a in self.config.handled().items()}
         # Our launcher's parent-death signal: a SIGTERM-class stop, repeats included once.
         pdeath = parent_death_signal()
@@ -156,6 +161,11 @@ class ShutdownHandler:
     @property
     def signals(self) -> list[int]:
         return sorted(self._actions)
+
+    @property
+    def deliveries(self) -> tuple[int, ...]:
+        """Every handled signal received so far, in the order the signal thread saw them."""
+        return tuple(self._deliveries)
 
     def add_listener(self, fn: Callable[[ShutdownRequest], None]) -> None:
         """Call ``fn(request)`` from the signal thread on the first signal (must be quick)."""
@@ -309,7 +319,7 @@ class ShutdownHandler:
         if not earlier:
             self._first(signum, f"{name} received")
             return
-        if signum == signal.SIGINT or (signum == signal.SIGTERM and signal.SIGTERM in earlier):
+        if self._forces(signum, earlier):
             code = int(exit_code(Facts(Ending.FORCED, signum=signum)))   # 130 or 143
             log.error("second %s during shutdown: exiting at once with %d", name, code)
             self._run_forced_exit_hooks(code)
@@ -372,6 +382,11 @@ class ShutdownHandler:
             pass
         self._close_pipe()
         self._thread = None
+
+
+def repeat_forces(signum: int, earlier: list[int]) -> bool:
+    """The default rule: a SIGINT during a shutdown, or a second SIGTERM, forces the exit."""
+    return signum == signal.SIGINT or (signum == signal.SIGTERM and signal.SIGTERM in earlier)
 
 
 def _describe(action: Action) -> str:

@@ -1,0 +1,152 @@
+"""A training actor's side: its torch.distributed group, the driver's stop, Ray's SIGTERM.
+
+The actors of one training group are the ranks of one ResilientRun: each runs
+``with kr.ResilientRun(cfg, state=...)`` over a gloo/NCCL group formed among them, so they get
+what ranks get (the step agreement, the hang watchdog, the emergency save, the teardown that
+destroys the group). What Ray changes, and this module handles:
+
+* ranks come from the driver, not from the environment: ``init_group(rank, world_size, addr,
+  port)``, with rank 0's ``address()`` and a free port;
+* the driver's stop arrives through the stop board (``ray_board``), turned into the same signal
+  sent to this process (``stop_context``);
+* Ray's workers block SIGINT: ``stop_context`` unblocks it on the main thread while it lasts;
+* Ray's own SIGTERM handler in a worker raises ``SystemExit`` wherever the main thread is, so a
+  node drain or a Kubernetes eviction would kill the actor mid-step with no checkpoint and a live
+  process group. ``stop_context`` sets SIGTERM to its default before the run is entered, so the
+  run's handler is the only one (it chains a callable predecessor, and Ray's would raise); a
+  SIGTERM then stops at the boundary, saves within its grace, tears down and the actor exits;
+* the run ends with a ``SystemExit`` (``raise`` exit mode: an actor is not a launched rank):
+  ``stop_context`` catches it and its ``ending`` says what happened, for the method to return.
+
+Sync actor methods run on the worker's main thread (a ResilientRun needs it): keep training
+actors single-threaded (no ``max_concurrency``, no concurrency groups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.integrations.ray_board import BoardWatcher
+
+__all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group"]
+
+log = get_logger(__name__)
+
+
+@dataclass
+class ActorEnding:
+    """How an actor's run ended: ``code`` (0 completed, else the run's exit code), the signal
+    that stopped it (``signum``, None if none) and whether that came from the driver."""
+
+    code: int = 0
+    signum: int | None = None
+    from_driver: bool = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.code != 0
+
+
+def init_group(rank: int, world_size: int, addr: str, port: int, *,
+               backend: str = "gloo", timeout_s: float = 120.0) -> None:
+    """Join the actors' torch.distributed group as ``rank`` of ``world_size`` (rank 0 hosts the
+    store at ``addr:port``). Sets RANK/WORLD_SIZE-free state only: the run reads the group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def stop_context(board: Any) -> Iterator[ActorEnding]:
+    """Around a training actor's ``with ResilientRun(...)``: the driver's stop reaches the run,
+    Ray's SIGTERM handler is out of the way, and the run's ``SystemExit`` becomes ``ending``.
+
+    Must be entered on the main thread (a sync actor's method). After a stop that this process
+    received itself (a SIGTERM from Ray or its node, not the driver's), the actor exits once the
+    method returns: Ray asked for the process to go.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("stop_context needs the actor's main thread: a sync actor without "
+                           "max_concurrency or concurrency groups")
+    ending = ActorEnding()
+    previous = signal.getsignal(signal.SIGTERM)
+    # Ray's handler raises SystemExit mid-step; the run's handler would chain it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ray's workers block SIGINT in every thread: the driver's Ctrl+C, passed on as SIGINT,
+    # would stay pending for good. Unblocked here, on the main thread only, while the run lives.
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    watcher = BoardWatcher(board).start() if board is not None else None
+    try:
+        yield ending
+    except SystemExit as e:
+        ending.code = int(e.code) if isinstance(e.code, int) else 1
+        ending.signum = watcher.signum if watcher and watcher.delivered else None
+        ending.from_driver = ending.signum is not None
+        log.warning("the run ended with %d%s", ending.code,
+                    " (the driver's stop)" if ending.from_driver else "")
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if ending.stopped and not ending.from_driver and ending.code == 143:
+        _exit_after_return(ending.code)
+
+
+def _exit_after_return(code: int) -> None:
+    """Ray sent SIGTERM: leave once this method's result is on its way (``exit_actor`` from a
+    thread would race the return; a short delay then a plain exit is enough and bounded)."""
+    def leave() -> None:
+        import time
+
+        time.sleep(1.0)
+        os._exit(code)
+
+    threading.Thread(target=leave, name="kempner-ray-exit", daemon=True).start()
+
+
+class TrainingActor:
+    """Mixin for a Ray training actor class: group set-up and the stop context as methods.
+
+    >>> @ray.remote
+    ... class Trainer(TrainingActor):
+    ...     def train(self, board, steps):
+    ...         with self.stop_context(board) as ending:
+    ...             with kr.ResilientRun(cfg, state=...) as run:
+    ...                 for step in run.steps(steps): ...
+    ...         return ending.code
+    """
+
+    def address(self) -> tuple[str, int]:
+        """This actor's node address and a free port on it: rank 0's, for ``init_group``."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init_group(self, rank: int, world_size: int, addr: str, port: int,
+                   backend: str = "gloo") -> None:
+        init_group(rank, world_size, addr, port, backend=backend)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    @staticmethod
+    def stop_context(board: Any) -> contextlib.AbstractContextManager[ActorEnding]:
+        return stop_context(board)

@@ -1,0 +1,280 @@
+"""RayDriver: a Ray driver whose signals are always seen, and whose stop is every actor's stop.
+
+What Ray does to a driver, and what this context does about it:
+
+* ``ray.init`` installs its own SIGTERM handler (it raises ``SystemExit`` wherever the main
+  thread is), Ray may set SIGINT to SIG_IGN, and ``ray.get`` blocks in C. On entry (after
+  ``ray.init``) the configured signals get the package's ShutdownHandler, whose signal thread
+  sees a signal at once; the driver waits with ``ray.wait(..., timeout=)`` in a loop on the main
+  thread (``get``), never in one blocking ``ray.get``.
+* A stop (Ctrl+C, SIGTERM, SLURM's USR1, an actor task that failed) is one sequence: the stop
+  board tells every training actor (``ray_board``: each stops at the same step boundary through
+  its ResilientRun, commits the emergency checkpoint and tears its group down); the other
+  in-flight tasks are cancelled without force (``ray.cancel(force=False)``: an asyncio actor's
+  task gets ``CancelledError``, so its ``finally`` blocks run); the driver waits for all of them
+  up to a bound (``stop_timeout_s``, by default the signal's grace less a margin), shuts Ray
+  down and exits with the code from the one table (``exitcodes``: 130 after Ctrl+C, 143 after
+  SIGTERM).
+* A second SIGINT (or a second SIGTERM; never a SIGINT after a first SIGTERM) forces: the tracked actors are killed (``ray.kill``),
+  then every process this driver started (the local Ray node: GCS, raylet, agents, workers),
+  and the driver leaves with 130/143 at once. A SIGTERM during a stop begun by SIGINT (``uv
+  run`` and other parents send it when they die on the same Ctrl+C) is part of that stop: it only
+  tightens the deadline, as everywhere in the package (``stop/signals.py``).
+
+Ray is imported lazily: ``import kempner_resilience`` works without it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Sequence
+
+from kempner_resilience.config import ResilienceConfig, SignalsConfig, load_config
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, exit_code
+from kempner_resilience.integrations.ray_actor import ActorEnding
+from kempner_resilience.integrations.ray_board import create_board
+from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
+
+__all__ = ["RayDriver"]
+
+log = get_logger(__name__)
+
+#: Seconds of the signal's grace kept for Ray's own shutdown after the actors are done.
+_MARGIN_S = 5.0
+
+
+class RayDriver:
+    """The driver's context, entered after ``ray.init`` on the main thread.
+
+    >>> ray.init()
+    >>> with RayDriver(cfg) as driver:
+    ...     trainers = driver.track(*[Trainer.remote() for _ in range(2)])
+    ...     rollout = driver.track(Rollout.remote())[0]
+    ...     out = driver.get([t.train.remote(driver.board, 100) for t in trainers],
+    ...                      cancel=[rollout.run.remote(50)])
+
+    ``get`` returns the results of ``refs`` when they are all done; after a stop it raises
+    ``SystemExit`` with the job's code (the ``with`` block's code after it does not run).
+    """
+
+    def __init__(self, config: ResilienceConfig | SignalsConfig | None = None, *,
+                 stop_timeout_s: float | None = None, poll_s: float = 0.2) -> None:
+        if config is None:
+            config = load_config()
+        self.signals = config.signals if isinstance(config, ResilienceConfig) else config
+        self.signals.validate()
+        self.stop_timeout_s = stop_timeout_s
+        self.poll_s = poll_s
+        self.board: Any = None
+        self.actors: list[Any] = []
+        self.results: list[Any] = []      # what the refs returned in the stop, in order
+        self._handler = ShutdownHandler(self.signals, forces=_driver_forces)
+        self._stop = threading.Event()
+        self._stopping = False
+
+    # ------------------------------------------------------------------ context
+
+    def __enter__(self) -> "RayDriver":
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("RayDriver is entered after ray.init()")
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("RayDriver must be entered on the main thread (Python only "
+                               "delivers signals there)")
+        _clear_ray_handlers(self._handler.signals)
+        self._handler.install()
+        self._handler.add_listener(lambda req: self._stop.set())
+        self._handler.add_forced_exit_hook(self._force)
+        self.board = create_board()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            req = self._handler.request
+            if exc_type is None and req is not None and not self._stopping:
+                # A signal after the last get(): the stop still happens, with nothing to wait on.
+                self._stop_all(req.signum, [], [])
+        finally:
+            self._handler.uninstall()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def request(self) -> ShutdownRequest | None:
+        """The first shutdown signal the driver received, or None."""
+        return self._handler.request
+
+    def track(self, *actors: Any) -> list[Any]:
+        """Actors a forced stop kills (``ray.kill``); returns them as a list."""
+        self.actors.extend(actors)
+        return list(actors)
+
+    def get(self, refs: Sequence[Any], *, cancel: Sequence[Any] = ()) -> list[Any]:
+        """Wait for ``refs`` (the training actors' calls) and return their results.
+
+        ``cancel``: other in-flight calls that live as long as the training (rollouts, reward
+        workers). A stop cancels them without force and waits for them; so does the end of
+        the training. A signal, or any of these calls failing, stops everything (the sequence
+        above); a failure is raised again after the stop.
+        """
+        import ray
+
+        refs, cancel = list(refs), list(cancel)
+        pending = refs + cancel
+        while not self._stop.is_set() and any(r in pending for r in refs):
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            for ref in done:
+                err = _error_of(ref)
+                if err is not None:
+                    log.error("a task failed (%s): stopping every actor", type(err).__name__)
+                    self._stop_all(signal.SIGTERM, refs, cancel, error=err)
+        if self._stop.is_set():
+            req = self._handler.request
+            assert req is not None
+            self._stop_all(req.signum, refs, cancel)
+        self._cancel_and_wait(cancel, self._bound(signal.SIGTERM))
+        return ray.get(refs)
+
+    # ------------------------------------------------------------------ the stop
+
+    def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
+                  error: BaseException | None = None) -> None:
+        """Stop every actor, wait for them within the bound, shut Ray down, leave."""
+        import ray
+
+        self._stopping = True
+        started = time.monotonic()
+        name = signal.Signals(signum).name
+        log.warning("%s: stopping every actor (%d training calls, %d to cancel)",
+                    "a task failed" if error else name, len(refs), len(cancel))
+        self.board.set.remote(signum)
+        pending = self._cancel_and_wait(cancel, self._bound(signum), also=refs)
+        self.results = [_result_of(r) for r in refs]
+        if pending:
+            log.error("%d calls not done %.0f s after the stop: killing their actors",
+                      len(pending), time.monotonic() - started)
+            self._kill_actors()
+            code = int(ExitCode.DEADLINE)
+        elif error is not None:
+            code = int(ExitCode.ERROR)
+        else:
+            saved = Saved.FAILED if any(isinstance(r, ActorEnding)
+                                        and r.code == ExitCode.CHECKPOINT_FAILED
+                                        for r in self.results) else Saved.COMMITTED
+            if signal.SIGINT in self._handler.deliveries:
+                signum = signal.SIGINT   # the parent's SIGTERM may have come first: a Ctrl+C
+            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved)))
+        log.warning("every actor done %.1f s after the stop; shutting Ray down, exit %d",
+                    time.monotonic() - started, code)
+        ray.shutdown()
+        if error is not None:
+            raise error
+        raise SystemExit(code)
+
+    def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
+                         also: Sequence[Any] = ()) -> list[Any]:
+        """Cancel ``cancel`` without force, wait for it and ``also`` up to ``bound`` seconds;
+        what is still not done."""
+        import ray
+
+        for ref in cancel:
+            try:
+                ray.cancel(ref, force=False)
+            except Exception as e:  # already done, or its actor gone
+                log.debug("cancel %s: %s", ref, e)
+        until = time.monotonic() + bound
+        pending = list(also) + list(cancel)
+        while pending and time.monotonic() < until:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+        return pending
+
+    def _bound(self, signum: int) -> float:
+        if self.stop_timeout_s is not None:
+            return self.stop_timeout_s
+        req = self._handler.request
+        if req is not None:   # the deadline counts from the first signal, SIGTERM may tighten it
+            return max(1.0, req.deadline - time.monotonic() - _MARGIN_S)
+        return max(1.0, self.signals.grace_for(signal.Signals(signum).name) - _MARGIN_S)
+
+    def _kill_actors(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:
+                log.debug("ray.kill: %s", e)
+
+    def _force(self, code: int) -> None:
+        """A second Ctrl+C: the actors killed, then every process this driver started (the
+        local Ray node and its workers, which a bare ``os._exit`` would leave behind)."""
+        log.error("forced: killing %d actors and the local Ray node", len(self.actors))
+        self._kill_actors()
+        _kill_descendants(os.getpid())
+
+
+def _driver_forces(signum: int, earlier: list[int]) -> bool:
+    """Only a second SIGINT, or a second SIGTERM, forces the driver out. A dying parent's
+    SIGTERM can reach the driver's signal thread before the Ctrl+C's own SIGINT (Ray's threads
+    block SIGINT, so only the main thread takes it, while any thread takes the SIGTERM): that
+    SIGINT is the first one, part of the stop under way."""
+    return signum in (signal.SIGINT, signal.SIGTERM) and signum in earlier
+
+
+def _clear_ray_handlers(signums: Sequence[int]) -> None:
+    """Ray's handlers (``SystemExit`` at an arbitrary point) must not be chained by ours."""
+    for signum in signums:
+        prev = signal.getsignal(signum)
+        if callable(prev) and (getattr(prev, "__module__", "") or "").startswith("ray"):
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def _error_of(ref: Any) -> BaseException | None:
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
+            ray.exceptions.TaskCancelledError) as e:
+        return e
+    return None
+
+
+def _result_of(ref: Any) -> Any:
+    import ray
+
+    try:
+        return ray.get(ref, timeout=0)
+    except Exception as e:   # cancelled, failed or not done: the exception is the result
+        return e
+
+
+def _kill_descendants(root: int) -> None:
+    """SIGKILL every process below ``root`` (read from /proc), the deepest first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    order: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            order.append(child)
+            todo.append(child)
+    for pid in reversed(order):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

@@ -1,0 +1,143 @@
+"""A SkyRL-shaped Ray job for tests/test_ray.py (docs/ray.md shows the same shape).
+
+A driver, 2 training actors in one gloo group (each a rank of one ResilientRun), and an asyncio
+rollout actor whose N episodes each hold a stand-in external resource (a file in WORK/resources,
+created when the episode starts and removed in its ``finally``). Every actor writes
+WORK/finally.<name> from its own ``finally``; rank 0 writes WORK/progress (the last step) and,
+when the training completes, the model's weights to --out.
+
+``--parent`` runs the driver under a parent that, like ``uv run``, dies on Ctrl+C and sends its
+child SIGTERM (once: it is dead after); it exits with the driver's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kempner_resilience as kr
+from kempner_resilience.integrations.ray_actor import TrainingActor
+from kempner_resilience.integrations.ray_aio import AsyncActor, supervise
+from kempner_resilience.integrations.ray_driver import RayDriver
+
+
+class Trainer(TrainingActor):
+    def train(self, board, ckpt: str, work: str, steps: int, sleep_s: float, out: str) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        cfg = kr.load_config(overrides=[f"checkpoint.dir={ckpt}",
+                                        "checkpoint.every_steps=100000"])
+        run = None
+        try:
+            with self.stop_context(board) as ending:
+                with kr.ResilientRun(cfg, state={"model": model, "optim": optim}) as run:
+                    for step in run.steps(steps):
+                        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(
+                            step * 1000 + rank))
+                        optim.zero_grad()
+                        model(x).pow(2).mean().backward()
+                        for p in model.parameters():
+                            dist.all_reduce(p.grad)
+                            p.grad /= world
+                        optim.step()
+                        if rank == 0:
+                            Path(work, "progress").write_text(str(step))
+                        time.sleep(sleep_s)
+                    if rank == 0 and out:
+                        torch.save(model.state_dict(), out)
+            return {"rank": rank, "code": ending.code, "step": run.step if run else None}
+        finally:
+            Path(work, f"finally.trainer{rank}").write_text("ran")
+
+
+class Rollout(AsyncActor):
+    async def run(self, work: str, n: int, fail_at_step: int) -> list:
+        try:
+            return await self.main(supervise(self._episode(Path(work), i, fail_at_step)
+                                             for i in range(n)))
+        finally:
+            Path(work, "finally.rollout").write_text("ran")
+
+    async def _episode(self, work: Path, i: int, fail_at_step: int) -> None:
+        resource = work / "resources" / f"sandbox{i}"
+        resource.write_text(str(os.getpid()))
+        try:
+            while True:
+                await asyncio.sleep(0.05)
+                if i == 7 and fail_at_step and _progress(work) >= fail_at_step:
+                    raise RuntimeError("episode 7 failed")
+        finally:
+            await asyncio.sleep(0.01)   # an async teardown, as a sandbox's would be
+            resource.unlink()
+
+
+def _progress(work: Path) -> int:
+    try:
+        return int((work / "progress").read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+def driver(a: argparse.Namespace) -> None:
+    import ray
+
+    work = Path(a.work)
+    (work / "resources").mkdir(parents=True, exist_ok=True)
+    ray.init(num_cpus=2, include_dashboard=False)
+    remote_trainer = ray.remote(num_cpus=1)(Trainer)
+    remote_rollout = ray.remote(num_cpus=0)(Rollout)
+    with RayDriver(kr.load_config()) as drv:
+        trainers = drv.track(*[remote_trainer.remote() for _ in range(2)])
+        rollout = drv.track(remote_rollout.remote())[0]
+        addr, port = ray.get(trainers[0].address.remote())
+        ray.get([t.init_group.remote(r, 2, addr, port) for r, t in enumerate(trainers)])
+        episodes = rollout.run.remote(str(work), a.resources, a.fail_at_step)
+        out = drv.get([t.train.remote(drv.board, a.ckpt, str(work), a.steps, a.sleep, a.out)
+                       for t in trainers], cancel=[episodes])
+        print("trained", out, flush=True)
+    ray.shutdown()
+
+
+def parent(argv: list[str]) -> int:
+    child = subprocess.Popen([sys.executable, __file__, *argv])
+    told = []
+
+    def die(signum: int, frame: object) -> None:
+        if not told:    # a dying parent tells its child once
+            told.append(signum)
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, die)
+    return child.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--parent", action="store_true")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--work", required=True)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--sleep", type=float, default=0.1)
+    p.add_argument("--resources", type=int, default=50)
+    p.add_argument("--fail-at-step", type=int, default=0, help="episode 7 raises once rank 0 "
+                   "passed this step")
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    if a.parent:
+        sys.exit(parent([x for x in sys.argv[1:] if x != "--parent"]))
+    driver(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Ray: a driver's Ctrl+C, a failed rollout and a forced stop, on a real local Ray (issue 30).
+
+Each test runs tests/ray_job.py (a driver, 2 training actors in one gloo group, an asyncio
+rollout actor holding 50 stand-in resources: files its episodes create and remove in
+``finally``) in a session of its own, under a parent that SIGTERMs the driver when it dies on
+Ctrl+C, as ``uv run`` does. Every process of a test carries a tag in its environment (Ray's
+workers inherit the driver's), so "no process left behind" is a scan of /proc.
+
+Skipped when ray is not installed, except under CI (``CI`` set), where that is a failure:
+scripts/setup.sh installs the ``ray`` extra.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from slurm_fixtures import in_ci
+
+JOB = Path(__file__).with_name("ray_job.py")
+RESOURCES = 50
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_installed() -> None:
+    if importlib.util.find_spec("ray") is None:
+        why = "ray is not installed (pip install -e '.[ray]', as scripts/setup.sh does)"
+        if in_ci():
+            pytest.fail(f"{why} [CI is set: a Ray test that cannot run fails]", pytrace=False)
+        pytest.skip(why)
+
+
+class Job:
+    """One run of tests/ray_job.py under its dying parent, in a session of its own."""
+
+    def __init__(self, root: Path, ckpt: Path, *args: str) -> None:
+        self.work = root / f"work-{uuid.uuid4().hex[:6]}"
+        self.work.mkdir(parents=True)
+        self.ckpt = ckpt
+        self.tag = f"kr-ray-test-{uuid.uuid4().hex}"
+        self.log = self.work / "driver.log"
+        env = {**os.environ, "KR_RAY_TEST_TAG": self.tag, "RAY_DEDUP_LOGS": "0"}
+        env.pop("RANK", None)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(JOB), "--parent", "--ckpt", str(ckpt), "--work",
+                 str(self.work), *args], stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, stdin=subprocess.DEVNULL)
+
+    def ctrl_c(self) -> float:
+        """SIGINT to the job's process group, as a terminal's Ctrl+C; when it was sent."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        return time.monotonic()
+
+    def wait_training(self, step: int = 8, timeout: float = 90.0) -> None:
+        """Until rank 0 passed ``step`` and all the rollout's resources are held."""
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            if self.step() >= step and self.resources() == RESOURCES:
+                return
+            assert self.proc.poll() is None, self.text()
+            time.sleep(0.2)
+        raise AssertionError(f"training never reached step {step}:\n{self.text()}")
+
+    def wait_log(self, needle: str, timeout: float = 30.0) -> None:
+        until = time.monotonic() + timeout
+        while needle not in self.text():
+            assert time.monotonic() < until and self.proc.poll() is None, self.text()
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 90.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def step(self) -> int:
+        try:
+            return int((self.work / "progress").read_text())
+        except (OSError, ValueError):
+            return -1
+
+    def resources(self) -> int:
+        return len(list((self.work / "resources").glob("sandbox*")))
+
+    def finally_ran(self) -> list[str]:
+        return sorted(p.name.removeprefix("finally.") for p in self.work.glob("finally.*"))
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def processes(self, settle_s: float = 10.0) -> list[str]:
+        """Processes still carrying this job's tag, after up to ``settle_s`` for them to go."""
+        until = time.monotonic() + settle_s
+        while True:
+            left = _tagged(self.tag)
+            if not left or time.monotonic() > until:
+                return left
+            time.sleep(0.2)
+
+
+def _tagged(tag: str) -> list[str]:
+    needle = f"KR_RAY_TEST_TAG={tag}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if needle in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}")
+        except OSError:
+            continue
+    return found
+
+
+def _committed(ckpt: Path) -> list[int]:
+    """Steps of the committed checkpoints: manifest, DCP metadata and shard files on disk."""
+    return sorted(int(d.name.removeprefix("step_")) for d in ckpt.glob("step_*")
+                  if (d / "MANIFEST.json").is_file() and (d / ".metadata").is_file()
+                  and len(list(d.glob("*.distcp"))) == 2)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Job, int, float]:
+    """One job stopped by Ctrl+C mid-training: (job, exit code, seconds from Ctrl+C to exit)."""
+    root = tmp_path_factory.mktemp("ray")
+    job = Job(root, root / "ckpt", "--steps", "60")
+    job.wait_training()
+    sent = job.ctrl_c()
+    code = job.wait()
+    return job, code, time.monotonic() - sent
+
+
+def test_ctrl_c_under_a_dying_parent_is_one_graceful_stop_that_commits_and_leaks_nothing(
+        interrupted: tuple[Job, int, float]) -> None:
+    job, code, took = interrupted
+    text = job.text()
+    assert code == 130, text
+    assert "SIGTERM during shutdown" in text      # the parent's TERM joined the stop
+    assert "second SIG" not in text and "forced: killing" not in text, text
+    assert len(_committed(job.ckpt)) == 1, text
+    assert job.finally_ran() == ["rollout", "trainer0", "trainer1"]
+    assert job.resources() == 0
+    assert job.processes() == []
+    assert took < 25, took
+
+
+def test_a_failed_rollout_episode_cancels_its_siblings_and_stops_the_training(
+        tmp_path: Path) -> None:
+    job = Job(tmp_path, tmp_path / "ckpt", "--steps", "400", "--fail-at-step", "8")
+    code = job.wait()
+    text = job.text()
+    assert code == 1, text
+    assert "episode 7 failed" in text
+    assert len(_committed(job.ckpt)) == 1, text      # the training stopped with a checkpoint
+    assert job.finally_ran() == ["rollout", "trainer0", "trainer1"]
+    assert job.resources() == 0
+    assert job.processes() == []
+
+
+def test_a_second_ctrl_c_forces_and_leaves_no_process_behind(tmp_path: Path) -> None:
+    # Long steps: the trainers reach their boundary seconds after the stop, so the second
+    # Ctrl+C lands while the first stop waits for them.
+    job = Job(tmp_path, tmp_path / "ckpt", "--steps", "400", "--sleep", "3")
+    job.wait_training(step=1)
+    job.ctrl_c()
+    job.wait_log("stopping every actor")
+    sent = job.ctrl_c()
+    code = job.wait(timeout=30)
+    took = time.monotonic() - sent
+    assert code == 130, job.text()
+    assert "second SIGINT during shutdown" in job.text()
+    assert took < 5, took
+    assert job.processes(settle_s=5) == []
+
+
+def test_the_next_run_resumes_from_the_stop_and_ends_bitwise_equal_to_an_uninterrupted_run(
+        interrupted: tuple[Job, int, float], tmp_path: Path) -> None:
+    import torch
+
+    job, _, _ = interrupted
+    stopped_at = _committed(job.ckpt)[-1]
+    resumed = Job(tmp_path, job.ckpt, "--steps", "60", "--out", str(tmp_path / "resumed.pt"))
+    assert resumed.wait() == 0, resumed.text()
+    assert f"step {stopped_at}" in resumed.text(), resumed.text()   # rank 0's resume line
+    whole = Job(tmp_path, tmp_path / "ckpt-whole", "--steps", "60", "--sleep", "0",
+                "--out", str(tmp_path / "whole.pt"))
+    assert whole.wait() == 0, whole.text()
+    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "whole.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.processes() == [] and whole.processes() == []
