@@ -12,12 +12,14 @@ import pytest  # noqa: E402
 # scripts/test.sh runs the suite as two pytest processes side by side: one for the tests that use
 # the real SLURM clusters (kept serial, they share the clusters' nodes and queues) and one for the
 # rest. A test belongs to the SLURM shard if it is marked `slurm` or needs a cluster fixture,
-# directly or through another fixture.
+# directly or through another fixture; the Ray tests (marked `ray`) run there too: that shard's
+# time is mostly spent waiting on the scheduler, the other one's on the CPUs.
 _CLUSTER_FIXTURES = {"slurm_cluster", "multinode_cluster"}
 
 
 def _needs_slurm(item: pytest.Item) -> bool:
     return (item.get_closest_marker("slurm") is not None
+            or item.get_closest_marker("ray") is not None
             or bool(_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ()))))
 
 

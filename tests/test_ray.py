@@ -27,7 +27,7 @@ from slurm_fixtures import in_ci
 
 JOB = Path(__file__).with_name("ray_job.py")
 RESOURCES = 50
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module", autouse=True)
