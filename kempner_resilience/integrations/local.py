@@ -5,7 +5,7 @@ It does what SLURM does for a requeueable job, on one machine: start one process
 fresh port per launch), and start the job again when the launch-side policy says so
 (``supervise/policy.py``: a REQUEUE, or a rescued failure, HANG/PEER_LOST or a rank killed, as a
 site's requeue-on-failure would; never after a rank's own error, whatever its peers said), up to
-a restart budget, and with the policy's no-progress guard when it is told ``ckpt_dir``.
+a restart budget, and with the policy's no-progress guard when it is told the run's ``RunPaths``.
 ``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
 ``SLURM_RESTART_COUNT`` does: the run's restart budget (``requeue.max_restarts``), its
 no-progress guard and its ledger count the attempts from it. ``kempner-resilience launch`` runs a
@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  RankEnd, decide, job_code)
 
@@ -161,8 +162,8 @@ class LocalLauncher:
     script). ``interrupts`` (work directory only) maps a training step to the signal delivered
     when rank 0 reaches it (each is delivered once over the whole job). ``on_progress(launch,
     step)`` is called as steps complete, ``on_launch(launch)`` after each launch.
-    ``max_launches``: the first launch and the relaunches together. ``ckpt_dir``: the run's
-    checkpoint directory, when the caller knows it: the policy's no-progress guard
+    ``max_launches``: the first launch and the relaunches together. ``run_paths``: the run's
+    directory, when the caller knows it: the policy's no-progress guard
     (``max_no_progress`` relaunches in a row without a newer committed step) then applies.
     ``relaunch_codes``: None, the policy decides; a set, relaunch exactly when the job's code is
     in it (a caller that plays a scheduler of its own, as the demo does with its own signals).
@@ -175,7 +176,7 @@ class LocalLauncher:
                  on_progress: Callable[[int, int], None] | None = None,
                  on_launch: Callable[[Launch], None] | None = None,
                  relaunch_codes: set[int] | frozenset[int] | None = None,
-                 stop_timeout_s: float = 60.0, ckpt_dir: Path | None = None,
+                 stop_timeout_s: float = 60.0, run_paths: RunPaths | None = None,
                  max_no_progress: int = 2) -> None:
         if workdir is None and interrupts:
             raise ValueError("interrupts need a workdir (rank 0's progress file is read there)")
@@ -189,7 +190,7 @@ class LocalLauncher:
         self.on_launch = on_launch
         self.relaunch_codes = None if relaunch_codes is None else frozenset(relaunch_codes)
         self.stop_timeout_s = stop_timeout_s
-        self.ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
+        self.run_paths = run_paths
         self.max_no_progress = max_no_progress
         self.launches: list[Launch] = []
         self._received: list[int] = []     # signals to forward, appended by the handler
@@ -210,7 +211,7 @@ class LocalLauncher:
                 if self._received:      # a signal after the ranks had exited: no relaunch
                     launch.interrupted = True
                     del self._received[:]
-                commits = None if self.ckpt_dir is None else Commits(before,
+                commits = None if self.run_paths is None else Commits(before,
                                                                      self._committed_step())
                 launch.decision = self._decide(launch, launch_evidence(
                     launch.exit_codes, launch.killed, index=index,
@@ -239,10 +240,10 @@ class LocalLauncher:
                         d.left_early, d.guard)
 
     def _committed_step(self) -> int | None:
-        if self.ckpt_dir is None:
+        if self.run_paths is None:
             return None
         try:
-            steps = [e.step for e in layout.scan(self.ckpt_dir) if e.committed]
+            steps = [e.step for e in layout.scan(self.run_paths) if e.committed]
         except OSError:
             return None
         return max(steps) if steps else None
