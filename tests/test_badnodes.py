@@ -42,8 +42,8 @@ def fake_scontrol(tmp_path, monkeypatch):
 def test_recorded_nodes_are_remembered_with_their_first_reason(tmp_path):
     assert bad_nodes(RunPaths(tmp_path)) == set()
     assert record_bad_nodes(RunPaths(tmp_path), ["n2"], reason="rank 1 died", job_id="7") == {"n2"}
-    assert record_bad_nodes(RunPaths(tmp_path), ["n3", "n2"], reason="rank 3 hung", job_id="7") == \
-        {"n2", "n3"}
+    assert record_bad_nodes(RunPaths(tmp_path), ["n3", "n2"], reason="rank 3 hung",
+                            job_id="7") == {"n2", "n3"}
     recs = bad_node_records(RunPaths(tmp_path))
     assert recs["n2"]["reason"] == "rank 1 died" and recs["n2"]["count"] == 2
     assert recs["n3"]["reason"] == "rank 3 hung" and recs["n3"]["job_id"] == "7"

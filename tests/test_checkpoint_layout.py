@@ -41,21 +41,23 @@ def test_newest_is_the_highest_step_then_the_latest_commit(tmp_path: Path) -> No
 def test_retention_keeps_last_n_and_keep_every_multiples(tmp_path: Path) -> None:
     for s in (10, 20, 30, 40, 50):
         _commit(tmp_path, s)
-    victims = retention.select_for_deletion(layout.scan(RunPaths(tmp_path)), keep_last=2, keep_every=20)
+    victims = retention.select_for_deletion(layout.scan(RunPaths(tmp_path)), keep_last=2,
+                                            keep_every=20)
     assert sorted(e.step for e in victims) == [10, 30]
 
 
 def test_retention_never_deletes_newest_protected_or_foreign_dirs(tmp_path: Path) -> None:
     for s in (1, 2):
         _commit(tmp_path, s)
-    writing = layout.create_step_dir(RunPaths(tmp_path), 1)           # partial, but being written
-    abandoned = layout.create_step_dir(RunPaths(tmp_path), 2)         # partial, older than newest commit
+    writing = layout.create_step_dir(RunPaths(tmp_path), 1)    # partial, but being written
+    abandoned = layout.create_step_dir(RunPaths(tmp_path), 2)  # partial, older than newest commit
     foreign = tmp_path / "step_000000000"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")              # not a file we write
     (tmp_path / "unrelated").mkdir()
-    victims = {e.path for e in retention.select_for_deletion(layout.scan(RunPaths(tmp_path)), keep_last=1,
-                                                          keep_every=0, protect=[writing])}
+    victims = {e.path for e in retention.select_for_deletion(layout.scan(RunPaths(tmp_path)),
+                                                             keep_last=1, keep_every=0,
+                                                             protect=[writing])}
     assert victims == {tmp_path / "step_000000001", abandoned}
 
 
@@ -63,7 +65,7 @@ def test_deleting_renames_to_trash_first(tmp_path: Path) -> None:
     path = _commit(tmp_path, 3)
     trash = tmp_path / ".trash-step_000000003-1-1"
     path.rename(trash)                                  # a crash right after the rename
-    assert layout.scan(RunPaths(tmp_path)) == []                  # nothing looks committed
+    assert layout.scan(RunPaths(tmp_path)) == []        # nothing looks committed
     retention.clean_trash(RunPaths(tmp_path))
     assert not trash.exists()
 
@@ -74,4 +76,5 @@ def test_a_damaged_manifest_is_reported_and_left_alone_by_retention(tmp_path: Pa
     _commit(tmp_path, 2)
     entry = next(e for e in layout.scan(RunPaths(tmp_path)) if e.path == damaged)
     assert entry.damaged and not entry.committed and "MANIFEST.json" in entry.problem
-    assert retention.select_for_deletion(layout.scan(RunPaths(tmp_path)), keep_last=1, keep_every=0) == []
+    assert retention.select_for_deletion(layout.scan(RunPaths(tmp_path)), keep_last=1,
+                                         keep_every=0) == []

@@ -58,7 +58,8 @@ def test_a_rescue_written_inside_a_step_resumes_exactly_like_a_checkpoint_of_its
     assert boundary.why_inconsistent() is None
     [snap, *_] = boundary.snapshots()
     info = write_rescue(boundary.state, boundary, {0: snap.payload}, 3,
-                        paths=RunPaths(tmp_path / "rescued"), run_id=None, io_threads=2, world_size=1,
+                        paths=RunPaths(tmp_path / "rescued"), run_id=None, io_threads=2,
+                        world_size=1,
                         extra={"rescue": {"reason": "test"}})
     assert info.reason == "rescue" and info.step == 3
     layout.verify_entry(layout.scan_one(info.path))

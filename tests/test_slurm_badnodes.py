@@ -40,7 +40,8 @@ def test_a_requeued_job_never_runs_on_a_recorded_bad_node_although_it_is_idle(
     first = job.hosts()
     assert len(first) == 1
     bad = first[0]
-    record_bad_nodes(RunPaths(job.checkpoints), [bad], reason="test: its rank hung", job_id=job.job_id)
+    record_bad_nodes(RunPaths(job.checkpoints), [bad], reason="test: its rank hung",
+                     job_id=job.job_id)
 
     job.signal("USR1")
     # Running again (not COMPLETING: that is still the first run, on its old node).

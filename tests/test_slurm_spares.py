@@ -153,6 +153,7 @@ def test_the_readme_usage_relaunches_in_place_ends_completed_and_keeps_its_bad_n
                     submit_dir=tmp_path)
     info = other.wait_state(timeout=240)
     assert info["JobState"] == "COMPLETED", other.log_text()[-3000:]
-    assert bad_nodes(RunPaths(other.checkpoints)) == set() and bad_nodes(RunPaths(job.checkpoints)) == {dead}
+    assert bad_nodes(RunPaths(other.checkpoints)) == set()
+    assert bad_nodes(RunPaths(job.checkpoints)) == {dead}
     nodes = other.hosts()
     assert f"--nodelist={nodes[0]},{nodes[1]}" in other.log_text(), other.log_text()[-3000:]

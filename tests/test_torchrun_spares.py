@@ -137,7 +137,8 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
     same, total, diff = compare_weights(reference, work / "weights.pt")
     assert not diff, f"{len(diff)} of {total} tensors differ"
     # The run remembers: the node that left is recorded bad (a requeue keeps it off too) ...
-    assert set(bad_node_records(RunPaths(work / "ckpt"))) == {f"node{victim}"}, errs[victim][-3000:]
+    assert set(bad_node_records(RunPaths(work / "ckpt"))) == {f"node{victim}"}, \
+        errs[victim][-3000:]
     # ... the in-job restart is in the ledger once, from the rescued step on, naming it ...
     events = read_ledger(work / "ckpt" / "ledger.jsonl")
     restarts = [e for e in events if e["ev"] == "restart"]
@@ -260,7 +261,7 @@ def test_under_a_supervisor_the_agent_keeps_its_memory_in_the_run_rank_0_reporte
     channel = Channel(tmp_path / "channel")
     (tmp_path / "channel").mkdir()
     inplace = InPlace(agent, settings, channel)
-    assert inplace.run_paths().root == Path(agent.config.checkpoint.dir)   # nothing reported yet
+    assert inplace.run_paths().root == Path(agent.config.checkpoint.dir)  # nothing said yet
     report_now(channel, tmp_path / "run", run_id="r", committed=None, code=None, requeue={})
     assert inplace.run_paths().root == (tmp_path / "run").resolve()
     assert InPlace(agent, settings, None).run_paths().root == Path(agent.config.checkpoint.dir)

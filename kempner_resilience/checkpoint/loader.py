@@ -41,8 +41,8 @@ log = get_logger(__name__)
 def candidates(paths: RunPaths, earlier: Iterable[str | None] = ()
                ) -> tuple[list[str] | None, str | None]:
     """Rank 0's list of what to try, newest first: committed checkpoints and damaged ones (so
-    the fall-back warning names them), or (None, why) when the run's directory cannot be listed. Those
-    recording a run id in ``earlier`` (lineages a fresh start left behind, see
+    the fall-back warning names them), or (None, why) when the run's directory cannot be
+    listed. Those recording a run id in ``earlier`` (lineages a fresh start left behind, see
     ``identity.earlier_runs``) are not tried: resume continues the newest lineage, not the
     highest step."""
     try:
@@ -65,9 +65,11 @@ def lineage_candidates(entries: Iterable[layout.Entry], earlier: Iterable[str | 
 
 def load_newest(paths: RunPaths, config: CheckpointConfig, state: TrainState, rank: int,
                 comm: Comm, staging: HostStaging | None = None, *,
-                earlier: Iterable[str | None] = (), failed: list[Path] | None = None) -> tuple[CheckpointInfo, int] | None:
+                earlier: Iterable[str | None] = (), failed: list[Path] | None = None
+                ) -> tuple[CheckpointInfo, int] | None:
     """Load the newest checkpoint of the run's directory that loads into ``state`` on every
-    rank, and give each DDP its bucket layout back: (its info, bytes read), or None when there is none.
+    rank, and give each DDP its bucket layout back: (its info, bytes read), or None when there
+    is none.
 
     A checkpoint that fails validation or checksum verification is skipped with a warning and
     the previous one is tried; CheckpointError when checkpoints exist but none loads (the
@@ -81,14 +83,14 @@ def load_newest(paths: RunPaths, config: CheckpointConfig, state: TrainState, ra
     # are tried too, so the warning below names them and the fall-back is the same as for any
     # other per-checkpoint error.
     listing = candidates(paths, earlier) if rank == 0 else (None, None)
-    paths, err = comm.broadcast_object(listing)
-    if paths is None:
+    tried, err = comm.broadcast_object(listing)
+    if tried is None:
         raise CheckpointError(f"cannot list the checkpoints in {paths} ({err}); fix its "
                               "permissions or set checkpoint.resume: false")
     failures: list[str] = []
     damaged: list[tuple[Path, str]] = []
     try:
-        for p in paths:
+        for p in tried:
             info, why, nread, proven = try_load(paths, Path(p), config, state, rank, comm, staging)
             if info is not None:
                 restore_ddp_buckets(state, comm, rank)
@@ -193,8 +195,8 @@ def _refuse_any(refusals: Any) -> None:
 
 
 def _check_objects(paths: RunPaths, path: Path, config: CheckpointConfig,
-                   state: TrainState, blob: dict[str, Any] | None, why: str | None, diff: statekeys.KeyDiff,
-                   rank: int, comm: Comm) -> str | None:
+                   state: TrainState, blob: dict[str, Any] | None, why: str | None,
+                   diff: statekeys.KeyDiff, rank: int, comm: Comm) -> str | None:
     """After the load, before anything is applied: the blob's objects (scheduler, data
     loader, ...) that the live state lacks are refused like the DCP entries; with
     ``allow_partial_resume`` rank 0 pins the checkpoint when anything of it is left out, and

@@ -52,8 +52,8 @@ class Saver:
     """
 
     def __init__(self, config: CheckpointConfig, paths: RunPaths, state: TrainState, *,
-                 rank: int, world_size: int, peer_timeout_s: float | None, staging: HostStaging | None,
-                 manifest_extra: dict[str, Any],
+                 rank: int, world_size: int, peer_timeout_s: float | None,
+                 staging: HostStaging | None, manifest_extra: dict[str, Any],
                  last_good: Callable[[], CheckpointInfo | None]) -> None:
         self.config = config
         self.paths = paths

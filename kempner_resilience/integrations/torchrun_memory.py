@@ -79,9 +79,9 @@ def record_left(paths: RunPaths, codes: Iterable[int],
 
 
 def _known_dir(paths: RunPaths, what: str) -> bool:
-    """Whether the run's directory exists (the workers made it). When it does not, the agent's config
-    names another ``checkpoint.dir`` than the workers': nothing is written (no stray
-    directory), and the log says how to fix it."""
+    """Whether the run's directory exists (the workers made it). When it does not, the
+    agent's config names another ``checkpoint.dir`` than the workers': nothing is written (no
+    stray directory), and the log says how to fix it."""
     if paths.root.is_dir():
         return True
     log.warning("not writing %s: no checkpoint directory %s; give the agent the workers' "

@@ -68,11 +68,11 @@ def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, byte
                  *, paths: RunPaths, run_id: str | None, io_threads: int, world_size: int,
                  extra: Mapping[str, Any], shards: list[Mapping[Any, tuple]] | None = None,
                  still_valid: Callable[[], str | None] = lambda: None) -> CheckpointInfo:
-    """Write and commit the state of boundary ``step`` in the run's directory; ``blobs`` holds every
-    rank's snapshot of it. ``extra`` goes into the manifest (run id, job, the rescue's record).
-    ``shards`` (sharded state): the other columns' local shards (``sharded.load_column``), which
-    with this rank's own make up every DTensor. ``still_valid`` runs after the write, before
-    the commit: a reason there (the live state
+    """Write and commit the state of boundary ``step`` in the run's directory (``paths``);
+    ``blobs`` holds every rank's snapshot of it. ``extra`` goes into the manifest (run id, job,
+    the rescue's record). ``shards`` (sharded state): the other columns' local shards
+    (``sharded.load_column``), which with this rank's own make up every DTensor.
+    ``still_valid`` runs after the write, before the commit: a reason there (the live state
     moved during the write) commits nothing. Raises CheckpointError (nothing committed) on any
     failure."""
     t0 = time.monotonic()

@@ -230,8 +230,9 @@ def _hold_directory(run: RunState, paths: RunPaths, restarts: int | None) -> Lea
 
 
 def _mark_forced_exits_in(run: RunState, paths: RunPaths) -> None:
-    """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in the run's directory: the
-    store, which normally carries the news, dies with rank 0 when rank 0 is that rank.
+    """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in the run's
+    directory: the store, which normally carries the news, dies with rank 0 when rank 0 is
+    that rank.
     Rank 0, holding the lease, clears the markers of earlier attempts, then hands every rank
     this attempt's token (collective)."""
     if run.agreement.store is None:

@@ -26,8 +26,8 @@ def record_restart(where: RunPaths | str | os.PathLike[str], *, relaunch: int, r
                    run_id: str | None = None) -> dict[str, Any] | None:
     """Append the ``restart`` event of an in-job restart to the run's ledger (the glue's
     side; see the module docstring for the fields). ``where``: the run's ``RunPaths``, or its
-    directory (this function is documented for users' own glue). ``attempt``: SLURM's restart count. Never
-    raises; returns the event written (None: the ledger is off)."""
+    directory (this function is documented for users' own glue). ``attempt``: SLURM's restart
+    count. Never raises; returns the event written (None: the ledger is off)."""
     led = Ledger(RunPaths.of(where).ledger, run_id=run_id, attempt=attempt,
                  relaunch=relaunch, only=("restart",))
     try:

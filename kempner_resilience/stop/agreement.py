@@ -204,10 +204,11 @@ class StopAgreement:
 
     def use_forced_marker(self, marker: Path) -> None:
         """Announce forced exits also as the file ``marker`` (``RunPaths.forced_marker`` of
-        this attempt's token, the same on every rank). The store dies with its host, rank 0: when rank 0 is
-        the rank forced out, the others find its announcement only in the checkpoint directory,
-        which every rank shares. The name is new in every attempt, so no rank has looked it up
-        (and cached its absence, as an NFS client does) before it is written."""
+        this attempt's token, the same on every rank). The store dies with its host, rank 0:
+        when rank 0 is the rank forced out, the others find its announcement only in the
+        checkpoint directory, which every rank shares. The name is new in every attempt, so no
+        rank has looked it up (and cached its absence, as an NFS client does) before it is
+        written."""
         if self.store is not None:
             self._marker = marker
 
