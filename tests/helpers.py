@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from kempner_resilience.demo.launcher import free_port  # noqa: F401  (tests import it from here)
+from kempner_resilience.core.runpaths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,7 +143,7 @@ def committed_manifests(work: Path) -> dict[int, dict]:
     """Step -> manifest of every committed checkpoint in ``work/ckpt``."""
     from kempner_resilience.checkpoint import layout
 
-    return {e.step: e.manifest for e in layout.scan(work / "ckpt") if e.committed}
+    return {e.step: e.manifest for e in layout.scan(RunPaths(work / "ckpt")) if e.committed}
 
 
 def rank_logs(work: Path, launch: int = 0) -> str:

@@ -351,3 +351,88 @@ def test_no_attribute_is_set_on_a_part_after_its_construction_by_another_module(
     assert [s for name in MODULES for s in _foreign_stores(name, classes)] == [], \
         ("give the part what it needs through its constructor or a method of its own; only "
          "RECORDS are filled in from outside")
+
+
+# ----- the run's directory has one owner (core/runpaths.py, issue 29 item 4)
+
+RUNPATHS = "core.runpaths"
+# The names of the run directory's entries, as a module would spell them to build a path: a
+# string without whitespace (prose in a message or help text may name a file; it builds no
+# path). Each matches the name itself, a prefix of it, or an f-string's piece of it.
+ENTRY_NAMES = re.compile(
+    r"(^|/)run\.json$|(^|/)\.lease($|\.)|ledger\.jsonl|pinned\.json|bad-nodes\.(json|lock)"
+    r"|\.kempner_restarts\.json|(^|/)\.rescue($|/)|\.forced-exit\.|^\.trash-|^\.damaged-"
+    r"|^\.kempner_probe|^step_($|\d|\(|\{)")
+# (module, the string) -> why that module may spell it.
+ENTRY_NAMES_ALLOWED = {
+    ("supervise.channel", "run.json"): "the supervisor channel's own report, in its job-scoped "
+                                       "directory: not an entry of the run's directory",
+}
+# (module, the expression whose ``.dir`` is read) -> why that is not the config's
+# ``checkpoint.dir``. Everything else must take a RunPaths.
+DIR_READS_ALLOWED = {
+    ("config.schema", "self"): "the key's own definition: validated and made absolute there",
+    ("rescue.files", "self"): "RescueFiles.dir: one rescue attempt's directory, from "
+                              "RunPaths.rescue_attempt",
+    ("rescue.rescuer", "self.files"): "the same RescueFiles.dir",
+    ("cli.checkpoints", "args"): "the verb's DIR argument, a directory from outside the config "
+                                 "(each checkpoint root found below it becomes a RunPaths)",
+    ("cli.report", "args"): "the verb's DIR argument, made a RunPaths (or a ledger file)",
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+
+
+def _dir_reads(name: str) -> list[tuple[int, str]]:
+    """(line, receiver) of every ``<receiver>.dir`` read in ``name``."""
+    return [(n.lineno, ast.unparse(n.value)) for n in ast.walk(_tree(name))
+            if isinstance(n, ast.Attribute) and n.attr == "dir" and isinstance(n.ctx, ast.Load)]
+
+
+def test_only_runpaths_reads_checkpoint_dir_from_the_config():
+    # RunPaths.from_config is the one way from the config to the run's directory: a module
+    # that reads the key itself would build its own paths from it.
+    assert [f"{name}:{line} reads {recv}.dir" for name in MODULES if name != RUNPATHS
+            for line, recv in _dir_reads(name) if recv.endswith(".checkpoint")
+            or recv == "checkpoint"] == [], "take a RunPaths (RunPaths.from_config(cfg))"
+
+
+def test_no_module_but_runpaths_reads_a_directory_from_a_checkpoint_section():
+    # A CheckpointConfig's ``dir`` is the same key reached one level down (``config.dir`` in a
+    # module handed the section); no type is known from the source, so every ``.dir`` read is
+    # listed, and those that are not the key are allowed by name with the reason.
+    found = [f"{name}:{line} reads {recv}.dir" for name in MODULES if name != RUNPATHS
+             for line, recv in _dir_reads(name) if (name, recv) not in DIR_READS_ALLOWED]
+    assert found == [], "take a RunPaths (RunPaths.from_checkpoint_config(section))"
+    stale = [k for k in DIR_READS_ALLOWED if k[0] not in MODULES
+             or k[1] not in {recv for _, recv in _dir_reads(k[0])}]
+    assert stale == [], "remove these allowances: nothing reads them any more"
+
+
+def _entry_names(name: str) -> list[tuple[int, str]]:
+    tree = _tree(name)
+    docs = _docstrings(tree)
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+            and not any(c.isspace() for c in n.value) and ENTRY_NAMES.search(n.value)]
+
+
+def test_no_module_but_runpaths_spells_an_entry_of_the_run_directory():
+    # The names are on-disk format (existing runs' directories must keep working): spelled
+    # once, in RunPaths, so that no module builds a path RunPaths does not know.
+    found = [f"{name}:{line} spells {text!r}" for name in MODULES if name != RUNPATHS
+             for line, text in _entry_names(name) if (name, text) not in ENTRY_NAMES_ALLOWED]
+    assert found == [], "ask RunPaths for the path (add the entry there if it is new)"
+    stale = [k for k in ENTRY_NAMES_ALLOWED
+             if k[0] not in MODULES or k[1] not in {t for _, t in _entry_names(k[0])}]
+    assert stale == [], "remove these allowances: nothing spells them any more"
+
+
+def test_runpaths_imports_nothing_of_the_package():
+    # core/, and below even config/: every layer that names an entry can import it.
+    assert IMPORTS[RUNPATHS] == set()

@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from kempner_resilience.slurm.badnodes import (
-    BAD_NODES_NAME,
     bad_node_records,
     bad_nodes,
     check_allocation,
@@ -20,6 +19,7 @@ from kempner_resilience.slurm.badnodes import (
     record_bad_nodes,
 )
 from kempner_resilience.slurm.scontrol import run_scontrol
+from kempner_resilience.core.runpaths import RunPaths
 
 
 @pytest.fixture
@@ -40,47 +40,48 @@ def fake_scontrol(tmp_path, monkeypatch):
 
 
 def test_recorded_nodes_are_remembered_with_their_first_reason(tmp_path):
-    assert bad_nodes(tmp_path) == set()
-    assert record_bad_nodes(tmp_path, ["n2"], reason="rank 1 died", job_id="7") == {"n2"}
-    assert record_bad_nodes(tmp_path, ["n3", "n2"], reason="rank 3 hung", job_id="7") == \
-        {"n2", "n3"}
-    recs = bad_node_records(tmp_path)
+    assert bad_nodes(RunPaths(tmp_path)) == set()
+    assert record_bad_nodes(RunPaths(tmp_path), ["n2"], reason="rank 1 died", job_id="7") == {"n2"}
+    assert record_bad_nodes(RunPaths(tmp_path), ["n3", "n2"], reason="rank 3 hung",
+                            job_id="7") == {"n2", "n3"}
+    recs = bad_node_records(RunPaths(tmp_path))
     assert recs["n2"]["reason"] == "rank 1 died" and recs["n2"]["count"] == 2
     assert recs["n3"]["reason"] == "rank 3 hung" and recs["n3"]["job_id"] == "7"
-    assert bad_nodes(tmp_path) == {"n2", "n3"}          # read back from disk
+    assert bad_nodes(RunPaths(tmp_path)) == {"n2", "n3"}          # read back from disk
 
 
 def test_a_malformed_record_reads_as_no_bad_nodes_with_a_warning(tmp_path, caplog):
-    (tmp_path / BAD_NODES_NAME).write_text('{"nodes": ["n1"')
-    assert bad_nodes(tmp_path) == set()
-    assert "unreadable" in caplog.text and BAD_NODES_NAME in caplog.text
+    RunPaths(tmp_path).bad_nodes.write_text('{"nodes": ["n1"')
+    assert bad_nodes(RunPaths(tmp_path)) == set()
+    assert "unreadable" in caplog.text and "bad-nodes.json" in caplog.text
     # ... and recording again replaces it with a good one.
-    assert record_bad_nodes(tmp_path, ["n1"], reason="x", job_id=None) == {"n1"}
-    assert json.loads((tmp_path / BAD_NODES_NAME).read_text())["nodes"]["n1"]["reason"] == "x"
+    assert record_bad_nodes(RunPaths(tmp_path), ["n1"], reason="x", job_id=None) == {"n1"}
+    assert json.loads(RunPaths(tmp_path).bad_nodes.read_text())["nodes"]["n1"]["reason"] == "x"
 
 
 def test_nodes_recorded_by_concurrent_processes_are_all_kept(tmp_path):
     code = ("import sys; from kempner_resilience.slurm.badnodes import record_bad_nodes\n"
-            "for i in range(20): record_bad_nodes(sys.argv[1], [sys.argv[2] + str(i)], "
+            "from kempner_resilience.core.runpaths import RunPaths\n"
+            "for i in range(20): record_bad_nodes(RunPaths(sys.argv[1]), [sys.argv[2] + str(i)], "
             "reason='r', job_id='1')")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), p])
              for p in ("a", "b", "c")]
     assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
-    assert bad_nodes(tmp_path) == {f"{p}{i}" for p in "abc" for i in range(20)}
+    assert bad_nodes(RunPaths(tmp_path)) == {f"{p}{i}" for p in "abc" for i in range(20)}
 
 
 def test_srun_excludes_bad_nodes_only_when_enough_good_ones_remain(tmp_path, caplog):
-    record_bad_nodes(tmp_path, ["n2", "n9"], reason="died", job_id="1")
-    assert exclude_args(tmp_path, ["n1", "n2", "n3"], needed=2) == ["--exclude=n2"]
-    assert exclude_args(tmp_path, ["n1", "n2", "n3"], needed=3) == []
+    record_bad_nodes(RunPaths(tmp_path), ["n2", "n9"], reason="died", job_id="1")
+    assert exclude_args(RunPaths(tmp_path), ["n1", "n2", "n3"], needed=2) == ["--exclude=n2"]
+    assert exclude_args(RunPaths(tmp_path), ["n1", "n2", "n3"], needed=3) == []
     assert "runs on them anyway" in caplog.text
-    assert exclude_args(tmp_path, ["n1", "n3"], needed=2) == []
+    assert exclude_args(RunPaths(tmp_path), ["n1", "n3"], needed=2) == []
 
 
 def test_an_attempt_on_a_recorded_node_says_so(tmp_path, caplog):
-    record_bad_nodes(tmp_path, ["n2"], reason="rank 1 died", job_id="5")
-    assert check_allocation(tmp_path, ["n1", "n3"]) == set()
-    assert check_allocation(tmp_path, ["n1", "n2"]) == {"n2"}
+    record_bad_nodes(RunPaths(tmp_path), ["n2"], reason="rank 1 died", job_id="5")
+    assert check_allocation(RunPaths(tmp_path), ["n1", "n3"]) == set()
+    assert check_allocation(RunPaths(tmp_path), ["n1", "n2"]) == {"n2"}
     assert "node n2, recorded bad (rank 1 died, job 5)" in caplog.text
 
 

@@ -18,6 +18,7 @@ from helpers import fill_disk, free_port, start, write_script
 from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager, layout
 from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.core.runpaths import RunPaths
 
 
 def _cfg(root: Path, **kw) -> CheckpointConfig:
@@ -332,7 +333,7 @@ def test_a_full_disk_at_a_periodic_save_warns_training_goes_on_and_the_next_save
     # While the disk was full only the previous checkpoint was there, the partial one removed.
     assert json.loads(Path(str(ckpt) + ".listing").read_text()) == [
         ".lease", "ledger.jsonl", "run.json", "step_000000002"]   # .lease: the live run's
-    entries = layout.scan(ckpt)
+    entries = layout.scan(RunPaths(ckpt))
     assert [(e.step, e.committed) for e in entries] == [(2, True), (6, True), (8, True)]
     for e in entries:
         layout.verify_files(e.path, e.manifest)
@@ -355,7 +356,7 @@ def test_consecutive_failed_periodic_saves_stop_every_rank_with_80_and_no_traceb
     # started at 4 is known when the next one is due, at 6. Every rank stops at the same step.
     last = 3 if mode == "sync" else 5
     assert all(_steps_run(p.stdout)[-1] == last for p in procs)
-    assert layout.scan(ckpt) == []
+    assert layout.scan(RunPaths(ckpt)) == []
 
 
 def test_a_failed_emergency_save_exits_80_with_one_error_line_and_no_traceback(mount_tmpfs):
@@ -368,7 +369,7 @@ def test_a_failed_emergency_save_exits_80_with_one_error_line_and_no_traceback(m
     errors = [ln for ln in proc.stderr.splitlines() if "emergency checkpoint at step 3" in ln]
     assert len(errors) == 1 and "ERROR" in errors[0] and "is full" in errors[0], proc.stderr
     assert "step_000000002 (step 2) is intact" in errors[0]
-    [entry] = layout.scan(ckpt)
+    [entry] = layout.scan(RunPaths(ckpt))
     assert entry.step == 2 and entry.committed
     layout.verify_files(entry.path, entry.manifest)
 

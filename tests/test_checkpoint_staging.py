@@ -26,6 +26,7 @@ from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU
 from kempner_resilience.config import CheckpointConfig, StagingMode
 from kempner_resilience.demo.launcher import LocalLauncher, train_command
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.core.runpaths import RunPaths
 
 KIB = 1 << 10
 CAP_GIB = 64 * KIB / 2**30        # 2 threads x 2 chunks x 16 KiB: far smaller than the tensors
@@ -258,7 +259,7 @@ def test_a_faulty_staged_copy_is_caught_before_any_commit_and_the_run_ends_with_
     assert "staging is OFF" in log and "staged bytes differ from a plain copy" in log
     assert "tensor 'model." in log                              # names the tensor
     assert_bitwise_equal(ref, got)
-    committed = [e for e in layout.scan(work / "ckpt") if e.committed]
+    committed = [e for e in layout.scan(RunPaths(work / "ckpt")) if e.committed]
     assert {stop, 6, 12} <= {e.step for e in committed}
     for e in committed:
         verify = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "verify",

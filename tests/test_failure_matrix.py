@@ -41,6 +41,7 @@ from kempner_resilience.slurm.relaunch import Relauncher, StepResult
 from kempner_resilience.slurm.steps import StepReport, parse_srun_line
 from kempner_resilience.supervise.channel import RunReport
 from kempner_resilience.supervise.policy import Action, Commits, Decision, decide
+from kempner_resilience.core.runpaths import RunPaths
 
 BEFORE, RESCUED = 10, 20      # the committed step when the launch started, and after its rescue
 
@@ -87,7 +88,7 @@ class Torchrun:
 
 
 def _commit(root: Path, step: int) -> None:
-    path = layout.create_step_dir(root, step)
+    path = layout.create_step_dir(RunPaths(root), step)
     (path / "__0_0.distcp").write_bytes(b"x")
     layout.write_manifest(path, {"format": layout.FORMAT, "step": step, "committed_at": step,
                                  "files": {"__0_0.distcp": {"size": 1, "crc32": 0x8CDC1683}}})

@@ -18,6 +18,7 @@ import pytest
 from helpers import env, free_port, start, write_script
 from kempner_resilience.checkpoint import layout, lease
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.core.runpaths import RunPaths
 
 TRAIN = """
 import os, sys, time
@@ -71,12 +72,12 @@ def test_a_second_live_run_on_the_directory_exits_78_naming_the_first_which_keep
     finally:
         first.kill()
     assert first.returncode == 0 and "finished" in out, err
-    steps = [e.step for e in layout.scan(ckpt) if e.committed]
+    steps = [e.step for e in layout.scan(RunPaths(ckpt)) if e.committed]
     assert steps == list(range(5, 61, 5))
     verify = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "verify", str(ckpt)],
                             capture_output=True, text=True, env=env(), timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert not (ckpt / lease.LEASE_FILE).exists()     # given up at the clean exit
+    assert not RunPaths(ckpt).lease.exists()     # given up at the clean exit
 
 
 def test_the_next_attempt_takes_the_directory_over_from_a_holder_killed_without_a_clean_exit(
@@ -89,7 +90,7 @@ def test_the_next_attempt_takes_the_directory_over_from_a_holder_killed_without_
         first.wait(timeout=60)
     finally:
         first.kill()
-    assert json.loads((ckpt / lease.LEASE_FILE).read_text())["pid"] == first.pid
+    assert json.loads(RunPaths(ckpt).lease.read_text())["pid"] == first.pid
     again = _run(script, ckpt, 20)
     assert again.returncode == 0, again.stderr
     assert "took over the lease" in again.stderr and "has exited" in again.stderr
@@ -100,15 +101,15 @@ def _foreign_lease(root, **fields):
     root.mkdir(parents=True, exist_ok=True)
     holder = {"host": "some-other-node", "pid": 4242, "start": "1", "job_id": "77",
               "restart_count": None, "run_id": "r", "token": "t", **fields}
-    (root / lease.LEASE_FILE).write_text(json.dumps(holder))
-    return root / lease.LEASE_FILE
+    RunPaths(root).lease.write_text(json.dumps(holder))
+    return RunPaths(root).lease
 
 
 def test_a_lease_whose_heartbeat_stopped_long_ago_on_another_host_is_taken_over(tmp_path):
     path = _foreign_lease(tmp_path / "ckpt")
     old = time.time() - 2 * lease.STALE_S
     os.utime(path, (old, old))
-    held = lease.acquire(tmp_path / "ckpt", job_id="78")
+    held = lease.acquire(RunPaths(tmp_path / "ckpt"), job_id="78")
     try:
         assert json.loads(path.read_text())["token"] == held.me["token"]
     finally:
@@ -119,7 +120,7 @@ def test_a_lease_whose_heartbeat_stopped_long_ago_on_another_host_is_taken_over(
 def test_a_requeued_attempt_of_the_same_job_takes_its_predecessors_lease_at_once(tmp_path):
     path = _foreign_lease(tmp_path / "ckpt", job_id="77", restart_count=None)
     t0 = time.monotonic()
-    held = lease.acquire(tmp_path / "ckpt", job_id="77", restart_count=1)
+    held = lease.acquire(RunPaths(tmp_path / "ckpt"), job_id="77", restart_count=1)
     held.release()
     assert time.monotonic() - t0 < lease.HEARTBEAT_S     # no wait for staleness
     assert not path.exists()
@@ -136,7 +137,7 @@ def test_a_holder_on_another_host_whose_heartbeat_moves_is_refused(tmp_path):
     t.start()
     try:
         with pytest.raises(lease.DirectoryInUseError, match="some-other-node, pid 4242"):
-            lease.acquire(tmp_path / "ckpt", job_id="78")
+            lease.acquire(RunPaths(tmp_path / "ckpt"), job_id="78")
     finally:
         stop.set()
     assert json.loads(path.read_text())["token"] == "t"   # the holder's lease is untouched
@@ -179,7 +180,7 @@ def _files(root):
     size and mtime."""
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != lease.LEASE_FILE:
+        if p.is_file() and p.name != ".lease":
             st = p.stat()
             out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
     return out
@@ -198,7 +199,7 @@ def test_a_holder_frozen_past_the_lease_timeout_and_taken_over_exits_82_having_w
     try:
         _wait_for_line(a, "step 12")                   # A committed step 10
         a.send_signal(signal.SIGSTOP)                  # frozen: its heartbeat stops
-        holder = json.loads((ckpt / lease.LEASE_FILE).read_text())
+        holder = json.loads(RunPaths(ckpt).lease.read_text())
         assert holder["host"] == "node-a-elsewhere" and holder["pid"] == a.pid
         b = start(script, str(ckpt), "40", "0.02", "100.0", str(tmp_path / "b.pt"), **timeout)
         _wait_for_line(b, "step 30")                   # B took over, committed 15..30, holds
@@ -218,7 +219,7 @@ def test_a_holder_frozen_past_the_lease_timeout_and_taken_over_exits_82_having_w
         a.kill()
         if b is not None:
             b.kill()
-    committed = [e.step for e in layout.scan(ckpt) if e.committed]
+    committed = [e.step for e in layout.scan(RunPaths(ckpt)) if e.committed]
     assert committed == [35, 40]                       # B's, keep_last=2
     verify = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "verify", str(ckpt)],
                             capture_output=True, text=True, env=env(), timeout=120)
@@ -240,8 +241,8 @@ def test_a_lease_missing_for_a_few_heartbeats_is_written_again_and_the_heartbeat
         tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()
-    held = lease.acquire(root, stale_s=1.2)            # a heartbeat every 0.1 s
-    path, away = root / lease.LEASE_FILE, root / "lease.away"
+    held = lease.acquire(RunPaths(root), stale_s=1.2)            # a heartbeat every 0.1 s
+    path, away = RunPaths(root).lease, root / "lease.away"
     try:
         os.rename(path, away)                          # moved away: as a takeover's rename does
         time.sleep(0.35)
@@ -260,19 +261,19 @@ def test_a_lease_missing_for_a_few_heartbeats_is_written_again_and_the_heartbeat
 def test_a_lease_that_is_a_dangling_symlink_is_taken_over_at_once_with_a_warning(tmp_path):
     script, ckpt = write_script(tmp_path, TRAIN), tmp_path / "ckpt"
     ckpt.mkdir()
-    os.symlink(tmp_path / "nowhere", ckpt / lease.LEASE_FILE)
+    os.symlink(tmp_path / "nowhere", RunPaths(ckpt).lease)
     proc = subprocess.run([sys.executable, str(script), str(ckpt), "10", "0"],
                           capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "took over the lease" in proc.stderr and "symbolic link" in proc.stderr
-    assert [e.step for e in layout.scan(ckpt) if e.committed] == [5, 10]
+    assert [e.step for e in layout.scan(RunPaths(ckpt)) if e.committed] == [5, 10]
 
 
 @pytest.mark.parametrize("pid", [0, -1, 10**30, "4242", True])
 def test_a_lease_naming_a_pid_no_process_can_have_is_taken_over_at_once(tmp_path, pid):
     path = _foreign_lease(tmp_path / "ckpt", host=socket.gethostname(), pid=pid)
     t0 = time.monotonic()
-    held = lease.acquire(tmp_path / "ckpt", job_id="78", stale_s=30.0)
+    held = lease.acquire(RunPaths(tmp_path / "ckpt"), job_id="78", stale_s=30.0)
     try:
         assert json.loads(path.read_text())["token"] == held.me["token"]
     finally:
@@ -284,7 +285,7 @@ def test_a_lease_dated_in_the_future_whose_heartbeat_never_moves_is_taken_over(t
     path = _foreign_lease(tmp_path / "ckpt")
     future = time.time() + 3600                        # a holder whose clock runs an hour ahead
     os.utime(path, (future, future))
-    held = lease.acquire(tmp_path / "ckpt", job_id="78", stale_s=1.0)
+    held = lease.acquire(RunPaths(tmp_path / "ckpt"), job_id="78", stale_s=1.0)
     try:
         assert json.loads(path.read_text())["token"] == held.me["token"]
     finally:
@@ -353,6 +354,6 @@ def test_every_rank_stops_with_82_at_one_step_when_rank_0_loses_its_lease(tmp_pa
         assert "the lease lost here at step" in outs[0][1]   # agreed through the store
     listed = json.loads((tmp_path / "ckpt.listing").read_text())
     now = {str(p.relative_to(ckpt)): p.stat().st_size for p in ckpt.rglob("*")
-           if p.is_file() and p.name != lease.LEASE_FILE}
+           if p.is_file() and p.name != ".lease"}
     assert now == listed                               # nothing written after the takeover
-    assert json.loads((ckpt / lease.LEASE_FILE).read_text())["token"] == "the-new-holder"
+    assert json.loads(RunPaths(ckpt).lease.read_text())["token"] == "the-new-holder"

@@ -20,9 +20,10 @@ import torch.nn as nn
 import kempner_resilience as kr
 from kempner_resilience.checkpoint import layout, retention
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV, OtherRunError
-from kempner_resilience.checkpoint.quarantine import DAMAGED_PREFIX, NOTE_NAME
+from kempner_resilience.checkpoint.quarantine import NOTE_NAME
 from kempner_resilience.core.goodput import analyze_dir
 from kempner_resilience.core.startup import StartupError
+from kempner_resilience.core.runpaths import RunPaths
 
 
 def trained_weight(steps: int) -> torch.Tensor:
@@ -55,7 +56,7 @@ def train(ck: Path, total: int, *, every: int = 10, keep_last: int = 3, resume: 
 
 
 def steps_on_disk(ck: Path) -> list[int]:
-    return [e.step for e in layout.scan(ck) if e.committed]
+    return [e.step for e in layout.scan(RunPaths(ck)) if e.committed]
 
 
 def damage(step_dir: Path, how: str) -> None:
@@ -88,9 +89,9 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_never_costs_the_good_ones(
     # Retention counted only intact checkpoints: 25 (its own newest) is kept, not the
     # damaged 30 in its place.
     assert steps_on_disk(ck) == [25]
-    aside = [p for p in ck.iterdir() if p.name.startswith(DAMAGED_PREFIX)]
+    aside = [p for p in ck.iterdir() if p.name.startswith(".damaged-")]
     word = "checksum" if how == "flip" else "size"
-    assert [p.name for p in aside] == [f"{DAMAGED_PREFIX}step_000000030-{word}"]
+    assert [p.name for p in aside] == [f".damaged-step_000000030-{word}"]
     assert "step_000000030" in (aside[0] / NOTE_NAME).read_text()
     assert any("set it aside" in r.getMessage() for r in caplog.records)
     third, trained, weight = train(ck, 28, every=5, keep_last=1)
@@ -105,7 +106,7 @@ def test_a_fresh_start_keeps_its_own_saves_and_every_checkpoint_of_the_old_run(t
     old, _, _ = train(ck, 30, every=5)                    # steps 20, 25, 30 kept
     fresh, trained, _ = train(ck, 10, every=5, resume=False)
     assert trained == list(range(10)) and fresh.run_id != old.run_id
-    by_run = {e.step: e.manifest["run_id"] for e in layout.scan(ck)}
+    by_run = {e.step: e.manifest["run_id"] for e in layout.scan(RunPaths(ck))}
     assert by_run == {5: fresh.run_id, 10: fresh.run_id,
                       20: old.run_id, 25: old.run_id, 30: old.run_id}
     recorded = json.loads((ck / "run.json").read_text())
@@ -150,7 +151,7 @@ def test_a_second_fresh_start_keeps_both_earlier_lineages(tmp_path):
     first, _, _ = train(ck, 20, every=10, keep_last=1)
     second, _, _ = train(ck, 10, every=5, keep_last=1, resume=False)
     third, _, _ = train(ck, 4, every=2, keep_last=1, resume=False)
-    runs = {e.step: e.manifest["run_id"] for e in layout.scan(ck)}
+    runs = {e.step: e.manifest["run_id"] for e in layout.scan(RunPaths(ck))}
     assert runs == {4: third.run_id, 10: second.run_id, 20: first.run_id}
     assert json.loads((ck / "run.json").read_text())["earlier_runs"] == sorted(
         [first.run_id, second.run_id])
@@ -168,7 +169,7 @@ def test_retention_of_a_resumed_lineage_removes_its_checkpoints_from_before_run_
     marker = json.loads((legacy / layout.MARKER_NAME).read_text())
     marker["run_id"] = None
     (legacy / layout.MARKER_NAME).write_text(json.dumps(marker))
-    entries = layout.scan(ck)
+    entries = layout.scan(RunPaths(ck))
     rid = json.loads((ck / "run.json").read_text())["run_id"]
     assert [e.step for e in retention.select_for_deletion(entries, 1, 0, run_id=rid)] == [10]
     assert retention.select_for_deletion(entries, 1, 0, run_id="new", earlier=[rid, None]) == []
@@ -220,8 +221,8 @@ def test_a_damaged_checkpoint_set_aside_is_not_listed_as_a_checkpoint(tmp_path):
     train(ck, 20)
     damage(ck / "step_000000020", "flip")
     train(ck, 20)                                          # resumes from 10, trains 10..19
-    assert os.path.isdir(ck / f"{DAMAGED_PREFIX}step_000000020-checksum")
-    assert all(not e.path.name.startswith(".") for e in layout.scan(ck))
+    assert os.path.isdir(ck / ".damaged-step_000000020-checksum")
+    assert all(not e.path.name.startswith(".") for e in layout.scan(RunPaths(ck)))
 
 
 # ------------------------------------------------------------------ 1, on two real ranks
@@ -277,7 +278,7 @@ def test_two_ranks_set_a_damaged_checkpoint_aside_and_keep_the_good_ones(tmp_pat
     outs = _two_ranks(script, ck, 26, 5, 1)               # resumes from 20 on both ranks
     assert all(o.startswith("start 20 ") for o in outs), outs
     assert steps_on_disk(ck) == [25]
-    assert (ck / f"{DAMAGED_PREFIX}step_000000030-checksum").is_dir()
+    assert (ck / ".damaged-step_000000030-checksum").is_dir()
     outs = _two_ranks(script, ck, 28, 5, 1)
     expected = trained_weight(28).sum().item()
     assert all(o.split() == ["start", "25", "weight", str(expected)] for o in outs), outs

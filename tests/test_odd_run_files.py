@@ -17,6 +17,7 @@ import pytest
 
 from helpers import env, write_script
 from kempner_resilience.checkpoint import layout
+from kempner_resilience.core.runpaths import RunPaths
 
 TRAIN = """
 import sys
@@ -58,7 +59,7 @@ def trained(tmp_path_factory):
     script = write_script(work, TRAIN)
     proc = _train(script, work / "ckpt", 10)
     assert proc.returncode == 0, proc.stderr
-    assert [e.step for e in layout.scan(work / "ckpt") if e.committed] == [5, 10]
+    assert [e.step for e in layout.scan(RunPaths(work / "ckpt")) if e.committed] == [5, 10]
     return script, work / "ckpt"
 
 
@@ -103,7 +104,7 @@ def test_resume_falls_back_past_an_odd_manifest_to_the_previous_checkpoint(train
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert f"resumed from {ckpt / layout.dir_name(5)} (step 5" in proc.stderr
-    assert 15 in [e.step for e in layout.scan(ckpt) if e.committed]
+    assert 15 in [e.step for e in layout.scan(RunPaths(ckpt)) if e.committed]
 
 
 def test_a_run_json_fifo_and_a_marker_linked_to_dev_zero_do_not_stop_a_start(trained,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from kempner_resilience.slurm.steps import StepReport, choose_nodes, parse_srun_line
+from kempner_resilience.core.runpaths import RunPaths
 
 
 def _report(nodes: list[str], ntasks: int, lines: list[str]) -> StepReport:
@@ -198,7 +199,7 @@ def test_the_evidence_carries_the_loop_s_budget_commits_spares_and_slurm_behind_
 def _commit(root, step):
     from kempner_resilience.checkpoint import layout
 
-    path = layout.create_step_dir(root, step)
+    path = layout.create_step_dir(RunPaths(root), step)
     (path / "__0_0.distcp").write_bytes(b"x")
     layout.write_manifest(path, {"format": layout.FORMAT, "step": step, "committed_at": step,
                                  "files": {"__0_0.distcp": {"size": 1, "crc32": 0x8CDC1683}}})
@@ -300,7 +301,7 @@ def test_a_requeue_the_ranks_asked_for_is_theirs(tmp_path, monkeypatch):
 
 def test_a_node_killed_is_recorded_bad_with_the_run_and_the_next_step_runs_on_the_spare(
         tmp_path, monkeypatch):
-    from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+    from kempner_resilience.core.ledger import read_ledger
     from kempner_resilience.slurm.badnodes import bad_nodes
 
     monkeypatch.chdir(tmp_path)
@@ -316,8 +317,8 @@ def test_a_node_killed_is_recorded_bad_with_the_run_and_the_next_step_runs_on_th
     monkeypatch.setattr(loop, "run_step", run_step)
     assert loop.run() == 0
     assert ran == [["n1", "n2"], ["n1", "n3"]]
-    assert bad_nodes(tmp_path / "run") == {"n2"}
-    events = read_ledger(tmp_path / "run" / LEDGER_NAME)
+    assert bad_nodes(RunPaths(tmp_path / "run")) == {"n2"}
+    events = read_ledger(RunPaths(tmp_path / "run").ledger)
     assert [e.get("bad_nodes") for e in events if e.get("ev") == "restart"] == ["n2"]
 
 
@@ -331,4 +332,4 @@ def test_a_rank_s_own_error_ends_the_job_with_its_code_and_marks_no_node_bad(tmp
                  "srun: error: n2: task 1: Exited with exit code 1"], code=81)
     monkeypatch.setattr(loop, "run_step", lambda nodes, index: bug)
     assert loop.run() == 1                  # not srun's status (81): rank 1's own code
-    assert bad_nodes(tmp_path / "run") == set()
+    assert bad_nodes(RunPaths(tmp_path / "run")) == set()

@@ -23,7 +23,8 @@ from helpers import assert_bitwise_equal, committed_manifests, rank_logs, run_re
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.core.goodput import analyze_dir
-from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import read_ledger
+from kempner_resilience.core.runpaths import RunPaths
 
 STEPS, EVERY, FAIL_AT = 30, 10, 25
 
@@ -58,7 +59,7 @@ def test_a_rank_killed_in_the_gradient_all_reduce_costs_one_step_and_the_run_end
     assert second.report["resumed_from"] == FAIL_AT and second.exit_codes == [0] * 4
     assert_bitwise_equal(reference, weights)
     # The run ledger (rank 0 survived) records the rescue; the requeue resumed where it ended.
-    events = read_ledger(tmp_path / "ckpt" / LEDGER_NAME)
+    events = read_ledger(RunPaths(tmp_path / "ckpt").ledger)
     assert [(e["step"], e["committed"]) for e in events if e["ev"] == "rescue"] == [(FAIL_AT, True)]
     attempts = analyze_dir(tmp_path / "ckpt").attempts
     assert attempts[0].last_step - attempts[1].start_step <= 1
@@ -130,7 +131,7 @@ def test_a_rescue_writer_killed_mid_write_leaves_nothing_committed(tmp_path):
     assert launches[0].exit_codes == [-signal.SIGKILL] * 2     # rank 1, and rank 0 writing
     [(begun, manifest, commits)] = after_first
     assert begun and not manifest and sorted(commits) == [10, 20]
-    for entry in layout.scan(tmp_path / "ckpt"):
+    for entry in layout.scan(RunPaths(tmp_path / "ckpt")):
         if entry.committed:
             layout.verify_entry(entry)
     assert launches[1].report["resumed_from"] == 20 and launches[1].exit_codes == [0] * 2
@@ -152,7 +153,7 @@ def test_a_rescue_written_when_rank_0_died_is_in_the_ledger_and_its_step_counts_
     assert first.exit_codes[0] == -signal.SIGKILL
     assert committed(tmp_path)[FAIL_AT]["rescue"]["writer_rank"] == 1
     # Rank 0, the ledger's writer, is dead: rank 1 recorded the rescue it wrote.
-    rescues = [e for e in read_ledger(tmp_path / "ckpt" / LEDGER_NAME) if e["ev"] == "rescue"]
+    rescues = [e for e in read_ledger(RunPaths(tmp_path / "ckpt").ledger) if e["ev"] == "rescue"]
     assert [(e["step"], e["committed"], e["writer"], e["rank"]) for e in rescues] == \
         [(FAIL_AT, True, 1, 1)]
     attempts = analyze_dir(tmp_path / "ckpt").attempts

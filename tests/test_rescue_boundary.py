@@ -15,6 +15,7 @@ from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.rescue.boundary import Boundary
 from kempner_resilience.rescue.save import write_rescue
+from kempner_resilience.core.runpaths import RunPaths
 
 
 def _build() -> dict:
@@ -57,7 +58,8 @@ def test_a_rescue_written_inside_a_step_resumes_exactly_like_a_checkpoint_of_its
     assert boundary.why_inconsistent() is None
     [snap, *_] = boundary.snapshots()
     info = write_rescue(boundary.state, boundary, {0: snap.payload}, 3,
-                        root=tmp_path / "rescued", run_id=None, io_threads=2, world_size=1,
+                        paths=RunPaths(tmp_path / "rescued"), run_id=None, io_threads=2,
+                        world_size=1,
                         extra={"rescue": {"reason": "test"}})
     assert info.reason == "rescue" and info.step == 3
     layout.verify_entry(layout.scan_one(info.path))

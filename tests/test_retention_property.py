@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from kempner_resilience.checkpoint import identity, layout, loader, retention
+from kempner_resilience.core.runpaths import RunPaths
 
 CASES = 3000
 
@@ -114,12 +115,12 @@ class History:
         if self.rng.random() < 0.5:             # the next attempt's config keeps fewer or more
             self.keep_last = self.rng.choice([1, 1, 2, 3])
         if not resume:
-            rid, data = identity.plan_lineage(d.root, d.scan(), None)
-            identity.record_lineage(d.root, rid, data)
-            self.proc = Process(rid, 0, identity.earlier_runs(d.root))
+            rid, data = identity.plan_lineage(RunPaths(d.root), d.scan(), None)
+            identity.record_lineage(RunPaths(d.root), rid, data)
+            self.proc = Process(rid, 0, identity.earlier_runs(RunPaths(d.root)))
             return
-        rid, _ = identity.load_or_create(d.root)
-        earlier = identity.earlier_runs(d.root)
+        rid, _ = identity.load_or_create(RunPaths(d.root))
+        earlier = identity.earlier_runs(RunPaths(d.root))
         proc = Process(rid, 0, earlier)
         tried = loader.lineage_candidates(d.scan(), earlier, run_of=lambda e: d.run_of[e.path])
         for e in tried:

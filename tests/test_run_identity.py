@@ -14,6 +14,7 @@ import torch.nn as nn
 import kempner_resilience as kr
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV, OtherRunError
 from kempner_resilience.core.startup import StartupError
+from kempner_resilience.core.runpaths import RunPaths
 
 
 def train(ckpt_dir, steps=3, *, run_id=None, allow_other=False):
@@ -106,7 +107,7 @@ def test_a_truncated_run_json_is_repaired_and_the_run_resumes_under_its_old_id(t
             warning[0] and run_id in warning[0]
         assert json.loads((ck / "run.json").read_text())["run_id"] == run_id
         # Retention still knows every checkpoint as this run's: keep_last=2 holds.
-        entries = layout.scan(ck)
+        entries = layout.scan(RunPaths(ck))
         assert [e.step for e in entries] == [steps - 2, steps]
         assert {e.manifest["run_id"] for e in entries} == {run_id}
     starts = [e for e in read_ledger(ck / "ledger.jsonl") if e["ev"] in ("start", "resume")]

@@ -22,6 +22,7 @@ from kempner_resilience.checkpoint import SavePeerLost, layout
 from kempner_resilience.demo.launcher import free_port
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.core.faults import is_peer_failure
+from kempner_resilience.core.runpaths import RunPaths
 
 HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "stop_in_save.py"
 STEPS, EVERY, STOP_AT = 8, 2, 4
@@ -80,7 +81,7 @@ def test_a_rank_paused_inside_a_periodic_save_ends_the_job_as_a_lost_peer_and_it
 
     # Nothing partial is the resume point: the newest committed checkpoint (the periodic one
     # before the pause, or the survivor's rescue of the step it paused in) verifies ...
-    newest = max((e for e in layout.scan(tmp_path / "ckpt") if e.committed),
+    newest = max((e for e in layout.scan(RunPaths(tmp_path / "ckpt")) if e.committed),
                  key=lambda e: e.step)
     assert STOP_AT - EVERY <= newest.step <= STOP_AT
     layout.verify_entry(newest)

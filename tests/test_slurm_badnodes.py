@@ -15,8 +15,9 @@ import subprocess
 import pytest
 
 from kempner_resilience.demo.slurm_demo import write_job
-from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.slurm.badnodes import record_bad_nodes
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.slurm.env import expand_hostlist
 from slurm_fixtures import multinode_cluster, multinode_jobs  # noqa: F401
 
@@ -39,7 +40,8 @@ def test_a_requeued_job_never_runs_on_a_recorded_bad_node_although_it_is_idle(
     first = job.hosts()
     assert len(first) == 1
     bad = first[0]
-    record_bad_nodes(job.checkpoints, [bad], reason="test: its rank hung", job_id=job.job_id)
+    record_bad_nodes(RunPaths(job.checkpoints), [bad], reason="test: its rank hung",
+                     job_id=job.job_id)
 
     job.signal("USR1")
     # Running again (not COMPLETING: that is still the first run, on its old node).
@@ -54,7 +56,7 @@ def test_a_requeued_job_never_runs_on_a_recorded_bad_node_although_it_is_idle(
     done = job.wait_state({"COMPLETED", "FAILED"}, timeout=240)
     assert done["JobState"] == "COMPLETED", job.log_text()[-3000:]
     assert bad not in expand_hostlist(done.get("NodeList", ""))
-    events = read_ledger(job.checkpoints / LEDGER_NAME)
+    events = read_ledger(RunPaths(job.checkpoints).ledger)
     excluded = [e for e in events if e["ev"] == "exclude"]
     assert [(e["bad_nodes"], e["excluded"]) for e in excluded] == [(bad, bad)]
 
@@ -66,8 +68,9 @@ from kempner_resilience.config import RequeueConfig
 from kempner_resilience.slurm.badnodes import bad_nodes
 from kempner_resilience.slurm.requeue import requeue_job
 from kempner_resilience.slurm.env import SlurmJob
+from kempner_resilience.core.runpaths import RunPaths
 # From the batch step (as the relaunch glue would): SLURM SIGKILLs it at once on the requeue.
-r = requeue_job(SlurmJob.from_env(), RequeueConfig(), exclude=bad_nodes(sys.argv[1]),
+r = requeue_job(SlurmJob.from_env(), RequeueConfig(), exclude=bad_nodes(RunPaths(sys.argv[1])),
                 min_nodes=2)
 open(sys.argv[2], "w").write(f"{r.ok} {','.join(r.excluded)} {r.exclude_error}")
 '''
@@ -84,7 +87,7 @@ def test_a_job_with_a_spare_gives_it_up_rather_than_pend_forever_on_too_few_good
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "requeue.txt"
     ckpt.mkdir()
-    record_bad_nodes(ckpt, ["krnode1"], reason="test", job_id=None)
+    record_bad_nodes(RunPaths(ckpt), ["krnode1"], reason="test", job_id=None)
     (tmp_path / "req.py").write_text(_REQUEUE)
     root = Path(__file__).resolve().parents[1]
     script = (f"#!/bin/bash\n#SBATCH -N 3 --requeue -o {tmp_path}/job.out\n"

@@ -26,7 +26,8 @@ from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import read_ledger
+from kempner_resilience.core.runpaths import RunPaths
 from slurm_fixtures import (multinode_cluster, multinode_jobs, submit,  # noqa: F401
                             wait_for, wait_job)
 
@@ -97,7 +98,7 @@ def _usr1_stops_every_rank_at_one_committed_step(job: DemoJob) -> dict:
     # Rank 0 requeued after the commit (its ledger says so; its log line may be lost: srun
     # stops relaying the tasks' output once the requeue cancels the step).
     assert first["timings"].get("requeue_s") is not None, first
-    assert any(e["ev"] == "requeue" for e in read_ledger(job.checkpoints / LEDGER_NAME))
+    assert any(e["ev"] == "requeue" for e in read_ledger(RunPaths(job.checkpoints).ledger))
     return first
 
 

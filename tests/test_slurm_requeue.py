@@ -19,7 +19,7 @@ from kempner_resilience.slurm import (
     decide_requeue,
     requeue_job,
 )
-from kempner_resilience.slurm.requeue import RESTARTS_NAME
+from kempner_resilience.core.runpaths import RunPaths
 from slurm_fixtures import job_info, slurm_cluster, submit, wait_for, wait_job  # noqa: F401
 
 PROBES = Path(__file__).resolve().parent / "cluster"
@@ -116,7 +116,7 @@ def test_requeue_uses_array_id_for_array_tasks(fake_scontrol):
 
 def test_budget_allows_requeue_until_max_restarts_then_no_requeue(tmp_path):
     cfg = RequeueConfig(max_restarts=3, max_no_progress=0)
-    ledger = tmp_path / RESTARTS_NAME
+    ledger = RunPaths(tmp_path).restarts
     outcomes = [decide_requeue(rc, ledger, 100 * rc, cfg) for rc in range(5)]
     assert [d.outcome for d in outcomes] == [Outcome.REQUEUE] * 3 + [Outcome.NO_REQUEUE] * 2
     assert outcomes[3].verdict is Verdict.BUDGET_SPENT and "budget" in outcomes[3].reason
@@ -125,7 +125,7 @@ def test_budget_allows_requeue_until_max_restarts_then_no_requeue(tmp_path):
 
 def test_no_progress_over_max_no_progress_restarts_stops_using_the_ledger_on_disk(tmp_path):
     cfg = RequeueConfig(max_restarts=20, max_no_progress=2)
-    path = tmp_path / RESTARTS_NAME
+    path = RunPaths(tmp_path).restarts
     job = lambda rc: SlurmJob(job_id="9", restart_count=rc)  # noqa: E731
     # Each decision loads the ledger from disk, as a fresh process after a requeue would.
     assert decide_requeue(job(0), RestartLedger.load(path), 50, cfg).requeue
@@ -141,14 +141,14 @@ def test_no_progress_over_max_no_progress_restarts_stops_using_the_ledger_on_dis
 
 def test_progress_resets_the_no_progress_count(tmp_path):
     cfg = RequeueConfig(max_restarts=0, max_no_progress=2)  # max_restarts=0: unlimited
-    path = tmp_path / RESTARTS_NAME
+    path = RunPaths(tmp_path).restarts
     steps = [10, 10, 20, 20, 30]
     assert all(decide_requeue(rc, path, s, cfg).requeue for rc, s in enumerate(steps))
 
 
 def test_new_job_id_starts_a_fresh_ledger(tmp_path):
     cfg = RequeueConfig(max_no_progress=1)
-    path = tmp_path / RESTARTS_NAME
+    path = RunPaths(tmp_path).restarts
     decide_requeue(SlurmJob(job_id="1", restart_count=0), path, 5, cfg)
     decide_requeue(SlurmJob(job_id="1", restart_count=1), path, 5, cfg)  # stalled -> no
     # A fresh sbatch reusing the checkpoint dir must not inherit job 1's stall.
@@ -157,7 +157,7 @@ def test_new_job_id_starts_a_fresh_ledger(tmp_path):
 
 def test_decision_outside_slurm_counts_restarts_from_the_ledger(tmp_path):
     cfg = RequeueConfig(max_restarts=2, max_no_progress=0)
-    path = tmp_path / RESTARTS_NAME
+    path = RunPaths(tmp_path).restarts
     assert [decide_requeue(None, path, i, cfg).outcome for i in range(3)] == [
         Outcome.REQUEUE, Outcome.REQUEUE, Outcome.NO_REQUEUE]
 
@@ -168,7 +168,7 @@ def test_disabled_requeue_decides_stop(tmp_path):
 
 
 def test_corrupt_ledger_is_replaced_not_fatal(tmp_path):
-    path = tmp_path / RESTARTS_NAME
+    path = RunPaths(tmp_path).restarts
     path.write_text("{not json")
     assert decide_requeue(0, path, 1, RequeueConfig()).requeue
     assert json.loads(path.read_text())["restarts"]["0"]["step"] == 1

@@ -33,8 +33,9 @@ import pytest
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
-from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import read_ledger
 from slurm_fixtures import multinode_cluster, multinode_jobs  # noqa: F401
+from kempner_resilience.core.runpaths import RunPaths
 
 pytestmark = [pytest.mark.slurm]
 
@@ -58,7 +59,7 @@ def hsdp_reference(tmp_path_factory) -> Path:
 
 
 def _manifests(root: Path) -> dict[int, dict]:
-    return {e.step: e.manifest for e in layout.scan(root) if e.committed}
+    return {e.step: e.manifest for e in layout.scan(RunPaths(root)) if e.committed}
 
 
 def _submit(cluster, tmp_path: Path, jobs, *, hang_timeout_s: float = 30,
@@ -122,7 +123,7 @@ def test_a_node_killed_between_periodic_saves_costs_at_most_one_step_and_resumes
     if step is not None:
         assert _manifests(job.checkpoints)[step]["rescue"]["reason"] in ("peer lost", "hang")
         if victim == "other_node":          # rank 0 survived and wrote the run's ledger
-            ledger = read_ledger(job.checkpoints / LEDGER_NAME)
+            ledger = read_ledger(RunPaths(job.checkpoints).ledger)
             [ev] = [e for e in ledger if e["ev"] == "rescue"]
             assert ev["committed"] and ev["step"] == step
     # The survivors left on their own with PEER_LOST (HANG if their hang watchdog came first),

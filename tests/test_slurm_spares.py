@@ -23,6 +23,7 @@ from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, wait_until, write_job
 from kempner_resilience.slurm.badnodes import bad_nodes
 from slurm_fixtures import multinode_cluster, multinode_jobs, slow_death  # noqa: F401
+from kempner_resilience.core.runpaths import RunPaths
 
 pytestmark = [pytest.mark.slurm]
 
@@ -74,13 +75,13 @@ def _kill_a_training_node_and_finish(cluster, job: DemoJob, jobs, reference: Pat
     assert not diff, f"{len(diff)} of {total} tensors differ after a kill at {kill_at}"
     resumed = job.report("0.1")["resumed_from"]
     completed = _steps_completed(job, "0.0")
-    committed = {e.step: e.manifest for e in layout.scan(job.checkpoints) if e.committed}
+    committed = {e.step: e.manifest for e in layout.scan(RunPaths(job.checkpoints)) if e.committed}
     if committed.get(resumed, {}).get("reason") == "rescue":
         assert completed - resumed <= 1, (completed, resumed)
     else:   # a clean fallback to the periodic save (the dead ranks were behind the survivors)
         assert resumed == EVERY, (resumed, job.log_text()[-3000:])
     # The relaunch ran on the survivor and the spare, never on the dead node again.
-    assert bad_nodes(job.checkpoints) == {dead}
+    assert bad_nodes(RunPaths(job.checkpoints)) == {dead}
     assert f"--nodelist={batch_node},{spare}" in job.log_text(), job.log_text()[-3000:]
     return dead
 
@@ -119,7 +120,7 @@ def test_a_rank_hung_with_the_gil_held_gets_its_node_excluded_and_the_spare_take
     same, total, diff = compare_weights(reference, job.weights)
     assert not diff, f"{len(diff)} of {total} tensors differ after a hang at {hang_at}"
     assert job.rank_exit("0.0", 2) == 42
-    assert bad_nodes(job.checkpoints) == {"krnode2"}
+    assert bad_nodes(RunPaths(job.checkpoints)) == {"krnode2"}
     assert job.report("0.1") is not None and job.report("0.1")["resumed_from"] in (hang_at,
                                                                                     EVERY)
     assert "--nodelist=krnode1,krnode3" in job.log_text(), job.log_text()[-3000:]
@@ -152,6 +153,7 @@ def test_the_readme_usage_relaunches_in_place_ends_completed_and_keeps_its_bad_n
                     submit_dir=tmp_path)
     info = other.wait_state(timeout=240)
     assert info["JobState"] == "COMPLETED", other.log_text()[-3000:]
-    assert bad_nodes(other.checkpoints) == set() and bad_nodes(job.checkpoints) == {dead}
+    assert bad_nodes(RunPaths(other.checkpoints)) == set()
+    assert bad_nodes(RunPaths(job.checkpoints)) == {dead}
     nodes = other.hosts()
     assert f"--nodelist={nodes[0]},{nodes[1]}" in other.log_text(), other.log_text()[-3000:]

@@ -23,6 +23,7 @@ from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
 from slurm_fixtures import multinode_cluster, multinode_jobs, slow_death  # noqa: F401
+from kempner_resilience.core.runpaths import RunPaths
 
 pytestmark = [pytest.mark.slurm]
 
@@ -115,7 +116,7 @@ def _kill_a_training_node_and_finish(multinode_cluster, tmp_path, reference, mul
     assert not diff, f"{len(diff)} of {total} tensors differ after a kill at {kill_at}"
 
     # The survivors rescued the last step boundary; the relaunched workers resumed from it.
-    rescued = [e.step for e in layout.scan(job.checkpoints)
+    rescued = [e.step for e in layout.scan(RunPaths(job.checkpoints))
                if e.committed and e.manifest.get("reason") == "rescue"]
     relaunched = job.report("0.1")
     assert relaunched is not None, log[-4000:]

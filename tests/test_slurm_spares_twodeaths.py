@@ -30,6 +30,7 @@ from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, wait_unti
 from kempner_resilience.slurm.badnodes import bad_nodes
 from kempner_resilience.slurm.env import expand_hostlist
 from slurm_fixtures import MULTINODE_SCRIPT, MultiNodeCluster, multinode_cluster  # noqa: F401
+from kempner_resilience.core.runpaths import RunPaths
 
 pytestmark = [pytest.mark.slurm]
 
@@ -82,7 +83,7 @@ def _completed(job: DemoJob, run: str) -> int:
 def _at_most_one_step_lost(job: DemoJob, before: str, after: str) -> None:
     resumed = job.report(after)["resumed_from"]
     completed = _completed(job, before)
-    committed = {e.step: e.manifest for e in layout.scan(job.checkpoints) if e.committed}
+    committed = {e.step: e.manifest for e in layout.scan(RunPaths(job.checkpoints)) if e.committed}
     if committed.get(resumed, {}).get("reason") == "rescue":
         assert completed - resumed <= 1, (before, completed, after, resumed)
     else:   # a clean fallback to the periodic save (the dead ranks were behind the survivors)
@@ -140,7 +141,7 @@ def test_a_second_node_death_with_no_spare_left_requeues_off_both_dead_nodes_bit
     assert done["JobState"] == "COMPLETED" and done["Restarts"] == "1", job.log_text()[-4000:]
     assert batch_node in again
     assert set(expand_hostlist(done.get("NodeList", ""))).isdisjoint({first, spare})
-    assert bad_nodes(job.checkpoints) == {first, spare}
+    assert bad_nodes(RunPaths(job.checkpoints)) == {first, spare}
     same, total, diff = compare_weights(reference, job.weights)
     assert not diff, (f"{len(diff)} of {total} tensors differ after kills at {first_kill} "
                       f"and {second_kill}")

@@ -95,10 +95,10 @@ def test_the_step_loop_follows_the_directory_rank_0_reported_not_its_own_config(
     monkeypatch.chdir(tmp_path)
     loop = Relauncher(["true"], 1, load_config(None, []),
                       environ={"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-3]"})
-    assert loop.ckpt_dir == tmp_path / "checkpoints"     # nothing said yet: the config's
+    assert loop.run_paths.root == tmp_path / "checkpoints"     # nothing said yet: the config's
     loop.channel.report(RunReport(str(tmp_path / "mine"), "r", 10, None,
                                   {"max_no_progress": 7}))
-    assert loop.ckpt_dir == tmp_path / "mine"
+    assert loop.run_paths.root == tmp_path / "mine"
     assert loop.requeue_config().max_no_progress == 7
     env_ = loop.step_env(["n1", "n2"], 0)
     assert Channel.from_env(env_) == loop.channel

@@ -332,7 +332,8 @@ def test_an_agent_killed_outright_leaves_an_emergency_checkpoint_143_on_every_wo
     # The agent is multi-threaded: the kernel sends a worker's parent-death signal as each of
     # its threads exits, several times within milliseconds. That must count as one stop, not
     # as "a second SIGTERM" that forces the worker out without its checkpoint.
-    from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+    from kempner_resilience.core.ledger import read_ledger
+    from kempner_resilience.core.runpaths import RunPaths
 
     ckpt = tmp_path / "ckpt"
     reaper_py = write_script(tmp_path, SUBREAPER, "subreaper.py")
@@ -360,7 +361,7 @@ def test_an_agent_killed_outright_leaves_an_emergency_checkpoint_143_on_every_wo
     assert last[0] == last[1]
     committed = [p for p in ckpt.glob("step_*") if (p / MANIFEST_NAME).exists()]
     assert [int(p.name.split("_")[1]) for p in committed] == [last[0] + 1]
-    exits = [e for e in read_ledger(ckpt / LEDGER_NAME) if e["ev"] == "exit"]
+    exits = [e for e in read_ledger(RunPaths(ckpt).ledger) if e["ev"] == "exit"]
     assert [e["code"] for e in exits] == [ExitCode.SIGTERM]
 
     # The next attempt resumes from it and finishes.

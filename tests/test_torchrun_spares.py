@@ -30,6 +30,7 @@ from kempner_resilience.slurm.badnodes import bad_node_records
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import run_reference
 from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.core.runpaths import RunPaths
 
 STEPS, EVERY = 100, 40
 
@@ -129,14 +130,15 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
     assert codes == [0, 0, 0], (codes, errs[victim][-3000:])
     assert "this node left the job to a spare" in errs[victim], errs[victim][-3000:]
     # The standby trained from the rescued step on; the run ends bitwise equal.
-    rescued = [e.step for e in layout.scan(work / "ckpt")
+    rescued = [e.step for e in layout.scan(RunPaths(work / "ckpt"))
                if e.committed and e.manifest.get("reason") == "rescue"]
     assert rescued, errs[0][-3000:]
     assert f"step {STEPS - 1}\n" in (work / f"progress.{standby}").read_text()
     same, total, diff = compare_weights(reference, work / "weights.pt")
     assert not diff, f"{len(diff)} of {total} tensors differ"
     # The run remembers: the node that left is recorded bad (a requeue keeps it off too) ...
-    assert set(bad_node_records(work / "ckpt")) == {f"node{victim}"}, errs[victim][-3000:]
+    assert set(bad_node_records(RunPaths(work / "ckpt"))) == {f"node{victim}"}, \
+        errs[victim][-3000:]
     # ... the in-job restart is in the ledger once, from the rescued step on, naming it ...
     events = read_ledger(work / "ckpt" / "ledger.jsonl")
     restarts = [e for e in events if e["ev"] == "restart"]
@@ -177,7 +179,7 @@ def test_a_frozen_node_s_place_goes_to_the_standby_only_after_the_survivors_resc
         _finish(agents, timeout=0)
     err = (work / "agent.0.err").read_text()
     assert codes == [0, 0], (codes, err[-3000:])
-    rescued = [e.step for e in layout.scan(work / "ckpt")
+    rescued = [e.step for e in layout.scan(RunPaths(work / "ckpt"))
                if e.committed and e.manifest.get("reason") == "rescue"]
     assert rescued, err[-3000:]
     assert "a node waits for a place" in err and "relaunching in place" in err, err[-3000:]
@@ -259,7 +261,7 @@ def test_under_a_supervisor_the_agent_keeps_its_memory_in_the_run_rank_0_reporte
     channel = Channel(tmp_path / "channel")
     (tmp_path / "channel").mkdir()
     inplace = InPlace(agent, settings, channel)
-    assert inplace.run_dir() == str(agent.config.checkpoint.dir)   # nothing reported yet
+    assert inplace.run_paths().root == Path(agent.config.checkpoint.dir)  # nothing said yet
     report_now(channel, tmp_path / "run", run_id="r", committed=None, code=None, requeue={})
-    assert inplace.run_dir() == str((tmp_path / "run").resolve())
-    assert InPlace(agent, settings, None).run_dir() == str(agent.config.checkpoint.dir)
+    assert inplace.run_paths().root == (tmp_path / "run").resolve()
+    assert InPlace(agent, settings, None).run_paths().root == Path(agent.config.checkpoint.dir)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from kempner_resilience.checkpoint.info import CheckpointError
+from kempner_resilience.core.runpaths import RunPaths
 
 __all__ = ["local_problem", "disk_full", "out_of_inodes", "note_inodes", "full_words",
            "INODES_MARK"]
@@ -62,10 +63,12 @@ def full_words(text: str, root: Path) -> tuple[str, str]:
             "Free space there or point checkpoint.dir at a larger filesystem")
 
 
-def local_problem(root: Path, state_nbytes: int, rank: int,
+def local_problem(paths: RunPaths, state_nbytes: int, rank: int,
                   on_ok: Callable[[], None] | None = None) -> str | None:
-    """What keeps this rank from writing checkpoints into ``root`` (created when missing), or
-    None; ``on_ok`` runs when the directory is usable (rank 0 finishes old deletions there)."""
+    """What keeps this rank from writing checkpoints into the run's directory (created when
+    missing), or None; ``on_ok`` runs when the directory is usable (rank 0 finishes old
+    deletions there)."""
+    root = paths.root
     try:
         if not root.exists():
             if not root.parent.is_dir():
@@ -76,7 +79,7 @@ def local_problem(root: Path, state_nbytes: int, rank: int,
         elif not root.is_dir():
             raise CheckpointError(f"checkpoint.dir {root} exists but is not a directory; "
                                   "remove it or choose another checkpoint.dir")
-        _probe_write(root, rank)
+        _probe_write(paths, rank)
         st = os.statvfs(root)
         free = st.f_bavail * st.f_frsize
         need = int(state_nbytes * 1.05) + (1 << 20)
@@ -94,8 +97,9 @@ def local_problem(root: Path, state_nbytes: int, rank: int,
     return None
 
 
-def _probe_write(root: Path, rank: int) -> None:
-    probe = root / f".kempner_probe-{socket.gethostname()}-{rank}-{os.getpid()}"
+def _probe_write(paths: RunPaths, rank: int) -> None:
+    root = paths.root
+    probe = paths.probe(socket.gethostname(), rank, os.getpid())
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:

@@ -33,6 +33,7 @@ from kempner_resilience.core.fileio import (NotARegularFile, TooLarge, fsync_dir
                                             load_json_bounded, parse_json, read_bounded,
                                             temp_target, write_atomic)
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 
 log = get_logger(__name__)
 
@@ -40,8 +41,6 @@ MANIFEST_NAME = "MANIFEST.json"
 FORMAT = "kempner_resilience.checkpoint/1"
 MARKER_NAME = integrity.MARKER_NAME
 MARKER_FORMAT = "kempner_resilience.step-owner/1"
-TRASH_PREFIX = ".trash-"
-_STEP_RE = re.compile(r"^step_(\d{9,})(?:\.(\d+))?$")
 # Every name our saves create inside a step directory (``is_our_file``); a directory holding
 # anything else is not touched by retention (somebody put it there). MANIFEST.json.tmp is the
 # temporary name of versions before ``write_atomic``.
@@ -50,15 +49,10 @@ _OUR_FILES = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|\.metadata\.tmp|MANIFES
 _READ_CHUNK = 16 << 20
 
 
-def dir_name(step: int, attempt: int = 0) -> str:
-    """``step_000000010`` for the first attempt at a step, ``step_000000010.1`` for the next."""
-    return f"step_{step:09d}" + (f".{attempt}" if attempt else "")
-
-
-def parse_name(name: str) -> tuple[int, int] | None:
-    """(step, attempt) for one of our step directory names, else None."""
-    m = _STEP_RE.match(name)
-    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+# The step directories' names are the run directory's (``RunPaths``); these two stay as the
+# names the rest of this package and its tests know them by.
+dir_name = RunPaths.step_name
+parse_name = RunPaths.parse_step_name
 
 
 def is_our_file(name: str) -> bool:
@@ -67,12 +61,12 @@ def is_our_file(name: str) -> bool:
     return bool(_OUR_FILES.match(temp_target(name) or name))
 
 
-def create_step_dir(root: Path, step: int, run_id: str | None = None) -> Path:
+def create_step_dir(paths: RunPaths, step: int, run_id: str | None = None) -> Path:
     """Create a fresh directory for ``step`` (never an existing one) holding only our ownership
     marker (see ``write_marker``), and make it durable. On failure nothing is left behind."""
     attempt = 0
     while True:
-        path = root / dir_name(step, attempt)
+        path = paths.step_dir(step, attempt)
         try:
             path.mkdir(parents=True)
         except FileExistsError:
@@ -80,7 +74,7 @@ def create_step_dir(root: Path, step: int, run_id: str | None = None) -> Path:
             continue
         try:
             write_marker(path, step, run_id)
-            fsync_dir(root)
+            fsync_dir(paths.root)
         except BaseException:
             # A full disk often fails right here: leave no empty directory nobody would delete.
             with contextlib.suppress(OSError):
@@ -212,17 +206,17 @@ def scan_one(path: Path) -> Entry | None:
                      "permissions and the filesystem")
 
 
-def scan(root: Path) -> list[Entry]:
-    """Our step directories under ``root``, oldest first (by step, then commit time). A
+def scan(paths: RunPaths) -> list[Entry]:
+    """Our step directories in the run's directory, oldest first (by step, then commit time). A
     directory whose manifest is present but unusable is included with its ``problem``. Raises
-    OSError only when ``root`` itself cannot be listed (a missing root has no entries)."""
+    OSError only when the directory itself cannot be listed (a missing one has no entries)."""
     out: list[Entry] = []
     try:
-        names = os.listdir(root)
+        names = os.listdir(paths.root)
     except FileNotFoundError:
         return out
     for name in names:
-        entry = scan_one(root / name)
+        entry = scan_one(paths.root / name)
         if entry is not None:
             out.append(entry)
     out.sort(key=Entry.sort_key)
@@ -332,10 +326,10 @@ def verify_entry(entry: Entry, progress: integrity.Progress | None = None) -> No
                  progress)
 
 
-def latest(root: Path, allow_foreign_owner: bool) -> CheckpointInfo | None:
-    """The newest committed checkpoint under ``root`` that passes the cheap checks (manifest,
-    file sizes, owner); bad ones are logged and skipped. Reads no data."""
-    for entry in reversed(scan(root)):
+def latest(paths: RunPaths, allow_foreign_owner: bool) -> CheckpointInfo | None:
+    """The newest committed checkpoint of the run's directory that passes the cheap checks
+    (manifest, file sizes, owner); bad ones are logged and skipped. Reads no data."""
+    for entry in reversed(scan(paths)):
         if entry.damaged:
             log.warning("skipping checkpoint %s: %s", entry.path, entry.problem)
             continue

@@ -55,14 +55,14 @@ from kempner_resilience.core.fileio import (NotARegularFile, file_kind, parse_js
                                             read_bounded_stat)
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.procs import pid_alive, process_start
+from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["LEASE_FILE", "DirectoryInUseError", "LeaseLost", "Lease", "acquire", "stale_s",
+__all__ = ["DirectoryInUseError", "LeaseLost", "Lease", "acquire", "stale_s",
            "heartbeat_s", "TIMEOUT_ENV"]
 
 
 log = get_logger(__name__)
 
-LEASE_FILE = ".lease"
 HEARTBEAT_S = 5.0
 # A holder whose heartbeat has not moved for this long is gone. Long enough for a slow
 # filesystem or a briefly paused holder, short enough that a job resubmitted after a node
@@ -253,9 +253,9 @@ def _read(path: Path) -> _Seen | None:
     return _Seen(holder, st.st_mtime, st.st_ino)
 
 
-def _fs_now(root: Path) -> float:
+def _fs_now(paths: RunPaths) -> float:
     """The filesystem's clock, from a probe file's mtime (NFS: the server's)."""
-    probe = root / f".lease.probe.{socket.gethostname()}.{os.getpid()}"
+    probe = paths.lease_probe(socket.gethostname(), os.getpid())
     try:
         fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o644)
         os.close(fd)
@@ -309,8 +309,8 @@ def _gone_at_once(holder: dict[str, Any], me: dict[str, Any]) -> str | None:
     return None
 
 
-def _take_over(path: Path, seen: _Seen, me: dict[str, Any], why: str) -> bool:
-    aside = path.with_name(f"{LEASE_FILE}.stale.{me['token']}")
+def _take_over(paths: RunPaths, seen: _Seen, me: dict[str, Any], why: str) -> bool:
+    path, aside = paths.lease, paths.lease_aside(me["token"])
     try:
         os.rename(path, aside)
     except FileNotFoundError:
@@ -331,15 +331,15 @@ def _take_over(path: Path, seen: _Seen, me: dict[str, Any], why: str) -> bool:
     return False
 
 
-def acquire(root: Path, *, job_id: str | None = None, restart_count: int | None = None,
+def acquire(paths: RunPaths, *, job_id: str | None = None, restart_count: int | None = None,
             run_id: str | None = None, stale_s: float | None = None) -> Lease:
-    """Hold ``root`` for this run, or raise DirectoryInUseError naming the live holder.
+    """Hold the run's directory for this run, or raise DirectoryInUseError naming the live holder.
 
     Waits at most about ``stale_s`` (default: the module's ``stale_s()``) for a holder on
     another host that stopped beating; a live holder is refused within a few heartbeats.
     """
     timeout = _timeout() if stale_s is None else stale_s
-    path = Path(root) / LEASE_FILE
+    path = paths.lease
     me = _me(job_id, restart_count, run_id)
     watched: tuple[int, float, float] | None = None   # (inode, mtime, monotonic) first seen
     said = False
@@ -352,14 +352,14 @@ def acquire(root: Path, *, job_id: str | None = None, restart_count: int | None 
             continue                                   # released between the two calls
         if seen.kind == "a directory":
             raise DirectoryInUseError(
-                f"{path} is a directory, not a lease: no run can hold {root} while it is "
+                f"{path} is a directory, not a lease: no run can hold {paths} while it is "
                 "there. Remove it (nothing of ours creates it)")
         why = None
         if seen.kind is not None:
             why = f"{path} is {seen.kind}, not a lease (a run only ever creates a regular file)"
         elif seen.holder:
             why = _gone_at_once(seen.holder, me)
-        age = _fs_now(path.parent) - seen.mtime
+        age = _fs_now(paths) - seen.mtime
         if why is None and age > timeout:
             why = f"its heartbeat stopped {age:.0f} s ago"
         now = time.monotonic()
@@ -367,7 +367,7 @@ def acquire(root: Path, *, job_id: str | None = None, restart_count: int | None 
             if watched is None or watched[0] != seen.ino:
                 watched = (seen.ino, seen.mtime, now)
             elif seen.mtime != watched[1] and seen.holder is not None:
-                raise _in_use(root, seen.holder, timeout)   # its heartbeat moved: alive
+                raise _in_use(paths, seen.holder, timeout)   # its heartbeat moved: alive
             elif now - watched[2] > timeout:
                 # Watched for the whole timeout and it never moved: stale, whatever its time
                 # stamp says (one in the future never looks old by age).
@@ -375,25 +375,25 @@ def acquire(root: Path, *, job_id: str | None = None, restart_count: int | None 
                        "watched it" + (f" (its time stamp lies {-age:.0f} s in the future)"
                                        if age < 0 else ""))
         if why is not None:
-            if _take_over(path, seen, me, why):
+            if _take_over(paths, seen, me, why):
                 return Lease(path, me, timeout_s=timeout)
             time.sleep(0.01)                           # a contender moved it: look again
             continue
         if seen.holder is not None and seen.holder.get("host") == me["host"]:
-            raise _in_use(root, seen.holder, timeout)   # this host's process, still running
+            raise _in_use(paths, seen.holder, timeout)   # this host's process, still running
         if now > deadline:
-            raise _in_use(root, seen.holder or {}, timeout)
+            raise _in_use(paths, seen.holder or {}, timeout)
         if not said:
             said = True
-            log.warning("%s is held by %s; waiting up to %.0f s for its heartbeat", root,
+            log.warning("%s is held by %s; waiting up to %.0f s for its heartbeat", paths,
                         describe(seen.holder or {}), timeout)
         time.sleep(_POLL_S)
 
 
-def _in_use(root: Path, holder: dict[str, Any], timeout: float) -> DirectoryInUseError:
+def _in_use(paths: RunPaths, holder: dict[str, Any], timeout: float) -> DirectoryInUseError:
     return DirectoryInUseError(
-        f"checkpoint.dir {root} is in use by another live run ({describe(holder)}, run "
+        f"checkpoint.dir {paths} is in use by another live run ({describe(holder)}, run "
         f"{str(holder.get('run_id') or '?')[:60]}): two runs writing into one directory "
         "overwrite each other's checkpoints. Give this run its own checkpoint.dir, or stop the "
         f"other run. If that run is gone, this run takes the directory over once its lease "
-        f"({LEASE_FILE}) is {timeout:.0f} s old")
+        f"({paths.lease.name}) is {timeout:.0f} s old")

@@ -31,21 +31,22 @@ from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 
 __all__ = ["candidates", "lineage_candidates", "load_newest", "try_load", "restore_ddp_buckets"]
 
 log = get_logger(__name__)
 
 
-def candidates(root: Path, earlier: Iterable[str | None] = ()
+def candidates(paths: RunPaths, earlier: Iterable[str | None] = ()
                ) -> tuple[list[str] | None, str | None]:
     """Rank 0's list of what to try, newest first: committed checkpoints and damaged ones (so
-    the fall-back warning names them), or (None, why) when ``root`` cannot be listed. Those
-    recording a run id in ``earlier`` (lineages a fresh start left behind, see
+    the fall-back warning names them), or (None, why) when the run's directory cannot be
+    listed. Those recording a run id in ``earlier`` (lineages a fresh start left behind, see
     ``identity.earlier_runs``) are not tried: resume continues the newest lineage, not the
     highest step."""
     try:
-        return [str(e.path) for e in lineage_candidates(layout.scan(root), earlier)], None
+        return [str(e.path) for e in lineage_candidates(layout.scan(paths), earlier)], None
     except OSError as e:
         return None, f"{e.strerror}"
 
@@ -62,11 +63,13 @@ def lineage_candidates(entries: Iterable[layout.Entry], earlier: Iterable[str | 
             if (e.committed or e.damaged) and not (left and recorded(e) in left)]
 
 
-def load_newest(root: Path, config: CheckpointConfig, state: TrainState, rank: int, comm: Comm,
-                staging: HostStaging | None = None, *, earlier: Iterable[str | None] = (),
-                failed: list[Path] | None = None) -> tuple[CheckpointInfo, int] | None:
-    """Load the newest checkpoint under ``root`` that loads into ``state`` on every rank, and
-    give each DDP its bucket layout back: (its info, bytes read), or None when there is none.
+def load_newest(paths: RunPaths, config: CheckpointConfig, state: TrainState, rank: int,
+                comm: Comm, staging: HostStaging | None = None, *,
+                earlier: Iterable[str | None] = (), failed: list[Path] | None = None
+                ) -> tuple[CheckpointInfo, int] | None:
+    """Load the newest checkpoint of the run's directory that loads into ``state`` on every
+    rank, and give each DDP its bucket layout back: (its info, bytes read), or None when there
+    is none.
 
     A checkpoint that fails validation or checksum verification is skipped with a warning and
     the previous one is tried; CheckpointError when checkpoints exist but none loads (the
@@ -79,16 +82,16 @@ def load_newest(root: Path, config: CheckpointConfig, state: TrainState, rank: i
     # Rank 0 lists, every rank tries the same list: all make the same choice. Damaged entries
     # are tried too, so the warning below names them and the fall-back is the same as for any
     # other per-checkpoint error.
-    listing = candidates(root, earlier) if rank == 0 else (None, None)
-    paths, err = comm.broadcast_object(listing)
-    if paths is None:
-        raise CheckpointError(f"cannot list the checkpoints in {root} ({err}); fix its "
+    listing = candidates(paths, earlier) if rank == 0 else (None, None)
+    tried, err = comm.broadcast_object(listing)
+    if tried is None:
+        raise CheckpointError(f"cannot list the checkpoints in {paths} ({err}); fix its "
                               "permissions or set checkpoint.resume: false")
     failures: list[str] = []
     damaged: list[tuple[Path, str]] = []
     try:
-        for p in paths:
-            info, why, nread, proven = try_load(Path(p), config, state, rank, comm, staging)
+        for p in tried:
+            info, why, nread, proven = try_load(paths, Path(p), config, state, rank, comm, staging)
             if info is not None:
                 restore_ddp_buckets(state, comm, rank)
                 if failures:
@@ -110,15 +113,15 @@ def load_newest(root: Path, config: CheckpointConfig, state: TrainState, rank: i
                     failed.append(p)
     if failures:
         raise CheckpointError(
-            f"no committed checkpoint in {root} could be loaded ({'; '.join(failures)}). The "
+            f"no committed checkpoint in {paths} could be loaded ({'; '.join(failures)}). The "
             "model/optimizer may be partially overwritten: restart the process. To start "
             "fresh, move the step_* directories away or set checkpoint.resume: false")
-    log.debug("no committed checkpoint in %s: starting fresh", root)
+    log.debug("no committed checkpoint in %s: starting fresh", paths)
     return None
 
 
-def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
-             comm: Comm, staging: HostStaging | None = None
+def try_load(paths: RunPaths, path: Path, config: CheckpointConfig, state: TrainState,
+             rank: int, comm: Comm, staging: HostStaging | None = None
              ) -> tuple[CheckpointInfo | None, str, int, bool]:
     """Load ``path`` into ``state`` (collective): (info, "", bytes read, False) or (None, why,
     0, damaged), ``damaged`` when some rank's failure proves the bytes damaged
@@ -172,7 +175,7 @@ def try_load(path: Path, config: CheckpointConfig, state: TrainState, rank: int,
         blob = state.read_blob(sd, blob_key)
     except Exception as e:   # noqa: BLE001 - checksummed, yet not unpickled here: skip on all
         why = f"{path}: {blob_key}: {describe_error(e)}"
-    why = _check_objects(path, config, state, blob, why, diff, rank, comm)
+    why = _check_objects(paths, path, config, state, blob, why, diff, rank, comm)
     if why:
         return None, why, 0, False
     step = state.restore(sd, blob_key, blob)
@@ -191,9 +194,9 @@ def _refuse_any(refusals: Any) -> None:
         raise StateMismatchError(first)
 
 
-def _check_objects(path: Path, config: CheckpointConfig, state: TrainState,
-                   blob: dict[str, Any] | None, why: str | None, diff: statekeys.KeyDiff,
-                   rank: int, comm: Comm) -> str | None:
+def _check_objects(paths: RunPaths, path: Path, config: CheckpointConfig,
+                   state: TrainState, blob: dict[str, Any] | None, why: str | None,
+                   diff: statekeys.KeyDiff, rank: int, comm: Comm) -> str | None:
     """After the load, before anything is applied: the blob's objects (scheduler, data
     loader, ...) that the live state lacks are refused like the DCP entries; with
     ``allow_partial_resume`` rank 0 pins the checkpoint when anything of it is left out, and
@@ -212,10 +215,10 @@ def _check_objects(path: Path, config: CheckpointConfig, state: TrainState,
         note = statekeys.partial_note(str(path), both)
         try:
             if both.dropped:
-                pinned.pin(Path(config.dir), path, note)
+                pinned.pin(paths, path, note)
         except OSError as e:
             problem = (f"refusing the partial resume from {path}: it cannot be pinned in "
-                       f"{Path(config.dir) / pinned.PIN_NAME} ({e.strerror or e}), and "
+                       f"{paths.pinned} ({e.strerror or e}), and "
                        "retention would then delete the only full copy; fix or remove that "
                        "file")
         else:

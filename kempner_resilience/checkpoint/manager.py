@@ -41,6 +41,7 @@ from kempner_resilience.checkpoint.saver import Saver
 from kempner_resilience.config import CheckpointConfig, StagingMode
 from kempner_resilience.core.gcpause import gc_paused
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 
 log = get_logger(__name__)
 
@@ -85,7 +86,8 @@ class CheckpointManager:
         self.config = config
         self.run_id = run_id
         self.peer_timeout_s = peer_timeout_s
-        self.root = Path(config.dir)  # absolute: resolved once, when the config was built
+        # Every entry of the run's directory, named once (absolute: resolved with the config).
+        self.paths = RunPaths.from_checkpoint_config(config)
         self.rank = rank
         self.world_size = world_size
         self.state = TrainState(state, ddp_buckets=config.ddp_buckets)
@@ -102,7 +104,7 @@ class CheckpointManager:
         self._lock = threading.RLock()          # one foreground operation at a time
         self._busy = 0
         self._busy_lock = threading.Lock()
-        self._saver = Saver(config, self.state, rank=rank, world_size=world_size,
+        self._saver = Saver(config, self.paths, self.state, rank=rank, world_size=world_size,
                             peer_timeout_s=peer_timeout_s,
                             staging=hostbuf.reserve(config, self.state, rank),
                             manifest_extra={**(manifest_extra or {}),
@@ -119,6 +121,11 @@ class CheckpointManager:
         self._lease = lease
 
     # ----------------------------------------------------------------------------------- status
+
+    @property
+    def root(self) -> Path:
+        """The run's directory itself (``paths.root``); its entries: ``paths``."""
+        return self.paths.root
 
     @property
     def busy(self) -> bool:
@@ -192,9 +199,9 @@ class CheckpointManager:
         """Fail early if checkpoints cannot be written: the directory's parent is missing, it is
         not writable, or it lacks the space for about one save. Collective: every rank raises
         the same ``CheckpointDirError`` (exit code 78 when a script leaves it uncaught)."""
-        clean = (lambda: retention.clean_trash(self.root, self.run_id, self._saver.leave_alone)) \
+        clean = (lambda: retention.clean_trash(self.paths, self.run_id, self._saver.leave_alone)) \
             if self.rank == 0 else None
-        problem = dircheck.local_problem(self.root, self.state.nbytes(), self.rank, clean)
+        problem = dircheck.local_problem(self.paths, self.state.nbytes(), self.rank, clean)
         problems = self._fg.all_gather_object(problem)
         bad = [f"rank {r}: {p}" if self.world_size > 1 else p
                for r, p in enumerate(problems) if p]
@@ -204,7 +211,7 @@ class CheckpointManager:
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint that passes the cheap checks (manifest, file sizes,
         owner); bad ones are logged and skipped. Local (no collectives), reads no data."""
-        return layout.latest(self.root, self.config.allow_foreign_owner)
+        return layout.latest(self.paths, self.config.allow_foreign_owner)
 
     # ---------------------------------------------------------------------------- resume
 
@@ -220,7 +227,7 @@ class CheckpointManager:
             self._drain_background(raise_errors=False)
             t0 = time.monotonic()
             unloadable: list[Path] = []      # kept from this run's retention (Saver.resumed)
-            found = loader.load_newest(self.root, self.config, self.state, self.rank, self._fg,
+            found = loader.load_newest(self.paths, self.config, self.state, self.rank, self._fg,
                                        self._saver.staging, earlier=self._saver.earlier,
                                        failed=unloadable)
             if found is None:

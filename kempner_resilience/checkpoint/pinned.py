@@ -18,19 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from kempner_resilience.core.fileio import parse_json, read_bounded, write_atomic
+from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["PIN_NAME", "pin", "read"]
+__all__ = ["pin", "read"]
 
-PIN_NAME = "pinned.json"
 _MAX_BYTES = 1 << 20       # thousands of pins; a larger file is not ours
 
 
-def _path(root: Path) -> Path:
-    return Path(root) / PIN_NAME
-
-
-def _load(root: Path) -> list[dict[str, Any]]:
-    file = _path(root)
+def _load(paths: RunPaths) -> list[dict[str, Any]]:
+    file = paths.pinned
     try:
         raw = read_bounded(file, _MAX_BYTES)      # a FIFO never blocks, /dev/zero is refused
     except FileNotFoundError:
@@ -49,18 +45,18 @@ def _load(root: Path) -> list[dict[str, Any]]:
     return pins
 
 
-def read(root: Path) -> set[Path]:
-    """The pinned step directories under ``root`` (empty when there is no pin file). Raises
+def read(paths: RunPaths) -> set[Path]:
+    """The pinned step directories of the run (empty when there is no pin file). Raises
     OSError when the file exists but cannot be read or parsed (see the module docstring)."""
-    return {Path(root) / Path(p["dir"]).name for p in _load(root)}
+    return {paths.root / Path(p["dir"]).name for p in _load(paths)}
 
 
-def pin(root: Path, step_dir: Path, why: str) -> None:
-    """Record ``step_dir`` (a directory directly under ``root``) as pinned, with ``why``.
+def pin(paths: RunPaths, step_dir: Path, why: str) -> None:
+    """Record ``step_dir`` (a directory directly in the run's directory) as pinned, with ``why``.
     Rank 0 only; raises OSError when it cannot be written (the caller must not go on: an
     unpinned partial resume would lose the full checkpoint to retention)."""
-    pins = _load(root)      # unreadable: raised, never overwritten (its pins would be lost)
+    pins = _load(paths)      # unreadable: raised, never overwritten (its pins would be lost)
     if any(Path(p["dir"]).name == step_dir.name for p in pins):
         return
     pins.append({"dir": step_dir.name, "why": why[:500], "pinned_at": time.time()})
-    write_atomic(_path(root), json.dumps({"format": 1, "pinned": pins}, indent=1) + "\n")
+    write_atomic(paths.pinned, json.dumps({"format": 1, "pinned": pins}, indent=1) + "\n")

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from kempner_resilience.core.fileio import fsync_dir
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["DAMAGED_PREFIX", "NOTE_NAME", "set_aside", "why_word"]
+__all__ = ["NOTE_NAME", "set_aside", "why_word"]
 
 log = get_logger(__name__)
 
-DAMAGED_PREFIX = ".damaged-"
 NOTE_NAME = "DAMAGED.txt"
 
 # The first pattern found in the failure names the directory: short, and enough to tell a flipped
@@ -45,12 +45,11 @@ def set_aside(path: Path, why: str) -> Path | None:
     """Rename the damaged checkpoint ``path`` aside (rank 0) and log it; its new path, or None
     when it could not be renamed (then it stays where it is: resume already skips it, and the
     run protects it from its own retention)."""
-    base = f"{DAMAGED_PREFIX}{path.name}-{why_word(why)}"
-    target = path.parent / base
-    n = 0
+    word, n = why_word(why), 0
+    target = path.parent / RunPaths.damaged_name(path.name, word)
     while os.path.lexists(target):          # the same step damaged twice: keep both
         n += 1
-        target = path.parent / f"{base}.{n}"
+        target = path.parent / RunPaths.damaged_name(path.name, word, n)
     try:
         os.rename(path, target)
         fsync_dir(path.parent)

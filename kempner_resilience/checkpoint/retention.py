@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
-from kempner_resilience.checkpoint.layout import (MANIFEST_NAME, MARKER_NAME, TRASH_PREFIX,
-                                                  Entry, is_our_file, read_manifest, read_marker)
+from kempner_resilience.checkpoint.layout import (MANIFEST_NAME, MARKER_NAME, Entry, is_our_file,
+                                                  read_manifest, read_marker)
 from kempner_resilience.core.fileio import fsync_dir
+from kempner_resilience.core.runpaths import RunPaths
 
 __all__ = ["why_not_ours", "remove_dir", "clean_trash", "select_for_deletion", "plan_deletions"]
 
@@ -86,24 +87,24 @@ def remove_dir(path: Path) -> None:
     Never a symlink: renaming one would only hide it, deleting through it would reach elsewhere."""
     if stat.S_ISLNK(os.lstat(path).st_mode):
         raise OSError(f"{path} is a symbolic link; retention never removes links")
-    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}"
+    trash = path.parent / RunPaths.trash_name(path.name, f"{os.getpid()}-{time.monotonic_ns()}")
     os.rename(path, trash)
     fsync_dir(path.parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def clean_trash(root: Path, run_id: str | None = None,
+def clean_trash(paths: RunPaths, run_id: str | None = None,
                 on_skip: Callable[[Path, str], None] | None = None) -> None:
     """Finish deletions a crash interrupted (only of directories that are ours, as retention
     decides it; ``on_skip(path, why)`` hears about the others)."""
     try:
-        names = os.listdir(root)
+        names = os.listdir(paths.root)
     except FileNotFoundError:
         return
     for name in names:
-        if not name.startswith(TRASH_PREFIX + "step_"):
+        if not RunPaths.is_step_trash(name):
             continue
-        p = root / name
+        p = paths.root / name
         try:
             manifest: dict[str, Any] | None = read_manifest(p)
         except (CheckpointCorrupt, OSError):

@@ -32,6 +32,7 @@ from kempner_resilience.checkpoint.writer import STAGING_MISMATCH, ChecksummingW
 from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 
 __all__ = ["Saver"]
 
@@ -50,12 +51,13 @@ class Saver:
     saves.
     """
 
-    def __init__(self, config: CheckpointConfig, state: TrainState, *, rank: int,
-                 world_size: int, peer_timeout_s: float | None, staging: HostStaging | None,
-                 manifest_extra: dict[str, Any],
+    def __init__(self, config: CheckpointConfig, paths: RunPaths, state: TrainState, *,
+                 rank: int, world_size: int, peer_timeout_s: float | None,
+                 staging: HostStaging | None, manifest_extra: dict[str, Any],
                  last_good: Callable[[], CheckpointInfo | None]) -> None:
         self.config = config
-        self.root = Path(config.dir)
+        self.paths = paths
+        self.root = paths.root
         self.state = state
         self.rank = rank
         self.world_size = world_size
@@ -134,7 +136,7 @@ class Saver:
             try:
                 if self.lease is not None:
                     self.lease.check()
-                choice = (str(layout.create_step_dir(self.root, step, self.run_id)), None)
+                choice = (str(layout.create_step_dir(self.paths, step, self.run_id)), None)
             except LeaseLost as e:
                 choice = (None, commit.LOST_PREFIX + str(e))
             except OSError as e:
@@ -230,13 +232,13 @@ class Saver:
         try:
             if self.lease is not None:
                 self.lease.check()               # a run that lost its lease deletes nothing
-            retention.clean_trash(self.root, self.run_id, self.leave_alone)
+            retention.clean_trash(self.paths, self.run_id, self.leave_alone)
             # Pinned (pinned.json: a partial resume's full checkpoint) are never deleted; an
             # unreadable pin file raises OSError here, and nothing is deleted.
-            protect = set(self._writing) | self._unloadable | pinned.read(self.root)
+            protect = set(self._writing) | self._unloadable | pinned.read(self.paths)
             if self._resumed_from is not None and not self._own_commit:
                 protect.add(self._resumed_from)
-            victims = retention.select_for_deletion(layout.scan(self.root), self.config.keep_last,
+            victims = retention.select_for_deletion(layout.scan(self.paths), self.config.keep_last,
                                                  self.config.keep_every, protect,
                                                  run_id=self.run_id, earlier=self.earlier,
                                                  on_skip=self.leave_alone)

@@ -10,6 +10,7 @@ from pathlib import Path
 from kempner_resilience.checkpoint import integrity, layout
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
 from kempner_resilience.cli.common import CliError, Verb
+from kempner_resilience.core.runpaths import RunPaths
 
 
 def _size(n: int) -> str:
@@ -41,7 +42,8 @@ def _groups(p: Path) -> tuple[list[tuple[Path, list[layout.Entry]]], str]:
         return ([(p.parent, [entry])] if entry else []), ""
     roots, complete = layout.find_roots(p, _SEARCH_DEPTH)
     if roots:
-        return [(r, layout.scan(r)) for r in roots], ""
+        # Each root found is a run's directory named from outside the config.
+        return [(r, layout.scan(RunPaths(r))) for r in roots], ""
     where = (f"{p}: no checkpoints (no step_* directories in it or up to {_SEARCH_DEPTH} levels "
              "below")
     if not complete:

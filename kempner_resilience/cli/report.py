@@ -11,7 +11,10 @@ from pathlib import Path
 
 from kempner_resilience.cli.common import CliError, Verb
 from kempner_resilience.core.goodput import PARTS, RECOVERY, Attempt, Goodput, analyze
-from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import read_ledger
+from kempner_resilience.core.runpaths import RunPaths
+
+_LEDGER = RunPaths(Path(".")).ledger.name     # the ledger's file name, for help texts
 
 _LABELS = {"startup": "start-up", "load": "checkpoint load",
            "save_blocking": "periodic-save blocking", "kept": "steps kept (goodput)",
@@ -104,7 +107,7 @@ def _recoveries(g: Goodput) -> list[str]:
 
 
 def setup_report(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help=f"checkpoint directory (checkpoint.dir, holding {LEDGER_NAME}) "
+    p.add_argument("dir", help=f"checkpoint directory (checkpoint.dir, holding {_LEDGER}) "
                                "or the ledger file")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON")
     p.add_argument("--plot", metavar="FILE.png",
@@ -118,9 +121,9 @@ def setup_report(p: argparse.ArgumentParser) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     target = Path(args.dir)
-    ledger = target / LEDGER_NAME if target.is_dir() else target
+    ledger = RunPaths(target).ledger if target.is_dir() else target
     if not ledger.exists():
-        raise CliError(f"{ledger}: no run ledger here (ResilientRun writes {LEDGER_NAME} into "
+        raise CliError(f"{ledger}: no run ledger here (ResilientRun writes {_LEDGER} into "
                        "checkpoint.dir when the run has checkpoint state)")
     plot = _plot_path(args.plot) if args.plot else None     # before any output
     try:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kempner_resilience.cli.common import CliError, Verb, config_args, training_command
 from kempner_resilience.config import load_config
+from kempner_resilience.core.runpaths import RunPaths
 
 if TYPE_CHECKING:
     from kempner_resilience.slurm import SaveFacts
@@ -36,8 +37,8 @@ def _setup_doctor(p: argparse.ArgumentParser) -> None:
                 "(its size and save time), as the run checks it at start.")
 
 
-def last_save_facts(root: str | os.PathLike[str]) -> SaveFacts | None:
-    """What the newest committed checkpoint under ``root`` says about the next emergency save
+def last_save_facts(paths: RunPaths) -> SaveFacts | None:
+    """What the newest committed checkpoint of the run says about the next emergency save
     (its size and save time, from its manifest), estimated as ``ResilientRun`` does after
     resuming from it; None without one."""
     from kempner_resilience.checkpoint import layout
@@ -45,7 +46,7 @@ def last_save_facts(root: str | os.PathLike[str]) -> SaveFacts | None:
     from kempner_resilience.slurm import SaveFacts
 
     try:
-        entries = [e for e in layout.scan(Path(root)) if e.committed]
+        entries = [e for e in layout.scan(paths) if e.committed]
     except OSError:
         return None
     if not entries:
@@ -67,7 +68,7 @@ def doctor(args: argparse.Namespace) -> int:
         raise CliError("--save-seconds must be >= 0", 2)
     cfg = load_config(args.config, args.overrides)
     save = SaveFacts(args.save_seconds) if args.save_seconds is not None else \
-        last_save_facts(cfg.checkpoint.dir)
+        last_save_facts(RunPaths.from_config(cfg))
     findings = list(preflight(cfg, save=save))
     if "SLURM_JOB_ID" not in os.environ:
         save_s = None if save is None else save.save_s

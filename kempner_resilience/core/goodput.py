@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
-from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import read_ledger
+from kempner_resilience.core.runpaths import RunPaths
 
 __all__ = ["Attempt", "Goodput", "analyze", "analyze_dir", "run_ids", "split_attempts",
            "PARTS", "RECOVERY"]
@@ -247,5 +249,5 @@ def analyze_dir(path: str | os.PathLike[str], run_id: str | None = None) -> Good
     """``path``: checkpoint.dir (holding ``ledger.jsonl``) or the ledger file itself."""
     p = os.fspath(path)
     if os.path.isdir(p):
-        p = os.path.join(p, LEDGER_NAME)
+        p = os.fspath(RunPaths(Path(p)).ledger)
     return analyze(read_ledger(p), run_id)

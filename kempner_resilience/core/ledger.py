@@ -77,13 +77,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from kempner_resilience.core.fileio import read_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["Ledger", "LEDGER_NAME", "MAX_BYTES", "read_ledger", "valid_event",
+__all__ = ["Ledger", "MAX_BYTES", "read_ledger", "valid_event",
            "process_start_time", "attempt_start", "AGENT_START_ENV", "REPORT_ENV",
            "RELAUNCH_ENV", "RELAUNCH_START_ENV", "relaunch_count"]
 
 log = get_logger(__name__)
 
-LEDGER_NAME = "ledger.jsonl"
 MAX_BYTES = 4 * 2**20
 # What a reader accepts. Far above MAX_BYTES: a writer with ``only`` never compacts, and one
 # killed mid-event leaves what it wrote (CI saw 75 MB of 4 MiB events before a SIGKILL); a

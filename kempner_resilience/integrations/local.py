@@ -51,6 +51,7 @@ from typing import Callable, Sequence
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  RankEnd, decide, job_code)
 
@@ -165,8 +166,8 @@ class LocalLauncher:
     script). ``interrupts`` (work directory only) maps a training step to the signal delivered
     when rank 0 reaches it (each is delivered once over the whole job). ``on_progress(launch,
     step)`` is called as steps complete, ``on_launch(launch)`` after each launch.
-    ``max_launches``: the first launch and the relaunches together. ``ckpt_dir``: the run's
-    checkpoint directory, when the caller knows it: the policy's no-progress guard
+    ``max_launches``: the first launch and the relaunches together. ``run_paths``: the run's
+    directory, when the caller knows it: the policy's no-progress guard
     (``max_no_progress`` relaunches in a row without a newer committed step) then applies.
     ``relaunch_codes``: None, the policy decides; a set, relaunch exactly when the job's code is
     in it (a caller that plays a scheduler of its own, as the demo does with its own signals).
@@ -179,7 +180,7 @@ class LocalLauncher:
                  on_progress: Callable[[int, int], None] | None = None,
                  on_launch: Callable[[Launch], None] | None = None,
                  relaunch_codes: set[int] | frozenset[int] | None = None,
-                 stop_timeout_s: float = 60.0, ckpt_dir: Path | None = None,
+                 stop_timeout_s: float = 60.0, run_paths: RunPaths | None = None,
                  max_no_progress: int = 2) -> None:
         if workdir is None and interrupts:
             raise ValueError("interrupts need a workdir (rank 0's progress file is read there)")
@@ -193,7 +194,7 @@ class LocalLauncher:
         self.on_launch = on_launch
         self.relaunch_codes = None if relaunch_codes is None else frozenset(relaunch_codes)
         self.stop_timeout_s = stop_timeout_s
-        self.ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
+        self.run_paths = run_paths
         self.max_no_progress = max_no_progress
         self.launches: list[Launch] = []
         self.channel: Channel | None = None   # the ranks' word, while run() runs
@@ -218,7 +219,7 @@ class LocalLauncher:
                 if self._received:      # a signal after the ranks had exited: no relaunch
                     launch.interrupted = True
                     del self._received[:]
-                commits = None if self._run_dir() is None else Commits(before,
+                commits = None if self._run_paths() is None else Commits(before,
                                                                        self._committed_step())
                 launch.decision = self._decide(launch, launch_evidence(
                     launch.exit_codes, launch.killed, index=index,
@@ -236,10 +237,10 @@ class LocalLauncher:
             self.channel.remove()
         return self.launches
 
-    def _run_dir(self) -> Path | None:
-        """The run's directory: as rank 0 reported it, else the caller's ``ckpt_dir``."""
+    def _run_paths(self) -> RunPaths | None:
+        """The run's directory: as rank 0 reported it, else the caller's ``run_paths``."""
         report = self.channel.read() if self.channel is not None else None
-        return Path(report.run_dir) if report is not None else self.ckpt_dir
+        return RunPaths(Path(report.run_dir)) if report is not None else self.run_paths
 
     def _max_no_progress(self) -> int:
         """The run's requeue.max_no_progress as rank 0 reported it, else the caller's."""
@@ -259,11 +260,11 @@ class LocalLauncher:
                         d.left_early, d.guard)
 
     def _committed_step(self) -> int | None:
-        run_dir = self._run_dir()
-        if run_dir is None:
+        run_paths = self._run_paths()
+        if run_paths is None:
             return None
         try:
-            steps = [e.step for e in layout.scan(run_dir) if e.committed]
+            steps = [e.step for e in layout.scan(run_paths) if e.committed]
         except OSError:
             return None
         return max(steps) if steps else None

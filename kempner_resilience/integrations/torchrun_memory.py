@@ -27,11 +27,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any, Iterable
 
 from kempner_resilience.core import torch_private
-from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+from kempner_resilience.core.ledger import read_ledger
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_node_records, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
@@ -62,31 +62,31 @@ def relaunch_env(round_: int) -> dict[str, str]:
     return _relaunch_env(round_, time.time()) if round_ > 0 else {}
 
 
-def record_left(ckpt_dir: str | os.PathLike[str], codes: Iterable[int],
+def record_left(paths: RunPaths, codes: Iterable[int],
                 why: str | None = None) -> None:
     """This node leaves the job to a spare (its worker was killed, or hung with the GIL held):
     record it as bad. ``why``: the agent's words for it ("... on this node ...")."""
     node = node_name()
-    if not _known_dir(ckpt_dir, f"node {node} as bad"):
+    if not _known_dir(paths, f"node {node} as bad"):
         return
     what = f"a worker on {node} was killed (exit {sorted(set(codes))})" \
         if why is None or "was killed" in why else why.replace("this node", node)
     try:
-        record_bad_nodes(ckpt_dir, [node], reason=f"{what}; it left the job to a spare",
+        record_bad_nodes(paths, [node], reason=f"{what}; it left the job to a spare",
                          job_id=os.environ.get("SLURM_JOB_ID"))
     except OSError as e:     # the relaunch still goes on without it; only the memory is lost
-        log.error("cannot record node %s as bad in %s: %s", node, ckpt_dir, e)
+        log.error("cannot record node %s as bad in %s: %s", node, paths, e)
 
 
-def _known_dir(ckpt_dir: str | os.PathLike[str], what: str) -> bool:
-    """Whether ``ckpt_dir`` exists (the workers made it). When it does not, the agent's config
-    names another ``checkpoint.dir`` than the workers': nothing is written (no stray
-    directory), and the log says how to fix it."""
-    if Path(ckpt_dir).is_dir():
+def _known_dir(paths: RunPaths, what: str) -> bool:
+    """Whether the run's directory exists (the workers made it). When it does not, the
+    agent's config names another ``checkpoint.dir`` than the workers': nothing is written (no
+    stray directory), and the log says how to fix it."""
+    if paths.root.is_dir():
         return True
     log.warning("not writing %s: no checkpoint directory %s; give the agent the workers' "
                 "checkpoint.dir (--config/--set before torchrun's arguments, or "
-                "KEMPNER_RESILIENCE_CONFIG)", what, ckpt_dir)
+                "KEMPNER_RESILIENCE_CONFIG)", what, paths)
     return False
 
 
@@ -94,23 +94,22 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def record_agent_restart(ckpt_dir: str | os.PathLike[str], round_: int, *,
+def record_agent_restart(paths: RunPaths, round_: int, *,
                          spare: str | None = None, why: str | None = None
                          ) -> dict[str, Any] | None:
     """Write the ``restart`` event of in-job restart ``round_`` (the rank-0 agent, before it
     starts its workers). ``why``: this agent's own view of the failure, used when no node
     left (a rescued failure with every node alive). Never raises; returns the event."""
-    if not _known_dir(ckpt_dir, f"the restart event of in-job restart {round_}"):
+    if not _known_dir(paths, f"the restart event of in-job restart {round_}"):
         return None
     try:
-        d = Path(ckpt_dir)
-        path = d / LEDGER_NAME
+        path = paths.ledger
         events = read_ledger(path) if path.exists() else []
         # The failure happened during the previous attempt: since its start.
         starts = [e for e in events if e.get("ev") == "start"]
         since = _num(starts[-1].get("t0")) if starts else None
         since = since if since is not None else 0.0
-        fresh = {n: r for n, r in bad_node_records(d).items()
+        fresh = {n: r for n, r in bad_node_records(paths).items()
                  if (_num(r.get("last_t")) or 0.0) >= since}
         rescue = next((e for e in reversed(events) if e.get("ev") == "rescue"
                        and (_num(e.get("t")) or 0.0) >= since), None)
@@ -131,14 +130,14 @@ def record_agent_restart(ckpt_dir: str | os.PathLike[str], round_: int, *,
             or why or "a rescued failure"
         from kempner_resilience.checkpoint import layout
 
-        steps = [e.step for e in layout.scan(d) if e.committed]
+        steps = [e.step for e in layout.scan(paths) if e.committed]
         attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
         run_id = next((e.get("run_id") for e in reversed(events) if e.get("run_id")), None)
-        return record_restart(d, relaunch=round_, reason=reason, bad_nodes=fresh,
+        return record_restart(paths, relaunch=round_, reason=reason, bad_nodes=fresh,
                               spare=spare, step=max(steps) if steps else None,
                               failure_t=failure_t, detect_s=detect_s, rescue_s=rescue_s,
                               relaunch_s=relaunch_s, attempt=attempt, run_id=run_id)
     except Exception as e:   # the restart goes on; only its accounting is lost
         log.error("could not write the restart event of in-job restart %d to %s: %s",
-                  round_, ckpt_dir, e)
+                  round_, paths, e)
         return None

@@ -50,12 +50,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.ledger import RELAUNCH_ENV as IN_JOB_RESTART_ENV
 from kempner_resilience.core.ledger import RELAUNCH_START_ENV
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
 from kempner_resilience.integrations.torchrun_memory import (node_name, record_agent_restart,
                                                              record_left, relaunch_env,
@@ -125,7 +127,7 @@ class InPlace:
         self.standby = False          # torch put this agent in a round's redundancy list
         self.restarts = 0
         self.left = False             # this node was implicated and left the job to a spare
-        self.ckpt_dir = agent.config.checkpoint.dir   # the run's directory without a channel
+        self.own_paths = RunPaths.from_config(agent.config)  # the run's without a channel
         self.spares_seen: list[str] = []  # the standbys waiting when this agent restarted
         self.why: str | None = None       # this agent's view of the last failure
         self.starts = 0                   # worker groups this agent started
@@ -152,17 +154,17 @@ class InPlace:
         """This agent only ever waited as a spare: it started no worker."""
         return self.standby and not self.agent.workers
 
-    def run_dir(self) -> str:
+    def run_paths(self) -> RunPaths:
         """Where the run's memory lives: the directory rank 0 reported to the supervisor's
         channel (whatever way the script set ``checkpoint.dir``), else the agent's own."""
         if self.channel is not None:
             report = self.channel.read()
             if report is not None:
-                return report.run_dir
+                return RunPaths(Path(report.run_dir))
             log.warning("%s: no run reported in the supervisor's channel %s yet: using the "
                         "agent's checkpoint.dir %s", AGENT_NAME, self.channel.root,
-                        self.ckpt_dir)
-        return str(self.ckpt_dir)
+                        self.own_paths)
+        return self.own_paths
 
     def decide(self, codes: Mapping[int, int], restarts_left: int = 1,
                max_restarts: int = 1) -> tuple[bool, str]:
@@ -191,7 +193,7 @@ class InPlace:
             self.left = True
             # Before it leaves: the survivors' next round, and so the relaunch's restart
             # event, cannot complete until it has left.
-            record_left(self.run_dir(), sorted(set(codes.values())), why=mine)
+            record_left(self.run_paths(), sorted(set(codes.values())), why=mine)
             return False, (f"{mine}: this node is implicated and leaves; a standby "
                            f"({', '.join(spares)}) takes its place")
         self.spares_seen = list(spares)
@@ -250,7 +252,7 @@ class InPlace:
         self.launch = launch_name()
         if round_ > 0 and group_rank == 0:
             # One agent per round writes it, before its workers (global rank 0's) start.
-            record_agent_restart(self.run_dir(), round_, spare=self.spare(rdzv_handler),
+            record_agent_restart(self.run_paths(), round_, spare=self.spare(rdzv_handler),
                                  why=self.why)
         self.starts += 1
 

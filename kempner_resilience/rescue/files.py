@@ -37,10 +37,10 @@ from typing import Any
 
 from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.procs import pid_alive, process_start
+from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["RescueFiles", "RESCUE_DIR", "remove_stale", "pid_alive", "process_start"]
+__all__ = ["RescueFiles", "remove_stale", "pid_alive", "process_start"]
 
-RESCUE_DIR = ".rescue"
 HEARTBEAT_S = 1.0        # how often a writer touches its claim
 STALE_S = 10.0           # a claim of another host whose mtime stood still this long: writer gone
 _SNAP_RE = re.compile(r"^rank(\d+)\.step(\d+)$")
@@ -74,10 +74,10 @@ class Heartbeat:
 
 
 class RescueFiles:
-    """The files of one attempt's rescue under ``root``."""
+    """The files of one attempt's rescue in the run's directory."""
 
-    def __init__(self, root: Path, attempt: str) -> None:
-        self.dir = Path(root) / RESCUE_DIR / attempt
+    def __init__(self, paths: RunPaths, attempt: str) -> None:
+        self.dir = paths.rescue_attempt(attempt)
         self._seen: tuple[Any, float] | None = None   # the claim's (mtime, size), seen since
 
     def _ensure(self) -> None:
@@ -189,9 +189,9 @@ class RescueFiles:
             return None
 
 
-def remove_stale(root: Path, keep: str) -> None:
+def remove_stale(paths: RunPaths, keep: str) -> None:
     """Remove the rescue files of earlier attempts (rank 0, at start; a failure is harmless)."""
-    top = Path(root) / RESCUE_DIR
+    top = paths.rescue
     try:
         names = os.listdir(top)
     except OSError:

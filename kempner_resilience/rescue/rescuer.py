@@ -80,7 +80,7 @@ class Rescuer:
         self.ckpt = ckpt
         self.rank = rank
         self.world_size = world_size
-        self.files = rfiles.RescueFiles(ckpt.root, attempt)
+        self.files = rfiles.RescueFiles(ckpt.paths, attempt)
         self.boundary = Boundary(ckpt.state)
         self.link = BuddyLink(rank, self._on_wake)
         self._lock = threading.Lock()
@@ -130,7 +130,7 @@ class Rescuer:
                 log.warning("rescue off: %s", whys[0])
             return None
         attempt, secret = gathered[0][4]
-        self.files = rfiles.RescueFiles(ckpt.root, attempt)
+        self.files = rfiles.RescueFiles(ckpt.paths, attempt)
         offset = buddy_offset([g[3] for g in gathered])
         self.offset = offset
         buddy, pred = (rank + offset) % world_size, (rank - offset) % world_size
@@ -141,7 +141,7 @@ class Rescuer:
                         "dies will lack its per-rank state", buddy, pred, e)
         self.boundary.attach()
         if rank == 0:
-            rfiles.remove_stale(ckpt.root, attempt)
+            rfiles.remove_stale(ckpt.paths, attempt)
             log.info("rescue on: %s; each rank's step state also lives on rank +%d; budget "
                      "%.0f s", f"{world_size} replicas" if layout is None else layout.describe(),
                      offset, config.budget_s)
@@ -376,7 +376,7 @@ class Rescuer:
                             "detected_to_write_s": round(time.monotonic() - t0, 4)}}
         try:
             info = write_rescue(self.ckpt.state, self.boundary, blobs, step,
-                                root=self.ckpt.root, run_id=self.ckpt.run_id,
+                                paths=self.ckpt.paths, run_id=self.ckpt.run_id,
                                 io_threads=cfg.io_threads, world_size=self.world_size,
                                 extra=extra, shards=shards,
                                 still_valid=lambda: self._moved(step, generation))

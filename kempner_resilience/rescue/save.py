@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import io
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -31,6 +30,7 @@ from kempner_resilience.checkpoint.info import CheckpointError, CheckpointInfo, 
 from kempner_resilience.checkpoint.state import TrainState, rank_key
 from kempner_resilience.checkpoint.writer import ChecksummingWriter
 from kempner_resilience.core.gcpause import gc_paused
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.rescue import sharded
 from kempner_resilience.rescue.boundary import Boundary, decode
 
@@ -65,23 +65,23 @@ def _state_dict(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes
 
 @gc_paused()       # the process's last save: no full collections during it
 def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes], step: int,
-                 *, root: Path, run_id: str | None, io_threads: int, world_size: int,
+                 *, paths: RunPaths, run_id: str | None, io_threads: int, world_size: int,
                  extra: Mapping[str, Any], shards: list[Mapping[Any, tuple]] | None = None,
                  still_valid: Callable[[], str | None] = lambda: None) -> CheckpointInfo:
-    """Write and commit the state of boundary ``step`` under ``root``; ``blobs`` holds every
-    rank's snapshot of it. ``extra`` goes into the manifest (run id, job, the rescue's record).
-    ``shards`` (sharded state): the other columns' local shards (``sharded.load_column``), which
-    with this rank's own make up every DTensor. ``still_valid`` runs after the write, before
-    the commit: a reason there (the live state
+    """Write and commit the state of boundary ``step`` in the run's directory (``paths``);
+    ``blobs`` holds every rank's snapshot of it. ``extra`` goes into the manifest (run id, job,
+    the rescue's record). ``shards`` (sharded state): the other columns' local shards
+    (``sharded.load_column``), which with this rank's own make up every DTensor.
+    ``still_valid`` runs after the write, before the commit: a reason there (the live state
     moved during the write) commits nothing. Raises CheckpointError (nothing committed) on any
     failure."""
     t0 = time.monotonic()
     sd = _state_dict(state, boundary, blobs, step, shards)
     try:
-        path = layout.create_step_dir(root, step, run_id)
+        path = layout.create_step_dir(paths, step, run_id)
     except OSError as e:
         raise CheckpointError(f"rescue of step {step}: cannot create its directory under "
-                              f"{root}: {describe_error(e)}") from None
+                              f"{paths}: {describe_error(e)}") from None
     status: str | None = None
     manifest: dict[str, Any] = {}
     try:

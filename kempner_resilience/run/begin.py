@@ -15,13 +15,13 @@ import os
 import socket
 import time
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kempner_resilience.checkpoint import identity
-from kempner_resilience.stop.agreement import FORCED_MARKER_PREFIX, StopAgreement
+from kempner_resilience.stop.agreement import StopAgreement
 from kempner_resilience.exitcodes import Ending, Facts
-from kempner_resilience.core.ledger import LEDGER_NAME, Ledger, attempt_start, relaunch_count
+from kempner_resilience.core.ledger import Ledger, attempt_start, relaunch_count
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import announce, get_logger
 from kempner_resilience.run import hparams
 from kempner_resilience.run.runstate import RunState
@@ -78,11 +78,11 @@ def _checkpoints(run: RunState, state: Mapping[str, Any], run_id: str | None) ->
     restarts = run.slurm.restart_count if run.slurm is not None else local_restart_count()
     run.ckpt = ckpt = _manager(run, state, restarts)
     ckpt.check_dir()                                       # writable, room for a save
-    run.run_id, lineage = _resolve_run_id(run, ckpt.root, run_id)  # run.json, ours
-    held = _hold_directory(run, ckpt.root, restarts)
-    ckpt.claim(run.run_id, held, _record_lineage(run, ckpt.root, lineage))
-    _mark_forced_exits_in(run, ckpt.root)
-    run.ledger = _ledger(run, ckpt.root, restarts)
+    run.run_id, lineage = _resolve_run_id(run, ckpt.paths, run_id)  # run.json, ours
+    held = _hold_directory(run, ckpt.paths, restarts)
+    ckpt.claim(run.run_id, held, _record_lineage(run, ckpt.paths, lineage))
+    _mark_forced_exits_in(run, ckpt.paths)
+    run.ledger = _ledger(run, ckpt.paths, restarts)
     script = hparams.snapshot(state) if run.rank == 0 else {}  # the script's, before the load
     _resume(run, ckpt)
     _announce_start(run, ckpt, run.resumed_from, script, state)
@@ -143,7 +143,7 @@ def _manager(run: RunState, state: Mapping[str, Any], restarts: int | None
                                              "restart_count": restarts})
 
 
-def _resolve_run_id(run: RunState, root: Path, explicit: str | None
+def _resolve_run_id(run: RunState, paths: RunPaths, explicit: str | None
                     ) -> tuple[str, dict[str, Any] | None]:
     """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
     every rank gets the id, or the same refusal. With ``checkpoint.resume: false`` in a
@@ -159,16 +159,16 @@ def _resolve_run_id(run: RunState, root: Path, explicit: str | None
             # repair: a damaged run.json is rewritten from the checkpoints' run id, so
             # it neither blocks the restart nor gives this attempt an unrecorded id.
             rid = explicit
-            recorded = identity.repair(root, rid)
+            recorded = identity.repair(paths, rid)
             if not cfg.resume:
-                rid, lineage = identity.plan_lineage(root, layout.scan(root), explicit)
+                rid, lineage = identity.plan_lineage(paths, layout.scan(paths), explicit)
             elif rid is None:
-                rid, _ = identity.load_or_create(root)
+                rid, _ = identity.load_or_create(paths)
             elif recorded is None:
-                rid, _ = identity.load_or_create(root, rid)
+                rid, _ = identity.load_or_create(paths, rid)
             if cfg.resume:
                 try:
-                    identity.check_same_run(root, rid, layout.scan(root), recorded)
+                    identity.check_same_run(paths, rid, layout.scan(paths), recorded)
                 except identity.OtherRunError as e:
                     if not cfg.allow_other_run:
                         raise
@@ -179,7 +179,7 @@ def _resolve_run_id(run: RunState, root: Path, explicit: str | None
             text = "refused:" + str(e)
         except OSError as e:
             text = "ok:" + (explicit or identity.new_run_id())
-            log.warning("cannot record the run id in %s (%s); this attempt uses %s", root,
+            log.warning("cannot record the run id in %s (%s); this attempt uses %s", paths,
                         e, text[3:])
     text = run.agreement.share_text("run_id", text, 120.0)
     kind, _, value = text.partition(":")
@@ -188,23 +188,23 @@ def _resolve_run_id(run: RunState, root: Path, explicit: str | None
     return value, lineage
 
 
-def _record_lineage(run: RunState, root: Path, lineage: dict[str, Any] | None
+def _record_lineage(run: RunState, paths: RunPaths, lineage: dict[str, Any] | None
                     ) -> frozenset[str | None]:
     """Rank 0, holding the lease: write a fresh start's new lineage into ``run.json``; the
-    lineages left behind in ``root`` (rank 0's: it alone lists for resume and runs
+    lineages left behind in the run's directory (rank 0's: it alone lists for resume and runs
     retention)."""
     if run.rank != 0:
         return frozenset()
     if not run.config.checkpoint.resume:
         try:
-            identity.record_lineage(root, run.run_id or "", lineage)
+            identity.record_lineage(paths, run.run_id or "", lineage)
         except OSError as e:
             log.warning("cannot record the new lineage %s in %s (%s): the next resume may not "
-                        "find it", run.run_id, root / identity.RUN_FILE, e)
-    return identity.earlier_runs(root)
+                        "find it", run.run_id, paths.run_file, e)
+    return identity.earlier_runs(paths)
 
 
-def _hold_directory(run: RunState, root: Path, restarts: int | None) -> Lease | None:
+def _hold_directory(run: RunState, paths: RunPaths, restarts: int | None) -> Lease | None:
     """Rank 0 takes the directory's lease (one live run per ``checkpoint.dir``) before
     anything is written into it; every rank gets the same refusal when another live run
     holds it. Given up at teardown; one left by a killed run is taken over."""
@@ -214,13 +214,13 @@ def _hold_directory(run: RunState, root: Path, restarts: int | None) -> Lease | 
     if run.rank == 0:
         job = run.slurm
         try:
-            held = lease.acquire(root, job_id=None if job is None else job.requeue_id,
+            held = lease.acquire(paths, job_id=None if job is None else job.requeue_id,
                                  restart_count=restarts, run_id=run.run_id)
         except lease.DirectoryInUseError as e:
             text = "refused:" + str(e)
         except OSError as e:
             log.warning("cannot hold %s with a lease (%s): a second run on this directory "
-                        "would not be noticed", root, e)
+                        "would not be noticed", paths, e)
     text = run.agreement.share_text("lease", text,
                                     lease.stale_s() + 4 * lease.heartbeat_s() + 60.0)
     kind, _, why = text.partition(":")
@@ -229,9 +229,10 @@ def _hold_directory(run: RunState, root: Path, restarts: int | None) -> Lease | 
     return held
 
 
-def _mark_forced_exits_in(run: RunState, root: Path) -> None:
-    """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in ``root``: the
-    store, which normally carries the news, dies with rank 0 when rank 0 is that rank.
+def _mark_forced_exits_in(run: RunState, paths: RunPaths) -> None:
+    """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in the run's
+    directory: the store, which normally carries the news, dies with rank 0 when rank 0 is
+    that rank.
     Rank 0, holding the lease, clears the markers of earlier attempts, then hands every rank
     this attempt's token (collective)."""
     if run.agreement.store is None:
@@ -240,21 +241,21 @@ def _mark_forced_exits_in(run: RunState, root: Path) -> None:
     if run.rank == 0:
         token = uuid.uuid4().hex[:12]
         try:
-            for old in Path(root).glob(FORCED_MARKER_PREFIX + "*"):
+            for old in paths.forced_markers():
                 old.unlink(missing_ok=True)
         except OSError as e:     # a stale marker has another token: it is never read
-            log.debug("cannot clear old forced-exit markers in %s: %s", root, e)
+            log.debug("cannot clear old forced-exit markers in %s: %s", paths, e)
     token = run.agreement.share_text("attempt_token", token, 120.0)
-    run.agreement.use_forced_marker(Path(root), token)
+    run.agreement.use_forced_marker(paths.forced_marker(token))
 
 
-def _ledger(run: RunState, root: Path, restarts: int | None) -> Ledger:
+def _ledger(run: RunState, paths: RunPaths, restarts: int | None) -> Ledger:
     """The run ledger, and its ``start`` event. Rank 0 writes it; another rank only a rescue
     it wrote (rank 0 may be the rank that died, and then no one else would record the step
     the rescue kept)."""
     ledger = run.ledger
     if run.config.checkpoint.ledger:
-        ledger = Ledger(root / LEDGER_NAME, run_id=run.run_id, attempt=restarts or 0,
+        ledger = Ledger(paths.ledger, run_id=run.run_id, attempt=restarts or 0,
                         only=None if run.rank == 0 else ("rescue",),
                         relaunch=relaunch_count())     # an in-job restart: its own attempt
     job = run.slurm
@@ -265,7 +266,7 @@ def _ledger(run: RunState, root: Path, restarts: int | None) -> Ledger:
     if job is not None and job.nodelist and run.rank == 0:
         # A requeue SLURM did itself (the batch node died: no rank left to exclude the bad
         # nodes) may land on a recorded one: say so, once, with the way out.
-        check_allocation(root, expand_hostlist(job.nodelist))
+        check_allocation(paths, expand_hostlist(job.nodelist))
     return ledger
 
 
@@ -294,7 +295,7 @@ def _announce_start(run: RunState, ckpt: CheckpointManager, info: CheckpointInfo
         return
     if info is not None:
         changed = hparams.differences(before, hparams.snapshot(state))
-        done = identity.completed_step(ckpt.root, run.run_id) if run.run_id else None
+        done = identity.completed_step(ckpt.paths, run.run_id) if run.run_id else None
         run.completed_step = done            # read once: run.steps() says what remains
         if done is None:
             finished = ""

@@ -279,10 +279,10 @@ class ResilientRun:
         if parts.rank != 0 or parts.ckpt is None or not parts.run_id or parts.ckpt.lease_lost:
             return       # (a run that lost its lease writes no run file any more)
         try:
-            identity.mark_complete(parts.ckpt.root, parts.run_id, parts.step)
+            identity.mark_complete(parts.ckpt.paths, parts.run_id, parts.step)
         except OSError as e:
             log.warning("cannot record that run %s completed step %d in %s: %s", parts.run_id,
-                        parts.step, parts.ckpt.root / identity.RUN_FILE, e)
+                        parts.step, parts.ckpt.paths.run_file, e)
 
     def add_cleanup(self, fn: Callable[[], Any], *, name: str | None = None,
                     timeout_s: float | None = None) -> Callable[[], Any]:

@@ -29,6 +29,7 @@ from kempner_resilience.stop.agreement import StopDecision
 from kempner_resilience.config import Action, ExitMode
 from kempner_resilience.core.ledger import Ledger
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.run.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown.outcome import (Ending, Facts, Saved, Verdict, exit_code,
@@ -128,7 +129,7 @@ def lease_lost(parts: RunState, step: int) -> NoReturn:
     # Rank 0's lease said so in its one error line; the other ranks learn it here.
     log.log(logging.INFO if parts.rank == 0 else logging.ERROR,
             "stopping at step %d: another run holds %s now (rank 0 lost its lease); nothing "
-            "was saved and the job is not requeued", step, parts.config.checkpoint.dir)
+            "was saved and the job is not requeued", step, RunPaths.from_config(parts.config))
     parts.ledger = Ledger(None)         # the holder's ledger: not ours to write any more
     _teardown(parts, peers_alive=True)
     _leave(parts, Facts(Ending.LEASE_LOST, step))
@@ -152,7 +153,7 @@ def requeue_after_failure(parts: RunState, why: str) -> Verdict | None:
         return None
     if parts.ckpt is not None and parts.ckpt.lease_lost:
         log.warning("%s: not requeued: another run holds %s now (this run lost its lease)",
-                    why, parts.config.checkpoint.dir)
+                    why, parts.ckpt.paths)
         return None
     if os.environ.get(CHANNEL_ENV):
         # `kempner-resilience srun` (spare nodes) started this step: it relaunches the
@@ -272,7 +273,7 @@ def _requeue_decision(parts: RunState) -> Verdict:
 
     ledger = None
     if parts.ckpt is not None:
-        ledger = RestartLedger.for_checkpoint_dir(parts.config.checkpoint.dir)
+        ledger = RestartLedger.for_checkpoint_dir(parts.ckpt.paths)
     who = parts.slurm if parts.slurm is not None else local_restart_count()
     verdict = decide_requeue(who, ledger, parts.committed_step(), parts.config.requeue)
     if not verdict.requeue:
@@ -283,7 +284,7 @@ def _requeue_decision(parts: RunState) -> Verdict:
         return Verdict.REQUEUED  # "run me again": the local launcher relaunches
     t0 = time.monotonic()
     # Every requeue of a run with recorded bad nodes keeps the job off them (slurm/badnodes.py).
-    exclude = bad_nodes(parts.config.checkpoint.dir) if parts.ckpt is not None else set()
+    exclude = bad_nodes(parts.ckpt.paths) if parts.ckpt is not None else set()
     # The training's own step spans the nodes it needs; any other node of the job is a spare.
     result = requeue_job(parts.slurm, parts.config.requeue, exclude=exclude,
                          min_nodes=parts.slurm.nnodes)

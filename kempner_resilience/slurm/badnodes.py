@@ -32,37 +32,31 @@ import os
 import socket
 import subprocess
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.slurm.env import expand_hostlist
 from kempner_resilience.slurm.scontrol import (ScontrolResult, find_scontrol, parse_show_job,
                                                run_scontrol)
 
-__all__ = ["BAD_NODES_NAME", "record_bad_nodes", "bad_nodes", "bad_node_records",
+__all__ = ["record_bad_nodes", "bad_nodes", "bad_node_records",
            "exclude_for_requeue", "requeue_excluding", "merged_exclusions", "exclude_args",
            "check_allocation"]
 
 _log = get_logger(__name__)
 
-BAD_NODES_NAME = "bad-nodes.json"
-_LOCK_NAME = ".bad-nodes.lock"
 _LOCK_WAIT_S = 5.0
 
 #: ``scontrol`` as ``exclude_for_requeue`` calls it: (args, timeout) -> result.
 Scontrol = Callable[[Sequence[str], float], ScontrolResult]
 
 
-def _path(ckpt_dir: str | os.PathLike[str]) -> Path:
-    return Path(ckpt_dir) / BAD_NODES_NAME
-
-
-def bad_node_records(ckpt_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+def bad_node_records(paths: RunPaths) -> dict[str, dict[str, Any]]:
     """node -> {reason, job_id, t (first recorded), last_t, count}; empty when none are
     recorded or the file is unreadable (logged)."""
-    p = _path(ckpt_dir)
+    p = paths.bad_nodes
     try:
         data = load_json_bounded(p)        # bounded: a FIFO or /dev/zero is unreadable
         nodes = data["nodes"]
@@ -78,17 +72,17 @@ def bad_node_records(ckpt_dir: str | os.PathLike[str]) -> dict[str, dict[str, An
         return {}
 
 
-def bad_nodes(ckpt_dir: str | os.PathLike[str]) -> set[str]:
+def bad_nodes(paths: RunPaths) -> set[str]:
     """Every node recorded so far (empty if none; a malformed file: warned, read as empty)."""
-    return set(bad_node_records(ckpt_dir))
+    return set(bad_node_records(paths))
 
 
 @contextlib.contextmanager
-def _locked(ckpt_dir: Path) -> Iterator[None]:
+def _locked(paths: RunPaths) -> Iterator[None]:
     """An advisory lock on the sidecar file, waited on for at most ``_LOCK_WAIT_S``."""
     fd = None
     try:
-        fd = os.open(ckpt_dir / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(paths.bad_nodes_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         deadline = time.monotonic() + _LOCK_WAIT_S
         while True:
             try:
@@ -97,7 +91,7 @@ def _locked(ckpt_dir: Path) -> Iterator[None]:
             except OSError as e:
                 if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
                     _log.warning("bad-node record: lock %s not taken (%s); writing unlocked",
-                                 ckpt_dir / _LOCK_NAME, e)
+                                 paths.bad_nodes_lock, e)
                     break
                 time.sleep(0.02)
     except OSError as e:  # a read-only or lock-less filesystem: the write itself will tell
@@ -109,19 +103,18 @@ def _locked(ckpt_dir: Path) -> Iterator[None]:
             os.close(fd)   # releases the lock
 
 
-def record_bad_nodes(ckpt_dir: str | os.PathLike[str], nodes: Iterable[str], *, reason: str,
+def record_bad_nodes(paths: RunPaths, nodes: Iterable[str], *, reason: str,
                      job_id: str | None) -> set[str]:
     """Add ``nodes`` (with why and when) to the run's record; returns the whole set now
     recorded. Idempotent: a node recorded again keeps its first reason and time, and counts.
     Raises OSError only when the record cannot be written (the caller logs and goes on)."""
     new = {n.strip() for n in nodes if n and n.strip()}
-    d = Path(ckpt_dir)
     if not new:
-        return bad_nodes(d)
-    d.mkdir(parents=True, exist_ok=True)
+        return bad_nodes(paths)
+    paths.root.mkdir(parents=True, exist_ok=True)
     now = round(time.time(), 3)
-    with _locked(d):
-        records = bad_node_records(d)
+    with _locked(paths):
+        records = bad_node_records(paths)
         for n in sorted(new):
             rec = records.get(n)
             if rec is None:
@@ -130,10 +123,10 @@ def record_bad_nodes(ckpt_dir: str | os.PathLike[str], nodes: Iterable[str], *, 
             else:
                 rec["last_t"] = now
                 rec["count"] = int(rec.get("count", 1)) + 1
-        write_atomic(_path(d), json.dumps({"version": 1, "nodes": records}, indent=1,
+        write_atomic(paths.bad_nodes, json.dumps({"version": 1, "nodes": records}, indent=1,
                                           sort_keys=True))
     _log.warning("node(s) %s recorded as bad (%s); the run keeps them out from now on "
-                 "(%s)", ",".join(sorted(new)), reason, _path(d))
+                 "(%s)", ",".join(sorted(new)), reason, paths.bad_nodes)
     return set(records)
 
 
@@ -284,12 +277,12 @@ def _room(job: dict[str, str], excluded: str, call: Scontrol,
                              f"nodes for a job of {need}")
 
 
-def exclude_args(ckpt_dir: str | os.PathLike[str], allocation: Iterable[str],
+def exclude_args(paths: RunPaths, allocation: Iterable[str],
                  needed: int) -> list[str]:
     """``srun`` arguments keeping a step off the recorded bad nodes of ``allocation`` when the
     rest still holds ``needed`` nodes (``["--exclude=a,b"]``), else ``[]`` (logged)."""
     nodes = list(allocation)
-    bad = sorted(bad_nodes(ckpt_dir) & set(nodes))
+    bad = sorted(bad_nodes(paths) & set(nodes))
     if not bad:
         return []
     if len(nodes) - len(bad) < needed:
@@ -300,10 +293,10 @@ def exclude_args(ckpt_dir: str | os.PathLike[str], allocation: Iterable[str],
     return [f"--exclude={','.join(bad)}"]
 
 
-def check_allocation(ckpt_dir: str | os.PathLike[str], hosts: Iterable[str]) -> set[str]:
+def check_allocation(paths: RunPaths, hosts: Iterable[str]) -> set[str]:
     """The recorded bad nodes among this attempt's ``hosts``, each named in one warning (a
     requeue SLURM did itself, after a node failure, had no rank left to exclude them)."""
-    records = bad_node_records(ckpt_dir)
+    records = bad_node_records(paths)
     here = sorted(set(hosts) & set(records))
     for n in here:
         r = records[n]

@@ -51,7 +51,8 @@ from typing import Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.config.schema import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.core.ledger import LEDGER_NAME, RELAUNCH_START_ENV, read_ledger
+from kempner_resilience.core.ledger import RELAUNCH_START_ENV, read_ledger
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
@@ -147,11 +148,12 @@ class Relauncher:
     # ------------------------------------------------------------------ the run it supervises
 
     @property
-    def ckpt_dir(self) -> Path:
+    def run_paths(self) -> RunPaths:
         """The run's directory as rank 0 reported it; before any report, the checkpoint.dir
         of ``--config``/``--set`` (a script that sets it in code has not said it yet)."""
         report = self.channel.read()
-        return Path(report.run_dir) if report is not None else Path(self.config.checkpoint.dir)
+        return RunPaths(Path(report.run_dir)) if report is not None \
+            else RunPaths.from_config(self.config)
 
     def requeue_config(self) -> RequeueConfig:
         """The run's requeue settings as rank 0 reported them, else ``--config``/``--set``'s."""
@@ -203,7 +205,7 @@ class Relauncher:
     def _loop(self) -> tuple[int, bool]:
         index = 0
         while True:
-            bad = bad_nodes(self.ckpt_dir) | self._bad_here
+            bad = bad_nodes(self.run_paths) | self._bad_here
             nodes = choose_nodes(self.nodes, bad, self.need)
             if nodes is None:
                 # No step can start at all (a requeued job that came back with its bad nodes
@@ -230,7 +232,7 @@ class Relauncher:
             if decision.kind is Kind.FAILURE and not ev.stopping and implicated:
                 self._record_bad(implicated, reason)
             if decision.action is Action.RELAUNCH:
-                nxt = choose_nodes(self.nodes, bad_nodes(self.ckpt_dir) | self._bad_here,
+                nxt = choose_nodes(self.nodes, bad_nodes(self.run_paths) | self._bad_here,
                                    self.need) or []
                 spare = sorted(set(nxt) - set(nodes))
                 _log.warning("step %d failed (%s): relaunching in place on %s (spare %s): %s",
@@ -254,7 +256,7 @@ class Relauncher:
         channel, the run's commits before (``committed_before``) and now, the budget, the
         spares. Reads the run's directory and the channel; acts on nothing."""
         cfg = self.requeue_config()
-        bad = bad_nodes(self.ckpt_dir) | self._bad_here
+        bad = bad_nodes(self.run_paths) | self._bad_here
         state = LoopState(
             relaunches=index, max_relaunches=int(self.in_job_restarts),
             requeue_left=bool(cfg.enabled) and (not cfg.max_restarts
@@ -272,7 +274,7 @@ class Relauncher:
         says, in this job's next steps."""
         self._bad_here |= nodes
         try:
-            record_bad_nodes(self.ckpt_dir, nodes, reason=reason, job_id=self.job.job_id)
+            record_bad_nodes(self.run_paths, nodes, reason=reason, job_id=self.job.job_id)
         except OSError as e:       # the relaunch still avoids them in this job
             _log.error("cannot record bad nodes %s: %s", sorted(nodes), e)
 
@@ -303,7 +305,7 @@ class Relauncher:
         from kempner_resilience.checkpoint import layout
 
         try:
-            steps = [e.step for e in layout.scan(self.ckpt_dir) if e.committed]
+            steps = [e.step for e in layout.scan(self.run_paths) if e.committed]
         except OSError:
             return None
         return max(steps) if steps else None
@@ -323,15 +325,15 @@ class Relauncher:
             return code, False
         from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
 
-        ckpt_dir, cfg = self.ckpt_dir, self.requeue_config()
-        ledger = RestartLedger.for_checkpoint_dir(ckpt_dir)
+        paths, cfg = self.run_paths, self.requeue_config()
+        ledger = RestartLedger.for_checkpoint_dir(paths)
         verdict = decide_requeue(self.job, ledger, self._committed_step(), cfg)
         if not verdict.requeue:
             return code, False
         # Before the requeue: it SIGKILLs this batch step at once.
         self.channel.record_train_nodes(self.need)
         # The failed nodes are kept out of the requeued job too (badnodes).
-        requeue_job(self.job, cfg, exclude=bad_nodes(ckpt_dir) | self._bad_here,
+        requeue_job(self.job, cfg, exclude=bad_nodes(paths) | self._bad_here,
                     min_nodes=self.need)
         return code, True
 
@@ -341,7 +343,7 @@ class Relauncher:
         ``report`` adds them up: detection (the first bad news -> every node heard from, less
         the survivors' rescue, which runs meanwhile), rescue, relaunch (the old step over -> now,
         the new step's launch)."""
-        path = self.ckpt_dir / LEDGER_NAME
+        path = self.run_paths.ledger
         events = read_ledger(path) if path.exists() else []
         attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
         run_id = next((e.get("run_id") for e in reversed(events) if e.get("run_id")), None)
@@ -354,7 +356,7 @@ class Relauncher:
         if res.first_bad_t is not None and res.ended_t is not None:
             detect_s = max(0.0, res.ended_t - res.first_bad_t - (rescue_s or 0.0))
             relaunch_s = time.time() - res.ended_t
-        record_restart(self.ckpt_dir, relaunch=self._relaunches + 1, reason=reason,
+        record_restart(self.run_paths, relaunch=self._relaunches + 1, reason=reason,
                        bad_nodes=bad, spare=",".join(spare) or None,
                        step=self._committed_step(), failure_t=res.first_bad_t,
                        detect_s=detect_s, rescue_s=rescue_s, relaunch_s=relaunch_s,

@@ -30,18 +30,18 @@ from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode, Verdict
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.slurm.badnodes import exclude_for_requeue, requeue_excluding
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
 
 __all__ = ["RequeueResult", "requeue_job", "Outcome", "Decision", "RestartLedger",
-           "decide_requeue", "RESTARTS_NAME"]
+           "decide_requeue"]
 
 _log = get_logger(__name__)
 
-#: The restart record in checkpoint.dir (restart count and committed step per attempt, for the
-#: budget and the no-progress guard); not the run ledger, core.ledger.LEDGER_NAME.
-RESTARTS_NAME = ".kempner_restarts.json"
+# The restart record (``RunPaths.restarts``: restart count and committed step per attempt, for
+# the budget and the no-progress guard) is not the run ledger (``RunPaths.ledger``).
 
 
 # ------------------------------------------------------------------------ scontrol requeue
@@ -195,8 +195,10 @@ class RestartLedger:
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
-    def for_checkpoint_dir(cls, checkpoint_dir: str | os.PathLike[str]) -> "RestartLedger":
-        return cls.load(Path(checkpoint_dir) / RESTARTS_NAME)
+    def for_checkpoint_dir(cls, where: RunPaths | str | os.PathLike[str]) -> "RestartLedger":
+        """The run's restart decisions (``where``: the run's ``RunPaths``; a directory path is
+        still taken, as this class is public)."""
+        return cls.load(RunPaths.of(where).restarts)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "RestartLedger":

@@ -4,10 +4,10 @@ training again inside the allocation (the fields: ``kempner_resilience.core.ledg
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Iterable
 
-from kempner_resilience.core.ledger import LEDGER_NAME, RELAUNCH_ENV, RELAUNCH_START_ENV, Ledger
+from kempner_resilience.core.ledger import RELAUNCH_ENV, RELAUNCH_START_ENV, Ledger
+from kempner_resilience.core.runpaths import RunPaths
 
 __all__ = ["record_restart", "relaunch_env"]
 
@@ -18,16 +18,17 @@ def relaunch_env(relaunch: int, launched_t: float) -> dict[str, str]:
     return {RELAUNCH_ENV: str(int(relaunch)), RELAUNCH_START_ENV: repr(float(launched_t))}
 
 
-def record_restart(ckpt_dir: str | os.PathLike[str], *, relaunch: int, reason: str,
+def record_restart(where: RunPaths | str | os.PathLike[str], *, relaunch: int, reason: str,
                    bad_nodes: Iterable[str] = (), spare: str | None = None,
                    step: int | None = None, failure_t: float | None = None,
                    detect_s: float | None = None, rescue_s: float | None = None,
                    relaunch_s: float | None = None, attempt: int = 0,
                    run_id: str | None = None) -> dict[str, Any] | None:
-    """Append the ``restart`` event of an in-job restart to ``ckpt_dir``'s ledger (the glue's
-    side; see the module docstring for the fields). ``attempt``: SLURM's restart count. Never
-    raises; returns the event written (None: the ledger is off)."""
-    led = Ledger(Path(ckpt_dir) / LEDGER_NAME, run_id=run_id, attempt=attempt,
+    """Append the ``restart`` event of an in-job restart to the run's ledger (the glue's
+    side; see the module docstring for the fields). ``where``: the run's ``RunPaths``, or its
+    directory (this function is documented for users' own glue). ``attempt``: SLURM's restart
+    count. Never raises; returns the event written (None: the ledger is off)."""
+    led = Ledger(RunPaths.of(where).ledger, run_id=run_id, attempt=attempt,
                  relaunch=relaunch, only=("restart",))
     try:
         led.event("restart", reason=reason, bad_nodes=",".join(sorted(set(bad_nodes))),

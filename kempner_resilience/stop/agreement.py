@@ -37,9 +37,6 @@ log = get_logger(__name__)
 KEY = "kempner_resilience/stop_at"
 CODE_KEY = "kempner_resilience/exit_code"
 FORCED_KEY = "kempner_resilience/forced_exit"
-#: ``checkpoint.dir/.forced-exit.<attempt token>``: a forced exit's announcement that outlives
-#: the store (see ``StopAgreement.announce_forced_exit``).
-FORCED_MARKER_PREFIX = ".forced-exit."
 
 
 @dataclass(frozen=True)
@@ -205,14 +202,15 @@ class StopAgreement:
         self.store.wait([key], datetime.timedelta(seconds=max(timeout_s, 1.0)))
         return self.store.get(key).decode()
 
-    def use_forced_marker(self, root: Path, token: str) -> None:
-        """Announce forced exits also as ``root/.forced-exit.<token>`` (``token``: this
-        attempt's, the same on every rank). The store dies with its host, rank 0: when rank 0 is
-        the rank forced out, the others find its announcement only in the checkpoint directory,
-        which every rank shares. The name is new in every attempt, so no rank has looked it up
-        (and cached its absence, as an NFS client does) before it is written."""
+    def use_forced_marker(self, marker: Path) -> None:
+        """Announce forced exits also as the file ``marker`` (``RunPaths.forced_marker`` of
+        this attempt's token, the same on every rank). The store dies with its host, rank 0:
+        when rank 0 is the rank forced out, the others find its announcement only in the
+        checkpoint directory, which every rank shares. The name is new in every attempt, so no
+        rank has looked it up (and cached its absence, as an NFS client does) before it is
+        written."""
         if self.store is not None:
-            self._marker = Path(root) / f"{FORCED_MARKER_PREFIX}{token}"
+            self._marker = marker
 
     def announce_forced_exit(self, code: int) -> None:
         """This rank is about to be forced out with ``code`` (a repeated SIGTERM/SIGINT): tell

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from kempner_resilience.checkpoint import CheckpointManager, layout  # noqa: E402
 from kempner_resilience.config import CheckpointConfig  # noqa: E402
+from kempner_resilience.core.runpaths import RunPaths
 
 
 class Counter:
@@ -142,7 +143,7 @@ def main() -> None:
     # Every directory that looks committed must be complete and verify byte for byte.
     broken = []
     committed = 0
-    for e in layout.scan(Path(root)):
+    for e in layout.scan(RunPaths(Path(root))):
         if e.committed:
             committed += 1
             try:
