@@ -105,11 +105,11 @@ def test_the_step_loop_follows_the_directory_rank_0_reported_not_its_own_config(
 
 
 def test_a_finish_said_in_an_earlier_launch_does_not_end_the_next_one(tmp_path):
-    from kempner_resilience.slurm.relaunch import _FinishWatch
+    from kempner_resilience.slurm.srunstep import FinishWatch
 
     channel = Channel.for_job("7", {}, cwd=tmp_path)
     channel.report(RunReport("/x", "r", 4, 0, {}, "h", 1, 1.0))
-    watch = _FinishWatch(channel, 0.0)
+    watch = FinishWatch(channel, 0.0)
     assert not watch.over()
     channel.report(RunReport("/x", "r", 4, None, {}, "h", 2, 2.0))   # the new rank 0 started
     watch.next = 0.0

@@ -41,8 +41,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,39 +57,15 @@ from kempner_resilience.slurm.restart_event import record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
 from kempner_resilience.slurm.evidence import LoopState, step_evidence
 from kempner_resilience.slurm.steps import (FAILURE_CODES, RESTART_INDEX_ENV, StepReport,
-                                            choose_nodes, parse_srun_line)
+                                            choose_nodes)
+from kempner_resilience.slurm.srunstep import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
+                                               StepResult)
 from kempner_resilience.supervise.channel import Channel
 from kempner_resilience.supervise.policy import Action, Decision, Evidence, Guard, Kind, decide
 
 __all__ = ["Relauncher", "StepResult", "run_in_place", "FINISHED_GRACE_S"]
 
 _log = get_logger(__name__)
-
-# After a failure ending, once every node that reported has reported all its tasks, this long
-# without news and the step is over on every node that can still report: the silent ones are
-# dead. The survivors report as they finish their rescue (srun's --kill-on-bad-exit SIGTERMs
-# them at the first bad exit, their slurmstepd SIGKILLs them KillWait later).
-SETTLE_S = 2.0
-# Without news for this long the step is over whatever was reported (a survivor node that
-# reported some of its tasks only: SLURM's KillWait, 30 s by default, has passed).
-SETTLE_MAX_S = 45.0
-# The ending of an old step (srun killed, the step cancelled) is bounded by this.
-END_STEP_S = 10.0
-# After rank 0 said that its run finished (exit code 0 in the channel), this long for the step
-# to end by itself; then the step is ended here: srun may be waiting for a task on a dead node
-# that SLURM has not noticed yet (SlurmdTimeout), while the training is over.
-FINISHED_GRACE_S = 20.0
-
-
-@dataclass
-class StepResult:
-    code: int                            # srun's exit status (ours when we ended it)
-    report: StepReport
-    first_bad_t: float | None = None     # wall time of srun's first bad task report
-    ended_t: float | None = None         # wall time the step was over (srun gone)
-    ended_by_us: bool = False
-    finished: bool = False               # ended here after rank 0 said the run finished
-
 
 @dataclass
 class Relauncher:
@@ -392,116 +366,18 @@ class Relauncher:
         return env
 
     def run_step(self, nodes: Sequence[str], index: int) -> StepResult:
-        report = StepReport(list(nodes), len(nodes) * self.tasks_per_node)
+        """Step ``index`` on ``nodes`` (``slurm/srunstep.py``), until it ends or is ended."""
         cmd = self.step_command(nodes, index)
         _log.info("step %d: %s", index, " ".join(cmd))
-        proc = subprocess.Popen(cmd, env=self.step_env(nodes, index), stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, errors="replace")
-        res = StepResult(0, report)
-        last_news = [time.monotonic()]
-        lock = threading.Lock()
-
-        def read() -> None:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-                end = parse_srun_line(line)
-                if end is not None:
-                    with lock:
-                        report.add(end)
-                        last_news[0] = time.monotonic()
-                        if res.first_bad_t is None and report.failed:
-                            res.first_bad_t = time.time()
-
-        reader = threading.Thread(target=read, name="kr-srun-stderr", daemon=True)
-        reader.start()
-        finish = _FinishWatch(self.channel, self.finished_grace_s)
-        while proc.poll() is None:
-            time.sleep(0.1)
-            with lock:
-                failed = report.failed and not self.stopping and not self.agents
-                quiet = time.monotonic() - last_news[0]
-                done = report.complete or (quiet >= self.settle_s and
-                                           report.heard_complete(self.tasks_per_node))
-            if failed and (done or quiet >= SETTLE_MAX_S):
-                # The tasks that can still report have; the silent ones are on a dead node,
-                # which SLURM may take SlurmdTimeout to notice. End the step now.
-                self._end_step(proc, index)
-                res.ended_by_us = True
-                break
-            if not failed and finish.over():
-                # The tasks that have not ended are on nodes that no longer answer (or are
-                # slow to leave); which ones srun does not say: all but the batch node go back.
-                self._unanswered |= set(nodes)
-                _log.warning("step %d: rank 0 finished the run %.0f s ago and the step has not "
-                             "ended (a task on a node SLURM has not yet declared dead): ending "
-                             "it, the job is done", index, self.finished_grace_s)
-                self._end_step(proc, index)
-                res.finished = True
-                break
-        res.code = proc.wait()
-        res.ended_t = time.time()
-        reader.join(timeout=2.0)
+        res = SrunStep(cmd, self.step_env(nodes, index), list(nodes), self.tasks_per_node,
+                       self.job.job_id, index, self.channel, settle_s=self.settle_s,
+                       finished_grace_s=self.finished_grace_s, agents=self.agents,
+                       stopping=lambda: self.stopping).run()
         if res.finished:
-            res.code = 0
-        elif res.ended_by_us:
-            res.code = int(ExitCode.PEER_LOST)
+            # The tasks that had not ended are on nodes that no longer answer (or are slow to
+            # leave); which ones srun does not say: all but the batch node go back.
+            self._unanswered |= set(nodes)
         return res
-
-    def _end_step(self, proc: subprocess.Popen[str], index: int) -> None:
-        step = self._step_id(index)
-        proc.kill()
-        try:
-            proc.wait(timeout=END_STEP_S)
-        except subprocess.TimeoutExpired:
-            _log.error("srun (pid %d) did not exit after SIGKILL", proc.pid)
-        if step is None:
-            return
-        # SLURM then forgets the step on the live nodes at once; on a dead node it stays
-        # "completing" until SlurmdTimeout, which the next step's --overlap gets around.
-        try:
-            out = subprocess.run(["scancel", "--quiet", step], capture_output=True, text=True,
-                                 timeout=END_STEP_S, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            _log.warning("scancel %s failed (%s); starting the next step anyway", step, e)
-            return
-        if out.returncode:
-            _log.info("scancel %s: %s", step, (out.stderr or out.stdout).strip())
-
-    def _step_id(self, index: int) -> str | None:
-        """JOB.STEP of step ``index`` (srun named it kr-step-INDEX); an old step may still be
-        listed, completing on a dead node."""
-        try:
-            out = subprocess.run(["squeue", "-h", "-s", "-j", self.job.job_id, "-o", "%i %j"],
-                                 capture_output=True, text=True, timeout=END_STEP_S,
-                                 stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        ids = [line.split()[0] for line in out.stdout.splitlines()
-               if line.split()[1:] == [f"kr-step-{index}"]]
-        return ids[-1] if ids else None
-
-
-class _FinishWatch:
-    """Whether rank 0 said, in this launch, that its run finished (exit code 0) at least
-    ``grace_s`` ago. A report already there at the launch is an earlier launch's and never
-    counts; the channel is read at most once a second."""
-
-    def __init__(self, channel: Channel, grace_s: float) -> None:
-        self.channel, self.grace_s = channel, grace_s
-        self.before = channel.read()
-        self.seen: float | None = None       # monotonic time the finish was first read
-        self.next = 0.0
-
-    def over(self) -> bool:
-        now = time.monotonic()
-        if self.seen is None and now >= self.next:
-            self.next = now + 1.0
-            r = self.channel.read()
-            if r is not None and r.code == 0 and r != self.before:
-                self.seen = now
-        return self.seen is not None and now - self.seen >= self.grace_s
 
 
 def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,
