@@ -88,7 +88,7 @@ def _worker_mark(steps: int, kind: str, ckpt: str) -> None:
         state["sched"] = torch.optim.lr_scheduler.StepLR(state["optim"], 7)
     cfg = kr.load_config(None, [f"checkpoint.dir={ckpt}", "watchdog.hang_timeout_s=600"])
     with kr.ResilientRun(cfg, state=state, exit_mode="raise") as run:
-        rescue = run._parts.rescue
+        rescue = run._state.parts.rescue
         assert rescue is not None, "rescue is off"
         others = rescue.boundary.state.others
         busy = torch.randn(370, 370)

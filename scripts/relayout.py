@@ -52,7 +52,7 @@ TABLE: dict[str, str] = {
     # run/: the object a training script uses, and its set-up
     "run": "run.resilient",
     "begin": "run.begin",
-    "runstate": "run.runstate",
+    # (the old runstate.py is at home again as the runstate/ folder, issue 29: no rewrite)
     "aio": "run.aio",
     # integrations/: trackers are another tool the run talks to (integrations.wandb)
     "shutdown.trackers": "integrations.trackers",

@@ -1,8 +1,9 @@
 """The package's shape, checked from its source: dependencies point one way (core/, stop/,
-config/ <- checkpoint/, slurm/, rescue/, integrations/, supervise/ <- run/, shutdown/ <- cli/,
-demo/), a folder is a layer or one job within one, the shutdown steps never reach forward, no
-module sets an attribute on another module's part (only records are filled in from outside),
-nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names every module.
+config/ <- checkpoint/, slurm/, rescue/, integrations/, supervise/ <- runstate/ <- shutdown/ <-
+run/ <- cli/, demo/), a folder is a layer or one job within one, the shutdown steps never reach
+forward, no module sets an attribute on another module's part (only records are filled in from
+outside), nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names
+every module.
 
 Imports are read with ``ast`` (every import in a module, at the top or inside a function), so a
 lazy import counts as much as a top-level one, and so does one under ``if TYPE_CHECKING:``: a
@@ -26,7 +27,7 @@ PKG = ROOT / "kempner_resilience"
 LAYERS = {
     "core": {"core", "config", "stop", "exitcodes"},
     "library": {"checkpoint", "slurm", "rescue", "integrations", "supervise"},
-    "run": {"", "run", "shutdown"},
+    "run": {"", "run", "shutdown", "runstate"},
     "top": {"cli", "demo"},
 }
 # The package root holds only the public names and the public exit-code path: every other
@@ -37,6 +38,11 @@ ABOVE = {  # what each layer must never import
     "library": LAYERS["run"] | LAYERS["top"],
     "run": LAYERS["top"],
 }
+
+# Within the run layer, the folders in order: each imports only from itself and the folders
+# before it. The run's state is shared by its set-up, loop and shutdown; the shutdown sequence
+# takes that state and never the run (``run`` -> ``shutdown`` only, no cycle between them).
+RUN_LAYER_ORDER = ["runstate", "shutdown", "run", ""]
 
 # The shutdown path in order; each step's module imports nothing of the steps after it.
 SHUTDOWN_STEPS = ["stop.signals", "stop.agreement", "checkpoint.manager", "slurm.requeue",
@@ -135,6 +141,28 @@ def test_checkpoint_and_slurm_import_nothing_from_the_run_or_above():
 
 def test_run_and_shutdown_import_nothing_from_the_cli_or_demo():
     assert _violations("run") == []
+
+
+def _backward_imports(folder: str) -> list[str]:
+    """Imports from ``folder`` into the folders after it in ``RUN_LAYER_ORDER``."""
+    later = set(RUN_LAYER_ORDER[RUN_LAYER_ORDER.index(folder) + 1:])
+    return [f"{name or '__init__'} imports {dep or 'kempner_resilience'}"
+            for name in MODULES if (name.split(".")[0] if name else "") == folder
+            for dep in sorted(IMPORTS[name]) if (dep.split(".")[0] if dep else "") in later]
+
+
+def test_the_run_layer_folders_are_all_in_its_order():
+    assert sorted(LAYERS["run"]) == sorted(RUN_LAYER_ORDER)
+
+
+def test_shutdown_never_imports_the_run():
+    # The shutdown sequence works on the run's state (runstate/), never on ResilientRun or its
+    # set-up: the run calls the shutdown, not the other way round.
+    assert _backward_imports("shutdown") == []
+
+
+def test_the_run_state_imports_neither_the_shutdown_nor_the_run():
+    assert _backward_imports("runstate") == []
 
 
 def test_no_module_sits_loose_at_the_package_root():
@@ -254,12 +282,10 @@ def test_no_module_is_over_600_lines():
 # Records: typed bags of what happened, filled in step by step by design; every other class of
 # the package is a part, which gets what it needs through its constructor and whose attributes
 # only its own module sets (issue 22). Class -> why it is a record.
-RECORDS = {
-    "RunState": "the run's record (run/runstate.py): the set-up sequence fills it one part per "
-                "step, the loop and the shutdown sequence record in it what happened",
-    "Facts": "what happened (exitcodes.py), filled in by the shutdown sequence as it learns it; "
-             "the one exit-code table reads it",
-}
+# None is left: the run's parts are frozen and returned by its set-up (runstate/parts.py), its
+# progress is a part of its own with a narrow API (runstate/progress.py), the shutdown steps
+# return frozen results (shutdown/steps.py), and the exit table's Facts are built whole.
+RECORDS: dict[str, str] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -288,6 +314,18 @@ def _classes() -> dict[str, tuple[str, set[str]]]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _frozen_classes() -> frozenset[str]:
+    """Classes declared ``@dataclass(frozen=True)``: nothing can set their attributes after
+    construction (Python raises), so their attribute names say nothing about who sets one."""
+    return frozenset(
+        cls.name for name in MODULES for cls in ast.walk(_tree(name))
+        if isinstance(cls, ast.ClassDef) and any(
+            isinstance(d, ast.Call) and any(k.arg == "frozen" and isinstance(k.value, ast.Constant)
+                                            and k.value.value is True for k in d.keywords)
+            for d in cls.decorator_list))
+
+
 def _stores(tree: ast.AST) -> list[ast.Attribute]:
     """Every ``x.attr`` assigned to in ``tree`` (=, +=, annotated)."""
     return [t for node in ast.walk(tree) if isinstance(node, ast.Attribute)
@@ -310,14 +348,17 @@ def _type_names(annotation: ast.AST | None) -> set[str]:
 def _foreign_stores(name: str, classes: dict[str, tuple[str, set[str]]]) -> list[str]:
     """``x.attr = ...`` in module ``name`` that sets an attribute of another module's part.
     ``x``'s class is read from its annotation or its construction in the same function when
-    it can be; otherwise from the attribute's name (owned by no class here nor any record)."""
+    it can be (an annotation that names only another package's classes: not a part of ours);
+    otherwise from the attribute's name (owned by no class here nor any record, and no frozen
+    class, whose attributes nobody can set)."""
     tree = _tree(name)
     returns = {f.name: _type_names(f.returns) for f in tree.body
                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     own = {a for mod, attrs in classes.values() if mod == name for a in attrs}
     records = {a for cls in RECORDS for a in classes[cls][1]}
     parts_elsewhere = {a for cls, (mod, attrs) in classes.items()
-                       if mod != name and cls not in RECORDS for a in attrs}
+                       if mod != name and cls not in RECORDS and cls not in _frozen_classes()
+                       for a in attrs}
     found = []
     for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
                                                               ast.AsyncFunctionDef))]:
@@ -336,9 +377,12 @@ def _foreign_stores(name: str, classes: dict[str, tuple[str, set[str]]]) -> list
         for t in _stores(func):
             if _on_self(t) or t.attr in own:
                 continue
-            known = {c for c in types.get(getattr(t.value, "id", ""), set()) if c in classes}
+            annotated = types.get(getattr(t.value, "id", ""), set()) - {"Any", "object"}
+            known = {c for c in annotated if c in classes}
             if known:
                 bad = any(c not in RECORDS and classes[c][0] != name for c in known)
+            elif annotated:     # a class of another package's (torch's LaunchConfig): not ours
+                bad = False
             else:
                 bad = t.attr in parts_elsewhere and t.attr not in records
             if bad:

@@ -295,6 +295,12 @@ class Ledger:
                 log.warning("run ledger %s cannot be written (%s); the run goes on, and so "
                             "does the ledger once it can", self.path, e)
 
+    def disown(self) -> None:
+        """Another run holds the directory now (a lost lease): its ledger is not ours to write
+        any more, so every later event does nothing."""
+        self.path = None
+        self.close()
+
     def close(self) -> None:
         if self._fd is not None:
             try:

@@ -20,11 +20,14 @@ import inspect
 import os
 import sys
 import uuid
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.integrations.torchrun_agent import Agent
 from kempner_resilience.integrations.torchrun_spares import InPlace
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = ["launch"]
 
@@ -103,7 +106,7 @@ def _params(fn: Any, values: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k in names}
 
 
-def _launch_agent(config: Any, entrypoint: Any, args: list[Any], tracked: Agent,
+def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracked: Agent,
                   inplace: InPlace | None, shutdown_names: dict[str, Any],
                   decides: bool) -> Any:
     from torch.distributed.elastic import events, metrics

@@ -1,11 +1,12 @@
-"""How a run begins: the set-up sequence, one step a line, filling the run's state.
+"""How a run begins: the set-up sequence, one step a line, returning the run's parts.
 
 ``begin`` is the counterpart of the shutdown sequence (``shutdown/sequence.py``): what
 ``ResilientRun.__enter__`` does, in order. Each part is built with what it needs (the
 checkpoint manager with its busy hook and manifest fields, the run id and lease it belongs to
-once its directory is known usable) and put into the ``RunState``; nothing here sets an
-attribute on a part after building it. Several steps are collectives (every rank runs them in
-the same order): rank 0 decides (the allocation's end, the run id, the directory lease) and
+once its directory is known usable) and returned by its step; ``begin`` makes the frozen
+``RunParts`` from those values (``runstate/parts.py``); nothing here sets an attribute on a
+part after building it. The one thing noted in the run's progress is the step it resumed at.
+Several steps are collectives (every rank runs them in the same order): rank 0 decides (the allocation's end, the run id, the directory lease) and
 every rank learns the decision, or the same refusal, through the agreement's store.
 """
 
@@ -15,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kempner_resilience.checkpoint import identity
@@ -24,7 +26,7 @@ from kempner_resilience.core.ledger import Ledger, attempt_start, relaunch_count
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import announce, get_logger
 from kempner_resilience.run import hparams
-from kempner_resilience.run.runstate import RunState
+from kempner_resilience.runstate import Progress, RunParts, RunState
 from kempner_resilience.shutdown import outcome
 from kempner_resilience.shutdown.sequence import local_restart_count, record
 from kempner_resilience.integrations.trackers import Trackers
@@ -44,68 +46,87 @@ __all__ = ["begin"]
 log = get_logger(__name__)
 
 
-def begin(run: RunState, state: Mapping[str, Any] | None, run_id: str | None) -> RunState:
-    """Set the run up on the main thread (collective), and return its filled state. On any
-    error the watchdog and the signal handlers are taken down again before it is raised."""
-    run.handler.install()
+def begin(base: RunParts, progress: Progress, state: Mapping[str, Any] | None,
+          run_id: str | None) -> RunParts:
+    """Set the run up on the main thread (collective), and return its parts: ``base`` (what
+    the run was built with) and what each step built. ``progress`` is the run's: the resume
+    notes its step there, and a forced exit during the set-up records with it. On any error the
+    watchdog and the signal handlers are taken down again before it is raised."""
+    base.handler.install()
     try:
-        run.agreement = StopAgreement.from_torch()              # rank, world size, the store
-        _record_forced_exits(run)                               # a repeated SIGTERM/SIGINT
-        run.slurm = SlurmJob.from_env()                         # None outside SLURM
-        run.clock = _allocation_clock(run)                      # the allocation's end
-        run.trackers = Trackers.from_config(run.config.integrations)  # imported now, not later
-        run.hang.start()                                        # a load that hangs is a hang
-        with run.hang.busy():                 # imports, directory checks and the load are slow
-            if state is not None:
-                _checkpoints(run, state, run_id)  # identity, lease, ledger, resume, rescue
-                if run.rank == 0:                 # the supervisor learns which run this is
-                    run.supervisor = Channel.from_env()
-                    run.tell_supervisor()
-            _preflight(run)
-        if run.run_id is None:                                  # no checkpoints
-            run.run_id = _attempt_run_id(run, run_id)           # an id for this attempt only
-        run.hang.last_words(outcome.hang_words(run))            # what the backstop writes
+        parts = replace(base, agreement=StopAgreement.from_torch())  # rank, world size, store
+        latest = _record_forced_exits(parts, progress)          # a repeated SIGTERM/SIGINT
+        parts = replace(parts, slurm=SlurmJob.from_env())       # None outside SLURM
+        parts = latest[0] = replace(
+            parts, clock=_allocation_clock(parts),               # the allocation's end
+            trackers=Trackers.from_config(parts.config.integrations))  # imported now
+        parts.hang.start()                                      # a load that hangs is a hang
+        with parts.hang.busy():               # imports, directory checks and the load are slow
+            if state is not None:   # identity, lease, ledger, resume, rescue
+                parts = _checkpoints(parts, progress, state, run_id, latest)
+                if parts.rank == 0:                 # the supervisor learns which run this is
+                    parts = latest[0] = replace(parts, supervisor=Channel.from_env())
+                    RunState(parts, progress).tell_supervisor()
+            _preflight(parts)
+        if parts.run_id is None:                                # no checkpoints
+            parts = latest[0] = replace(parts, run_id=_attempt_run_id(parts, run_id))
+        parts.hang.last_words(outcome.hang_words(RunState(parts, progress)))  # the backstop's
+        latest[0] = parts                     # a forced exit from now on: the run's parts
     except BaseException:
-        run.hang.stop()
-        run.handler.uninstall(keep_deadline=run.handler.requested())
+        base.hang.stop()
+        base.handler.uninstall(keep_deadline=base.handler.requested())
         raise
-    return run
+    return parts
 
 
-def _checkpoints(run: RunState, state: Mapping[str, Any], run_id: str | None) -> None:
+def _checkpoints(parts: RunParts, progress: Progress, state: Mapping[str, Any],
+                 run_id: str | None, latest: list[RunParts]) -> RunParts:
     """The checkpoint steps, in order: the directory checked, the run's identity and the
-    directory's lease, the ledger's start, the resume, then the rescue."""
-    restarts = run.slurm.restart_count if run.slurm is not None else local_restart_count()
-    run.ckpt = ckpt = _manager(run, state, restarts)
+    directory's lease, the ledger's start, the resume, then the rescue. ``latest[0]``: the
+    parts a forced exit records with, from the ledger on."""
+    restarts = parts.slurm.restart_count if parts.slurm is not None else local_restart_count()
+    ckpt = _manager(parts, state, restarts)
     ckpt.check_dir()                                       # writable, room for a save
-    run.run_id, lineage = _resolve_run_id(run, ckpt.paths, run_id)  # run.json, ours
-    held = _hold_directory(run, ckpt.paths, restarts)
-    ckpt.claim(run.run_id, held, _record_lineage(run, ckpt.paths, lineage))
-    _mark_forced_exits_in(run, ckpt.paths)
-    run.ledger = _ledger(run, ckpt.paths, restarts)
-    script = hparams.snapshot(state) if run.rank == 0 else {}  # the script's, before the load
-    _resume(run, ckpt)
-    _announce_start(run, ckpt, run.resumed_from, script, state)
-    run.clock.set_save_estimate(ckpt.estimate().seconds)
-    run.rescue = _rescue(run, ckpt)
+    rid, lineage = _resolve_run_id(parts, ckpt.paths, run_id)  # run.json, ours
+    parts = replace(parts, ckpt=ckpt, run_id=rid)
+    held = _hold_directory(parts, ckpt.paths, restarts)
+    ckpt.claim(rid, held, _record_lineage(parts, ckpt.paths, lineage))
+    _mark_forced_exits_in(parts, ckpt.paths)
+    parts = latest[0] = replace(parts, ledger=_ledger(parts, ckpt.paths, restarts))
+    script = hparams.snapshot(state) if parts.rank == 0 else {}  # the script's, before the load
+    info, load_s = _resume(parts, ckpt)
+    if info is not None:
+        progress.resumed(int(info.step), load_s)
+    parts = latest[0] = replace(parts, resumed_from=info,
+                                start_step=0 if info is None else int(info.step),
+                                completed_step=_announce_start(parts, ckpt, info, load_s,
+                                                               script, state))
+    parts.clock.set_save_estimate(ckpt.estimate().seconds)
+    return replace(parts, rescue=_rescue(parts, ckpt))
 
 
 # ------------------------------------------------------------------------------ the steps
 
-def _record_forced_exits(run: RunState) -> None:
+def _record_forced_exits(parts: RunParts, progress: Progress) -> list[RunParts]:
     """The signal thread, just before its ``os._exit`` for a second SIGINT/SIGTERM: the other
     ranks are told (the store, a marker), then the ending is recorded as every other one is.
-    The signal thread waits for its hooks at most a second, then leaves regardless."""
-    run.handler.add_forced_exit_hook(lambda code: run.agreement.announce_forced_exit(code))
+    The signal thread waits for its hooks at most a second, then leaves regardless. Returns
+    the one-element list the hook reads the parts from: ``begin`` puts each newer set of
+    parts there (during the set-up, what is built so far; then the run's)."""
+    agreement = parts.agreement
+    parts.handler.add_forced_exit_hook(agreement.announce_forced_exit)
+    latest = [parts]
 
     def forced(code: int) -> None:     # the table's code for FORCED: 128 + the signal
-        if run.outcome is None:
-            record(run, Facts(Ending.FORCED, run.step, signum=code - 128))
+        if progress.outcome is None:
+            record(RunState(latest[0], progress),
+                   Facts(Ending.FORCED, progress.step, signum=code - 128))
 
-    run.handler.add_forced_exit_hook(forced)
+    parts.handler.add_forced_exit_hook(forced)
+    return latest
 
 
-def _allocation_clock(run: RunState) -> RunClock:
+def _allocation_clock(run: RunParts) -> RunClock:
     """The allocation's end, read once: from the environment on every rank, else asked of
     SLURM by rank 0 alone (bounded) and shared, so a big job does not flood slurmctld."""
     cfg = run.config.requeue
@@ -125,7 +146,7 @@ def _allocation_clock(run: RunState) -> RunClock:
     return clock
 
 
-def _manager(run: RunState, state: Mapping[str, Any], restarts: int | None
+def _manager(run: RunParts, state: Mapping[str, Any], restarts: int | None
              ) -> CheckpointManager:
     from kempner_resilience.checkpoint import CheckpointManager   # torch: only with state
 
@@ -143,7 +164,7 @@ def _manager(run: RunState, state: Mapping[str, Any], restarts: int | None
                                              "restart_count": restarts})
 
 
-def _resolve_run_id(run: RunState, paths: RunPaths, explicit: str | None
+def _resolve_run_id(run: RunParts, paths: RunPaths, explicit: str | None
                     ) -> tuple[str, dict[str, Any] | None]:
     """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
     every rank gets the id, or the same refusal. With ``checkpoint.resume: false`` in a
@@ -188,10 +209,10 @@ def _resolve_run_id(run: RunState, paths: RunPaths, explicit: str | None
     return value, lineage
 
 
-def _record_lineage(run: RunState, paths: RunPaths, lineage: dict[str, Any] | None
+def _record_lineage(run: RunParts, paths: RunPaths, lineage: dict[str, Any] | None
                     ) -> frozenset[str | None]:
     """Rank 0, holding the lease: write a fresh start's new lineage into ``run.json``; the
-    lineages left behind in the run's directory (rank 0's: it alone lists for resume and runs
+    lineages left behind in ``root`` (rank 0's: it alone lists for resume and runs
     retention)."""
     if run.rank != 0:
         return frozenset()
@@ -204,7 +225,7 @@ def _record_lineage(run: RunState, paths: RunPaths, lineage: dict[str, Any] | No
     return identity.earlier_runs(paths)
 
 
-def _hold_directory(run: RunState, paths: RunPaths, restarts: int | None) -> Lease | None:
+def _hold_directory(run: RunParts, paths: RunPaths, restarts: int | None) -> Lease | None:
     """Rank 0 takes the directory's lease (one live run per ``checkpoint.dir``) before
     anything is written into it; every rank gets the same refusal when another live run
     holds it. Given up at teardown; one left by a killed run is taken over."""
@@ -229,7 +250,7 @@ def _hold_directory(run: RunState, paths: RunPaths, restarts: int | None) -> Lea
     return held
 
 
-def _mark_forced_exits_in(run: RunState, paths: RunPaths) -> None:
+def _mark_forced_exits_in(run: RunParts, paths: RunPaths) -> None:
     """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in the run's
     directory: the store, which normally carries the news, dies with rank 0 when rank 0 is
     that rank.
@@ -249,11 +270,11 @@ def _mark_forced_exits_in(run: RunState, paths: RunPaths) -> None:
     run.agreement.use_forced_marker(paths.forced_marker(token))
 
 
-def _ledger(run: RunState, paths: RunPaths, restarts: int | None) -> Ledger:
+def _ledger(run: RunParts, paths: RunPaths, restarts: int | None) -> Ledger:
     """The run ledger, and its ``start`` event. Rank 0 writes it; another rank only a rescue
     it wrote (rank 0 may be the rank that died, and then no one else would record the step
     the rescue kept)."""
-    ledger = run.ledger
+    ledger = Ledger(None)
     if run.config.checkpoint.ledger:
         ledger = Ledger(paths.ledger, run_id=run.run_id, attempt=restarts or 0,
                         only=None if run.rank == 0 else ("rescue",),
@@ -270,33 +291,34 @@ def _ledger(run: RunState, paths: RunPaths, restarts: int | None) -> Ledger:
     return ledger
 
 
-def _resume(run: RunState, ckpt: CheckpointManager) -> None:
-    """The newest committed checkpoint loaded into the state (collective): the step to go on
-    from, and how long the load took."""
+def _resume(run: RunParts, ckpt: CheckpointManager) -> tuple[CheckpointInfo | None, float]:
+    """The newest committed checkpoint loaded into the state (collective): the checkpoint to
+    go on from (None: a fresh start), and how long the load took."""
     if not run.config.checkpoint.resume:
-        return
+        return None, 0.0
     t0 = time.monotonic()
     info = ckpt.resume()
     if info is None:
-        return
-    run.resumed_from = info
-    run.step = run.start_step = int(info.step)
-    run.timings["resume_s"] = time.monotonic() - t0
-    run.ledger.event("resume", step=int(info.step), load_s=round(run.timings["resume_s"], 4))
+        return None, 0.0
+    load_s = time.monotonic() - t0
+    run.ledger.event("resume", step=int(info.step), load_s=round(load_s, 4))
+    return info, load_s
 
 
-def _announce_start(run: RunState, ckpt: CheckpointManager, info: CheckpointInfo | None,
-                    before: dict[str, Any], state: Mapping[str, Any]) -> None:
+def _announce_start(run: RunParts, ckpt: CheckpointManager, info: CheckpointInfo | None,
+                    load_s: float, before: dict[str, Any], state: Mapping[str, Any]
+                    ) -> int | None:
     """One line per run on rank 0, visible at Python's default log level: which run it
     continues, from where and which step, which of the script's optimizer settings the
     checkpoint's replace, and whether that run already finished its loop; or that it starts
-    fresh and why."""
+    fresh and why. Returns the total a finished loop of this run reached (rank 0, after a
+    resume: read once, so run.steps() says what remains)."""
     if run.rank != 0:
-        return
+        return None
+    done = None
     if info is not None:
         changed = hparams.differences(before, hparams.snapshot(state))
         done = identity.completed_step(ckpt.paths, run.run_id) if run.run_id else None
-        run.completed_step = done            # read once: run.steps() says what remains
         if done is None:
             finished = ""
         elif info.step >= done:
@@ -308,18 +330,19 @@ def _announce_start(run: RunState, ckpt: CheckpointManager, info: CheckpointInfo
                         f"checkpoint is step {info.step}: steps {info.step} to {done} run again "
                         "(run.save() after the loop keeps a finished run's last step)")
         announce(log, "run %s resumed from %s (step %d, reason %s) in %.2f s%s%s", run.run_id,
-                 info.path, info.step, info.reason, run.timings.get("resume_s", 0.0),
+                 info.path, info.step, info.reason, load_s,
                  "" if not changed else "; the checkpoint's optimizer settings replace the "
                  "script's: " + ", ".join(changed), finished)
     elif not run.config.checkpoint.resume:
         announce(log, "run %s starting fresh at step 0: checkpoint.resume is off (%s)",
-                 run.run_id, ckpt.root)
+                 run.run_id, ckpt.paths)
     else:
         announce(log, "run %s starting fresh at step 0: no committed checkpoint in %s",
-                 run.run_id, ckpt.root)
+                 run.run_id, ckpt.paths)
+    return done
 
 
-def _rescue(run: RunState, ckpt: CheckpointManager) -> Rescuer | None:
+def _rescue(run: RunParts, ckpt: CheckpointManager) -> Rescuer | None:
     """The just-in-time rescue (``kempner_resilience.rescue``), when every rank holds the
     full state; collective."""
     cfg = run.config.rescue
@@ -333,7 +356,7 @@ def _rescue(run: RunState, ckpt: CheckpointManager) -> Rescuer | None:
     return rescuer
 
 
-def _preflight(run: RunState) -> None:
+def _preflight(run: RunParts) -> None:
     """Rank 0 says once what stands between this job and a safe shutdown: a signal that
     never reaches the ranks, or an emergency save that cannot fit in the signal's lead
     (checked once the state and the last save are known: after the resume)."""
@@ -363,7 +386,7 @@ def _preflight(run: RunState) -> None:
             log.info("%s", f.message)
 
 
-def _attempt_run_id(run: RunState, explicit: str | None) -> str:
+def _attempt_run_id(run: RunParts, explicit: str | None) -> str:
     """Without checkpoints, an id for this attempt only: rank 0's, shared (collective)."""
     mine = (explicit or identity.new_run_id()) if run.rank == 0 else None
     return run.agreement.share_text("run_id", mine, 120.0)

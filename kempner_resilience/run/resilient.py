@@ -19,27 +19,25 @@ so code after the loop (a "final" save of a model that is not final) never runs 
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from kempner_resilience.stop.agreement import StopDecision
-from kempner_resilience.run.begin import begin
-from kempner_resilience.config import Action, ExitMode, ResilienceConfig, load_config
-from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.checkpoint import identity
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV
-from kempner_resilience.core.ledger import Ledger
+from kempner_resilience.config import ExitMode, ResilienceConfig, load_config
 from kempner_resilience.core.log import announce, get_logger
-from kempner_resilience.run.runstate import RunState
+from kempner_resilience.run.begin import begin
+from kempner_resilience.runstate import Progress, RunParts, RunState
 from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import outcome, sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
+from kempner_resilience.stop.agreement import StopDecision
+from kempner_resilience.stop.reason import StopKind, StopReason
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
-from kempner_resilience.supervise.channel import Channel, launch_name
 from kempner_resilience.stop.teardown import CleanupResult, TeardownStack
 from kempner_resilience.stop.watchdog import HangWatchdog
+from kempner_resilience.supervise.channel import Channel, launch_name
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -82,9 +80,12 @@ class ResilientRun:
         self._hang = HangWatchdog(config.watchdog.hang_timeout_s,
                                   busy_timeout_s=config.watchdog.checkpoint_timeout_s,
                                   on_hang=self._on_hang, on_decide=self._on_hang_decided)
-        self._parts = RunState(config, self._handler, self._hang,
-                                 TeardownStack(config.watchdog.cleanup_timeout_s),
-                                 leaving.resolve(mode))
+        # The run's state: its parts (frozen; the set-up returns the full set) and its
+        # progress (the one object that changes while it runs: this run's own).
+        self._progress = Progress()
+        self._state = RunState(RunParts(config, self._handler, self._hang,
+                                        TeardownStack(config.watchdog.cleanup_timeout_s),
+                                        leaving.resolve(mode)), self._progress)
         self._explicit_run_id = run_id or os.environ.get(RUN_ID_ENV) or None
         self._entered = False
         self._done = False
@@ -97,15 +98,17 @@ class ResilientRun:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("ResilientRun must be entered on the main thread (Python only "
                                "delivers signals there)")
-        begin(self._parts, self.state, self._explicit_run_id)   # the set-up sequence
-        if self._parts.ckpt is not None:
+        parts = begin(self._state.parts, self._progress, self.state,    # the set-up sequence
+                      self._explicit_run_id)
+        self._state = RunState(parts, self._progress)
+        if parts.ckpt is not None:
             from kempner_resilience.checkpoint import CheckpointError
             from kempner_resilience.checkpoint.lease import LeaseLost
 
             # Kept for the per-step save check: no import statement on every step.
             self._checkpoint_error = CheckpointError
             self._lease_lost = LeaseLost
-            self._recorded = self._parts.ckpt.last_committed   # the ledger records only newer
+            self._recorded = parts.ckpt.last_committed   # the ledger records only newer
         self._entered = True
         return self
 
@@ -113,26 +116,29 @@ class ResilientRun:
         # The hang path decided to end the process (a stall that ended, then the loop ended or
         # failed): it alone leaves, with HANG; this thread waits for that exit here.
         self._hang.hold()
-        ended = self._parts.outcome is not None     # a shutdown already ran (SystemExit)
+        run = self._state
+        ended = self._progress.outcome is not None     # a shutdown already ran (SystemExit)
         try:
             if ended:
                 return False
             if exc_type is not None and not issubclass(exc_type, SystemExit):
-                sequence.fail(self._parts, exc)     # leaves, or returns to re-raise a bug
+                sequence.fail(run, exc)     # leaves, or returns to re-raise a bug
                 return False
-            signum = self._local_signum() or self._parts.agreement.agreed_signum()
-            if exc_type is None and signum and not self._done:
+            mine = self._signal_reason()
+            reason = mine or run.parts.agreement.agreed_reason()
+            # (A lost lease agreed but not yet reached stops at its step, in the loop only.)
+            if exc_type is None and reason is not None and not self._done \
+                    and reason.kind is not StopKind.LEASE_LOST:
                 # The loop was left early (a break after should_stop()) on a stop this rank
                 # received or agreed to: finish the shutdown here, on every rank alike.
-                sequence.stop(self._parts, StopDecision(self.step, signum,
-                                                        self._local_signum() is not None))
+                sequence.stop(run, StopDecision(self.step, reason, mine is not None))
             if exc_type is None:
-                sequence.complete(self._parts, self.step)
+                sequence.complete(run, self.step)
         finally:
             self._hang.stop()
             # Past an ending in `exit` mode the deadline still bounds the interpreter's exit.
-            self._handler.uninstall(keep_deadline=self._parts.outcome is not None
-                                    and self._parts.exit_mode is ExitMode.EXIT)
+            self._handler.uninstall(keep_deadline=self._progress.outcome is not None
+                                    and run.parts.exit_mode is ExitMode.EXIT)
         return False
 
     # ------------------------------------------------------------------ user API
@@ -148,54 +154,54 @@ class ResilientRun:
         (``wandb.init(id=run.run_id, resume="allow")``; with ``integrations.wandb`` the run
         also tells W&B how each attempt ends, see docs/trackers.md). Set once the run is
         entered."""
-        return self._parts.run_id
+        return self._state.parts.run_id
 
     def time_remaining(self) -> float | None:
         """Seconds until the allocation ends; None when no end is known (outside SLURM)."""
-        return self._parts.clock.remaining()
+        return self._state.parts.clock.remaining()
 
     @property
     def rank(self) -> int:
-        return self._parts.agreement.rank
+        return self._state.parts.agreement.rank
 
     @property
     def world_size(self) -> int:
-        return self._parts.agreement.world_size
+        return self._state.parts.agreement.world_size
 
     @property
     def step(self) -> int:
         """Completed steps: the index of the next step to run."""
-        return self._parts.step
+        return self._progress.step
 
     @property
     def start_step(self) -> int:
         """The step this run started at (the resumed checkpoint's step, or 0)."""
-        return self._parts.start_step
+        return self._state.parts.start_step
 
     @property
     def resumed_from(self) -> CheckpointInfo | None:
         """The ``CheckpointInfo`` this run resumed from, or None for a fresh start."""
-        return self._parts.resumed_from
+        return self._state.parts.resumed_from
 
     @property
     def exit_mode(self) -> ExitMode:
         """How this run leaves when it ends: ``exit`` or ``raise`` (``auto`` resolved)."""
-        return self._parts.exit_mode
+        return self._state.parts.exit_mode
 
     @property
     def exit_code(self) -> int | None:
         """The code the run ended with (set when it ended; 0 after all steps ran)."""
-        o = self._parts.outcome
+        o = self._progress.outcome
         return None if o is None else int(outcome.exit_code(o))
 
     @property
     def timings(self) -> dict[str, float]:
         """Seconds spent resuming, in the emergency save, the requeue and the teardown."""
-        return self._parts.timings
+        return self._progress.timings
 
     @property
     def cleanup_results(self) -> list[CleanupResult]:
-        return self._parts.cleanup_results
+        return self._progress.cleanup_results
 
     def should_stop(self) -> bool:
         """Poll inside long phases (eval, warm-up): True once any rank asked to stop.
@@ -203,7 +209,7 @@ class ResilientRun:
         In a distributed run this is a collective: call it on every rank equally often. After
         it returns True, leave the phase; the next ``steps()`` boundary stops every rank there.
         """
-        return self._parts.agreement.any_requested(self._stop_signum(time.monotonic()))
+        return self._state.parts.agreement.any_requested(self._stop_reason(time.monotonic()))
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from the resume point up to ``total - 1``.
@@ -215,41 +221,40 @@ class ResilientRun:
             raise RuntimeError("use `with ResilientRun(...) as run:` before run.steps()")
         if total < 0:
             raise ValueError(f"total must be >= 0, got {total}")
-        parts = self._parts
+        run, progress = self._state, self._progress
+        parts = run.parts
         clock = parts.clock
         # Step times only matter for the stop before a known end: outside SLURM, measure nothing.
         timed = clock.end_epoch is not None and clock.stop_enabled
         if not self._looped:
             self._looped = True
-            parts.ledger.event("loop", step=parts.step)
+            parts.ledger.event("loop", step=progress.step)
             self._say_what_remains(total)
         rescue = parts.rescue
         if rescue is not None:
-            rescue.mark(parts.step)
-        while parts.step < total:
+            rescue.mark(progress.step)
+        while progress.step < total:
             now = time.monotonic()
-            signum = self._local_signum()
-            if signum is None and now >= clock.threshold and clock.due(now):
-                signum = self._clock_signum       # as if the requeue signal had come
+            reason = self._signal_reason()
+            if reason is None and now >= clock.threshold and clock.due(now):
+                reason = StopReason.TIME_LIMIT    # no signal: the allocation ends
             # Rank 0 holds the lease: losing it to another run is a stop every rank agrees on.
             lost = parts.ckpt is not None and parts.ckpt.lease_lost
             if lost and parts.ledger.active:
-                parts.ledger = Ledger(None)  # the new holder's ledger from now on, not ours
-            decision = parts.agreement.poll(parts.step, signum, lost)
+                parts.ledger.disown()  # the new holder's ledger from now on, not ours
+            decision = parts.agreement.poll(progress.step, reason, lost)
             if decision is not None:
-                if decision.lease_lost:
-                    sequence.lease_lost(parts, decision.step)
-                sequence.stop(parts, decision)
-            yield parts.step
+                sequence.stop(run, decision)     # a lost lease: nothing saved
+            yield progress.step
             if timed:
                 clock.observe_step(time.monotonic() - now)
-            parts.step += 1
+            step = progress.advance()
             self._hang.beat()
             if rescue is not None:
-                rescue.mark(parts.step)      # before the save: a peer may die during it
+                rescue.mark(step)      # before the save: a peer may die during it
             if parts.ckpt is not None:
-                self._periodic_save(parts.step)
-        parts.loop_end_wall = time.time()
+                self._periodic_save(step)
+        progress.loop_ended(time.time())
         self._done = True
         if rescue is not None:
             rescue.close()
@@ -259,78 +264,74 @@ class ResilientRun:
         """Rank 0, when ``steps`` starts after a resume: a run that already reached ``total``
         says it is complete and trains nothing; one whose loop had finished before says it
         trains longer."""
-        parts = self._parts
+        parts, step = self._state.parts, self._progress.step
         if parts.rank != 0 or parts.resumed_from is None or parts.ckpt is None:
             return
         done = parts.completed_step        # read from run.json at the start (begin.py)
-        if parts.step >= total:
+        if step >= total:
             announce(log, "run %s is complete: it resumed at step %d and run.steps(%d) has no "
                      "step left to train. To train longer, raise the total; to start a new run "
                      "in this directory, set checkpoint.resume: false (this run's checkpoints "
-                     "are kept)", parts.run_id, parts.step, total)
+                     "are kept)", parts.run_id, step, total)
         elif done is not None and done < total:
             announce(log, "run %s finished run.steps(%d) before; training longer: steps %d to "
-                     "%d", parts.run_id, done, parts.step, total)
+                     "%d", parts.run_id, done, step, total)
 
     def _record_complete(self) -> None:
         """Rank 0, at the end of the loop: record in ``run.json`` the step this run's lineage
         reached (``identity.mark_complete``), for the next start's line."""
-        parts = self._parts
+        parts, step = self._state.parts, self._progress.step
         if parts.rank != 0 or parts.ckpt is None or not parts.run_id or parts.ckpt.lease_lost:
             return       # (a run that lost its lease writes no run file any more)
         try:
-            identity.mark_complete(parts.ckpt.paths, parts.run_id, parts.step)
+            identity.mark_complete(parts.ckpt.paths, parts.run_id, step)
         except OSError as e:
             log.warning("cannot record that run %s completed step %d in %s: %s", parts.run_id,
-                        parts.step, parts.ckpt.paths.run_file, e)
+                        step, parts.ckpt.paths.run_file, e)
 
     def add_cleanup(self, fn: Callable[[], Any], *, name: str | None = None,
                     timeout_s: float | None = None) -> Callable[[], Any]:
         """Run ``fn`` at shutdown (newest first), at most ``timeout_s`` (config default)."""
-        return self._parts.teardown.add(fn, name=name, timeout_s=timeout_s)
+        return self._state.parts.teardown.add(fn, name=name, timeout_s=timeout_s)
 
     def add_executor(self, executor: Any, *, name: str | None = None,
                      timeout_s: float | None = None) -> Any:
         """Shut ``executor`` down at shutdown with ``cancel_futures=True``."""
-        return self._parts.teardown.add_executor(executor, name=name, timeout_s=timeout_s)
+        return self._state.parts.teardown.add_executor(executor, name=name,
+                                                       timeout_s=timeout_s)
 
     def save(self) -> CheckpointInfo:
         """Write a checkpoint now (collective); returns its info."""
-        if self._parts.ckpt is None:
+        run = self._state
+        if run.parts.ckpt is None:
             raise RuntimeError("no checkpoint state: pass state={...} to ResilientRun")
         self._hang.hold()      # nothing is saved once the hang path decided to exit
         t0 = time.monotonic()
         try:
-            info = self._parts.ckpt.save(self.step, reason="manual")
+            info = run.parts.ckpt.save(self.step, reason="manual")
         except self._lease_lost:         # on every rank: another run holds the directory
-            sequence.lease_lost(self._parts, self.step)
-        self._parts.saved(info)
+            sequence.lease_lost(run, self.step)
+        run.saved(info)
         self._saved(info, time.monotonic() - t0)
         return info
 
     # ------------------------------------------------------------------ set-up and the loop
 
-    def _local_signum(self) -> int | None:
+    def _signal_reason(self) -> StopReason | None:
+        """The signal this rank received, if any."""
         req = self._handler.request
-        return None if req is None else req.signum
+        return None if req is None else StopReason.signal(req.signum)
 
-    def _stop_signum(self, now: float) -> int | None:
+    def _stop_reason(self, now: float) -> StopReason | None:
         """This rank's reason to stop: a signal it received, or the allocation's end."""
-        signum = self._local_signum()
-        if signum is None and self._parts.clock.due(now):
-            return self._clock_signum
-        return signum
-
-    @property
-    def _clock_signum(self) -> int:
-        # The signal whose action the time-limit stop takes: the first one that requeues.
-        for name, action in self.config.signals.actions.items():
-            if action is Action.REQUEUE:
-                return int(getattr(signal, name))
-        return int(signal.SIGUSR1)
+        reason = self._signal_reason()
+        if reason is None and self._state.parts.clock.due(now):
+            return StopReason.TIME_LIMIT
+        return reason
 
     def _periodic_save(self, step: int) -> None:
-        ckpt = self._parts.ckpt
+        run = self._state
+        ckpt = run.parts.ckpt
         t0 = time.monotonic()
         failed = ckpt.failed_saves
         try:
@@ -338,15 +339,15 @@ class ResilientRun:
         except self._lease_lost:
             # Raised on every rank at the same step (rank 0's check, broadcast): another run
             # holds the directory; stop here, nothing saved.
-            sequence.lease_lost(self._parts, step)
+            sequence.lease_lost(run, step)
         except self._checkpoint_error as e:
             # Raised on every rank at the same step (failures are agreed across ranks), once
             # checkpoint.max_failed_saves periodic saves in a row failed: stop every rank alike.
             self._save_failed(step, failed)
-            sequence.give_up(self._parts, step, e)
+            sequence.give_up(run, step, e)
         self._save_failed(step, failed)
         if info is not None:
-            self._parts.saved(info)
+            run.saved(info)
         done = info or ckpt.last_committed        # an async save commits in the background
         if done is not None and done is not self._recorded:
             self._saved(done, time.monotonic() - t0 if info is not None
@@ -354,46 +355,45 @@ class ResilientRun:
 
     def _save_failed(self, step: int, before: int) -> None:
         """A periodic save failed (counted since ``before``): the ledger says so and why."""
-        ckpt = self._parts.ckpt
+        parts = self._state.parts
+        ckpt = parts.ckpt
         if ckpt.failed_saves > before:
-            self._parts.ledger.event("save_failed", step=step, failed=ckpt.failed_saves,
+            parts.ledger.event("save_failed", step=step, failed=ckpt.failed_saves,
                                      reason=ckpt.last_failure[:500])
 
     def _saved(self, info: CheckpointInfo, blocking_s: float) -> None:
         """A periodic or manual save committed: the ledger, and the clock's save estimate."""
-        parts = self._parts
+        parts = self._state.parts
         self._recorded = info
         secs = max(float(info.save_seconds), 1e-9)
         parts.ledger.event("save", step=int(info.step), reason=info.reason,
                            blocking_s=round(blocking_s, 4), bytes=int(info.nbytes),
                            bw_mib_s=round(info.nbytes / secs / 2**20, 1))
         parts.clock.set_save_estimate(parts.ckpt.estimate().seconds)
-        self._hang.last_words(outcome.hang_words(parts))   # the report's saved step
+        self._hang.last_words(outcome.hang_words(self._state))   # the report's saved step
 
     def _on_hang_decided(self) -> None:
         """The hang watchdog's thread, the moment it decided: freeze the rescue's boundary, so
         a stall that ends now cannot step the state the rescue is about to write (the hang
         watchdog holds the rest of the loop at its next heartbeat)."""
-        if self._parts.rescue is not None:
-            self._parts.rescue.freeze()
+        parts = self._state.parts
+        if parts.rescue is not None:
+            parts.rescue.freeze()
         # Under a supervisor (`kempner-resilience srun`, spare nodes): this rank's watchdog ran
         # in Python, so it is not the rank hung with the GIL held; the supervisor keeps the
         # silent one's node out of the relaunch.
         channel = Channel.from_env()
         if channel is not None:
-            channel.note_hang_seen(launch_name(), self._parts.rank)
+            channel.note_hang_seen(launch_name(), parts.rank)
 
     def _on_hang(self) -> None:
         """Runs in the hang watchdog's thread before the HANG exit, the main thread stuck or
         held; bounded by the backstop, armed for ``on_hang_budget_s`` when the hang was decided.
 
-        First the rescue (survivors write the last step boundary), then the requeue: only
-        rank 0, only under SLURM (a local launcher sees the HANG code and decides), only with a
-        committed checkpoint to come back to, and only within the restart budget. Then the
-        ending is recorded as every other one is (ledger, trackers, report): if this overruns
-        its budget, the backstop's monitor writes the ledger's event and the report instead.
+        The rescue, the requeue (only rank 0, only under SLURM: a local launcher sees the HANG
+        code and decides), then the ending recorded as every other one is
+        (``sequence.hang``): if this overruns its budget, the backstop's monitor writes the
+        ledger's event and the report instead.
         """
-        sequence.rescue(self._parts, "hang")
-        verdict = sequence.requeue_after_failure(self._parts, "hang")
-        sequence.record(self._parts, Facts(Ending.HANG, self._parts.step, requeue=verdict))
+        sequence.hang(self._state)
 

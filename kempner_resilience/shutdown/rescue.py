@@ -6,34 +6,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kempner_resilience.runstate import RunState
+
 if TYPE_CHECKING:
-    from kempner_resilience.run.runstate import RunState
+    from kempner_resilience.rescue.rescuer import RescueResult
 
 __all__ = ["rescue", "close_rescue"]
 
 
-def rescue(parts: "RunState", why: str) -> None:
+def rescue(state: RunState, why: str) -> RescueResult | None:
     """Within ``rescue.budget_s`` (the caller's deadline is the backstop). The rescuer logs the
-    outcome; the ledger records it (the writer a commit, rank 0 a failure), and a committed
-    rescue becomes the checkpoint a requeue comes back to."""
+    outcome; the ledger records it (the writer a commit, rank 0 a failure). Returns what the
+    rescue did (None without a rescuer): a committed rescue is the checkpoint a requeue comes
+    back to, which the caller notes."""
+    parts = state.parts
     r = parts.rescue
     if r is None:
-        return
-    result = r.rescue(why, parts.committed_step())
-    parts.timings["rescue_s"] = result.seconds
-    if result.info is not None:
-        parts.saved(result.info)
+        return None
+    result = r.rescue(why, state.committed_step())
     committed = result.info is not None
-    if (committed and result.writer == parts.rank) or (parts.rank == 0 and not committed):
+    if (committed and result.writer == state.rank) or (state.rank == 0 and not committed):
         # A committed rescue is recorded by its writer (rank 0 may be the rank that died),
         # one that committed nothing by rank 0 (the writer may be gone): each once.
         parts.ledger.event("rescue", step=result.step, committed=committed,
                            writer=result.writer, why=result.why, reason=why,
-                           seconds=round(result.seconds, 4), rank=parts.rank)
+                           seconds=round(result.seconds, 4), rank=state.rank)
+    return result
 
 
-def close_rescue(parts: "RunState", clean: bool = True) -> None:
+def close_rescue(state: RunState, clean: bool = True) -> None:
     """No rescue from here on. A stop on purpose (signal, completion, failing saves) tells the
     buddy goodbye; ``clean=False`` (a failure ending) leaves it woken, as a dead rank would."""
-    if parts.rescue is not None:
-        parts.rescue.close(clean=clean)
+    if state.parts.rescue is not None:
+        state.parts.rescue.close(clean=clean)

@@ -11,16 +11,16 @@ boundary ``n + 1``, so each one reads the key at a boundary no later than ``n + 
 run no collective per step can drift further apart; ``StopAgreement`` then detects a rank that
 is already past ``stop_at`` and stops it where it is, with an error in the log.
 
-The same key carries the one stop that is no signal: rank 0 lost the directory's lease
-(``checkpoint/lease.py``: another run took ``checkpoint.dir`` over). Only rank 0 holds the
-lease, so only it can know; every rank then stops at the agreed step with LEASE_LOST.
+The same key carries the stops that are no signal (``reason.py``): the allocation's end (each
+rank's clock, the first to see it publishes), and rank 0's lost lease (``checkpoint/lease.py``:
+another run took ``checkpoint.dir`` over). Only rank 0 holds the lease, so only it can know;
+every rank then stops at the agreed step with LEASE_LOST.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -29,8 +29,9 @@ from typing import Any
 
 from kempner_resilience.core.fileio import read_bounded
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.stop.reason import StopKind, StopReason
 
-__all__ = ["StopAgreement", "StopDecision"]
+__all__ = ["StopAgreement", "StopDecision", "StopReason"]
 
 log = get_logger(__name__)
 
@@ -41,12 +42,16 @@ FORCED_KEY = "kempner_resilience/forced_exit"
 
 @dataclass(frozen=True)
 class StopDecision:
-    """All ranks stop at boundary ``step`` because of ``signum`` (received by some rank)."""
+    """All ranks stop at boundary ``step`` because of ``reason`` (some rank's)."""
 
     step: int
-    signum: int
-    local: bool  # this rank received the signal itself
-    lease_lost: bool = False  # no signal: rank 0 lost checkpoint.dir's lease (signum 0)
+    reason: StopReason
+    local: bool  # this rank had a reason of its own (a signal, its clock)
+
+    @property
+    def lease_lost(self) -> bool:
+        """No signal: rank 0 lost checkpoint.dir's lease; nothing is saved."""
+        return self.reason.kind is StopKind.LEASE_LOST
 
 
 class StopAgreement:
@@ -61,8 +66,7 @@ class StopAgreement:
         self.lead_steps = lead_steps
         self._decided: StopDecision | None = None
         self._stop_at: int | None = None
-        self._signum = 0
-        self._lease_lost = False
+        self._reason: StopReason | None = None
         self._agreed_now = False
         self._marker: Path | None = None
 
@@ -82,27 +86,29 @@ class StopAgreement:
     def distributed(self) -> bool:
         return self.store is not None
 
-    def poll(self, step: int, local_signum: int | None,
+    def poll(self, step: int, local: StopReason | None,
              lease_lost: bool = False) -> StopDecision | None:
         """Call at every step boundary ``step``; returns the decision once this rank must stop.
-        ``lease_lost``: this rank (rank 0) lost the directory's lease, a stop of its own."""
+        ``local``: this rank's own reason (a signal, the allocation's end); ``lease_lost``: this
+        rank (rank 0) lost the directory's lease, a stop of its own."""
         if self._decided is not None:
             return self._decided
         if self._agreed_now:
             # every rank saw any_requested() return True at the same call: stop right here.
-            self._decided = StopDecision(step, self._signum, local_signum is not None)
+            assert self._reason is not None
+            self._decided = StopDecision(step, self._reason, local is not None)
             return self._decided
         if self.store is None:
             if lease_lost:
-                self._decided = StopDecision(step, 0, False, lease_lost=True)
+                self._decided = StopDecision(step, StopReason.LEASE_LOST, False)
                 return self._decided
-            if local_signum is None:
+            if local is None:
                 return None
-            self._decided = StopDecision(step, local_signum, True)
+            self._decided = StopDecision(step, local, True)
             return self._decided
         if self._stop_at is None:
-            if local_signum is not None or lease_lost:
-                self._publish(step, local_signum or 0, lease_lost and local_signum is None)
+            if local is not None or lease_lost:
+                self._publish(step, local or StopReason.LEASE_LOST)
             elif self.store.check([KEY]):
                 self._read()
             if self._stop_at is None:
@@ -113,48 +119,47 @@ class StopAgreement:
             log.error("this rank reached step %d before it saw the agreed stop step %d: ranks "
                       "are drifting apart (no collective per step?); stopping here", step,
                       self._stop_at)
-        self._decided = StopDecision(step, self._signum, local_signum is not None,
-                                     lease_lost=self._lease_lost)
+        assert self._reason is not None
+        self._decided = StopDecision(step, self._reason, local is not None)
         return self._decided
 
     def stop_at(self) -> int | None:
         return self._stop_at
 
-    def agreed_signum(self) -> int | None:
-        """The signal behind a stop this rank has agreed to (via ``poll`` or ``any_requested``)."""
+    def agreed_reason(self) -> StopReason | None:
+        """The reason of a stop this rank has agreed to (via ``poll`` or ``any_requested``)."""
         if self._decided is not None:
-            return self._decided.signum
+            return self._decided.reason
         if self._agreed_now or self._stop_at is not None:
-            return self._signum or None
+            return self._reason
         return None
 
-    def _publish(self, step: int, signum: int, lease_lost: bool = False) -> None:
-        want = f"{step + self.lead_steps}:{signum}" + (":lease" if lease_lost else "")
+    def _publish(self, step: int, reason: StopReason) -> None:
+        want = f"{step + self.lead_steps}:{reason.encode()}"
         got = self.store.compare_set(KEY, "", want)
         self._parse(got)
         if got.decode() == want:
             log.warning("%s here at step %d: all ranks stop at step %d",
-                        "the lease lost" if lease_lost else signal.Signals(signum).name, step,
-                        self._stop_at)
+                        "the lease lost" if reason.kind is StopKind.LEASE_LOST else reason.word,
+                        step, self._stop_at)
 
     def _read(self) -> None:
         self._parse(self.store.get(KEY))
 
     def _parse(self, raw: bytes) -> None:
-        at, sig, *why = raw.decode().split(":")
-        self._stop_at, self._signum = int(at), int(sig)
-        self._lease_lost = why == ["lease"]
+        at, reason = raw.decode().split(":", 1)
+        self._stop_at, self._reason = int(at), StopReason.decode(reason)
 
-    def any_requested(self, local_signum: int | None, timeout_s: float = 600.0) -> bool:
+    def any_requested(self, local: StopReason | None, timeout_s: float = 600.0) -> bool:
         """Collective: True on every rank when any rank has a request (for ``should_stop``).
 
         Every rank must call it the same number of times, like any collective. Once it returned
         True, the next ``poll`` stops every rank at that boundary.
         """
         if self.store is None:
-            if local_signum is not None:
-                self._signum, self._agreed_now = self._signum or local_signum, True
-            return local_signum is not None or self._decided is not None
+            if local is not None:
+                self._reason, self._agreed_now = self._reason or local, True
+            return local is not None or self._decided is not None
         import torch
         import torch.distributed as dist
 
@@ -164,14 +169,17 @@ class StopAgreement:
             # first call, because new_group is collective over the default group and so is
             # this method (every rank reaches it at the same point); entering a run is not.
             self.group = dist.new_group(backend="gloo")
-        flag = torch.tensor([local_signum or self._signum or 0])
+        mine = local or self._reason
+        # A lost lease is no reason here: it stops through poll, agreed through the store.
+        flag = torch.tensor([mine.order if mine is not None and
+                             mine.kind is not StopKind.LEASE_LOST else 0])
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         work.wait(datetime.timedelta(seconds=timeout_s))
-        signum = int(flag.item())
-        if signum:
-            self._signum = self._signum or signum
+        agreed = StopReason.from_order(int(flag.item()))
+        if agreed is not None:
+            self._reason = self._reason or agreed
             self._agreed_now = True
-        return bool(signum)
+        return agreed is not None
 
     def share_exit_code(self, code: int | None, timeout_s: float) -> int:
         """Rank 0 passes its exit code (the requeue outcome), every other rank gets it back.
