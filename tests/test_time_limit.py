@@ -28,9 +28,12 @@ STEPS = 60
 
 
 def train(work, out, *, end_time=None, extra=()):
-    cmd = train_command(STEPS, step_time=0.05, out=out,
+    # 6 s of steps and a 3 s margin: the loop cannot finish before an end 12 s away however
+    # fast the process starts, and a process slow to start under load (up to ~8 s on the
+    # 2-core CI machine) still has the margin to save and leave before that end.
+    cmd = train_command(STEPS, step_time=0.1, out=out,
                         overrides=[f"checkpoint.dir={work / 'ckpt'}", "signals.grace_s=60",
-                                   "requeue.time_limit_margin_s=1", *extra])
+                                   "requeue.time_limit_margin_s=3", *extra])
     e = env()
     for k in ("SLURM_JOB_ID", "SLURM_JOB_END_TIME"):
         e.pop(k, None)
@@ -98,7 +101,7 @@ def reference(tmp_path_factory):
 
 def test_run_without_a_signal_stops_saves_before_its_end_and_resumes_bitwise(tmp_path,
                                                                                reference):
-    end = time.time() + 9
+    end = time.time() + 12
     first, exited_at = train(tmp_path, tmp_path / "w.pt", end_time=end)
     assert first.returncode == ExitCode.REQUEUE, first.stderr
     assert exited_at < end, "it must be gone before the allocation ends"
@@ -140,3 +143,16 @@ def test_should_stop_turns_true_near_the_end_and_the_next_boundary_stops_to_requ
             for step in run.steps(5):
                 ran.append(step)
     assert ended.value.code == ExitCode.REQUEUE and ran == []
+
+
+def test_a_run_stopped_before_its_first_step_resumes_bitwise(tmp_path, reference):
+    # The allocation ends 1 s from now: the run stops at step 0, before its optimizer (Adam)
+    # ever stepped. The checkpoint must restore an optimizer that has not stepped: a made-up
+    # state with step 1 would give the resumed run's first step another bias correction.
+    first, _ = train(tmp_path, tmp_path / "w.pt", end_time=time.time() + 1)
+    assert first.returncode == ExitCode.REQUEUE, first.stderr
+    stop = next(e for e in read_ledger(tmp_path / "ckpt" / "ledger.jsonl") if e["ev"] == "stop")
+    assert stop["step"] == 0
+    second, _ = train(tmp_path, tmp_path / "w.pt")
+    assert second.returncode == 0, second.stderr
+    assert_bitwise_equal(reference, torch.load(tmp_path / "w.pt", weights_only=True))

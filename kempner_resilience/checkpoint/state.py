@@ -166,6 +166,7 @@ class TrainState:
         self.buckets = BucketLayouts(self.modules if ddp_buckets else {})
         self.loaded_buckets: dict[str, Any] | None = None
         self._nbytes: int | None = None     # counted in the training thread (see nbytes)
+        self.fresh_optims: list[str] = []   # optimizers without state at the last tensor_state
         if self.modules or self.optims or self.apps:
             _import_what_state_dicts_need()
 
@@ -229,12 +230,25 @@ class TrainState:
         return total, kind
 
     def tensor_state(self) -> dict[str, Any]:
-        """The modules', optimizers' and apps' DCP state dicts: the live tensors (no copy)."""
+        """The modules', optimizers' and apps' DCP state dicts: the live tensors (no copy).
+
+        An optimizer that has not stepped yet has no state; ``get_optimizer_state_dict`` makes
+        one by running a step with zero gradients (Adam's step count is then 1, and the first
+        real step would be its second: another bias correction, other weights). So such an
+        optimizer is left as it was found: its state dict here holds that made-up state (the
+        shapes a load needs), the live optimizer none, and ``fresh_optims`` names it, so that
+        a checkpoint taken before the first step restores an optimizer that has not stepped
+        (``capture`` records the names, ``restore`` clears their state again)."""
         sd: dict[str, Any] = {}
+        self.fresh_optims = []
         for name, module in self.modules.items():
             sd[name] = get_model_state_dict(module, options=_OPTS)
         for name, (optim, module) in self.optims.items():
+            fresh = not optim.state
             sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+            if fresh:
+                optim.state.clear()     # the state dict keeps the made-up tensors it needs
+                self.fresh_optims.append(name)
         for name, app in self.apps.items():
             sd[name] = app.state_dict()
         return sd
@@ -244,7 +258,8 @@ class TrainState:
         sd = self.tensor_state()
         self._nbytes = self._count_bytes()
         blob = {"step": step, "rng": capture_rng(),
-                "objects": {n: o.state_dict() for n, o in self.others.items()}}
+                "objects": {n: o.state_dict() for n, o in self.others.items()},
+                "fresh_optims": list(self.fresh_optims)}
         if self.buckets.ddps:
             blob[RECORD_KEY] = self.buckets.record()
         buf = io.BytesIO()
@@ -299,6 +314,9 @@ class TrainState:
             blob = self.read_blob(sd, blob_key)
         if blob is None:
             return None
+        for name in blob.get("fresh_optims", ()):
+            if name in self.optims:     # saved before its first step: it has not stepped
+                self.optims[name][0].state.clear()
         for name, obj in self.others.items():
             if name in blob["objects"]:
                 obj.load_state_dict(blob["objects"][name])

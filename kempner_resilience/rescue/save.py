@@ -57,6 +57,9 @@ def _state_dict(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes
             raise CheckpointError(f"rank {rank}'s snapshot is of step {blob['step']}, not {step}")
         if record is not None:
             blob[RECORD_KEY] = record
+        # The optimizers that had not stepped (TrainState.tensor_state): a resume from this
+        # rescue leaves them without state, as they were.
+        blob["fresh_optims"] = list(state.fresh_optims)
         buf = io.BytesIO()
         torch.save(blob, buf)
         sd[rank_key(rank)] = buf.getvalue()
