@@ -93,9 +93,10 @@ def test_the_step_loop_follows_the_directory_rank_0_reported_not_its_own_config(
     from kempner_resilience.slurm.relaunch import Relauncher
 
     monkeypatch.chdir(tmp_path)
-    loop = Relauncher(["true"], 1, load_config(None, []),
+    monkeypatch.delenv("KEMPNER_RESILIENCE_CONFIG", raising=False)
+    loop = Relauncher(["true"], 1, load_config(None, [f"checkpoint.dir={tmp_path / 'given'}"]),
                       environ={"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-3]"})
-    assert loop.run_paths.root == tmp_path / "checkpoints"     # nothing said yet: the config's
+    assert loop.run_paths.root == tmp_path / "given"   # nothing said yet: --config/--set's
     loop.channel.report(RunReport(str(tmp_path / "mine"), "r", 10, None,
                                   {"max_no_progress": 7}))
     assert loop.run_paths.root == tmp_path / "mine"
