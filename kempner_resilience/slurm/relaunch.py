@@ -56,12 +56,12 @@ from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
 from kempner_resilience.slurm.evidence import LoopState, step_evidence
-from kempner_resilience.slurm.steps import (FAILURE_CODES, RESTART_INDEX_ENV, StepReport,
-                                            choose_nodes)
+from kempner_resilience.slurm.steps import RESTART_INDEX_ENV, StepReport, choose_nodes
 from kempner_resilience.slurm.srunstep import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
                                                StepResult)
 from kempner_resilience.supervise.channel import Channel
-from kempner_resilience.supervise.policy import Action, Decision, Evidence, Guard, Kind, decide
+from kempner_resilience.supervise.policy import (Action, Decision, Evidence, Guard, Kind, RankEnd,
+                                                 decide, job_code)
 
 __all__ = ["Relauncher", "StepResult", "run_in_place", "FINISHED_GRACE_S"]
 
@@ -256,8 +256,10 @@ class Relauncher:
         """The agents' step ended: by their code alone (a dead node's silence or srun's "Node
         failure" line was theirs to handle), a failure worth running again is requeued."""
         code = res.code
-        killed = code > 128 and code not in (int(ExitCode.SIGTERM), int(ExitCode.SIGINT))
-        if res.finished or self.stopping or not (code in FAILURE_CODES or killed):
+        # srun's status as one ending, read by the policy's own rule (a rescued failure or a
+        # death by a signal of its own is a failure; a stop, a bug, a 75 are not).
+        _, kind, _ = job_code((RankEnd(code, signaled=code > 128),))
+        if res.finished or self.stopping or kind is not Kind.FAILURE:
             return code, False
         why = (f"the agents ended with {code} (their in-place restarts, if any, are spent): "
                "the scheduler runs it again")
