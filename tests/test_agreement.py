@@ -109,3 +109,31 @@ def test_single_process_stop_needs_no_distributed_setup(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == ExitCode.REQUEUE, err
     assert out.split()[-1] == "1"
+
+
+LAST_WORD = """
+import datetime, os, sys, time
+from torch.distributed import TCPStore
+from kempner_resilience.stop.agreement import StopAgreement
+
+rank, port, readers_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+store = TCPStore("127.0.0.1", port, 3, rank == 0, timeout=datetime.timedelta(seconds=30))
+agreement = StopAgreement(store, rank=rank, world_size=3)
+if rank == 2:
+    time.sleep(2.0)      # a slow rank: still finishing its part of the save
+text = agreement.share_text("verdict", "requeued" if rank == 0 else None, 30.0,
+                            readers_s=readers_s)
+print(text, flush=True)
+os._exit(0)              # rank 0, the store's host, leaves at once, as the shutdown does
+"""
+
+
+def test_rank_0_stays_until_a_slow_rank_has_read_the_last_shared_value(tmp_path):
+    # The requeue verdict is the last thing the ranks share before they exit; a rank that reads
+    # it after rank 0 (the store's host) has exited would report a failed requeue instead.
+    script = write_script(tmp_path, LAST_WORD)
+    port = str(free_port())
+    procs = [start(script, str(r), port, "10") for r in (0, 1, 2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-500:] for o in outs]
+    assert [o[0].strip() for o in outs] == ["requeued"] * 3

@@ -154,6 +154,9 @@ def emergency_save(state: RunState, step: int) -> SaveResult:
     return SaveResult(Saved.COMMITTED, info, seconds)
 
 
+_READERS_S = 10.0   # how long rank 0 stays for a slow rank to read the requeue verdict
+
+
 def requeue(state: RunState, committed: int | None) -> Requeued:
     """Rank 0 decides (budget, scontrol with its own timeout); every rank learns its verdict
     through the store within what is left of the deadline."""
@@ -161,9 +164,12 @@ def requeue(state: RunState, committed: int | None) -> Requeued:
     mine = requeue_decision(state, committed) if state.rank == 0 else None
     left = parts.handler.deadline.remaining()
     try:
+        wait = left if left is not None else 60.0
+        # The ranks' last exchange before they exit: rank 0 (the store's host, under srun)
+        # stays until each rank has its verdict, for at most a few seconds of the deadline.
         verdict = Verdict(parts.agreement.share_text(
-            "requeue_verdict", None if mine is None else mine.verdict.value,
-            left if left is not None else 60.0))
+            "requeue_verdict", None if mine is None else mine.verdict.value, wait,
+            readers_s=max(min(wait, _READERS_S), 0.1)))
     except Exception as e:  # rank 0 is gone or the store timed out: the checkpoint is safe
         log.error("did not learn rank 0's requeue verdict (%s)", e)
         return Requeued(Verdict.UNHEARD)

@@ -181,34 +181,38 @@ class StopAgreement:
             self._agreed_now = True
         return agreed is not None
 
-    def share_exit_code(self, code: int | None, timeout_s: float) -> int:
-        """Rank 0 passes its exit code (the requeue outcome), every other rank gets it back.
-
-        Only rank 0 decides about the requeue, but all ranks must exit with the same code.
-        """
-        if self.store is None:
-            assert code is not None
-            return int(code)
-        if self.rank == 0:
-            assert code is not None
-            self.store.set(CODE_KEY, str(int(code)))
-            return int(code)
-        self.store.wait([CODE_KEY], datetime.timedelta(seconds=max(timeout_s, 1.0)))
-        return int(self.store.get(CODE_KEY))
-
-    def share_text(self, name: str, text: str | None, timeout_s: float) -> str:
+    def share_text(self, name: str, text: str | None, timeout_s: float, *,
+                   readers_s: float = 0.0) -> str:
         """Rank 0's ``text`` on every rank, through the store (a value only rank 0 decides:
-        the run id, the allocation's end). Single process: ``text`` itself."""
+        the run id, the allocation's end). Single process: ``text`` itself.
+
+        ``readers_s`` > 0: rank 0 returns only once every other rank has read the value, or
+        after ``readers_s``. For the last value shared before the ranks exit (the requeue
+        verdict): rank 0 hosts the store under srun and the local launcher, and a rank 0 that
+        exits right after its ``set`` takes the store with it while a slower rank is still
+        between its ``wait`` and its ``get`` (that rank then exits REQUEUE_FAILED for a requeue
+        that happened)."""
         if self.store is None:
             assert text is not None
             return text
         key = f"kempner_resilience/{name}"
+        done_key = f"{key}/all-read"
         if self.rank == 0:
             assert text is not None
             self.store.set(key, text)
+            if readers_s > 0:
+                try:
+                    self.store.wait([done_key], datetime.timedelta(seconds=readers_s))
+                except Exception as e:   # a rank is gone or slow: it learns nothing more late
+                    log.debug("not every rank read %s within %.1f s: %s", name, readers_s, e)
             return text
         self.store.wait([key], datetime.timedelta(seconds=max(timeout_s, 1.0)))
-        return self.store.get(key).decode()
+        value = self.store.get(key).decode()
+        if readers_s > 0:
+            # The last reader tells rank 0 (one key to wait on, not a count to poll).
+            if self.store.add(f"{key}/read", 1) == self.world_size - 1:
+                self.store.set(done_key, "1")
+        return value
 
     def use_forced_marker(self, marker: Path) -> None:
         """Announce forced exits also as the file ``marker`` (``RunPaths.forced_marker`` of
