@@ -13,6 +13,7 @@ only use the library: ``checkpoints.py`` (ls, verify), ``slurm.py`` (doctor, sba
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import Callable, Sequence
@@ -88,6 +89,24 @@ def _load_verbs() -> None:
             _VERBS.setdefault(verb.name, verb)
 
 
+# How the command line's own log lines are labelled (never ``[rank N]``): the process that
+# starts ranks, or the agent torchrun runs, says what it is; other verbs say their name.
+_ROLES = {"launch": "launcher", "demo": "demo launcher", "srun": "srun supervisor",
+          "torchrun": "agent"}
+
+
+def _stdout_to_devnull() -> None:
+    """The reader of stdout is gone: point stdout at /dev/null, so that the interpreter's own
+    flush at exit does not raise BrokenPipeError again (the recipe in Python's signal docs)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):       # not a real file (captured): nothing flushes it at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from kempner_resilience.cli.torchrun import separate
 
@@ -96,11 +115,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verb:
         parser.print_help()
         return int(ExitCode.USAGE)
-    from kempner_resilience.core.log import configure
+    from kempner_resilience.core.log import configure, set_role
 
     configure("DEBUG" if args.verbose else "INFO")
+    # The command line is never a rank, even started with RANK or SLURM_PROCID set (a launcher
+    # as an srun task): its own lines must not read as rank 0's.
+    previous = set_role(_ROLES.get(args.verb, f"kempner-resilience {args.verb}"))
     try:
-        return int(_VERBS[args.verb].run(args))
+        return _run_verb(args)
+    finally:
+        set_role(previous)      # main() called in-process (a test, a notebook) leaves no trace
+
+
+def _run_verb(args: argparse.Namespace) -> int:
+    try:
+        code = int(_VERBS[args.verb].run(args))
+        sys.stdout.flush()    # a reader gone early (`ls | head`) shows here, not at exit
+        return code
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return 128 + signal.SIGPIPE     # what a shell reports for a writer killed by SIGPIPE
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except StartupError as e:  # a bad config or a missing config file, as for a training script

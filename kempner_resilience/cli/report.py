@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from kempner_resilience.checkpoint import layout
 from kempner_resilience.cli.common import CliError, Verb
 from kempner_resilience.core.goodput import PARTS, RECOVERY, Attempt, Goodput, analyze
 from kempner_resilience.core.ledger import read_ledger
@@ -107,8 +108,9 @@ def _recoveries(g: Goodput) -> list[str]:
 
 
 def setup_report(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help=f"checkpoint directory (checkpoint.dir, holding {_LEDGER}) "
-                               "or the ledger file")
+    p.add_argument("dir", help=f"checkpoint directory (checkpoint.dir, holding {_LEDGER}), "
+                               "the ledger file, or a work directory with the checkpoint "
+                               "directory up to 3 levels below it (as for `ls`)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw the timeline of the attempts into FILE.png (needs matplotlib:"
@@ -119,9 +121,31 @@ def setup_report(p: argparse.ArgumentParser) -> None:
                    "one (default: the newest)")
 
 
+def _find_ledger(target: Path) -> Path:
+    """The ledger ``target`` names, resolved as ``ls`` resolves its directory: the ledger file
+    itself, ``checkpoint.dir``, one of its step directories, or a work directory with one
+    checkpoint directory up to 3 levels below it (``layout.find_roots``, ``ls``'s search)."""
+    if not target.is_dir():
+        return target
+    here = RunPaths(target).ledger
+    if here.exists():
+        return here
+    if layout.parse_name(target.name) is not None:        # a step directory: its run's
+        return RunPaths(target.parent).ledger
+    roots, _ = layout.find_roots(target)
+    found = [RunPaths(r).ledger for r in roots if RunPaths(r).ledger.exists()]
+    if len(found) > 1:
+        raise CliError(f"{target}: {len(found)} runs below it; give one of them: "
+                       + ", ".join(str(f.parent) for f in found), 2)
+    if not found:
+        raise CliError(f"{target}: no run ledger here or in a checkpoint directory below it "
+                       f"(ResilientRun writes {_LEDGER} into checkpoint.dir when the run has "
+                       "checkpoint state)")
+    return found[0]
+
+
 def run_report(args: argparse.Namespace) -> int:
-    target = Path(args.dir)
-    ledger = RunPaths(target).ledger if target.is_dir() else target
+    ledger = _find_ledger(Path(args.dir))
     if not ledger.exists():
         raise CliError(f"{ledger}: no run ledger here (ResilientRun writes {_LEDGER} into "
                        "checkpoint.dir when the run has checkpoint state)")

@@ -17,6 +17,7 @@ attribute, which needs no import here.
 
 from __future__ import annotations
 
+import re
 import sys
 
 __all__ = ["is_peer_failure", "first_line"]
@@ -41,6 +42,14 @@ _GLOO_TIMEOUT_TEXT = (
     "for recv operation to complete",
     "for send operation to complete",
 )
+
+
+# Where torch's C++ raised it: gloo's "[/path/gloo/transport/tcp/pair.cc:553] ", NCCL's
+# "NCCL error in: /path/ProcessGroupNCCL.cpp:1234, ", c10d's "[c10d] ".
+_CPP_WHERE = re.compile(r"^(?:\[[^\]\s]*(?:\.(?:cc|cpp|cu|h|hpp)(?::\d+)?|c10d)\]\s*"
+                        r"|NCCL error in: \S+\.(?:cc|cpp|cu)(?::\d+)?,\s*)")
+# The end of the first sentence: a period, then a capital (an address's dots are not).
+_SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")
 
 
 def _dist_error_types() -> tuple[type[BaseException], ...]:
@@ -76,6 +85,19 @@ def is_peer_failure(exc: BaseException | None) -> bool:
 
 
 def first_line(exc: BaseException) -> str:
-    """``Type: first line of the message``, for one-line logs."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+    """``Type: first line of the message``, for one-line logs. A message from torch's C++
+    (gloo, NCCL, c10d) loses its source location and the advice gloo appends ("This is
+    typically caused by a remote worker crashing. ... GLHF!"): ``gloo: Connection closed by
+    peer [127.0.0.1]:50585``. Our line says what it means; theirs is not ours to print."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text, who = lines[0], type(exc).__name__
+    where = _CPP_WHERE.match(text)
+    if where is not None:
+        for lib in ("gloo", "nccl", "c10d"):
+            if lib in where.group(0).lower():
+                who = "NCCL" if lib == "nccl" else lib
+                break
+        text = _SENTENCE_END.split(text[where.end():], 1)[0].rstrip(".") or text
+    return f"{who}: {text[:300]}"

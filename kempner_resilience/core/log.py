@@ -1,4 +1,5 @@
-"""Rank-aware logging: every record of ours says which rank wrote it."""
+"""Rank-aware logging: every record of ours says which rank wrote it, or, in a launcher or an
+agent (not a rank), which of those wrote it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import logging
 import os
 
 ROOT = "kempner_resilience"
+
+# Set by a launcher's or an agent's entry point (``set_role``). A process-wide global, not an
+# environment variable: the ranks it starts must not inherit it, and a launcher that was itself
+# started with RANK/SLURM_PROCID in its environment (an srun task, a batch shell) is no rank.
+_role: str | None = None
 
 
 def rank() -> int:
@@ -17,13 +23,28 @@ def rank() -> int:
     return 0
 
 
+def set_role(role: str | None) -> str | None:
+    """Say that this process is not a rank but ``role`` (``launcher``, ``agent``, ...): its
+    lines are labelled ``[role]`` instead of ``[rank N]``. None: a rank again. Returns the
+    role before (a caller running in someone else's process puts it back)."""
+    global _role
+    previous, _role = _role, role
+    return previous
+
+
+def label() -> str:
+    """Who writes this process's lines: ``rank N``, or the role ``set_role`` gave it."""
+    return _role if _role is not None else f"rank {rank()}"
+
+
 class _RankAdapter(logging.LoggerAdapter):
     def process(self, msg, kwargs):
-        return f"[rank {rank()}] {msg}", kwargs
+        return f"[{label()}] {msg}", kwargs
 
 
 def get_logger(name: str) -> logging.LoggerAdapter:
-    """A logger under ``kempner_resilience`` whose messages start with ``[rank N]``."""
+    """A logger under ``kempner_resilience`` whose messages start with ``[rank N]`` (or the
+    process's role, see ``set_role``)."""
     if not name.startswith(ROOT):
         name = f"{ROOT}.{name}"
     return _RankAdapter(logging.getLogger(name), {})

@@ -57,7 +57,7 @@ from kempner_resilience.integrations.torchrun_report import RunReport, what_the_
 from kempner_resilience.integrations.torchrun_spares import InPlace, in_place_settings
 from kempner_resilience.supervise.channel import Channel
 from kempner_resilience.core.ledger import AGENT_START_ENV, process_start_time
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
 __all__ = ["run", "forward_signals", "agent_exit_code", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
@@ -132,6 +132,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
     agent's wait); default ``load_config()``. ``forward``: None decides with
     ``forward_signals()``.
     """
+    set_role("agent")     # not a rank: its SLURM_PROCID under srun is its node's index
     config = config or load_config()
     config.validate()  # built or changed in Python: held to the file's rules (ConfigError, 78)
     if forward is None:

@@ -73,6 +73,8 @@ class BuddyLink:
         self._pending = bytearray()
         self._held: tuple[tuple[int, bytes], ...] = ()
         self._closing = False
+        self._lost: str | None = None     # why the link to the buddy was given up
+        self._lost_said = False
         self._thread: threading.Thread | None = None
 
     def listen(self, host: str) -> tuple[str, int]:
@@ -117,7 +119,13 @@ class BuddyLink:
     # -------------------------------------------------------------------------- sending
 
     def send(self, step: int, payload: bytes) -> None:
-        """Queue this boundary's snapshot to the buddy without blocking (the training thread)."""
+        """Queue this boundary's snapshot to the buddy without blocking (the training thread).
+        A link lost earlier is reported here, once: only a rank that trains on without it
+        has lost something (see ``_drop``)."""
+        if self._lost is not None and not self._lost_said:
+            self._lost_said = True
+            log.warning("rescue link to rank %d closed: %s; a rescue after this rank dies will "
+                        "lack its per-rank state", self.buddy, self._lost)
         self._send(SNAP, step, payload)
 
     def wake(self) -> None:
@@ -157,9 +165,11 @@ class BuddyLink:
             self._drop(f"rank {self.buddy} stopped reading its snapshots")
 
     def _drop(self, why: str) -> None:
+        # Not logged here: a send fails mostly because the buddy died, and then a rescue is
+        # under way (its wake is what failed to send) and the warning would be false. The
+        # next snapshot's ``send`` says it, if this rank trains on without its link.
         if self._out is not None and not self._closing:
-            log.warning("rescue link to rank %d closed: %s; a rescue after this rank dies will "
-                        "lack its per-rank state", self.buddy, why)
+            self._lost = why
         if self._out is not None:
             self._out.close()
         self._out = None

@@ -359,10 +359,15 @@ def _rescue(run: RunParts, ckpt: CheckpointManager) -> Rescuer | None:
 def _preflight(run: RunParts) -> None:
     """Rank 0 says once what stands between this job and a safe shutdown: a signal that
     never reaches the ranks, or an emergency save that cannot fit in the signal's lead
-    (checked once the state and the last save are known: after the resume)."""
+    (checked once the state and the last save are known: after the resume); outside SLURM,
+    a plain torchrun, which reports every intended stop as a failure."""
     from kempner_resilience.slurm import SaveFacts, format_findings, preflight
+    from kempner_resilience.slurm.preflight import plain_torchrun
 
     job, ckpt = run.slurm, run.ckpt
+    hint = plain_torchrun() if run.rank == 0 and job is None else None
+    if hint is not None:        # under SLURM, the preflight's findings below say it
+        log.warning("%s", hint)
     if job is None or job.procid != 0:
         return
     save = None

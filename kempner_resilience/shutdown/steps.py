@@ -171,7 +171,9 @@ def requeue(state: RunState, committed: int | None) -> Requeued:
             "requeue_verdict", None if mine is None else mine.verdict.value, wait,
             readers_s=max(min(wait, _READERS_S), 0.1)))
     except Exception as e:  # rank 0 is gone or the store timed out: the checkpoint is safe
-        log.error("did not learn rank 0's requeue verdict (%s)", e)
+        from kempner_resilience.core.faults import first_line
+
+        log.error("did not learn rank 0's requeue verdict (%s)", first_line(e))  # not c10d's
         return Requeued(Verdict.UNHEARD)
     if verdict is Verdict.REQUEUED:
         parts.trackers.preempting()    # a W&B run on another rank (rank 0 told its own)

@@ -21,7 +21,7 @@ from kempner_resilience.slurm.scontrol import (find_scontrol, kill_wait, parse_s
                                                show_job)
 from kempner_resilience.slurm.templates import requeue_signal
 
-__all__ = ["Finding", "preflight", "format_findings", "TORCHRUN_AGENT_ENV"]
+__all__ = ["Finding", "preflight", "format_findings", "plain_torchrun", "TORCHRUN_AGENT_ENV"]
 
 _log = get_logger(__name__)
 
@@ -59,6 +59,21 @@ def _torchrun_parent(environ: Mapping[str, str]) -> str | None:
     if "torchrun" in cmd or "torch.distributed.run" in cmd or "torch.distributed.launch" in cmd:
         return f"the parent process is `{cmd[:80]}`"
     return None
+
+
+def plain_torchrun(environ: Mapping[str, str] | None = None) -> str | None:
+    """One line for a run that plain torchrun started (not ``kempner-resilience torchrun``,
+    whose agent names itself in its workers' environment), pointing to the latter; else None.
+    Plain torchrun reports every intended stop (a signal's checkpoint, Ctrl+C, a requeue) as a
+    failed worker: exit 1 and a ``ChildFailedError`` traceback, however well the ranks ended."""
+    env = os.environ if environ is None else environ
+    why = _torchrun_parent(env)
+    if why is None or env.get(TORCHRUN_AGENT_ENV):
+        return None
+    return (f"started by plain torchrun ({why}): it turns every intended stop (a signal's "
+            "checkpoint, Ctrl+C, a requeue) into exit 1 with a ChildFailedError traceback, and "
+            "its agent dies on SIGUSR1; run `kempner-resilience torchrun` with the same "
+            "arguments instead (its agent passes signals on and exits with the ranks' code)")
 
 
 def _signal_numbers(config: ResilienceConfig) -> dict[int, str]:

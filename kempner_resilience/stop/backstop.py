@@ -185,6 +185,7 @@ class BackstopMonitor:
         self._pid = os.getpid()
         self.available = False
         self._proc: subprocess.Popen | None = None
+        self._gone = False                 # its death was reported (once)
         if not (sys.platform.startswith("linux") and sys.executable
                 and hasattr(os, "memfd_create")
                 and signal.SIGRTMIN <= self.code <= signal.SIGRTMAX):
@@ -254,10 +255,15 @@ class BackstopMonitor:
             log.warning("the hang backstop's last words are too long (%d bytes); a hang that "
                         "holds the GIL will leave no exit event", len(msg))
             return
+        if self._gone:
+            return
         try:
             os.write(self._wfd, msg)    # one write below PIPE_BUF: atomic, and never blocks
         except OSError as e:            # the monitor is gone: nothing will fire either
-            log.warning("the hang backstop's monitor did not take its last words: %s", e)
+            # Once: the words are offered after every commit, and a monitor does not come back.
+            self._gone = True
+            log.warning("the hang backstop's monitor process is gone (%s): a hang that holds "
+                        "the GIL will not end this rank, nor leave its exit event", e.strerror or e)
 
     @property
     def pid(self) -> int | None:
