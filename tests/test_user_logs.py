@@ -102,6 +102,60 @@ def test_gloos_message_is_not_embedded_in_the_lost_peer_line(survivors):
         assert ".cc:" not in lost[0] and "GLHF" not in lost[0] and "typically" not in lost[0]
 
 
+def _ring_of_two(woken: list[str]):
+    """Ranks 0 and 1's buddy links, connected over real sockets on this host."""
+    import threading
+
+    from kempner_resilience.rescue.link import BuddyLink
+
+    a, b = BuddyLink(0, woken.append), BuddyLink(1, woken.append)
+    addr_a, addr_b = a.listen("127.0.0.1"), b.listen("127.0.0.1")
+    token = b"t" * 16
+    t = threading.Thread(target=b.connect, args=(0, 0, addr_a, token, 30.0))
+    t.start()
+    a.connect(1, 1, addr_b, token, 30.0)
+    t.join()
+    return a, b
+
+
+def _link_lost(a, b, caplog) -> None:
+    """Rank 1 gone without a goodbye; rank 0 passes the rescue's wake on until its send fails."""
+    import time
+
+    caplog.set_level("WARNING", logger="kempner_resilience")
+    b.close(clean=False)
+    end = time.monotonic() + 30
+    while a._out is not None and time.monotonic() < end:   # noqa: SLF001 - the link's state
+        a.wake()
+        time.sleep(0.01)
+    assert a._out is None, "the send to the gone buddy never failed"   # noqa: SLF001
+
+
+LACKS = "will lack its per-rank state"
+
+
+def test_a_link_lost_with_its_buddy_says_nothing_while_the_rescue_runs(caplog):
+    woken: list[str] = []
+    a, b = _ring_of_two(woken)
+    try:
+        _link_lost(a, b, caplog)
+        assert woken, "the gone buddy woke the rescue"
+        assert not [r for r in caplog.records if LACKS in r.getMessage()]
+    finally:
+        a.close(clean=False)
+
+
+def test_a_rank_that_trains_on_without_its_link_is_told_once(caplog):
+    a, b = _ring_of_two([])
+    try:
+        _link_lost(a, b, caplog)
+        for step in range(20):              # the next boundaries' snapshots
+            a.send(step, b"s" * 1024)
+        assert len([r for r in caplog.records if LACKS in r.getMessage()]) == 1
+    finally:
+        a.close(clean=False)
+
+
 # ------------------------------------------------------------------ launchers and agents
 
 def test_the_launchers_lines_are_not_labelled_rank_0_even_with_rank_in_its_environment(

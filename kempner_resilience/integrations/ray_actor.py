@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.integrations.ray_board import BoardWatcher
 
 __all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group"]
@@ -57,10 +57,14 @@ class ActorEnding:
 def init_group(rank: int, world_size: int, addr: str, port: int, *,
                backend: str = "gloo", timeout_s: float = 120.0) -> None:
     """Join the actors' torch.distributed group as ``rank`` of ``world_size`` (rank 0 hosts the
-    store at ``addr:port``). Sets RANK/WORLD_SIZE-free state only: the run reads the group."""
+    store at ``addr:port``). Sets RANK/WORLD_SIZE-free state only: the run reads the group;
+    this process's log lines say ``[rank N]`` from here on (RANK, which they read otherwise, is
+    not set: it would make a run inside an actor pick the ``exit`` mode)."""
     import datetime
 
     import torch.distributed as dist
+
+    set_role(f"rank {rank}")
 
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world_size,

@@ -33,7 +33,7 @@ import time
 from typing import Any, Sequence
 
 from kempner_resilience.config import ResilienceConfig, SignalsConfig, load_config
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, exit_code
 from kempner_resilience.integrations.ray_actor import ActorEnding
 from kempner_resilience.integrations.ray_board import create_board
@@ -75,6 +75,7 @@ class RayDriver:
         self._handler = ShutdownHandler(self.signals, forces=_driver_forces)
         self._stop = threading.Event()
         self._stopping = False
+        self._role: str | None = None     # this process's log label before the driver's
 
     # ------------------------------------------------------------------ context
 
@@ -87,6 +88,7 @@ class RayDriver:
             raise RuntimeError("RayDriver must be entered on the main thread (Python only "
                                "delivers signals there)")
         _clear_ray_handlers(self._handler.signals)
+        self._role = set_role("ray driver")     # not a rank, whatever RANK says
         self._handler.install()
         self._handler.add_listener(lambda req: self._stop.set())
         self._handler.add_forced_exit_hook(self._force)
@@ -101,6 +103,7 @@ class RayDriver:
                 self._stop_all(req.signum, [], [])
         finally:
             self._handler.uninstall()
+            set_role(self._role)
 
     # ------------------------------------------------------------------ public API
 
