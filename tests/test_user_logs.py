@@ -42,11 +42,14 @@ FAIL_AT = 25
 # The survivor's lines README.md shows, each as the pattern its message matches.
 SURVIVOR_LINES = (
     r"rescue: (rank \d+'s link closed without a goodbye \(the rank is gone\)|a rescue started "
-    r"\(passed on by rank \d+\)); offering this rank's step state",
+    r"\(passed on by rank \d+\)|this rank: peer lost); offering this rank's step state",
     rf"a peer rank is gone \(gloo: [^()]+\); leaving at step {FAIL_AT}",
     rf"rescue: (rank \d+ )?committed step {FAIL_AT} at \S+(, .*)?",
     r"exiting with PEER_LOST \(81\): .*",
 )
+
+# README.md: the writer also says when a snapshot is more than a second late (a loaded machine).
+WRITER_WAITS = rf"rescue: waiting up to \d+ s for the state of step {FAIL_AT} from .*"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,8 @@ def test_a_survivor_of_a_killed_peer_prints_the_lines_readme_shows_and_no_more(s
     codes, logs = survivors
     assert codes == [ExitCode.PEER_LOST] * 3 + [-signal.SIGKILL]
     for rank, text in logs.items():
-        said = [msg for _, msg in our_lines(text, ("WARNING", "ERROR"))]
+        said = [msg for _, msg in our_lines(text, ("WARNING", "ERROR"))
+                if not re.fullmatch(WRITER_WAITS, msg)]
         assert len(said) == len(SURVIVOR_LINES), (rank, said)
         for pattern in SURVIVOR_LINES:
             assert sum(bool(re.fullmatch(pattern, m)) for m in said) == 1, (rank, pattern, said)
