@@ -256,15 +256,18 @@ class StopAgreement:
         """(code, rank) when some rank announced a forced exit; None otherwise or when neither
         the marker nor the store answers within ``timeout_s`` (the store's host, rank 0, may be
         the one that left, or be paused: a SIGSTOPped rank 0's store answers nothing, and a
-        store read waits on its socket beyond the store's timeout). The marker is read first:
-        with rank 0 gone, a store read fails, and torch prints a C++ stack trace for it. The read
-        runs in a daemon thread, left behind if it does not return (a hung filesystem): the
-        process is on its way out, through ``os._exit``."""
+        store read waits on its socket beyond the store's timeout). With a marker in use, only
+        the marker is read: every rank announcing a forced exit writes it before it leaves, and
+        a store read with rank 0 gone (rank 0 leaves as soon as its own shutdown is done) fails
+        with a C++ stack trace from torch in the user's log. The read runs in a daemon thread,
+        left behind if it does not return (a hung filesystem): the process is on its way out,
+        through ``os._exit``."""
         if self.store is None:
             return None
         box: list[tuple[int, int] | None] = []
+        read = self._read_marker if self._marker is not None else self._read_forced
         reader = threading.Thread(
-            target=lambda: box.append(self._read_marker() or self._read_forced()),
+            target=lambda: box.append(read()),
             name="kempner-forced-exit-read", daemon=True)
         reader.start()
         reader.join(timeout_s)
