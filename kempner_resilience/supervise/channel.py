@@ -39,9 +39,10 @@ from typing import Any, Mapping
 
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 
 __all__ = ["CHANNEL_ENV", "RESTART_INDEX_ENV", "Channel", "RunReport", "REPORT_NAME", "report_now",
-           "launch_name"]
+           "launch_name", "newest_commit"]
 
 _log = get_logger(__name__)
 
@@ -140,6 +141,19 @@ class Channel:
             _log.warning("the ranks' report %s is unreadable (%s): the run is unknown", path, e)
             return None
 
+    def run_paths(self) -> RunPaths | None:
+        """The run's directory as rank 0 reported it (None: no report yet)."""
+        report = self.read()
+        return None if report is None else RunPaths(Path(report.run_dir))
+
+    def requeue_setting(self, key: str, default: int) -> int:
+        """The run's ``requeue.<key>`` (an integer >= 0) as rank 0 reported it, else
+        ``default``: the supervisor applies the run's own budget and guard, not a guess."""
+        report = self.read()
+        value = None if report is None else report.requeue.get(key)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return value if ok else default     # type: ignore[return-value]
+
     # ------------------------------------------------------------------ the ranks' hang words
 
     def hang_seen_dir(self, launch: str) -> Path:
@@ -200,6 +214,21 @@ def launch_name(environ: Mapping[str, str] | None = None) -> str:
     """This launch of the ranks within the job: ``<requeues>.<relaunches in place>``."""
     env = os.environ if environ is None else environ
     return f"{env.get('SLURM_RESTART_COUNT') or 0}.{env.get(RESTART_INDEX_ENV) or 0}"
+
+
+def newest_commit(paths: RunPaths | None) -> int | None:
+    """The newest committed step in the run's directory ``paths`` (None: none, or unknown).
+    Read from the directory, not from rank 0's report: a rescue that survivors committed after
+    rank 0 died is there too."""
+    from kempner_resilience.checkpoint import layout
+
+    if paths is None:
+        return None
+    try:
+        steps = [e.step for e in layout.scan(paths) if e.committed]
+    except OSError:
+        return None
+    return max(steps) if steps else None
 
 
 def report_now(channel: Channel, run_dir: str | os.PathLike[str], *, run_id: str | None,
