@@ -15,6 +15,10 @@ A row is one failure and, per backend, its NATIVE form: what that backend really
 Every row commits a newer checkpoint during the failed launch (the survivors' rescue), so the
 no-progress guard stays out of the way; the budget and the spares are the rows' own.
 
+- ``submitit``: submitit's local controller, ours (``integrations/submitit_local.py``): each
+  task's ``Popen.returncode`` (144: submitit's requeue code), the tasks it killed after the
+  grace, its restarts so far; the run's budget as rank 0 said it in the channel's run.json; run
+  through ``Supervision`` (``integrations/submitit_policy.py``), as the controller does.
 - ``torchrun``: one torchrun agent (``integrations/torchrun_policy.py``): its own node's
   workers' return codes, whether it was signalled, torch's restarts left, the standbys waiting;
   run through ``observe`` and the policy, as the agent's monitor does.
@@ -36,10 +40,11 @@ import pytest
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import load_config
 from kempner_resilience.integrations.local import launch_evidence
+from kempner_resilience.integrations.submitit_policy import Supervision
 from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
 from kempner_resilience.slurm.relaunch import Relauncher, StepResult
 from kempner_resilience.slurm.steps import StepReport, parse_srun_line
-from kempner_resilience.supervise.channel import RunReport
+from kempner_resilience.supervise.channel import Channel, RunReport
 from kempner_resilience.supervise.policy import Action, Commits, Decision, decide
 from kempner_resilience.core.runpaths import RunPaths
 
@@ -73,6 +78,16 @@ class Local:
     killed: tuple[int, ...] = ()           # ranks it killed after the grace
     index: int = 0                         # launches before this one
     max_launches: int = 10
+
+
+@dataclass(frozen=True)
+class Submitit:
+    """A finished launch of a local submitit job's tasks, as our controller sees it."""
+
+    codes: tuple[int, ...]                 # Popen.returncode per task (-9: SIGKILLed)
+    killed: tuple[int, ...] = ()           # tasks it killed after the grace
+    restarts: int = 0                      # starts of the tasks before this one
+    max_restarts: int = 20                 # the run's requeue.max_restarts, as rank 0 said
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,18 @@ def through_local(launch: Local, tmp_path: Path) -> Decision:
                                   commits=Commits(BEFORE, RESCUED)))
 
 
+def through_submitit(launch: Submitit, tmp_path: Path) -> Decision:
+    run_dir = tmp_path / "run"
+    channel = Channel.for_job("7", environ={}, cwd=tmp_path / "logs")
+    channel.report(RunReport(str(run_dir), "r", BEFORE, None,
+                             {"max_restarts": launch.max_restarts, "max_no_progress": 2}))
+    _commit(run_dir, BEFORE)
+    supervision = Supervision(channel, restarts=launch.restarts)
+    supervision.starting()
+    _commit(run_dir, RESCUED)
+    return supervision.after(launch.codes, launch.killed)
+
+
 def through_torchrun(group: Torchrun, tmp_path: Path) -> Decision:
     here = implicated_here(group.codes)
     return decide(observe(group.codes, signalled=group.signalled,
@@ -134,6 +161,7 @@ def through_torchrun(group: Torchrun, tmp_path: Path) -> Decision:
 BACKENDS: dict[str, Callable[[Any, Path], Decision]] = {
     "srun": through_srun,
     "local": through_local,
+    "submitit": through_submitit,
     "torchrun": through_torchrun,
 }
 
@@ -157,17 +185,20 @@ ROWS: dict[str, Row] = {
     "every rank finished": Row(Action.LEAVE, 0, {
         "srun": Srun(()),
         "local": Local((0, 0)),
+        "submitit": Submitit((0, 0)),
         "torchrun": Torchrun({0: 0, 1: 0}),
     }),
     "a rank SIGKILLed, the survivor rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True),
         "local": Local((81, -9)),
+        "submitit": Submitit((81, -9)),
         "torchrun": Torchrun({0: 81, 1: -9}),
     }),
     "a node killed: it says nothing, its peers rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun((_err("n1", "0-1", "Exited with exit code 81"),), tasks_per_node=2,
                      ended_by_loop=True),
         "local": Local((81, 81, -9, -9)),
+        "submitit": Submitit((81, 81, -9, -9)),
         # the survivor's agent: its own workers said 81; the dead node's agent died with it
         "torchrun": Torchrun({0: 81, 1: 81}),
     }),
@@ -177,6 +208,7 @@ ROWS: dict[str, Row] = {
                           _err("n1", "0", "Exited with exit code 42")),
                          hang_seen=(0,), ended_by_loop=True),
             "local": Local((42, 42)),
+            "submitit": Submitit((42, 42)),
             "torchrun": Torchrun({0: 42, 1: 42}),
         }),
     "a rank frozen (SIGSTOP): ended by the supervisor after the grace": Row(
@@ -186,24 +218,29 @@ ROWS: dict[str, Row] = {
                           _err("n1", "0", "Exited with exit code 42")),
                          tasks_per_node=2, hang_seen=(0, 2, 3), ended_by_loop=True),
             "local": Local((42, -9), killed=(1,)),
+            "submitit": Submitit((42, -9), killed=(1,)),
             "torchrun": Torchrun({0: 42, 1: -9}, killed=(1,)),
         }),
     "rank 1's exception, which rank 0 saw as a lost peer [81, 1]": Row(Action.LEAVE, 1, {
         "srun": Srun((_err("n1", "0", "Exited with exit code 81"),
                       _err("n2", "1", "Exited with exit code 1")), srun_code=1),
         "local": Local((81, 1)),
+        "submitit": Submitit((81, 1)),
         "torchrun": Torchrun({0: 81, 1: 1}),
     }),
     "rank 0 left run.steps early [0, 81]": Row(Action.LEAVE, 1, {
         # srun ends by itself once rank 1 has: rank 0's silence is an exit 0.
         "srun": Srun((_err("n2", "1", "Exited with exit code 81"),), srun_code=81),
         "local": Local((0, 81)),
+        "submitit": Submitit((0, 81)),
         "torchrun": Torchrun({0: 0, 1: 81}),
     }),
     "a signal: every rank committed and asked to run again (75)": Row(Action.REQUEUE, 75, {
         "srun": Srun((_err("n1", "0", "Exited with exit code 75"),
                       _err("n2", "1", "Exited with exit code 75")), srun_code=75),
         "local": Local((75, 75)),
+        # submitit's native requeue: ResilientJob turns a REQUEUE into its 144
+        "submitit": Submitit((144, 144)),
         # the ranks' own time-limit stop (no signal at the agent)
         "torchrun": Torchrun({0: 75, 1: 75}),
     }),
@@ -216,6 +253,7 @@ ROWS: dict[str, Row] = {
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, relaunches=1,
                      in_job_restarts=1, slurm_restart_count=3, max_restarts=3),
         "local": Local((81, -9), index=9, max_launches=10),
+        "submitit": Submitit((81, -9), restarts=3, max_restarts=3),
         "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=0),
     }),
 }
@@ -224,6 +262,9 @@ ROWS: dict[str, Row] = {
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("no spare left for the node of the killed rank", "local"):
         "one machine: no node to keep out, no spare to run on; it relaunches where it ran",
+    ("no spare left for the node of the killed rank", "submitit"):
+        "submitit's local executor runs one machine's tasks: no node to keep out, no spare to "
+        "run on; it relaunches where it ran (under SLURM, submitit's tasks are srun's)",
 }
 
 CASES = [(name, backend) for name, row in ROWS.items() for backend in BACKENDS
