@@ -12,8 +12,9 @@ A row is one failure and, per backend, its NATIVE form: what that backend really
   (negative: killed by that signal), the ranks it killed after the grace, the launch's index;
   run through ``launch_evidence`` and the policy, as ``LocalLauncher.run`` does.
 
-Every row commits a newer checkpoint during the failed launch (the survivors' rescue), so the
-no-progress guard stays out of the way; the budget and the spares are the rows' own.
+Every row but the no-progress one commits a newer checkpoint during the failed launch (the
+survivors' rescue), so the no-progress guard (``requeue.max_no_progress`` 2, as rank 0 said)
+stays out of the way; the budget and the spares are the rows' own.
 
 - ``submitit``: submitit's local controller, ours (``integrations/submitit_local.py``): each
   task's ``Popen.returncode`` (144: submitit's requeue code), the tasks it killed after the
@@ -68,6 +69,8 @@ class Srun:
     in_job_restarts: int = 1
     slurm_restart_count: int = 0           # SLURM_RESTART_COUNT: requeues before
     max_restarts: int = 20                 # the run's requeue.max_restarts, as rank 0 said
+    stalled: int = 0                       # relaunches in a row before without a newer commit
+    rescued: bool = True                   # the launch committed a newer step
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class Local:
     killed: tuple[int, ...] = ()           # ranks it killed after the grace
     index: int = 0                         # launches before this one
     max_launches: int = 10
+    stalled: int = 0
+    rescued: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class Submitit:
     killed: tuple[int, ...] = ()           # tasks it killed after the grace
     restarts: int = 0                      # starts of the tasks before this one
     max_restarts: int = 20                 # the run's requeue.max_restarts, as rank 0 said
+    stalled: int = 0
+    rescued: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,9 @@ class Torchrun:
     restarts_left: int = 1                 # torch's in-place restarts left (--max-restarts)
     max_restarts: int = 1
     standbys: int | None = 1               # standby agents waiting (spares)
+    stalled: int = 0
+    rescued: bool = True                   # the run's directory (rank 0's report) has a
+                                           # newer commit than when the group started
 
 
 def _commit(root: Path, step: int) -> None:
@@ -111,7 +121,7 @@ def _commit(root: Path, step: int) -> None:
 
 def through_srun(step: Srun, tmp_path: Path) -> Decision:
     run_dir = tmp_path / "run"
-    _commit(run_dir, RESCUED)
+    _commit(run_dir, RESCUED if step.rescued else BEFORE)
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": ",".join(step.nodes),
            "SLURM_NTASKS_PER_NODE": str(step.tasks_per_node),
            "SLURM_RESTART_COUNT": str(step.slurm_restart_count),
@@ -119,7 +129,8 @@ def through_srun(step: Srun, tmp_path: Path) -> Decision:
     loop = Relauncher(["python", "train.py"], len(step.nodes) - step.train,
                       load_config(None, []), step.in_job_restarts, environ=env)
     loop.channel.report(RunReport(str(run_dir), "r", RESCUED, None,
-                                  {"max_restarts": step.max_restarts}))
+                                  {"max_restarts": step.max_restarts, "max_no_progress": 2}))
+    loop._stalled = step.stalled
     for rank in step.hang_seen:
         loop.channel.note_hang_seen(f"{step.slurm_restart_count}.{step.relaunches}", rank)
     report = StepReport(list(step.nodes[:step.train]), step.train * step.tasks_per_node)
@@ -133,8 +144,9 @@ def through_srun(step: Srun, tmp_path: Path) -> Decision:
 
 def through_local(launch: Local, tmp_path: Path) -> Decision:
     return decide(launch_evidence(launch.codes, launch.killed, index=launch.index,
-                                  max_launches=launch.max_launches,
-                                  commits=Commits(BEFORE, RESCUED)))
+                                  max_launches=launch.max_launches, stalled=launch.stalled,
+                                  commits=Commits(BEFORE, RESCUED if launch.rescued
+                                                  else BEFORE)))
 
 
 def through_submitit(launch: Submitit, tmp_path: Path) -> Decision:
@@ -143,9 +155,10 @@ def through_submitit(launch: Submitit, tmp_path: Path) -> Decision:
     channel.report(RunReport(str(run_dir), "r", BEFORE, None,
                              {"max_restarts": launch.max_restarts, "max_no_progress": 2}))
     _commit(run_dir, BEFORE)
-    supervision = Supervision(channel, restarts=launch.restarts)
+    supervision = Supervision(channel, restarts=launch.restarts, stalled=launch.stalled)
     supervision.starting()
-    _commit(run_dir, RESCUED)
+    if launch.rescued:
+        _commit(run_dir, RESCUED)
     return supervision.after(launch.codes, launch.killed)
 
 
@@ -154,7 +167,8 @@ def through_torchrun(group: Torchrun, tmp_path: Path) -> Decision:
     return decide(observe(group.codes, signalled=group.signalled,
                           restarts_left=group.restarts_left, max_restarts=group.max_restarts,
                           standbys=group.standbys, node="this node" if here else None,
-                          killed=group.killed))
+                          killed=group.killed, stalled=group.stalled, max_no_progress=2,
+                          commits=Commits(BEFORE, RESCUED if group.rescued else BEFORE)))
 
 
 #: backend -> runner of its native form.
@@ -256,6 +270,15 @@ ROWS: dict[str, Row] = {
         "submitit": Submitit((81, -9), restarts=3, max_restarts=3),
         "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=0),
     }),
+    "a relaunch that committed nothing newer, the second in a row: no progress": Row(
+        Action.LEAVE, 77, {
+            "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, relaunches=1,
+                         in_job_restarts=3, stalled=1, rescued=False),
+            "local": Local((81, -9), index=1, stalled=1, rescued=False),
+            "submitit": Submitit((81, -9), restarts=1, stalled=1, rescued=False),
+            "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=2, max_restarts=3, stalled=1,
+                                 rescued=False),
+        }),
 }
 
 #: (row, backend) -> why that backend cannot meet that row.
