@@ -40,9 +40,11 @@ What this module adds is the hand-over between submitit and ``ResilientRun``:
 Without SLURM (submitit's local executor: ``AutoExecutor(folder, cluster="local")`` or
 ``LocalExecutor``, how a notebook user tries things first) the same flow works on this machine:
 each task gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from submitit's
-``SUBMITIT_LOCAL_*`` variables and ``KEMPNER_RESTART_COUNT`` (its earlier starts); a requeue
-exits with 144, the code on which submitit's local controller starts the tasks again (it reruns
-nothing on 75); ``interrupt(job)`` (and ``job._interrupt()`` on a job from ``submit``) sends the
+``SUBMITIT_LOCAL_*`` variables and ``KEMPNER_RESTART_COUNT`` (its earlier starts); ``submit``
+runs the job under our controller (``submitit_local.py``), which asks the one policy whether the
+tasks run again after each launch (a requeue, a rescued failure, never a rank's own error),
+where submitit's reruns them only when one exits 144 (a requeue exits with 144 under it);
+``interrupt(job)`` (and ``job._interrupt()`` on a job from ``submit``) sends the
 preemption signal to the tasks, where submitit's own ``_interrupt()`` sends it to the local
 controller, which dies of it; and ``wait`` sees at once that the controller has ended.
 
