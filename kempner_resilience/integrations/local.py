@@ -8,9 +8,10 @@ site's requeue-on-failure would; never after a rank's own error, whatever its pe
 a restart budget, and with the policy's no-progress guard over the run's commits: rank 0 names
 its run's directory in the launcher's channel (``supervise/channel.py``), whatever way the
 script sets ``checkpoint.dir``.
-``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
-``SLURM_RESTART_COUNT`` does: the run's restart budget (``requeue.max_restarts``), its
-no-progress guard and its ledger count the attempts from it. ``kempner-resilience launch`` runs a
+The channel tells the ranks how often they were restarted (``Channel.begin_launch``): the
+run's restart budget (``requeue.max_restarts``), its no-progress guard and its ledger count
+the attempts from it. ``KEMPNER_RESTART_COUNT`` says the same to the user's script, as
+``SLURM_RESTART_COUNT`` does. ``kempner-resilience launch`` runs a
 user's script with it; ``kempner-resilience demo`` runs the demo trainer, with a work directory
 for the ranks' logs and a progress file that lets it deliver a signal at a chosen step (as
 ``--signal=USR1@T`` would).
@@ -286,6 +287,8 @@ class LocalLauncher:
                 p.unlink(missing_ok=True)
             command = command + ["--progress", str(progress)]
         port = str(free_port())
+        if self.channel is not None:
+            self.channel.begin_launch(index)     # the ranks' restart count (budget, ledger)
         procs = []
         t0 = time.monotonic()
         for rank in range(self.ranks):

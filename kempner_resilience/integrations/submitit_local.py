@@ -181,6 +181,7 @@ class ResilientController(Controller):  # type: ignore[misc]
         try:
             while True:
                 supervision.starting()
+                channel.begin_launch(supervision.restarts)   # the tasks' restart count
                 try:
                     self.start_tasks()
                     codes = self.wait()
