@@ -237,6 +237,21 @@ def test_a_local_rank_that_exits_81_is_run_again_and_resumes_from_the_rescue_bit
     assert diff == [] and equal == total > 0
 
 
+def test_a_frozen_local_task_is_killed_after_the_grace_and_the_job_runs_again(tmp_path,
+                                                                              monkeypatch):
+    """Rank 0 exits 42 (HANG), rank 1 froze (SIGSTOP): submitit's controller would wait for it
+    until the job's time limit; ours kills it after the grace, counts it as hung, and starts
+    the tasks again, which then finish."""
+    from kempner_resilience.integrations.submitit_local import ResilientLocalExecutor
+
+    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    executor = ResilientLocalExecutor.adopt(_local_executor(tmp_path / "logs"), grace_s=2.0)
+    job = krs.submit("checkpoint_helpers.submitit_kill:end_as_told", ["42", "freeze"],
+                     executor=executor)
+    krs.wait(job, timeout=300)
+    assert job.results() == [1, 1]
+
+
 # ------------------------------------------------------------------------ real cluster
 
 def _wait_for_steps(progress: Path, ntasks: int, steps: int) -> None:
