@@ -12,9 +12,14 @@ A row is one failure and, per backend, its NATIVE form: what that backend really
   (negative: killed by that signal), the ranks it killed after the grace, the launch's index;
   run through ``launch_evidence`` and the policy, as ``LocalLauncher.run`` does.
 
-Every row commits a newer checkpoint during the failed launch (the survivors' rescue), so the
-no-progress guard stays out of the way; the budget and the spares are the rows' own.
+Every row but the no-progress one commits a newer checkpoint during the failed launch (the
+survivors' rescue), so the no-progress guard (``requeue.max_no_progress`` 2, as rank 0 said)
+stays out of the way; the budget and the spares are the rows' own.
 
+- ``submitit``: submitit's local controller, ours (``integrations/submitit_local.py``): each
+  task's ``Popen.returncode`` (144: submitit's requeue code), the tasks it killed after the
+  grace, its restarts so far; the run's budget as rank 0 said it in the channel's run.json; run
+  through ``Supervision`` (``integrations/submitit_policy.py``), as the controller does.
 - ``torchrun``: one torchrun agent (``integrations/torchrun_policy.py``): its own node's
   workers' return codes, whether it was signalled, torch's restarts left, the standbys waiting;
   run through ``observe`` and the policy, as the agent's monitor does.
@@ -36,10 +41,11 @@ import pytest
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import load_config
 from kempner_resilience.integrations.local import launch_evidence
+from kempner_resilience.integrations.submitit_policy import Supervision
 from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
 from kempner_resilience.slurm.relaunch import Relauncher, StepResult
 from kempner_resilience.slurm.steps import StepReport, parse_srun_line
-from kempner_resilience.supervise.channel import RunReport
+from kempner_resilience.supervise.channel import Channel, RunReport
 from kempner_resilience.supervise.policy import Action, Commits, Decision, decide
 from kempner_resilience.core.runpaths import RunPaths
 
@@ -63,6 +69,8 @@ class Srun:
     in_job_restarts: int = 1
     slurm_restart_count: int = 0           # SLURM_RESTART_COUNT: requeues before
     max_restarts: int = 20                 # the run's requeue.max_restarts, as rank 0 said
+    stalled: int = 0                       # relaunches in a row before without a newer commit
+    rescued: bool = True                   # the launch committed a newer step
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,20 @@ class Local:
     killed: tuple[int, ...] = ()           # ranks it killed after the grace
     index: int = 0                         # launches before this one
     max_launches: int = 10
+    stalled: int = 0
+    rescued: bool = True
+
+
+@dataclass(frozen=True)
+class Submitit:
+    """A finished launch of a local submitit job's tasks, as our controller sees it."""
+
+    codes: tuple[int, ...]                 # Popen.returncode per task (-9: SIGKILLed)
+    killed: tuple[int, ...] = ()           # tasks it killed after the grace
+    restarts: int = 0                      # starts of the tasks before this one
+    max_restarts: int = 20                 # the run's requeue.max_restarts, as rank 0 said
+    stalled: int = 0
+    rescued: bool = True
 
 
 @dataclass(frozen=True)
@@ -85,6 +107,9 @@ class Torchrun:
     restarts_left: int = 1                 # torch's in-place restarts left (--max-restarts)
     max_restarts: int = 1
     standbys: int | None = 1               # standby agents waiting (spares)
+    stalled: int = 0
+    rescued: bool = True                   # the run's directory (rank 0's report) has a
+                                           # newer commit than when the group started
 
 
 def _commit(root: Path, step: int) -> None:
@@ -96,7 +121,7 @@ def _commit(root: Path, step: int) -> None:
 
 def through_srun(step: Srun, tmp_path: Path) -> Decision:
     run_dir = tmp_path / "run"
-    _commit(run_dir, RESCUED)
+    _commit(run_dir, RESCUED if step.rescued else BEFORE)
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": ",".join(step.nodes),
            "SLURM_NTASKS_PER_NODE": str(step.tasks_per_node),
            "SLURM_RESTART_COUNT": str(step.slurm_restart_count),
@@ -104,7 +129,8 @@ def through_srun(step: Srun, tmp_path: Path) -> Decision:
     loop = Relauncher(["python", "train.py"], len(step.nodes) - step.train,
                       load_config(None, []), step.in_job_restarts, environ=env)
     loop.channel.report(RunReport(str(run_dir), "r", RESCUED, None,
-                                  {"max_restarts": step.max_restarts}))
+                                  {"max_restarts": step.max_restarts, "max_no_progress": 2}))
+    loop._stalled = step.stalled
     for rank in step.hang_seen:
         loop.channel.note_hang_seen(f"{step.slurm_restart_count}.{step.relaunches}", rank)
     report = StepReport(list(step.nodes[:step.train]), step.train * step.tasks_per_node)
@@ -118,8 +144,22 @@ def through_srun(step: Srun, tmp_path: Path) -> Decision:
 
 def through_local(launch: Local, tmp_path: Path) -> Decision:
     return decide(launch_evidence(launch.codes, launch.killed, index=launch.index,
-                                  max_launches=launch.max_launches,
-                                  commits=Commits(BEFORE, RESCUED)))
+                                  max_launches=launch.max_launches, stalled=launch.stalled,
+                                  commits=Commits(BEFORE, RESCUED if launch.rescued
+                                                  else BEFORE)))
+
+
+def through_submitit(launch: Submitit, tmp_path: Path) -> Decision:
+    run_dir = tmp_path / "run"
+    channel = Channel.for_job("7", environ={}, cwd=tmp_path / "logs")
+    channel.report(RunReport(str(run_dir), "r", BEFORE, None,
+                             {"max_restarts": launch.max_restarts, "max_no_progress": 2}))
+    _commit(run_dir, BEFORE)
+    supervision = Supervision(channel, restarts=launch.restarts, stalled=launch.stalled)
+    supervision.starting()
+    if launch.rescued:
+        _commit(run_dir, RESCUED)
+    return supervision.after(launch.codes, launch.killed)
 
 
 def through_torchrun(group: Torchrun, tmp_path: Path) -> Decision:
@@ -127,13 +167,15 @@ def through_torchrun(group: Torchrun, tmp_path: Path) -> Decision:
     return decide(observe(group.codes, signalled=group.signalled,
                           restarts_left=group.restarts_left, max_restarts=group.max_restarts,
                           standbys=group.standbys, node="this node" if here else None,
-                          killed=group.killed))
+                          killed=group.killed, stalled=group.stalled, max_no_progress=2,
+                          commits=Commits(BEFORE, RESCUED if group.rescued else BEFORE)))
 
 
 #: backend -> runner of its native form.
 BACKENDS: dict[str, Callable[[Any, Path], Decision]] = {
     "srun": through_srun,
     "local": through_local,
+    "submitit": through_submitit,
     "torchrun": through_torchrun,
 }
 
@@ -157,17 +199,20 @@ ROWS: dict[str, Row] = {
     "every rank finished": Row(Action.LEAVE, 0, {
         "srun": Srun(()),
         "local": Local((0, 0)),
+        "submitit": Submitit((0, 0)),
         "torchrun": Torchrun({0: 0, 1: 0}),
     }),
     "a rank SIGKILLed, the survivor rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True),
         "local": Local((81, -9)),
+        "submitit": Submitit((81, -9)),
         "torchrun": Torchrun({0: 81, 1: -9}),
     }),
     "a node killed: it says nothing, its peers rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun((_err("n1", "0-1", "Exited with exit code 81"),), tasks_per_node=2,
                      ended_by_loop=True),
         "local": Local((81, 81, -9, -9)),
+        "submitit": Submitit((81, 81, -9, -9)),
         # the survivor's agent: its own workers said 81; the dead node's agent died with it
         "torchrun": Torchrun({0: 81, 1: 81}),
     }),
@@ -177,6 +222,7 @@ ROWS: dict[str, Row] = {
                           _err("n1", "0", "Exited with exit code 42")),
                          hang_seen=(0,), ended_by_loop=True),
             "local": Local((42, 42)),
+            "submitit": Submitit((42, 42)),
             "torchrun": Torchrun({0: 42, 1: 42}),
         }),
     "a rank frozen (SIGSTOP): ended by the supervisor after the grace": Row(
@@ -186,24 +232,29 @@ ROWS: dict[str, Row] = {
                           _err("n1", "0", "Exited with exit code 42")),
                          tasks_per_node=2, hang_seen=(0, 2, 3), ended_by_loop=True),
             "local": Local((42, -9), killed=(1,)),
+            "submitit": Submitit((42, -9), killed=(1,)),
             "torchrun": Torchrun({0: 42, 1: -9}, killed=(1,)),
         }),
     "rank 1's exception, which rank 0 saw as a lost peer [81, 1]": Row(Action.LEAVE, 1, {
         "srun": Srun((_err("n1", "0", "Exited with exit code 81"),
                       _err("n2", "1", "Exited with exit code 1")), srun_code=1),
         "local": Local((81, 1)),
+        "submitit": Submitit((81, 1)),
         "torchrun": Torchrun({0: 81, 1: 1}),
     }),
     "rank 0 left run.steps early [0, 81]": Row(Action.LEAVE, 1, {
         # srun ends by itself once rank 1 has: rank 0's silence is an exit 0.
         "srun": Srun((_err("n2", "1", "Exited with exit code 81"),), srun_code=81),
         "local": Local((0, 81)),
+        "submitit": Submitit((0, 81)),
         "torchrun": Torchrun({0: 0, 1: 81}),
     }),
     "a signal: every rank committed and asked to run again (75)": Row(Action.REQUEUE, 75, {
         "srun": Srun((_err("n1", "0", "Exited with exit code 75"),
                       _err("n2", "1", "Exited with exit code 75")), srun_code=75),
         "local": Local((75, 75)),
+        # submitit's native requeue: ResilientJob turns a REQUEUE into its 144
+        "submitit": Submitit((144, 144)),
         # the ranks' own time-limit stop (no signal at the agent)
         "torchrun": Torchrun({0: 75, 1: 75}),
     }),
@@ -216,14 +267,27 @@ ROWS: dict[str, Row] = {
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, relaunches=1,
                      in_job_restarts=1, slurm_restart_count=3, max_restarts=3),
         "local": Local((81, -9), index=9, max_launches=10),
+        "submitit": Submitit((81, -9), restarts=3, max_restarts=3),
         "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=0),
     }),
+    "a relaunch that committed nothing newer, the second in a row: no progress": Row(
+        Action.LEAVE, 77, {
+            "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, relaunches=1,
+                         in_job_restarts=3, stalled=1, rescued=False),
+            "local": Local((81, -9), index=1, stalled=1, rescued=False),
+            "submitit": Submitit((81, -9), restarts=1, stalled=1, rescued=False),
+            "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=2, max_restarts=3, stalled=1,
+                                 rescued=False),
+        }),
 }
 
 #: (row, backend) -> why that backend cannot meet that row.
 NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("no spare left for the node of the killed rank", "local"):
         "one machine: no node to keep out, no spare to run on; it relaunches where it ran",
+    ("no spare left for the node of the killed rank", "submitit"):
+        "submitit's local executor runs one machine's tasks: no node to keep out, no spare to "
+        "run on; it relaunches where it ran (under SLURM, submitit's tasks are srun's)",
 }
 
 CASES = [(name, backend) for name, row in ROWS.items() for backend in BACKENDS

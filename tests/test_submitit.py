@@ -5,6 +5,7 @@ preempt -> emergency checkpoint -> requeue -> resume flow against the real local
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import subprocess
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, env
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.demo.submitit_job import train_demo
 from kempner_resilience.integrations import submitit as krs
 
@@ -199,6 +202,54 @@ def test_a_local_job_interrupted_from_the_notebook_checkpoints_requeues_and_resu
     out = (d / "logs" / f"{job.job_id}_0_log.out").read_text()
     assert f"resumed at step {int(emergency[0].removeprefix('step_'))}" in out, out[-2000:]
     assert ref[0]["digest"] and res[0]["digest"] == ref[0]["digest"]
+
+
+def test_a_local_rank_that_exits_81_is_run_again_and_resumes_from_the_rescue_bitwise(
+        tmp_path, monkeypatch):
+    """Rank 1 SIGKILLed in step 13 of the first start; rank 0 commits the rescue and exits 81
+    (PEER_LOST). submitit's own controller ends such a job without its result; ours asks the
+    one policy, starts the tasks again, and they resume from the rescue: the final weights and
+    optimizer state equal an uninterrupted run's."""
+    from kempner_resilience.demo.compare import compare_weights
+
+    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    steps, kill_step = 24, 13
+    runs = {}
+    for name, kill_rank in (("ref", -1), ("kill", 1)):
+        d = tmp_path / name
+        runs[name] = (d, krs.submit(
+            "checkpoint_helpers.submitit_kill:train_with_one_death",
+            executor=_local_executor(d / "logs"),
+            overrides=[f"checkpoint.dir={d / 'ck'}", "checkpoint.every_steps=5"],
+            steps=steps, out=str(d / "w.pt"), kill_rank=kill_rank, kill_step=kill_step))
+    results = {}
+    for name, (_, job) in runs.items():
+        krs.wait(job, timeout=400)
+        results[name] = job.results()
+    d = runs["kill"][0]
+    rescues = [e.step for e in layout.scan(RunPaths(d / "ck"))
+               if e.committed and e.manifest.get("reason") == "rescue"]
+    assert rescues == [kill_step], rescues
+    assert [r["start"] for r in results["kill"]] == [1, 1]       # started again, once
+    assert [r["resumed"] for r in results["kill"]] == [kill_step, kill_step]
+    assert [r["start"] for r in results["ref"]] == [0, 0]
+    equal, total, diff = compare_weights(runs["ref"][0] / "w.pt", d / "w.pt")
+    assert diff == [] and equal == total > 0
+
+
+def test_a_frozen_local_task_is_killed_after_the_grace_and_the_job_runs_again(tmp_path,
+                                                                              monkeypatch):
+    """Rank 0 exits 42 (HANG), rank 1 froze (SIGSTOP): submitit's controller would wait for it
+    until the job's time limit; ours kills it after the grace, counts it as hung, and starts
+    the tasks again, which then finish."""
+    from kempner_resilience.integrations.submitit_local import ResilientLocalExecutor
+
+    monkeypatch.setenv("PYTHONPATH", f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    executor = ResilientLocalExecutor.adopt(_local_executor(tmp_path / "logs"), grace_s=2.0)
+    job = krs.submit("checkpoint_helpers.submitit_kill:end_as_told", ["42", "freeze"],
+                     executor=executor)
+    krs.wait(job, timeout=300)
+    assert job.results() == [1, 1]
 
 
 # ------------------------------------------------------------------------ real cluster

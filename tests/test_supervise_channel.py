@@ -126,3 +126,34 @@ def test_removing_a_channel_outside_a_jobs_directory_leaves_its_parent_alone(tmp
     channel.root.mkdir(parents=True)
     channel.remove()
     assert not channel.root.exists() and parent.is_dir()
+
+
+def _attempts(tmp_path: Path) -> set[int]:
+    from kempner_resilience.core.ledger import read_ledger
+    from kempner_resilience.core.runpaths import RunPaths
+
+    return {int(e["attempt"]) for e in read_ledger(RunPaths(tmp_path / "ckpts").ledger)
+            if "attempt" in e}
+
+
+def test_the_supervisor_tells_the_ranks_their_restart_count_through_the_channel(tmp_path):
+    # The run's ledger (and its restart budget) count the attempt from what the channel says,
+    # not from a variable of the environment.
+    channel = Channel.for_job("43", {}, cwd=tmp_path)
+    channel.begin_launch(3)
+    res = _train(tmp_path, 3, channel)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _attempts(tmp_path) == {3}
+    assert "deprecated" not in res.stderr
+
+
+def test_a_restart_count_set_by_hand_in_the_old_variable_is_read_with_a_deprecation_warning(
+        tmp_path):
+    script = write_script(tmp_path, SCRIPT)
+    e = env(KEMPNER_RESTART_COUNT="2")
+    e.pop(CHANNEL_ENV, None)
+    res = subprocess.run([sys.executable, str(script), "ckpts", "3"], cwd=tmp_path, env=e,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _attempts(tmp_path) == {2}
+    assert "KEMPNER_RESTART_COUNT=2 read as this run's restart count: deprecated" in res.stderr

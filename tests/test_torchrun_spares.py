@@ -265,3 +265,36 @@ def test_under_a_supervisor_the_agent_keeps_its_memory_in_the_run_rank_0_reporte
     report_now(channel, tmp_path / "run", run_id="r", committed=None, code=None, requeue={})
     assert inplace.run_paths().root == (tmp_path / "run").resolve()
     assert InPlace(agent, settings, None).run_paths().root == Path(agent.config.checkpoint.dir)
+
+
+def test_under_a_supervisor_relaunches_in_place_without_a_newer_commit_end_the_job_with_77(
+        tmp_path):
+    # The agent sees the run's commits through the directory rank 0 reported in the channel:
+    # a group that failed without committing anything newer than when it started counts
+    # toward the run's requeue.max_no_progress, as under srun and the local launcher.
+    from kempner_resilience.config import ResilienceConfig
+    from kempner_resilience.integrations.torchrun_agent import Agent
+    from kempner_resilience.integrations.torchrun_spares import InPlace
+    from kempner_resilience.slurm.standby import Relaunch
+    from kempner_resilience.supervise.channel import Channel, report_now
+
+    run = tmp_path / "run"
+    path = layout.create_step_dir(RunPaths(run), 20)
+    (path / "__0_0.distcp").write_bytes(b"x")
+    layout.write_manifest(path, {"format": layout.FORMAT, "step": 20, "committed_at": 20,
+                                 "files": {"__0_0.distcp": {"size": 1, "crc32": 0x8CDC1683}}})
+    settings = Relaunch(endpoint="127.0.0.1:1", run_id="x", restarts_left=2, stale_s=1.0)
+    agent = Agent(ResilienceConfig(), forward=True)
+    (tmp_path / "channel").mkdir()
+    channel = Channel(tmp_path / "channel")
+    report_now(channel, run, run_id="r", committed=20, code=None,
+               requeue={"max_no_progress": 1})
+    inplace = InPlace(agent, settings, channel)
+    inplace.group_started()                     # the relaunched group starts at step 20
+    again, why = inplace.decide({0: int(ExitCode.PEER_LOST)}, restarts_left=1, max_restarts=2)
+    assert not again and "no progress" in why, why
+    assert inplace.final_code == ExitCode.NO_REQUEUE
+    # Without a report the agent cannot see the commits: no guard, the workers' code stands.
+    blind = InPlace(agent, settings, None)
+    blind.group_started()
+    assert blind.progress() == {}

@@ -8,9 +8,10 @@ site's requeue-on-failure would; never after a rank's own error, whatever its pe
 a restart budget, and with the policy's no-progress guard over the run's commits: rank 0 names
 its run's directory in the launcher's channel (``supervise/channel.py``), whatever way the
 script sets ``checkpoint.dir``.
-``KEMPNER_RESTART_COUNT`` tells the ranks how often they were restarted, as
-``SLURM_RESTART_COUNT`` does: the run's restart budget (``requeue.max_restarts``), its
-no-progress guard and its ledger count the attempts from it. ``kempner-resilience launch`` runs a
+The channel tells the ranks how often they were restarted (``Channel.begin_launch``): the
+run's restart budget (``requeue.max_restarts``), its no-progress guard and its ledger count
+the attempts from it. ``KEMPNER_RESTART_COUNT`` says the same to the user's script, as
+``SLURM_RESTART_COUNT`` does. ``kempner-resilience launch`` runs a
 user's script with it; ``kempner-resilience demo`` runs the demo trainer, with a work directory
 for the ranks' logs and a progress file that lets it deliver a signal at a chosen step (as
 ``--signal=USR1@T`` would).
@@ -48,9 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.channel import Channel, newest_commit
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  RankEnd, decide, job_code)
@@ -239,14 +239,14 @@ class LocalLauncher:
 
     def _run_paths(self) -> RunPaths | None:
         """The run's directory: as rank 0 reported it, else the caller's ``run_paths``."""
-        report = self.channel.read() if self.channel is not None else None
-        return RunPaths(Path(report.run_dir)) if report is not None else self.run_paths
+        said = self.channel.run_paths() if self.channel is not None else None
+        return said if said is not None else self.run_paths
 
     def _max_no_progress(self) -> int:
         """The run's requeue.max_no_progress as rank 0 reported it, else the caller's."""
-        report = self.channel.read() if self.channel is not None else None
-        value = None if report is None else report.requeue.get("max_no_progress")
-        return value if isinstance(value, int) and value >= 0 else self.max_no_progress
+        if self.channel is None:
+            return self.max_no_progress
+        return self.channel.requeue_setting("max_no_progress", self.max_no_progress)
 
     def _decide(self, launch: Launch, ev: Evidence) -> Decision:
         """The policy's decision; with ``relaunch_codes``, the caller's set instead."""
@@ -260,14 +260,7 @@ class LocalLauncher:
                         d.left_early, d.guard)
 
     def _committed_step(self) -> int | None:
-        run_paths = self._run_paths()
-        if run_paths is None:
-            return None
-        try:
-            steps = [e.step for e in layout.scan(run_paths) if e.committed]
-        except OSError:
-            return None
-        return max(steps) if steps else None
+        return newest_commit(self._run_paths())
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._received.append(signum)       # only record: the wait loop forwards it
@@ -294,6 +287,8 @@ class LocalLauncher:
                 p.unlink(missing_ok=True)
             command = command + ["--progress", str(progress)]
         port = str(free_port())
+        if self.channel is not None:
+            self.channel.begin_launch(index)     # the ranks' restart count (budget, ledger)
         procs = []
         t0 = time.monotonic()
         for rank in range(self.ranks):

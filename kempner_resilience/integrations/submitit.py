@@ -40,9 +40,11 @@ What this module adds is the hand-over between submitit and ``ResilientRun``:
 Without SLURM (submitit's local executor: ``AutoExecutor(folder, cluster="local")`` or
 ``LocalExecutor``, how a notebook user tries things first) the same flow works on this machine:
 each task gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from submitit's
-``SUBMITIT_LOCAL_*`` variables and ``KEMPNER_RESTART_COUNT`` (its earlier starts); a requeue
-exits with 144, the code on which submitit's local controller starts the tasks again (it reruns
-nothing on 75); ``interrupt(job)`` (and ``job._interrupt()`` on a job from ``submit``) sends the
+``SUBMITIT_LOCAL_*`` variables and ``KEMPNER_RESTART_COUNT`` (its earlier starts); ``submit``
+runs the job under our controller (``submitit_local.py``), which asks the one policy whether the
+tasks run again after each launch (a requeue, a rescued failure, never a rank's own error),
+where submitit's reruns them only when one exits 144 (a requeue exits with 144 under it);
+``interrupt(job)`` (and ``job._interrupt()`` on a job from ``submit``) sends the
 preemption signal to the tasks, where submitit's own ``_interrupt()`` sends it to the local
 controller, which dies of it; and ``wait`` sees at once that the controller has ended.
 
@@ -74,14 +76,14 @@ from typing import Any, Callable, Iterable, Mapping
 
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.submitit_client import (interrupt, is_local_job,
-                                                             make_executor, wait)
+from kempner_resilience.integrations.submitit_client import interrupt, make_executor, wait
 from kempner_resilience.integrations.submitit_env import (preempt_when_controller_dies,
                                                           setup_local_env, setup_rank_env,
                                                           write_config_file)
 from kempner_resilience.integrations.submitit_signals import (SignalTakeover, in_local_task,
                                                               in_submitit_job, preempt_signal)
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.supervise.channel import CHANNEL_ENV
 
 __all__ = ["ResilientJob", "submit", "make_executor", "wait", "interrupt", "preempt_signal",
            "check_small", "resolve_callable", "MAX_PICKLE_BYTES", "LOCAL_REQUEUE_CODE"]
@@ -189,9 +191,11 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
         out = [f"signals.actions.{preempt}=requeue"]
         if preempt != "SIGTERM":
             out.append(f"signals.actions.SIGTERM={term}")
-        if in_local_task():
-            # The run's SystemExit must reach __call__, which turns a requeue (75) into the
-            # local controller's 144; in `exit` mode the process would leave with 75 anyway.
+        if in_local_task() and not os.environ.get(CHANNEL_ENV):
+            # Under submitit's own controller (no supervisor channel: ResilientJob submitted
+            # without ``submit``), the run's SystemExit must reach __call__, which turns a
+            # requeue (75) into its requeue code 144; in `exit` mode the process would leave
+            # with 75 anyway. Our controller reads the run's own codes (81, 42, 75).
             out.append("watchdog.exit_mode=raise")
         return out
 
@@ -341,11 +345,12 @@ def submit(fn: Callable[..., Any] | str, *args: Any,
     elif slurm:
         executor.update_parameters(**dict(slurm))
     job = ResilientJob(fn, *args, config=config, overrides=overrides, sigterm=sigterm, **kwargs)
-    submitted = executor.submit(job)
-    if is_local_job(submitted):
-        # submitit's _interrupt() signals the local controller, which dies of it: the tasks
-        # never hear of it. This class sends it to the tasks instead (see interrupt()).
-        from kempner_resilience.integrations.submitit_local import ResilientLocalJob
+    from kempner_resilience.integrations.submitit_local import (ResilientLocalExecutor,
+                                                                is_local_executor)
 
-        submitted.__class__ = ResilientLocalJob
-    return submitted
+    if is_local_executor(executor):
+        # Our controller decides whether the tasks run again (the one policy), where
+        # submitit's reruns them only on its requeue code; and our job's _interrupt() reaches
+        # the tasks (see submitit_local.py).
+        executor = ResilientLocalExecutor.adopt(executor)
+    return executor.submit(job)

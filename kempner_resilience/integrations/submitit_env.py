@@ -47,10 +47,13 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """A task of submitit's local executor: the rank variables from its ``SUBMITIT_LOCAL_*``
     ones (the controller's, which are authoritative: they replace inherited values), a
     rendezvous port derived from the local job id (every task computes the same one), and
-    ``KEMPNER_RESTART_COUNT``: how often this task was started before (the controller restarts
-    the tasks after a requeue without saying so; the count is kept in a file next to the logs).
+    ``KEMPNER_RESTART_COUNT``: how often this task was started before, for the user's function
+    (our controller says it in its channel; submitit's restarts the tasks without saying so,
+    and the count is then kept in a file next to the logs).
     Returns what was set."""
     from kempner_resilience.slurm.env import master_port
+
+    from kempner_resilience.supervise.channel import Channel
 
     env: Any = os.environ if environ is None else environ
     for key in OUTER_JOB_VARS:
@@ -58,10 +61,14 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "") or str(os.getppid())
     rank = env.get("SUBMITIT_LOCAL_GLOBALID", "0")
     world = env.get("SUBMITIT_LOCAL_NTASKS", "1")
+    # Our controller says the count in its channel; under submitit's own, the task counts.
+    channel = Channel.from_env(env)
+    said = channel.restarts() if channel is not None else None
     values = {"RANK": rank, "WORLD_SIZE": world,
               "LOCAL_RANK": env.get("SUBMITIT_LOCAL_LOCALID", rank), "LOCAL_WORLD_SIZE": world,
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port(job_id)),
-              "KEMPNER_RESTART_COUNT": str(count_start(env, job_id, rank))}
+              "KEMPNER_RESTART_COUNT": str(said if said is not None
+                                           else count_start(env, job_id, rank))}
     env.update(values)
     log.debug("local submitit task: %s", values)
     return values

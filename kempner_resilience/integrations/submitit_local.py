@@ -1,25 +1,55 @@
-"""submitit's local executor: its job with an ``_interrupt()`` that reaches the tasks.
+"""submitit's local executor, supervised: its executor, controller and job, subclassed.
 
-submitit's ``LocalJob._interrupt()`` sends the preemption signal to the local controller
-process, which has no handler for it and dies; its tasks never hear of it and nothing is
-checkpointed. ``submit`` gives local jobs this class instead, whose ``_interrupt()`` signals the
-tasks, as SLURM does (see ``integrations/submitit.py``). Imports submitit: loaded only for a
-local job.
+* **The controller** (``ResilientController``, a ``submitit.local.local.Controller``) is the
+  job's supervisor, as ``kempner-resilience launch`` is for a script: it gives the tasks the
+  supervisor channel (``supervise/channel.py``; rank 0 names its run there), starts them, and
+  after each launch asks the one policy whether to start them again (``submitit_policy.py``):
+  a rescued failure (a rank exiting 81 PEER_LOST or 42 HANG, a rank killed beside them) is run
+  again from the committed step, within the run's restart budget and no-progress guard, where
+  submitit's own controller reruns only on its requeue code 144 and would end the job without
+  its result. A launch is bounded: once a task has ended, the others get ``grace_s`` to end,
+  then are killed (and count as hung). submitit's time limit and its signal before it stay.
+* **The executor** (``ResilientLocalExecutor``) starts that controller instead of submitit's;
+  ``submit`` adopts any local executor (``AutoExecutor(cluster="local")``, ``LocalExecutor``)
+  into it, with the same folder and parameters.
+* **The job** (``ResilientLocalJob``): submitit's ``LocalJob._interrupt()`` sends the
+  preemption signal to the controller, which has no handler for it and dies; its tasks never
+  hear of it and nothing is checkpointed. This ``_interrupt()`` signals the tasks, as SLURM does
+  (see ``integrations/submitit.py``).
+
+Imports submitit: loaded only for a local job. Run as a module, it is the controller:
+``python -m kempner_resilience.integrations.submitit_local FOLDER [--grace S]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import typing as tp
 from pathlib import Path
 from typing import Any
 
-from submitit.local.local import LocalJob, LocalJobEnvironment
+from submitit.local.local import Controller, LocalExecutor, LocalJob, LocalJobEnvironment
 
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.integrations.submitit_policy import Supervision
+from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.policy import Action
 
-__all__ = ["ResilientLocalJob", "interrupt_tasks", "local_task_pids"]
+__all__ = ["ResilientLocalJob", "ResilientLocalExecutor", "ResilientController",
+           "interrupt_tasks", "local_task_pids", "is_local_executor", "DEFAULT_GRACE_S"]
 
 log = get_logger("kempner_resilience.integrations.submitit")
+
+#: After a task's end, the others' time to end before the controller kills them: above the
+#: hang watchdog's timeout plus the rescue's budget, so that a survivor that sees its lost
+#: peer only through its hang watchdog still commits its rescue (as ``launch``'s grace).
+DEFAULT_GRACE_S = 60.0
 
 
 class ResilientLocalJob(LocalJob):  # type: ignore[misc]
@@ -69,3 +99,143 @@ def local_task_pids(job: Any) -> list[int]:
         if found:
             return found
     return found
+
+
+# ------------------------------------------------------------------------- the executor
+
+def is_local_executor(executor: Any) -> bool:
+    """``executor`` runs jobs on this machine with submitit's local controller
+    (``AutoExecutor(cluster="local")`` or a ``LocalExecutor``)."""
+    return isinstance(getattr(executor, "_executor", executor), LocalExecutor)
+
+
+class ResilientLocalExecutor(LocalExecutor):  # type: ignore[misc]
+    """A ``LocalExecutor`` whose jobs run under ``ResilientController`` (the policy decides
+    whether their tasks start again) and are ``ResilientLocalJob`` s. ``grace_s``: see
+    ``DEFAULT_GRACE_S``."""
+
+    def __init__(self, folder: str | os.PathLike[str], max_num_timeout: int = 3,
+                 max_pickle_size_gb: float = 1.0, python: str | None = None,
+                 grace_s: float = DEFAULT_GRACE_S) -> None:
+        super().__init__(folder, max_num_timeout=max_num_timeout,
+                         max_pickle_size_gb=max_pickle_size_gb, python=python)
+        if not grace_s > 0:
+            raise ValueError(f"grace_s={grace_s!r}: must be > 0")
+        self.grace_s = float(grace_s)
+
+    @classmethod
+    def adopt(cls, executor: Any, grace_s: float = DEFAULT_GRACE_S) -> "ResilientLocalExecutor":
+        """This executor with ``executor``'s folder, parameters and limits (an
+        ``AutoExecutor(cluster="local")`` or a ``LocalExecutor``; returned as is if ours)."""
+        inner = getattr(executor, "_executor", executor)
+        if isinstance(inner, cls):
+            return inner
+        ours = cls(inner.folder, max_num_timeout=inner.max_num_timeout,
+                   max_pickle_size_gb=inner.max_pickle_size_gb, python=inner.python,
+                   grace_s=grace_s)
+        ours.parameters = dict(inner.parameters)
+        return ours
+
+    def _submit_command(self, command: str) -> "ResilientLocalJob":
+        # submitit's own, with our controller module (its start_controller names its own).
+        p = self.parameters
+        ntasks = p.get("tasks_per_node", 1)
+        gpus = p.get("visible_gpus", ()) or range(p.get("gpus_per_node", 0))
+        gpus = list(gpus)[:p.get("gpus_per_node", 0)]
+        env = dict(os.environ)
+        setup = list(p.get("setup", ()))
+        env.update(SUBMITIT_LOCAL_NTASKS=str(ntasks), SUBMITIT_LOCAL_COMMAND=command,
+                   SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * p.get("timeout_min", 2.0))),
+                   SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(p.get("signal_delay_s", 30))),
+                   SUBMITIT_LOCAL_NODEID="0", SUBMITIT_LOCAL_JOB_NUM_NODES="1",
+                   SUBMITIT_STDERR_TO_STDOUT="1" if p.get("stderr_to_stdout") else "",
+                   SUBMITIT_EXECUTOR="local", CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
+                   SUBMITIT_LOCAL_WITH_SHELL="1" if setup else "")
+        cmd: Any = [sys.executable, "-m", __name__, str(self.folder), "--grace",
+                    repr(self.grace_s)]
+        if setup:
+            cmd = " && ".join(setup + [shlex.join(cmd)])
+        process = subprocess.Popen(cmd, shell=bool(setup), env=env)
+        return ResilientLocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+                                 tasks=list(range(ntasks)))
+
+
+# ------------------------------------------------------------------------- the controller
+
+class ResilientController(Controller):  # type: ignore[misc]
+    """submitit's local controller, with the one policy deciding whether the tasks start
+    again (see the module docstring)."""
+
+    def __init__(self, folder: Path, grace_s: float = DEFAULT_GRACE_S) -> None:
+        super().__init__(folder)
+        self.grace_s = grace_s
+        self.killed: list[int] = []     # tasks this controller ended after the grace
+
+    def run(self, max_retry: int = 0) -> None:
+        """Launch until the policy says leave (``max_retry``: submitit's, unused: the run's
+        budget and guard bound the launches)."""
+        folder = Path(str(self.folder).replace("%j", self.pid))
+        channel = Channel.for_job(self.pid, environ={}, cwd=folder)
+        os.environ.update(channel.env())       # the tasks inherit the controller's environment
+        supervision = Supervision(channel)
+        try:
+            while True:
+                supervision.starting()
+                channel.begin_launch(supervision.restarts)   # the tasks' restart count
+                try:
+                    self.start_tasks()
+                    codes = self.wait()
+                finally:
+                    self.kill_tasks()
+                d = supervision.after(codes, self.killed)
+                ranks = f"tasks ended {list(codes)}" + (f" (killed after the grace: "
+                                                        f"{self.killed})" if self.killed else "")
+                if d.action is Action.LEAVE:
+                    (log.info if d.code == 0 else log.warning)(
+                        "local job %s: %s: it ends with %d: %s", self.pid, ranks, d.code, d.why)
+                    return
+                log.warning("local job %s: %s (%d): starting them again (restart %d): %s",
+                            self.pid, ranks, d.code, supervision.restarts, d.why)
+        finally:
+            channel.remove()
+
+    def wait(self, freq: int = 24) -> tp.Sequence[tp.Optional[int]]:
+        """Until every task ended, bounded: submitit's time limit (its signal ``signal_delay_s``
+        before it), and ``grace_s`` after the first task's end, when the rest are killed."""
+        self.killed = []
+        t0 = time.monotonic()
+        warned = False
+        first_end: float | None = None
+        while True:
+            codes = [t.poll() for t in self.tasks]
+            if all(c is not None for c in codes):
+                return codes
+            now = time.monotonic()
+            if not warned and now - t0 >= self.timeout_s - self.signal_delay_s:
+                warned = True
+                self._forward_signal(LocalJobEnvironment._usr_sig())
+            if now - t0 >= self.timeout_s:
+                return codes          # submitit's: the rest are killed by kill_tasks
+            if first_end is None and any(c is not None for c in codes):
+                first_end = now
+            if first_end is not None and now - first_end > self.grace_s:
+                self.killed = [r for r, c in enumerate(codes) if c is None]
+                log.warning("tasks %s did not end within %.0f s of the first task's end "
+                            "(frozen or stuck): killed", self.killed, self.grace_s)
+                for r in self.killed:
+                    self.tasks[r].send_signal(signal.SIGKILL)
+                return [t.wait() for t in self.tasks]
+            time.sleep(1.0 / freq)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The controller process (``ResilientLocalExecutor`` starts it)."""
+    p = argparse.ArgumentParser(prog=f"python -m {__name__}")
+    p.add_argument("folder", type=Path)
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S)
+    args = p.parse_args(argv)
+    ResilientController(args.folder, args.grace).run()
+
+
+if __name__ == "__main__":
+    main()

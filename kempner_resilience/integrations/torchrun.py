@@ -193,6 +193,8 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                             "spare: exiting with 0", AGENT_NAME, codes)
                 return 0
             code = agent_exit_code(codes, agent.killed_ranks())
+            if inplace is not None and inplace.final_code is not None:
+                code = inplace.final_code      # the policy's guard ended the job (no progress)
             log.warning("%s: workers exited with %s: exiting with %s", AGENT_NAME, codes,
                         what_the_workers_did(code, report.read()))
             return code

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.supervise.policy import Evidence, RankEnd, job_code
+from kempner_resilience.supervise.policy import Commits, Evidence, RankEnd, job_code
 
 __all__ = ["PEER", "rank_ends", "observe", "agent_exit_code", "implicated_here"]
 
@@ -66,17 +66,22 @@ def implicated_here(codes: Mapping[int, int], hang_seen: Iterable[int] = ()) -> 
 
 def observe(codes: Mapping[int, int], *, signalled: bool, restarts_left: int,
             max_restarts: int, standbys: int | None = None, node: str | None = None,
-            killed: Iterable[int] = ()) -> Evidence:
+            killed: Iterable[int] = (), commits: Commits | None = None, stalled: int = 0,
+            max_no_progress: int = 0) -> Evidence:
     """The policy's evidence from one agent's view of a failed worker group.
 
     ``codes``: its workers that ended, ``{global rank: return code}``; ``signalled``: a signal
     reached the agent (a time limit, a preemption, Ctrl+C); ``restarts_left``/``max_restarts``:
     torch's in-place restart budget; ``standbys``: standby agents waiting (None: no spares, the
     group restarts where it ran); ``node``: this node when it is implicated
-    (``implicated_here``), else a peer's node is; ``killed``: ranks the agent killed itself."""
+    (``implicated_here``), else a peer's node is; ``killed``: ranks the agent killed itself;
+    ``commits``: the run's committed step when the group started and now (None: the agent
+    does not know the run: no report in the supervisor channel), with ``stalled`` and
+    ``max_no_progress`` the policy's no-progress guard, as for srun and the local launcher."""
     implicated: frozenset[str] = frozenset()
     if standbys is not None:
         implicated = frozenset({node or PEER})
     return Evidence(ends=rank_ends(codes, killed), restarts=max(0, max_restarts - restarts_left),
                     max_restarts=max_restarts, implicated=implicated, spares=standbys,
-                    stopping=signalled)
+                    stopping=signalled, commits=commits, stalled=stalled,
+                    max_no_progress=max_no_progress)

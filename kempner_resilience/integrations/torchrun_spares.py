@@ -64,8 +64,8 @@ from kempner_resilience.integrations.torchrun_memory import (node_name, record_a
                                                              rendezvous_round)
 from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
 from kempner_resilience.slurm.standby import RELAUNCH_ENV, Relaunch, live_standbys
-from kempner_resilience.supervise.channel import Channel, launch_name
-from kempner_resilience.supervise.policy import RESCUED_CODES, Action, decide
+from kempner_resilience.supervise.channel import Channel, launch_name, newest_commit
+from kempner_resilience.supervise.policy import RESCUED_CODES, Action, Commits, Guard, decide
 
 __all__ = ["InPlace", "in_place_settings", "restart_decision"]
 
@@ -132,6 +132,9 @@ class InPlace:
         self.why: str | None = None       # this agent's view of the last failure
         self.starts = 0                   # worker groups this agent started
         self.launch = launch_name()       # the launch its workers mark their hangs under
+        self.committed_before: int | None = None   # the run's commit when the group started
+        self.stalled = 0                  # relaunches in a row without a newer commit
+        self.final_code: int | None = None  # the policy's code when its guard ended the job
         self._lock = threading.Lock()
         self._waiting_since: float | None = None  # a node waits while the workers run
         rescue, hang = agent.config.rescue, agent.config.watchdog.hang_timeout_s
@@ -172,8 +175,13 @@ class InPlace:
         policy's decision over this agent's view. ``codes``: this node's ended workers,
         {global rank: return code (-N: signal N)}."""
         signalled = bool(self.agent.signals)
+        progress = self.progress()
         first = decide(observe(codes, signalled=signalled, restarts_left=restarts_left,
-                               max_restarts=max_restarts))
+                               max_restarts=max_restarts, **progress))
+        if first.guard is Guard.NO_PROGRESS:
+            # The relaunches in place made no progress: the agents leave with the policy's
+            # code (NO_REQUEUE), which the step loop does not requeue either.
+            self.final_code = first.code
         if first.action is not Action.RELAUNCH:
             return False, _SIGNAL_ENDING if signalled else \
                 f"workers exited with {sorted(set(codes.values()))}: {first.why}"
@@ -182,7 +190,8 @@ class InPlace:
         spares = live_standbys(self.settings)
         d = decide(observe(codes, signalled=False, restarts_left=restarts_left,
                            max_restarts=max_restarts, standbys=len(spares or ()),
-                           node=node_name() if mine else None))
+                           node=node_name() if mine else None, **progress))
+        self.stalled = d.stalled
         if d.action is not Action.RELAUNCH:
             return False, ("no standby node waits" if spares is not None
                            else "the rendezvous store is unreachable") + ": the job requeues"
@@ -200,6 +209,24 @@ class InPlace:
         self.why = f"workers failed with {sorted(set(codes.values()))} (a rescued failure, " \
             "every node alive)"
         return True, f"standby node(s) waiting: {', '.join(spares)}"
+
+    def progress(self) -> dict[str, Any]:
+        """The no-progress guard's evidence (``observe``'s ``commits``, ``stalled``,
+        ``max_no_progress``): the run's commits when this agent's group started and now, read
+        from the directory rank 0 named in the supervisor channel, and the run's own
+        ``requeue.max_no_progress``. Without a report the agent does not know the run: the
+        guard stays off, as for every backend that cannot see the commits."""
+        paths = self.channel.run_paths() if self.channel is not None else None
+        if paths is None:
+            return {}
+        return {"commits": Commits(self.committed_before, newest_commit(paths)),
+                "stalled": self.stalled,
+                "max_no_progress": self.channel.requeue_setting("max_no_progress", 2)}
+
+    def group_started(self) -> None:
+        """A worker group starts: the no-progress guard's baseline, the run's newest commit."""
+        self.committed_before = newest_commit(
+            self.channel.run_paths() if self.channel is not None else None)
 
     def nodes_waiting(self, waiting: int) -> int:
         """What torch's monitor loop is told of ``waiting`` nodes while the workers run.
@@ -250,6 +277,7 @@ class InPlace:
             os.environ.pop(name, None)
         os.environ.update(relaunch_env(round_))
         self.launch = launch_name()
+        self.group_started()
         if round_ > 0 and group_rank == 0:
             # One agent per round writes it, before its workers (global rank 0's) start.
             record_agent_restart(self.run_paths(), round_, spare=self.spare(rdzv_handler),

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from kempner_resilience.config import Action, ResilienceConfig
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel
 from kempner_resilience.exitcodes import Saved, Verdict
 from kempner_resilience.runstate import RunState
 from kempner_resilience.stop.reason import StopKind, StopReason
@@ -241,7 +242,26 @@ def _name(signum: int | None) -> str:
     return signal.Signals(signum).name if signum else "?"
 
 
+#: The restart count's old carrier, before the supervisor channel said it (``launch.json``).
+RESTART_COUNT_ENV = "KEMPNER_RESTART_COUNT"
+_warned_restart_env: list[bool] = []
+
+
 def local_restart_count() -> int | None:
-    """Restarts so far when a local launcher (the demo's) relaunches us; None if unknown."""
-    value = os.environ.get("KEMPNER_RESTART_COUNT")
-    return int(value) if value and value.isdigit() else None
+    """Restarts so far when a local supervisor (``kempner-resilience launch``, submitit's local
+    controller) relaunches us: as its channel says (``Channel.restarts``); None if unknown.
+    ``KEMPNER_RESTART_COUNT`` without a channel saying it (set by hand, or an old launcher) is
+    still read, with a deprecation warning, once."""
+    channel = Channel.from_env()
+    said = channel.restarts() if channel is not None else None
+    if said is not None:
+        return said
+    value = os.environ.get(RESTART_COUNT_ENV)
+    if not (value and value.isdigit()):
+        return None
+    if not _warned_restart_env:
+        _warned_restart_env.append(True)
+        log.warning("$%s=%s read as this run's restart count: deprecated, a supervisor tells its "
+                    "ranks through its channel ($%s) now", RESTART_COUNT_ENV, value,
+                    CHANNEL_ENV)
+    return int(value)

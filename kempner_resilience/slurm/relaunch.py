@@ -59,7 +59,7 @@ from kempner_resilience.slurm.evidence import LoopState, step_evidence
 from kempner_resilience.slurm.steps import RESTART_INDEX_ENV, StepReport, choose_nodes
 from kempner_resilience.slurm.srunstep import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
                                                StepResult)
-from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.channel import Channel, newest_commit
 from kempner_resilience.supervise.policy import (Action, Decision, Evidence, Guard, Kind, RankEnd,
                                                  decide, job_code)
 
@@ -278,13 +278,7 @@ class Relauncher:
         return "peer lost"
 
     def _committed_step(self) -> int | None:
-        from kempner_resilience.checkpoint import layout
-
-        try:
-            steps = [e.step for e in layout.scan(self.run_paths) if e.committed]
-        except OSError:
-            return None
-        return max(steps) if steps else None
+        return newest_commit(self.run_paths)
 
     def _requeue(self, decision: Decision) -> tuple[int, bool]:
         """The policy's REQUEUE. The ranks asked (75): rank 0 requeued the job itself, as

@@ -19,6 +19,11 @@ mixes the memory of unrelated runs started from the same directory. So the ranks
   before; a crash of the machine ends the supervisor that reads it too;
 - the ranks of one launch say there that their hang watchdog ran (``hang_seen``: a rank hung
   with the GIL held cannot, which singles its node out);
+- the supervisor says there, before each launch, how often it started the ranks before
+  (``begin_launch``, ``launch.json``): the run's restart budget and ledger count attempts from
+  it (``restarts``). ``KEMPNER_RESTART_COUNT``, which carried it before, is still set for the
+  user's script (as ``SLURM_RESTART_COUNT`` is) but no longer read by the library when a
+  channel says it; set by hand without one it is read with a deprecation warning;
 - the supervisor keeps its per-job memory there (``train_nodes``); what belongs to the run and
   outlives the job (bad nodes, restart events) goes to the run's directory that rank 0 named.
 
@@ -39,9 +44,10 @@ from typing import Any, Mapping
 
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 
 __all__ = ["CHANNEL_ENV", "RESTART_INDEX_ENV", "Channel", "RunReport", "REPORT_NAME", "report_now",
-           "launch_name"]
+           "launch_name", "newest_commit"]
 
 _log = get_logger(__name__)
 
@@ -54,6 +60,7 @@ RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
 REPORT_NAME = "run.json"
 _JOBS_DIR = ".kempner-resilience"
 _HANG_SEEN = "hang-seen"
+_LAUNCH = "launch.json"
 _TRAIN_NODES = "train-nodes.json"
 
 
@@ -140,6 +147,44 @@ class Channel:
             _log.warning("the ranks' report %s is unreadable (%s): the run is unknown", path, e)
             return None
 
+    def run_paths(self) -> RunPaths | None:
+        """The run's directory as rank 0 reported it (None: no report yet)."""
+        report = self.read()
+        return None if report is None else RunPaths(Path(report.run_dir))
+
+    def requeue_setting(self, key: str, default: int) -> int:
+        """The run's ``requeue.<key>`` (an integer >= 0) as rank 0 reported it, else
+        ``default``: the supervisor applies the run's own budget and guard, not a guess."""
+        report = self.read()
+        value = None if report is None else report.requeue.get(key)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return value if ok else default     # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ the launch
+
+    def begin_launch(self, restarts: int) -> None:
+        """Before a launch of the ranks: they were started ``restarts`` times before (by this
+        supervisor: relaunches and requeues it played itself). Whole, never fsynced."""
+        try:
+            write_atomic(self.root / _LAUNCH,
+                         json.dumps({"restarts": int(restarts), "t": time.time()}),
+                         durable=False)
+        except OSError as e:
+            _log.error("cannot tell the ranks their restart count in %s: %s", self.root, e)
+
+    def restarts(self) -> int | None:
+        """How often the supervisor started the ranks before this launch (None: not said)."""
+        try:
+            data = load_json_bounded(self.root / _LAUNCH)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            _log.warning("%s unreadable (%s)", self.root / _LAUNCH, e)
+            return None
+        value = data.get("restarts") if isinstance(data, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) \
+            and value >= 0 else None
+
     # ------------------------------------------------------------------ the ranks' hang words
 
     def hang_seen_dir(self, launch: str) -> Path:
@@ -200,6 +245,21 @@ def launch_name(environ: Mapping[str, str] | None = None) -> str:
     """This launch of the ranks within the job: ``<requeues>.<relaunches in place>``."""
     env = os.environ if environ is None else environ
     return f"{env.get('SLURM_RESTART_COUNT') or 0}.{env.get(RESTART_INDEX_ENV) or 0}"
+
+
+def newest_commit(paths: RunPaths | None) -> int | None:
+    """The newest committed step in the run's directory ``paths`` (None: none, or unknown).
+    Read from the directory, not from rank 0's report: a rescue that survivors committed after
+    rank 0 died is there too."""
+    from kempner_resilience.checkpoint import layout
+
+    if paths is None:
+        return None
+    try:
+        steps = [e.step for e in layout.scan(paths) if e.committed]
+    except OSError:
+        return None
+    return max(steps) if steps else None
 
 
 def report_now(channel: Channel, run_dir: str | os.PathLike[str], *, run_id: str | None,

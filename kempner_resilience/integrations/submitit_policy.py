@@ -1,0 +1,82 @@
+"""submitit's local controller as a supervisor on the one policy (``supervise/policy.py``).
+
+submitit's own controller reruns a job's tasks only when one exits 144 (its requeue code,
+``LOCAL_REQUEUE_RETURN_CODE``): a rank that rescued a lost peer and exited 81 (PEER_LOST), or a
+rank killed beside it, ended the job without its result. ``ResilientController``
+(``submitit_local.py``) asks this module instead, after each launch of the tasks: the evidence
+is what a controller sees (each task's ``Popen.returncode``, negative for a death by a signal,
+and the tasks it ended itself after the grace), plus what the ranks said in the supervisor
+channel (``supervise/channel.py``): the run's directory, and so its committed step, and the
+run's own restart budget and no-progress guard (``requeue.max_restarts``,
+``requeue.max_no_progress``). Pure apart from reading the channel and the run's directory; no
+submitit import, so the failure matrix (``tests/test_failure_matrix.py``) runs it as is.
+
+In submitit's words: 144 is the ranks' request to run again (``ResilientJob`` turns a
+``REQUEUE`` exit into it, submitit's own checkpoint handler exits with it), the policy's
+``REQUEUE`` (75). One machine: no node is implicated, no spare is needed; the controller is
+the scheduler, so a REQUEUE and a RELAUNCH both start the tasks again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.supervise.channel import Channel, newest_commit
+from kempner_resilience.supervise.policy import Action, Commits, Decision, Evidence, RankEnd, decide
+
+__all__ = ["LOCAL_REQUEUE_CODE", "DEFAULT_MAX_RESTARTS", "task_ends", "Supervision"]
+
+#: submitit's ``LOCAL_REQUEUE_RETURN_CODE``: a task's "run me again" to the local controller.
+LOCAL_REQUEUE_CODE = 144
+#: The restarts allowed when the run said nothing (no report, or ``requeue.max_restarts`` 0,
+#: unlimited): submitit's own controller starts the tasks at most 6 times.
+DEFAULT_MAX_RESTARTS = 5
+
+
+def task_ends(codes: Sequence[int | None], killed: Sequence[int] = ()) -> tuple[RankEnd, ...]:
+    """The policy's endings of the tasks' ``Popen.returncode`` (None: still running when the
+    controller gave up, as good as killed by it); ``killed``: tasks the controller ended itself
+    after the grace (a hang, never an ending of their own). 144 reads as REQUEUE."""
+    ends = []
+    for r, c in enumerate(codes):
+        if c is None:
+            ends.append(RankEnd(128 + 9, signaled=True, by_supervisor=True))
+            continue
+        c = int(ExitCode.REQUEUE) if c == LOCAL_REQUEUE_CODE else c
+        ends.append(RankEnd.from_returncode(c, by_supervisor=r in killed))
+    return tuple(ends)
+
+
+@dataclass
+class Supervision:
+    """One local job's run-again decisions, launch after launch: the controller calls
+    ``starting()`` before it starts the tasks and ``after(codes, killed)`` once they ended."""
+
+    channel: Channel
+    restarts: int = 0            # relaunches so far
+    stalled: int = 0             # relaunches in a row without a newer commit (the policy's)
+    before: int | None = None    # the committed step when this launch started
+
+    def starting(self) -> None:
+        """A launch starts: its committed step before (the no-progress guard's baseline)."""
+        self.before = newest_commit(self.channel.run_paths())
+
+    def evidence(self, codes: Sequence[int | None], killed: Sequence[int] = ()) -> Evidence:
+        """The policy's evidence after a launch: the tasks' endings, the run's commits (None
+        when no rank ever reported its run: the guard cannot apply), its budget and guard."""
+        paths = self.channel.run_paths()
+        commits = None if paths is None else Commits(self.before, newest_commit(paths))
+        budget = self.channel.requeue_setting("max_restarts", 0) or DEFAULT_MAX_RESTARTS
+        return Evidence(task_ends(codes, killed), restarts=self.restarts, max_restarts=budget,
+                        commits=commits, stalled=self.stalled,
+                        max_no_progress=self.channel.requeue_setting("max_no_progress", 2))
+
+    def after(self, codes: Sequence[int | None], killed: Sequence[int] = ()) -> Decision:
+        """The policy's decision after a launch; what it carries goes to the next one."""
+        d = decide(self.evidence(codes, killed))
+        self.stalled = d.stalled
+        if d.action is not Action.LEAVE:
+            self.restarts += 1
+        return d
