@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -168,13 +167,15 @@ def test_launch_stops_a_run_that_makes_no_progress_whatever_way_the_script_sets_
     # launch is given no checkpoint directory: rank 0 names its run's in the channel.
     script = write_script(tmp_path, STALLS, "train.py")
     seen = tmp_path / "launches"
-    channels = set(Path(tempfile.gettempdir()).glob("kempner-resilience-launch-*"))
+    tmp = tmp_path / "tmp"      # the launcher's own temporary directory: no other test's
+    tmp.mkdir()
     res = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "launch", "--",
                           sys.executable, str(script), str(tmp_path / "ckpt"), str(seen)],
-                         cwd=tmp_path, capture_output=True, text=True, env=env(), timeout=240)
+                         cwd=tmp_path, capture_output=True, text=True, env=env(TMPDIR=str(tmp)),
+                         timeout=240)
     assert res.returncode == ExitCode.NO_REQUEUE, res.stderr[-3000:]
     # committed 2 (progress), then 2 relaunches in a row without a newer step: not 21 launches
     assert seen.read_text().count("launch") == 3, res.stderr[-3000:]
     assert "no progress" in res.stderr
     # the launcher's channel went with it
-    assert set(Path(tempfile.gettempdir()).glob("kempner-resilience-launch-*")) <= channels
+    assert not list(tmp.glob("kempner-resilience-launch-*"))
