@@ -36,7 +36,7 @@ from typing import Any
 
 from submitit.local.local import Controller, LocalExecutor, LocalJob, LocalJobEnvironment
 
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.integrations.submitit_policy import Supervision
 from kempner_resilience.supervise.channel import Channel
 from kempner_resilience.supervise.policy import Action
@@ -174,6 +174,7 @@ class ResilientController(Controller):  # type: ignore[misc]
     def run(self, max_retry: int = 0) -> None:
         """Launch until the policy says leave (``max_retry``: submitit's, unused: the run's
         budget and guard bound the launches)."""
+        set_role("submitit controller")   # its own process, not a rank (its env may say RANK)
         folder = Path(str(self.folder).replace("%j", self.pid))
         channel = Channel.for_job(self.pid, environ={}, cwd=folder)
         os.environ.update(channel.env())       # the tasks inherit the controller's environment
