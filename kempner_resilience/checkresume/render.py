@@ -10,7 +10,7 @@ from kempner_resilience.checkresume.compare import EntryDiff
 
 __all__ = ["render"]
 
-_SHOW = 6          # entries listed by name per group; the rest are counted
+_SHOW = 3          # entries listed by name per group; the rest are counted
 
 
 def _group(key: str) -> str:

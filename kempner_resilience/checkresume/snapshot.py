@@ -72,7 +72,8 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
 
 
 def _is_optimizer(value: Any) -> bool:
-    return isinstance(value, Mapping) and "param_groups" in value and "state" in value
+    # An optimizer's "state" is empty (and left out by DCP) until it keeps any (plain SGD).
+    return isinstance(value, Mapping) and "param_groups" in value
 
 
 def _object_kind(state: Any) -> Kind:
