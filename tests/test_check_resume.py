@@ -154,7 +154,19 @@ def test_the_quickstart_adoption_example_on_two_ranks_resumes_exactly(tmp_path):
     proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at", "3")
     assert proc.returncode == ExitCode.OK, verdict(proc)
     assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
-    assert "interrupted at steps 3 and resumed" in proc.stdout, verdict(proc)
+    assert "stopped by SIGUSR1 at step(s) 3 and resumed" in proc.stdout, verdict(proc)
+
+
+def test_the_quickstart_example_resumes_exactly_from_the_rescue_after_a_rank_is_killed(tmp_path):
+    _, after = doc_example("quickstart.md", "### Adopting an existing DDP script", "\n#")
+    script = write_script(tmp_path, after, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at", "3",
+                        "--kill-rank", "1")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert "with rank 1 SIGKILLed at step(s) 3 and resumed" in proc.stdout, verdict(proc)
+    # The interrupted run commits only its stops: step 3 is the survivors' rescue checkpoint.
+    log = (tmp_path / "check" / "interrupted" / "logs" / "rank0.0.log").read_text()
+    assert "rescue: committed step 3" in log
 
 
 def test_a_nanogpt_shaped_adoption_carrying_a_prefetched_batch_is_reported_inexact(tmp_path):

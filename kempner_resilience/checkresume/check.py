@@ -16,18 +16,18 @@ import enum
 import shutil
 import signal
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
 
-from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots
+from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
 from kempner_resilience.checkresume.diagnose import likely_causes
+from kempner_resilience.checkresume.options import CheckOptions
 from kempner_resilience.checkresume.runs import RunResult, run_script
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
 from kempner_resilience.exitcodes import ExitCode, for_signal_stop
-from kempner_resilience.stop.rehearsal import PlannedStop, min_gap
+from kempner_resilience.stop.rehearsal import PlannedStop
 
-__all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume"]
+__all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
 
 # The stop that ends both runs at ``steps``: SIGTERM, whose action the run's config makes `stop`.
 _FINAL = signal.SIGTERM
@@ -39,59 +39,6 @@ class Outcome(enum.Enum):
     EXACT = int(ExitCode.OK)
     INEXACT = int(ExitCode.RESUME_INEXACT)
     UNCHECKED = int(ExitCode.RESUME_UNCHECKED)
-
-
-@dataclass(frozen=True)
-class CheckOptions:
-    """What to check: the command every rank runs and how the two runs go."""
-
-    command: tuple[str, ...]
-    ranks: int = 1
-    steps: int = 10
-    interrupt_at: tuple[int, ...] = (3, 7)
-    signal_name: str = "SIGUSR1"
-    kill_rank: int | None = None          # SIGKILL this rank at the interrupts instead
-    timeout_s: float = 120.0              # per run
-    workdir: Path | None = None           # kept; None: a temporary one, removed when exact
-    config: Mapping[str, Any] = field(default_factory=dict)   # the user's resolved config
-
-    def __post_init__(self) -> None:
-        if not self.command:
-            raise ValueError("give the command every rank runs (after `--`)")
-        if self.ranks < 1:
-            raise ValueError(f"--ranks {self.ranks}: give 1 or more")
-        if self.steps < 2:
-            raise ValueError(f"--steps {self.steps}: give 2 or more")
-        if not self.interrupt_at:
-            raise ValueError("--interrupt-at: give at least one step")
-        gap = min_gap(self.ranks)
-        marks = [0, *self.interrupt_at, self.steps]
-        if any(b - a < gap for a, b in zip(marks, marks[1:])):
-            raise ValueError(f"--interrupt-at {','.join(map(str, self.interrupt_at))}: give "
-                             f"increasing steps, at least {gap} apart, after step 0 and "
-                             f"{gap} before --steps {self.steps} (with {self.ranks} ranks a stop "
-                             f"is agreed {gap - 1} steps after the signal)")
-        self.signum                        # raises ValueError for an unknown name
-        if self.kill_rank is not None and not 0 <= self.kill_rank < self.ranks:
-            raise ValueError(f"--kill-rank {self.kill_rank}: give a rank between 0 and "
-                             f"{self.ranks - 1}")
-        if self.kill_rank is not None and self.ranks < 2:
-            raise ValueError("--kill-rank needs --ranks 2 or more (survivors to rescue)")
-        if self.timeout_s <= 0:
-            raise ValueError(f"--timeout {self.timeout_s}: give a positive number of seconds")
-
-    @property
-    def signum(self) -> int:
-        name = self.signal_name.upper()
-        try:
-            return int(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
-        except KeyError:
-            raise ValueError(f"--signal {self.signal_name}: not a signal name") from None
-
-    def interrupts(self) -> list[PlannedStop]:
-        if self.kill_rank is not None:
-            return [PlannedStop(s, signal.SIGKILL, self.kill_rank) for s in self.interrupt_at]
-        return [PlannedStop(s, self.signum) for s in self.interrupt_at]
 
 
 @dataclass(frozen=True)
@@ -109,7 +56,8 @@ class Verdict:
     final_step: int | None = None
     final_diffs: tuple[EntryDiff, ...] = ()
     causes: tuple[str, ...] = ()
-    unseeded: tuple[str, ...] = ()             # RNG streams left out: they differ before any stop
+    unseeded: tuple[str, ...] = ()             # RNG streams left out: never drawn from
+    how: str = ""                              # "stopped by SIGUSR1 at steps 3, 7", ...
 
     @property
     def code(self) -> int:
@@ -164,8 +112,10 @@ def check_resume(opts: CheckOptions) -> Verdict:
     interrupts = opts.interrupts()
     again = frozenset() if opts.kill_rank is not None else frozenset(
         {int(for_signal_stop(opts.signum))})
+    # A killed rank's run commits only its stops: the survivors' rescue writes the killed step.
     got = run_script(list(opts.command), name="interrupted", stops=interrupts + [final],
-                     relaunches=len(interrupts), relaunch_codes=again, **common)
+                     relaunches=len(interrupts), relaunch_codes=again,
+                     every_steps=0 if opts.kill_rank is not None else 1, **common)
     problem = _failure(got, "interrupted")
     # Where each relaunch resumed: the stops as the checkpoints saw them (a killed rank's
     # launch reports no stop step of its own).
@@ -174,46 +124,72 @@ def check_resume(opts: CheckOptions) -> Verdict:
         problem = (f"the interrupted run was never interrupted: it ended at step "
                    f"{max(got.committed)} before step {opts.interrupt_at[0]}; lower "
                    "--interrupt-at and --steps to fit the script's steps")
+    if problem is None and opts.kill_rank is not None and stops != opts.interrupt_at[:len(stops)]:
+        problem = (f"after rank {opts.kill_rank} was killed at steps "
+                   f"{', '.join(map(str, opts.interrupt_at))} the relaunches resumed from steps "
+                   f"{', '.join(map(str, stops)) or 'none'}: the survivors wrote no rescue "
+                   "checkpoint (rescue.enabled off, or a rank's state held by that rank alone, "
+                   "as with FSDP); a lost rank then costs the steps since the last checkpoint")
     if problem:
         return Verdict(Outcome.UNCHECKED, work, problem, stops)
+    at = ", ".join(map(str, stops))
+    how = f"with rank {opts.kill_rank} SIGKILLed at step(s) {at}" if opts.kill_rank is not None \
+        else f"stopped by {signal.Signals(opts.signum).name} at step(s) {at}"
+    return _compare(ref, got, work, stops, how, killed=opts.kill_rank is not None)
+
+
+def _idle_streams(ref: RunResult, cache: dict[tuple[str, int], Snapshot]) -> set[str]:
+    """The RNG streams the loop never draws from: the same in the uninterrupted run's first and
+    last checkpoints (an RNG state never comes back to where it was). Left unseeded (Python's,
+    NumPy's in a torch script), they differ between two runs and mean nothing for training."""
+    a, b = _snapshots(ref, cache, min(ref.committed)), _snapshots(ref, cache, max(ref.committed))
+    return {k for k, kind in a.kinds.items() if kind is Kind.RNG and k in b.entries
+            and equal_values(a.entries[k], b.entries[k])}
+
+
+def _compare(ref: RunResult, got: RunResult, work: Path, stops: tuple[int, ...], how: str, *,
+             killed: bool) -> Verdict:
+    """The two runs' checkpoints of every common step, in order, up to the first that differs;
+    then the last one; then the likely cause."""
     steps = sorted(set(ref.committed) & set(got.committed))
     cache: dict[tuple[str, int], Snapshot] = {}
-    compared: list[int] = []
-    first: tuple[int, list[EntryDiff]] | None = None
-    unseeded: set[str] = set()
+    idle = _idle_streams(ref, cache)
+    left_out: set[str] = set()
 
     def diff(step: int) -> list[EntryDiff]:
-        return [d for d in diff_snapshots(_snapshots(ref, cache, step),
-                                          _snapshots(got, cache, step))
-                if d.key not in unseeded]
+        out = diff_snapshots(_snapshots(ref, cache, step), _snapshots(got, cache, step))
+        left_out.update(d.key for d in out if d.key in idle)
+        return [d for d in out if d.key not in idle]
 
+    compared: list[int] = []
+    first: tuple[int, list[EntryDiff]] | None = None
     for step in steps:
         compared.append(step)
         diffs = diff(step)
-        if diffs and stops and step <= stops[0] and all(d.kind is Kind.RNG for d in diffs):
-            # Before the first stop both runs did the same: an RNG stream that differs there
-            # is one the script never seeded (Python's, NumPy's); the model does not depend on
-            # it as long as nothing else differs. It is left out of the comparison.
-            unseeded |= {d.key for d in diffs}
-            continue
         if diffs:
             first = (step, diffs)
             break
     final_step = steps[-1]
     if first is None:
         return Verdict(Outcome.EXACT, work, None, stops, tuple(compared), final_step=final_step,
-                       unseeded=tuple(sorted(unseeded)))
+                       unseeded=tuple(sorted(left_out)), how=how)
     if final_step not in compared:
         compared.append(final_step)
     final_diffs = diff(final_step)
     step, diffs = first
     before = [s for s in stops if s < step]
     after_stop = before[-1] if before else None
-    has_scheduler = any(k is Kind.SCHEDULER for k in _snapshots(ref, cache, step).kinds.values())
-    causes = likely_causes(diffs, step, after_stop, has_scheduler)
+    if killed and step in stops:
+        causes = [f"the survivors' rescue checkpoint of step {step} (written after the rank was "
+                  "killed) differs from the uninterrupted run's: state of the killed rank that "
+                  "no survivor held (a per-rank object, its RNG streams) is missing or stale"]
+    else:
+        has_scheduler = any(k is Kind.SCHEDULER
+                            for k in _snapshots(ref, cache, step).kinds.values())
+        causes = likely_causes(diffs, step, after_stop, has_scheduler)
     return Verdict(Outcome.INEXACT, work, None, stops, tuple(compared), step, tuple(diffs),
                    after_stop, final_step, tuple(final_diffs), tuple(causes),
-                   tuple(sorted(unseeded)))
+                   tuple(sorted(left_out)), how)
 
 
 def cleanup(verdict: Verdict, keep: bool) -> None:

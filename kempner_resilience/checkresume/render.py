@@ -46,19 +46,18 @@ def _wrap(text: str, indent: str = "  ") -> str:
 
 def render(v: Verdict) -> str:
     """The report of ``v`` (several lines, no trailing newline)."""
-    stops = ", ".join(map(str, v.stops)) or "none"
     if v.outcome is Outcome.UNCHECKED:
         return f"check-resume: UNCHECKED: {v.problem}\n  work directory: {v.workdir}"
     note = ""
     if v.unseeded:
-        note = "\n" + _wrap(f"(not compared: {', '.join(v.unseeded)}: RNG streams the script "
-                             "never seeded, which differ between the runs before any stop "
-                             "while nothing else does)", "  ")
+        note = "\n" + _wrap(f"(not compared: {', '.join(v.unseeded)}: RNG streams the "
+                             "training loop never draws from, left unseeded by the script)",
+                             "  ")
     if v.outcome is Outcome.EXACT:
-        return (f"check-resume: exact. The run interrupted at steps {stops} and resumed each "
+        return (f"check-resume: exact. The run {v.how} and resumed each "
                 f"time equals the uninterrupted run at every step, bitwise ({len(v.compared)} "
                 f"checkpoints compared, steps {v.compared[0]}..{v.compared[-1]}).{note}")
-    lines = [f"check-resume: INEXACT. The run interrupted at steps {stops} and resumed differs "
+    lines = [f"check-resume: INEXACT. The run {v.how} and resumed differs "
              f"from the uninterrupted run from step {v.first_step} on"
              + (f" ({v.first_step - v.after_stop} step(s) after the stop at step "
                 f"{v.after_stop})." if v.after_stop is not None else "."),

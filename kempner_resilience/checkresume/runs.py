@@ -76,13 +76,15 @@ class RunResult:
         return "\n".join(f"    {line}" for line in text)
 
 
-def run_config(base: Mapping[str, Any], root: Path) -> dict[str, Any]:
+def run_config(base: Mapping[str, Any], root: Path, every_steps: int = 1) -> dict[str, Any]:
     """The user's resolved config (``ResilienceConfig.to_dict()``) made for one check run: its
     own checkpoint directory, a commit at every step and none deleted (every step is compared),
-    saves in the foreground (a commit per step, in step order), SIGTERM a stop (the final one)."""
+    saves in the foreground (a commit per step, in step order), SIGTERM a stop (the final one).
+    ``every_steps`` 0: only the stops' checkpoints (a killed rank's survivors then write the
+    rescue checkpoint of that step, which a commit at every step would leave nothing to do)."""
     cfg = json.loads(json.dumps(base))         # a deep copy of plain data
     ckpt = cfg.setdefault("checkpoint", {})
-    ckpt.update({"dir": str(root), "every_steps": 1, "every_minutes": 0.0,
+    ckpt.update({"dir": str(root), "every_steps": every_steps, "every_minutes": 0.0,
                  "keep_last": _KEEP_ALL, "keep_every": 0, "async": False, "resume": True})
     actions = cfg.setdefault("signals", {}).setdefault("actions", {})
     actions["SIGTERM"] = "stop"
@@ -131,7 +133,7 @@ class _Deadline:
 def run_script(command: list[str], *, name: str, work: Path, ranks: int,
                stops: list[PlannedStop], relaunches: int, config: Mapping[str, Any],
                timeout_s: float, stop_timeout_s: float = 20.0,
-               relaunch_codes: frozenset[int] = frozenset()) -> RunResult:
+               relaunch_codes: frozenset[int] = frozenset(), every_steps: int = 1) -> RunResult:
     """Run ``command`` on ``ranks`` local ranks in ``work/name`` with the planned ``stops``,
     relaunching at most ``relaunches`` times (after a code in ``relaunch_codes`` or the
     launch-side policy's run-again codes), within ``timeout_s``. Must run on the main thread
@@ -142,7 +144,7 @@ def run_script(command: list[str], *, name: str, work: Path, ranks: int,
     cfg_path, report = base / "config.yaml", base / "report.json"
     import yaml
 
-    write_atomic(cfg_path, yaml.safe_dump(run_config(config, root), sort_keys=False),
+    write_atomic(cfg_path, yaml.safe_dump(run_config(config, root, every_steps), sort_keys=False),
                  durable=False)
     env = {"KEMPNER_RESILIENCE_CONFIG": str(cfg_path), REHEARSAL_ENV: encode(stops),
            REPORT_ENV: str(report)}

@@ -58,8 +58,7 @@ def _setup(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kempner_resilience.checkresume.check import CheckOptions, check_resume, cleanup
-    from kempner_resilience.checkresume.render import render
+    from kempner_resilience.checkresume.options import CheckOptions
     from kempner_resilience.config import load_config
 
     command = training_command(args.command)
@@ -76,6 +75,9 @@ def _run(args: argparse.Namespace) -> int:
                             workdir=args.workdir, config=cfg.to_dict())
     except ValueError as e:
         raise CliError(str(e), int(ExitCode.USAGE)) from None
+    from kempner_resilience.checkresume.check import check_resume, cleanup   # loads torch
+    from kempner_resilience.checkresume.render import render
+
     verdict = check_resume(opts)
     print(render(verdict))
     sys.stdout.flush()
