@@ -20,12 +20,13 @@ from helpers import env, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 
-def check_resume(tmp_path: Path, script: Path, *args: str) -> subprocess.CompletedProcess:
+def check_resume(tmp_path: Path, script: Path, *args: str,
+                 timeout: str = "100") -> subprocess.CompletedProcess:
     """The verb on ``script``, run from ``tmp_path`` as a user would; its work directory kept
     under ``tmp_path`` (the checkpoints and rank logs of both runs)."""
     return subprocess.run(
         [sys.executable, "-m", "kempner_resilience.cli", "check-resume", "--workdir",
-         str(tmp_path / "check"), "--timeout", "100", *args, "--", sys.executable,
+         str(tmp_path / "check"), "--timeout", timeout, *args, "--", sys.executable,
          str(script)],
         cwd=tmp_path, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
         timeout=400)
@@ -225,6 +226,24 @@ def test_a_script_that_never_commits_a_checkpoint_is_unchecked_with_its_own_code
     proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2")
     assert proc.returncode == ExitCode.RESUME_UNCHECKED, verdict(proc)
     assert "committed no checkpoint" in proc.stdout, verdict(proc)
+
+
+def test_a_script_whose_step_hangs_is_stopped_at_the_timeout_and_unchecked(tmp_path):
+    script = write_script(tmp_path, """
+        import time
+        import kempner_resilience as kr
+        import torch
+
+        model = torch.nn.Linear(2, 2)
+        with kr.ResilientRun(state={"model": model}) as run:
+            for step in run.steps(100):
+                if step == 2:
+                    time.sleep(3600)      # a step that never ends
+    """, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "6", "--interrupt-at", "3", timeout="8")
+    assert proc.returncode == ExitCode.RESUME_UNCHECKED, verdict(proc)
+    assert "the uninterrupted run did not end within --timeout 8 s" in proc.stdout, verdict(proc)
+    assert subprocess.run(["pgrep", "-f", str(script)], capture_output=True).stdout == b""
 
 
 def test_interrupts_too_close_for_the_ranks_agreement_are_a_usage_error(tmp_path):

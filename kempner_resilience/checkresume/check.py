@@ -64,11 +64,12 @@ class Verdict:
         return self.outcome.value
 
 
-def _failure(run: RunResult, what: str) -> str | None:
+def _failure(run: RunResult, what: str, timeout_s: float) -> str | None:
     """Why ``run`` cannot be compared, or None."""
     if run.timed_out:
-        return (f"the {what} run did not end within --timeout: the ranks were stopped; raise "
-                "--timeout or lower --steps")
+        return (f"the {what} run did not end within --timeout {timeout_s:g} s: its ranks were "
+                "stopped (a step that hangs, or steps too slow for the budget); raise --timeout "
+                "or lower --steps")
     if not run.launches:
         return f"the {what} run never started"
     given = str(run.root)
@@ -106,7 +107,7 @@ def check_resume(opts: CheckOptions) -> Verdict:
     common = dict(work=work, ranks=opts.ranks, config=opts.config, timeout_s=opts.timeout_s)
     ref = run_script(list(opts.command), name="uninterrupted", stops=[final], relaunches=0,
                      **common)
-    problem = _failure(ref, "uninterrupted")
+    problem = _failure(ref, "uninterrupted", opts.timeout_s)
     if problem:
         return Verdict(Outcome.UNCHECKED, work, problem)
     interrupts = opts.interrupts()
@@ -116,7 +117,7 @@ def check_resume(opts: CheckOptions) -> Verdict:
     got = run_script(list(opts.command), name="interrupted", stops=interrupts + [final],
                      relaunches=len(interrupts), relaunch_codes=again,
                      every_steps=0 if opts.kill_rank is not None else 1, **common)
-    problem = _failure(got, "interrupted")
+    problem = _failure(got, "interrupted", opts.timeout_s)
     # Where each relaunch resumed: the stops as the checkpoints saw them (a killed rank's
     # launch reports no stop step of its own).
     stops = tuple(l.start_step for l in got.launches[1:] if l.start_step is not None)

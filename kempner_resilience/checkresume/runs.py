@@ -101,9 +101,14 @@ def _committed(root: Path) -> dict[int, Path]:
 
 
 class _Deadline:
-    """SIGTERM to this process (the launcher forwards it to the ranks) when the run overruns.
-    This process's own SIGTERM handler is a no-op while the run lasts, so a deadline that fires
-    as the launcher hands its handler back cannot end check-resume itself."""
+    """SIGTERM to this process when the run overruns, and a second one ``FORCE_AFTER_S`` later:
+    the launcher forwards each to every rank, and a repeated SIGTERM forces a rank out at once
+    (a rank stuck inside a step never reaches the boundary where the first one would stop it;
+    the launcher kills what is left after its stop timeout). This process's own SIGTERM handler
+    is a no-op while the run lasts, so a deadline that fires as the launcher hands its handler
+    back cannot end check-resume itself."""
+
+    FORCE_AFTER_S = 2.0
 
     def __init__(self, timeout_s: float) -> None:
         self.fired = False
@@ -114,9 +119,15 @@ class _Deadline:
 
     def _fire(self) -> None:
         with self._lock:
-            if self._armed:
-                self.fired = True
-                os.kill(os.getpid(), signal.SIGTERM)
+            if not self._armed:
+                return
+            again = not self.fired
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGTERM)
+            if again:
+                self._timer = threading.Timer(self.FORCE_AFTER_S, self._fire)
+                self._timer.daemon = True
+                self._timer.start()
 
     def __enter__(self) -> "_Deadline":
         self._previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
