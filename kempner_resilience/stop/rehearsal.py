@@ -89,9 +89,8 @@ def _plan(text: str) -> tuple[PlannedStop, ...]:
 
 def rehearse(step: int, start: int, agreement: StopAgreement) -> None:
     """At the boundary of ``step`` of a launch that started at ``start`` (its resumed step):
-    raise this rank's
-    planned signal, if any. ``signal.raise_signal`` runs the Python handler before it returns,
-    so the boundary's poll that follows already sees the stop request. Several ranks agree on
+    raise this rank's planned signal, if any. ``signal.raise_signal`` runs the Python handler
+    before it returns, so the boundary's poll that follows already sees the stop request. Several ranks agree on
     a stop ``lead_steps`` after the boundary that saw the signal (``agreement.py``): the signal
     is raised that much earlier, so the stop lands on the planned step. A SIGKILL needs no
     agreement and comes at the planned step itself."""
