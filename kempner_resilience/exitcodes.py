@@ -27,6 +27,8 @@ class ExitCode(enum.IntEnum):
     OK = 0
     ERROR = 1
     USAGE = 2
+    RESUME_INEXACT = 3
+    RESUME_UNCHECKED = 4
     HANG = 42
     DEADLINE = 43
     REQUEUE = 75
@@ -44,6 +46,8 @@ class ExitCode(enum.IntEnum):
 OK = ExitCode.OK
 ERROR = ExitCode.ERROR
 USAGE = ExitCode.USAGE
+RESUME_INEXACT = ExitCode.RESUME_INEXACT
+RESUME_UNCHECKED = ExitCode.RESUME_UNCHECKED
 HANG = ExitCode.HANG
 DEADLINE = ExitCode.DEADLINE
 REQUEUE = ExitCode.REQUEUE
@@ -64,6 +68,13 @@ TABLE: dict[ExitCode, str] = {
                     "traceback); the process is forced out watchdog.exit_timeout_s after the "
                     "cleanups if something (an executor thread, a collective) holds it",
     ExitCode.USAGE: "the command line was wrong (CLI only)",
+    ExitCode.RESUME_INEXACT: "`check-resume`: the script's resume is not exact: the interrupted "
+                             "run's checkpoints differ from the uninterrupted run's; the report "
+                             "names the entries, the first step that differs and the likely "
+                             "cause (CLI only)",
+    ExitCode.RESUME_UNCHECKED: "`check-resume`: nothing to compare: the script failed, timed "
+                               "out, never committed a checkpoint or used a checkpoint.dir of "
+                               "its own; the report says which (CLI only)",
     ExitCode.HANG: "hang watchdog: no step finished within watchdog.hang_timeout_s; stacks were "
                    "dumped to stderr, and the replicas wrote the last step as a rescue "
                    "checkpoint when they could (rescue.*); resume from the last committed one",
@@ -276,7 +287,8 @@ ROWS: tuple[Row, ...] = (
 )
 
 # Codes no run produces: the command line's own.
-CLI_ONLY: frozenset[ExitCode] = frozenset({ExitCode.USAGE})
+CLI_ONLY: frozenset[ExitCode] = frozenset({ExitCode.USAGE, ExitCode.RESUME_INEXACT,
+                                          ExitCode.RESUME_UNCHECKED})
 
 
 def _signal_name(signum: int | None) -> str:

@@ -6,7 +6,7 @@ a user reading a SLURM log at 3 a.m. needs the problem and the fix, not our stac
 The small verbs (``config``, ``exit-codes``) live here; the others in their own modules, which
 only use the library: ``checkpoints.py`` (ls, verify), ``slurm.py`` (doctor, sbatch),
 ``demo.py`` and ``demo_slurm.py`` (demo), ``launch.py`` (launch), ``torchrun.py`` (torchrun),
-``srun.py`` (srun: relaunch in place on spare nodes).
+``srun.py`` (srun: relaunch in place on spare nodes), ``checkresume.py`` (check-resume).
 ``common.py`` holds what they share.
 """
 
@@ -81,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_verbs() -> None:
     # Verbs with heavier imports live in their own modules, loaded only to run the command.
-    from kempner_resilience.cli import (checkpoints, demo, launch, report, slurm, srun,
-                                        torchrun)
+    from kempner_resilience.cli import (checkpoints, checkresume, demo, launch, report, slurm,
+                                        srun, torchrun)
 
-    for module in (demo, launch, checkpoints, report, slurm, srun, torchrun):
+    for module in (demo, launch, checkresume, checkpoints, report, slurm, srun, torchrun):
         for verb in module.VERBS:
             _VERBS.setdefault(verb.name, verb)
 

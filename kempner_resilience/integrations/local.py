@@ -172,6 +172,9 @@ class LocalLauncher:
     ``relaunch_codes``: None, the policy decides; a set, relaunch exactly when the job's code is
     in it (a caller that plays a scheduler of its own, as the demo does with its own signals).
     ``stop_timeout_s``: the grace after a signal to the launcher and after the first rank's end.
+    ``log_dir`` (without ``workdir``): each rank's stdout and stderr go to
+    ``log_dir/rank<r>.<launch>.log`` instead of this process's (check-resume keeps its own
+    output readable); the command and the working directory stay the user's.
     """
 
     def __init__(self, command: list[str], *, ranks: int, workdir: Path | None,
@@ -181,7 +184,7 @@ class LocalLauncher:
                  on_launch: Callable[[Launch], None] | None = None,
                  relaunch_codes: set[int] | frozenset[int] | None = None,
                  stop_timeout_s: float = 60.0, run_paths: RunPaths | None = None,
-                 max_no_progress: int = 2) -> None:
+                 max_no_progress: int = 2, log_dir: Path | None = None) -> None:
         if workdir is None and interrupts:
             raise ValueError("interrupts need a workdir (rank 0's progress file is read there)")
         self.command = list(command)
@@ -196,6 +199,7 @@ class LocalLauncher:
         self.stop_timeout_s = stop_timeout_s
         self.run_paths = run_paths
         self.max_no_progress = max_no_progress
+        self.log_dir = None if log_dir is None else Path(log_dir)
         self.launches: list[Launch] = []
         self.channel: Channel | None = None   # the ranks' word, while run() runs
         self._received: list[int] = []     # signals to forward, appended by the handler
@@ -293,14 +297,17 @@ class LocalLauncher:
         t0 = time.monotonic()
         for rank in range(self.ranks):
             env = self.rank_env(rank, port, index)
-            err = None
+            err = out = None
             if self.workdir is not None:
                 env["KEMPNER_RESILIENCE_REPORT"] = str(report)
                 err = open(self.workdir / f"rank{rank}.{index}.log", "w")
+                out = subprocess.DEVNULL
+            elif self.log_dir is not None:
+                err = out = open(self.log_dir / f"rank{rank}.{index}.log", "w")
             try:
                 procs.append(subprocess.Popen(
                     command, env=env, cwd=self.workdir, start_new_session=True,
-                    stdout=subprocess.DEVNULL if err else None, stderr=err,
+                    stdout=out, stderr=err,
                     preexec_fn=_die_with_launcher))
             except BaseException:
                 self._signal_all(procs, signal.SIGKILL)  # no rank outlives a failed start

@@ -34,6 +34,7 @@ from kempner_resilience.shutdown import outcome, sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
 from kempner_resilience.stop.agreement import StopDecision
 from kempner_resilience.stop.reason import StopKind, StopReason
+from kempner_resilience.stop.rehearsal import rehearse
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.stop.teardown import CleanupResult, TeardownStack
 from kempner_resilience.stop.watchdog import HangWatchdog
@@ -234,6 +235,7 @@ class ResilientRun:
         if rescue is not None:
             rescue.mark(progress.step)
         while progress.step < total:
+            rehearse(progress.step, parts.start_step, parts.agreement)  # stop/rehearsal.py
             now = time.monotonic()
             reason = self._signal_reason()
             if reason is None and now >= clock.threshold and clock.due(now):

@@ -1,0 +1,199 @@
+"""``check-resume``: does this script resume exactly? Two runs of it, compared step by step.
+
+The script runs twice on the same local ranks, each in a fresh checkpoint directory with a
+commit at every step (``runs.py``): once straight to step ``steps`` (the reference), once stopped
+at the ``interrupt_at`` steps by a real signal (or a SIGKILLed rank) and relaunched from its
+checkpoint each time, as SLURM's requeue would, to the same step. Both end with a stop at
+``steps`` (SIGTERM, a checkpoint), so a script written for a long job is checked in a few steps.
+A resume is exact when every checkpoint of the interrupted run equals the reference's of the
+same step, entry by entry and bitwise (``compare.py``). The first step that differs, what
+differs there and how long after which stop, gives the likely cause (``diagnose.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import shutil
+import signal
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
+from kempner_resilience.checkresume.diagnose import likely_causes
+from kempner_resilience.checkresume.options import CheckOptions
+from kempner_resilience.checkresume.runs import RunResult, run_script
+from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
+from kempner_resilience.exitcodes import ExitCode, for_signal_stop
+from kempner_resilience.stop.rehearsal import PlannedStop
+
+__all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
+
+# The stop that ends both runs at ``steps``: SIGTERM, whose action the run's config makes `stop`.
+_FINAL = signal.SIGTERM
+
+
+class Outcome(enum.Enum):
+    """check-resume's answer, and its exit code."""
+
+    EXACT = int(ExitCode.OK)
+    INEXACT = int(ExitCode.RESUME_INEXACT)
+    UNCHECKED = int(ExitCode.RESUME_UNCHECKED)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What check-resume found."""
+
+    outcome: Outcome
+    workdir: Path
+    problem: str | None = None                 # UNCHECKED: why nothing could be compared
+    stops: tuple[int, ...] = ()                # the steps the interrupted run stopped at
+    compared: tuple[int, ...] = ()             # the steps compared, in order
+    first_step: int | None = None              # the first step that differs
+    first_diffs: tuple[EntryDiff, ...] = ()
+    after_stop: int | None = None              # the last stop before first_step
+    final_step: int | None = None
+    final_diffs: tuple[EntryDiff, ...] = ()
+    causes: tuple[str, ...] = ()
+    unseeded: tuple[str, ...] = ()             # RNG streams left out: never drawn from
+    how: str = ""                              # "stopped by SIGUSR1 at steps 3, 7", ...
+
+    @property
+    def code(self) -> int:
+        return self.outcome.value
+
+
+def _failure(run: RunResult, what: str, timeout_s: float) -> str | None:
+    """Why ``run`` cannot be compared, or None."""
+    if run.timed_out:
+        return (f"the {what} run did not end within --timeout {timeout_s:g} s: its ranks were "
+                "stopped (a step that hangs, or steps too slow for the budget); raise --timeout "
+                "or lower --steps")
+    if not run.launches:
+        return f"the {what} run never started"
+    given = str(run.root)
+    for launch in run.launches:
+        if launch.run_dir is not None and launch.run_dir != given:
+            return (f"the script used checkpoint.dir {launch.run_dir}, not the fresh directory "
+                    "check-resume gave it: it loads its config from a file or overrides of its "
+                    "own. Let $KEMPNER_RESILIENCE_CONFIG reach it (kr.load_config() without a "
+                    "path, or ResilientRun without a config) and pass your settings to "
+                    "check-resume with --config/--set")
+    last = run.launches[-1]
+    ok = {int(ExitCode.OK), int(for_signal_stop(_FINAL))}
+    if last.code not in ok:
+        tail = run.log_tail()
+        return (f"the {what} run's launch {last.index + 1} ended with {last.code} (ranks "
+                f"{list(last.exit_codes)}), not at the final step; rank 0's log ends:\n{tail}")
+    if not run.committed:
+        return (f"the {what} run committed no checkpoint: does the script iterate run.steps() "
+                "inside a ResilientRun with state={...}?")
+    return None
+
+
+def _snapshots(run: RunResult, cache: dict[tuple[str, int], Snapshot], step: int) -> Snapshot:
+    key = (run.name, step)
+    if key not in cache:
+        cache[key] = read_snapshot(run.committed[step], step)
+    return cache[key]
+
+
+def check_resume(opts: CheckOptions) -> Verdict:
+    """Run both runs and compare them (main thread only: the launcher handles signals)."""
+    work = opts.workdir or Path(tempfile.mkdtemp(prefix="kempner-check-resume-"))
+    work.mkdir(parents=True, exist_ok=True)
+    final = PlannedStop(opts.steps, _FINAL)
+    common = dict(work=work, ranks=opts.ranks, config=opts.config, timeout_s=opts.timeout_s)
+    ref = run_script(list(opts.command), name="uninterrupted", stops=[final], relaunches=0,
+                     **common)
+    problem = _failure(ref, "uninterrupted", opts.timeout_s)
+    if problem:
+        return Verdict(Outcome.UNCHECKED, work, problem)
+    interrupts = opts.interrupts()
+    again = frozenset() if opts.kill_rank is not None else frozenset(
+        {int(for_signal_stop(opts.signum))})
+    # A killed rank's run commits only its stops: the survivors' rescue writes the killed step.
+    got = run_script(list(opts.command), name="interrupted", stops=interrupts + [final],
+                     relaunches=len(interrupts), relaunch_codes=again,
+                     every_steps=0 if opts.kill_rank is not None else 1, **common)
+    problem = _failure(got, "interrupted", opts.timeout_s)
+    # Where each relaunch resumed: the stops as the checkpoints saw them (a killed rank's
+    # launch reports no stop step of its own).
+    stops = tuple(l.start_step for l in got.launches[1:] if l.start_step is not None)
+    if problem is None and len(got.launches) < 2:
+        problem = (f"the interrupted run was never interrupted: it ended at step "
+                   f"{max(got.committed)} before step {opts.interrupt_at[0]}; lower "
+                   "--interrupt-at and --steps to fit the script's steps")
+    if problem is None and opts.kill_rank is not None and stops != opts.interrupt_at[:len(stops)]:
+        problem = (f"after rank {opts.kill_rank} was killed at steps "
+                   f"{', '.join(map(str, opts.interrupt_at))} the relaunches resumed from steps "
+                   f"{', '.join(map(str, stops)) or 'none'}: the survivors wrote no rescue "
+                   "checkpoint (rescue.enabled off, or a rank's state held by that rank alone, "
+                   "as with FSDP); a lost rank then costs the steps since the last checkpoint")
+    if problem:
+        return Verdict(Outcome.UNCHECKED, work, problem, stops)
+    at = ", ".join(map(str, stops))
+    how = f"with rank {opts.kill_rank} SIGKILLed at step(s) {at}" if opts.kill_rank is not None \
+        else f"stopped by {signal.Signals(opts.signum).name} at step(s) {at}"
+    return _compare(ref, got, work, stops, how, killed=opts.kill_rank is not None)
+
+
+def _idle_streams(ref: RunResult, cache: dict[tuple[str, int], Snapshot]) -> set[str]:
+    """The RNG streams the loop never draws from: the same in the uninterrupted run's first and
+    last checkpoints (an RNG state never comes back to where it was). Left unseeded (Python's,
+    NumPy's in a torch script), they differ between two runs and mean nothing for training."""
+    a, b = _snapshots(ref, cache, min(ref.committed)), _snapshots(ref, cache, max(ref.committed))
+    return {k for k, kind in a.kinds.items() if kind is Kind.RNG and k in b.entries
+            and equal_values(a.entries[k], b.entries[k])}
+
+
+def _compare(ref: RunResult, got: RunResult, work: Path, stops: tuple[int, ...], how: str, *,
+             killed: bool) -> Verdict:
+    """The two runs' checkpoints of every common step, in order, up to the first that differs;
+    then the last one; then the likely cause."""
+    steps = sorted(set(ref.committed) & set(got.committed))
+    cache: dict[tuple[str, int], Snapshot] = {}
+    idle = _idle_streams(ref, cache)
+    left_out: set[str] = set()
+
+    def diff(step: int) -> list[EntryDiff]:
+        out = diff_snapshots(_snapshots(ref, cache, step), _snapshots(got, cache, step))
+        left_out.update(d.key for d in out if d.key in idle)
+        return [d for d in out if d.key not in idle]
+
+    compared: list[int] = []
+    first: tuple[int, list[EntryDiff]] | None = None
+    for step in steps:
+        compared.append(step)
+        diffs = diff(step)
+        if diffs:
+            first = (step, diffs)
+            break
+    final_step = steps[-1]
+    if first is None:
+        return Verdict(Outcome.EXACT, work, None, stops, tuple(compared), final_step=final_step,
+                       unseeded=tuple(sorted(left_out)), how=how)
+    if final_step not in compared:
+        compared.append(final_step)
+    final_diffs = diff(final_step)
+    step, diffs = first
+    before = [s for s in stops if s < step]
+    after_stop = before[-1] if before else None
+    if killed and step in stops:
+        causes = [f"the survivors' rescue checkpoint of step {step} (written after the rank was "
+                  "killed) differs from the uninterrupted run's: state of the killed rank that "
+                  "no survivor held (a per-rank object, its RNG streams) is missing or stale"]
+    else:
+        has_scheduler = any(k is Kind.SCHEDULER
+                            for k in _snapshots(ref, cache, step).kinds.values())
+        causes = likely_causes(diffs, step, after_stop, has_scheduler)
+    return Verdict(Outcome.INEXACT, work, None, stops, tuple(compared), step, tuple(diffs),
+                   after_stop, final_step, tuple(final_diffs), tuple(causes),
+                   tuple(sorted(left_out)), how)
+
+
+def cleanup(verdict: Verdict, keep: bool) -> None:
+    """Remove the work directory of an exact check unless asked to keep it."""
+    if verdict.outcome is Outcome.EXACT and not keep:
+        shutil.rmtree(verdict.workdir, ignore_errors=True)

@@ -1,0 +1,72 @@
+"""check-resume's report, as the user reads it: the verdict first, then what differs and why."""
+
+from __future__ import annotations
+
+import textwrap
+from collections import defaultdict
+
+from kempner_resilience.checkresume.check import Outcome, Verdict
+from kempner_resilience.checkresume.compare import EntryDiff
+
+__all__ = ["render"]
+
+_SHOW = 3          # entries listed by name per group; the rest are counted
+
+
+def _group(key: str) -> str:
+    """``model.0.weight`` -> ``model``; ``rank0:objects.sched.last_epoch`` -> ``rank0:objects.
+    sched``; ``rank0:rng.torch`` -> ``rank0:rng``."""
+    rank, sep, rest = key.partition(":")
+    if not sep:
+        return key.split(".", 1)[0]
+    parts = rest.split(".")
+    return f"{rank}:{'.'.join(parts[:2] if parts[0] == 'objects' else parts[:1])}"
+
+
+def _entries(diffs: tuple[EntryDiff, ...]) -> list[str]:
+    groups: dict[str, list[EntryDiff]] = defaultdict(list)
+    for d in diffs:
+        groups[_group(d.key)].append(d)
+    lines = []
+    for name, items in groups.items():
+        worst = [d.max_abs for d in items if d.max_abs is not None]
+        size = f", max abs diff {max(worst):.3g}" if worst else ""
+        lines.append(f"  {name} ({items[0].kind.value}): {len(items)} "
+                     f"entr{'y' if len(items) == 1 else 'ies'} differ{'s' if len(items) == 1 else ''}{size}")
+        for d in items[:_SHOW]:
+            lines.append(f"    {d.key}: {d.what}")
+        if len(items) > _SHOW:
+            lines.append(f"    ... and {len(items) - _SHOW} more")
+    return lines
+
+
+def _wrap(text: str, indent: str = "  ") -> str:
+    return textwrap.fill(text, 96, initial_indent=indent, subsequent_indent=indent + "  ")
+
+
+def render(v: Verdict) -> str:
+    """The report of ``v`` (several lines, no trailing newline)."""
+    if v.outcome is Outcome.UNCHECKED:
+        return f"check-resume: UNCHECKED: {v.problem}\n  work directory: {v.workdir}"
+    note = ""
+    if v.unseeded:
+        note = "\n" + _wrap(f"(not compared: {', '.join(v.unseeded)}: RNG streams the "
+                             "training loop never draws from, left unseeded by the script)",
+                             "  ")
+    if v.outcome is Outcome.EXACT:
+        return (f"check-resume: exact. The run {v.how} and resumed each "
+                f"time equals the uninterrupted run at every step, bitwise ({len(v.compared)} "
+                f"checkpoints compared, steps {v.compared[0]}..{v.compared[-1]}).{note}")
+    lines = [f"check-resume: INEXACT. The run {v.how} and resumed differs "
+             f"from the uninterrupted run from step {v.first_step} on"
+             + (f" ({v.first_step - v.after_stop} step(s) after the stop at step "
+                f"{v.after_stop})." if v.after_stop is not None else "."),
+             f"At step {v.first_step}, the first that differs:"]
+    lines += _entries(v.first_diffs)
+    if v.final_step is not None and v.final_step != v.first_step:
+        lines.append(f"At step {v.final_step}, the last compared:")
+        lines += _entries(v.final_diffs)
+    lines.append("Likely cause:")
+    lines += [_wrap(f"- {c}") for c in v.causes]
+    lines.append(f"  checkpoints and rank logs of both runs: {v.workdir}")
+    return "\n".join(lines) + note

@@ -1,0 +1,191 @@
+"""One run of the user's script for ``check-resume``: N local ranks, a fresh checkpoint directory,
+planned stops, relaunched after each as ``kempner-resilience launch`` would, bounded in time.
+
+The script is run as the user would run it (same command, same working directory) under the
+local launcher (``integrations/local.py``). What reaches it is only the package's own
+environment: ``$KEMPNER_RESILIENCE_CONFIG`` names a config made for this run (the user's
+``--config``/``--set`` with the checkpoint directory replaced by a fresh one, a commit at every
+step, nothing deleted), ``$KEMPNER_RESILIENCE_REHEARSAL`` plans the stops
+(``stop/rehearsal.py``), ``$KEMPNER_RESILIENCE_REPORT`` brings each launch's report back. A
+script that loads its config from a file of its own ignores the first; rank 0 tells the
+launcher the directory it really uses (``supervise/channel.py``) and such a run is refused
+rather than mixed with another.
+
+The whole run gets ``timeout_s``: then the launcher is sent SIGTERM, which it forwards to every
+rank (a checkpoint, 143), and ranks still alive after ``stop_timeout_s`` are killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.core.fileio import write_atomic
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.integrations.local import Launch, LocalLauncher
+from kempner_resilience.core.ledger import REPORT_ENV
+from kempner_resilience.stop.rehearsal import REHEARSAL_ENV, PlannedStop, encode
+
+__all__ = ["LaunchSummary", "RunResult", "run_script", "run_config"]
+
+log = get_logger(__name__)
+
+_KEEP_ALL = 1_000_000      # checkpoint.keep_last: every step's checkpoint is compared
+
+
+@dataclass(frozen=True)
+class LaunchSummary:
+    """What one launch of the ranks did, from the launcher and rank 0's report."""
+
+    index: int
+    exit_codes: tuple[int, ...]
+    code: int
+    start_step: int | None
+    stop_step: int | None
+    ending: str | None
+    run_dir: str | None          # the directory rank 0 said it uses (None: it said nothing)
+
+
+@dataclass
+class RunResult:
+    """One run of the script: its launches, its committed checkpoints by step, its logs."""
+
+    name: str
+    root: Path                                   # the checkpoint directory given to the script
+    logs: Path
+    launches: list[LaunchSummary] = field(default_factory=list)
+    committed: dict[int, Path] = field(default_factory=dict)
+    timed_out: bool = False
+
+    def log_tail(self, lines: int = 12) -> str:
+        """The end of rank 0's log of the last launch, indented, for a failure message."""
+        if not self.launches:
+            return ""
+        path = self.logs / f"rank0.{self.launches[-1].index}.log"
+        try:
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n".join(f"    {line}" for line in text)
+
+
+def run_config(base: Mapping[str, Any], root: Path, every_steps: int = 1) -> dict[str, Any]:
+    """The user's resolved config (``ResilienceConfig.to_dict()``) made for one check run: its
+    own checkpoint directory, a commit at every step and none deleted (every step is compared),
+    saves in the foreground (a commit per step, in step order), SIGTERM a stop (the final one).
+    ``every_steps`` 0: only the stops' checkpoints (a killed rank's survivors then write the
+    rescue checkpoint of that step, which a commit at every step would leave nothing to do)."""
+    cfg = json.loads(json.dumps(base))         # a deep copy of plain data
+    ckpt = cfg.setdefault("checkpoint", {})
+    ckpt.update({"dir": str(root), "every_steps": every_steps, "every_minutes": 0.0,
+                 "keep_last": _KEEP_ALL, "keep_every": 0, "async": False, "resume": True})
+    actions = cfg.setdefault("signals", {}).setdefault("actions", {})
+    actions["SIGTERM"] = "stop"
+    return cfg
+
+
+def _committed(root: Path) -> dict[int, Path]:
+    """The newest committed checkpoint of each step in ``root``."""
+    out: dict[int, Path] = {}
+    for entry in layout.scan(RunPaths(root)):      # oldest first: the newest of a step wins
+        if entry.committed:
+            out[entry.step] = entry.path
+    return out
+
+
+class _Deadline:
+    """SIGTERM to this process when the run overruns, and a second one ``FORCE_AFTER_S`` later:
+    the launcher forwards each to every rank, and a repeated SIGTERM forces a rank out at once
+    (a rank stuck inside a step never reaches the boundary where the first one would stop it;
+    the launcher kills what is left after its stop timeout). This process's own SIGTERM handler
+    is a no-op while the run lasts, so a deadline that fires as the launcher hands its handler
+    back cannot end check-resume itself."""
+
+    FORCE_AFTER_S = 2.0
+
+    def __init__(self, timeout_s: float) -> None:
+        self.fired = False
+        self._lock = threading.Lock()
+        self._armed = True
+        self._timer = threading.Timer(timeout_s, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._armed:
+                return
+            again = not self.fired
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGTERM)
+            if again:
+                self._timer = threading.Timer(self.FORCE_AFTER_S, self._fire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def __enter__(self) -> "_Deadline":
+        self._previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._armed = False
+        self._timer.cancel()
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def run_script(command: list[str], *, name: str, work: Path, ranks: int,
+               stops: list[PlannedStop], relaunches: int, config: Mapping[str, Any],
+               timeout_s: float, stop_timeout_s: float = 20.0,
+               relaunch_codes: frozenset[int] = frozenset(), every_steps: int = 1) -> RunResult:
+    """Run ``command`` on ``ranks`` local ranks in ``work/name`` with the planned ``stops``,
+    relaunching at most ``relaunches`` times (after a code in ``relaunch_codes`` or the
+    launch-side policy's run-again codes), within ``timeout_s``. Must run on the main thread
+    (the launcher takes SIGINT/SIGTERM there)."""
+    base = work / name
+    root, logs = base / "checkpoints", base / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cfg_path, report = base / "config.yaml", base / "report.json"
+    import yaml
+
+    write_atomic(cfg_path, yaml.safe_dump(run_config(config, root, every_steps), sort_keys=False),
+                 durable=False)
+    env = {"KEMPNER_RESILIENCE_CONFIG": str(cfg_path), REHEARSAL_ENV: encode(stops),
+           REPORT_ENV: str(report)}
+    result = RunResult(name, root, logs)
+    holder: list[LocalLauncher] = []
+
+    def told(launch: Launch) -> None:
+        data: dict[str, Any] = {}
+        try:
+            data = json.loads(report.read_text())
+            report.unlink()
+        except (OSError, ValueError):
+            pass
+        said = holder[0].channel.read() if holder and holder[0].channel else None
+        result.launches.append(LaunchSummary(
+            launch.index, tuple(launch.exit_codes), launch.exit_code, data.get("start_step"),
+            data.get("stop_step"), data.get("ending"), None if said is None else said.run_dir))
+        log.info("check-resume: %s run, launch %d: ranks exited %s", name, launch.index + 1,
+                 launch.exit_codes)
+
+    from kempner_resilience.supervise.policy import RUN_AGAIN
+
+    again = frozenset(int(c) for c in RUN_AGAIN) | relaunch_codes
+    launcher = LocalLauncher(list(command), ranks=ranks, workdir=None,
+                             max_launches=relaunches + 1, on_launch=told,
+                             relaunch_codes=again, stop_timeout_s=stop_timeout_s,
+                             log_dir=logs, env=env)
+    holder.append(launcher)
+    with _Deadline(timeout_s) as deadline:
+        launcher.run()
+    result.timed_out = deadline.fired
+    result.committed = _committed(root)
+    return result

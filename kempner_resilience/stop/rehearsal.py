@@ -1,0 +1,110 @@
+"""Stops at chosen steps, for ``kempner-resilience check-resume``: a rehearsal of a real stop.
+
+``check-resume`` proves that a script resumes exactly by comparing a run interrupted at chosen
+steps with an uninterrupted one. A signal sent from outside lands at whatever step the ranks
+happen to be at when it arrives, so the same check could stop inside a gradient-accumulation
+window once and at its end the next time, and give two verdicts for one script. Here the run
+itself raises the signal at the step boundary of a chosen step, before the boundary's poll: the
+stop is then agreed at exactly that step on every rank, through the same handler, agreement,
+emergency save and exit code as a signal from SLURM that arrived just then.
+
+The plan comes in ``$KEMPNER_RESILIENCE_REHEARSAL`` (set by check-resume for its ranks only):
+``STEP:SIGNAL[@RANK]`` entries separated by commas, e.g. ``3:SIGUSR1,7:SIGUSR1,5:SIGKILL@1``.
+Without ``@RANK`` every rank raises the signal (as SLURM signals every task); with it only that
+rank (a SIGKILLed rank: the survivors' rescue and the relaunch after 81). A step fires only
+when the loop reaches it by training, never at the step a launch resumed from: the relaunch
+after the stop at step 3 starts at 3 and goes on to 7.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from dataclasses import dataclass
+
+from kempner_resilience.stop.agreement import StopAgreement
+
+__all__ = ["REHEARSAL_ENV", "PlannedStop", "parse", "encode", "rehearse", "min_gap"]
+
+#: The plan, in the ranks' environment (set by check-resume; unset in every real job).
+REHEARSAL_ENV = "KEMPNER_RESILIENCE_REHEARSAL"
+
+
+@dataclass(frozen=True)
+class PlannedStop:
+    """Raise ``signum`` at the boundary of ``step`` (steps done), on ``rank`` or every rank."""
+
+    step: int
+    signum: int
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"a planned stop's step must be >= 0, got {self.step}")
+        if self.rank is not None and self.rank < 0:
+            raise ValueError(f"a planned stop's rank must be >= 0, got {self.rank}")
+
+    def text(self) -> str:
+        """This entry as ``parse`` reads it."""
+        rank = "" if self.rank is None else f"@{self.rank}"
+        return f"{self.step}:{signal.Signals(self.signum).name}{rank}"
+
+
+def _signum(name: str) -> int:
+    name = name.strip().upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise ValueError(f"{name!r} is not a signal name") from None
+
+
+def parse(text: str) -> tuple[PlannedStop, ...]:
+    """``"3:USR1,7:SIGUSR1,5:KILL@1"`` -> the planned stops; ValueError names a bad entry."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        step, sep, rest = item.partition(":")
+        name, at, rank = rest.partition("@")
+        try:
+            if not sep:
+                raise ValueError("give STEP:SIGNAL[@RANK]")
+            out.append(PlannedStop(int(step), _signum(name), int(rank) if at else None))
+        except ValueError as e:
+            raise ValueError(f"{REHEARSAL_ENV} entry {item!r}: {e}") from None
+    return tuple(out)
+
+
+def encode(stops: tuple[PlannedStop, ...] | list[PlannedStop]) -> str:
+    """The environment value for ``stops``."""
+    return ",".join(s.text() for s in stops)
+
+
+@functools.lru_cache(maxsize=1)
+def _plan(text: str) -> tuple[PlannedStop, ...]:
+    return parse(text)
+
+
+def rehearse(step: int, start: int, agreement: StopAgreement) -> None:
+    """At the boundary of ``step`` of a launch that started at ``start`` (its resumed step):
+    raise this rank's planned signal, if any. ``signal.raise_signal`` runs the Python handler
+    before it returns, so the boundary's poll that follows already sees the stop request. Several ranks agree on
+    a stop ``lead_steps`` after the boundary that saw the signal (``agreement.py``): the signal
+    is raised that much earlier, so the stop lands on the planned step. A SIGKILL needs no
+    agreement and comes at the planned step itself."""
+    text = os.environ.get(REHEARSAL_ENV)
+    if not text or step <= start:
+        return
+    lead = agreement.lead_steps if agreement.distributed else 0
+    for stop in _plan(text):
+        early = 0 if stop.signum == signal.SIGKILL else lead
+        if stop.step - early == step and stop.rank in (None, agreement.rank):
+            signal.raise_signal(stop.signum)
+
+
+def min_gap(world_size: int) -> int:
+    """The fewest steps between the start of a launch and a planned stop that can land on its
+    step (the signal is raised ``lead`` steps before it, after the launch's first step)."""
+    return 1 + (StopAgreement().lead_steps if world_size > 1 else 0)

@@ -1,0 +1,255 @@
+"""`kempner-resilience check-resume` on the scripts users actually write (issue 31 item 1).
+
+Each test runs the verb as a user would, as a subprocess, on a real script: the script runs on
+real local ranks (gloo on CPU), is stopped by a real signal at the chosen steps, relaunched from
+its real DCP checkpoints, and the verb's verdict, exit code and words are asserted. The scripts
+are small but shaped like the real thing: the quickstart's own adoption example, a GPT-like
+model trained as nanoGPT's loop trains it (a batch prefetched at the end of each step and
+carried into the next), a gradient-accumulation loop, an LR scheduler left out of ``state``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from adopt_helpers import doc_example
+from helpers import env, write_script
+from kempner_resilience.exitcodes import ExitCode
+
+
+def check_resume(tmp_path: Path, script: Path, *args: str,
+                 timeout: str = "100") -> subprocess.CompletedProcess:
+    """The verb on ``script``, run from ``tmp_path`` as a user would; its work directory kept
+    under ``tmp_path`` (the checkpoints and rank logs of both runs)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kempner_resilience.cli", "check-resume", "--workdir",
+         str(tmp_path / "check"), "--timeout", timeout, *args, "--", sys.executable,
+         str(script)],
+        cwd=tmp_path, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=400)
+
+
+def verdict(proc: subprocess.CompletedProcess) -> str:
+    """The report on stdout, with stderr attached for a failing assertion's message."""
+    return proc.stdout + "\n--- stderr:\n" + proc.stderr[-3000:]
+
+
+# A GPT-like model trained as nanoGPT's train.py trains it (written here, not copied): token and
+# position embeddings, causal self-attention blocks, AdamW, batches drawn with torch.randint from
+# one token array, and the next batch fetched at the end of each step while the current one's
+# backward runs. The adoption is the obvious +3/-1: the import, the `with` around the loop, the
+# loop over run.steps instead of `while True`; model and optimizer in state, the carried batch
+# (X, Y) not.
+NANOGPT_SHAPED = """
+import kempner_resilience as kr
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+torch.manual_seed(1337)
+vocab, block_size, batch_size, n_embd, n_head = 48, 16, 4, 32, 4
+data = torch.randint(0, vocab, (4096,))
+
+
+def get_batch():
+    ix = torch.randint(len(data) - block_size, (batch_size,))
+    x = torch.stack([data[i:i + block_size] for i in ix])
+    y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix])
+    return x, y
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.attn(self.ln1(x)).split(n_embd, dim=2)
+        q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1])
+        x = self.ln_f(self.blocks(self.wte(idx) + self.wpe(pos)))
+        logits = self.lm_head(x)
+        return logits, F.cross_entropy(logits.view(-1, vocab), targets.view(-1))
+
+
+model = GPT()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+max_iters = 5000
+X, Y = get_batch()  # fetch the very first batch
+with kr.ResilientRun(state={"model": model, "optim": optimizer}) as run:
+    for iter_num in run.steps(max_iters):
+        logits, loss = model(X, Y)
+        X, Y = get_batch()  # prefetch the next batch while the model is busy
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+"""
+
+# Gradients accumulated over ACCUM steps of run.steps, the optimizer stepping at each window's
+# end; the data is indexed by the step, so nothing but the gradients is carried across steps.
+GRAD_ACCUMULATION = """
+import kempner_resilience as kr
+import torch
+from torch import nn
+
+ACCUM = 4
+torch.manual_seed(0)
+xs, ys = torch.randn(64, 8), torch.randn(64, 1)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+with kr.ResilientRun(state={"model": model, "optim": optim}) as run:
+    for step in run.steps(1000):
+        i = step % 64
+        loss = nn.functional.mse_loss(model(xs[i:i + 1]), ys[i:i + 1]) / ACCUM
+        loss.backward()
+        if (step + 1) % ACCUM == 0:
+            optim.step()
+            optim.zero_grad()
+"""
+
+# An LR scheduler created in the script and stepped every step, but not in state.
+SCHEDULER_LEFT_OUT = """
+import kempner_resilience as kr
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+xs, ys = torch.randn(64, 8), torch.randn(64, 1)
+model = nn.Linear(8, 1)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+with kr.ResilientRun(state={"model": model, "optim": optim}) as run:
+    for step in run.steps(1000):
+        i = step % 64
+        optim.zero_grad()
+        nn.functional.mse_loss(model(xs[i:i + 8]), ys[i:i + 8]).backward()
+        optim.step()
+        sched.step()
+"""
+
+
+def test_the_quickstart_adoption_example_on_two_ranks_resumes_exactly(tmp_path):
+    _, after = doc_example("quickstart.md", "### Adopting an existing DDP script", "\n#")
+    script = write_script(tmp_path, after, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at", "3")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
+    assert "stopped by SIGUSR1 at step(s) 3 and resumed" in proc.stdout, verdict(proc)
+
+
+def test_the_quickstart_example_resumes_exactly_from_the_rescue_after_a_rank_is_killed(tmp_path):
+    _, after = doc_example("quickstart.md", "### Adopting an existing DDP script", "\n#")
+    script = write_script(tmp_path, after, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at", "3",
+                        "--kill-rank", "1")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert "with rank 1 SIGKILLed at step(s) 3 and resumed" in proc.stdout, verdict(proc)
+    # The interrupted run commits only its stops: step 3 is the survivors' rescue checkpoint.
+    log = (tmp_path / "check" / "interrupted" / "logs" / "rank0.0.log").read_text()
+    assert "rescue: committed step 3" in log
+
+
+def test_a_nanogpt_shaped_adoption_carrying_a_prefetched_batch_is_reported_inexact(tmp_path):
+    script = write_script(tmp_path, NANOGPT_SHAPED, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "6", "--interrupt-at", "3")
+    assert proc.returncode == ExitCode.RESUME_INEXACT, verdict(proc)
+    out = proc.stdout
+    assert "from step 4 on (1 step(s) after the stop at step 3)" in out, verdict(proc)
+    first = out.split("At step 4, the first that differs:", 1)[1].split("Likely cause:")[0]
+    # The effect of the carried batch: the first step after the resume trained on another batch,
+    # so weights and AdamW's moments differ, while the RNG streams and the step are equal.
+    assert "model (model)" in first and "optim (optimizer)" in first, verdict(proc)
+    assert "max abs diff" in first and "rng" not in first, verdict(proc)
+    assert "a variable carried from one step to the next is not in state (a prefetched batch" \
+        in out.replace("\n    ", " "), verdict(proc)
+
+
+def test_a_stop_inside_a_gradient_accumulation_window_is_reported(tmp_path):
+    # The stop at step 6 cuts the window of steps 4-7. Today the accumulated gradients are lost
+    # and the window's optimizer step (at step 8) uses two micro-batches of four: inexact, named.
+    # A run-time fix (issue 31 item 2: stop at the window's end, or keep the gradients) makes
+    # the same script exact; either way the verb's verdict must say which it is.
+    script = write_script(tmp_path, GRAD_ACCUMULATION, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "10", "--interrupt-at", "6")
+    if proc.returncode == ExitCode.OK:
+        assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
+        return
+    assert proc.returncode == ExitCode.RESUME_INEXACT, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    assert "from step 8 on (2 step(s) after the stop at step 6)" in out, verdict(proc)
+    assert "gradient-accumulation window cut by the stop" in out, verdict(proc)
+
+
+def test_an_lr_scheduler_left_out_of_state_is_reported_inexact_naming_the_scheduler(tmp_path):
+    script = write_script(tmp_path, SCHEDULER_LEFT_OUT, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "6", "--interrupt-at", "3")
+    assert proc.returncode == ExitCode.RESUME_INEXACT, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    first = out.split("At step 4, the first that differs:", 1)[1].split("At step")[0]
+    # Right after the resume only the learning rate differs: the restored optimizer kept the
+    # right lr for one step, then the restarted scheduler set its own.
+    assert re.search(r"optim\.param_groups\.0\.lr: [0-9.]+ vs [0-9.]+", first), verdict(proc)
+    assert "model" not in first.split("Likely cause:")[0], verdict(proc)
+    assert "an LR scheduler not in state" in out, verdict(proc)
+
+
+def test_a_script_that_never_commits_a_checkpoint_is_unchecked_with_its_own_code(tmp_path):
+    script = write_script(tmp_path, """
+        import kempner_resilience as kr
+        import torch
+
+        model = torch.nn.Linear(2, 2)
+        with kr.ResilientRun(state={"model": model}) as run:
+            pass                          # the loop was never written
+    """, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2")
+    assert proc.returncode == ExitCode.RESUME_UNCHECKED, verdict(proc)
+    assert "committed no checkpoint" in proc.stdout, verdict(proc)
+
+
+def test_a_script_whose_step_hangs_is_stopped_at_the_timeout_and_unchecked(tmp_path):
+    script = write_script(tmp_path, """
+        import time
+        import kempner_resilience as kr
+        import torch
+
+        model = torch.nn.Linear(2, 2)
+        with kr.ResilientRun(state={"model": model}) as run:
+            for step in run.steps(100):
+                if step == 2:
+                    time.sleep(3600)      # a step that never ends
+    """, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "6", "--interrupt-at", "3", timeout="8")
+    assert proc.returncode == ExitCode.RESUME_UNCHECKED, verdict(proc)
+    assert "the uninterrupted run did not end within --timeout 8 s" in proc.stdout, verdict(proc)
+    assert subprocess.run(["pgrep", "-f", str(script)], capture_output=True).stdout == b""
+
+
+def test_interrupts_too_close_for_the_ranks_agreement_are_a_usage_error(tmp_path):
+    script = write_script(tmp_path, "print('never run')\n", "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at",
+                        "3,4")
+    assert proc.returncode == ExitCode.USAGE, verdict(proc)
+    assert "at least 3 apart" in proc.stderr
+    assert not (tmp_path / "check").exists()
