@@ -213,3 +213,21 @@ def test_a_single_process_whose_default_group_is_gpu_only_saves_and_resumes(tmp_
                           capture_output=True, text=True, timeout=120,
                           env=env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
     assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_checkpoint_taken_in_the_first_accumulation_window_loads_and_keeps_the_gradients(
+        tmp_path: Path) -> None:
+    # Gradients accumulated, the optimizer never stepped: the save must neither lose the live
+    # gradients nor write a state the fresh optimizer of a resume refuses to load.
+    state = toy.build(0)
+    x, y = state["data"].next()
+    torch.nn.functional.mse_loss(state["model"](x), y).backward()
+    grads = [p.grad.clone() for p in state["model"].parameters()]
+    CheckpointManager(_cfg(tmp_path), state).save(1)
+    assert [torch.equal(g, p.grad) for g, p in zip(grads, state["model"].parameters())] == \
+        [True] * len(grads)
+    assert not state["optim"].state           # it has not stepped, and still has not
+    fresh = toy.build(0)
+    info = CheckpointManager(_cfg(tmp_path), fresh).resume()
+    assert info is not None and info.step == 1
+    assert not fresh["optim"].state

@@ -99,6 +99,17 @@ def _import_what_state_dicts_need() -> None:
         log.debug("torch._dynamo could not be imported in advance: %s", e)
 
 
+def _take_grads(optim: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The optimizer's parameters' gradients, taken off them (put back by the caller)."""
+    taken = []
+    for group in optim.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                taken.append((param, param.grad))
+                param.grad = None
+    return taken
+
+
 def _params(module: nn.Module) -> set[int]:
     return {id(p) for p in module.parameters()}
 
@@ -245,7 +256,16 @@ class TrainState:
             sd[name] = get_model_state_dict(module, options=_OPTS)
         for name, (optim, module) in self.optims.items():
             fresh = not optim.state
-            sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+            # torch makes the state up only when no parameter has a gradient; in the first
+            # gradient-accumulation window they do, and a checkpoint taken there had no state
+            # while the fresh optimizer at resume makes one up: the load was refused (live state
+            # with entries the checkpoint lacks). The gradients step aside meanwhile.
+            grads = _take_grads(optim) if fresh else []
+            try:
+                sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+            finally:
+                for param, grad in grads:
+                    param.grad = grad
             if fresh:
                 optim.state.clear()     # the state dict keeps the made-up tensors it needs
                 self.fresh_optims.append(name)
