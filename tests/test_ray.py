@@ -96,6 +96,23 @@ class Job:
     def finally_ran(self) -> list[str]:
         return sorted(p.name.removeprefix("finally.") for p in self.work.glob("finally.*"))
 
+    def trainers(self, known: set[int] = frozenset(), timeout: float = 60.0) -> dict[int, int]:
+        """Rank -> pid of the training actors that started a call, besides the ``known`` pids
+        (the next incarnation's, when given the previous ones), once both ranks have one."""
+        until = time.monotonic() + timeout
+        while True:
+            found = {int(p.name[1:p.name.index(".")]): int(p.name.split(".")[1])
+                     for p in (self.work / "pids").glob("r*.*")
+                     if int(p.name.split(".")[1]) not in known}
+            if len(found) == 2:
+                return found
+            assert time.monotonic() < until and self.proc.poll() is None, self.text()
+            time.sleep(0.1)
+
+    def teardown_of(self, pid: int) -> str:
+        """What the training call of actor process ``pid`` recorded in its ``finally``."""
+        return next((self.work / "pids").glob(f"r*.{pid}")).read_text()
+
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -121,11 +138,42 @@ def _tagged(tag: str) -> list[str]:
     return found
 
 
+def _gone(pid: int, within_s: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within ``within_s`` seconds."""
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _same_weights(a_path: Path, b_path: Path) -> bool:
+    import torch
+
+    a, b = torch.load(a_path), torch.load(b_path)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _committed(ckpt: Path) -> list[int]:
     """Steps of the committed checkpoints: manifest, DCP metadata and shard files on disk."""
     return sorted(int(d.name.removeprefix("step_")) for d in ckpt.glob("step_*")
                   if (d / "MANIFEST.json").is_file() and (d / ".metadata").is_file()
                   and len(list(d.glob("*.distcp"))) == 2)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The weights of the job's 60 steps run without a stop."""
+    root = tmp_path_factory.mktemp("ray-whole")
+    whole = Job(root, root / "ckpt", "--steps", "60", "--sleep", "0",
+                "--out", str(root / "whole.pt"))
+    assert whole.wait() == 0, whole.text()
+    assert whole.processes() == []
+    return root / "whole.pt"
 
 
 @pytest.fixture(scope="module")
@@ -185,18 +233,34 @@ def test_a_second_ctrl_c_forces_and_leaves_no_process_behind(tmp_path: Path) -> 
 
 
 def test_the_next_run_resumes_from_the_stop_and_ends_bitwise_equal_to_an_uninterrupted_run(
-        interrupted: tuple[Job, int, float], tmp_path: Path) -> None:
-    import torch
-
+        interrupted: tuple[Job, int, float], uninterrupted: Path, tmp_path: Path) -> None:
     job, _, _ = interrupted
     stopped_at = _committed(job.ckpt)[-1]
     resumed = Job(tmp_path, job.ckpt, "--steps", "60", "--out", str(tmp_path / "resumed.pt"))
     assert resumed.wait() == 0, resumed.text()
     assert f"step {stopped_at}" in resumed.text(), resumed.text()   # rank 0's resume line
-    whole = Job(tmp_path, tmp_path / "ckpt-whole", "--steps", "60", "--sleep", "0",
-                "--out", str(tmp_path / "whole.pt"))
-    assert whole.wait() == 0, whole.text()
-    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "whole.pt")
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert resumed.processes() == [] and whole.processes() == []
+    assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
+    assert resumed.processes() == []
+
+
+def test_sigterm_to_one_training_actor_tears_it_down_within_its_grace_and_the_next_group_resumes(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    # Ray's kill without force, a node drain, an eviction: SIGTERM to the actor's process.
+    job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--steps", "60",
+              "--out", str(tmp_path / "resumed.pt"))
+    job.wait_training()
+    first = job.trainers()
+    os.kill(first[1], signal.SIGTERM)
+    assert _gone(first[1], within_s=25.0), job.text()     # signals.grace_per_signal_s SIGTERM
+    assert job.teardown_of(first[1]) == "group destroyed"
+    second = job.trainers(known=set(first.values()))      # the next incarnation, new processes
+    assert job.wait() == 0, job.text()
+    text = job.text()
+    stopped_at = _committed(job.ckpt)[0]                  # the stop's emergency checkpoint
+    assert f"step {stopped_at}" in text, text             # the next group resumed from it
+    assert all(_gone(pid, within_s=5.0) for pid in first.values())
+    assert set(second.values()).isdisjoint(first.values())
+    assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
+    assert job.finally_ran() == ["rollout", "trainer0", "trainer1"]
+    assert job.resources() == 0
+    assert job.processes() == []

@@ -147,6 +147,12 @@ class TrainingActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (the supervisor's bad-node memory reads it)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     @staticmethod
     def stop_context(board: Any) -> contextlib.AbstractContextManager[ActorEnding]:
         return stop_context(board)

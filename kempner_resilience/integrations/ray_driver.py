@@ -140,6 +140,50 @@ class RayDriver:
         self._cancel_and_wait(cancel, self._bound(signal.SIGTERM))
         return ray.get(refs)
 
+    def untrack(self, *actors: Any) -> None:
+        """Actors no longer to kill on a forced stop (a supervisor killed them already)."""
+        self.actors = [a for a in self.actors if all(a is not b for b in actors)]
+
+    def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,
+                   cancel: Sequence[Any] = (), bound: float = 150.0
+                   ) -> tuple[list[Any], list[int]]:
+        """Wait for one incarnation of a training group (``refs[r]``: ``actors[r]``'s call):
+        what each call returned or raised, and the ranks whose actors were killed because
+        they had not ended ``bound`` seconds after the first call failed.
+
+        Unlike ``get``, a failed call does not stop everything: its actor is lost, and the
+        survivors rescue and end on their own (``ray_supervise`` decides what follows). A
+        signal to the driver is its stop, as in ``get`` (``cancel`` included)."""
+        import ray
+
+        refs = list(refs)
+        pending = list(refs)
+        until: float | None = None
+        while pending and not self._stop.is_set():
+            if until is not None and time.monotonic() > until:
+                break
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            if until is None and any(_error_of(r) is not None for r in done):
+                log.error("a training actor is lost: waiting up to %.0f s for the others' "
+                          "rescue", bound)
+                until = time.monotonic() + bound
+        if self._stop.is_set():
+            req = self._handler.request
+            assert req is not None
+            self._stop_all(req.signum, refs, list(cancel))
+        killed = [r for r, ref in enumerate(refs) if ref in pending]
+        for r in killed:
+            log.error("rank %d did not end %.0f s after the loss: killing its actor", r, bound)
+            try:
+                ray.kill(actors[r], no_restart=True)
+            except Exception as e:
+                log.debug("ray.kill: %s", e)
+        return [_result_of(r) for r in refs], killed
+
+    def finish(self, cancel: Sequence[Any]) -> None:
+        """The training is over: cancel ``cancel`` without force and wait for it (bounded)."""
+        self._cancel_and_wait(list(cancel), self._bound(signal.SIGTERM))
+
     # ------------------------------------------------------------------ the stop
 
     def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,

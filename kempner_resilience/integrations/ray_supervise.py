@@ -1,0 +1,157 @@
+"""The Ray backend of the one supervisor: a training group whose actor died comes back.
+
+The actors of one training group are the ranks of one ResilientRun (``ray_actor``). When one
+of them is lost, the group ends as ranks end: an actor SIGKILLed (the OOM killer, a node gone)
+leaves its call failed with Ray's ``RayActorError``, and the survivors, whose collective failed,
+rescue the last step boundary (``rescue/``) and end with 81 ``PEER_LOST``; an actor that Ray or
+its node sent SIGTERM (``ray.kill`` without force, a drain, an eviction) stops the whole group
+at one step boundary with the emergency checkpoint, and every actor ends with 143.
+
+``supervise`` turns those endings into the policy's ``Evidence`` and acts on ``decide``, as
+the local launcher and the srun step loop do with their ranks: RELAUNCH (and a REQUEUE that
+the actors asked for, see ``actor_ends``): the old actors are killed (a fresh process for every
+rank: no communicator, CUDA context or frozen rescue boundary of the old incarnation survives),
+new ones are created, form a new group and train again from the newest committed checkpoint,
+inside the same driver and allocation; LEAVE, or a REQUEUE that needs another allocation (no
+spare node left), ends the driver with the decision's code. The budget is the config's
+``requeue.max_restarts``, the no-progress guard ``requeue.max_no_progress`` over the committed
+steps in ``checkpoint.dir``, and the bad-node memory the Ray nodes that died under an actor
+(implicated in the evidence; Ray never places an actor on a dead node).
+
+A signal to the driver (Ctrl+C, SLURM's USR1) is still the driver's stop (``RayDriver``):
+every actor stops and commits, the driver exits with the stop's code; nothing is recreated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.integrations.ray_actor import ActorEnding
+from kempner_resilience.integrations.ray_driver import RayDriver
+from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
+                                                 RankEnd, decide)
+
+__all__ = ["supervise", "actor_ends"]
+
+log = get_logger(__name__)
+
+_SIGKILL_END = RankEnd(128 + 9, signaled=True)
+
+
+def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *,
+               driver_stopping: bool) -> tuple[RankEnd, ...]:
+    """Each training call's outcome (an ``ActorEnding``, or the exception it raised) as the
+    ending of the rank it was. An actor whose process died is a rank killed by a signal of its
+    own (Ray does not say which; SIGKILL stands for it). A group stopped by SIGTERM that the
+    driver did not send was stopped by Ray or its node (a kill, a drain, an eviction): as a
+    scheduler requeues a job that its preemption's SIGTERM stopped, that group asks to run
+    again (75 REQUEUE), with its emergency checkpoint."""
+    ends = []
+    for rank, out in enumerate(outcomes):
+        ending = out.get("ending") if isinstance(out, dict) else out
+        if rank in killed:
+            ends.append(RankEnd(int(ExitCode.HANG), by_supervisor=True))
+        elif isinstance(ending, ActorEnding):
+            code = ending.code
+            if code == int(ExitCode.SIGTERM) and not ending.from_driver \
+                    and not driver_stopping:
+                code = int(ExitCode.REQUEUE)
+            ends.append(RankEnd(code))
+        else:   # the call raised: its actor's process is gone
+            ends.append(_SIGKILL_END)
+    return tuple(ends)
+
+
+def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
+              train: Callable[[Any, int], Any], config: ResilienceConfig, *,
+              cancel: Sequence[Any] = (), on_group: Callable[[int, list[Any]], None] | None = None
+              ) -> list[Any]:
+    """Run the training group until the policy says leave; the last incarnation's results.
+
+    ``make_actor()`` creates one training actor (a ``TrainingActor``), ``train(actor, rank)``
+    starts its training call (returning the ``ActorEnding`` of its ``stop_context``, or a
+    dict holding it under ``"ending"``). ``cancel``: calls that live as long as the
+    training (rollouts), cancelled at the end. ``on_group(incarnation, actors)`` is called once
+    each new group is formed. Raises ``SystemExit`` with the job's code when the job does not
+    complete (the driver's stop, the policy's LEAVE).
+    """
+    import ray
+
+    paths = RunPaths.from_config(config)
+    restarts, stalled = 0, 0
+    bad_nodes: set[str] = set()
+    while True:
+        actors = [make_actor() for _ in range(world_size)]
+        driver.track(*actors)
+        addr, port = driver.get([actors[0].address.remote()])[0]
+        driver.get([a.init_group.remote(r, world_size, addr, port)
+                    for r, a in enumerate(actors)])
+        nodes = driver.get([a.node_id.remote() for a in actors])
+        if on_group is not None:
+            on_group(restarts, actors)
+        before = _committed_step(paths)
+        outcomes, killed = driver.wait_group([train(a, r) for r, a in enumerate(actors)],
+                                             actors, cancel=cancel,
+                                             bound=config.rescue.budget_s + 30.0)
+        ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None)
+        dead = _dead_nodes(ray, nodes, ends) - bad_nodes
+        bad_nodes |= dead
+        decision = decide(Evidence(
+            ends, restarts=restarts, max_restarts=config.requeue.max_restarts,
+            commits=Commits(before, _committed_step(paths)), stalled=stalled,
+            max_no_progress=config.requeue.max_no_progress, implicated=frozenset(dead),
+            spares=_spares(ray, nodes, bad_nodes) if dead else None))
+        log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
+                    [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,
+                    decision.code, decision.why)
+        if not _recreate(decision):
+            driver.finish(cancel)
+            if decision.code != 0:
+                raise SystemExit(decision.code)
+            return outcomes
+        driver.untrack(*actors)
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:   # already gone
+                log.debug("ray.kill: %s", e)
+        restarts, stalled = restarts + 1, decision.stalled
+
+
+def _describe(outcome: Any, end: RankEnd) -> str:
+    """A rank's ending for the log: its code, and the error when its call raised."""
+    if isinstance(outcome, BaseException):
+        return f"{end.code} ({type(outcome).__name__})"
+    return str(end.code)
+
+
+def _recreate(d: Decision) -> bool:
+    """A new group in this driver: a relaunch, or a requeue the actors asked for (Ray is the
+    scheduler that places them again); a requeue for want of a spare node needs another
+    allocation, which only the driver's own scheduler (SLURM) can give."""
+    return d.action is Action.RELAUNCH or (d.action is Action.REQUEUE
+                                           and d.kind is Kind.REQUESTED)
+
+
+def _committed_step(paths: RunPaths) -> int | None:
+    try:
+        steps = [e.step for e in layout.scan(paths) if e.committed]
+    except OSError:
+        return None
+    return max(steps) if steps else None
+
+
+def _dead_nodes(ray: Any, nodes: list[str], ends: tuple[RankEnd, ...]) -> set[str]:
+    """The Ray nodes that are gone under an actor that died: the failure's nodes."""
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    return {node for node, end in zip(nodes, ends) if end.own_death and node not in alive}
+
+
+def _spares(ray: Any, nodes: list[str], bad: set[str]) -> int:
+    """Live nodes that held no actor of the group and are not remembered bad."""
+    return len({n["NodeID"] for n in ray.nodes() if n.get("Alive")} - set(nodes) - bad)
