@@ -264,3 +264,23 @@ def test_sigterm_to_one_training_actor_tears_it_down_within_its_grace_and_the_ne
     assert job.finally_ran() == ["rollout", "trainer0", "trainer1"]
     assert job.resources() == 0
     assert job.processes() == []
+
+
+def test_sigkill_of_one_training_actor_is_rescued_and_its_group_recreated_losing_at_most_a_step(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    # Periodic saves every 10 steps; the kill lands between them (after step 13).
+    job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--steps", "60", "--every", "10",
+              "--out", str(tmp_path / "resumed.pt"))
+    job.wait_training(step=13)
+    first = job.trainers()
+    reached = job.step()
+    os.kill(first[1], signal.SIGKILL)
+    job.trainers(known=set(first.values()))               # the recreated group
+    assert job.wait() == 0, job.text()
+    text = job.text()
+    rescued = int(text.split("rescue: committed step ")[1].split()[0])
+    assert rescued >= reached - 1 and rescued % 10, text   # the rescue, not the periodic save
+    assert f"(step {rescued})" in text, text               # the next group resumed from it
+    assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
+    assert job.resources() == 0
+    assert job.processes() == []
