@@ -104,7 +104,10 @@ def driver(a: argparse.Namespace) -> None:
 
     work = Path(a.work)
     (work / "resources").mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=2, include_dashboard=False)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()     # the cluster the `ray` sbatch template started over the allocation
+    else:
+        ray.init(num_cpus=2, include_dashboard=False)
     remote_trainer = ray.remote(num_cpus=1)(Trainer)
     remote_rollout = ray.remote(num_cpus=0)(Rollout)
     if a.supervise:

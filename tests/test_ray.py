@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_fixtures import in_ci
+from slurm_fixtures import in_ci, slurm_cluster, submit, wait_for, wait_job  # noqa: F401
 
 JOB = Path(__file__).with_name("ray_job.py")
 RESOURCES = 50
@@ -284,3 +284,43 @@ def test_sigkill_of_one_training_actor_is_rescued_and_its_group_recreated_losing
     assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
     assert job.resources() == 0
     assert job.processes() == []
+
+
+@pytest.mark.slurm
+def test_usr1_to_the_ray_template_stops_every_actor_at_one_step_requeues_and_resumes_bitwise(
+        slurm_cluster, uninterrupted: Path, tmp_path: Path) -> None:
+    import re
+
+    from kempner_resilience.slurm import render_sbatch
+
+    work, ckpt, out, log = tmp_path / "work", tmp_path / "ckpt", tmp_path / "out.pt", \
+        tmp_path / "job.out"
+    (work / "resources").mkdir(parents=True)
+    tag = f"kr-ray-test-{uuid.uuid4().hex}"
+    script = tmp_path / "ray.sbatch"
+    script.write_text(render_sbatch(
+        template="ray", nodes=1, time="00:10:00", job_name="raytest", output=str(log),
+        extra={"cpus-per-task": 3},
+        command=[sys.executable, str(JOB), "--supervise", "--ckpt", str(ckpt), "--work",
+                 str(work), "--steps", "60", "--out", str(out)]))
+    env = {**os.environ, "KR_RAY_TEST_TAG": tag, "RAY_DEDUP_LOGS": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}   # `ray` for the script
+    env.pop("RANK", None)
+    job_id = submit(str(script), cwd=tmp_path, env=env)
+    progress = work / "progress"
+    wait_for(lambda: progress.is_file() and int(progress.read_text() or -1) >= 8, timeout=120,
+             what="the first run past step 8")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+    info = wait_job(job_id, timeout=240)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert info["Restarts"] == "1", text[-4000:]
+    assert "driver exited with 75" in text and "driver exited with 0" in text, text[-4000:]
+    # Both actors stopped at one step boundary, and their checkpoint of it was committed.
+    stops = re.findall(r"stopping at step (\d+) \(SIGUSR1", text)
+    assert len(stops) == 2 and len(set(stops)) == 1, text[-4000:]
+    stopped_at = int(stops[0])
+    assert stopped_at in _committed(ckpt)
+    assert f"(step {stopped_at}, reason emergency)" in text, text[-4000:]   # the requeued run
+    assert _same_weights(out, uninterrupted)
+    assert wait_for(lambda: _tagged(tag) == [], timeout=30, what="no process of the job left")

@@ -32,14 +32,18 @@ import threading
 import time
 from typing import Any, Sequence
 
-from kempner_resilience.config import ResilienceConfig, SignalsConfig, load_config
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, load_config
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, exit_code
+from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.integrations.ray_actor import ActorEnding
 from kempner_resilience.integrations.ray_board import create_board
+from kempner_resilience.slurm.env import SlurmJob
+from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 
-__all__ = ["RayDriver"]
+__all__ = ["RayDriver", "committed_step"]
 
 log = get_logger(__name__)
 
@@ -66,6 +70,8 @@ class RayDriver:
         if config is None:
             config = load_config()
         self.signals = config.signals if isinstance(config, ResilienceConfig) else config
+        # The whole config (checkpoint.dir, requeue.*): what a requeue under SLURM needs.
+        self.config = config if isinstance(config, ResilienceConfig) else None
         self.signals.validate()
         self.stop_timeout_s = stop_timeout_s
         self.poll_s = poll_s
@@ -212,13 +218,35 @@ class RayDriver:
                                         for r in self.results) else Saved.COMMITTED
             if signal.SIGINT in self._handler.deliveries:
                 signum = signal.SIGINT   # the parent's SIGTERM may have come first: a Ctrl+C
-            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved)))
+            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
+                                       requeue=self._requeue(signum, saved))))
         log.warning("every actor done %.1f s after the stop; shutting Ray down, exit %d",
                     time.monotonic() - started, code)
         ray.shutdown()
         if error is not None:
             raise error
         raise SystemExit(code)
+
+    def _requeue(self, signum: int, saved: Saved) -> Verdict | None:
+        """Under SLURM, for a signal whose action is ``requeue`` (USR1 by default), once every
+        actor committed: the restart budget and no-progress guard over the run's ledger, then
+        ``scontrol requeue``, as rank 0 does for ranks (``slurm/requeue.py``). The driver is
+        the job's one SLURM process here: its actors see no SLURM job (the ``ray`` template
+        starts Ray without the job's variables), so none of them requeues it as well. None
+        when no requeue was tried (no SLURM, a ``stop`` signal, nothing committed)."""
+        job = SlurmJob.from_env()
+        name = signal.Signals(signum).name
+        if job is None or self.config is None or saved is not Saved.COMMITTED \
+                or self.signals.handled().get(name) is not Action.REQUEUE:
+            return None
+        paths = RunPaths.from_config(self.config)
+        verdict = decide_requeue(job, RestartLedger.for_checkpoint_dir(paths),
+                                 committed_step(paths), self.config.requeue)
+        if not verdict.requeue:
+            return verdict.verdict
+        result = requeue_job(job, self.config.requeue)
+        log.warning("%s: %s", name, result.message)
+        return result.verdict
 
     def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
                          also: Sequence[Any] = ()) -> list[Any]:
@@ -260,6 +288,15 @@ class RayDriver:
         log.error("forced: killing %d actors and the local Ray node", len(self.actors))
         self._kill_actors()
         _kill_descendants(os.getpid())
+
+
+def committed_step(paths: RunPaths) -> int | None:
+    """The newest committed checkpoint's step in the run's directory (None: none)."""
+    try:
+        steps = [e.step for e in layout.scan(paths) if e.committed]
+    except OSError:
+        return None
+    return max(steps) if steps else None
 
 
 def _driver_forces(signum: int, earlier: list[int]) -> bool:

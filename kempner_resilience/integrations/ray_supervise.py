@@ -26,13 +26,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.ray_actor import ActorEnding
-from kempner_resilience.integrations.ray_driver import RayDriver
+from kempner_resilience.integrations.ray_driver import RayDriver, committed_step
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
@@ -94,7 +93,7 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         nodes = driver.get([a.node_id.remote() for a in actors])
         if on_group is not None:
             on_group(restarts, actors)
-        before = _committed_step(paths)
+        before = committed_step(paths)
         outcomes, killed = driver.wait_group([train(a, r) for r, a in enumerate(actors)],
                                              actors, cancel=cancel,
                                              bound=config.rescue.budget_s + 30.0)
@@ -103,7 +102,7 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         bad_nodes |= dead
         decision = decide(Evidence(
             ends, restarts=restarts, max_restarts=config.requeue.max_restarts,
-            commits=Commits(before, _committed_step(paths)), stalled=stalled,
+            commits=Commits(before, committed_step(paths)), stalled=stalled,
             max_no_progress=config.requeue.max_no_progress, implicated=frozenset(dead),
             spares=_spares(ray, nodes, bad_nodes) if dead else None))
         log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
@@ -136,14 +135,6 @@ def _recreate(d: Decision) -> bool:
     allocation, which only the driver's own scheduler (SLURM) can give."""
     return d.action is Action.RELAUNCH or (d.action is Action.REQUEUE
                                            and d.kind is Kind.REQUESTED)
-
-
-def _committed_step(paths: RunPaths) -> int | None:
-    try:
-        steps = [e.step for e in layout.scan(paths) if e.committed]
-    except OSError:
-        return None
-    return max(steps) if steps else None
 
 
 def _dead_nodes(ray: Any, nodes: list[str], ends: tuple[RankEnd, ...]) -> set[str]:
