@@ -14,7 +14,9 @@ What Ray does to a driver, and what this context does about it:
   task gets ``CancelledError``, so its ``finally`` blocks run); the driver waits for all of them
   up to a bound (``stop_timeout_s``, by default the signal's grace less a margin), shuts Ray
   down and exits with the code from the one table (``exitcodes``: 130 after Ctrl+C, 143 after
-  SIGTERM).
+  SIGTERM). Under SLURM, a signal whose action is ``requeue`` (USR1) requeues the job once
+  every actor committed (``_requeue``: the restart budget, then ``scontrol requeue``), exit 75;
+  the ``ray`` sbatch template runs the driver so that SLURM's signal reaches it.
 * A second SIGINT (or a second SIGTERM; never a SIGINT after a first SIGTERM) forces: the tracked actors are killed (``ray.kill``),
   then every process this driver started (the local Ray node: GCS, raylet, agents, workers),
   and the driver leaves with 130/143 at once. A SIGTERM during a stop begun by SIGINT (``uv
