@@ -35,7 +35,7 @@ from kempner_resilience.integrations.ray_driver import RayDriver, committed_step
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
-__all__ = ["supervise", "actor_ends"]
+__all__ = ["supervise", "actor_ends", "group_evidence", "recreates"]
 
 log = get_logger(__name__)
 
@@ -45,8 +45,9 @@ _SIGKILL_END = RankEnd(128 + 9, signaled=True)
 def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *,
                driver_stopping: bool) -> tuple[RankEnd, ...]:
     """Each training call's outcome (an ``ActorEnding``, or the exception it raised) as the
-    ending of the rank it was. An actor whose process died is a rank killed by a signal of its
-    own (Ray does not say which; SIGKILL stands for it). A group stopped by SIGTERM that the
+    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) is a rank
+    killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a call that
+    raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM that the
     driver did not send was stopped by Ray or its node (a kill, a drain, an eviction): as a
     scheduler requeues a job that its preemption's SIGTERM stopped, that group asks to run
     again (75 REQUEUE), with its emergency checkpoint."""
@@ -61,8 +62,10 @@ def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *,
                     and not driver_stopping:
                 code = int(ExitCode.REQUEUE)
             ends.append(RankEnd(code))
-        else:   # the call raised: its actor's process is gone
+        elif _actor_died(out):
             ends.append(_SIGKILL_END)
+        else:   # the training raised an error of its own (Ray's RayTaskError): a bug
+            ends.append(RankEnd(int(ExitCode.ERROR)))
     return tuple(ends)
 
 
@@ -100,15 +103,14 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None)
         dead = _dead_nodes(ray, nodes, ends) - bad_nodes
         bad_nodes |= dead
-        decision = decide(Evidence(
-            ends, restarts=restarts, max_restarts=config.requeue.max_restarts,
-            commits=Commits(before, committed_step(paths)), stalled=stalled,
-            max_no_progress=config.requeue.max_no_progress, implicated=frozenset(dead),
+        decision = decide(group_evidence(
+            ends, config, restarts=restarts, stalled=stalled,
+            commits=Commits(before, committed_step(paths)), dead=frozenset(dead),
             spares=_spares(ray, nodes, bad_nodes) if dead else None))
         log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
                     [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,
                     decision.code, decision.why)
-        if not _recreate(decision):
+        if not recreates(decision):
             driver.finish(cancel)
             if decision.code != 0:
                 raise SystemExit(decision.code)
@@ -122,6 +124,12 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         restarts, stalled = restarts + 1, decision.stalled
 
 
+def _actor_died(error: Any) -> bool:
+    # By the class's name: Ray is imported lazily, and RayActorError is its API for "the
+    # actor's process is gone" (ActorDiedError, ActorUnavailableError derive from it).
+    return any(c.__name__ == "RayActorError" for c in type(error).__mro__)
+
+
 def _describe(outcome: Any, end: RankEnd) -> str:
     """A rank's ending for the log: its code, and the error when its call raised."""
     if isinstance(outcome, BaseException):
@@ -129,7 +137,21 @@ def _describe(outcome: Any, end: RankEnd) -> str:
     return str(end.code)
 
 
-def _recreate(d: Decision) -> bool:
+def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, restarts: int,
+                   stalled: int, commits: Commits, dead: frozenset[str] = frozenset(),
+                   spares: int | None = None) -> Evidence:
+    """The policy's evidence after one incarnation of the group: its actors' endings, the
+    budget (``requeue.max_restarts``) and the no-progress guard (``requeue.max_no_progress``)
+    of the config, the committed steps before and after, the Ray nodes that died under an actor
+    (implicated) and the live nodes beside the group's (``spares``; None when no node died:
+    the group comes back where Ray places it)."""
+    return Evidence(ends, restarts=restarts, max_restarts=config.requeue.max_restarts,
+                    commits=commits, stalled=stalled,
+                    max_no_progress=config.requeue.max_no_progress, implicated=dead,
+                    spares=spares)
+
+
+def recreates(d: Decision) -> bool:
     """A new group in this driver: a relaunch, or a requeue the actors asked for (Ray is the
     scheduler that places them again); a requeue for want of a spare node needs another
     allocation, which only the driver's own scheduler (SLURM) can give."""
