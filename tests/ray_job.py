@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,7 @@ class Trainer(TrainingActor):
         rank, world = dist.get_rank(), dist.get_world_size()
         Path(work, "pids").mkdir(exist_ok=True)
         Path(work, "pids", f"r{rank}.{os.getpid()}").write_text("")
+        Path(work, "pids", f"host.r{rank}").write_text(socket.gethostname())
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 4)
         optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

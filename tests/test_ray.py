@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_fixtures import in_ci, slurm_cluster, submit, wait_for, wait_job  # noqa: F401
+from slurm_fixtures import (in_ci, multinode_cluster, slurm_cluster, submit,  # noqa: F401
+                            wait_for, wait_job)
 
 JOB = Path(__file__).with_name("ray_job.py")
 RESOURCES = 50
@@ -102,7 +103,7 @@ class Job:
         until = time.monotonic() + timeout
         while True:
             found = {int(p.name[1:p.name.index(".")]): int(p.name.split(".")[1])
-                     for p in (self.work / "pids").glob("r*.*")
+                     for p in (self.work / "pids").glob("r[0-9]*.*")
                      if int(p.name.split(".")[1]) not in known}
             if len(found) == 2:
                 return found
@@ -111,7 +112,7 @@ class Job:
 
     def teardown_of(self, pid: int) -> str:
         """What the training call of actor process ``pid`` recorded in its ``finally``."""
-        return next((self.work / "pids").glob(f"r*.{pid}")).read_text()
+        return next((self.work / "pids").glob(f"r[0-9]*.{pid}")).read_text()
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -322,5 +323,34 @@ def test_usr1_to_the_ray_template_stops_every_actor_at_one_step_requeues_and_res
     stopped_at = int(stops[0])
     assert stopped_at in _committed(ckpt)
     assert f"(step {stopped_at}, reason emergency)" in text, text[-4000:]   # the requeued run
+    assert _same_weights(out, uninterrupted)
+    assert wait_for(lambda: _tagged(tag) == [], timeout=30, what="no process of the job left")
+
+
+@pytest.mark.slurm
+def test_the_ray_template_spans_the_allocation_with_one_ray_node_per_slurm_node(
+        multinode_cluster, uninterrupted: Path, tmp_path: Path) -> None:
+    from kempner_resilience.slurm import render_sbatch
+
+    work, out, log = tmp_path / "work", tmp_path / "out.pt", tmp_path / "job.out"
+    (work / "resources").mkdir(parents=True)
+    tag = f"kr-ray-test-{uuid.uuid4().hex}"
+    script = tmp_path / "ray.sbatch"
+    # One CPU for Ray on each node, one training actor each: rank 1 waits for the second node.
+    script.write_text(render_sbatch(
+        template="ray", nodes=2, time="00:10:00", job_name="raymn", output=str(log),
+        extra={"cpus-per-task": 1, "partition": "mn"},
+        command=[sys.executable, str(JOB), "--supervise", "--ckpt", str(tmp_path / "ckpt"),
+                 "--work", str(work), "--steps", "60", "--sleep", "0", "--resources", "5",
+                 "--out", str(out)]))
+    env = {**multinode_cluster.env, "KR_RAY_TEST_TAG": tag, "RAY_DEDUP_LOGS": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("RANK", None)
+    job_id = submit(str(script), cwd=tmp_path, env=env)
+    info = wait_job(job_id, timeout=240, env=multinode_cluster.env)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    hosts = {(work / "pids" / f"host.r{r}").read_text() for r in (0, 1)}
+    assert len(hosts) == 2, text[-4000:]            # the actors ran on both nodes
     assert _same_weights(out, uninterrupted)
     assert wait_for(lambda: _tagged(tag) == [], timeout=30, what="no process of the job left")
