@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_fixtures import (in_ci, multinode_cluster, slurm_cluster, submit,  # noqa: F401
-                            wait_for, wait_job)
+from slurm_fixtures import (in_ci, multinode_cluster, slow_death, slurm_cluster,  # noqa: F401
+                            submit, wait_for, wait_job)
 
 JOB = Path(__file__).with_name("ray_job.py")
 RESOURCES = 50
@@ -354,3 +354,63 @@ def test_the_ray_template_spans_the_allocation_with_one_ray_node_per_slurm_node(
     assert len(hosts) == 2, text[-4000:]            # the actors ran on both nodes
     assert _same_weights(out, uninterrupted)
     assert wait_for(lambda: _tagged(tag) == [], timeout=30, what="no process of the job left")
+
+
+@pytest.mark.slurm
+def test_a_ray_node_dying_under_an_actor_is_rescued_and_the_job_requeued_without_that_node(
+        slow_death, uninterrupted: Path, tmp_path: Path) -> None:
+    # slow_death: SLURM's production SlurmdTimeout (300 s), so that SLURM does not notice the
+    # dead node (and requeue the job itself) before the driver does.
+    import json
+
+    from kempner_resilience.slurm import render_sbatch
+
+    cluster = slow_death
+    work, ckpt, out, log = tmp_path / "work", tmp_path / "ckpt", tmp_path / "out.pt", \
+        tmp_path / "job.out"
+    (work / "resources").mkdir(parents=True)
+    tag = f"kr-ray-test-{uuid.uuid4().hex}"
+    script = tmp_path / "ray.sbatch"
+    script.write_text(render_sbatch(
+        template="ray", nodes=2, time="00:10:00", job_name="raydeath", output=str(log),
+        extra={"cpus-per-task": 1, "partition": "mn"},
+        command=[sys.executable, str(JOB), "--supervise", "--ckpt", str(ckpt), "--work",
+                 str(work), "--steps", "60", "--every", "10", "--resources", "5",
+                 "--out", str(out)]))
+    env = {**cluster.env, "KR_RAY_TEST_TAG": tag, "RAY_DEDUP_LOGS": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("RANK", None)
+    job_id = submit(str(script), cwd=tmp_path, env=env)
+    killed = None
+    try:
+        progress = work / "progress"
+        wait_for(lambda: progress.is_file() and int(progress.read_text() or -1) >= 13,
+                 timeout=180, what="the first run past step 13")
+        batch_host = wait_job(job_id, {"RUNNING"}, env=cluster.env)["BatchHost"]
+        hosts = {r: (work / "pids" / f"host.r{r}").read_text() for r in (0, 1)}
+        killed = next(h for h in hosts.values() if h != batch_host)   # not the driver's node
+        cluster.kill_node(killed)
+        wait_for(lambda: f"job {job_id} requeued" in log.read_text(errors="replace"),
+                 timeout=150, what="the driver's requeue")
+        # The old job's processes on the dead node never report their end: SLURM keeps the job
+        # COMPLETING until SlurmdTimeout marks the node DOWN. Marked DOWN now instead, as that
+        # timeout (or a node health check) would.
+        subprocess.run(["scontrol", "update", f"NodeName={killed}", "State=DOWN",
+                        "Reason=kr-ray-test"], env=cluster.env, check=True, timeout=30)
+        info = wait_job(job_id, timeout=240, env=cluster.env)
+        text = log.read_text(errors="replace")
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+        assert info["Restarts"] == "1", text[-4000:]
+        assert killed in info.get("ExcNodeList", ""), info      # the driver's requeue kept it out
+        assert killed in json.loads((ckpt / "bad-nodes.json").read_text())["nodes"]
+        rescued = int(text.split("rescue: committed step ")[1].split()[0])
+        assert rescued >= 13 and rescued % 10, text[-4000:]
+        assert f"(step {rescued}, reason rescue)" in text, text[-4000:]   # the requeued run
+        assert killed not in {(work / "pids" / f"host.r{r}").read_text() for r in (0, 1)}
+        assert _same_weights(out, uninterrupted)
+    finally:
+        subprocess.run(["scancel", job_id], env=cluster.env, timeout=30)
+        if killed is not None:
+            subprocess.run(["scontrol", "update", f"NodeName={killed}", "State=RESUME"],
+                           env=cluster.env, timeout=30)
+            cluster.restart_node(killed)

@@ -65,6 +65,9 @@ def init_group(rank: int, world_size: int, addr: str, port: int, *,
 
     import torch.distributed as dist
 
+    # What a launched rank has: the rescue's buddy link finds this host's address on the route
+    # to it (rescue/link.py), which without it is 127.0.0.1, unreachable from another node.
+    os.environ["MASTER_ADDR"] = addr
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))

@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, load_config
@@ -41,6 +41,7 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.integrations.ray_actor import ActorEnding
 from kempner_resilience.integrations.ray_board import create_board
+from kempner_resilience.slurm.badnodes import bad_nodes
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
@@ -229,26 +230,37 @@ class RayDriver:
             raise error
         raise SystemExit(code)
 
-    def _requeue(self, signum: int, saved: Saved) -> Verdict | None:
-        """Under SLURM, for a signal whose action is ``requeue`` (USR1 by default), once every
-        actor committed: the restart budget and no-progress guard over the run's ledger, then
-        ``scontrol requeue``, as rank 0 does for ranks (``slurm/requeue.py``). The driver is
-        the job's one SLURM process here: its actors see no SLURM job (the ``ray`` template
-        starts Ray without the job's variables), so none of them requeues it as well. None
-        when no requeue was tried (no SLURM, a ``stop`` signal, nothing committed)."""
+    def requeue(self, why: str, *, exclude: Iterable[str] = ()) -> Verdict | None:
+        """Under SLURM, the job back to the queue as rank 0 does it for ranks
+        (``slurm/requeue.py``): only with a committed checkpoint to come back to, within the
+        restart budget and the no-progress guard (the ledger in ``checkpoint.dir``), keeping
+        ``exclude`` and the run's recorded bad nodes out of the requeued job. The driver is the
+        job's one SLURM process: its actors see no SLURM job (the ``ray`` template starts Ray
+        without the job's variables), so none of them requeues it as well. None when no requeue
+        was tried (no SLURM, no full config, nothing committed)."""
         job = SlurmJob.from_env()
-        name = signal.Signals(signum).name
-        if job is None or self.config is None or saved is not Saved.COMMITTED \
-                or self.signals.handled().get(name) is not Action.REQUEUE:
+        if job is None or self.config is None:
             return None
         paths = RunPaths.from_config(self.config)
-        verdict = decide_requeue(job, RestartLedger.for_checkpoint_dir(paths),
-                                 committed_step(paths), self.config.requeue)
+        step = committed_step(paths)
+        if step is None:
+            log.warning("%s: not requeued, nothing committed to come back to", why)
+            return None
+        verdict = decide_requeue(job, RestartLedger.for_checkpoint_dir(paths), step,
+                                 self.config.requeue)
         if not verdict.requeue:
             return verdict.verdict
-        result = requeue_job(job, self.config.requeue)
-        log.warning("%s: %s", name, result.message)
+        result = requeue_job(job, self.config.requeue, exclude=set(exclude) | bad_nodes(paths),
+                             min_nodes=job.nnodes)
+        log.warning("%s: %s", why, result.message)
         return result.verdict
+
+    def _requeue(self, signum: int, saved: Saved) -> Verdict | None:
+        """A stop by a signal whose action is ``requeue`` (USR1), once every actor committed."""
+        name = signal.Signals(signum).name
+        if saved is not Saved.COMMITTED or self.signals.handled().get(name) is not Action.REQUEUE:
+            return None
+        return self.requeue(name)
 
     def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
                          also: Sequence[Any] = ()) -> list[Any]:

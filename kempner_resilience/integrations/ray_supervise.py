@@ -12,11 +12,14 @@ the local launcher and the srun step loop do with their ranks: RELAUNCH (and a R
 the actors asked for, see ``actor_ends``): the old actors are killed (a fresh process for every
 rank: no communicator, CUDA context or frozen rescue boundary of the old incarnation survives),
 new ones are created, form a new group and train again from the newest committed checkpoint,
-inside the same driver and allocation; LEAVE, or a REQUEUE that needs another allocation (no
-spare node left), ends the driver with the decision's code. The budget is the config's
-``requeue.max_restarts``, the no-progress guard ``requeue.max_no_progress`` over the committed
-steps in ``checkpoint.dir``, and the bad-node memory the Ray nodes that died under an actor
-(implicated in the evidence; Ray never places an actor on a dead node).
+inside the same driver and allocation; LEAVE ends the driver with the decision's code; a
+REQUEUE that needs another allocation (a node died and no live node is left beside the group's)
+requeues the SLURM job without the dead nodes (``RayDriver.requeue``), then ends the driver
+with the decision's code. The budget is the config's ``requeue.max_restarts``, the no-progress
+guard ``requeue.max_no_progress`` over the committed steps in ``checkpoint.dir``, and the
+bad-node memory the Ray nodes that died under an actor: implicated in the evidence, recorded by
+host name in the run's ``bad-nodes.json`` (``slurm/badnodes.py``), which every requeue keeps out
+of the job; Ray itself never places an actor on a dead node.
 
 A signal to the driver (Ctrl+C, SLURM's USR1) is still the driver's stop (``RayDriver``):
 every actor stops and commits, the driver exits with the stop's code; nothing is recreated.
@@ -24,6 +27,8 @@ every actor stops and commits, the driver exits with the stop's code; nothing is
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Any, Callable, Sequence
 
 from kempner_resilience.config import ResilienceConfig
@@ -32,6 +37,7 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.ray_actor import ActorEnding
 from kempner_resilience.integrations.ray_driver import RayDriver, committed_step
+from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
@@ -40,6 +46,10 @@ __all__ = ["supervise", "actor_ends", "group_evidence", "recreates"]
 log = get_logger(__name__)
 
 _SIGKILL_END = RankEnd(128 + 9, signaled=True)
+# How long a lost actor's silent node may take to be declared dead by Ray (its health check:
+# by default 5 failures 3 s apart, each with a 10 s timeout, after a 5 s initial delay).
+_NODE_DEATH_WAIT_S = 90.0
+_POLL_S = 1.0
 
 
 def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *,
@@ -110,7 +120,11 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
                     [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,
                     decision.code, decision.why)
+        if dead:
+            _remember(paths, _hostnames(ray, dead))
         if not recreates(decision):
+            if decision.action is Action.REQUEUE:   # another allocation, without the dead nodes
+                driver.requeue(decision.why, exclude=_hostnames(ray, bad_nodes))
             driver.finish(cancel)
             if decision.code != 0:
                 raise SystemExit(decision.code)
@@ -160,9 +174,50 @@ def recreates(d: Decision) -> bool:
 
 
 def _dead_nodes(ray: Any, nodes: list[str], ends: tuple[RankEnd, ...]) -> set[str]:
-    """The Ray nodes that are gone under an actor that died: the failure's nodes."""
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    return {node for node, end in zip(nodes, ends) if end.own_death and node not in alive}
+    """The Ray nodes that are gone under an actor that died: the failure's nodes.
+
+    A node that just died is first only "unavailable" to Ray (its health check has not failed
+    enough yet) and Ray would place a new actor there. A lost actor's node whose raylet no
+    longer answers is waited on until Ray marks it dead, at most ``_NODE_DEATH_WAIT_S``; a
+    node that answers is alive (the actor's process died alone: the OOM killer, a SIGKILL)."""
+    lost = {node for node, end in zip(nodes, ends) if end.own_death}
+    until = time.monotonic() + _NODE_DEATH_WAIT_S
+    while True:
+        info = {n["NodeID"]: n for n in ray.nodes()}
+        dead = {n for n in lost if not info.get(n, {}).get("Alive")}
+        silent = [n for n in lost - dead if not _answers(info[n])]
+        if not silent or time.monotonic() > until:
+            return dead
+        log.warning("%d node(s) of lost actors do not answer: waiting for Ray to mark them "
+                    "dead before a new group is placed", len(silent))
+        time.sleep(_POLL_S)
+
+
+def _answers(node: dict[str, Any]) -> bool:
+    """Whether the node's raylet accepts a connection (a dead node's does not)."""
+    try:
+        with socket.create_connection((node["NodeManagerAddress"],
+                                       int(node["NodeManagerPort"])), timeout=2.0):
+            return True
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def _hostnames(ray: Any, node_ids: set[str]) -> set[str]:
+    """The host names of Ray nodes (SLURM's node names: short host names)."""
+    return {str(n.get("NodeManagerHostname", "")).split(".")[0] for n in ray.nodes()
+            if n.get("NodeID") in node_ids} - {""}
+
+
+def _remember(paths: RunPaths, hosts: set[str]) -> None:
+    """The run's bad-node record (``slurm/badnodes.py``): a requeue keeps them out."""
+    import os
+
+    try:
+        record_bad_nodes(paths, hosts, reason="a Ray node died under a training actor",
+                         job_id=os.environ.get("SLURM_JOB_ID"))
+    except OSError as e:    # the memory is lost, never the checkpoint
+        log.warning("could not record bad nodes %s: %s", sorted(hosts), e)
 
 
 def _spares(ray: Any, nodes: list[str], bad: set[str]) -> int:
