@@ -29,6 +29,7 @@ SHIPPED_ARGS: dict[str, list[str]] = {
     "job_array": ["--template", "job_array", "--array", "0-3", *_COMMON, *_COMMAND],
     "multi_node_torchrun": ["--template", "multi_node_torchrun", "--nodes", "2", *_COMMON,
                             *_COMMAND],
+    "ray": ["--template", "ray", "--nodes", "2", *_COMMON, *_COMMAND],
 }
 
 

@@ -6,6 +6,10 @@ created when the episode starts and removed in its ``finally``). Every actor wri
 WORK/finally.<name> from its own ``finally``; rank 0 writes WORK/progress (the last step) and,
 when the training completes, the model's weights to --out.
 
+``--supervise`` runs the group through the Ray supervisor backend (``ray_supervise``): a lost
+actor's group comes back in the same driver. Each training call writes WORK/pids/r<rank>.<pid>
+when it starts; its ``finally`` records whether its process group was destroyed.
+
 ``--parent`` runs the driver under a parent that, like ``uv run``, dies on Ctrl+C and sends its
 child SIGTERM (once: it is dead after); it exits with the driver's code.
 """
@@ -16,6 +20,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,16 +33,20 @@ from kempner_resilience.integrations.ray_driver import RayDriver
 
 
 class Trainer(TrainingActor):
-    def train(self, board, ckpt: str, work: str, steps: int, sleep_s: float, out: str) -> dict:
+    def train(self, board, ckpt: str, work: str, steps: int, sleep_s: float, out: str,
+              every: int = 100000) -> dict:
         import torch
         import torch.distributed as dist
 
         rank, world = dist.get_rank(), dist.get_world_size()
+        Path(work, "pids").mkdir(exist_ok=True)
+        Path(work, "pids", f"r{rank}.{os.getpid()}").write_text("")
+        Path(work, "pids", f"host.r{rank}").write_text(socket.gethostname())
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 4)
         optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         cfg = kr.load_config(overrides=[f"checkpoint.dir={ckpt}",
-                                        "checkpoint.every_steps=100000"])
+                                        f"checkpoint.every_steps={every}"])
         run = None
         try:
             with self.stop_context(board) as ending:
@@ -47,18 +56,21 @@ class Trainer(TrainingActor):
                             step * 1000 + rank))
                         optim.zero_grad()
                         model(x).pow(2).mean().backward()
+                        time.sleep(sleep_s)    # the step's compute: most of a real step
                         for p in model.parameters():
                             dist.all_reduce(p.grad)
                             p.grad /= world
                         optim.step()
                         if rank == 0:
                             Path(work, "progress").write_text(str(step))
-                        time.sleep(sleep_s)
                     if rank == 0 and out:
                         torch.save(model.state_dict(), out)
-            return {"rank": rank, "code": ending.code, "step": run.step if run else None}
+            return {"rank": rank, "code": ending.code, "step": run.step if run else None,
+                    "ending": ending}
         finally:
-            Path(work, f"finally.trainer{rank}").write_text("ran")
+            group = "group live" if dist.is_initialized() else "group destroyed"
+            Path(work, f"finally.trainer{rank}").write_text(group)
+            Path(work, "pids", f"r{rank}.{os.getpid()}").write_text(group)
 
 
 class Rollout(AsyncActor):
@@ -94,9 +106,15 @@ def driver(a: argparse.Namespace) -> None:
 
     work = Path(a.work)
     (work / "resources").mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=2, include_dashboard=False)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()     # the cluster the `ray` sbatch template started over the allocation
+    else:
+        ray.init(num_cpus=2, include_dashboard=False)
     remote_trainer = ray.remote(num_cpus=1)(Trainer)
     remote_rollout = ray.remote(num_cpus=0)(Rollout)
+    if a.supervise:
+        supervised(a, work, remote_trainer, remote_rollout)
+        return
     with RayDriver(kr.load_config()) as drv:
         trainers = drv.track(*[remote_trainer.remote() for _ in range(2)])
         rollout = drv.track(remote_rollout.remote())[0]
@@ -106,6 +124,23 @@ def driver(a: argparse.Namespace) -> None:
         out = drv.get([t.train.remote(drv.board, a.ckpt, str(work), a.steps, a.sleep, a.out)
                        for t in trainers], cancel=[episodes])
         print("trained", out, flush=True)
+    ray.shutdown()
+
+
+def supervised(a: argparse.Namespace, work: Path, remote_trainer, remote_rollout) -> None:
+    import ray
+
+    from kempner_resilience.integrations.ray_supervise import supervise
+
+    cfg = kr.load_config(overrides=[f"checkpoint.dir={a.ckpt}"])
+    with RayDriver(cfg) as drv:
+        rollout = drv.track(remote_rollout.remote())[0]
+        episodes = rollout.run.remote(str(work), a.resources, a.fail_at_step)
+        out = supervise(drv, remote_trainer.remote, 2,
+                        lambda t, r: t.train.remote(drv.board, a.ckpt, str(work), a.steps,
+                                                    a.sleep, a.out, a.every),
+                        cfg, cancel=[episodes])
+        print("trained", [o["step"] for o in out], flush=True)
     ray.shutdown()
 
 
@@ -133,6 +168,8 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=0, help="episode 7 raises once rank 0 "
                    "passed this step")
     p.add_argument("--out", default="")
+    p.add_argument("--every", type=int, default=100000, help="checkpoint.every_steps")
+    p.add_argument("--supervise", action="store_true", help="through ray_supervise")
     a = p.parse_args()
     if a.parent:
         sys.exit(parent([x for x in sys.argv[1:] if x != "--parent"]))

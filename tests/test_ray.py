@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_fixtures import in_ci
+from slurm_fixtures import (in_ci, multinode_cluster, slow_death, slurm_cluster,  # noqa: F401
+                            submit, wait_for, wait_job)
 
 JOB = Path(__file__).with_name("ray_job.py")
 RESOURCES = 50
@@ -96,6 +97,23 @@ class Job:
     def finally_ran(self) -> list[str]:
         return sorted(p.name.removeprefix("finally.") for p in self.work.glob("finally.*"))
 
+    def trainers(self, known: set[int] = frozenset(), timeout: float = 60.0) -> dict[int, int]:
+        """Rank -> pid of the training actors that started a call, besides the ``known`` pids
+        (the next incarnation's, when given the previous ones), once both ranks have one."""
+        until = time.monotonic() + timeout
+        while True:
+            found = {int(p.name[1:p.name.index(".")]): int(p.name.split(".")[1])
+                     for p in (self.work / "pids").glob("r[0-9]*.*")
+                     if int(p.name.split(".")[1]) not in known}
+            if len(found) == 2:
+                return found
+            assert time.monotonic() < until and self.proc.poll() is None, self.text()
+            time.sleep(0.1)
+
+    def teardown_of(self, pid: int) -> str:
+        """What the training call of actor process ``pid`` recorded in its ``finally``."""
+        return next((self.work / "pids").glob(f"r[0-9]*.{pid}")).read_text()
+
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -121,11 +139,42 @@ def _tagged(tag: str) -> list[str]:
     return found
 
 
+def _gone(pid: int, within_s: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within ``within_s`` seconds."""
+    until = time.monotonic() + within_s
+    while time.monotonic() < until:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _same_weights(a_path: Path, b_path: Path) -> bool:
+    import torch
+
+    a, b = torch.load(a_path), torch.load(b_path)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _committed(ckpt: Path) -> list[int]:
     """Steps of the committed checkpoints: manifest, DCP metadata and shard files on disk."""
     return sorted(int(d.name.removeprefix("step_")) for d in ckpt.glob("step_*")
                   if (d / "MANIFEST.json").is_file() and (d / ".metadata").is_file()
                   and len(list(d.glob("*.distcp"))) == 2)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The weights of the job's 60 steps run without a stop."""
+    root = tmp_path_factory.mktemp("ray-whole")
+    whole = Job(root, root / "ckpt", "--steps", "60", "--sleep", "0",
+                "--out", str(root / "whole.pt"))
+    assert whole.wait() == 0, whole.text()
+    assert whole.processes() == []
+    return root / "whole.pt"
 
 
 @pytest.fixture(scope="module")
@@ -185,18 +234,183 @@ def test_a_second_ctrl_c_forces_and_leaves_no_process_behind(tmp_path: Path) -> 
 
 
 def test_the_next_run_resumes_from_the_stop_and_ends_bitwise_equal_to_an_uninterrupted_run(
-        interrupted: tuple[Job, int, float], tmp_path: Path) -> None:
-    import torch
-
+        interrupted: tuple[Job, int, float], uninterrupted: Path, tmp_path: Path) -> None:
     job, _, _ = interrupted
     stopped_at = _committed(job.ckpt)[-1]
     resumed = Job(tmp_path, job.ckpt, "--steps", "60", "--out", str(tmp_path / "resumed.pt"))
     assert resumed.wait() == 0, resumed.text()
     assert f"step {stopped_at}" in resumed.text(), resumed.text()   # rank 0's resume line
-    whole = Job(tmp_path, tmp_path / "ckpt-whole", "--steps", "60", "--sleep", "0",
-                "--out", str(tmp_path / "whole.pt"))
-    assert whole.wait() == 0, whole.text()
-    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "whole.pt")
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert resumed.processes() == [] and whole.processes() == []
+    assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
+    assert resumed.processes() == []
+
+
+def test_sigterm_to_one_training_actor_tears_it_down_within_its_grace_and_the_next_group_resumes(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    # Ray's kill without force, a node drain, an eviction: SIGTERM to the actor's process.
+    job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--steps", "60",
+              "--out", str(tmp_path / "resumed.pt"))
+    job.wait_training()
+    first = job.trainers()
+    os.kill(first[1], signal.SIGTERM)
+    assert _gone(first[1], within_s=25.0), job.text()     # signals.grace_per_signal_s SIGTERM
+    assert job.teardown_of(first[1]) == "group destroyed"
+    second = job.trainers(known=set(first.values()))      # the next incarnation, new processes
+    assert job.wait() == 0, job.text()
+    text = job.text()
+    stopped_at = _committed(job.ckpt)[0]                  # the stop's emergency checkpoint
+    assert f"step {stopped_at}" in text, text             # the next group resumed from it
+    assert all(_gone(pid, within_s=5.0) for pid in first.values())
+    assert set(second.values()).isdisjoint(first.values())
+    assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
+    assert job.finally_ran() == ["rollout", "trainer0", "trainer1"]
+    assert job.resources() == 0
+    assert job.processes() == []
+
+
+def test_sigkill_of_one_training_actor_is_rescued_and_its_group_recreated_losing_at_most_a_step(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    # Periodic saves every 10 steps; the kill lands between them (after step 13).
+    job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--steps", "60", "--every", "10",
+              "--out", str(tmp_path / "resumed.pt"))
+    job.wait_training(step=13)
+    first = job.trainers()
+    reached = job.step()
+    os.kill(first[1], signal.SIGKILL)
+    job.trainers(known=set(first.values()))               # the recreated group
+    assert job.wait() == 0, job.text()
+    text = job.text()
+    rescued = int(text.split("rescue: committed step ")[1].split()[0])
+    assert rescued >= reached - 1 and rescued % 10, text   # the rescue, not the periodic save
+    assert f"(step {rescued})" in text, text               # the next group resumed from it
+    assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
+    assert job.resources() == 0
+    assert job.processes() == []
+
+
+@pytest.mark.slurm
+def test_usr1_to_the_ray_template_stops_every_actor_at_one_step_requeues_and_resumes_bitwise(
+        slurm_cluster, uninterrupted: Path, tmp_path: Path) -> None:
+    import re
+
+    from kempner_resilience.slurm import render_sbatch
+
+    work, ckpt, out, log = tmp_path / "work", tmp_path / "ckpt", tmp_path / "out.pt", \
+        tmp_path / "job.out"
+    (work / "resources").mkdir(parents=True)
+    tag = f"kr-ray-test-{uuid.uuid4().hex}"
+    script = tmp_path / "ray.sbatch"
+    script.write_text(render_sbatch(
+        template="ray", nodes=1, time="00:10:00", job_name="raytest", output=str(log),
+        extra={"cpus-per-task": 3},
+        command=[sys.executable, str(JOB), "--supervise", "--ckpt", str(ckpt), "--work",
+                 str(work), "--steps", "60", "--out", str(out)]))
+    env = {**os.environ, "KR_RAY_TEST_TAG": tag, "RAY_DEDUP_LOGS": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}   # `ray` for the script
+    env.pop("RANK", None)
+    job_id = submit(str(script), cwd=tmp_path, env=env)
+    progress = work / "progress"
+    wait_for(lambda: progress.is_file() and int(progress.read_text() or -1) >= 8, timeout=120,
+             what="the first run past step 8")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+    info = wait_job(job_id, timeout=240)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert info["Restarts"] == "1", text[-4000:]
+    assert "driver exited with 75" in text and "driver exited with 0" in text, text[-4000:]
+    # Both actors stopped at one step boundary, and their checkpoint of it was committed.
+    stops = re.findall(r"stopping at step (\d+) \(SIGUSR1", text)
+    assert len(stops) == 2 and len(set(stops)) == 1, text[-4000:]
+    stopped_at = int(stops[0])
+    assert stopped_at in _committed(ckpt)
+    assert f"(step {stopped_at}, reason emergency)" in text, text[-4000:]   # the requeued run
+    assert _same_weights(out, uninterrupted)
+    assert wait_for(lambda: _tagged(tag) == [], timeout=30, what="no process of the job left")
+
+
+@pytest.mark.slurm
+def test_the_ray_template_spans_the_allocation_with_one_ray_node_per_slurm_node(
+        multinode_cluster, uninterrupted: Path, tmp_path: Path) -> None:
+    from kempner_resilience.slurm import render_sbatch
+
+    work, out, log = tmp_path / "work", tmp_path / "out.pt", tmp_path / "job.out"
+    (work / "resources").mkdir(parents=True)
+    tag = f"kr-ray-test-{uuid.uuid4().hex}"
+    script = tmp_path / "ray.sbatch"
+    # One CPU for Ray on each node, one training actor each: rank 1 waits for the second node.
+    script.write_text(render_sbatch(
+        template="ray", nodes=2, time="00:10:00", job_name="raymn", output=str(log),
+        extra={"cpus-per-task": 1, "partition": "mn"},
+        command=[sys.executable, str(JOB), "--supervise", "--ckpt", str(tmp_path / "ckpt"),
+                 "--work", str(work), "--steps", "60", "--sleep", "0", "--resources", "5",
+                 "--out", str(out)]))
+    env = {**multinode_cluster.env, "KR_RAY_TEST_TAG": tag, "RAY_DEDUP_LOGS": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("RANK", None)
+    job_id = submit(str(script), cwd=tmp_path, env=env)
+    info = wait_job(job_id, timeout=240, env=multinode_cluster.env)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    hosts = {(work / "pids" / f"host.r{r}").read_text() for r in (0, 1)}
+    assert len(hosts) == 2, text[-4000:]            # the actors ran on both nodes
+    assert _same_weights(out, uninterrupted)
+    assert wait_for(lambda: _tagged(tag) == [], timeout=30, what="no process of the job left")
+
+
+@pytest.mark.slurm
+def test_a_ray_node_dying_under_an_actor_is_rescued_and_the_job_requeued_without_that_node(
+        slow_death, uninterrupted: Path, tmp_path: Path) -> None:
+    # slow_death: SLURM's production SlurmdTimeout (300 s), so that SLURM does not notice the
+    # dead node (and requeue the job itself) before the driver does.
+    import json
+
+    from kempner_resilience.slurm import render_sbatch
+
+    cluster = slow_death
+    work, ckpt, out, log = tmp_path / "work", tmp_path / "ckpt", tmp_path / "out.pt", \
+        tmp_path / "job.out"
+    (work / "resources").mkdir(parents=True)
+    tag = f"kr-ray-test-{uuid.uuid4().hex}"
+    script = tmp_path / "ray.sbatch"
+    script.write_text(render_sbatch(
+        template="ray", nodes=2, time="00:10:00", job_name="raydeath", output=str(log),
+        extra={"cpus-per-task": 1, "partition": "mn"},
+        command=[sys.executable, str(JOB), "--supervise", "--ckpt", str(ckpt), "--work",
+                 str(work), "--steps", "60", "--every", "10", "--resources", "5",
+                 "--out", str(out)]))
+    env = {**cluster.env, "KR_RAY_TEST_TAG": tag, "RAY_DEDUP_LOGS": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("RANK", None)
+    job_id = submit(str(script), cwd=tmp_path, env=env)
+    killed = None
+    try:
+        progress = work / "progress"
+        wait_for(lambda: progress.is_file() and int(progress.read_text() or -1) >= 13,
+                 timeout=180, what="the first run past step 13")
+        batch_host = wait_job(job_id, {"RUNNING"}, env=cluster.env)["BatchHost"]
+        hosts = {r: (work / "pids" / f"host.r{r}").read_text() for r in (0, 1)}
+        killed = next(h for h in hosts.values() if h != batch_host)   # not the driver's node
+        cluster.kill_node(killed)
+        wait_for(lambda: f"job {job_id} requeued" in log.read_text(errors="replace"),
+                 timeout=150, what="the driver's requeue")
+        # The old job's processes on the dead node never report their end: SLURM keeps the job
+        # COMPLETING until SlurmdTimeout marks the node DOWN. Marked DOWN now instead, as that
+        # timeout (or a node health check) would.
+        subprocess.run(["scontrol", "update", f"NodeName={killed}", "State=DOWN",
+                        "Reason=kr-ray-test"], env=cluster.env, check=True, timeout=30)
+        info = wait_job(job_id, timeout=240, env=cluster.env)
+        text = log.read_text(errors="replace")
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+        assert info["Restarts"] == "1", text[-4000:]
+        assert killed in info.get("ExcNodeList", ""), info      # the driver's requeue kept it out
+        assert killed in json.loads((ckpt / "bad-nodes.json").read_text())["nodes"]
+        rescued = int(text.split("rescue: committed step ")[1].split()[0])
+        assert rescued >= 13 and rescued % 10, text[-4000:]
+        assert f"(step {rescued}, reason rescue)" in text, text[-4000:]   # the requeued run
+        assert killed not in {(work / "pids" / f"host.r{r}").read_text() for r in (0, 1)}
+        assert _same_weights(out, uninterrupted)
+    finally:
+        subprocess.run(["scancel", job_id], env=cluster.env, timeout=30)
+        if killed is not None:
+            subprocess.run(["scontrol", "update", f"NodeName={killed}", "State=RESUME"],
+                           env=cluster.env, timeout=30)
+            cluster.restart_node(killed)

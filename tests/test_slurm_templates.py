@@ -25,8 +25,13 @@ CLI = str(Path(sys.executable).parent / "kempner-resilience")
 LAUNCH = {name: "srun --kill-on-bad-exit=1 python train.py" for name in TEMPLATES}
 LAUNCH["multi_node_torchrun"] = ('kempner-resilience srun --agents -- '
                                  '"${TORCHRUN[@]}" python train.py')
+LAUNCH["ray"] = "python train.py"     # the Ray driver, in the batch shell's background
 PLAIN_TORCHRUN = re.compile(r"(?<!kempner-resilience )\btorchrun\b")
-MULTI_NODE = ("multi_node", "multi_node_torchrun")
+MULTI_NODE = ("multi_node", "multi_node_torchrun", "ray")
+# The templates whose ranks are srun tasks (ray's training actors are Ray's workers).
+SRUN_RANKS = tuple(name for name in TEMPLATES if name != "ray")
+# What the test cluster's 8 CPUs allow for the ray template's one task per node.
+RAY_CPUS = {"ray": ["--cpus-per-task=2"]}
 
 
 def _regen_slurm():
@@ -54,7 +59,7 @@ def test_slurm_dir_holds_exactly_one_rendered_file_per_packaged_template():
     assert sorted(p.stem for p in TEMPLATE_DIR.iterdir()) == sorted(TEMPLATES)
 
 
-@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("name", SRUN_RANKS)
 def test_templates_signal_srun_tasks_not_the_batch_shell(name):
     text = render_sbatch(template=name, array="0-3" if name == "job_array" else None)
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
@@ -67,7 +72,29 @@ def test_templates_signal_srun_tasks_not_the_batch_shell(name):
     assert "{{" not in text
 
 
-@pytest.mark.parametrize("name", TEMPLATES)
+def test_ray_template_signals_the_batch_shell_which_starts_ray_and_passes_it_to_the_driver():
+    text = render_sbatch(template="ray", nodes=3, ntasks_per_node=8, time="00:30:00",
+                         command=["python", "driver.py", "--name", "a b"])
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --signal=B:USR1@120" in directives   # the shell: the driver is no srun task
+    assert "#SBATCH --nodes=3" in directives and "#SBATCH --ntasks-per-node=1" in directives
+    assert "#SBATCH --requeue" in directives and "#SBATCH --open-mode=append" in directives
+    lines = text.splitlines()
+    assert "python driver.py --name 'a b' & DRIVER=$!" in lines
+    assert "trap 'kill -USR1 $DRIVER 2>/dev/null' USR1" in lines
+    assert any(line.startswith("srun ") and "ray start --head" in line for line in lines)
+    assert any("ray start --block --address=" in line for line in lines)
+    # Ray's processes see no SLURM job: only the driver requeues it.
+    assert "NO_JOB=(env -u SLURM_JOB_ID -u SLURM_JOBID -u SLURM_RESTART_COUNT" in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_ray_template_takes_no_spares():
+    with pytest.raises(ValueError, match="spares"):
+        render_sbatch(template="ray", nodes=2, spares=1)
+
+
+@pytest.mark.parametrize("name", SRUN_RANKS)
 def test_raw_templates_are_usable_scripts_with_concrete_defaults(name):
     text = (TEMPLATE_DIR / f"{name}.sbatch").read_text()
     lines = text.splitlines()
@@ -198,7 +225,8 @@ def test_render_rejects_bad_arguments():
 def test_raw_template_passes_sbatch_test_only(slurm_cluster, tmp_path, name):
     # As shipped (GPUs and 4 tasks); only what this CPU test cluster lacks is overridden.
     res = subprocess.run(["sbatch", "--test-only", "--gpus-per-node=0", "--nodes=1",
-                          "--ntasks-per-node=2", str(ROOT / "slurm" / f"{name}.sbatch")],
+                          "--ntasks-per-node=2", *RAY_CPUS.get(name, []),
+                          str(ROOT / "slurm" / f"{name}.sbatch")],
                          capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "to start at" in res.stderr
@@ -209,7 +237,8 @@ def test_raw_template_passes_sbatch_test_only(slurm_cluster, tmp_path, name):
 def test_rendered_template_passes_sbatch_test_only(slurm_cluster, tmp_path, name):
     script = tmp_path / f"{name}.sbatch"
     script.write_text(render_sbatch(template=name, array="0-1" if name == "job_array" else None,
-                                    ntasks_per_node=2,
+                                    ntasks_per_node=2, extra={"cpus-per-task": 2}
+                                    if name == "ray" else None,
                                     time="00:05:00", output=str(tmp_path / "x.out")))
     res = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True,
                          timeout=30)

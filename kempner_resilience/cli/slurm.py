@@ -92,8 +92,9 @@ def _setup_sbatch(p: argparse.ArgumentParser) -> None:
     p.usage = "%(prog)s [options] [-- COMMAND ...]"
     p.add_argument("--template", "-t", choices=TEMPLATES,
                    help="single_node (default), multi_node (default when --nodes > 1), "
-                        "job_array (default when --array is given) or multi_node_torchrun "
-                        "(one torchrun agent per node: `kempner-resilience torchrun`)")
+                        "job_array (default when --array is given), multi_node_torchrun "
+                        "(one torchrun agent per node: `kempner-resilience torchrun`) or ray "
+                        "(a Ray cluster over the nodes, COMMAND is the Ray driver)")
     config_args(p)
     p.add_argument("--job-name", default="train", help="default: train")
     p.add_argument("--time", default="01:00:00", help="time limit; default 01:00:00")
@@ -167,6 +168,6 @@ VERBS = [
          "itself (run it inside the job: srun kempner-resilience doctor)", _setup_doctor,
          doctor),
     Verb("sbatch", "write a batch script from a template (single_node, multi_node, job_array, "
-         "multi_node_torchrun) with the right --signal, --requeue and srun launch",
+         "multi_node_torchrun, ray) with the right --signal, --requeue and srun launch",
          _setup_sbatch, sbatch),
 ]

@@ -16,7 +16,9 @@ destroys the group). What Ray changes, and this module handles:
   run's handler is the only one (it chains a callable predecessor, and Ray's would raise); a
   SIGTERM then stops at the boundary, saves within its grace, tears down and the actor exits;
 * the run ends with a ``SystemExit`` (``raise`` exit mode: an actor is not a launched rank):
-  ``stop_context`` catches it and its ``ending`` says what happened, for the method to return.
+  ``stop_context`` catches it and its ``ending`` says what happened, for the method to return;
+  a run that lost a peer (after its rescue) re-raises the collective's error in that mode,
+  which becomes ``ending.code`` 81 ``PEER_LOST`` (``ray_supervise`` relaunches the group).
 
 Sync actor methods run on the worker's main thread (a ResilientRun needs it): keep training
 actors single-threaded (no ``max_concurrency``, no concurrency groups).
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from kempner_resilience.core.log import get_logger, set_role
+from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.ray_board import BoardWatcher
 
 __all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group"]
@@ -65,7 +68,9 @@ def init_group(rank: int, world_size: int, addr: str, port: int, *,
     import torch.distributed as dist
 
     set_role(f"rank {rank}")
-
+    # What a launched rank has: the rescue's buddy link finds this host's address on the route
+    # to it (rescue/link.py), which without it is 127.0.0.1, unreachable from another node.
+    os.environ["MASTER_ADDR"] = addr
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -105,6 +110,16 @@ def stop_context(board: Any) -> Iterator[ActorEnding]:
         ending.from_driver = ending.signum is not None
         log.warning("the run ended with %d%s", ending.code,
                     " (the driver's stop)" if ending.from_driver else "")
+    except Exception as e:
+        # In `raise` mode a run that lost a peer re-raises the collective's error (after its
+        # rescue): the actor's ending is PEER_LOST, for the supervisor to relaunch. Any other
+        # exception is the training's own error and stays one.
+        from kempner_resilience.core.faults import first_line, is_peer_failure
+
+        if not is_peer_failure(e):
+            raise
+        ending.code = int(ExitCode.PEER_LOST)
+        log.warning("the run lost a peer (%s): ending %d", first_line(e), ending.code)
     finally:
         if watcher is not None:
             watcher.stop()
@@ -150,6 +165,12 @@ class TrainingActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (the supervisor's bad-node memory reads it)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
 
     @staticmethod
     def stop_context(board: Any) -> contextlib.AbstractContextManager[ActorEnding]:

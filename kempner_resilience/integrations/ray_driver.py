@@ -14,7 +14,9 @@ What Ray does to a driver, and what this context does about it:
   task gets ``CancelledError``, so its ``finally`` blocks run); the driver waits for all of them
   up to a bound (``stop_timeout_s``, by default the signal's grace less a margin), shuts Ray
   down and exits with the code from the one table (``exitcodes``: 130 after Ctrl+C, 143 after
-  SIGTERM).
+  SIGTERM). Under SLURM, a signal whose action is ``requeue`` (USR1) requeues the job once
+  every actor committed (``_requeue``: the restart budget, then ``scontrol requeue``), exit 75;
+  the ``ray`` sbatch template runs the driver so that SLURM's signal reaches it.
 * A second SIGINT (or a second SIGTERM; never a SIGINT after a first SIGTERM) forces: the tracked actors are killed (``ray.kill``),
   then every process this driver started (the local Ray node: GCS, raylet, agents, workers),
   and the driver leaves with 130/143 at once. A SIGTERM during a stop begun by SIGINT (``uv
@@ -30,16 +32,21 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
-from kempner_resilience.config import ResilienceConfig, SignalsConfig, load_config
+from kempner_resilience.checkpoint import layout
+from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, load_config
 from kempner_resilience.core.log import get_logger, set_role
-from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, exit_code
+from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.integrations.ray_actor import ActorEnding
 from kempner_resilience.integrations.ray_board import create_board
+from kempner_resilience.slurm.badnodes import bad_nodes
+from kempner_resilience.slurm.env import SlurmJob
+from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 
-__all__ = ["RayDriver"]
+__all__ = ["RayDriver", "committed_step"]
 
 log = get_logger(__name__)
 
@@ -66,6 +73,8 @@ class RayDriver:
         if config is None:
             config = load_config()
         self.signals = config.signals if isinstance(config, ResilienceConfig) else config
+        # The whole config (checkpoint.dir, requeue.*): what a requeue under SLURM needs.
+        self.config = config if isinstance(config, ResilienceConfig) else None
         self.signals.validate()
         self.stop_timeout_s = stop_timeout_s
         self.poll_s = poll_s
@@ -143,6 +152,50 @@ class RayDriver:
         self._cancel_and_wait(cancel, self._bound(signal.SIGTERM))
         return ray.get(refs)
 
+    def untrack(self, *actors: Any) -> None:
+        """Actors no longer to kill on a forced stop (a supervisor killed them already)."""
+        self.actors = [a for a in self.actors if all(a is not b for b in actors)]
+
+    def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,
+                   cancel: Sequence[Any] = (), bound: float = 150.0
+                   ) -> tuple[list[Any], list[int]]:
+        """Wait for one incarnation of a training group (``refs[r]``: ``actors[r]``'s call):
+        what each call returned or raised, and the ranks whose actors were killed because
+        they had not ended ``bound`` seconds after the first call failed.
+
+        Unlike ``get``, a failed call does not stop everything: its actor is lost, and the
+        survivors rescue and end on their own (``ray_supervise`` decides what follows). A
+        signal to the driver is its stop, as in ``get`` (``cancel`` included)."""
+        import ray
+
+        refs = list(refs)
+        pending = list(refs)
+        until: float | None = None
+        while pending and not self._stop.is_set():
+            if until is not None and time.monotonic() > until:
+                break
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            if until is None and any(_error_of(r) is not None for r in done):
+                log.error("a training actor is lost: waiting up to %.0f s for the others' "
+                          "rescue", bound)
+                until = time.monotonic() + bound
+        if self._stop.is_set():
+            req = self._handler.request
+            assert req is not None
+            self._stop_all(req.signum, refs, list(cancel))
+        killed = [r for r, ref in enumerate(refs) if ref in pending]
+        for r in killed:
+            log.error("rank %d did not end %.0f s after the loss: killing its actor", r, bound)
+            try:
+                ray.kill(actors[r], no_restart=True)
+            except Exception as e:
+                log.debug("ray.kill: %s", e)
+        return [_result_of(r) for r in refs], killed
+
+    def finish(self, cancel: Sequence[Any]) -> None:
+        """The training is over: cancel ``cancel`` without force and wait for it (bounded)."""
+        self._cancel_and_wait(list(cancel), self._bound(signal.SIGTERM))
+
     # ------------------------------------------------------------------ the stop
 
     def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
@@ -171,13 +224,46 @@ class RayDriver:
                                         for r in self.results) else Saved.COMMITTED
             if signal.SIGINT in self._handler.deliveries:
                 signum = signal.SIGINT   # the parent's SIGTERM may have come first: a Ctrl+C
-            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved)))
+            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
+                                       requeue=self._requeue(signum, saved))))
         log.warning("every actor done %.1f s after the stop; shutting Ray down, exit %d",
                     time.monotonic() - started, code)
         ray.shutdown()
         if error is not None:
             raise error
         raise SystemExit(code)
+
+    def requeue(self, why: str, *, exclude: Iterable[str] = ()) -> Verdict | None:
+        """Under SLURM, the job back to the queue as rank 0 does it for ranks
+        (``slurm/requeue.py``): only with a committed checkpoint to come back to, within the
+        restart budget and the no-progress guard (the ledger in ``checkpoint.dir``), keeping
+        ``exclude`` and the run's recorded bad nodes out of the requeued job. The driver is the
+        job's one SLURM process: its actors see no SLURM job (the ``ray`` template starts Ray
+        without the job's variables), so none of them requeues it as well. None when no requeue
+        was tried (no SLURM, no full config, nothing committed)."""
+        job = SlurmJob.from_env()
+        if job is None or self.config is None:
+            return None
+        paths = RunPaths.from_config(self.config)
+        step = committed_step(paths)
+        if step is None:
+            log.warning("%s: not requeued, nothing committed to come back to", why)
+            return None
+        verdict = decide_requeue(job, RestartLedger.for_checkpoint_dir(paths), step,
+                                 self.config.requeue)
+        if not verdict.requeue:
+            return verdict.verdict
+        result = requeue_job(job, self.config.requeue, exclude=set(exclude) | bad_nodes(paths),
+                             min_nodes=job.nnodes)
+        log.warning("%s: %s", why, result.message)
+        return result.verdict
+
+    def _requeue(self, signum: int, saved: Saved) -> Verdict | None:
+        """A stop by a signal whose action is ``requeue`` (USR1), once every actor committed."""
+        name = signal.Signals(signum).name
+        if saved is not Saved.COMMITTED or self.signals.handled().get(name) is not Action.REQUEUE:
+            return None
+        return self.requeue(name)
 
     def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
                          also: Sequence[Any] = ()) -> list[Any]:
@@ -219,6 +305,15 @@ class RayDriver:
         log.error("forced: killing %d actors and the local Ray node", len(self.actors))
         self._kill_actors()
         _kill_descendants(os.getpid())
+
+
+def committed_step(paths: RunPaths) -> int | None:
+    """The newest committed checkpoint's step in the run's directory (None: none)."""
+    try:
+        steps = [e.step for e in layout.scan(paths) if e.committed]
+    except OSError:
+        return None
+    return max(steps) if steps else None
 
 
 def _driver_forces(signum: int, earlier: list[int]) -> bool:

@@ -28,10 +28,15 @@ __all__ = ["TEMPLATES", "template_text", "signal_lead_time", "requeue_signal", "
 
 _log = get_logger(__name__)
 
-TEMPLATES = ("single_node", "multi_node", "job_array", "multi_node_torchrun")
+TEMPLATES = ("single_node", "multi_node", "job_array", "multi_node_torchrun", "ray")
 # Templates that span nodes; multi_node_torchrun runs one srun task (a torchrun agent) per node
-# and its ``ntasks_per_node`` workers on each.
-_MULTI_NODE = ("multi_node", "multi_node_torchrun")
+# and its ``ntasks_per_node`` workers on each; ray one Ray node per SLURM node.
+_MULTI_NODE = ("multi_node", "multi_node_torchrun", "ray")
+# Templates with one srun task per node, whatever ``ntasks_per_node`` says.
+_ONE_TASK_PER_NODE = ("multi_node_torchrun", "ray")
+# The ray template's driver line: the command, started in the batch shell's background (its
+# traps pass SLURM's signal on to it). ``B:``: SLURM signals that shell, not srun tasks.
+_RAY_DRIVER = " & DRIVER=$!"
 
 # The shutdown may take the signal's whole grace before the deadline watchdog forces the exit;
 # this much more keeps that forced exit before the time limit (SLURM's own SIGTERM/SIGKILL).
@@ -181,7 +186,9 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
 
     ``command``: what each srun task runs (a string, used as written, or an argument list,
     shell-quoted). In ``multi_node_torchrun`` each node runs one srun task, the torchrun agent,
-    and ``command`` is what each of its ``ntasks_per_node`` workers runs.
+    and ``command`` is what each of its ``ntasks_per_node`` workers runs. In ``ray`` it is the
+    Ray driver, run once in the batch shell (which gets the ``B:`` signal and passes it on),
+    after a Ray node was started on each of the ``nodes`` (one srun task each).
     ``gpus_per_node=None`` drops the template's ``--gpus-per-node`` line (a CPU-only cluster).
     ``extra``: more ``#SBATCH --key=value`` lines (``{"partition": "gpu"}``;
     a value of None gives a bare ``--key``; a key the template already has is replaced in
@@ -208,7 +215,7 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
         raise ValueError(f"array={array!r} needs template='job_array'")
     if spares < 0 or (in_job_restarts is not None and in_job_restarts < 0):
         raise ValueError("spares and in_job_restarts must be >= 0")
-    if spares and template not in _MULTI_NODE:
+    if spares and template not in ("multi_node", "multi_node_torchrun"):
         raise ValueError(f"template {template!r} takes no spares; spare nodes relaunch in place "
                          "with template 'multi_node' or 'multi_node_torchrun'")
     restarts = (spares if in_job_restarts is None else int(in_job_restarts)) if spares else 0
@@ -236,14 +243,14 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
         # A dead node must not take the allocation with it: the spare takes its place.
         s.set("no-kill", None, after="nodes")
     torchrun = template == "multi_node_torchrun"
-    s.set("ntasks-per-node", 1 if torchrun else int(ntasks_per_node))
+    s.set("ntasks-per-node", 1 if template in _ONE_TASK_PER_NODE else int(ntasks_per_node))
     if gpus_per_node:
         s.set("gpus-per-node", int(gpus_per_node), after="ntasks-per-node")
     else:
         s.remove("gpus-per-node")
     if template == "job_array":
         s.set("array", array, after="gpus-per-node" if gpus_per_node else "ntasks-per-node")
-    s.set("signal", f"{sig}@{lead}")
+    s.set("signal", f"{'B:' if template == 'ray' else ''}{sig}@{lead}")
     s.set("output", output)
     for key, val in (extra or {}).items():
         key = str(key).lstrip("-")
@@ -259,6 +266,9 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
             line = _SIGNAL_COMMENT.sub(f"# {sig} {lead} s before the time limit", line)
         elif _CONFIG_EXPORT.match(line) and config_path:
             line = f"export KEMPNER_RESILIENCE_CONFIG={shlex.quote(config_path)}"
+        elif template == "ray" and line.endswith(_RAY_DRIVER) and not line.startswith("#"):
+            line = command + _RAY_DRIVER
+            srun_seen = True
         elif line.startswith(launch):
             line = launch + command
             if spares and not torchrun:
@@ -273,5 +283,5 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
             line = f"IN_JOB_RESTARTS={restarts}"
         out.append(line)
     if not srun_seen:
-        raise ValueError(f"template {template!r} has no `{launch.strip()} ...` line")
+        raise ValueError(f"template {template!r} has no launch line")
     return "\n".join(out) + "\n"
