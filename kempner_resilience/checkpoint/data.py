@@ -76,7 +76,7 @@ def warn_global_seed(name: str, value: Any) -> None:
         return
     loaders = [v for v in vars(value).values() if isinstance(v, DataLoader)] \
         if hasattr(value, "__dict__") else []
-    if any(d.generator is None for d in loaders):
+    if any(d.generator is None for d in loaders) and rank() == 0:
         log.warning("state[%r] holds a DataLoader without its own generator: each iterator it "
                     "builds draws a seed from torch's global RNG, so a resumed run does not "
                     "repeat the uninterrupted one (dropout differs). Wrap the DataLoader in "
