@@ -7,7 +7,8 @@ each found at run time and named in one line on rank 0, or made exact.
 - a ``ResumableLoader`` resumed with another batch size, dataset length or sampler: named (a
   batch size alone goes on from the same sample);
 - a sampler whose RNG no checkpoint holds: named; a torch generator of any name: saved;
-- a script that never iterates ``run.steps()``: named at exit;
+- a script that never iterates ``run.steps()``: named at exit; batches taken from a loader
+  before the checkpoint was restored into it: named;
 - ``zip(data, run.steps(n))``, ``zip(run.steps(n), data)`` and a batch carried into the next
   step all resume bitwise (the saved position is the batches finished steps trained on);
 - the quickstart's own lines on 2 ranks: nothing but the start line.
@@ -195,6 +196,14 @@ def test_a_loader_resumed_with_another_sampler_is_named(caplog):
     resumed.load_state_dict(saved_after(3, sampler=DistributedSampler(
         DATA, num_replicas=2, rank=0, shuffle=True)))
     assert "DistributedSampler.shuffle True -> False" in caplog.text
+
+
+def test_batches_taken_before_the_checkpoint_was_restored_are_named(caplog):
+    # A batch taken before `with ResilientRun(...)` came from the start, not from the resume.
+    data = loader()
+    next(data)
+    data.load_state_dict(saved_after(3))
+    assert "handed out 1 batch(es) before the checkpoint was restored" in caplog.text
 
 
 def test_a_loader_resumed_as_it_was_saved_says_nothing(caplog):
