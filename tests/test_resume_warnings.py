@@ -146,6 +146,28 @@ def test_a_scheduler_left_out_of_the_state_is_named_once_on_rank_0(tmp_path):
     assert ours(logs, 1) == []
 
 
+def test_a_scheduler_in_the_state_or_held_by_a_state_object_draws_no_warning(caplog):
+    model = nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3)
+
+    class Schedules:                     # a scheduler kept inside an object of the user's
+        def __init__(self) -> None:
+            self.sched = sched
+
+        def state_dict(self) -> dict:
+            return self.sched.state_dict()
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.sched.load_state_dict(sd)
+
+    for held in (sched, Schedules()):
+        TrainState({"model": model, "optim": optim, "sched": held}).loop_starts()
+    assert caplog.text == ""
+    TrainState({"model": model, "optim": optim}).loop_starts()
+    assert "LR scheduler drives optimizer 'optim'" in caplog.text
+
+
 # ----------------------------------------------------------------------- loop never entered
 
 @pytest.mark.slow
