@@ -48,10 +48,13 @@ def _plain(value: Any) -> bool:
 def describe(loader: Any, samplers: list[Any]) -> dict[str, Any]:
     """What a saved position depends on: batch size, dataset length, batches per epoch and
     each sampler's kind and settings (plain values only)."""
-    try:
-        length: int | None = len(loader.dataset)
+    length: int | None = None
+    batches: int | None = None
+    try:                       # a dataset or sampler without __len__: nothing to compare
+        length = len(loader.dataset)
+        batches = len(loader)
     except TypeError:
-        length = None
+        pass
     kinds = []
     for s in samplers:
         entry = {"type": type(s).__qualname__}
@@ -61,7 +64,7 @@ def describe(loader: Any, samplers: list[Any]) -> dict[str, Any]:
                 entry[key] = value
         kinds.append(entry)
     return {"batch_size": loader.batch_size, "dataset_len": length,
-            "batches": len(loader), "samplers": kinds}
+            "batches": batches, "samplers": kinds}
 
 
 def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
