@@ -198,6 +198,23 @@ def saved_after(batches: int, **kw) -> dict:
     return data.state_dict()
 
 
+def test_batches_taken_ahead_across_an_epoch_end_are_taken_again_at_resume():
+    # Two batches taken before the loop's first step (carried ahead); the stop comes when the
+    # loader has started the next epoch: its saved position falls back into the epoch before.
+    straight = loader()
+    order = [next(straight)[0] for _ in range(14)]
+    first = loader()
+    ahead = [next(first), next(first)]
+    first.loop_starts()
+    for _ in range(9):
+        next(first)                     # 11 taken: epoch 1 has begun; 9 trained
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    resumed.loop_starts()
+    assert ahead and resumed.epoch == 0 and resumed.batch == 9
+    assert_bitwise_equal(order[9:14], [next(resumed)[0] for _ in range(5)])
+
+
 def test_a_loader_resumed_with_another_batch_size_is_named_and_goes_on_from_the_same_sample(
         caplog):
     order = torch.cat([next(loader(batch=40))[0]])     # the epoch's order, in one batch

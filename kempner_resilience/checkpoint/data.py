@@ -206,6 +206,7 @@ class ResumableLoader:
         self._past: list[tuple[int, list[torch.Tensor], int]] = []
         self._taken = 0          # batches handed out since made or restored
         self._lookahead = 0      # of those, taken before the loop's first step (loop_starts)
+        self._said_far = False   # a look-ahead longer than the epochs kept, said once
 
     def _name(self) -> str:
         return f"ResumableLoader over {type(self.loader.dataset).__name__}"
@@ -256,18 +257,20 @@ class ResumableLoader:
     def _trained_position(self) -> tuple[int, int, list[torch.Tensor]]:
         """(epoch, batch, generator states as that epoch began) of the batches handed to
         finished steps: the position fetched, less the look-ahead."""
-        rng = self._epoch_rng if self._epoch_rng is not None else \
+        now = self._epoch_rng if self._epoch_rng is not None else \
             [g.get_state() for g in self._generators]
-        epoch, batch, back = self.epoch, self.batch, self._lookahead
+        epoch, batch, back, rng = self.epoch, self.batch, self._lookahead, now
         past = list(self._past)
         while back > batch and past:
             back -= batch
             epoch, rng, batch = past.pop()
         if back > batch:          # more look-ahead than two epochs: keep the fetched position
-            log.warning("%s: %d batches taken before the first step, more than it can leave "
-                        "out of the saved position; the resume skips them", self._name(),
-                        self._lookahead)
-            return self.epoch, self.batch, rng
+            if not self._said_far:
+                self._said_far = True
+                log.warning("%s: %d batches taken before the first step, more than it can "
+                            "leave out of the saved position; the resume skips them",
+                            self._name(), self._lookahead)
+            return self.epoch, self.batch, now
         return epoch, batch - back, rng
 
     def state_dict(self) -> dict[str, Any]:
