@@ -133,6 +133,20 @@ def test_gradients_a_finished_step_leaves_behind_are_not_pending():
     assert grads.pending() == {}
 
 
+def test_saving_a_stateless_optimizer_leaves_no_gradient_pending():
+    # Plain SGD has no state: each save's get_optimizer_state_dict makes one up with a step of
+    # zero gradients. That step is torch's, not the loop's: the real gradients stay applied.
+    model = nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState({"model": model, "optim": optim})
+    for step in range(3):
+        optim.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        state.capture(step + 1, 0)
+        assert state.grads.pending() == {}
+
+
 # ---------------------------------------------------------------------------- schedulers
 
 @pytest.mark.slow

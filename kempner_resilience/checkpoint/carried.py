@@ -21,8 +21,9 @@ state entry (or attribute of one) that is a scheduler of it, restarts its schedu
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -49,8 +50,22 @@ class PendingGrads:
         self._applied: dict[int, list[tuple[Any, int] | None]] = {}
         self._handles = [o.register_step_post_hook(self._stepped) for o in self._optims.values()]
         self._said = False
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Steps taken meanwhile are not the loop's: torch's ``get_optimizer_state_dict``
+        makes a stateless optimizer's state up with a zero-gradient step (the real gradients
+        set aside, then put back), which must not count as applying them."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def _stepped(self, optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._paused:
+            return
         self._applied[id(optim)] = [None if p.grad is None else
                                     (weakref.ref(p.grad), tensor_version(p.grad))
                                     for p in _params(optim)]

@@ -266,7 +266,8 @@ class TrainState:
             # with entries the checkpoint lacks). The gradients step aside meanwhile.
             grads = _take_grads(optim) if fresh else []
             try:
-                sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+                with self.grads.paused():    # torch's made-up step applies no real gradient
+                    sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
             finally:
                 for param, grad in grads:
                     param.grad = grad
