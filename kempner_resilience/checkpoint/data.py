@@ -38,14 +38,16 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from kempner_resilience.checkpoint.info import CheckpointError
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.checkpoint.loaderfit import (GlobalDraws, changes, describe,
+                                                     foreign_rngs, rebatch, torch_generators)
+from kempner_resilience.core.log import get_logger, rank
 
 log = get_logger(__name__)
 
 __all__ = ["ResumableLoader", "LoaderEntry", "is_stateful_loader", "plain_loader_error",
            "warn_global_seed"]
 
-_VERSION = 1
+_VERSION = 2      # 2: the loader's shape saved with the position (1 still loads)
 
 
 def is_stateful_loader(value: Any) -> bool:
@@ -67,10 +69,14 @@ def plain_loader_error(name: str) -> CheckpointError:
 def warn_global_seed(name: str, value: Any) -> None:
     """Warn when a hand-written data object in the state holds a DataLoader that seeds itself
     from torch's global RNG: its resumed iterator draws once more than the uninterrupted run,
-    and every random number after it (dropout) differs."""
+    and every random number after it (dropout) differs. A ``ResumableLoader`` is not such an
+    object: the DataLoader it wraps keeps no generator, the twin it draws batches from has one
+    (warning about it was a false alarm on every rank, for the quickstart's own line)."""
+    if isinstance(value, ResumableLoader):
+        return
     loaders = [v for v in vars(value).values() if isinstance(v, DataLoader)] \
         if hasattr(value, "__dict__") else []
-    if any(d.generator is None for d in loaders):
+    if any(d.generator is None for d in loaders) and rank() == 0:
         log.warning("state[%r] holds a DataLoader without its own generator: each iterator it "
                     "builds draws a seed from torch's global RNG, so a resumed run does not "
                     "repeat the uninterrupted one (dropout differs). Wrap the DataLoader in "
@@ -96,14 +102,16 @@ def _global_seed() -> int:
 
 class _SkipFirst:
     """The index sampler of the loader, with the first ``skip`` items of its next pass left
-    out (index lists only: nothing is loaded for them)."""
+    out (index lists only: nothing is loaded for them); its first pass is watched for draws
+    from a global RNG (``loaderfit.GlobalDraws``)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, draws: GlobalDraws) -> None:
         self.inner = inner
         self.skip = 0
+        self._draws = draws
 
     def __iter__(self) -> Iterator[Any]:
-        it = iter(self.inner)
+        it = self._draws.start(self.inner)
         skip, self.skip = self.skip, 0
         for _ in range(skip):
             if next(it, _END) is _END:
@@ -129,6 +137,16 @@ class ResumableLoader:
     with a ``generator`` attribute) without a generator gets one, and the loader's
     ``DistributedSampler`` gets ``set_epoch`` calls. Batches come from a shallow twin of the
     loader (same dataset, workers, collate function) whose index sampler can skip.
+
+    The saved position is the batches handed to steps that finished, not the batches fetched:
+    a loop that takes its batch before the step begins (``zip(data, run.steps(n))``, or a
+    batch fetched before the loop and carried into the next step) holds batches that no
+    finished step trained on. ``ResilientRun`` tells the loader when its loop starts
+    (``loop_starts``): the batches taken since the loader was made or restored are that
+    look-ahead, left out of every saved position; the resumed script takes them again the same
+    way before its first step. A resume whose batch size, dataset length or sampler differs
+    from the checkpoint's is named in a warning (``loaderfit``); a changed batch size goes on
+    from the same sample.
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -144,9 +162,10 @@ class ResumableLoader:
                                   "no indices); use torchdata's StatefulDataLoader with a "
                                   "dataset that has state_dict()/load_state_dict()")
         self.loader = loader
-        self._set_epoch = [s for s in _samplers(loader) if callable(getattr(s, "set_epoch", None))]
+        samplers = _samplers(loader)
+        self._set_epoch = [s for s in samplers if callable(getattr(s, "set_epoch", None))]
         fixed = []
-        for s in _samplers(loader):
+        for s in samplers:
             if hasattr(s, "generator") and s.generator is None:
                 # Without one, RandomSampler draws a seed from the global RNG every epoch.
                 s.generator = torch.Generator().manual_seed(_global_seed())
@@ -157,23 +176,40 @@ class ResumableLoader:
             # The workers' base seed would come from the global RNG at every iterator.
             twin.generator = torch.Generator().manual_seed(_global_seed())
             fixed.append("DataLoader")
-        self._index = _SkipFirst(loader._index_sampler)
+        self._index = _SkipFirst(loader._index_sampler, GlobalDraws(self._name))
         # DataLoader refuses a new sampler after __init__ (its check guards users against
         # changing one mid-iteration); the twin is ours and has never been iterated.
         object.__setattr__(twin, "batch_sampler" if loader._auto_collation else "sampler",
                            self._index)
         self._twin = twin
+        # torch's samplers call theirs `generator`; one of another name is saved all the same.
         self._generators = list({id(g): g for g in
                                  [twin.generator, *(getattr(s, "generator", None)
-                                                    for s in _samplers(loader))]
+                                                    for s in samplers),
+                                  *torch_generators(samplers)]
                                  if isinstance(g, torch.Generator)}.values())
         if fixed:
             log.info("data loader: gave %s its own seeded generator (instead of torch's global "
                      "RNG), saved with the checkpoint", ", ".join(fixed))
+        unsaved = foreign_rngs(samplers)
+        if unsaved and rank() == 0:
+            log.warning("%s: its sampler shuffles with %s, which no checkpoint saves: a resumed "
+                        "epoch comes in another order. Give the sampler a torch.Generator "
+                        "instead (the loader saves it)", self._name(), ", ".join(unsaved))
+        self._shape = describe(loader, samplers)
         self.epoch = 0
         self.batch = 0           # batches of this epoch handed out
         self._epoch_rng: list[torch.Tensor] | None = None    # generator states as it began
         self._it: Iterator[Any] | None = None
+        # Earlier epochs (epoch, its generator states as it began, its batches): a saved
+        # position that leaves out a look-ahead may fall back into the epoch before.
+        self._past: list[tuple[int, list[torch.Tensor], int]] = []
+        self._taken = 0          # batches handed out since made or restored
+        self._lookahead = 0      # of those, taken before the loop's first step (loop_starts)
+        self._said_far = False   # a look-ahead longer than the epochs kept, said once
+
+    def _name(self) -> str:
+        return f"ResumableLoader over {type(self.loader.dataset).__name__}"
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -189,10 +225,12 @@ class ResumableLoader:
                 out = next(self._it)
             except StopIteration:
                 self._it = None
+                self._past = [*self._past[-1:], (self.epoch, self._epoch_rng or [], self.batch)]
                 self.epoch, self.batch = self.epoch + 1, 0
                 self._epoch_rng = None
                 continue
             self.batch += 1
+            self._taken += 1
             return out
         raise RuntimeError("the data loader yields no batches (an empty dataset, or drop_last "
                            "with fewer samples than one batch)")
@@ -208,21 +246,78 @@ class ResumableLoader:
         self._index.skip = self.batch
         self._it = iter(self._twin)
 
-    def state_dict(self) -> dict[str, Any]:
-        rng = self._epoch_rng if self._epoch_rng is not None else \
+    def loop_starts(self) -> None:
+        """The training loop's first step begins: the batches taken since this loader was made
+        or restored are carried into the loop, not trained yet (see the class docstring)."""
+        self._lookahead = self._taken
+        if self._lookahead:
+            log.debug("data loader: %d batch(es) taken before the first step, left out of "
+                      "the saved position", self._lookahead)
+
+    def _trained_position(self) -> tuple[int, int, list[torch.Tensor]]:
+        """(epoch, batch, generator states as that epoch began) of the batches handed to
+        finished steps: the position fetched, less the look-ahead."""
+        now = self._epoch_rng if self._epoch_rng is not None else \
             [g.get_state() for g in self._generators]
-        return {"version": _VERSION, "epoch": self.epoch, "batch": self.batch,
-                "generators": [s.clone() for s in rng]}
+        epoch, batch, back, rng = self.epoch, self.batch, self._lookahead, now
+        past = list(self._past)
+        while back > batch and past:
+            back -= batch
+            epoch, rng, batch = past.pop()
+        if back > batch:          # more look-ahead than two epochs: keep the fetched position
+            if not self._said_far:
+                self._said_far = True
+                log.warning("%s: %d batches taken before the first step, more than it can "
+                            "leave out of the saved position; the resume skips them",
+                            self._name(), self._lookahead)
+            return self.epoch, self.batch, now
+        return epoch, batch - back, rng
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, batch, rng = self._trained_position()
+        return {"version": _VERSION, "epoch": epoch, "batch": batch,
+                "generators": [s.clone() for s in rng], "shape": dict(self._shape)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd.get("version") != _VERSION or len(sd["generators"]) != len(self._generators):
+        if sd.get("version") not in (1, _VERSION) or \
+                len(sd["generators"]) != len(self._generators):
             raise CheckpointError(
                 f"the data position in the checkpoint does not fit this loader (version "
                 f"{sd.get('version')!r}, {len(sd.get('generators', []))} generators; this "
                 f"loader has {len(self._generators)}): was the DataLoader built differently?")
+        if self._taken and rank() == 0:
+            log.warning("%s handed out %d batch(es) before the checkpoint was restored into "
+                        "it: those came from the loader's start, not from where the run "
+                        "stopped. Take batches inside `with ResilientRun(...)`", self._name(),
+                        self._taken)
         self._it = None          # an iterator of the epoch before the restore is stale
         self.epoch, self.batch = int(sd["epoch"]), int(sd["batch"])
         self._epoch_rng = [s.clone() for s in sd["generators"]]
+        self._past, self._taken, self._lookahead = [], 0, 0
+        if "shape" in sd:        # version 1 saved no shape
+            self._check_shape(sd["shape"])
+
+    def _check_shape(self, saved: dict[str, Any]) -> None:
+        """A checkpoint saved by a loader with another batch size, dataset or sampler: named
+        in one warning (rank 0). Only the batch size changed: go on from the same sample."""
+        changed = changes(saved, self._shape)
+        if not changed:
+            return
+        old, new = saved.get("batch_size"), self._shape["batch_size"]
+        words = ""
+        if len(changed) == 1 and isinstance(old, int) and isinstance(new, int):
+            at, again = rebatch(self.batch, old, new)
+            words = (f"; it goes on from the same sample, {self.batch * old} of epoch "
+                     f"{self.epoch} (batch {at})"
+                     + (f", {again} sample(s) of it trained again" if again else ""))
+            self.batch = at
+        else:
+            words = ("; the saved position (epoch %d, batch %d) now means other samples: the "
+                     "rest of this epoch is not the one the checkpoint's run would have "
+                     "trained" % (self.epoch, self.batch))
+        if rank() == 0:
+            log.warning("%s resumes from a checkpoint saved with another loader: %s%s",
+                        self._name(), ", ".join(changed), words)
 
 
 class LoaderEntry:

@@ -36,13 +36,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from kempner_resilience.checkpoint.data import (LoaderEntry, is_stateful_loader,
+from kempner_resilience.checkpoint.carried import PendingGrads, unsaved_schedulers
+from kempner_resilience.checkpoint.data import (LoaderEntry, ResumableLoader, is_stateful_loader,
                                                 plain_loader_error, warn_global_seed)
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.info import CheckpointError
 from kempner_resilience.checkpoint.sharded import (blob_source, local, saved_ranks,
                                                    sharded_parts, world_change_line)
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.log import get_logger, rank as log_rank
 
 try:  # numpy is optional
     import numpy as _np
@@ -174,6 +175,9 @@ class TrainState:
         for name, value in state.items():
             if isinstance(value, torch.optim.Optimizer):
                 self.optims[name] = (value, self._owner(name, value))
+        # Gradients accumulated but not applied at a save go with it (``carried.py``).
+        self.grads = PendingGrads({n: o for n, (o, _) in self.optims.items()})
+        self._schedulers_checked = False
         self.buckets = BucketLayouts(self.modules if ddp_buckets else {})
         self.loaded_buckets: dict[str, Any] | None = None
         self._nbytes: int | None = None     # counted in the training thread (see nbytes)
@@ -262,7 +266,8 @@ class TrainState:
             # with entries the checkpoint lacks). The gradients step aside meanwhile.
             grads = _take_grads(optim) if fresh else []
             try:
-                sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
+                with self.grads.paused():    # torch's made-up step applies no real gradient
+                    sd[name] = get_optimizer_state_dict(module, optim, options=_OPTS)
             finally:
                 for param, grad in grads:
                     param.grad = grad
@@ -273,13 +278,40 @@ class TrainState:
             sd[name] = app.state_dict()
         return sd
 
+    def loop_starts(self) -> None:
+        """The training loop's first step begins: each ``ResumableLoader`` learns how many
+        batches the loop carries in (its look-ahead), and an LR scheduler left out of the
+        state is named."""
+        for obj in self.others.values():
+            if isinstance(obj, ResumableLoader):
+                obj.loop_starts()
+        self.check_schedulers()
+
+    def check_schedulers(self) -> None:
+        """Rank 0, once (at the loop's start, else at the first save): an optimizer in the
+        state that an LR scheduler drives, with the scheduler not in the state."""
+        if self._schedulers_checked:
+            return
+        self._schedulers_checked = True
+        names = unsaved_schedulers({n: o for n, (o, _) in self.optims.items()}, self.others)
+        if names and log_rank() == 0:
+            log.warning("an LR scheduler drives optimizer %s but is not in the state: a resume "
+                        "starts its schedule again (the learning rate jumps). Add it: "
+                        "state={..., \"sched\": scheduler}", ", ".join(repr(n) for n in names))
+
     def capture(self, step: int, rank: int) -> dict[str, Any]:
-        """The DCP state dict for a save. Tensors are the live ones (no copy)."""
+        """The DCP state dict for a save. Tensors are the live ones (no copy); the rank's blob
+        also holds the gradients of an unfinished accumulation window (``carried.py``)."""
+        self.check_schedulers()
+        pending = self.grads.pending()     # before tensor_state: it may step a fresh optimizer
         sd = self.tensor_state()
         self._nbytes = self._count_bytes()
         blob = {"step": step, "rng": capture_rng(),
                 "objects": {n: o.state_dict() for n, o in self.others.items()},
                 "fresh_optims": list(self.fresh_optims)}
+        if pending:
+            blob["grads"] = pending
+            self.grads.say(step, pending)
         if self.buckets.ddps:
             blob[RECORD_KEY] = self.buckets.record()
         buf = io.BytesIO()
@@ -342,6 +374,7 @@ class TrainState:
                 obj.load_state_dict(blob["objects"][name])
             else:
                 log.warning("checkpoint has no state for %r; left as is", name)
+        self.grads.restore(blob.get("grads"))
         # Last: a loader's load_state_dict may draw from the global RNG (a StatefulDataLoader
         # builds its iterator there); the checkpoint's streams overwrite that draw.
         restore_rng(blob["rng"])

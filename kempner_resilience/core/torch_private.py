@@ -20,6 +20,12 @@ Required (the import fails without them):
   (``stop/agreement.py`` calls it directly: the stop layer must not import DCP, which this
   module does; the name is checked here all the same, as every run with state imports this).
 
+- ``Tensor._version``: a tensor's in-place write counter; a gradient accumulated into since
+  the optimizer's last step has a higher one (``tensor_version``, ``checkpoint/carried.py``);
+- an optimizer's ``step`` wrapped by ``LRScheduler`` (its ``_wrapped_by_lr_sched`` mark): a
+  scheduler drives it (``lr_scheduler_attached``, ``checkpoint/carried.py``; without the mark
+  the check finds no scheduler and says nothing).
+
 Optional (looked up where used; without them a feature is off and says so in the log):
 
 - a gloo backend's ``_set_default_timeout`` (``checkpoint/comm.py``: bounding a save's wait for
@@ -66,7 +72,8 @@ __all__ = ["MIN_TORCH", "TESTED_ON", "check_version", "StorageInfo", "StoragePre
            "narrow_tensor_by_index", "rebuild_tensor_v2", "element_size",
            "dtype_to_storage_type_map", "foreach_copy_", "ELASTIC", "elastic",
            "remaining_restarts", "set_remaining_restarts", "rendezvous_state", "this_node",
-           "instance_missing", "SUBPROCESS_HANDLER_MODULE", "MP_API_MODULE"]
+           "instance_missing", "SUBPROCESS_HANDLER_MODULE", "MP_API_MODULE", "tensor_version",
+           "lr_scheduler_attached"]
 
 # The oldest torch this package is run on: 2.11 (CUDA 13) by bench/gpu_check.py on the GPU
 # machines, 2.13 (CPU) by the test suite. An older torch is refused rather than trusted: the
@@ -115,6 +122,9 @@ dtype_to_storage_type_map = _need(torch.storage, "_dtype_to_storage_type_map",
                                   "checkpoint/recordfmt.py")
 foreach_copy_ = _need(torch, "_foreach_copy_", "rescue/boundary.py")
 _need(_c10d, "_get_default_store", "stop/agreement.py")
+
+if not hasattr(torch.empty(0), "_version"):
+    _missing.append("Tensor._version (used by checkpoint/carried.py)")
 
 if _missing:
     raise ImportError(
@@ -225,3 +235,14 @@ def this_node(handler: Any) -> Any:
     return getattr(handler, "_this_node", None)
 
 
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """How many in-place writes ``t`` has seen (autograd's version counter)."""
+    return int(t._version)
+
+
+def lr_scheduler_attached(optim: torch.optim.Optimizer) -> bool:
+    """Whether a torch ``LRScheduler`` was made on ``optim`` (it wraps ``optim.step`` and
+    marks the wrapper)."""
+    return bool(getattr(optim.step, "_wrapped_by_lr_sched", False))

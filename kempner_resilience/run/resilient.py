@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 from kempner_resilience.checkpoint import identity
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV
 from kempner_resilience.config import ExitMode, ResilienceConfig, load_config
-from kempner_resilience.core.log import announce, get_logger
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.run import remarks as loop
+from kempner_resilience.run import window
 from kempner_resilience.run.begin import begin
 from kempner_resilience.runstate import Progress, RunParts, RunState
 from kempner_resilience.shutdown import exit as leaving
@@ -134,6 +136,7 @@ class ResilientRun:
                 # received or agreed to: finish the shutdown here, on every rank alike.
                 sequence.stop(run, StopDecision(self.step, reason, mine is not None))
             if exc_type is None:
+                loop.say_if_never_looped(run.parts, self._looped, self._progress.last_saved)
                 sequence.complete(run, self.step)
         finally:
             self._hang.stop()
@@ -230,7 +233,9 @@ class ResilientRun:
         if not self._looped:
             self._looped = True
             parts.ledger.event("loop", step=progress.step)
-            self._say_what_remains(total)
+            if parts.ckpt is not None:    # loaders learn their look-ahead; schedulers checked
+                parts.ckpt.state.loop_starts()
+            loop.say_what_remains(parts, progress.step, total)
         rescue = parts.rescue
         if rescue is not None:
             rescue.mark(progress.step)
@@ -245,6 +250,8 @@ class ResilientRun:
             if lost and parts.ledger.active:
                 parts.ledger.disown()  # the new holder's ledger from now on, not ours
             decision = parts.agreement.poll(progress.step, reason, lost)
+            if decision is not None:     # inside an accumulation window: at its end (window.py)
+                decision = window.stop_here(parts, progress.step, decision)
             if decision is not None:
                 sequence.stop(run, decision)     # a lost lease: nothing saved
             yield progress.step
@@ -261,23 +268,6 @@ class ResilientRun:
         if rescue is not None:
             rescue.close()
         self._record_complete()
-
-    def _say_what_remains(self, total: int) -> None:
-        """Rank 0, when ``steps`` starts after a resume: a run that already reached ``total``
-        says it is complete and trains nothing; one whose loop had finished before says it
-        trains longer."""
-        parts, step = self._state.parts, self._progress.step
-        if parts.rank != 0 or parts.resumed_from is None or parts.ckpt is None:
-            return
-        done = parts.completed_step        # read from run.json at the start (begin.py)
-        if step >= total:
-            announce(log, "run %s is complete: it resumed at step %d and run.steps(%d) has no "
-                     "step left to train. To train longer, raise the total; to start a new run "
-                     "in this directory, set checkpoint.resume: false (this run's checkpoints "
-                     "are kept)", parts.run_id, step, total)
-        elif done is not None and done < total:
-            announce(log, "run %s finished run.steps(%d) before; training longer: steps %d to "
-                     "%d", parts.run_id, done, step, total)
 
     def _record_complete(self) -> None:
         """Rank 0, at the end of the loop: record in ``run.json`` the step this run's lineage

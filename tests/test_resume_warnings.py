@@ -1,0 +1,343 @@
+"""Every resume is exact or says why not (issue 31, items 2 and 3): the traps users fall into,
+each found at run time and named in one line on rank 0, or made exact.
+
+- a stop inside a gradient-accumulation window: the gradients are saved and put back, so the
+  resumed run ends bitwise equal to an uninterrupted one (DDP ``no_sync`` windows, 2 ranks);
+- an LR scheduler driving a saved optimizer but left out of the state: named;
+- a ``ResumableLoader`` resumed with another batch size, dataset length or sampler: named (a
+  batch size alone goes on from the same sample);
+- a sampler whose RNG no checkpoint holds: named; a torch generator of any name: saved;
+- a script that never iterates ``run.steps()``: named at exit; batches taken from a loader
+  before the checkpoint was restored into it: named;
+- ``zip(data, run.steps(n))``, ``zip(run.steps(n), data)`` and a batch carried into the next
+  step all resume bitwise (the saved position is the batches finished steps trained on);
+- the quickstart's own lines on 2 ranks: nothing but the start line.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
+
+import kempner_resilience as kr
+from adopt_helpers import doc_example, finish, start_ranks
+from checkpoint_helpers.launch import HERE
+from helpers import assert_bitwise_equal, rank_logs
+from kempner_resilience.checkpoint.carried import PendingGrads
+from kempner_resilience.checkpoint.state import TrainState
+from kempner_resilience.demo.launcher import LocalLauncher
+from kempner_resilience.exitcodes import ExitCode
+
+STEPS, SIGNAL_AT, PER_EPOCH = 25, 12, 10
+
+
+def run_job(work: Path, *extra: str, launches: int = 3):
+    """(launches, rank 0's --out or None, each rank's seen samples) of carry_train.py."""
+    work.mkdir(parents=True)
+    out = work / "w.pt"
+    cmd = [sys.executable, str(HERE / "carry_train.py"), "--ckpt", str(work / "ckpt"),
+           "--out", str(out), *extra]
+    done = LocalLauncher(cmd, ranks=2, workdir=work, max_launches=launches).run()
+    seen = [(work / f"seen.rank{r}").read_text().splitlines()
+            if (work / f"seen.rank{r}").exists() else [] for r in range(2)]
+    return done, torch.load(out, weights_only=True) if out.exists() else None, seen
+
+
+def ours(text: str, rank: int) -> list[str]:
+    """The lines this package logged as ``rank``."""
+    return [line for line in text.splitlines() if f"[rank {rank}]" in line]
+
+
+# ----------------------------------------------------------------------- zip, either way
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    launches, weights, seen = run_job(tmp_path_factory.mktemp("straight") / "job",
+                                      "--steps", str(STEPS))
+    assert [l.exit_code for l in launches] == [0]
+    return weights, seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["steps-first", "loader-first", "prefetch"])
+def test_each_loop_order_interrupted_mid_epoch_resumes_bitwise(tmp_path, straight, loop):
+    # zip(data, run.steps(n)) takes the batch of a step that the stop never runs; so does a
+    # batch carried into the next step. Neither is counted as trained, so nothing is skipped.
+    launches, weights, seen = run_job(tmp_path / loop, "--steps", str(STEPS), "--loop", loop,
+                                      "--signal-at", str(SIGNAL_AT))
+    assert [l.exit_code for l in launches] == [ExitCode.REQUEUE, 0], launches[-1].stderr_tail
+    stop = launches[0].report["stop_step"]
+    assert stop % PER_EPOCH != 0 and stop > PER_EPOCH, f"stopped at {stop}: not mid-epoch 2"
+    assert seen == straight[1]           # every step the same samples as the straight run
+    assert_bitwise_equal(straight[0], weights)
+
+
+# ------------------------------------------------------------------ gradient accumulation
+
+ACCUM = ("--accum", "4", "--no-sync", "--steps", "16")   # optim.step() at steps 3, 7, 11, 15
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory):
+    launches, weights, _ = run_job(tmp_path_factory.mktemp("accum") / "straight", *ACCUM)
+    assert [l.exit_code for l in launches] == [0]
+    return weights
+
+
+@pytest.mark.slow
+def test_a_stop_agreed_inside_a_no_sync_window_waits_for_its_end_and_resumes_bitwise(
+        tmp_path, accumulated):
+    # The signal comes during step 8: the agreed step falls inside the window of steps 8-11,
+    # where the ranks drift apart (no collective); every rank stops at its end, step 12.
+    launches, weights, _ = run_job(tmp_path / "job", *ACCUM, "--signal-at", "8")
+    assert [l.exit_code for l in launches] == [ExitCode.REQUEUE, 0], launches[-1].stderr_tail
+    assert launches[0].report["stop_step"] == 12
+    said = ours(rank_logs(tmp_path / "job", 0), 0)
+    assert [l for l in said if "inside a gradient-accumulation window" in l], "\n".join(said)
+    assert_bitwise_equal(accumulated, weights)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_inside_a_window_keeps_its_gradients_and_resumes_bitwise(
+        tmp_path, accumulated):
+    # The periodic save at step 7 falls inside the window of steps 4-7; rank 0 is SIGKILLed
+    # during step 9, and the relaunch resumes from step 7 with the window's gradients.
+    launches, weights, _ = run_job(tmp_path / "job", *ACCUM, "--kill-at", "9", "--no-rescue")
+    assert launches[-1].exit_code == 0 and len(launches) == 2, launches[-1].stderr_tail
+    assert launches[1].report["resumed_from"] == 7
+    said = ours(rank_logs(tmp_path / "job", 0), 0)
+    assert [l for l in said if "the checkpoint keeps them" in l], "\n".join(said)
+    assert_bitwise_equal(accumulated, weights)
+
+
+def test_gradients_a_finished_step_leaves_behind_are_not_pending():
+    # zero_grad() at the start of the next step (the quickstart's loop): at the boundary the
+    # gradients are the ones the optimizer applied; nothing is saved, nothing is said.
+    model = nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = PendingGrads({"optim": optim})
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+    assert grads.pending() == {}
+    model(torch.randn(2, 4)).sum().backward()      # one micro-batch of the next window
+    assert set(grads.pending()) == {"optim"}
+    optim.zero_grad(set_to_none=False)              # zeros in place: nothing to keep
+    assert grads.pending() == {}
+
+
+def test_saving_a_stateless_optimizer_leaves_no_gradient_pending():
+    # Plain SGD has no state: each save's get_optimizer_state_dict makes one up with a step of
+    # zero gradients. That step is torch's, not the loop's: the real gradients stay applied.
+    model = nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState({"model": model, "optim": optim})
+    for step in range(3):
+        optim.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        state.capture(step + 1, 0)
+        assert state.grads.pending() == {}
+
+
+# ---------------------------------------------------------------------------- schedulers
+
+@pytest.mark.slow
+def test_a_scheduler_left_out_of_the_state_is_named_once_on_rank_0(tmp_path):
+    launches, _, _ = run_job(tmp_path / "job", "--steps", "3", "--case", "unsaved-sched",
+                             launches=1)
+    assert [l.exit_code for l in launches] == [0]
+    logs = rank_logs(tmp_path / "job", 0)
+    named = [l for l in ours(logs, 0) if "LR scheduler" in l]
+    assert len(named) == 1 and "'optim'" in named[0], logs
+    assert ours(logs, 1) == []
+
+
+def test_a_scheduler_in_the_state_or_held_by_a_state_object_draws_no_warning(caplog):
+    model = nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=3)
+
+    class Schedules:                     # a scheduler kept inside an object of the user's
+        def __init__(self) -> None:
+            self.sched = sched
+
+        def state_dict(self) -> dict:
+            return self.sched.state_dict()
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.sched.load_state_dict(sd)
+
+    for held in (sched, Schedules()):
+        TrainState({"model": model, "optim": optim, "sched": held}).loop_starts()
+    assert caplog.text == ""
+    TrainState({"model": model, "optim": optim}).loop_starts()
+    assert "LR scheduler drives optimizer 'optim'" in caplog.text
+
+
+# ----------------------------------------------------------------------- loop never entered
+
+@pytest.mark.slow
+def test_a_script_that_never_iterates_the_steps_is_named_at_exit(tmp_path):
+    launches, _, _ = run_job(tmp_path / "job", "--steps", "3", "--case", "no-loop", launches=1)
+    assert [l.exit_code for l in launches] == [0]
+    logs = rank_logs(tmp_path / "job", 0)
+    assert [l for l in ours(logs, 0) if "without iterating run.steps()" in l], logs
+    assert ours(logs, 1) == []
+    assert not list((tmp_path / "job" / "ckpt").glob("step_*"))
+
+
+# ---------------------------------------------------------------------------- data loaders
+
+DATA = TensorDataset(torch.arange(40))
+
+
+def loader(batch: int = 4, data=DATA, sampler=None) -> kr.ResumableLoader:
+    torch.manual_seed(0)
+    return kr.ResumableLoader(DataLoader(data, batch_size=batch,
+                                         sampler=sampler or RandomSampler(data)))
+
+
+def saved_after(batches: int, **kw) -> dict:
+    data = loader(**kw)
+    for _ in range(batches):
+        next(data)
+    return data.state_dict()
+
+
+def test_batches_taken_ahead_across_an_epoch_end_are_taken_again_at_resume():
+    # Two batches taken before the loop's first step (carried ahead); the stop comes when the
+    # loader has started the next epoch: its saved position falls back into the epoch before.
+    straight = loader()
+    order = [next(straight)[0] for _ in range(14)]
+    first = loader()
+    ahead = [next(first), next(first)]
+    first.loop_starts()
+    for _ in range(9):
+        next(first)                     # 11 taken: epoch 1 has begun; 9 trained
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    resumed.loop_starts()
+    assert ahead and resumed.epoch == 0 and resumed.batch == 9
+    assert_bitwise_equal(order[9:14], [next(resumed)[0] for _ in range(5)])
+
+
+def test_a_loader_resumed_with_another_batch_size_is_named_and_goes_on_from_the_same_sample(
+        caplog):
+    order = torch.cat([next(loader(batch=40))[0]])     # the epoch's order, in one batch
+    resumed = loader(batch=2)
+    resumed.load_state_dict(saved_after(3, batch=4))    # 12 samples trained
+    assert "batch size 4 -> 2" in caplog.text
+    assert torch.equal(next(resumed)[0], order[12:14])
+
+
+def test_a_loader_resumed_over_a_dataset_of_another_length_is_named(caplog):
+    resumed = loader(data=TensorDataset(torch.arange(48)))
+    resumed.load_state_dict(saved_after(3))
+    assert "dataset length 40 -> 48" in caplog.text
+
+
+def test_a_loader_resumed_with_another_sampler_is_named(caplog):
+    resumed = loader(sampler=DistributedSampler(DATA, num_replicas=2, rank=0, shuffle=False))
+    resumed.load_state_dict(saved_after(3, sampler=DistributedSampler(
+        DATA, num_replicas=2, rank=0, shuffle=True)))
+    assert "DistributedSampler.shuffle True -> False" in caplog.text
+
+
+def test_batches_taken_before_the_checkpoint_was_restored_are_named(caplog):
+    # A batch taken before `with ResilientRun(...)` came from the start, not from the resume.
+    data = loader()
+    next(data)
+    data.load_state_dict(saved_after(3))
+    assert "handed out 1 batch(es) before the checkpoint was restored" in caplog.text
+
+
+def test_a_loader_resumed_as_it_was_saved_says_nothing(caplog):
+    loader().load_state_dict(saved_after(3))
+    assert caplog.text == ""
+
+
+class NumpyShuffle(torch.utils.data.Sampler):
+    def __init__(self, n: int) -> None:
+        self.n, self.rng = n, np.random.default_rng(0)
+
+    def __iter__(self):
+        return iter(self.rng.permutation(self.n).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class GlobalShuffle(NumpyShuffle):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n).tolist())
+
+
+class OwnGenerator(NumpyShuffle):
+    def __init__(self, n: int) -> None:
+        self.n, self.rng = n, torch.Generator().manual_seed(3)
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.rng).tolist())
+
+
+def test_a_sampler_shuffling_with_a_numpy_rng_is_named(caplog):
+    loader(sampler=NumpyShuffle(40))
+    assert "NumpyShuffle.rng (numpy Generator)" in caplog.text
+
+
+def test_a_sampler_drawing_from_the_global_rng_is_named_when_its_epoch_starts(caplog):
+    data = loader(sampler=GlobalShuffle(40))
+    assert caplog.text == ""
+    next(data)
+    assert "draws from a global RNG" in caplog.text
+
+
+def test_a_sampler_with_a_torch_generator_of_any_name_resumes_the_same_order(caplog):
+    ref = loader(sampler=OwnGenerator(40))
+    straight = [next(ref)[0] for _ in range(15)]       # into the second epoch
+    resumed = loader(sampler=OwnGenerator(40))
+    resumed.load_state_dict(saved_after(12, sampler=OwnGenerator(40)))
+    assert_bitwise_equal(straight[12:], [next(resumed)[0] for _ in range(3)])
+    assert caplog.text == ""
+
+
+def test_a_resumable_loader_in_the_state_draws_no_warning(caplog):
+    # The quickstart's own line used to warn on every rank that it should be wrapped.
+    TrainState({"data": kr.ResumableLoader(DataLoader(DATA, sampler=DistributedSampler(
+        DATA, num_replicas=1, rank=0)))})
+    assert caplog.text == ""
+
+
+# ------------------------------------------------------------------ the documented happy path
+
+@pytest.mark.slow
+def test_the_quickstart_lines_on_2_ranks_log_nothing_but_the_start_line(tmp_path):
+    # docs/quickstart.md's adopted DDP script as written (one epoch instead of eight): a fresh
+    # run, then the same script again (it resumes from step 60 and trains the last 4 steps
+    # again). Each time rank 0 says one line, rank 1 none.
+    _, after = doc_example("quickstart.md", "### Adopting an existing DDP script", "\n#")
+    script = tmp_path / "train.py"
+    script.write_text(after.replace("EPOCHS = 8", "EPOCHS = 1"))
+    work = tmp_path / "work"
+    work.mkdir()
+    for start_words in ("starting fresh", "resumed from"):
+        procs = start_ranks(script, work, 20)
+        outs = []
+        for p in procs:
+            outs.append(p.communicate(timeout=180)[0])
+        assert [p.returncode for p in procs] == [0, 0], outs
+        lines = ours(outs[0], 0)
+        assert len(lines) == 1 and start_words in lines[0], outs[0]
+        assert ours(outs[1], 1) == [], outs[1]
+        assert "Traceback" not in outs[0] + outs[1]
