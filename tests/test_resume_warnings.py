@@ -37,15 +37,15 @@ from kempner_resilience.exitcodes import ExitCode
 STEPS, SIGNAL_AT, PER_EPOCH = 25, 12, 10
 
 
-def run_job(work: Path, *extra: str, launches: int = 3):
+def run_job(work: Path, *extra: str, launches: int = 3, ranks: int = 2):
     """(launches, rank 0's --out or None, each rank's seen samples) of carry_train.py."""
     work.mkdir(parents=True)
     out = work / "w.pt"
     cmd = [sys.executable, str(HERE / "carry_train.py"), "--ckpt", str(work / "ckpt"),
            "--out", str(out), *extra]
-    done = LocalLauncher(cmd, ranks=2, workdir=work, max_launches=launches).run()
+    done = LocalLauncher(cmd, ranks=ranks, workdir=work, max_launches=launches).run()
     seen = [(work / f"seen.rank{r}").read_text().splitlines()
-            if (work / f"seen.rank{r}").exists() else [] for r in range(2)]
+            if (work / f"seen.rank{r}").exists() else [] for r in range(ranks)]
     return done, torch.load(out, weights_only=True) if out.exists() else None, seen
 
 
@@ -101,6 +101,20 @@ def test_a_stop_agreed_inside_a_no_sync_window_waits_for_its_end_and_resumes_bit
     said = ours(rank_logs(tmp_path / "job", 0), 0)
     assert [l for l in said if "inside a gradient-accumulation window" in l], "\n".join(said)
     assert_bitwise_equal(accumulated, weights)
+
+
+@pytest.mark.slow
+def test_a_single_rank_stops_inside_a_window_at_once_and_its_checkpoint_keeps_the_gradients(
+        tmp_path):
+    # One rank has nobody to drift from: no step of the signal's grace is spent on waiting for
+    # the window's end (steps 8-11); the emergency checkpoint keeps the window's gradients.
+    one = ("--accum", "4", "--steps", "16")
+    straight, reference, _ = run_job(tmp_path / "straight", *one, ranks=1)
+    assert [l.exit_code for l in straight] == [0]
+    launches, weights, _ = run_job(tmp_path / "job", *one, "--signal-at", "8", ranks=1)
+    assert [l.exit_code for l in launches] == [ExitCode.REQUEUE, 0], launches[-1].stderr_tail
+    assert launches[0].report["stop_step"] in (9, 10, 11)
+    assert_bitwise_equal(reference, weights)
 
 
 @pytest.mark.slow

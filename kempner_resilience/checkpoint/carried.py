@@ -5,11 +5,11 @@ saved optimizer without being saved itself.
 Gradient accumulation: a stop (or a periodic save) at a step boundary inside an accumulation
 window finds gradients that the next ``optim.step()`` would have applied. Dropped, the resumed
 window applies fewer micro-batches than the uninterrupted one (the issue measured a max weight
-difference of 0.027). Of the two exact answers, stopping at the window's end or saving the
-gradients, this package saves them: the stop happens at once (a window can be many seconds long
-and the signal's grace period is not), nothing is lost, and it works the same for DDP's
-``no_sync`` windows, where every rank holds gradients of its own (they go into the rank's own
-blob, never deduplicated across ranks). ``PendingGrads`` tells such gradients from the ones a
+difference of 0.027). A checkpoint taken inside a window saves them: a periodic save, a
+single rank's stop, and a stop whose window did not close within ``run/window.py``'s bound (a
+stop of several ranks waits for the window's end first, see there). Under DDP's ``no_sync``
+every rank holds gradients of its own: they go into the rank's own blob, never deduplicated
+across ranks. ``PendingGrads`` tells such gradients from the ones a
 finished step leaves behind (``zero_grad()`` at the start of the next step): it notes each
 gradient's tensor and version after every ``optimizer.step()`` (a post-step hook, public API), and
 at a save takes those changed since then, and not all zeros (``zero_grad(set_to_none=False)``).

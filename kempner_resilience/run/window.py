@@ -9,7 +9,9 @@ the signal reaches the agreed step; stopping there would leave that rank waiting
 deadline. The window's closing step is a collective every rank reaches, so every rank stops at
 the first boundary at or past the agreed step where no gradient is pending (a rank that saw the
 agreement only past it stops where it is: the same boundary). The wait is bounded
-(``MAX_WAIT_STEPS``, the same on every rank) and runs inside the signal's grace period.
+(``MAX_WAIT_STEPS``, the same on every rank) and runs inside the signal's grace period; past
+the bound the stop happens where it is and the checkpoint keeps the gradients. A single rank
+never waits: nothing drifts, and its checkpoint keeps the gradients.
 
 A periodic save inside a window (every rank saves at the same step, so no rank drifts past it)
 keeps the pending gradients instead, and a resume puts them back (``checkpoint/carried.py``).
@@ -39,8 +41,10 @@ def stop_here(parts: RunParts, step: int, decision: StopDecision) -> StopDecisio
     # agreement late decided at a later step of its own).
     agreed = parts.agreement.stop_at()
     agreed = decision.step if agreed is None else agreed
-    if decision.lease_lost or parts.ckpt is None or step >= agreed + MAX_WAIT_STEPS \
-            or not parts.ckpt.state.grads.pending():
+    # One rank has no peer to drift from: it stops at once, and the emergency checkpoint keeps
+    # the window's gradients (exact too, and no step of the signal's grace spent on waiting).
+    if decision.lease_lost or parts.ckpt is None or parts.agreement.world_size == 1 \
+            or step >= agreed + MAX_WAIT_STEPS or not parts.ckpt.state.grads.pending():
         return replace(decision, step=step)
     if step == decision.step and parts.rank == 0:
         log.warning("the stop agreed for step %d falls inside a gradient-accumulation window: "
