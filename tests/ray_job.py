@@ -8,7 +8,8 @@ when the training completes, the model's weights to --out.
 
 ``--supervise`` runs the group through the Ray supervisor backend (``ray_supervise``): a lost
 actor's group comes back in the same driver. Each training call writes WORK/pids/r<rank>.<pid>
-when it starts; its ``finally`` records whether its process group was destroyed.
+when it starts; its ``finally`` records whether its process group was destroyed. The rollout's
+call writes WORK/pids/rollout.<pid>.
 
 ``--parent`` runs the driver under a parent that, like ``uv run``, dies on Ctrl+C and sends its
 child SIGTERM (once: it is dead after); it exits with the driver's code.
@@ -75,6 +76,8 @@ class Trainer(TrainingActor):
 
 class Rollout(AsyncActor):
     async def run(self, work: str, n: int, fail_at_step: int) -> list:
+        Path(work, "pids").mkdir(exist_ok=True)
+        Path(work, "pids", f"rollout.{os.getpid()}").write_text("")
         try:
             return await self.main(supervise(self._episode(Path(work), i, fail_at_step)
                                              for i in range(n)))

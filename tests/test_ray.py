@@ -110,6 +110,14 @@ class Job:
             assert time.monotonic() < until and self.proc.poll() is None, self.text()
             time.sleep(0.1)
 
+    def rollout_pid(self, timeout: float = 60.0) -> int:
+        """The pid of the rollout actor's process, once its call started."""
+        until = time.monotonic() + timeout
+        while not (found := list((self.work / "pids").glob("rollout.*"))):
+            assert time.monotonic() < until and self.proc.poll() is None, self.text()
+            time.sleep(0.1)
+        return int(found[0].name.split(".")[1])
+
     def teardown_of(self, pid: int) -> str:
         """What the training call of actor process ``pid`` recorded in its ``finally``."""
         return next((self.work / "pids").glob(f"r[0-9]*.{pid}")).read_text()
@@ -284,6 +292,23 @@ def test_sigkill_of_one_training_actor_is_rescued_and_its_group_recreated_losing
     assert f"(step {rescued})" in text, text               # the next group resumed from it
     assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
     assert job.resources() == 0
+    assert job.processes() == []
+
+
+def test_sigterm_to_the_asyncio_rollout_actor_cancels_every_episode_and_leaks_nothing(
+        tmp_path: Path) -> None:
+    # Ray's kill without force, a node drain, an eviction of the rollout actor: SIGTERM to its
+    # own process, whose event loop runs in a thread the signal's handler does not run on.
+    job = Job(tmp_path, tmp_path / "ckpt", "--steps", "400")
+    job.wait_training()
+    rollout = job.rollout_pid()
+    os.kill(rollout, signal.SIGTERM)
+    assert _gone(rollout, within_s=25.0), job.text()      # signals.grace_per_signal_s SIGTERM
+    assert "rollout" in job.finally_ran(), job.text()
+    assert job.resources() == 0, job.text()               # every episode's finally ran
+    if job.proc.poll() is None:                           # the training may go on: end it
+        job.ctrl_c()
+    job.wait()
     assert job.processes() == []
 
 

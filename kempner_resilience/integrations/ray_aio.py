@@ -12,13 +12,25 @@ the tasks; what goes wrong there (SkyRL's leaked sandboxes) is the same two thin
   after the caller is gone. ``supervise`` runs the work as one ``asyncio.TaskGroup``: the first
   failure cancels the siblings, waits for their ``finally``, then raises.
 
-Ray's SIGTERM handler runs on the worker's main thread, not the loop's, and the loop's thread
-cannot install one; a SIGTERM sent to an asyncio actor itself is not covered yet (docs/ray.md).
+* a SIGTERM sent to the actor's own process (Ray's kill, a node drain, an eviction). Ray's
+  SIGTERM handler runs on the worker's main thread (Ray's core worker calls the pending Python
+  handlers from its task loop every few ms), not the loop's, and no code of an asyncio actor ever
+  runs on that thread (``__init__`` too runs on the loop's), so the actor cannot install a
+  handler of its own. Ray's handler raises ``SystemExit`` through
+  ``ray._private.worker.raise_sys_exit_with_custom_error_message``, after which Ray waits for
+  the in-flight tasks to end on their own (a rollout never does: the process hangs, then is
+  killed with its resources held). ``main()`` wraps that one function of Ray's worker module
+  (only Ray's SIGTERM handler calls it there): on the main thread, it first cancels every main
+  task of every ``AsyncActor`` of the process on its loop and waits for their ``finally``, up to
+  SIGTERM's grace (``signals.grace_per_signal_s``) less 5 s, then lets Ray's exit go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
+import weakref
 from typing import Any, Awaitable, Coroutine, Iterable
 
 from kempner_resilience.core.log import get_logger
@@ -26,6 +38,10 @@ from kempner_resilience.core.log import get_logger
 __all__ = ["supervise", "AsyncActor"]
 
 log = get_logger(__name__)
+
+# The AsyncActors of this process that ran a main task: a SIGTERM stops them all.
+_ACTORS: "weakref.WeakSet[AsyncActor]" = weakref.WeakSet()
+_MARGIN_S = 5.0
 
 
 async def supervise(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
@@ -62,11 +78,16 @@ class AsyncActor:
     """
 
     _mains: "set[asyncio.Task[Any]]"
+    _loop: asyncio.AbstractEventLoop
 
     async def main(self, aw: Awaitable[Any]) -> Any:
-        """Await ``aw`` as a task of its own that ``stop()`` cancels."""
+        """Await ``aw`` as a task of its own that ``stop()`` or a SIGTERM to this process
+        cancels."""
         if not hasattr(self, "_mains"):
             self._mains = set()
+        self._loop = asyncio.get_running_loop()
+        _ACTORS.add(self)
+        _hook_ray_sigterm()
         task = asyncio.ensure_future(aw)
         self._mains.add(task)
         try:
@@ -87,3 +108,49 @@ class AsyncActor:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         return len(tasks)
+
+
+def _hook_ray_sigterm() -> None:
+    """Make Ray's SIGTERM exit of this worker cancel the main tasks first (module docstring)."""
+    try:
+        import ray._private.worker as ray_worker
+    except ImportError:    # not in a Ray worker: nothing to hook
+        return
+    original = getattr(ray_worker, "raise_sys_exit_with_custom_error_message", None)
+    if original is None:
+        log.warning("this Ray has no raise_sys_exit_with_custom_error_message: a SIGTERM to "
+                    "this asyncio actor will not cancel its tasks")
+        return
+    if getattr(original, "_kr_stops_first", False):
+        return
+
+    def stop_then_exit(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            _stop_all_actors()
+        return original(*args, **kwargs)
+
+    stop_then_exit._kr_stops_first = True  # type: ignore[attr-defined]
+    ray_worker.raise_sys_exit_with_custom_error_message = stop_then_exit
+
+
+def _stop_all_actors() -> None:
+    """From the main thread: cancel every actor's main tasks on its loop and wait, bounded."""
+    from kempner_resilience.config import load_config
+
+    bound = max(1.0, load_config().signals.grace_for("SIGTERM") - _MARGIN_S)
+    futures = []
+    for actor in list(_ACTORS):
+        loop = getattr(actor, "_loop", None)
+        if loop is not None and not loop.is_closed():
+            futures.append(asyncio.run_coroutine_threadsafe(actor.stop(), loop))
+    if not futures:
+        return
+    log.warning("SIGTERM: cancelling the asyncio actor's main tasks (up to %.0f s for their "
+                "cleanup)", bound)
+    done, pending = concurrent.futures.wait(futures, timeout=bound)
+    stopped = sum(f.result() for f in done if f.exception() is None)
+    if pending:
+        log.error("SIGTERM: %d actor(s) still cleaning up after %.0f s; exiting anyway",
+                  len(pending), bound)
+    else:
+        log.warning("SIGTERM: %d main task(s) cancelled and cleaned up", stopped)
