@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from helpers import assert_bitwise_equal
 from kempner_resilience.checkpoint import CheckpointManager
-from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU
+from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU, ENV_STAGE_CPU_GIBPS
 from kempner_resilience.config import CheckpointConfig, StagingMode
 from kempner_resilience.demo.launcher import LocalLauncher, train_command
 from kempner_resilience.exitcodes import ExitCode
@@ -276,3 +276,21 @@ def test_the_first_staged_save_is_proven_against_a_plain_copy_and_later_saves_ar
         mgr.save(2)
     proven = [r for r in caplog.records if "staging proven" in r.getMessage()]
     assert len(proven) == 1
+
+
+def test_a_save_through_an_asynchronous_paced_stand_in_copy_writes_the_same_files(
+        tmp_path, monkeypatch):
+    # ENV_STAGE_CPU_GIBPS: each chunk's copy runs in a copy thread, paced like a device link,
+    # and is awaited before its chunk is written or refilled (as a CUDA event would be).
+    state = _state()
+    monkeypatch.setenv(ENV_STAGE_CPU_GIBPS, "2.0")
+    staged = _staged_manager(tmp_path / "staged", state, monkeypatch)
+    monkeypatch.delenv(ENV_STAGE_CPU_GIBPS)
+    plain = CheckpointManager(_cfg(tmp_path / "plain"), state)
+    a, b = staged.save(1), plain.save(1)
+    assert staged.staging.staged_bytes == _tensor_bytes(state)
+    shards = sorted(p.name for p in a.path.glob("*.distcp"))
+    assert len(shards) == 2 and shards == sorted(p.name for p in b.path.glob("*.distcp"))
+    for name in shards:
+        assert (a.path / name).read_bytes() == (b.path / name).read_bytes(), name
+    assert staged.staging.nbytes <= CAP_GIB * 2**30       # within checkpoint.staging_cap_gib

@@ -27,6 +27,7 @@ import contextlib
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -35,7 +36,7 @@ from kempner_resilience.checkpoint import recordfmt
 from kempner_resilience.config import CheckpointConfig, StagingMode
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["HostStaging", "Slot", "Chunk", "ENV_STAGE_CPU", "flat_bytes", "chunk_layout", "reserve"]
+__all__ = ["HostStaging", "Slot", "Chunk", "ENV_STAGE_CPU", "ENV_STAGE_CPU_GIBPS", "flat_bytes", "chunk_layout", "reserve"]
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.state import TrainState
@@ -45,7 +46,30 @@ log = get_logger(__name__)
 ENV_STAGE_CPU = "KEMPNER_RESILIENCE_STAGE_CPU"
 """Set to 1 to stage CPU tensors too (tests and benchmarks: the pipeline without a GPU)."""
 
-_MAX_CHUNK = 64 << 20     # a writev this large streams at disk speed; larger only costs memory
+ENV_STAGE_CPU_GIBPS = "KEMPNER_RESILIENCE_STAGE_CPU_GIBPS"
+"""With ``KEMPNER_RESILIENCE_STAGE_CPU=1`` (tests and benchmarks only): a CPU tensor's copy into a
+chunk becomes a stand-in for the device-to-host copy: asynchronous (a copy thread per slot;
+``Chunk.wait`` waits for it, as for a CUDA event) and paced to this many GiB/s for all slots
+together (one link, as PCIe is one), so the overlap of copies and writes can be shown and
+measured on a machine without a GPU."""
+
+
+class _Link:
+    """The stand-in's shared link: copies take turns at ``gibps`` (``ENV_STAGE_CPU_GIBPS``)."""
+
+    def __init__(self, gibps: float) -> None:
+        self.gibps = gibps
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def pace(self, nbytes: int) -> None:
+        """Sleep until a copy of ``nbytes`` that queued now would be through the link."""
+        with self._lock:
+            start = max(time.monotonic(), self._free_at)
+            self._free_at = done = start + nbytes / (self.gibps * 2**30)
+        time.sleep(max(0.0, done - time.monotonic()))
+
+_MAX_CHUNK = 8 << 20      # small enough that filling and draining the pipeline costs little
 _GOOD_CHUNK = 4 << 20     # below this, per-chunk overheads (syscalls, events) start to show
 _MIN_CHUNK = 4 << 10
 
@@ -88,6 +112,7 @@ class Chunk:
         self._events: list[Any] = []             # CUDA events after the copies issued so far
         self._streams: set[Any] = set()          # side streams with copies not yet marked
         self.hold: list[torch.Tensor] = []       # device tensors an async copy still touches
+        self.jobs: list[Future[None]] = []       # stand-in device copies (ENV_STAGE_CPU_GIBPS)
 
     def used_by(self, stream: Any) -> None:
         self._streams.add(stream)
@@ -106,14 +131,21 @@ class Chunk:
         for ev in self._events:
             ev.synchronize()
         self._events.clear()
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job.result()
         self.hold.clear()
 
 
 class Slot:
     """What one I/O thread stages through: two chunks and, on CUDA, its own side streams."""
 
-    def __init__(self, chunks: list[Chunk]) -> None:
+    def __init__(self, chunks: list[Chunk], link: _Link | None = None) -> None:
         self.chunks = chunks
+        # The stand-in for the device copy (tests and benchmarks): one copy thread, paced.
+        self._link = link
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="ckpt-stand-in-copy") \
+            if link is not None else None
         self.staged_bytes = 0
         self._streams: dict[int, Any] = {}
         self._ready: set[int] = set()
@@ -161,9 +193,17 @@ class Slot:
                 dst.copy_(src, non_blocking=True)
             chunk.used_by(stream)
             chunk.hold.append(device_side)
+        elif self._copier is not None:
+            chunk.jobs.append(self._copier.submit(self._paced_copy, dst, src))
         else:
             dst.copy_(src)
         self.staged_bytes += dst.numel()
+
+    def _paced_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The stand-in device copy: the bytes, done when the shared link has carried them."""
+        assert self._link is not None
+        dst.copy_(src)
+        self._link.pace(dst.numel())
 
     def quiesce(self) -> None:
         """Wait for every copy of this slot (the end of a file, or of a failed save)."""
@@ -223,7 +263,10 @@ class HostStaging:
         if mode is StagingMode.PAGEABLE:
             # Touched now: first-touch page faults would otherwise slow the first save.
             bufs = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(2 * nslots)]
-        slots = [Slot([Chunk(bufs[2 * i]), Chunk(bufs[2 * i + 1])]) for i in range(nslots)]
+        gibps = float(os.environ.get(ENV_STAGE_CPU_GIBPS, "0") or 0) if stage_cpu else 0.0
+        link = _Link(gibps) if gibps > 0 else None
+        slots = [Slot([Chunk(bufs[2 * i]), Chunk(bufs[2 * i + 1])], link)
+                 for i in range(nslots)]
         if device is not None:
             for slot in slots:
                 slot.prepare(device)

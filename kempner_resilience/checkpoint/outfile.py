@@ -6,7 +6,8 @@ memory, many at once per ``writev``. A device tensor's bytes are copied into the
 chunks of ``hostbuf`` (no fresh ``.cpu()`` copy per tensor), the copy of the next chunk
 overlapping the write of the current one, and the CRC is computed over the staged bytes; a
 ``StagedRecord`` completes its record's suffix once its last byte has been checksummed. The
-kernel is asked to start writing back each batch at once, so the disk works while we checksum.
+kernel is asked to start writing back each batch at once, so the disk works while we checksum;
+with a ``directio.DirectSink`` the batches go past the page cache instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from kempner_resilience.checkpoint import recordfmt
+from kempner_resilience.checkpoint.directio import DirectSink
 from kempner_resilience.checkpoint.hostbuf import Chunk, Slot, flat_bytes
 
 __all__ = ["OutFile", "StagedRecord", "SaveAborted", "ENV_STAGE_FAULT"]
@@ -122,8 +124,9 @@ class OutFile:
     """
 
     def __init__(self, fd: int, slot: Slot | None, abort: threading.Event, where: Any,
-                 caller_streams: dict[int, Any]) -> None:
+                 caller_streams: dict[int, Any], sink: DirectSink | None = None) -> None:
         self.fd = fd
+        self.sink = sink                # past the page cache (directio), when given
         self.slot = slot
         self.abort = abort
         self.where = where
@@ -209,6 +212,9 @@ class OutFile:
         self._writev(iov)
 
     def _writev(self, iov: list[Any]) -> None:
+        if self.sink is not None:
+            self.flushed += self.sink.write(iov)
+            return
         n = _writev_all(self.fd, iov)
         _start_writeback(self.fd, self.flushed, n)
         self.flushed += n
@@ -219,3 +225,5 @@ class OutFile:
         if self.sealed is not None:
             previous, self.sealed = self.sealed, None
             self._write(*previous)
+        if self.sink is not None:
+            self.sink.close()

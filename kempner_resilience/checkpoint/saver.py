@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from kempner_resilience.checkpoint import commit, dircheck, layout, pinned, retention
 from kempner_resilience.checkpoint.comm import Comm
+from kempner_resilience.checkpoint.directio import DirectPool
 from kempner_resilience.checkpoint.estimate import SaveEstimator
 from kempner_resilience.checkpoint.hostbuf import HostStaging
 from kempner_resilience.checkpoint.info import (CheckpointError, CheckpointInfo, SavePeerLost,
@@ -64,6 +65,9 @@ class Saver:
         self.peer_timeout_s = peer_timeout_s
         self.staging = staging
         self.staging_proven = False
+        # Allocated and touched now, at set-up: the files are written past the page cache
+        # from these (directio), so no save draws fresh pages from free memory.
+        self.direct = DirectPool.reserve(config.io_threads)
         self.manifest_extra = manifest_extra
         self.run_id: str | None = None            # the manager's, once claimed
         self.lease: Lease | None = None           # rank 0's lease on the directory, once claimed
@@ -151,7 +155,7 @@ class Saver:
             staging = self.staging if self.staging_proven or reason != "emergency" else None
             prove = staging is not None and not self.staging_proven
             writer = ChecksummingWriter(path, threads=self.config.io_threads, abort=abort,
-                                        staging=staging, prove=prove)
+                                        staging=staging, prove=prove, direct=self.direct)
             failure: BaseException | None = None
             try:
                 # Plan caching: with an unchanged state layout (every save after the first),

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from kempner_resilience.checkpoint import recordfmt
+from kempner_resilience.checkpoint.directio import DirectPool, DirectSink
 from kempner_resilience.checkpoint.hostbuf import HostStaging, caller_streams
 from kempner_resilience.checkpoint.layout import file_crc
 from kempner_resilience.checkpoint.outfile import ENV_STAGE_FAULT, OutFile, SaveAborted
@@ -78,12 +79,14 @@ class ChecksummingWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int = 2,
                  abort: threading.Event | None = None,
-                 staging: HostStaging | None = None, prove: bool = False) -> None:
+                 staging: HostStaging | None = None, prove: bool = False,
+                 direct: DirectPool | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True,
                          thread_count=threads, overwrite=False)
         self.threads = max(1, threads)
         self.abort = abort or threading.Event()
         self.staging = staging
+        self.direct = direct            # buffers for writing past the page cache (directio)
         # Check every staged record against a plain copy of its tensor (the run's first staged
         # save): the staging path's streams, events and reused chunks are trusted only once
         # they have produced the same bytes as the simple path, before anything is committed.
@@ -138,49 +141,26 @@ class ChecksummingWriter(FileSystemWriter):
         path = Path(self.path) / name
         staging = self.staging
         lease = staging.lease() if staging is not None else contextlib.nullcontext()
+        bounce = self.direct.lease() if self.direct is not None else contextlib.nullcontext()
         # O_EXCL: a fresh file in a fresh directory; never overwrite anything.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         results: list[WriteResult] = []
         records: list[list[Any]] = []
         expected: list[tuple[str, list[Any], int]] = []     # (fqn, staged record, plain crc)
-        offset = 0
         try:
-            with lease as slot:
-                out = OutFile(fd, slot, self.abort, self.path, self._caller_streams)
-                for item in items:
-                    if self.abort.is_set():
-                        raise SaveAborted(f"save into {self.path} abandoned")
-                    data = planner.resolve_data(item)
-                    if item.type == WriteItemType.BYTE_IO:
-                        buf = data.getbuffer() if isinstance(data, io.BytesIO) \
-                            else memoryview(data)
-                        length = buf.nbytes
-                        rec: list[Any] = [offset, length, zlib.crc32(buf)]
-                        out.add([buf], length)
-                    else:
-                        t = data.detach()
-                        if slot is not None and staging is not None and staging.wants(t) \
-                                and recordfmt.encodable(t) and t.is_contiguous():
-                            if self.prove:
-                                plain = t.to("cpu", copy=True)   # synchronous, no chunks
-                                expected.append((item.index.fqn, None,
-                                                 recordfmt.tensor_record(plain).crc))
-                            rec = out.add_staged(t, offset)
-                            length = rec[1]
-                            if self.prove:
-                                expected[-1] = (expected[-1][0], rec, expected[-1][2])
-                        else:
-                            rec = self._record(t, offset, out)
-                            length = rec[1]
-                    records.append(rec)
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=StorageInfo(name, offset, length)))
-                    offset += length
-                    out.maybe_seal()
-                out.close()
+            with lease as slot, bounce as pair:
+                sink = DirectSink(path, fd, pair) if pair is not None else None
+                try:
+                    self._fill(OutFile(fd, slot, self.abort, self.path, self._caller_streams,
+                                       sink), items, planner, name, staging, slot, results,
+                               records, expected)
+                finally:
+                    if sink is not None:
+                        sink.shutdown()
                 os.fsync(fd)
         finally:
             os.close(fd)
+        offset = sum(r[1] for r in records)
         for fqn, rec, crc in expected:
             if rec[2] != crc:
                 raise StagingMismatch(f"{STAGING_MISMATCH}: tensor {fqn!r} (record crc "
@@ -193,6 +173,43 @@ class ChecksummingWriter(FileSystemWriter):
                             "records": records}
         self.bytes_written += offset
         return results
+
+    def _fill(self, out: OutFile, items: list[WriteItem], planner: SavePlanner, name: str,
+              staging: HostStaging | None, slot: Any, results: list[WriteResult],
+              records: list[list[Any]], expected: list[tuple[str, Any, int]]) -> None:
+        """Append every item's record to ``out`` in order, then write what is pending."""
+        offset = 0
+        for item in items:
+            if self.abort.is_set():
+                raise SaveAborted(f"save into {self.path} abandoned")
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getbuffer() if isinstance(data, io.BytesIO) \
+                    else memoryview(data)
+                length = buf.nbytes
+                rec: list[Any] = [offset, length, zlib.crc32(buf)]
+                out.add([buf], length)
+            else:
+                t = data.detach()
+                if slot is not None and staging is not None and staging.wants(t) \
+                        and recordfmt.encodable(t) and t.is_contiguous():
+                    if self.prove:
+                        plain = t.to("cpu", copy=True)   # synchronous, no chunks
+                        expected.append((item.index.fqn, None,
+                                         recordfmt.tensor_record(plain).crc))
+                    rec = out.add_staged(t, offset)
+                    length = rec[1]
+                    if self.prove:
+                        expected[-1] = (expected[-1][0], rec, expected[-1][2])
+                else:
+                    rec = self._record(t, offset, out)
+                    length = rec[1]
+            records.append(rec)
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=StorageInfo(name, offset, length)))
+            offset += length
+            out.maybe_seal()
+        out.close()
 
     @staticmethod
     def _record(t: torch.Tensor, offset: int, out: OutFile) -> list[Any]:
