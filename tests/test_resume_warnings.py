@@ -130,6 +130,17 @@ def test_a_checkpoint_saved_inside_a_window_keeps_its_gradients_and_resumes_bitw
     assert_bitwise_equal(accumulated, weights)
 
 
+def test_gradients_a_step_before_the_run_left_behind_are_not_pending():
+    # A warm-up step taken before the state was wrapped: its gradients are no accumulation
+    # window of the run (no warning, nothing extra in the checkpoint, no stop waiting).
+    model = nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    grads = PendingGrads({"optim": optim})
+    assert grads.pending() == {}
+
+
 def test_gradients_a_finished_step_leaves_behind_are_not_pending():
     # zero_grad() at the start of the next step (the quickstart's loop): at the boundary the
     # gradients are the ones the optimizer applied; nothing is saved, nothing is said.

@@ -51,6 +51,11 @@ class PendingGrads:
         self._handles = [o.register_step_post_hook(self._stepped) for o in self._optims.values()]
         self._said = False
         self._paused = False
+        # Gradients already there when the run is set up were left by a step before it (a
+        # warm-up, a step taken before the state was wrapped), not accumulated by this run's
+        # loop: as the last step left them. A resume's restored gradients are new tensors.
+        for optim in self._optims.values():
+            self._stepped(optim, (), {})
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

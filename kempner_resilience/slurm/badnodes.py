@@ -25,6 +25,7 @@ never placed on those nodes, IDLE or not. ``exclude_for_requeue`` runs that upda
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -186,8 +187,16 @@ def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.
     args = _plan(job_id, wanted, _shielded_scontrol, timeout, None, min_nodes)
     update = [] if isinstance(args, ScontrolResult) else args
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    # requeuehold, update, release: a job requeued plainly is pending at once, and the
+    # scheduler may start it before the update lands, on the very node it must leave (seen on
+    # the test cluster when the dead node came back IDLE within that moment). Held, it waits
+    # for the update; the release is tried whatever the update did (exit 4: the job is left
+    # held, said with its fix below). A requeuehold that fails (exit 3) leaves the caller's
+    # usual path: a plain requeue, then the update.
     script = ('s=$0; j=$1; shift; trap "" TERM INT HUP USR1 USR2; '
-              '"$s" requeue "$j" || exit 3; [ $# = 0 ] || exec "$s" "$@"')
+              '[ $# = 0 ] && exec "$s" requeue "$j"; '
+              '"$s" requeuehold "$j" || exit 3; "$s" "$@"; u=$?; '
+              '"$s" release "$j" || exit 4; exit $u')
     cmd = [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
            "--job-name=kr-requeue", "--kill-on-bad-exit=0", "/bin/sh", "-c", script, exe,
            str(job_id), *update]
@@ -200,6 +209,11 @@ def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.
                               seconds=time.monotonic() - t0)
     res = ScontrolResult(("requeue", str(job_id), *update[1:]), proc.returncode, proc.stdout,
                          proc.stderr, seconds=time.monotonic() - t0)
+    if proc.returncode == 4:
+        _log.error("job %s was requeued but is left held (`scontrol release %s` failed: %s); "
+                   "fix: run `scontrol release %s`", job_id, job_id,
+                   (proc.stderr or proc.stdout).strip()[-300:], job_id)
+        return dataclasses.replace(res, returncode=0)   # requeued, the exclusion made
     if update and proc.returncode != 3:
         _report(job_id, wanted, res)
     return res
