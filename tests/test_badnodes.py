@@ -186,7 +186,8 @@ def test_a_job_with_spares_asks_for_fewer_nodes_rather_than_never_start(fake_sco
 
 def test_the_batch_step_requeues_and_excludes_from_a_step_of_its_own(fake_scontrol, tmp_path):
     # SLURM SIGKILLs the batch step at once on a requeue: neither it nor a child of its own
-    # could make the update after it, so both commands run in a one-task srun step.
+    # could make the update after it, so the commands run in a one-task srun step. The job is
+    # requeued held, so that it cannot start on the node it must leave before the update.
     from kempner_resilience.config import RequeueConfig
     from kempner_resilience.slurm import SlurmJob, requeue_job
     calls = fake_scontrol('[ "$1" = show ] && echo "JobId=42 ExcNodeList=(null)"; exit 0')
@@ -198,7 +199,7 @@ def test_the_batch_step_requeues_and_excludes_from_a_step_of_its_own(fake_scontr
     assert res.ok and res.excluded == ("n2",)
     lines = calls.read_text().splitlines()
     assert lines[0] == "show -o job 42" and lines[1].startswith("srun --overlap --nodes=1")
-    assert lines[2:] == ["requeue 42", "update JobId=42 ExcNodeList=n2"]
+    assert lines[2:] == ["requeuehold 42", "update JobId=42 ExcNodeList=n2", "release 42"]
 
 
 def test_a_job_of_tasks_per_node_giving_its_spare_up_asks_for_the_tasks_of_the_nodes_left(

@@ -169,6 +169,7 @@ def complete(state: RunState, step: int) -> None:
     if state.parts.ckpt is not None:
         state.parts.ckpt.close()
     record(state, Facts(Ending.COMPLETED, step))
+    state.parts.agreement.release()
 
 
 def record(state: RunState, facts: Facts) -> int:

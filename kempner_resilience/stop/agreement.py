@@ -214,6 +214,14 @@ class StopAgreement:
                 self.store.set(done_key, "1")
         return value
 
+    def release(self) -> None:
+        """The run is over: drop this object's reference to the store. The store then goes
+        with the process group when the script destroys it, as without this package, instead of
+        living on into the interpreter's finalisation, where destroying rank 0's store server
+        (its thread) aborted a finished FSDP2 rank now and then ("terminate called without an
+        active exception", exit -6: a completed job recorded FAILED)."""
+        self.store = None
+
     def use_forced_marker(self, marker: Path) -> None:
         """Announce forced exits also as the file ``marker`` (``RunPaths.forced_marker`` of
         this attempt's token, the same on every rank). The store dies with its host, rank 0:
