@@ -34,7 +34,6 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
-from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, load_config
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.runpaths import RunPaths
@@ -45,8 +44,9 @@ from kempner_resilience.slurm.badnodes import bad_nodes
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
+from kempner_resilience.supervise.channel import newest_commit
 
-__all__ = ["RayDriver", "committed_step"]
+__all__ = ["RayDriver"]
 
 log = get_logger(__name__)
 
@@ -245,7 +245,7 @@ class RayDriver:
         if job is None or self.config is None:
             return None
         paths = RunPaths.from_config(self.config)
-        step = committed_step(paths)
+        step = newest_commit(paths)
         if step is None:
             log.warning("%s: not requeued, nothing committed to come back to", why)
             return None
@@ -305,15 +305,6 @@ class RayDriver:
         log.error("forced: killing %d actors and the local Ray node", len(self.actors))
         self._kill_actors()
         _kill_descendants(os.getpid())
-
-
-def committed_step(paths: RunPaths) -> int | None:
-    """The newest committed checkpoint's step in the run's directory (None: none)."""
-    try:
-        steps = [e.step for e in layout.scan(paths) if e.committed]
-    except OSError:
-        return None
-    return max(steps) if steps else None
 
 
 def _driver_forces(signum: int, earlier: list[int]) -> bool:

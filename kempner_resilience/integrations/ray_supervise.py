@@ -36,8 +36,9 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.ray_actor import ActorEnding
-from kempner_resilience.integrations.ray_driver import RayDriver, committed_step
+from kempner_resilience.integrations.ray_driver import RayDriver
 from kempner_resilience.slurm.badnodes import record_bad_nodes
+from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
@@ -106,7 +107,7 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         nodes = driver.get([a.node_id.remote() for a in actors])
         if on_group is not None:
             on_group(restarts, actors)
-        before = committed_step(paths)
+        before = newest_commit(paths)
         outcomes, killed = driver.wait_group([train(a, r) for r, a in enumerate(actors)],
                                              actors, cancel=cancel,
                                              bound=config.rescue.budget_s + 30.0)
@@ -115,7 +116,7 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         bad_nodes |= dead
         decision = decide(group_evidence(
             ends, config, restarts=restarts, stalled=stalled,
-            commits=Commits(before, committed_step(paths)), dead=frozenset(dead),
+            commits=Commits(before, newest_commit(paths)), dead=frozenset(dead),
             spares=_spares(ray, nodes, bad_nodes) if dead else None))
         log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
                     [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,

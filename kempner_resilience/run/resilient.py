@@ -36,7 +36,7 @@ from kempner_resilience.shutdown import outcome, sequence
 from kempner_resilience.shutdown.report import REPORT_ENV
 from kempner_resilience.stop.agreement import StopDecision
 from kempner_resilience.stop.reason import StopKind, StopReason
-from kempner_resilience.stop.rehearsal import rehearse
+from kempner_resilience.stop import rehearsal
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.stop.teardown import CleanupResult, TeardownStack
 from kempner_resilience.stop.watchdog import HangWatchdog
@@ -239,8 +239,10 @@ class ResilientRun:
         rescue = parts.rescue
         if rescue is not None:
             rescue.mark(progress.step)
+        plan = rehearsal.planned()      # check-resume's stops (stop/rehearsal.py); () otherwise
         while progress.step < total:
-            rehearse(progress.step, parts.start_step, parts.agreement)  # stop/rehearsal.py
+            if plan:
+                rehearsal.rehearse(plan, progress.step, parts.start_step, parts.agreement)
             now = time.monotonic()
             reason = self._signal_reason()
             if reason is None and now >= clock.threshold and clock.due(now):

@@ -18,14 +18,14 @@ after the stop at step 3 starts at 3 and goes on to 7.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 from dataclasses import dataclass
 
 from kempner_resilience.stop.agreement import StopAgreement
 
-__all__ = ["REHEARSAL_ENV", "PlannedStop", "parse", "encode", "rehearse", "min_gap"]
+__all__ = ["REHEARSAL_ENV", "PlannedStop", "parse", "encode", "planned", "rehearse",
+           "min_gap"]
 
 #: The plan, in the ranks' environment (set by check-resume; unset in every real job).
 REHEARSAL_ENV = "KEMPNER_RESILIENCE_REHEARSAL"
@@ -82,23 +82,25 @@ def encode(stops: tuple[PlannedStop, ...] | list[PlannedStop]) -> str:
     return ",".join(s.text() for s in stops)
 
 
-@functools.lru_cache(maxsize=1)
-def _plan(text: str) -> tuple[PlannedStop, ...]:
-    return parse(text)
-
-
-def rehearse(step: int, start: int, agreement: StopAgreement) -> None:
-    """At the boundary of ``step`` of a launch that started at ``start`` (its resumed step):
-    raise this rank's planned signal, if any. ``signal.raise_signal`` runs the Python handler
-    before it returns, so the boundary's poll that follows already sees the stop request. Several ranks agree on
-    a stop ``lead_steps`` after the boundary that saw the signal (``agreement.py``): the signal
-    is raised that much earlier, so the stop lands on the planned step. A SIGKILL needs no
-    agreement and comes at the planned step itself."""
+def planned() -> tuple[PlannedStop, ...]:
+    """This process's plan, read once when the loop starts (empty in every real job: the
+    per-step path then pays one truth test, not an environment lookup)."""
     text = os.environ.get(REHEARSAL_ENV)
-    if not text or step <= start:
+    return parse(text) if text else ()
+
+
+def rehearse(plan: tuple[PlannedStop, ...], step: int, start: int,
+             agreement: StopAgreement) -> None:
+    """At the boundary of ``step`` of a launch that started at ``start`` (its resumed step):
+    raise this rank's signal of ``plan`` (``planned()``), if any. ``signal.raise_signal`` runs
+    the Python handler before it returns, so the boundary's poll that follows already sees the
+    stop request. Several ranks agree on a stop ``lead_steps`` after the boundary that saw the
+    signal (``agreement.py``): the signal is raised that much earlier, so the stop lands on the
+    planned step. A SIGKILL needs no agreement and comes at the planned step itself."""
+    if step <= start:
         return
     lead = agreement.lead_steps if agreement.distributed else 0
-    for stop in _plan(text):
+    for stop in plan:
         early = 0 if stop.signum == signal.SIGKILL else lead
         if stop.step - early == step and stop.rank in (None, agreement.rank):
             signal.raise_signal(stop.signum)
