@@ -24,8 +24,24 @@ mixes the memory of unrelated runs started from the same directory. So the ranks
   it (``restarts``). ``KEMPNER_RESTART_COUNT``, which carried it before, is still set for the
   user's script (as ``SLURM_RESTART_COUNT`` is) but no longer read by the library when a
   channel says it; set by hand without one it is read with a deprecation warning;
+- the supervisor says there which relaunch in place a launch is (``begin_relaunch``,
+  ``relaunch.json``: 1, 2, ... and when it was launched; SLURM's restart count stays the same
+  across them): the ledger counts it as an attempt of its own (``relaunched``) and the ranks
+  name their hang marks after it (``launch_name``);
+- a torchrun agent gives its workers a channel of its own (``Channel.for_agent``), since one
+  agent runs per node and each restarts its own workers: a directory ``agents/<node>-<pid>``
+  inside the job's channel when a supervisor above it gave one (rank 0's report, the hang marks
+  and the supervisor's memory stay in the job's), else a private one. ``agent.json`` there
+  marks it and names the job's channel (or none) and the agent's rendezvous
+  (``rendezvous``: rank 0 asks it whether a standby takes a failed node's place). A private
+  agent channel has no supervisor above the agents (``Channel.supervised`` is false): rank 0
+  then still requeues the job itself when no standby waits;
 - the supervisor keeps its per-job memory there (``train_nodes``); what belongs to the run and
   outlives the job (bad nodes, restart events) goes to the run's directory that rank 0 named.
+
+``KEMPNER_RESILIENCE_SUPERVISOR`` is the only variable of this contract. The ones it replaced
+(the relaunch index, its start, the torchrun rendezvous) are still read when set by hand and no
+channel says otherwise, with a deprecation warning (``supervise/legacy_env.py``).
 
 The directory lives as long as the job: a requeued job keeps its id and finds its run again
 before its ranks have said anything; the supervisor removes it when the job ends for good
@@ -37,6 +53,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,22 +63,32 @@ from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["CHANNEL_ENV", "RESTART_INDEX_ENV", "Channel", "RunReport", "REPORT_NAME", "report_now",
-           "launch_name", "newest_commit"]
+__all__ = ["CHANNEL_ENV", "Channel", "Relaunched", "RunReport", "REPORT_NAME", "report_now",
+           "launch_name", "relaunched", "newest_commit"]
 
 _log = get_logger(__name__)
 
 #: The channel's directory, set by the supervisor in every rank's environment.
 CHANNEL_ENV = "KEMPNER_RESILIENCE_SUPERVISOR"
-#: The relaunch in place's number (1, 2, ...; unset in the first launch), set by the supervisor:
-#: SLURM_RESTART_COUNT stays the same across relaunches in place, this tells them apart.
-RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
 #: Rank 0's report, in the channel.
 REPORT_NAME = "run.json"
 _JOBS_DIR = ".kempner-resilience"
 _HANG_SEEN = "hang-seen"
 _LAUNCH = "launch.json"
 _TRAIN_NODES = "train-nodes.json"
+_RELAUNCH = "relaunch.json"
+_AGENT = "agent.json"
+_AGENTS_DIR = "agents"
+
+
+@dataclass(frozen=True)
+class Relaunched:
+    """Which relaunch in place this launch of the ranks is (SLURM's restart count stays the
+    same across them): ``index`` 0 for the job's first launch, then 1, 2, ...; ``t`` when the
+    supervisor launched it (epoch seconds; None: unknown)."""
+
+    index: int = 0
+    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,13 +127,54 @@ class RunReport:
 class Channel:
     """One job's channel directory (see the module docstring)."""
 
-    root: Path
+    root: Path                  # the job's: rank 0's report, hang marks, the supervisor's memory
+    agent: Path | None = None   # a torchrun agent's own directory: its workers' relaunch
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Channel | None":
-        """The channel a supervisor gave this process, or None (no supervisor)."""
+        """The channel a supervisor gave this process, or None (no supervisor). A torchrun
+        agent's channel (``agent.json`` in it) resolves to the job's channel it names."""
         value = (os.environ if environ is None else environ).get(CHANNEL_ENV)
-        return cls(Path(value)) if value else None
+        if not value:
+            return None
+        path = Path(value)
+        try:
+            data = load_json_bounded(path / _AGENT)
+        except FileNotFoundError:
+            return cls(path)
+        except (OSError, ValueError) as e:
+            _log.warning("%s unreadable (%s): taken as the job's channel", path / _AGENT, e)
+            return cls(path)
+        job = data.get("job") if isinstance(data, dict) else None
+        return cls(Path(job) if isinstance(job, str) and job else path, agent=path)
+
+    @classmethod
+    def for_agent(cls, job: "Channel | None", node: str) -> "Channel":
+        """A torchrun agent's own channel for its workers (created): ``agents/<node>-<pid>``
+        in ``job``'s directory (the supervisor above the agents), else a private directory
+        that is the job's channel too (no supervisor: ``supervised`` is false). One agent per
+        node restarts its own workers, so their relaunch index cannot be one file of the
+        job's. ``remove_agent`` takes it away."""
+        if job is not None:
+            path = job.root / _AGENTS_DIR / f"{node}-{os.getpid()}"
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path = Path(tempfile.mkdtemp(prefix="kempner-resilience-agent-"))
+        channel = cls(job.root if job is not None else path, agent=path)
+        channel.offer_rendezvous(None)
+        return channel
+
+    @property
+    def supervised(self) -> bool:
+        """Whether a supervisor above the ranks decides whether the job runs again (the srun
+        step loop, ``launch``, submitit's controller): false only for a torchrun agent's
+        private channel, where rank 0 still requeues the job itself."""
+        return self.agent is None or self.agent != self.root
+
+    @property
+    def _own(self) -> Path:
+        """Where this launch's own words live: the agent's directory, else the job's."""
+        return self.agent if self.agent is not None else self.root
 
     @classmethod
     def for_job(cls, job_id: str, environ: Mapping[str, str] | None = None,
@@ -122,8 +190,8 @@ class Channel:
         return cls(root)
 
     def env(self) -> dict[str, str]:
-        """The variables that hand this channel to the ranks."""
-        return {CHANNEL_ENV: str(self.root)}
+        """The variables that hand this channel to the ranks (the one contract: one)."""
+        return {CHANNEL_ENV: str(self._own)}
 
     # ------------------------------------------------------------------ rank 0's report
 
@@ -185,6 +253,69 @@ class Channel:
         return value if isinstance(value, int) and not isinstance(value, bool) \
             and value >= 0 else None
 
+    def begin_relaunch(self, index: int, t: float | None = None) -> None:
+        """Before a launch of the ranks: it is relaunch in place ``index`` (0: the job's first
+        launch), launched at ``t`` (default now). In the agent's directory for a torchrun
+        agent's channel. Whole, never fsynced; never raises."""
+        data = {"index": int(index), "t": time.time() if t is None else float(t)}
+        try:
+            write_atomic(self._own / _RELAUNCH, json.dumps(data), durable=False)
+        except OSError as e:
+            _log.error("cannot tell the ranks their relaunch in %s: %s", self._own, e)
+
+    def relaunched(self) -> Relaunched | None:
+        """Which relaunch in place the supervisor said this launch is (None: not said)."""
+        try:
+            data = load_json_bounded(self._own / _RELAUNCH)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            _log.warning("%s unreadable (%s)", self._own / _RELAUNCH, e)
+            return None
+        index = data.get("index") if isinstance(data, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            return None
+        t = data.get("t")
+        ok = isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e11
+        return Relaunched(index, float(t) if ok else None)
+
+    def offer_rendezvous(self, rendezvous: Mapping[str, Any] | None) -> None:
+        """A torchrun agent's channel: the rendezvous its agents would relaunch the workers in
+        (``slurm/standby.Relaunch``'s fields; None: none), with the job's channel it belongs
+        to. Whole, never fsynced; never raises."""
+        if self.agent is None:
+            raise ValueError("only a torchrun agent's channel offers a rendezvous")
+        data = {"job": None if self.agent == self.root else str(self.root),
+                "rendezvous": None if rendezvous is None else dict(rendezvous)}
+        try:
+            write_atomic(self.agent / _AGENT, json.dumps(data), durable=False)
+        except (OSError, TypeError, ValueError) as e:
+            _log.error("cannot tell the workers the rendezvous in %s: %s", self.agent, e)
+
+    def rendezvous(self) -> dict[str, Any] | None:
+        """The rendezvous this process's torchrun agent offers (None: not under one)."""
+        if self.agent is None:
+            return None
+        try:
+            data = load_json_bounded(self.agent / _AGENT)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            _log.warning("%s unreadable (%s)", self.agent / _AGENT, e)
+            return None
+        found = data.get("rendezvous") if isinstance(data, dict) else None
+        return found if isinstance(found, dict) else None
+
+    def remove_agent(self) -> None:
+        """The agent is done: its own directory goes (the whole channel when it was private)."""
+        if self.agent is None:
+            return
+        shutil.rmtree(self.agent, ignore_errors=True)
+        try:
+            self.agent.parent.rmdir()      # agents/, when this was its last agent
+        except OSError:
+            pass
+
     # ------------------------------------------------------------------ the ranks' hang words
 
     def hang_seen_dir(self, launch: str) -> Path:
@@ -241,10 +372,23 @@ class Channel:
             pass
 
 
+def relaunched(environ: Mapping[str, str] | None = None) -> Relaunched:
+    """Which relaunch in place this process's launch is: as its channel says, else (set by
+    hand, or an older launcher) the deprecated variables, else the first launch."""
+    from kempner_resilience.supervise.legacy_env import relaunch_by_hand
+
+    channel = Channel.from_env(environ)
+    said = channel.relaunched() if channel is not None else None
+    if said is not None:
+        return said
+    by_hand = relaunch_by_hand(environ)
+    return Relaunched(*by_hand) if by_hand is not None else Relaunched()
+
+
 def launch_name(environ: Mapping[str, str] | None = None) -> str:
     """This launch of the ranks within the job: ``<requeues>.<relaunches in place>``."""
     env = os.environ if environ is None else environ
-    return f"{env.get('SLURM_RESTART_COUNT') or 0}.{env.get(RESTART_INDEX_ENV) or 0}"
+    return f"{env.get('SLURM_RESTART_COUNT') or 0}.{relaunched(environ).index}"
 
 
 def newest_commit(paths: RunPaths | None) -> int | None:
