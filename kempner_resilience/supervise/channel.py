@@ -21,27 +21,20 @@ mixes the memory of unrelated runs started from the same directory. So the ranks
   with the GIL held cannot, which singles its node out);
 - the supervisor says there, before each launch, how often it started the ranks before
   (``begin_launch``, ``launch.json``): the run's restart budget and ledger count attempts from
-  it (``restarts``). ``KEMPNER_RESTART_COUNT``, which carried it before, is still set for the
-  user's script (as ``SLURM_RESTART_COUNT`` is) but no longer read by the library when a
-  channel says it; set by hand without one it is read with a deprecation warning;
+  it (``restarts``). ``KEMPNER_RESTART_COUNT`` is still set for the user's script (as
+  ``SLURM_RESTART_COUNT`` is); the library reads it only set by hand, deprecated;
 - the supervisor says there which relaunch in place a launch is (``begin_relaunch``,
-  ``relaunch.json``: 1, 2, ... and when it was launched; SLURM's restart count stays the same
-  across them): the ledger counts it as an attempt of its own (``relaunched``) and the ranks
-  name their hang marks after it (``launch_name``);
-- a torchrun agent gives its workers a channel of its own (``Channel.for_agent``), since one
-  agent runs per node and each restarts its own workers: a directory ``agents/<node>-<pid>``
-  inside the job's channel when a supervisor above it gave one (rank 0's report, the hang marks
-  and the supervisor's memory stay in the job's), else a private one. ``agent.json`` there
-  marks it and names the job's channel (or none) and the agent's rendezvous
-  (``rendezvous``: rank 0 asks it whether a standby takes a failed node's place). A private
-  agent channel has no supervisor above the agents (``Channel.supervised`` is false): rank 0
-  then still requeues the job itself when no standby waits;
+  ``relaunch.json``: 1, 2, ... and its launch time): the ledger's attempt (``relaunched``) and
+  the hang marks' launch (``launch_name``);
+- a torchrun agent (one per node, each restarting its own workers) gives its workers a channel
+  of its own (``Channel.for_agent``): ``agents/<node>-<pid>`` in the job's, or a private one
+  without a supervisor above the agents (``supervised`` false: rank 0 still requeues). Its
+  ``agent.json`` names the job's channel and the agent's ``rendezvous`` (rank 0's standby check);
 - the supervisor keeps its per-job memory there (``train_nodes``); what belongs to the run and
   outlives the job (bad nodes, restart events) goes to the run's directory that rank 0 named.
 
-``KEMPNER_RESILIENCE_SUPERVISOR`` is the only variable of this contract. The ones it replaced
-(the relaunch index, its start, the torchrun rendezvous) are still read when set by hand and no
-channel says otherwise, with a deprecation warning (``supervise/legacy_env.py``).
+``KEMPNER_RESILIENCE_SUPERVISOR`` is the contract's only variable; the ones it replaced are read
+when set by hand, with a deprecation warning (``supervise/legacy_env.py``).
 
 The directory lives as long as the job: a requeued job keeps its id and finds its run again
 before its ranks have said anything; the supervisor removes it when the job ends for good
@@ -83,9 +76,8 @@ _AGENTS_DIR = "agents"
 
 @dataclass(frozen=True)
 class Relaunched:
-    """Which relaunch in place this launch of the ranks is (SLURM's restart count stays the
-    same across them): ``index`` 0 for the job's first launch, then 1, 2, ...; ``t`` when the
-    supervisor launched it (epoch seconds; None: unknown)."""
+    """Which relaunch in place a launch is: ``index`` 0 for the job's first, then 1, 2, ...;
+    ``t`` when the supervisor launched it (epoch seconds; None: unknown)."""
 
     index: int = 0
     t: float | None = None
@@ -150,11 +142,9 @@ class Channel:
 
     @classmethod
     def for_agent(cls, job: "Channel | None", node: str) -> "Channel":
-        """A torchrun agent's own channel for its workers (created): ``agents/<node>-<pid>``
-        in ``job``'s directory (the supervisor above the agents), else a private directory
-        that is the job's channel too (no supervisor: ``supervised`` is false). One agent per
-        node restarts its own workers, so their relaunch index cannot be one file of the
-        job's. ``remove_agent`` takes it away."""
+        """A torchrun agent's own channel for its workers, created: ``agents/<node>-<pid>``
+        in ``job``'s directory, else a private one (``supervised`` false). One agent per node
+        restarts its own workers: their relaunch cannot be one file of the job's."""
         if job is not None:
             path = job.root / _AGENTS_DIR / f"{node}-{os.getpid()}"
             path.mkdir(parents=True, exist_ok=True)
@@ -172,8 +162,7 @@ class Channel:
         return self.agent is None or self.agent != self.root
 
     @property
-    def _own(self) -> Path:
-        """Where this launch's own words live: the agent's directory, else the job's."""
+    def _own(self) -> Path:        # this launch's own words: the agent's directory, else the job's
         return self.agent if self.agent is not None else self.root
 
     @classmethod
@@ -192,6 +181,17 @@ class Channel:
     def env(self) -> dict[str, str]:
         """The variables that hand this channel to the ranks (the one contract: one)."""
         return {CHANNEL_ENV: str(self._own)}
+
+    @staticmethod
+    def _load(path: Path) -> Any:
+        """A small JSON file of the channel; None when absent or unreadable (logged)."""
+        try:
+            return load_json_bounded(path)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            _log.warning("%s unreadable (%s)", path, e)
+            return None
 
     # ------------------------------------------------------------------ rank 0's report
 
@@ -242,13 +242,7 @@ class Channel:
 
     def restarts(self) -> int | None:
         """How often the supervisor started the ranks before this launch (None: not said)."""
-        try:
-            data = load_json_bounded(self.root / _LAUNCH)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            _log.warning("%s unreadable (%s)", self.root / _LAUNCH, e)
-            return None
+        data = self._load(self.root / _LAUNCH)
         value = data.get("restarts") if isinstance(data, dict) else None
         return value if isinstance(value, int) and not isinstance(value, bool) \
             and value >= 0 else None
@@ -265,44 +259,30 @@ class Channel:
 
     def relaunched(self) -> Relaunched | None:
         """Which relaunch in place the supervisor said this launch is (None: not said)."""
-        try:
-            data = load_json_bounded(self._own / _RELAUNCH)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            _log.warning("%s unreadable (%s)", self._own / _RELAUNCH, e)
-            return None
-        index = data.get("index") if isinstance(data, dict) else None
+        data = self._load(self._own / _RELAUNCH)
+        index, t = (data.get("index"), data.get("t")) if isinstance(data, dict) else (None, None)
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             return None
-        t = data.get("t")
         ok = isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e11
         return Relaunched(index, float(t) if ok else None)
 
     def offer_rendezvous(self, rendezvous: Mapping[str, Any] | None) -> None:
         """A torchrun agent's channel: the rendezvous its agents would relaunch the workers in
         (``slurm/standby.Relaunch``'s fields; None: none), with the job's channel it belongs
-        to. Whole, never fsynced; never raises."""
-        if self.agent is None:
+        to. Whole, never fsynced; a failed write is logged, not raised."""
+        agent = self.agent
+        if agent is None:
             raise ValueError("only a torchrun agent's channel offers a rendezvous")
-        data = {"job": None if self.agent == self.root else str(self.root),
+        data = {"job": None if agent == self.root else str(self.root),
                 "rendezvous": None if rendezvous is None else dict(rendezvous)}
         try:
-            write_atomic(self.agent / _AGENT, json.dumps(data), durable=False)
+            write_atomic(agent / _AGENT, json.dumps(data), durable=False)
         except (OSError, TypeError, ValueError) as e:
-            _log.error("cannot tell the workers the rendezvous in %s: %s", self.agent, e)
+            _log.error("cannot tell the workers the rendezvous in %s: %s", agent, e)
 
     def rendezvous(self) -> dict[str, Any] | None:
         """The rendezvous this process's torchrun agent offers (None: not under one)."""
-        if self.agent is None:
-            return None
-        try:
-            data = load_json_bounded(self.agent / _AGENT)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            _log.warning("%s unreadable (%s)", self.agent / _AGENT, e)
-            return None
+        data = self._load(self.agent / _AGENT) if self.agent is not None else None
         found = data.get("rendezvous") if isinstance(data, dict) else None
         return found if isinstance(found, dict) else None
 
@@ -311,6 +291,8 @@ class Channel:
         if self.agent is None:
             return
         shutil.rmtree(self.agent, ignore_errors=True)
+        if self.agent.parent.name != _AGENTS_DIR:
+            return
         try:
             self.agent.parent.rmdir()      # agents/, when this was its last agent
         except OSError:
@@ -344,13 +326,7 @@ class Channel:
 
     def train_nodes(self) -> int | None:
         """The nodes the training of this job ran on before a requeue (None: not recorded)."""
-        try:
-            value = load_json_bounded(self.root / _TRAIN_NODES)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            _log.warning("%s unreadable (%s)", self.root / _TRAIN_NODES, e)
-            return None
+        value = self._load(self.root / _TRAIN_NODES)
         return value if isinstance(value, int) and not isinstance(value, bool) \
             and value >= 1 else None
 
