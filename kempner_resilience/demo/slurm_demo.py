@@ -25,10 +25,8 @@ from typing import Any, Callable, Iterable
 __all__ = ["DemoJob", "ClusterError", "check_cluster", "write_job", "submit", "job_info",
            "wait_until", "run_reference", "TERMINAL"]
 
-# What a task's shell runs to name its launch within the job (``<SLURM's restart count>.<the
-# relaunch in place>``), as its supervisor channel says it.
-_LAUNCH_NAME = ("from kempner_resilience.supervise.channel import launch_name; "
-                "print(launch_name())")
+# A task's shell names its launch ("<SLURM's restart count>.<relaunch>") as its channel says.
+_LAUNCH_NAME = "from kempner_resilience.supervise.channel import launch_name; print(launch_name())"
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                       "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
 
@@ -303,8 +301,7 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     run, named = "${SLURM_RESTART_COUNT:-0}", ""
     if spares:   # a relaunch in place keeps SLURM's count; the glue counts its relaunches
         # (torchrun: the rendezvous round, the same on every node, where a standby's
-        # TORCHELASTIC_RESTART_COUNT is 0) and says which one this is in the task's supervisor
-        # channel: `launch_name` reads it ("<SLURM's count>.<relaunch>"), once per task.
+        # TORCHELASTIC_RESTART_COUNT is 0), said in the task's supervisor channel.
         named = f"run=$({shlex.quote(python)} -c {shlex.quote(_LAUNCH_NAME)}); "
         run = "$run"
     # One srun line (the template's). Each task's bash names the report after the restart count,

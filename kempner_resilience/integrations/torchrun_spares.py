@@ -166,8 +166,10 @@ class InPlace:
         report = self.channel.read()
         if report is not None:
             return RunPaths(Path(report.run_dir))
-        log.warning("%s: no run reported in the channel %s yet: using the agent's "
-                    "checkpoint.dir %s", AGENT_NAME, self.channel.root, self.own_paths)
+        if self.channel.supervised:     # a private channel hears rank 0 only on its node
+            log.warning("%s: no run reported in the supervisor's channel %s yet: using the "
+                        "agent's checkpoint.dir %s", AGENT_NAME, self.channel.root,
+                        self.own_paths)
         return self.own_paths
 
     def decide(self, codes: Mapping[int, int], restarts_left: int = 1,
