@@ -191,6 +191,18 @@ def test_a_window_reaching_only_the_middle_of_a_large_model_is_pending():
     assert all(torch.equal(got[i], params[i].grad) for i in got)
 
 
+def test_the_first_window_of_a_fresh_run_is_pending_before_any_step():
+    # No gradient at set-up: the sentinels cannot be chosen among the parameters that get one
+    # (here one layer of 100 trains), so the check looks at all of them.
+    model = nn.ModuleList([nn.Linear(2, 1) for _ in range(100)])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, layer in enumerate(model):
+        layer.requires_grad_(i == 10)
+    grads = PendingGrads({"optim": optim})
+    sum(layer(torch.randn(3, 2)).sum() for layer in model).backward()
+    assert sorted(grads.pending()["optim"]) == [20, 21]
+
+
 def test_gradients_a_resume_put_back_stay_pending_until_the_next_step():
     # A stop right after the resume (before any backward) saves them again, not drops them.
     model = nn.Linear(4, 1)
