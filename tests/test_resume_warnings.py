@@ -165,6 +165,57 @@ def test_gradients_a_finished_step_leaves_behind_are_not_pending():
     assert grads.pending() == {}
 
 
+def test_a_window_reaching_only_the_middle_of_a_large_model_is_pending():
+    # The post-step hook notes a few sentinel gradients only (O(1) per step); they are picked
+    # among the parameters that get gradients, so a window through the unfrozen middle layers
+    # of 400 (the first and last 100 frozen) is still seen, and all its gradients are kept.
+    model = nn.ModuleList([nn.Linear(2, 1) for _ in range(400)])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for layer in [*model[:100], *model[300:]]:
+        layer.requires_grad_(False)
+    grads = PendingGrads({"optim": optim})
+    x = torch.randn(3, 2)
+
+    def backward() -> None:
+        sum(layer(x).sum() for layer in model).backward()
+
+    for _ in range(2):
+        optim.zero_grad()
+        backward()
+        optim.step()
+    assert grads.pending() == {}
+    backward()                                      # one micro-batch of the next window
+    got = grads.pending()["optim"]
+    assert sorted(got) == list(range(200, 600))     # every unfrozen tensor, nothing else
+    params = list(model.parameters())
+    assert all(torch.equal(got[i], params[i].grad) for i in got)
+
+
+def test_the_first_window_of_a_fresh_run_is_pending_before_any_step():
+    # No gradient at set-up: the sentinels cannot be chosen among the parameters that get one
+    # (here one layer of 100 trains), so the check looks at all of them.
+    model = nn.ModuleList([nn.Linear(2, 1) for _ in range(100)])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, layer in enumerate(model):
+        layer.requires_grad_(i == 10)
+    grads = PendingGrads({"optim": optim})
+    sum(layer(torch.randn(3, 2)).sum() for layer in model).backward()
+    assert sorted(grads.pending()["optim"]) == [20, 21]
+
+
+def test_gradients_a_resume_put_back_stay_pending_until_the_next_step():
+    # A stop right after the resume (before any backward) saves them again, not drops them.
+    model = nn.Linear(4, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = PendingGrads({"optim": optim})
+    saved = {"optim": {0: torch.ones(1, 4), 1: torch.ones(1)}}
+    grads.restore(saved)
+    assert {i: g.tolist() for i, g in grads.pending()["optim"].items()} == \
+        {0: [[1.0] * 4], 1: [1.0]}
+    optim.step()
+    assert grads.pending() == {}
+
+
 def test_saving_a_stateless_optimizer_leaves_no_gradient_pending():
     # Plain SGD has no state: each save's get_optimizer_state_dict makes one up with a step of
     # zero gradients. That step is torch's, not the loop's: the real gradients stay applied.
