@@ -41,6 +41,12 @@ def start_ranks(script: Path, work: Path, every: int) -> list[subprocess.Popen]:
 
 def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
     """Every rank's exit code (all alike, else the assertion shows each rank's output)."""
+    return finish_with_output(procs, timeout)[0]
+
+
+def finish_with_output(procs: list[subprocess.Popen],
+                       timeout: float = 180) -> tuple[list[int], list[str]]:
+    """Every rank's exit code (all alike, as ``finish``) and its output (stdout and stderr)."""
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
@@ -51,4 +57,13 @@ def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
     codes = [p.returncode for p in procs]
     assert len(set(codes)) == 1, "\n".join(f"--- rank {r} exit {c}:\n{o[-2000:]}"
                                            for r, (c, o) in enumerate(zip(codes, outs)))
-    return codes
+    return codes, outs
+
+
+def assert_only_the_start_line(outs: list[str], start_words: str) -> None:
+    """Of the 2 ranks' outputs, rank 0 logged one line of this package, the start line holding
+    ``start_words``; rank 1 logged none; neither printed a traceback."""
+    lines = [line for line in outs[0].splitlines() if "[rank 0]" in line]
+    assert len(lines) == 1 and start_words in lines[0], outs[0]
+    assert [line for line in outs[1].splitlines() if "[rank 1]" in line] == [], outs[1]
+    assert "Traceback" not in outs[0] + outs[1]

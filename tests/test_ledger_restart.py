@@ -1,25 +1,27 @@
 """An in-job restart in the ledger and the report: its own attempt, its recovery split.
 
 Real processes: the demo trainer killed with SIGKILL at step 12 (its last periodic save was step
-10), then the glue's part as the relaunch glue does it (the ``restart`` event, the relaunch
-environment), then the trainer started again in "the same job" (SLURM_JOB_START_TIME is the
-first launch's, as it is for every step of a job).
+10), then the glue's part as the relaunch glue does it (the ``restart`` event, the relaunch said in
+the supervisor channel it gives the ranks), then the trainer started again in "the same job"
+(SLURM_JOB_START_TIME is the first launch's, as it is for every step of a job).
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import numpy as np
 import pytest
 
-from helpers import require
+from helpers import env, free_port, require
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.demo.launcher import LocalLauncher, train_command
 from kempner_resilience.core.goodput import PARTS, RECOVERY, analyze_dir
 from kempner_resilience.core.ledger import read_ledger
-from kempner_resilience.slurm.restart_event import record_restart, relaunch_env
+from kempner_resilience.slurm.restart_event import record_restart
+from kempner_resilience.supervise.channel import Channel
 
 STEPS = 20
 
@@ -41,10 +43,15 @@ def relaunched(tmp_path_factory):
                    bad_nodes=["nodeA"], spare="nodeC", step=10, failure_t=failed,
                    detect_s=0.2, rescue_s=0.0, relaunch_s=0.1)
     launched = time.time()
-    second = LocalLauncher(cmd, ranks=1, workdir=work, max_launches=1,
-                           env={"SLURM_JOB_START_TIME": str(int(job_start)),
-                                **relaunch_env(1, launched)}).run()
-    assert second[-1].exit_code == 0
+    channel = Channel.for_job("relaunch", {}, cwd=work)
+    channel.begin_launch(0)                   # the job's restart count (SLURM's, here 0) ...
+    channel.begin_relaunch(1, launched)       # ... and its relaunch in place, before the step
+    second = subprocess.run(cmd, env=env(SLURM_JOB_START_TIME=str(int(job_start)), RANK="0",
+                                         WORLD_SIZE="1", LOCAL_RANK="0",
+                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                                         **channel.env()),
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
     return work, launched
 
 
@@ -107,16 +114,15 @@ def test_report_plot_draws_the_relaunch_of_an_in_job_restart(relaunched, tmp_pat
 
 
 def test_a_relaunched_step_starts_its_attempt_at_its_own_start_not_the_jobs():
-    from kempner_resilience.core.ledger import RELAUNCH_ENV, attempt_start, process_start_time
+    from kempner_resilience.core.ledger import attempt_start, process_start_time
 
     job_start = time.time() - 3600      # SLURM keeps the job's start for every step
+    slurm = {"SLURM_JOB_START_TIME": str(job_start)}
     own = process_start_time()
-    assert attempt_start({"SLURM_JOB_START_TIME": str(job_start)}) == job_start
-    assert abs(attempt_start({"SLURM_JOB_START_TIME": str(job_start), RELAUNCH_ENV: "2"})
-               - own) < 1.0
+    assert attempt_start(slurm) == job_start
+    assert abs(attempt_start(slurm, relaunch=2) - own) < 1.0
     launched = own - 1.5                # the glue launched it just before the process began
-    assert attempt_start({"SLURM_JOB_START_TIME": str(job_start),
-                          **relaunch_env(2, launched)}) == launched
+    assert attempt_start(slurm, relaunch=2, relaunch_t=launched) == launched
 
 
 def test_a_restart_event_naming_its_bad_nodes_as_a_list_is_read_and_reported(tmp_path, capsys):

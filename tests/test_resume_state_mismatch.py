@@ -2,13 +2,15 @@
 the fix, never silently dropping saved state; the opt-in partial resume pins the full checkpoint.
 
 Every case is a real training script run twice in fresh processes: once as it was when the
-checkpoint was written, once as changed since (a layer removed, ``optim`` left out of ``state``,
-a scheduler added, the model cast to bf16).
+checkpoint was written (once per module; each test resumes from a copy of its directory), once
+as changed since (a layer removed, ``optim`` left out of ``state``, a scheduler added, the model
+cast to bf16).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,10 +74,20 @@ def _run(tmp_path: Path, variant: str, steps: int, *sets: str) -> subprocess.Com
                           env=env())
 
 
-def _checkpoint_of_the_original_script(tmp_path: Path, steps: int = 4) -> Path:
-    first = _run(tmp_path, "original", steps)
+@pytest.fixture(scope="module")
+def original(tmp_path_factory) -> Path:
+    """The checkpoint directory the original script leaves after 4 steps (its checkpoint of
+    step 4, run identity, ledger), written once: each test changes the script on a copy."""
+    work = tmp_path_factory.mktemp("original")
+    first = _run(work, "original", 4)
     assert first.returncode == 0, first.stderr
-    return tmp_path / "ckpt" / f"step_{steps:09d}"
+    return work / "ckpt"
+
+
+def _checkpoint_of_the_original_script(tmp_path: Path, original: Path) -> Path:
+    """``original`` copied to ``tmp_path/ckpt`` (where ``_run`` trains); its step-4 checkpoint."""
+    shutil.copytree(original, tmp_path / "ckpt", symlinks=True)
+    return tmp_path / "ckpt" / "step_000000004"
 
 
 def _assert_refused(proc: subprocess.CompletedProcess, words: list[str]) -> None:
@@ -86,8 +98,9 @@ def _assert_refused(proc: subprocess.CompletedProcess, words: list[str]) -> None
         assert w in proc.stderr, (w, proc.stderr)
 
 
-def test_a_layer_removed_since_the_checkpoint_exits_78_on_every_rank_naming_its_keys(tmp_path):
-    ckpt = _checkpoint_of_the_original_script(tmp_path)
+def test_a_layer_removed_since_the_checkpoint_exits_78_on_every_rank_naming_its_keys(tmp_path,
+                                                                                   original):
+    ckpt = _checkpoint_of_the_original_script(tmp_path, original)
     script, port = write_script(tmp_path, SCRIPT, "train.py"), str(free_port())
     procs = [start(script, str(tmp_path / "ckpt"), "layer_removed", "8", str(r), "2", port)
              for r in (0, 1)]
@@ -101,15 +114,15 @@ def test_a_layer_removed_since_the_checkpoint_exits_78_on_every_rank_naming_its_
         "the checkpoint is untouched and nothing newer was written"
 
 
-def test_optim_left_out_of_state_exits_78_naming_it(tmp_path):
-    ckpt = _checkpoint_of_the_original_script(tmp_path)
+def test_optim_left_out_of_state_exits_78_naming_it(tmp_path, original):
+    ckpt = _checkpoint_of_the_original_script(tmp_path, original)
     proc = _run(tmp_path, "optim_left_out", 8)
     _assert_refused(proc, [f"refusing to resume from {ckpt}", "optim (",
                            "state['optim'] is not in the state", "allow_partial_resume"])
 
 
-def test_an_lr_scheduler_added_since_the_checkpoint_is_named_as_the_cause(tmp_path):
-    _checkpoint_of_the_original_script(tmp_path)
+def test_an_lr_scheduler_added_since_the_checkpoint_is_named_as_the_cause(tmp_path, original):
+    _checkpoint_of_the_original_script(tmp_path, original)
     proc = _run(tmp_path, "scheduler_added", 8)
     _assert_refused(proc, ["optim.param_groups.0.initial_lr",
                            "an LR scheduler was attached to the optimizer since the checkpoint"])
@@ -118,8 +131,8 @@ def test_an_lr_scheduler_added_since_the_checkpoint_is_named_as_the_cause(tmp_pa
 
 
 def test_a_partial_resume_loads_what_both_have_and_retention_keeps_the_full_checkpoint(
-        tmp_path):
-    ckpt = _checkpoint_of_the_original_script(tmp_path)
+        tmp_path, original):
+    ckpt = _checkpoint_of_the_original_script(tmp_path, original)
     # keep_last=1 and saves at steps 6, 8, 10: without the pin, step 4 goes at step 6's commit.
     proc = _run(tmp_path, "layer_removed", 10, "checkpoint.allow_partial_resume=true")
     assert proc.returncode == 0, proc.stderr
@@ -137,8 +150,8 @@ def test_a_partial_resume_loads_what_both_have_and_retention_keeps_the_full_chec
     assert f"resumed from {ckpt} (step 4" in again.stderr
 
 
-def test_an_fp32_checkpoint_resumed_into_a_bf16_model_warns_in_one_line(tmp_path):
-    ckpt = _checkpoint_of_the_original_script(tmp_path)
+def test_an_fp32_checkpoint_resumed_into_a_bf16_model_warns_in_one_line(tmp_path, original):
+    ckpt = _checkpoint_of_the_original_script(tmp_path, original)
     proc = _run(tmp_path, "bf16", 6)
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if "dtype" in ln]

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from helpers import env, write_script
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, RunReport
@@ -157,3 +160,87 @@ def test_a_restart_count_set_by_hand_in_the_old_variable_is_read_with_a_deprecat
     assert res.returncode == 0, res.stderr[-3000:]
     assert _attempts(tmp_path) == {2}
     assert "KEMPNER_RESTART_COUNT=2 read as this run's restart count: deprecated" in res.stderr
+
+
+def _start_events(tmp_path: Path) -> list[dict]:
+    from kempner_resilience.core.ledger import read_ledger
+    from kempner_resilience.core.runpaths import RunPaths
+
+    return [e for e in read_ledger(RunPaths(tmp_path / "ckpts").ledger) if e["ev"] == "start"]
+
+
+def test_the_supervisor_tells_the_ranks_their_relaunch_in_place_through_the_channel(tmp_path):
+    # A relaunch in place is an attempt of its own, from its launch: said in the channel.
+    channel = Channel.for_job("44", {}, cwd=tmp_path)
+    launched = time.time() - 30
+    channel.begin_relaunch(2, launched)
+    res = _train(tmp_path, 3, channel)
+    assert res.returncode == 0, res.stderr[-3000:]
+    [start] = _start_events(tmp_path)
+    assert start["relaunch"] == 2 and start["t0"] == pytest.approx(launched, abs=1e-3)
+    assert "deprecated" not in res.stderr
+
+
+def test_a_relaunch_set_by_hand_in_the_old_variables_is_honoured_with_one_deprecation_warning(
+        tmp_path):
+    # A user's own relaunch glue (docs/goodput.md documented these two) keeps working.
+    launched = time.time() - 30
+    script = write_script(tmp_path, SCRIPT)
+    e = env(KEMPNER_RESILIENCE_IN_JOB_RESTART="2",
+            KEMPNER_RESILIENCE_RELAUNCH_START=repr(launched))
+    e.pop(CHANNEL_ENV, None)
+    res = subprocess.run([sys.executable, str(script), "ckpts", "3"], cwd=tmp_path, env=e,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    [start] = _start_events(tmp_path)
+    assert start["relaunch"] == 2 and start["t0"] == pytest.approx(launched, abs=1e-3)
+    assert res.stderr.count("KEMPNER_RESILIENCE_IN_JOB_RESTART=2 read: deprecated") == 1
+
+
+def test_a_torchrun_rendezvous_set_by_hand_in_the_old_variable_is_offered_with_one_warning(
+        tmp_path):
+    offer = {"endpoint": "h:29400", "run_id": "r", "restarts_left": 2, "stale_s": 6.0}
+    code = ("from kempner_resilience.core.log import configure\n"
+            "from kempner_resilience.slurm.standby import offered_relaunch\n"
+            "configure('INFO')\n"
+            "print(offered_relaunch())\n"
+            "print(offered_relaunch())\n")
+    e = env(KEMPNER_RESILIENCE_RELAUNCH=json.dumps(offer))
+    e.pop(CHANNEL_ENV, None)
+    res = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = "Relaunch(endpoint='h:29400', run_id='r', restarts_left=2, stale_s=6.0)"
+    assert res.stdout.splitlines() == [said, said]
+    assert res.stderr.count("KEMPNER_RESILIENCE_RELAUNCH=") == 1
+    assert "deprecated" in res.stderr
+
+
+_PROBE = ("import sys\n"
+          "from kempner_resilience.supervise.channel import launch_name, relaunched\n"
+          "with open(sys.argv[1], 'a') as f:\n"
+          "    f.write(f'{launch_name()} {relaunched().t}\\n')\n")
+
+
+def test_the_step_loop_tells_each_step_which_relaunch_it_is_through_the_channel(tmp_path):
+    # srun stands in as a script that runs the command on this machine: what a step's task
+    # learns is what the loop said in the channel before it launched the step.
+    from kempner_resilience.config import load_config
+    from kempner_resilience.slurm.relaunch import Relauncher
+
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    out = tmp_path / "launches"
+    e = env(SLURM_JOB_ID="9", SLURM_JOB_NODELIST="n[1-3]", SLURM_RESTART_COUNT="1",
+            SLURM_SUBMIT_DIR=str(tmp_path))
+    e.pop(CHANNEL_ENV, None)
+    loop = Relauncher([sys.executable, "-c", _PROBE, str(out)], 1,
+                      load_config(None, [f"checkpoint.dir={tmp_path / 'run'}"]), environ=e,
+                      srun=(str(srun),))
+    before = time.time()
+    assert loop.run_step(["n1", "n2"], 0).code == 0
+    assert loop.run_step(["n1", "n3"], 1).code == 0
+    said = [line.split() for line in out.read_text().splitlines()]
+    assert [launch for launch, _ in said] == ["1.0", "1.1"]
+    assert before <= float(said[1][1]) <= time.time()

@@ -27,11 +27,13 @@ from kempner_resilience.slurm.clock import RunClock, job_end_time
 STEPS = 60
 
 
-def train(work, out, *, end_time=None, extra=()):
+def train(work, out, *, end_time=None, extra=(), step_time=0.1):
     # 6 s of steps and a 3 s margin: the loop cannot finish before an end 12 s away however
     # fast the process starts, and a process slow to start under load (up to ~8 s on the
-    # 2-core CI machine) still has the margin to save and leave before that end.
-    cmd = train_command(STEPS, step_time=0.1, out=out,
+    # 2-core CI machine) still has the margin to save and leave before that end. A run with no
+    # end to race (the reference, the requeued attempt) passes step_time=0: the step time is a
+    # sleep, it changes no tensor.
+    cmd = train_command(STEPS, step_time=step_time, out=out,
                         overrides=[f"checkpoint.dir={work / 'ckpt'}", "signals.grace_s=60",
                                    "requeue.time_limit_margin_s=3", *extra])
     e = env()
@@ -94,7 +96,7 @@ def test_time_remaining_is_none_outside_slurm_and_counts_down_with_an_end_time(m
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     work = tmp_path_factory.mktemp("ref")
-    proc, _ = train(work, work / "w.pt")
+    proc, _ = train(work, work / "w.pt", step_time=0)
     assert proc.returncode == 0, proc.stderr
     return torch.load(work / "w.pt", weights_only=True)
 
@@ -110,7 +112,7 @@ def test_run_without_a_signal_stops_saves_before_its_end_and_resumes_bitwise(tmp
     assert stop["signal"] == "time-limit"
     assert (tmp_path / "ckpt" / f"step_{stop['step']:09d}" / "MANIFEST.json").exists()
     assert not (tmp_path / "w.pt").exists(), "the loop must not have finished"
-    second, _ = train(tmp_path, tmp_path / "w.pt")           # the requeued attempt
+    second, _ = train(tmp_path, tmp_path / "w.pt", step_time=0)   # the requeued attempt
     assert second.returncode == 0, second.stderr
     resumes = [e for e in read_ledger(tmp_path / "ckpt" / "ledger.jsonl") if e["ev"] == "resume"]
     assert [r["step"] for r in resumes] == [stop["step"]]
@@ -153,6 +155,6 @@ def test_a_run_stopped_before_its_first_step_resumes_bitwise(tmp_path, reference
     assert first.returncode == ExitCode.REQUEUE, first.stderr
     stop = next(e for e in read_ledger(tmp_path / "ckpt" / "ledger.jsonl") if e["ev"] == "stop")
     assert stop["step"] == 0
-    second, _ = train(tmp_path, tmp_path / "w.pt")
+    second, _ = train(tmp_path, tmp_path / "w.pt", step_time=0)
     assert second.returncode == 0, second.stderr
     assert_bitwise_equal(reference, torch.load(tmp_path / "w.pt", weights_only=True))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child_pids, env, free_port, wait_for_file
+from helpers import child_pids, env, free_port, wait_for_file, write_script
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.core.ledger import read_ledger
@@ -261,10 +261,15 @@ def test_under_a_supervisor_the_agent_keeps_its_memory_in_the_run_rank_0_reporte
     channel = Channel(tmp_path / "channel")
     (tmp_path / "channel").mkdir()
     inplace = InPlace(agent, settings, channel)
-    assert inplace.run_paths().root == Path(agent.config.checkpoint.dir)  # nothing said yet
-    report_now(channel, tmp_path / "run", run_id="r", committed=None, code=None, requeue={})
-    assert inplace.run_paths().root == (tmp_path / "run").resolve()
-    assert InPlace(agent, settings, None).run_paths().root == Path(agent.config.checkpoint.dir)
+    alone = InPlace(agent, settings, None)
+    try:
+        assert inplace.run_paths().root == Path(agent.config.checkpoint.dir)  # nothing said yet
+        report_now(channel, tmp_path / "run", run_id="r", committed=None, code=None, requeue={})
+        assert inplace.run_paths().root == (tmp_path / "run").resolve()
+        assert alone.run_paths().root == Path(agent.config.checkpoint.dir)
+    finally:
+        inplace.close()
+        alone.close()
 
 
 def test_under_a_supervisor_relaunches_in_place_without_a_newer_commit_end_the_job_with_77(
@@ -290,11 +295,94 @@ def test_under_a_supervisor_relaunches_in_place_without_a_newer_commit_end_the_j
     report_now(channel, run, run_id="r", committed=20, code=None,
                requeue={"max_no_progress": 1})
     inplace = InPlace(agent, settings, channel)
-    inplace.group_started()                     # the relaunched group starts at step 20
-    again, why = inplace.decide({0: int(ExitCode.PEER_LOST)}, restarts_left=1, max_restarts=2)
-    assert not again and "no progress" in why, why
-    assert inplace.final_code == ExitCode.NO_REQUEUE
-    # Without a report the agent cannot see the commits: no guard, the workers' code stands.
     blind = InPlace(agent, settings, None)
-    blind.group_started()
-    assert blind.progress() == {}
+    try:
+        inplace.group_started()                     # the relaunched group starts at step 20
+        again, why = inplace.decide({0: int(ExitCode.PEER_LOST)}, restarts_left=1,
+                                    max_restarts=2)
+        assert not again and "no progress" in why, why
+        assert inplace.final_code == ExitCode.NO_REQUEUE
+        # Without a supervisor above the agents, each agent's channel is its own: only rank
+        # 0's agent would see the commits, and the agents must decide alike: no guard.
+        blind.group_started()
+        assert blind.progress() == {}
+    finally:
+        inplace.close()
+        blind.close()
+
+
+# A worker that says what it learnt from its agent's channel (one JSON line per worker group).
+# In the first group, once the standby agent waits: node1's worker is killed (its node leaves
+# the job to the standby), node0's fails as the survivor of a lost peer does (81); in the
+# relaunched group both finish.
+_LEARNER = """
+import json, os, signal, sys, time
+from kempner_resilience.slurm.standby import live_standbys, offered_relaunch
+from kempner_resilience.supervise import legacy_env
+from kempner_resilience.supervise.channel import Channel, launch_name, relaunched
+
+old = (legacy_env.IN_JOB_RESTART_ENV, legacy_env.RELAUNCH_START_ENV, legacy_env.RENDEZVOUS_ENV)
+again, offer = relaunched(), offered_relaunch()
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"node": os.environ["SLURMD_NODENAME"], "relaunch": again.index,
+                        "t": again.t, "launch": launch_name(),
+                        "endpoint": offer.endpoint if offer else None,
+                        "run_id": offer.run_id if offer else None,
+                        "supervised": Channel.from_env().supervised,
+                        "variables": sorted(k for k in old if k in os.environ)}) + "\\n")
+if again.index == 0:
+    end = time.monotonic() + 120
+    while not live_standbys(offer) and time.monotonic() < end:
+        time.sleep(0.2)
+    if os.environ["SLURMD_NODENAME"] != "node0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(81)
+"""
+
+
+def test_a_torchrun_agents_workers_learn_their_relaunch_and_rendezvous_from_its_channel(
+        tmp_path):
+    # No step loop above the agents: each agent gives its workers a channel of its own. Three
+    # agents for two places (--nnodes=2); the standby starts once the first group runs, and
+    # takes the place of the node whose worker was killed: rendezvous round 1, a relaunch.
+    script = write_script(tmp_path, _LEARNER, "learner.py")
+    learnt = tmp_path / "learnt.jsonl"
+    port = free_port()
+    agents: list[subprocess.Popen] = []
+
+    def agent(i: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=learn", "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3",
+               "--max-restarts=1", "--monitor-interval=0.2", "--no-python", sys.executable,
+               str(script), str(learnt)]
+        return subprocess.Popen(cmd, stdout=open(tmp_path / f"agent.{i}.out", "w"),
+                                stderr=open(tmp_path / f"agent.{i}.err", "w"),
+                                stdin=subprocess.DEVNULL, cwd=tmp_path, start_new_session=True,
+                                env=env(OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}"))
+
+    agents.append(agent(0))
+    _listening(port)                        # agent 0 hosts the rendezvous store
+    agents.append(agent(1))
+    end = time.monotonic() + 120
+    while (not learnt.exists() or len(learnt.read_text().splitlines()) < 2) \
+            and time.monotonic() < end:
+        time.sleep(0.2)
+    agents.append(agent(2))                 # the standby
+    codes = _finish(agents)
+    errs = "".join((tmp_path / f"agent.{i}.err").read_text()[-1500:] for i in range(3))
+    assert codes == [0, 0, 0], errs
+    groups = sorted((json.loads(line) for line in learnt.read_text().splitlines()),
+                    key=lambda g: (g["relaunch"], g["node"]))
+    assert [(g["node"], g["relaunch"], g["launch"]) for g in groups] == [
+        ("node0", 0, "0.0"), ("node1", 0, "0.0"), ("node0", 1, "0.1"), ("node2", 1, "0.1")]
+    assert all(g["t"] is not None and g["t"] <= time.time() for g in groups[2:])
+    # The rendezvous a relaunch would take, while the agent has a restart left: node0's one
+    # restart (--max-restarts=1) is spent in round 1, the standby's is not.
+    offered = [(g["endpoint"], g["run_id"]) for g in groups]
+    mine = (f"127.0.0.1:{port}", "learn")
+    assert offered == [mine, mine, (None, None), mine], groups
+    # The agent's own channel is no supervisor above the agents (rank 0 still requeues when
+    # no standby waits), and nothing of the contract travels in another variable.
+    assert not any(g["supervised"] for g in groups)
+    assert all(g["variables"] == [] for g in groups), groups

@@ -83,7 +83,9 @@ def local_problem(paths: RunPaths, state_nbytes: int, rank: int,
         st = os.statvfs(root)
         free = st.f_bavail * st.f_frsize
         need = int(state_nbytes * 1.05) + (1 << 20)
-        if free < need:
+        # A filesystem without a fixed size (ramfs, some network ones) reports 0 blocks in all:
+        # it is never "full" by statvfs, a failed write says so when it is.
+        if st.f_blocks > 0 and free < need:
             raise CheckpointError(
                 f"checkpoint.dir {root} is (nearly) full: {free / _GIB:.3f} GiB free, one "
                 f"checkpoint needs ~{need / _GIB:.3f} GiB; free space there or point "

@@ -39,6 +39,7 @@ from kempner_resilience.core.log import get_logger
 __all__ = ["HostStaging", "Slot", "Chunk", "ENV_STAGE_CPU", "ENV_STAGE_CPU_GIBPS", "flat_bytes", "chunk_layout", "reserve"]
 
 if TYPE_CHECKING:
+    from kempner_resilience.checkpoint.directio import DirectPool
     from kempner_resilience.checkpoint.state import TrainState
 
 log = get_logger(__name__)
@@ -317,30 +318,37 @@ class HostStaging:
                         self._free.append(slot)
 
 
-def reserve(config: CheckpointConfig, state: "TrainState", rank: int) -> HostStaging | None:
+def reserve(config: CheckpointConfig, state: "TrainState", rank: int,
+            direct: "DirectPool | None" = None) -> HostStaging | None:
     """The staging buffers for this rank's device state, allocated now, before any signal can
     come (pinning costs ~1 s per GiB), and logged by rank 0; None without device state or with
-    ``checkpoint.staging: off``. ``KEMPNER_RESILIENCE_STAGE_CPU=1`` stages CPU state too: for
-    tests and benchmarks of the pipeline on machines without a GPU."""
+    ``checkpoint.staging: off``. They fit in ``checkpoint.staging_cap_gib`` less what the
+    ``O_DIRECT`` write buffers (``direct``, allocated first) hold, and the log line says both.
+    ``KEMPNER_RESILIENCE_STAGE_CPU=1`` stages CPU state too: for tests and benchmarks of the
+    pipeline on machines without a GPU."""
     device_bytes, kind = state.device_nbytes()
     stage_cpu = os.environ.get(ENV_STAGE_CPU, "") == "1"
     say = log.info if rank == 0 else log.debug
+    plus = f", plus {direct.describe()}" if direct is not None else ""
     if config.staging is StagingMode.OFF:
         if device_bytes:
             say("staging: off, %.2f GiB of %s state is copied into fresh host memory at every "
-                "save", device_bytes / 2**30, (kind or "").upper())
+                "save%s", device_bytes / 2**30, (kind or "").upper(), plus)
         return None
     if not device_bytes and not stage_cpu:
+        if direct is not None:
+            log.debug("checkpoint writes: %s (checkpoint.staging_cap_gib=%g)", direct.describe(),
+                      config.staging_cap_gib)
         return None
     t0 = time.monotonic()
     state_bytes = device_bytes or state.nbytes()
     device = next((p.device for m in state.modules.values() for p in m.parameters()), None)
-    staging = HostStaging.allocate(config.staging, int(config.staging_cap_gib * 2**30),
-                                   config.io_threads, state_bytes, stage_cpu=stage_cpu,
-                                   device=device)
+    cap = int(config.staging_cap_gib * 2**30) - (direct.nbytes if direct is not None else 0)
+    staging = HostStaging.allocate(config.staging, max(cap, 0), config.io_threads,
+                                   state_bytes, stage_cpu=stage_cpu, device=device)
     what = f"{kind.upper()} state" if device_bytes and kind else \
         f"CPU state ({ENV_STAGE_CPU}=1: for tests and benchmarks)"
-    say("staging: %s for %.2f GiB of %s (checkpoint.staging_cap_gib=%g), allocated in %.2f s",
-        staging.describe(), state_bytes / 2**30, what, config.staging_cap_gib,
+    say("staging: %s for %.2f GiB of %s%s (checkpoint.staging_cap_gib=%g), allocated in %.2f s",
+        staging.describe(), state_bytes / 2**30, what, plus, config.staging_cap_gib,
         time.monotonic() - t0)
     return staging

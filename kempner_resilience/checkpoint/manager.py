@@ -26,7 +26,7 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 import torch.distributed as dist
 
-from kempner_resilience.checkpoint import dircheck, hostbuf, layout, loader, retention
+from kempner_resilience.checkpoint import dircheck, directio, hostbuf, layout, loader, retention
 from kempner_resilience.checkpoint.background import BackgroundSaver
 from kempner_resilience.checkpoint.cadence import Cadence
 from kempner_resilience.checkpoint.comm import Comm
@@ -104,9 +104,11 @@ class CheckpointManager:
         self._lock = threading.RLock()          # one foreground operation at a time
         self._busy = 0
         self._busy_lock = threading.Lock()
+        # The O_DIRECT buffers first: they and the staging buffers share staging_cap_gib.
+        direct = directio.reserve(config)
         self._saver = Saver(config, self.paths, self.state, rank=rank, world_size=world_size,
-                            peer_timeout_s=peer_timeout_s,
-                            staging=hostbuf.reserve(config, self.state, rank),
+                            peer_timeout_s=peer_timeout_s, direct=direct,
+                            staging=hostbuf.reserve(config, self.state, rank, direct),
                             manifest_extra={**(manifest_extra or {}),
                                             **mesh_field(self.state.every_module())},
                             last_good=lambda: self._last_committed or self.latest())
@@ -197,11 +199,13 @@ class CheckpointManager:
 
     def check_dir(self) -> None:
         """Fail early if checkpoints cannot be written: the directory's parent is missing, it is
-        not writable, or it lacks the space for about one save. Collective: every rank raises
+        not writable, it lacks the space for about one save, or its filesystem refuses
+        ``O_DIRECT`` under ``checkpoint.direct_io: on``. Collective: every rank raises
         the same ``CheckpointDirError`` (exit code 78 when a script leaves it uncaught)."""
         clean = (lambda: retention.clean_trash(self.paths, self.run_id, self._saver.leave_alone)) \
             if self.rank == 0 else None
-        problem = dircheck.local_problem(self.paths, self.state.nbytes(), self.rank, clean)
+        problem = dircheck.local_problem(self.paths, self.state.nbytes(), self.rank, clean) \
+            or self._saver.check_direct_io()
         problems = self._fg.all_gather_object(problem)
         bad = [f"rank {r}: {p}" if self.world_size > 1 else p
                for r, p in enumerate(problems) if p]

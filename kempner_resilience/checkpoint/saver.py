@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never 
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from kempner_resilience.checkpoint import commit, dircheck, layout, pinned, retention
+from kempner_resilience.checkpoint import commit, dircheck, directio, layout, pinned, retention
 from kempner_resilience.checkpoint.comm import Comm
 from kempner_resilience.checkpoint.directio import DirectPool
 from kempner_resilience.checkpoint.estimate import SaveEstimator
@@ -55,7 +55,8 @@ class Saver:
     def __init__(self, config: CheckpointConfig, paths: RunPaths, state: TrainState, *,
                  rank: int, world_size: int, peer_timeout_s: float | None,
                  staging: HostStaging | None, manifest_extra: dict[str, Any],
-                 last_good: Callable[[], CheckpointInfo | None]) -> None:
+                 last_good: Callable[[], CheckpointInfo | None],
+                 direct: DirectPool | None = None) -> None:
         self.config = config
         self.paths = paths
         self.root = paths.root
@@ -65,9 +66,9 @@ class Saver:
         self.peer_timeout_s = peer_timeout_s
         self.staging = staging
         self.staging_proven = False
-        # Allocated and touched now, at set-up: the files are written past the page cache
-        # from these (directio), so no save draws fresh pages from free memory.
-        self.direct = DirectPool.reserve(config.io_threads)
+        # Allocated and touched at set-up (directio.reserve): the files are written past the
+        # page cache from these, so no save draws fresh pages from free memory.
+        self.direct = direct
         self.manifest_extra = manifest_extra
         self.run_id: str | None = None            # the manager's, once claimed
         self.lease: Lease | None = None           # rank 0's lease on the directory, once claimed
@@ -93,6 +94,13 @@ class Saver:
         self.run_id = run_id
         self.lease = lease
         self.earlier = frozenset(earlier)
+
+    def check_direct_io(self) -> str | None:
+        """At start-up, the run's directory made: whether its filesystem takes ``O_DIRECT``.
+        Under ``checkpoint.direct_io: on`` a refusal is the returned problem; under ``auto``
+        the buffers are given back (the files go through the page cache) and it is said once."""
+        self.direct, problem = directio.settle(self.direct, self.paths, self.rank)
+        return problem
 
     def resumed(self, path: Path, unloadable: list[Path]) -> None:
         """The run resumed from ``path`` after ``unloadable`` failed to load: protect them

@@ -149,7 +149,8 @@ class ChecksummingWriter(FileSystemWriter):
         expected: list[tuple[str, list[Any], int]] = []     # (fqn, staged record, plain crc)
         try:
             with lease as slot, bounce as pair:
-                sink = DirectSink(path, fd, pair) if pair is not None else None
+                sink = None if pair is None or self.direct is None else \
+                    DirectSink(path, fd, pair, self.direct.refused)
                 try:
                     self._fill(OutFile(fd, slot, self.abort, self.path, self._caller_streams,
                                        sink), items, planner, name, staging, slot, results,

@@ -4,12 +4,12 @@
 from kempner_resilience.config.load import load_config
 from kempner_resilience.config.render import render_default_yaml, render_reference_markdown
 from kempner_resilience.config.schema import (ENV_CONFIG, Action, CheckpointConfig, ConfigError,
-                                              ConfigFileNotFoundError, ExitMode,
+                                              ConfigFileNotFoundError, DirectIOMode, ExitMode,
                                               IntegrationsConfig, RequeueConfig, RescueConfig,
                                               ResilienceConfig, SignalsConfig, StagingMode,
                                               WatchdogConfig, normalize_signal)
 
-__all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
-           "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
+__all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "DirectIOMode",
+           "ExitMode", "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
            "SignalsConfig", "StagingMode", "WatchdogConfig", "ENV_CONFIG",
            "load_config", "normalize_signal", "render_default_yaml", "render_reference_markdown"]

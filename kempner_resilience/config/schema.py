@@ -10,7 +10,6 @@ mistake at once; ``validate()`` checks a section again after it was changed in P
 
 from __future__ import annotations
 
-import enum
 import os
 import signal as _signal
 from dataclasses import dataclass, field
@@ -18,47 +17,15 @@ from typing import Any, Mapping
 
 from kempner_resilience.config.bounds import Range
 from kempner_resilience.config.errors import ConfigError, ConfigFileNotFoundError, shown
+from kempner_resilience.config.modes import Action, DirectIOMode, ExitMode, StagingMode
 from kempner_resilience.config.serial import build, check_fields, dump
 
-__all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "ExitMode",
-           "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
+__all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "DirectIOMode",
+           "ExitMode", "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
            "SignalsConfig", "StagingMode", "WatchdogConfig", "normalize_signal", "signal_or_key",
            "ENV_CONFIG"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
-
-
-class Action(str, enum.Enum):
-    """What a shutdown signal asks for."""
-
-    REQUEUE = "requeue"  # emergency checkpoint, then requeue the job (exit code REQUEUE)
-    STOP = "stop"  # emergency checkpoint, then stop for good (130/143, or STOPPED)
-    OFF = "off"  # not handled by us: the signal keeps whatever handler it had
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class ExitMode(str, enum.Enum):
-    """How a run that ended leaves (see ``kempner_resilience.shutdown.exit``)."""
-
-    AUTO = "auto"    # raise in IPython/interactive sessions, exit in SLURM/launched ranks
-    EXIT = "exit"    # the process ends with the run: exit bounded, slow finalisation skipped
-    RAISE = "raise"  # the caller lives on after SystemExit: nothing stays armed
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class StagingMode(str, enum.Enum):
-    """Host buffers that device (CUDA) state is copied through on its way to and from disk."""
-
-    PINNED = "pinned"      # page-locked: fast, asynchronous copies (~1 s per GiB to allocate)
-    PAGEABLE = "pageable"  # ordinary memory, allocated and touched once, reused
-    OFF = "off"            # no staging: a fresh .cpu() copy per tensor at every save
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def normalize_signal(name: str | int) -> str:
@@ -180,9 +147,16 @@ class CheckpointConfig(_Section):
         "start and reused: pinned (pageable when CUDA is absent or pinning fails), pageable, or "
         "off (a fresh host copy per tensor at every save)"))
     staging_cap_gib: float = field(default=2.0, metadata=_help(
-        "most host memory (GiB per rank) the staging buffers may take; the start-up log says "
-        "how much they took (staging: off turns staging off)",
+        "most host memory (GiB per rank) the staging buffers and the O_DIRECT write buffers "
+        "(direct_io) may take together; the start-up log says how much each took (staging: "
+        "off turns staging off)",
         bounds=Range(0, 1024, lo_open=True, unit="GiB")))
+    direct_io: DirectIOMode = field(default=DirectIOMode.AUTO, metadata=_help(
+        "write checkpoint files past the page cache (O_DIRECT) from buffers allocated at start "
+        "(2 x 8 MiB per io_threads, within staging_cap_gib): auto (where checkpoint.dir's "
+        "filesystem takes O_DIRECT, else through the page cache, said once at start), on "
+        "(a filesystem that refuses it is a start-up error, exit 78 CONFIG) or off; the "
+        "environment variable KEMPNER_RESILIENCE_DIRECT_IO (0/off, 1/on, auto) overrides it"))
 
     def __post_init__(self) -> None:
         problems = check_fields(self)

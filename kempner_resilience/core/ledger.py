@@ -42,8 +42,9 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   same allocation after a failure; written by the glue, before the new attempt's ``start``).
   The attempt it starts is an attempt of its own: its events carry ``relaunch`` (the in-job
   restart count, 1, 2, ...; absent for 0) next to ``attempt`` (SLURM's restart count), and its
-  ``start.t0`` is the relaunch (``RELAUNCH_START_ENV``, else its processes' start), not the
-  job's start. The glue writes it with ``slurm.restart_event.record_restart`` (the srun loop,
+  ``start.t0`` is the relaunch (when the supervisor launched it, as its channel says:
+  ``supervise/channel.relaunched``; else its processes' start), not the job's start. The
+  glue writes it with ``slurm.restart_event.record_restart`` (the srun loop,
   ``slurm/relaunch.py``; under torchrun the new group's rank-0 agent,
   ``integrations/torchrun_memory.py``). Fields:
   ``relaunch``; ``reason`` (what failed, e.g. "rank 3 on krnode2 died"); ``bad_nodes`` (the
@@ -78,8 +79,7 @@ from kempner_resilience.core.fileio import read_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["Ledger", "MAX_BYTES", "read_ledger", "valid_event",
-           "process_start_time", "attempt_start", "AGENT_START_ENV", "REPORT_ENV",
-           "RELAUNCH_ENV", "RELAUNCH_START_ENV", "relaunch_count"]
+           "process_start_time", "attempt_start", "AGENT_START_ENV", "REPORT_ENV"]
 
 log = get_logger(__name__)
 
@@ -94,11 +94,6 @@ AGENT_START_ENV = "KEMPNER_RESILIENCE_AGENT_START"
 #: Where rank 0 writes the run report (JSON: how the attempt ended) for its launcher; set by the
 #: user or by the ``kempner-resilience torchrun`` agent, which reads it back for its last line.
 REPORT_ENV = "KEMPNER_RESILIENCE_REPORT"
-#: Set by the batch job's in-job relaunch glue for the training it starts again inside the
-#: allocation: the in-job restart count (1, 2, ...), and when it launched the new step (epoch
-#: seconds). The new processes' ledger events are then an attempt of their own.
-RELAUNCH_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
-RELAUNCH_START_ENV = "KEMPNER_RESILIENCE_RELAUNCH_START"
 
 
 def process_start_time() -> float:
@@ -114,18 +109,20 @@ def process_start_time() -> float:
         return time.time()
 
 
-def attempt_start(environ: dict[str, str] | None = None) -> float:
+def attempt_start(environ: Mapping[str, str] | None = None, relaunch: int = 0,
+                  relaunch_t: float | None = None) -> float:
     """When this attempt began (the ledger's ``start.t0``): the job's start under SLURM (the
     prolog and srun count as start-up); else the start of the torchrun agent that started this
     worker's first group (its imports and rendezvous are start-up too; a group torch elastic
-    restarts begins with its own processes); else this process's start. A value in the future
-    or not a number is ignored."""
+    restarts begins with its own processes); else this process's start. ``relaunch`` > 0: an
+    in-job relaunch (``supervise/channel.relaunched``), which began at ``relaunch_t`` (else at
+    its processes' start), not at the job's start. A value in the future or not a number is
+    ignored."""
     env = os.environ if environ is None else environ
     now = time.time()
     # An in-job relaunch began when the glue launched it (else: its processes' start), long
     # after the job's start, which SLURM keeps for every step.
-    relaunched = relaunch_count(env) > 0
-    candidates = [env.get(RELAUNCH_START_ENV, "")] if relaunched else \
+    candidates = [repr(relaunch_t) if relaunch_t is not None else ""] if relaunch > 0 else \
         [env.get("SLURM_JOB_START_TIME", "")]
     if env.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
         candidates.append(env.get(AGENT_START_ENV, ""))
@@ -138,12 +135,6 @@ def attempt_start(environ: dict[str, str] | None = None) -> float:
         if 0 < start <= now:
             return min(start, own)
     return own
-
-
-def relaunch_count(environ: Mapping[str, str] | None = None) -> int:
-    """This process's in-job restart count (``RELAUNCH_ENV``; 0 when unset or not a count)."""
-    raw = (os.environ if environ is None else environ).get(RELAUNCH_ENV, "")
-    return int(raw) if raw.isdigit() and len(raw) < 10 else 0
 
 
 # What each known field may hold (None is always allowed: unknown). A field outside this table

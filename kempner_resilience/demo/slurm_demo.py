@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable
 __all__ = ["DemoJob", "ClusterError", "check_cluster", "write_job", "submit", "job_info",
            "wait_until", "run_reference", "TERMINAL"]
 
+# A task's shell names its launch ("<SLURM's restart count>.<relaunch>") as its channel says.
+_LAUNCH_NAME = "from kempner_resilience.supervise.channel import launch_name; print(launch_name())"
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                       "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
 
@@ -296,17 +298,18 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
     for o in overrides:
         train += ["--set", o]
     train += [str(a) for a in train_args]
-    run = "${SLURM_RESTART_COUNT:-0}"
+    run, named = "${SLURM_RESTART_COUNT:-0}", ""
     if spares:   # a relaunch in place keeps SLURM's count; the glue counts its relaunches
         # (torchrun: the rendezvous round, the same on every node, where a standby's
-        # TORCHELASTIC_RESTART_COUNT is 0)
-        run += ".${KEMPNER_RESILIENCE_IN_JOB_RESTART:-0}"
+        # TORCHELASTIC_RESTART_COUNT is 0), said in the task's supervisor channel.
+        named = f"run=$({shlex.quote(python)} -c {shlex.quote(_LAUNCH_NAME)}); "
+        run = "$run"
     # One srun line (the template's). Each task's bash names the report after the restart count,
     # marks where a run starts in the progress file (rank 0 only: torchrun's RANK, else srun's
     # SLURM_PROCID) and execs the trainer, so the signals reach Python directly. Everything that
     # needs a shell is inside that `bash -c`: the command is a plain argument list, which
     # `kempner-resilience sbatch -- ...` renders the same way.
-    mark = (f'export KEMPNER_RESILIENCE_REPORT={shlex.quote(str(work))}/report.{run}.json; '
+    mark = (f'{named}export KEMPNER_RESILIENCE_REPORT={shlex.quote(str(work))}/report.{run}.json; '
             f'[ "${{RANK:-$SLURM_PROCID}}" = 0 ] && echo "# run {run}" >> '
             f'{shlex.quote(str(work / "progress.txt"))}; ')
     if rank_files:

@@ -13,10 +13,11 @@ failure, so the agents share the work, each with what it alone knows:
   which writes the new attempt's ``start``) writes the ``restart`` event before it starts its
   workers (``record_agent_restart``): the reason and nodes from the bad-node record, the
   parts of the recovery from the record's time and the survivors' ``rescue`` event.
-* *Every agent* starting workers in a later round gives them the in-job restart count and the
-  launch time (``relaunch_env``: the rendezvous round, the same on every node, unlike torch's
-  ``TORCHELASTIC_RESTART_COUNT``, which is 0 on a standby's first start), so the relaunched
-  workers' events are an attempt of their own.
+* *Every agent* starting workers in a later round tells them the in-job restart count and the
+  launch time in its own channel (``Channel.begin_relaunch``, ``torchrun_spares.InPlace``: the
+  rendezvous round, the same on every node, unlike torch's ``TORCHELASTIC_RESTART_COUNT``,
+  which is 0 on a standby's first start), so the relaunched workers' events are an attempt of
+  their own.
 
 Node names: ``$SLURMD_NODENAME`` (SLURM's name, what ``--exclude`` takes), else the host name.
 All of it is best effort: a record that cannot be written is logged, never raised into torch.
@@ -35,10 +36,8 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_node_records, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
-from kempner_resilience.slurm.restart_event import relaunch_env as _relaunch_env
 
-__all__ = ["node_name", "record_left", "record_agent_restart", "relaunch_env",
-           "rendezvous_round"]
+__all__ = ["node_name", "record_left", "record_agent_restart", "rendezvous_round"]
 
 log = get_logger("kempner_resilience.integrations.torchrun")
 
@@ -54,12 +53,6 @@ def rendezvous_round(rdzv_handler: Any) -> int | None:
     state = torch_private.rendezvous_state(rdzv_handler)
     value = getattr(state, "round", None)
     return value if isinstance(value, int) and value >= 0 else None
-
-
-def relaunch_env(round_: int) -> dict[str, str]:
-    """The environment of workers started in rendezvous round ``round_`` (empty for round 0):
-    the in-job restart count and now, their attempt's start (``core.ledger``)."""
-    return _relaunch_env(round_, time.time()) if round_ > 0 else {}
 
 
 def record_left(paths: RunPaths, codes: Iterable[int],

@@ -23,15 +23,17 @@ rendezvous subclasses ask it):
   (the OOM killer, a GPU fault), or whose worker hung with the GIL held (it ended with HANG
   without the mark its peers' hang watchdogs left in the supervisor's channel), leaves instead
   of restarting, so the spare takes its place.
-* *The workers know.* Each worker group gets ``$KEMPNER_RESILIENCE_RELAUNCH`` (the rendezvous
-  and the restarts left): rank 0 then leaves the relaunch to the agents instead of requeueing
-  (``slurm/standby.py``, ``shutdown/sequence.py``).
+* *The workers know.* Each agent gives its workers a supervisor channel of its own
+  (``Channel.for_agent``: inside the job's channel when the step loop started the agents, else
+  a private one), and says there the rendezvous and the restarts left (rank 0 then leaves the
+  relaunch to the agents instead of requeueing: ``slurm/standby.py``, ``shutdown/sequence.py``)
+  and, before each group, which relaunch in place it is (the rendezvous round).
 * *The run remembers* (``torchrun_memory.py``): the node that leaves records itself in
   ``bad-nodes.json`` (so a requeue keeps it off too), the new group's rank-0 agent writes the
   ledger's ``restart`` event, and every relaunched worker gets the in-job restart count (the
   rendezvous round), so that ``report`` shows the relaunch as an attempt of its own. The run's
-  directory is the one rank 0 reported in the supervisor's channel
-  (``$KEMPNER_RESILIENCE_SUPERVISOR``) when there is one, else the agent's ``checkpoint.dir``.
+  directory is the one rank 0 reported in the channel (``$KEMPNER_RESILIENCE_SUPERVISOR``)
+  once it has, else the agent's ``checkpoint.dir``.
 * *The survivors rescue before torch restarts them.* Once the dead node's heartbeat expires,
   the standby moves to the round's wait list and torch restarts a *healthy* worker group at
   once (its scale-up path): under load, before the survivors' workers have seen the loss, or
@@ -54,17 +56,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kempner_resilience.core import torch_private
-from kempner_resilience.core.ledger import RELAUNCH_ENV as IN_JOB_RESTART_ENV
-from kempner_resilience.core.ledger import RELAUNCH_START_ENV
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
 from kempner_resilience.integrations.torchrun_memory import (node_name, record_agent_restart,
-                                                             record_left, relaunch_env,
-                                                             rendezvous_round)
+                                                             record_left, rendezvous_round)
 from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
-from kempner_resilience.slurm.standby import RELAUNCH_ENV, Relaunch, live_standbys
-from kempner_resilience.supervise.channel import Channel, launch_name, newest_commit
+from kempner_resilience.slurm.standby import Relaunch, live_standbys
+from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, launch_name, newest_commit
 from kempner_resilience.supervise.policy import RESCUED_CODES, Action, Commits, Guard, decide
 
 __all__ = ["InPlace", "in_place_settings", "restart_decision"]
@@ -123,7 +122,11 @@ class InPlace:
                  channel: Channel | None = None) -> None:
         self.agent = agent
         self.settings = settings
-        self.channel = channel            # the supervisor's, when the agent runs under one
+        # The workers' channel: this agent's own, inside the supervisor's (``channel``, when the
+        # step loop started the agents) or private; its root is the job's, where rank 0
+        # reports the run and the ranks mark their hangs. ``close`` removes it.
+        self.channel = Channel.for_agent(channel, node_name())
+        self._env_before = os.environ.get(CHANNEL_ENV)
         self.standby = False          # torch put this agent in a round's redundancy list
         self.restarts = 0
         self.left = False             # this node was implicated and left the job to a spare
@@ -160,10 +163,10 @@ class InPlace:
     def run_paths(self) -> RunPaths:
         """Where the run's memory lives: the directory rank 0 reported to the supervisor's
         channel (whatever way the script set ``checkpoint.dir``), else the agent's own."""
-        if self.channel is not None:
-            report = self.channel.read()
-            if report is not None:
-                return RunPaths(Path(report.run_dir))
+        report = self.channel.read()
+        if report is not None:
+            return RunPaths(Path(report.run_dir))
+        if self.channel.supervised:     # a private channel hears rank 0 only on its node
             log.warning("%s: no run reported in the supervisor's channel %s yet: using the "
                         "agent's checkpoint.dir %s", AGENT_NAME, self.channel.root,
                         self.own_paths)
@@ -185,7 +188,7 @@ class InPlace:
         if first.action is not Action.RELAUNCH:
             return False, _SIGNAL_ENDING if signalled else \
                 f"workers exited with {sorted(set(codes.values()))}: {first.why}"
-        seen = self.channel.hang_seen(self.launch) if self.channel is not None else set()
+        seen = self.channel.hang_seen(self.launch)
         mine = implicated_here(codes, seen)
         spares = live_standbys(self.settings)
         d = decide(observe(codes, signalled=False, restarts_left=restarts_left,
@@ -216,7 +219,7 @@ class InPlace:
         from the directory rank 0 named in the supervisor channel, and the run's own
         ``requeue.max_no_progress``. Without a report the agent does not know the run: the
         guard stays off, as for every backend that cannot see the commits."""
-        paths = self.channel.run_paths() if self.channel is not None else None
+        paths = self._shared_run()
         if paths is None:
             return {}
         return {"commits": Commits(self.committed_before, newest_commit(paths)),
@@ -225,8 +228,13 @@ class InPlace:
 
     def group_started(self) -> None:
         """A worker group starts: the no-progress guard's baseline, the run's newest commit."""
-        self.committed_before = newest_commit(
-            self.channel.run_paths() if self.channel is not None else None)
+        self.committed_before = newest_commit(self._shared_run())
+
+    def _shared_run(self) -> RunPaths | None:
+        """The run rank 0 reported in the job's channel, which every agent reads (None: not
+        reported yet, or the channel is this agent's private one: there only rank 0's agent
+        would know the run, and the agents must decide alike)."""
+        return self.channel.run_paths() if self.channel.supervised else None
 
     def nodes_waiting(self, waiting: int) -> int:
         """What torch's monitor loop is told of ``waiting`` nodes while the workers run.
@@ -257,15 +265,17 @@ class InPlace:
             return None if own is None else str(own)
         return ",".join(sorted(members & set(self.spares_seen))) or None
 
-    def worker_env(self, restarts_left: int) -> str:
+    def offer(self, restarts_left: int) -> Relaunch:
+        """The relaunch this agent offers its workers with ``restarts_left`` restarts left."""
         s = self.settings
         return Relaunch(endpoint=s.endpoint, run_id=s.run_id, restarts_left=restarts_left,
-                        stale_s=s.stale_s).to_env()
+                        stale_s=s.stale_s)
 
     def before_initialize(self, restarts_left: int) -> None:
-        """Before torch's rendezvous for a worker group: every worker it starts reads it (torch
-        copies the agent's environment)."""
-        os.environ[RELAUNCH_ENV] = self.worker_env(restarts_left)
+        """Before torch's rendezvous for a worker group: the rendezvous goes to this agent's
+        channel, and the channel to the workers' environment (torch copies the agent's)."""
+        self.channel.offer_rendezvous(self.offer(restarts_left).fields())
+        os.environ.update(self.channel.env())
 
     def before_start(self, rdzv_handler: Any, group_rank: int) -> None:
         """After the rendezvous, before the workers: the round is known, the workers not yet
@@ -273,10 +283,10 @@ class InPlace:
         round_ = rendezvous_round(rdzv_handler)
         if round_ is None:       # this torch hides it: the count of this agent's restarts
             round_ = self.restarts
-        for name in (IN_JOB_RESTART_ENV, RELAUNCH_START_ENV):
-            os.environ.pop(name, None)
-        os.environ.update(relaunch_env(round_))
-        self.launch = launch_name()
+        # The round is the relaunch in place: the same on every node (the workers' ledger
+        # attempt, from now; the launch their hang marks are named after).
+        self.channel.begin_relaunch(round_)
+        self.launch = launch_name({**os.environ, **self.channel.env()})
         self.group_started()
         if round_ > 0 and group_rank == 0:
             # One agent per round writes it, before its workers (global rank 0's) start.
@@ -285,6 +295,9 @@ class InPlace:
         self.starts += 1
 
     def close(self) -> None:
-        """The run is over: the variables it set for its workers go."""
-        for name in (RELAUNCH_ENV, IN_JOB_RESTART_ENV, RELAUNCH_START_ENV):
-            os.environ.pop(name, None)
+        """The run is over: the workers' channel goes, and the environment is as before."""
+        if self._env_before is None:
+            os.environ.pop(CHANNEL_ENV, None)
+        else:
+            os.environ[CHANNEL_ENV] = self._env_before
+        self.channel.remove_agent()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from kempner_resilience.checkpoint import identity
 from kempner_resilience.stop.agreement import StopAgreement
 from kempner_resilience.exitcodes import Ending, Facts
-from kempner_resilience.core.ledger import Ledger, attempt_start, relaunch_count
+from kempner_resilience.core.ledger import Ledger, attempt_start
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import announce, get_logger
 from kempner_resilience.run import hparams
@@ -33,7 +33,7 @@ from kempner_resilience.integrations.trackers import Trackers
 from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
 from kempner_resilience.slurm.badnodes import check_allocation
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist
-from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.channel import Channel, relaunched
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -275,12 +275,13 @@ def _ledger(run: RunParts, paths: RunPaths, restarts: int | None) -> Ledger:
     it wrote (rank 0 may be the rank that died, and then no one else would record the step
     the rescue kept)."""
     ledger = Ledger(None)
+    again = relaunched()          # an in-job restart (the supervisor's channel): its own attempt
     if run.config.checkpoint.ledger:
         ledger = Ledger(paths.ledger, run_id=run.run_id, attempt=restarts or 0,
-                        only=None if run.rank == 0 else ("rescue",),
-                        relaunch=relaunch_count())     # an in-job restart: its own attempt
+                        only=None if run.rank == 0 else ("rescue",), relaunch=again.index)
     job = run.slurm
-    ledger.event("start", t0=attempt_start(), job_id=None if job is None else job.requeue_id,
+    ledger.event("start", t0=attempt_start(relaunch=again.index, relaunch_t=again.t),
+                 job_id=None if job is None else job.requeue_id,
                  restart_count=restarts, world_size=run.agreement.world_size,
                  hosts=(job.nodelist if job is not None and job.nodelist
                         else socket.gethostname()))

@@ -22,7 +22,6 @@ report and the supervisor told how the run ended (``outcome.py``).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from typing import NoReturn
@@ -38,7 +37,7 @@ from kempner_resilience.shutdown.outcome import Ending, Facts, Saved, Verdict, e
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
 from kempner_resilience.shutdown.steps import TornDown, local_restart_count
 from kempner_resilience.stop.agreement import StopDecision
-from kempner_resilience.supervise.channel import CHANNEL_ENV
+from kempner_resilience.supervise.channel import Channel
 
 __all__ = ["stop", "fail", "hang", "give_up", "lease_lost", "complete",
            "requeue_after_failure", "rescued", "record", "local_restart_count"]
@@ -203,9 +202,11 @@ def requeue_after_failure(state: RunState, why: str) -> Verdict | None:
         log.warning("%s: not requeued: another run holds %s now (this run lost its lease)",
                     why, RunPaths.from_config(parts.config))
         return None
-    if os.environ.get(CHANNEL_ENV):
+    channel = Channel.from_env()
+    if channel is not None and channel.supervised:
         # `kempner-resilience srun` (spare nodes) started this step: it relaunches the
-        # training on a spare, or requeues the job itself, once every survivor has left.
+        # training on a spare, or requeues the job itself, once every survivor has left. (A
+        # torchrun agent's private channel is no such supervisor: below.)
         log.warning("%s: leaving the relaunch or requeue to the job's step loop", why)
         return None
     if _relaunch_in_place(why):
@@ -227,9 +228,9 @@ def _relaunch_in_place(why: str) -> bool:
     nodes, ``slurm/standby.py``), the agents restart the training on the survivors plus the
     spare from the checkpoint just committed: no requeue (it would end the allocation). Without
     a standby, the requeue as before."""
-    from kempner_resilience.slurm.standby import live_standbys, relaunch_from_env
+    from kempner_resilience.slurm.standby import live_standbys, offered_relaunch
 
-    relaunch = relaunch_from_env()
+    relaunch = offered_relaunch()
     if relaunch is None:
         return False
     spares = live_standbys(relaunch)

@@ -49,14 +49,14 @@ from typing import Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.config.schema import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.core.ledger import RELAUNCH_START_ENV, read_ledger
+from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
 from kempner_resilience.slurm.evidence import LoopState, step_evidence
-from kempner_resilience.slurm.steps import RESTART_INDEX_ENV, StepReport, choose_nodes
+from kempner_resilience.slurm.steps import StepReport, choose_nodes
 from kempner_resilience.slurm.srunstep import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
                                                StepResult)
 from kempner_resilience.supervise.channel import Channel, newest_commit
@@ -353,18 +353,15 @@ class Relauncher:
         # A fresh port for each step: the old rendezvous' port may still be held on a survivor.
         env["MASTER_PORT"] = str(self.port + index)
         env.update(self.channel.env())       # IN_JOB_ENV: the loop owns the run-again
-        env.pop(RESTART_INDEX_ENV, None)
-        env.pop(RELAUNCH_START_ENV, None)
-        if index:
-            env[RESTART_INDEX_ENV] = str(index)
-            # The new attempt starts at its launch, not at the job's start (core.ledger).
-            env[RELAUNCH_START_ENV] = repr(time.time())
         return env
 
     def run_step(self, nodes: Sequence[str], index: int) -> StepResult:
         """Step ``index`` on ``nodes`` (``slurm/srunstep.py``), until it ends or is ended."""
         cmd = self.step_command(nodes, index)
         _log.info("step %d: %s", index, " ".join(cmd))
+        # Which relaunch in place this step is, said in the channel before its ranks start: a
+        # relaunch is an attempt of its own, from its launch, not the job's start (core.ledger).
+        self.channel.begin_relaunch(index)
         res = SrunStep(cmd, self.step_env(nodes, index), list(nodes), self.tasks_per_node,
                        self.job.job_id, index, self.channel, settle_s=self.settle_s,
                        finished_grace_s=self.finished_grace_s, agents=self.agents,

@@ -1,21 +1,17 @@
 """The ledger's ``restart`` event: what the in-job relaunch glue writes when it starts the
-training again inside the allocation (the fields: ``kempner_resilience.core.ledger``)."""
+training again inside the allocation (the fields: ``kempner_resilience.core.ledger``). The
+relaunched training learns which relaunch it is from its supervisor channel
+(``supervise/channel.Channel.begin_relaunch``), not from here."""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Iterable
 
-from kempner_resilience.core.ledger import RELAUNCH_ENV, RELAUNCH_START_ENV, Ledger
+from kempner_resilience.core.ledger import Ledger
 from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["record_restart", "relaunch_env"]
-
-
-def relaunch_env(relaunch: int, launched_t: float) -> dict[str, str]:
-    """The environment the glue gives the relaunched training: its in-job restart count and
-    when it was launched (its attempt's ``start.t0``)."""
-    return {RELAUNCH_ENV: str(int(relaunch)), RELAUNCH_START_ENV: repr(float(launched_t))}
+__all__ = ["record_restart"]
 
 
 def record_restart(where: RunPaths | str | os.PathLike[str], *, relaunch: int, reason: str,

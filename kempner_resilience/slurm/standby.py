@@ -10,13 +10,12 @@ it decides between leaving the relaunch to the agents and requeueing the job (no
 the fallback is today's requeue).
 
 The agent (``integrations/torchrun_spares.py``) tells its workers where the rendezvous is and
-how many in-job restarts it has left in ``$KEMPNER_RESILIENCE_RELAUNCH`` (JSON, see ``Relaunch``).
+how many in-job restarts it has left in its own supervisor channel (``Channel.offer_rendezvous``,
+``Relaunch``'s fields); rank 0 reads it with ``offered_relaunch``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
@@ -24,12 +23,9 @@ from typing import Any, Mapping
 
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["RELAUNCH_ENV", "Relaunch", "relaunch_from_env", "live_standbys", "standbys_in"]
+__all__ = ["Relaunch", "offered_relaunch", "live_standbys", "standbys_in"]
 
 log = get_logger(__name__)
-
-#: Set by the torchrun agent in its workers' environment when it restarts them in place.
-RELAUNCH_ENV = "KEMPNER_RESILIENCE_RELAUNCH"
 
 
 @dataclass(frozen=True)
@@ -41,21 +37,30 @@ class Relaunch:
     restarts_left: int     # the agent's in-job restarts left (torchrun --max-restarts budget)
     stale_s: float         # a heartbeat older than this: the agent is gone (keep-alive window)
 
-    def to_env(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+    def fields(self) -> dict[str, Any]:
+        """What the agent's channel keeps of it (``Channel.offer_rendezvous``)."""
+        return asdict(self)
 
 
-def relaunch_from_env(environ: Mapping[str, str] | None = None) -> Relaunch | None:
-    """The relaunch the agent offers (None: not under such an agent, or no restart left)."""
-    raw = (os.environ if environ is None else environ).get(RELAUNCH_ENV)
-    if not raw:
+def offered_relaunch(environ: Mapping[str, str] | None = None) -> Relaunch | None:
+    """The relaunch this worker's torchrun agent offers, as its channel says (set by hand
+    without one: the deprecated variable); None: not under such an agent, or no restart
+    left."""
+    from kempner_resilience.supervise.channel import Channel
+    from kempner_resilience.supervise.legacy_env import rendezvous_by_hand
+
+    channel = Channel.from_env(environ)
+    data = channel.rendezvous() if channel is not None else None
+    if data is None:
+        data = rendezvous_by_hand(environ)
+    if data is None:
         return None
     try:
-        r = Relaunch(**json.loads(raw))
-    except (ValueError, TypeError) as e:
-        log.warning("ignoring $%s=%r (%s): failures requeue the job", RELAUNCH_ENV, raw, e)
+        r = Relaunch(**data)
+    except TypeError as e:
+        log.warning("ignoring the offered relaunch %r (%s): failures requeue the job", data, e)
         return None
-    return r if r.restarts_left > 0 else None
+    return r if isinstance(r.restarts_left, int) and r.restarts_left > 0 else None
 
 
 def standbys_in(state: Any, stale_s: float, now: datetime | None = None) -> list[str]:

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.supervise.channel import CHANNEL_ENV, RESTART_INDEX_ENV
+from kempner_resilience.supervise.channel import CHANNEL_ENV
 from kempner_resilience.supervise.policy import NOT_IN_PLACE, RESCUED_CODES
 
 __all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES",
-           "IN_JOB_ENV", "RESTART_INDEX_ENV"]
+           "IN_JOB_ENV"]
 
 # Set by the relaunch loop in every task's environment: the supervisor's channel
 # (``supervise/channel.py``). The loop owns what follows a failure (a relaunch on a spare, or

@@ -21,11 +21,20 @@ mixes the memory of unrelated runs started from the same directory. So the ranks
   with the GIL held cannot, which singles its node out);
 - the supervisor says there, before each launch, how often it started the ranks before
   (``begin_launch``, ``launch.json``): the run's restart budget and ledger count attempts from
-  it (``restarts``). ``KEMPNER_RESTART_COUNT``, which carried it before, is still set for the
-  user's script (as ``SLURM_RESTART_COUNT`` is) but no longer read by the library when a
-  channel says it; set by hand without one it is read with a deprecation warning;
+  it (``restarts``). ``KEMPNER_RESTART_COUNT`` is still set for the user's script (as
+  ``SLURM_RESTART_COUNT`` is); the library reads it only set by hand, deprecated;
+- the supervisor says there which relaunch in place a launch is (``begin_relaunch``,
+  ``relaunch.json``: 1, 2, ... and its launch time): the ledger's attempt (``relaunched``) and
+  the hang marks' launch (``launch_name``);
+- a torchrun agent (one per node, each restarting its own workers) gives its workers a channel
+  of its own (``Channel.for_agent``): ``agents/<node>-<pid>`` in the job's, or a private one
+  without a supervisor above the agents (``supervised`` false: rank 0 still requeues). Its
+  ``agent.json`` names the job's channel and the agent's ``rendezvous`` (rank 0's standby check);
 - the supervisor keeps its per-job memory there (``train_nodes``); what belongs to the run and
   outlives the job (bad nodes, restart events) goes to the run's directory that rank 0 named.
+
+``KEMPNER_RESILIENCE_SUPERVISOR`` is the contract's only variable; the ones it replaced are read
+when set by hand, with a deprecation warning (``supervise/legacy_env.py``).
 
 The directory lives as long as the job: a requeued job keeps its id and finds its run again
 before its ranks have said anything; the supervisor removes it when the job ends for good
@@ -37,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,22 +56,31 @@ from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["CHANNEL_ENV", "RESTART_INDEX_ENV", "Channel", "RunReport", "REPORT_NAME", "report_now",
-           "launch_name", "newest_commit"]
+__all__ = ["CHANNEL_ENV", "Channel", "Relaunched", "RunReport", "REPORT_NAME", "report_now",
+           "launch_name", "relaunched", "newest_commit"]
 
 _log = get_logger(__name__)
 
 #: The channel's directory, set by the supervisor in every rank's environment.
 CHANNEL_ENV = "KEMPNER_RESILIENCE_SUPERVISOR"
-#: The relaunch in place's number (1, 2, ...; unset in the first launch), set by the supervisor:
-#: SLURM_RESTART_COUNT stays the same across relaunches in place, this tells them apart.
-RESTART_INDEX_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
 #: Rank 0's report, in the channel.
 REPORT_NAME = "run.json"
 _JOBS_DIR = ".kempner-resilience"
 _HANG_SEEN = "hang-seen"
 _LAUNCH = "launch.json"
 _TRAIN_NODES = "train-nodes.json"
+_RELAUNCH = "relaunch.json"
+_AGENT = "agent.json"
+_AGENTS_DIR = "agents"
+
+
+@dataclass(frozen=True)
+class Relaunched:
+    """Which relaunch in place a launch is: ``index`` 0 for the job's first, then 1, 2, ...;
+    ``t`` when the supervisor launched it (epoch seconds; None: unknown)."""
+
+    index: int = 0
+    t: float | None = None
 
 
 @dataclass(frozen=True)
@@ -100,13 +119,51 @@ class RunReport:
 class Channel:
     """One job's channel directory (see the module docstring)."""
 
-    root: Path
+    root: Path                  # the job's: rank 0's report, hang marks, the supervisor's memory
+    agent: Path | None = None   # a torchrun agent's own directory: its workers' relaunch
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Channel | None":
-        """The channel a supervisor gave this process, or None (no supervisor)."""
+        """The channel a supervisor gave this process, or None (no supervisor). A torchrun
+        agent's channel (``agent.json`` in it) resolves to the job's channel it names."""
         value = (os.environ if environ is None else environ).get(CHANNEL_ENV)
-        return cls(Path(value)) if value else None
+        if not value:
+            return None
+        path = Path(value)
+        try:
+            data = load_json_bounded(path / _AGENT)
+        except FileNotFoundError:
+            return cls(path)
+        except (OSError, ValueError) as e:
+            _log.warning("%s unreadable (%s): taken as the job's channel", path / _AGENT, e)
+            return cls(path)
+        job = data.get("job") if isinstance(data, dict) else None
+        return cls(Path(job) if isinstance(job, str) and job else path, agent=path)
+
+    @classmethod
+    def for_agent(cls, job: "Channel | None", node: str) -> "Channel":
+        """A torchrun agent's own channel for its workers, created: ``agents/<node>-<pid>``
+        in ``job``'s directory, else a private one (``supervised`` false). One agent per node
+        restarts its own workers: their relaunch cannot be one file of the job's."""
+        if job is not None:
+            path = job.root / _AGENTS_DIR / f"{node}-{os.getpid()}"
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path = Path(tempfile.mkdtemp(prefix="kempner-resilience-agent-"))
+        channel = cls(job.root if job is not None else path, agent=path)
+        channel.offer_rendezvous(None)
+        return channel
+
+    @property
+    def supervised(self) -> bool:
+        """Whether a supervisor above the ranks decides whether the job runs again (the srun
+        step loop, ``launch``, submitit's controller): false only for a torchrun agent's
+        private channel, where rank 0 still requeues the job itself."""
+        return self.agent is None or self.agent != self.root
+
+    @property
+    def _own(self) -> Path:        # this launch's own words: the agent's directory, else the job's
+        return self.agent if self.agent is not None else self.root
 
     @classmethod
     def for_job(cls, job_id: str, environ: Mapping[str, str] | None = None,
@@ -122,8 +179,19 @@ class Channel:
         return cls(root)
 
     def env(self) -> dict[str, str]:
-        """The variables that hand this channel to the ranks."""
-        return {CHANNEL_ENV: str(self.root)}
+        """The variables that hand this channel to the ranks (the one contract: one)."""
+        return {CHANNEL_ENV: str(self._own)}
+
+    @staticmethod
+    def _load(path: Path) -> Any:
+        """A small JSON file of the channel; None when absent or unreadable (logged)."""
+        try:
+            return load_json_bounded(path)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            _log.warning("%s unreadable (%s)", path, e)
+            return None
 
     # ------------------------------------------------------------------ rank 0's report
 
@@ -174,16 +242,61 @@ class Channel:
 
     def restarts(self) -> int | None:
         """How often the supervisor started the ranks before this launch (None: not said)."""
-        try:
-            data = load_json_bounded(self.root / _LAUNCH)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            _log.warning("%s unreadable (%s)", self.root / _LAUNCH, e)
-            return None
+        data = self._load(self.root / _LAUNCH)
         value = data.get("restarts") if isinstance(data, dict) else None
         return value if isinstance(value, int) and not isinstance(value, bool) \
             and value >= 0 else None
+
+    def begin_relaunch(self, index: int, t: float | None = None) -> None:
+        """Before a launch of the ranks: it is relaunch in place ``index`` (0: the job's first
+        launch), launched at ``t`` (default now). In the agent's directory for a torchrun
+        agent's channel. Whole, never fsynced; never raises."""
+        data = {"index": int(index), "t": time.time() if t is None else float(t)}
+        try:
+            write_atomic(self._own / _RELAUNCH, json.dumps(data), durable=False)
+        except OSError as e:
+            _log.error("cannot tell the ranks their relaunch in %s: %s", self._own, e)
+
+    def relaunched(self) -> Relaunched | None:
+        """Which relaunch in place the supervisor said this launch is (None: not said)."""
+        data = self._load(self._own / _RELAUNCH)
+        index, t = (data.get("index"), data.get("t")) if isinstance(data, dict) else (None, None)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            return None
+        ok = isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e11
+        return Relaunched(index, float(t) if ok else None)
+
+    def offer_rendezvous(self, rendezvous: Mapping[str, Any] | None) -> None:
+        """A torchrun agent's channel: the rendezvous its agents would relaunch the workers in
+        (``slurm/standby.Relaunch``'s fields; None: none), with the job's channel it belongs
+        to. Whole, never fsynced; a failed write is logged, not raised."""
+        agent = self.agent
+        if agent is None:
+            raise ValueError("only a torchrun agent's channel offers a rendezvous")
+        data = {"job": None if agent == self.root else str(self.root),
+                "rendezvous": None if rendezvous is None else dict(rendezvous)}
+        try:
+            write_atomic(agent / _AGENT, json.dumps(data), durable=False)
+        except (OSError, TypeError, ValueError) as e:
+            _log.error("cannot tell the workers the rendezvous in %s: %s", agent, e)
+
+    def rendezvous(self) -> dict[str, Any] | None:
+        """The rendezvous this process's torchrun agent offers (None: not under one)."""
+        data = self._load(self.agent / _AGENT) if self.agent is not None else None
+        found = data.get("rendezvous") if isinstance(data, dict) else None
+        return found if isinstance(found, dict) else None
+
+    def remove_agent(self) -> None:
+        """The agent is done: its own directory goes (the whole channel when it was private)."""
+        if self.agent is None:
+            return
+        shutil.rmtree(self.agent, ignore_errors=True)
+        if self.agent.parent.name != _AGENTS_DIR:
+            return
+        try:
+            self.agent.parent.rmdir()      # agents/, when this was its last agent
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------ the ranks' hang words
 
@@ -213,13 +326,7 @@ class Channel:
 
     def train_nodes(self) -> int | None:
         """The nodes the training of this job ran on before a requeue (None: not recorded)."""
-        try:
-            value = load_json_bounded(self.root / _TRAIN_NODES)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            _log.warning("%s unreadable (%s)", self.root / _TRAIN_NODES, e)
-            return None
+        value = self._load(self.root / _TRAIN_NODES)
         return value if isinstance(value, int) and not isinstance(value, bool) \
             and value >= 1 else None
 
@@ -241,10 +348,23 @@ class Channel:
             pass
 
 
+def relaunched(environ: Mapping[str, str] | None = None) -> Relaunched:
+    """Which relaunch in place this process's launch is: as its channel says, else (set by
+    hand, or an older launcher) the deprecated variables, else the first launch."""
+    from kempner_resilience.supervise.legacy_env import relaunch_by_hand
+
+    channel = Channel.from_env(environ)
+    said = channel.relaunched() if channel is not None else None
+    if said is not None:
+        return said
+    by_hand = relaunch_by_hand(environ)
+    return Relaunched(*by_hand) if by_hand is not None else Relaunched()
+
+
 def launch_name(environ: Mapping[str, str] | None = None) -> str:
     """This launch of the ranks within the job: ``<requeues>.<relaunches in place>``."""
     env = os.environ if environ is None else environ
-    return f"{env.get('SLURM_RESTART_COUNT') or 0}.{env.get(RESTART_INDEX_ENV) or 0}"
+    return f"{env.get('SLURM_RESTART_COUNT') or 0}.{relaunched(environ).index}"
 
 
 def newest_commit(paths: RunPaths | None) -> int | None:

@@ -1,0 +1,81 @@
+"""The variables the supervisor channel replaced, still read when set by hand (deprecated).
+
+Before the one environment contract (``supervise/channel.py``: ``$KEMPNER_RESILIENCE_
+SUPERVISOR`` names a directory, and everything else is said there), the launchers told the
+ranks three more things in variables of their own:
+
+- ``KEMPNER_RESILIENCE_IN_JOB_RESTART``: the relaunch in place's index (1, 2, ...), set by the
+  srun step loop and by every torchrun agent; now ``relaunch.json`` in the channel;
+- ``KEMPNER_RESILIENCE_RELAUNCH_START``: when that relaunch was launched (epoch seconds); now
+  in ``relaunch.json`` too;
+- ``KEMPNER_RESILIENCE_RELAUNCH``: a torchrun agent's rendezvous (JSON), for rank 0's check of
+  the standby nodes; now ``agent.json`` in the agent's own channel.
+
+A user's own glue may still set them (docs/goodput.md documented the first two for that). So
+that nothing such a script set breaks, they are read here when no channel says otherwise, with
+one deprecation warning per variable and process. Nothing in the library sets them any more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from kempner_resilience.core.log import get_logger
+
+__all__ = ["IN_JOB_RESTART_ENV", "RELAUNCH_START_ENV", "RENDEZVOUS_ENV", "relaunch_by_hand",
+           "rendezvous_by_hand"]
+
+log = get_logger(__name__)
+
+#: The relaunch in place's index (deprecated: ``Channel.begin_relaunch``).
+IN_JOB_RESTART_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
+#: When the relaunch in place was launched, epoch seconds (deprecated: the same).
+RELAUNCH_START_ENV = "KEMPNER_RESILIENCE_RELAUNCH_START"
+#: A torchrun agent's rendezvous, JSON (deprecated: ``Channel.offer_rendezvous``).
+RENDEZVOUS_ENV = "KEMPNER_RESILIENCE_RELAUNCH"
+
+_warned: set[str] = set()
+
+
+def _warn_once(name: str, value: str, replacement: str) -> None:
+    if name in _warned:
+        return
+    _warned.add(name)
+    log.warning("$%s=%s read: deprecated, a supervisor tells its ranks %s through its channel "
+                "($KEMPNER_RESILIENCE_SUPERVISOR) now", name, value[:200], replacement)
+
+
+def relaunch_by_hand(environ: Mapping[str, str] | None = None
+                     ) -> tuple[int, float | None] | None:
+    """``(index, launched at)`` from the deprecated variables, or None when the index is not
+    set (or not a count). The start without the index means nothing and is not read."""
+    env = os.environ if environ is None else environ
+    raw = env.get(IN_JOB_RESTART_ENV, "")
+    if not (raw.isdigit() and len(raw) < 10):
+        return None
+    _warn_once(IN_JOB_RESTART_ENV, raw, "the relaunch in place")
+    start: float | None = None
+    raw_t = env.get(RELAUNCH_START_ENV, "")
+    if raw_t:
+        _warn_once(RELAUNCH_START_ENV, raw_t, "when the relaunch was launched")
+        try:
+            start = float(raw_t)
+        except ValueError:
+            start = None
+    return int(raw), start
+
+
+def rendezvous_by_hand(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The torchrun rendezvous from the deprecated variable (None: unset or not JSON)."""
+    raw = (os.environ if environ is None else environ).get(RENDEZVOUS_ENV)
+    if not raw:
+        return None
+    _warn_once(RENDEZVOUS_ENV, raw, "the torchrun agents' rendezvous")
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        log.warning("ignoring $%s=%r (%s): failures requeue the job", RENDEZVOUS_ENV, raw, e)
+        return None
+    return data if isinstance(data, dict) else None
