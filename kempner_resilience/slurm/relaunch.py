@@ -377,10 +377,13 @@ class Relauncher:
 
 
 def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,
-                 in_job_restarts: int, agents: bool = False) -> int:
+                 in_job_restarts: int, agents: bool = False,
+                 srun_args: Sequence[str] = ()) -> int:
     """``kempner-resilience srun``: run the loop with this process's environment; signals
-    (the job's SIGTERM, a preemption) stop relaunches, the ranks handle them themselves."""
-    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents)
+    (the job's SIGTERM, a preemption) stop relaunches, the ranks handle them themselves.
+    ``srun_args``: more options for every step's srun (submitit's per-task log files)."""
+    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents,
+                      srun=("srun", *srun_args))
 
     def stop(signum: int, frame: object) -> None:
         loop.stopping = True       # only recorded: srun and the ranks get the signal from SLURM
