@@ -181,6 +181,16 @@ class Relauncher:
         while True:
             bad = bad_nodes(self.run_paths) | self._bad_here
             nodes = choose_nodes(self.nodes, bad, self.need)
+            if nodes is None and index == 0:
+                # This job run's allocation holds recorded bad nodes: the requeue could not keep
+                # it off them (a partition that small: badnodes refused the exclusion) or SLURM
+                # requeued it itself. Another requeue only comes back here, until the
+                # no-progress guard ends the job: train on them, as a plain srun job does.
+                nodes = choose_nodes(self.nodes, set(), self.need)
+                if nodes is not None:
+                    _log.warning("the scheduler gave this job its recorded bad node(s) %s back "
+                                 "(it could not be kept off them): training on %s",
+                                 ",".join(sorted(bad & set(nodes))), ",".join(nodes))
             if nodes is None:
                 # No step can start at all (a requeued job that came back with its bad nodes
                 # in the allocation): no ranks ended, so nothing for the policy to weigh; the

@@ -22,8 +22,9 @@ would, once:
     --exit-at R:S         rank R calls sys.exit(0) in step S, in every launch (it leaves the
                           loop early)
 
-The first launch is the one with neither ``KEMPNER_RESTART_COUNT`` nor ``SLURM_RESTART_COUNT``
-above 0 (a plain ``srun`` job's requeue is its next launch).
+The first launch is the one with none of ``KEMPNER_RESTART_COUNT``, ``SLURM_RESTART_COUNT`` (a
+plain ``srun`` job's requeue) and ``KEMPNER_RESILIENCE_IN_JOB_RESTART`` (the srun step loop's
+relaunch in place) above 0.
 
 Launched by ``LocalLauncher`` (rank, world and port from the environment, ``--progress``
 appended); rank 0 writes the final weights to ``--out``.
@@ -106,8 +107,8 @@ def main() -> int:
     configure("INFO")
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    first = all(os.environ.get(v, "0") in ("", "0")
-                for v in ("KEMPNER_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    first = all(os.environ.get(v, "0") in ("", "0") for v in (
+        "KEMPNER_RESTART_COUNT", "SLURM_RESTART_COUNT", "KEMPNER_RESILIENCE_IN_JOB_RESTART"))
     bug, leave = _at(args.raise_at), _at(args.exit_at)
     kill, kill_optim, hang, stall = (
         _at(a) if first else (-1, -1)
