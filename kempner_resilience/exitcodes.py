@@ -201,9 +201,9 @@ class Facts:
     saved: Saved = Saved.NOTHING       # SIGNAL: the emergency checkpoint
     requeue: Verdict | None = None     # SIGNAL with action `requeue`: the requeue's verdict
     peer_forced_code: int | None = None  # another rank was forced out with this (130/143)
-    peer_code: int | None = None       # PEER_LOST on rank 0 without a supervisor: the job's code
-                                       # from the peers' recorded endings (supervise/endings.py)
-                                       # when it ends the job (a peer's exception: 1)
+    peer_code: int | None = None       # PEER_LOST without a supervisor: the job's code from the
+                                       # ranks' recorded endings (supervise/endings.py) when it
+                                       # ends the job (a peer's exception: 1)
 
 
 _REQUEUE_CODES = {Verdict.REQUEUED: ExitCode.REQUEUE, Verdict.BUDGET_SPENT: ExitCode.NO_REQUEUE,
@@ -284,9 +284,9 @@ ROWS: tuple[Row, ...] = (
         "any ending on a rank whose peer was forced out (130 or 143): that rank's code"),
     Row(Facts(Ending.PEER_LOST), "another rank is gone (after the survivors' rescue)"),
     Row(Facts(Ending.PEER_LOST, peer_code=int(ExitCode.ERROR)),
-        "rank 0 without a supervisor, another rank gone by an ending of its own that ends the "
-        "job (it raised, or left `run.steps` early): that ending's code (a code outside this "
-        "table: 1), never requeued"),
+        "without a supervisor, another rank gone by an ending of its own that ends the job (it "
+        "raised, or left `run.steps` early), as rank 0 read the ranks' endings: that ending's "
+        "code (a code outside this table: 1), never requeued"),
     Row(Facts(Ending.HANG), "the hang watchdog, or its backstop when the hang holds the GIL "
         "(after the rescue)"),
     Row(Facts(Ending.DEADLINE), "the graceful shutdown overran the signal's grace"),

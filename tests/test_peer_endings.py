@@ -26,15 +26,16 @@ from helpers import RESCUE_JOB, assert_bitwise_equal, env, free_port
 STEPS, EVERY = 24, 4
 
 
-def _launch(work: Path, *extra: str, timeout: float = 240.0) -> tuple[list[int], list[str]]:
-    """Both ranks of the rescue job, plain processes, no supervisor: (codes, stderr texts)."""
+def _launch(work: Path, *extra: str, timeout: float = 240.0,
+            ranks: int = 2) -> tuple[list[int], list[str]]:
+    """The rescue job's ranks, plain processes, no supervisor: (codes, stderr texts)."""
     port = str(free_port())
     cmd = [sys.executable, str(RESCUE_JOB), "--steps", str(STEPS), "--out",
            str(work / "weights.pt"), "--set", f"checkpoint.dir={work / 'ckpt'}",
            "--set", f"checkpoint.every_steps={EVERY}", *extra]
     procs = []
-    for rank in range(2):
-        e = env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+    for rank in range(ranks):
+        e = env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         e.pop(CHANNEL_ENV, None)
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -74,6 +75,12 @@ def test_a_rank_that_raises_makes_rank_0_leave_with_1_not_81(tmp_path):
     assert "not requeued" in errs[0] and "rank 1: error 1" in errs[0], errs[0]
     ledger = [json.loads(line) for line in (tmp_path / "ckpt" / "ledger.jsonl").open()]
     assert [e["code"] for e in ledger if e["ev"] == "exit"] == [1]
+
+
+def test_every_survivor_leaves_with_rank_0_s_code_so_srun_s_status_is_1(tmp_path):
+    codes, errs = _launch(tmp_path, "--raise-at", "1:9", ranks=3)
+    assert codes == [1, 1, 1], errs
+    assert "rank 0 decided" in errs[2], errs[2]
 
 
 def test_a_rank_that_leaves_run_steps_by_sys_exit_makes_rank_0_leave_with_1(tmp_path):

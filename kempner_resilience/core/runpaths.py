@@ -180,6 +180,10 @@ class RunPaths:
         """``.endings.<token>/rank-<rank>.json``: one rank's ending in attempt ``token``."""
         return self.endings(token) / f"rank-{int(rank)}.json"
 
+    def job_verdict(self, token: str) -> Path:
+        """``.endings.<token>/job.json``: rank 0's decision from the endings, for the others."""
+        return self.endings(token) / "job.json"
+
     def all_endings(self) -> list[Path]:
         """Every attempt's endings directory present."""
         return sorted(self.root.glob(".endings.*"))

@@ -3,7 +3,7 @@
 ``RunState`` is frozen too; it only pairs the two, and says what follows from both: the step a
 requeue comes back to, and rank 0's word to a supervisor (``supervise/channel.py``) after the
 set-up, after every commit and, with its exit code, when the run ended; without a supervisor,
-another rank's word to rank 0 about how it ended (``supervise/endings.py``).
+each rank's word about how it ended (``supervise/endings.py``).
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ class RunState:
                    requeue=asdict(parts.config.requeue))
 
     def note_ending(self, kind: str, code: int) -> None:
-        """A rank other than 0 with no supervisor: how it ended (``kind``, an ``Ending``
-        value, and its exit ``code``), where rank 0 reads it before it requeues after losing
-        this rank (``supervise/endings.py``). Under a supervisor its exit code says it. Never
-        raises; nothing without checkpoints (nothing to requeue to) or in one process."""
+        """With no supervisor: how this rank ended (``kind``, an ``Ending`` value, and its
+        exit ``code``), where rank 0 reads it before it requeues after losing this rank, and
+        the other survivors that rank 0 is deciding (``supervise/endings.py``). Under a
+        supervisor its exit code says it. Never raises; nothing without checkpoints (nothing
+        to requeue to) or in one process."""
         parts = self.parts
-        if self.rank == 0 or parts.ckpt is None or parts.attempt_token is None \
+        if parts.ckpt is None or parts.attempt_token is None \
                 or Channel.from_env() is not None:
             return
         note_ending(parts.ckpt.paths, parts.attempt_token,

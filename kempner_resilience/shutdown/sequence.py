@@ -120,7 +120,7 @@ def fail(state: RunState, exc: BaseException) -> None:
             parts.handler.deadline.disarm()
             parts.handler.deadline.expect_exit(code, parts.config.signals.grace_s,
                                                f"exit after {type(exc).__name__}")
-        if forced is None:   # rank 0 with no supervisor: a peer's own ending ends the job
+        if forced is None:   # no supervisor: a peer's own ending ends the job
             facts = replace(facts, peer_code=steps.peers_code(state))
         if facts.peer_code is None:
             requeue_after_failure(state, "peer lost")

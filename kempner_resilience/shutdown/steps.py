@@ -7,7 +7,7 @@ trackers, ``scontrol``) it still tells itself.
     stop_action     what a stop's reason does (save, requeue?) and the code it leaves with
     start_deadline  the ranks that agreed to another rank's stop arm their shutdown deadline
     emergency_save  every rank's shard, then rank 0's commit           -> SaveResult
-    peers_code      rank 0 without a supervisor: a peer's own ending    -> the job's code
+    peers_code      no supervisor: a peer's own ending ends the job      -> the job's code
     requeue         rank 0 decides and calls scontrol, every rank told  -> Requeued
     teardown        the user's cleanups, then ours                     -> TornDown
 """
@@ -122,29 +122,40 @@ def peer_forced_code(state: RunState) -> int | None:
 
 
 def peers_code(state: RunState) -> int | None:
-    """Rank 0 that lost a peer, with no supervisor to decide (plain ``srun python train.py``,
-    submitit's SLURM executor, plain torchrun): the one policy over the ranks' recorded endings
-    (``supervise/endings.py``). The job's code when the policy says leave (a peer raised: 1; a
-    peer left ``run.steps`` early: 1), so that this rank leaves with it and requeues nothing;
-    None when the job is to run again (a peer killed, or one that only lost a peer too: the
-    requeue's budget then decides), or when this rank is not the one to decide."""
-    from kempner_resilience.supervise.endings import PEER_WAIT_S, peer_decision
+    """A rank that lost a peer, with no supervisor to decide (plain ``srun python train.py``,
+    submitit arrays, plain torchrun): the one policy over the ranks' recorded endings
+    (``supervise/endings.py``). Rank 0 decides and writes its decision; another survivor
+    takes rank 0's (srun's status is the highest task code: every survivor must leave with
+    the job's code). The job's code when the job leaves (a peer raised: 1; a peer left
+    ``run.steps`` early: 1), so that this rank leaves with it and nothing is requeued; None
+    when the job is to run again (a peer killed, or one that only lost a peer too: the
+    requeue's budget then decides), when rank 0 is gone, or under a supervisor."""
+    from kempner_resilience.supervise.endings import (PEER_WAIT_S, VERDICT_WAIT_S,
+                                                      note_verdict, peer_decision,
+                                                      read_verdict)
     from kempner_resilience.supervise.policy import Action, RankEnd
 
     parts = state.parts
-    if state.rank != 0 or parts.ckpt is None or parts.attempt_token is None \
-            or os.environ.get(CHANNEL_ENV):
+    if parts.ckpt is None or parts.attempt_token is None or os.environ.get(CHANNEL_ENV):
         return None
+    paths, token = parts.ckpt.paths, parts.attempt_token
     # Within the exit's deadline, with room left for the requeue after it.
     left = parts.handler.deadline.remaining()
+    if state.rank != 0:
+        wait = VERDICT_WAIT_S if left is None else max(0.0, min(VERDICT_WAIT_S, left / 2))
+        code = read_verdict(paths, token, wait_s=wait)
+        if code is not None:
+            log.error("rank 0 decided from the ranks' endings that the job ends (exit %d), "
+                      "not requeued: this rank exits with it too", code)
+        return code
     wait = PEER_WAIT_S if left is None else max(0.0, min(PEER_WAIT_S, left / 2))
     try:
-        decision, seen = peer_decision(parts.ckpt.paths, parts.attempt_token,
-                                       RankEnd(int(ExitCode.PEER_LOST)), 0,
+        decision, seen = peer_decision(paths, token, RankEnd(int(ExitCode.PEER_LOST)), 0,
                                        parts.agreement.world_size, wait)
     except Exception as e:   # never let the reading stop the exit: decide as before
         log.error("could not read the other ranks' endings (%s): deciding without them", e)
         return None
+    note_verdict(paths, token, decision)
     said = ", ".join(f"rank {r}: {e.kind} {e.code}" for r, e in sorted(seen.items()))
     if decision.action is not Action.LEAVE:
         log.info("the other ranks' endings (%s; the rest killed): %s", said or "none recorded",

@@ -17,6 +17,11 @@ seen) and asks the one policy with them (``peer_decision``):
   code) leaves with that code, no requeue; peers that exited 0 while rank 0 lost them left
   ``run.steps`` early: leave with 1 (``policy.job_code``'s row 3).
 
+srun's status is the highest of its tasks' codes, so the job's code is 1 only if no survivor
+exits 81: rank 0 writes its decision (``note_verdict``, ``RunPaths.job_verdict``) and the other
+survivors of the same loss, once they see that rank 0 is deciding (its own ending is there),
+wait for it (``read_verdict``) and leave with its code too.
+
 The attempt's token (new in every attempt, shared by rank 0 at set-up) names the directory, so
 an earlier attempt's endings are never read, and no rank looked the name up before it was
 written (an NFS client caches a name's absence). Writes are whole-file replaces, not fsynced:
@@ -35,16 +40,19 @@ from typing import Iterable
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.supervise.policy import Decision, Evidence, RankEnd, decide
+from kempner_resilience.supervise.policy import Action, Decision, Evidence, RankEnd, decide
 
 __all__ = ["RankEnding", "note_ending", "read_endings", "peer_ends", "peer_decision",
-           "PEER_WAIT_S"]
+           "note_verdict", "read_verdict", "PEER_WAIT_S", "VERDICT_WAIT_S"]
 
 _log = get_logger(__name__)
 
 #: How long rank 0 waits for the endings of ranks it has not seen. A rank that failed writes its
 #: ending first, before its teardown; a survivor of the same loss as soon as it notices it.
 PEER_WAIT_S = 5.0
+#: How long a survivor waits for rank 0's decision once rank 0 is seen deciding: rank 0's own
+#: wait for the endings, and its rescue beside this rank's.
+VERDICT_WAIT_S = PEER_WAIT_S + 5.0
 _POLL_S = 0.2
 # What a rank without a recorded ending counts as: killed, as a node's death or the OOM killer.
 _KILLED = 128 + int(signal.SIGKILL)
@@ -136,3 +144,42 @@ def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_si
     (``slurm/requeue.decide_requeue``, over the restart record)."""
     seen = read_endings(paths, token, (r for r in range(world_size) if r != rank), wait_s)
     return decide(Evidence(peer_ends(own, rank, world_size, seen))), seen
+
+
+def note_verdict(paths: RunPaths, token: str, decision: Decision) -> None:
+    """Rank 0's decision from the endings, for the other survivors: the job's code, and
+    whether it leaves (no requeue). Never raises."""
+    path = paths.job_verdict(token)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"leave": decision.action is Action.LEAVE,
+                                       "code": int(decision.code)}), durable=False)
+    except OSError as e:
+        _log.warning("cannot tell the other ranks the job's code in %s: %s", path.parent, e)
+
+
+def read_verdict(paths: RunPaths, token: str, seen_s: float = 2.0,
+                 wait_s: float = VERDICT_WAIT_S) -> int | None:
+    """A survivor other than rank 0: the job's code when rank 0 decided that the job leaves,
+    else None (it runs again, or rank 0 is gone: no ending of its own within ``seen_s``, or
+    said nothing within ``wait_s``)."""
+    if not read_endings(paths, token, (0,), seen_s):
+        return None
+    end = time.monotonic() + max(wait_s, 0.0)
+    path = paths.job_verdict(token)
+    while True:
+        try:
+            data = load_json_bounded(path)
+        except FileNotFoundError:
+            data = None
+        except (OSError, ValueError) as e:
+            _log.warning("rank 0's decision %s is unreadable (%s)", path, e)
+            return None
+        if isinstance(data, dict):
+            code = data.get("code")
+            ok = data.get("leave") is True and isinstance(code, int) \
+                and not isinstance(code, bool)
+            return code if ok else None
+        if time.monotonic() >= end:
+            return None
+        time.sleep(_POLL_S)
