@@ -252,12 +252,10 @@ def _hold_directory(run: RunParts, paths: RunPaths, restarts: int | None) -> Lea
 
 
 def _attempt_token(run: RunParts, paths: RunPaths) -> str | None:
-    """This attempt's token, the same on every rank (collective), None without a store (one
-    process). It names the attempt's entries every rank writes where the others read them:
-    the forced-exit marker (a rank forced out by a repeated SIGTERM/SIGINT: the store, which
-    normally carries the news, dies with rank 0 when rank 0 is that rank) and the ranks'
-    endings (``supervise/endings.py``). Rank 0, holding the lease, first clears both of
-    earlier attempts."""
+    """This attempt's token, the same on every rank (collective; None in one process): it names
+    what ranks write for the others to read, the forced-exit marker (the store dies with rank
+    0 when rank 0 is forced out) and the ranks' endings (``supervise/endings.py``). Rank 0,
+    holding the lease, first clears both of earlier attempts."""
     if run.agreement.store is None:
         return None
     token = None

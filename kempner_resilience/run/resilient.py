@@ -130,7 +130,7 @@ class ResilientRun:
             if exc_type is not None:
                 # The script left by its own sys.exit (no shutdown of ours ran): rank 0, which
                 # loses this rank now, must not take it for killed (supervise/endings.py).
-                run.note_ending("exit", _exit_status(exc))
+                run.note_ending("exit", leaving.exit_status(exc))
             mine = self._signal_reason()
             reason = mine or run.parts.agreement.agreed_reason()
             # (A lost lease agreed but not yet reached stops at its step, in the loop only.)
@@ -394,12 +394,3 @@ class ResilientRun:
         ledger's event and the report instead.
         """
         sequence.hang(self._state)
-
-
-
-def _exit_status(exc: BaseException | None) -> int:
-    """The process's exit status for a ``SystemExit`` (as the interpreter computes it)."""
-    code = getattr(exc, "code", None)
-    if code is None:
-        return 0
-    return code if isinstance(code, int) and not isinstance(code, bool) else 1
