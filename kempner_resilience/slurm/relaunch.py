@@ -181,9 +181,9 @@ class Relauncher:
         while True:
             bad = bad_nodes(self.run_paths) | self._bad_here
             nodes = choose_nodes(self.nodes, bad, self.need)
-            if nodes is None and index == 0:
-                # The requeue could not keep this job off its bad nodes (badnodes refused an
-                # exclusion that leaves too few): another one only comes back here, until the
+            if nodes is None and index == 0 and self.job.restart_count > 0:
+                # A requeue could not keep this job off its bad nodes (badnodes refused an
+                # exclusion that leaves too few): another comes back here, until the
                 # no-progress guard. Train on them, as a plain srun job does.
                 nodes = choose_nodes(self.nodes, set(), self.need)
                 if nodes is not None:
