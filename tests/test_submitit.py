@@ -372,6 +372,29 @@ def test_notebook_runs_against_cluster(slurm_cluster, tmp_path):
 
 # ------------------------------------------------------------------------ under the step loop
 
+def test_a_slurm_job_s_batch_script_runs_the_step_loop_around_submitit_s_command(tmp_path):
+    """krs.submit's SLURM executor: submitit's script without its srun line, our loop instead,
+    which runs srun with submitit's per-task logs (where job.stdout() reads them)."""
+    import shutil
+
+    from slurm_fixtures import in_ci
+    from kempner_resilience.integrations.submitit_slurm import ResilientSlurmExecutor
+
+    if shutil.which("srun") is None and not in_ci():
+        pytest.skip("submitit's SLURM executor needs srun on PATH")
+    auto = submitit.AutoExecutor(folder=tmp_path / "%j", cluster="slurm")
+    auto.update_parameters(timeout_min=30, tasks_per_node=2)
+    ours = ResilientSlurmExecutor.adopt(auto)
+    script = ours._make_submission_file_text(ours._submitit_command_str, "u")
+    command = script.splitlines()[script.splitlines().index("export SUBMITIT_EXECUTOR=slurm") + 1]
+    loop, _, inner = command.partition(" -- ")
+    assert "-m kempner_resilience.cli srun" in loop and not loop.startswith("srun")
+    assert f"--output {tmp_path}/%j/%j_%t_log.out --error {tmp_path}/%j/%j_%t_log.err" in loop
+    assert inner.endswith(f"-u -m submitit.core._submit {tmp_path}/%j")
+    assert "#SBATCH --ntasks-per-node=2" in script
+
+
+
 HELPERS = Path(__file__).resolve().parent / "checkpoint_helpers"
 RESCUE_STEPS, RESCUE_EVERY = 24, 4
 
