@@ -201,12 +201,16 @@ class Facts:
     saved: Saved = Saved.NOTHING       # SIGNAL: the emergency checkpoint
     requeue: Verdict | None = None     # SIGNAL with action `requeue`: the requeue's verdict
     peer_forced_code: int | None = None  # another rank was forced out with this (130/143)
+    peer_code: int | None = None       # PEER_LOST without a supervisor: the job's code from the
+                                       # ranks' recorded endings (supervise/endings.py) when it
+                                       # ends the job (a peer's exception: 1)
 
 
 _REQUEUE_CODES = {Verdict.REQUEUED: ExitCode.REQUEUE, Verdict.BUDGET_SPENT: ExitCode.NO_REQUEUE,
                   Verdict.NO_PROGRESS: ExitCode.NO_REQUEUE,
                   Verdict.SCONTROL_FAILED: ExitCode.REQUEUE_FAILED,
                   Verdict.UNHEARD: ExitCode.REQUEUE_FAILED}
+_KNOWN = frozenset(int(c) for c in ExitCode)
 _FIXED = {Ending.COMPLETED: ExitCode.OK, Ending.ERROR: ExitCode.ERROR,
           Ending.PEER_LOST: ExitCode.PEER_LOST, Ending.HANG: ExitCode.HANG,
           Ending.DEADLINE: ExitCode.DEADLINE, Ending.STARTUP: ExitCode.CONFIG,
@@ -218,6 +222,8 @@ def exit_code(f: Facts) -> ExitCode:
     """The one table from what happened to the exit code; the rules in order of precedence."""
     if f.peer_forced_code is not None:             # the job ends as the forced-out rank did
         return ExitCode(f.peer_forced_code)
+    if f.peer_code is not None:        # a peer's own ending ends the job: so does this rank's
+        return ExitCode(f.peer_code) if f.peer_code in _KNOWN else ExitCode.ERROR
     if f.ending in _FIXED:
         return _FIXED[f.ending]
     if f.ending is Ending.SIGNAL and f.saved is Saved.FAILED:
@@ -277,6 +283,10 @@ ROWS: tuple[Row, ...] = (
               peer_forced_code=int(ExitCode.SIGTERM)),
         "any ending on a rank whose peer was forced out (130 or 143): that rank's code"),
     Row(Facts(Ending.PEER_LOST), "another rank is gone (after the survivors' rescue)"),
+    Row(Facts(Ending.PEER_LOST, peer_code=int(ExitCode.ERROR)),
+        "without a supervisor, another rank gone by an ending of its own that ends the job (it "
+        "raised, or left `run.steps` early), as rank 0 read the ranks' endings: that ending's "
+        "code (a code outside this table: 1), never requeued"),
     Row(Facts(Ending.HANG), "the hang watchdog, or its backstop when the hang holds the GIL "
         "(after the rescue)"),
     Row(Facts(Ending.DEADLINE), "the graceful shutdown overran the signal's grace"),

@@ -24,6 +24,17 @@ stays out of the way; the budget and the spares are the rows' own.
   workers' return codes, whether it was signalled, torch's restarts left, the standbys waiting;
   run through ``observe`` and the policy, as the agent's monitor does.
 
+- ``rank0``: no supervisor (a plain ``srun python train.py``; submitit arrays): rank 0 after it
+  lost a peer and rescued, with the endings its peers recorded in the run's directory (a rank
+  that recorded none was killed), then its own requeue within the run's budget and guard
+  (``supervise/endings.py``, ``slurm/requeue.decide_requeue``), as ``shutdown/sequence.fail``
+  does. Its only way to run again is ``scontrol requeue``: the policy's RELAUNCH and REQUEUE
+  alike.
+
+submitit under SLURM has no column of its own: its batch script runs the srun step loop
+(``integrations/submitit_slurm.py``), whose column is ``srun``; the slurm tests in
+tests/test_submitit.py run two rows (an exception, a SIGKILL) on the real cluster.
+
 Adding a backend (Ray next): write its native form's dataclass and a runner
 ``(native form, tmp_path) -> Decision``, add the runner to ``BACKENDS`` and the form to every
 row's ``native`` (or the row and backend to ``NOT_APPLICABLE``, with why).
@@ -46,7 +57,12 @@ from kempner_resilience.integrations.torchrun_policy import implicated_here, obs
 from kempner_resilience.slurm.relaunch import Relauncher, StepResult
 from kempner_resilience.slurm.steps import StepReport, parse_srun_line
 from kempner_resilience.supervise.channel import Channel, RunReport
-from kempner_resilience.supervise.policy import Action, Commits, Decision, decide
+from kempner_resilience.config.schema import RequeueConfig
+from kempner_resilience.exitcodes import Ending, Facts, exit_code
+from kempner_resilience.slurm.env import SlurmJob
+from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue
+from kempner_resilience.supervise.endings import RankEnding, note_ending, peer_decision
+from kempner_resilience.supervise.policy import Action, Commits, Decision, RankEnd, decide
 from kempner_resilience.core.runpaths import RunPaths
 
 BEFORE, RESCUED = 10, 20      # the committed step when the launch started, and after its rescue
@@ -112,6 +128,16 @@ class Torchrun:
                                            # newer commit than when the group started
 
 
+@dataclass(frozen=True)
+class Rank0:
+    """Rank 0 without a supervisor, after it lost a peer (its own ending: 81) and rescued."""
+
+    recorded: dict[int, tuple[str, int]]   # rank -> (kind, code) it recorded; absent: none
+    world: int = 2
+    restarts: int = 0                      # SLURM_RESTART_COUNT
+    max_restarts: int = 20                 # the run's requeue.max_restarts
+
+
 def _commit(root: Path, step: int) -> None:
     path = layout.create_step_dir(RunPaths(root), step)
     (path / "__0_0.distcp").write_bytes(b"x")
@@ -171,12 +197,29 @@ def through_torchrun(group: Torchrun, tmp_path: Path) -> Decision:
                           commits=Commits(BEFORE, RESCUED if group.rescued else BEFORE)))
 
 
+def through_rank0(view: Rank0, tmp_path: Path) -> Decision:
+    paths = RunPaths(tmp_path / "run")
+    for rank, (kind, code) in view.recorded.items():
+        note_ending(paths, "t", RankEnding(rank, kind, code, RESCUED))
+    decision, _ = peer_decision(paths, "t", RankEnd(81), 0, view.world, wait_s=0.0)
+    if decision.action is Action.LEAVE:
+        return decision
+    verdict = decide_requeue(SlurmJob(job_id="7", restart_count=view.restarts),
+                             RestartLedger.for_checkpoint_dir(paths), RESCUED,
+                             RequeueConfig(max_restarts=view.max_restarts))
+    if verdict.requeue:
+        return decision
+    code = int(exit_code(Facts(Ending.PEER_LOST, requeue=verdict.verdict)))
+    return Decision(Action.LEAVE, code, decision.kind, verdict.reason)
+
+
 #: backend -> runner of its native form.
 BACKENDS: dict[str, Callable[[Any, Path], Decision]] = {
     "srun": through_srun,
     "local": through_local,
     "submitit": through_submitit,
     "torchrun": through_torchrun,
+    "rank0": through_rank0,
 }
 
 
@@ -207,6 +250,7 @@ ROWS: dict[str, Row] = {
         "local": Local((81, -9)),
         "submitit": Submitit((81, -9)),
         "torchrun": Torchrun({0: 81, 1: -9}),
+        "rank0": Rank0({}),
     }),
     "a node killed: it says nothing, its peers rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun((_err("n1", "0-1", "Exited with exit code 81"),), tasks_per_node=2,
@@ -215,6 +259,7 @@ ROWS: dict[str, Row] = {
         "submitit": Submitit((81, 81, -9, -9)),
         # the survivor's agent: its own workers said 81; the dead node's agent died with it
         "torchrun": Torchrun({0: 81, 1: 81}),
+        "rank0": Rank0({1: ("peer-lost", 81)}, world=4),
     }),
     "a rank hung with the GIL held: its kernel timer's 42, no hang mark": Row(
         Action.RELAUNCH, 42, {
@@ -241,6 +286,7 @@ ROWS: dict[str, Row] = {
         "local": Local((81, 1)),
         "submitit": Submitit((81, 1)),
         "torchrun": Torchrun({0: 81, 1: 1}),
+        "rank0": Rank0({1: ("error", 1)}),
     }),
     "rank 0 left run.steps early [0, 81]": Row(Action.LEAVE, 1, {
         # srun ends by itself once rank 1 has: rank 0's silence is an exit 0.
@@ -269,6 +315,7 @@ ROWS: dict[str, Row] = {
         "local": Local((81, -9), index=9, max_launches=10),
         "submitit": Submitit((81, -9), restarts=3, max_restarts=3),
         "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=0),
+        "rank0": Rank0({}, restarts=3, max_restarts=3),
     }),
     "a relaunch that committed nothing newer, the second in a row: no progress": Row(
         Action.LEAVE, 77, {
@@ -289,6 +336,24 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
         "submitit's local executor runs one machine's tasks: no node to keep out, no spare to "
         "run on; it relaunches where it ran (under SLURM, submitit's tasks are srun's)",
 }
+
+_RANK0 = "rank 0 decides after it lost a peer, and only then"
+NOT_APPLICABLE.update({
+    ("every rank finished", "rank0"): _RANK0 + ": here no rank lost one",
+    ("a rank hung with the GIL held: its kernel timer's 42, no hang mark", "rank0"):
+        _RANK0 + ": a hang is its own path (the watchdog's), which requeues as before",
+    ("a rank frozen (SIGSTOP): ended by the supervisor after the grace", "rank0"):
+        _RANK0 + ": no supervisor ends a frozen rank; the hang watchdogs do",
+    ("rank 0 left run.steps early [0, 81]", "rank0"):
+        _RANK0 + ": rank 0 is the one that left; nobody requeues, srun's status is 81",
+    ("a signal: every rank committed and asked to run again (75)", "rank0"):
+        _RANK0 + ": a stop requeues through the ranks' own requeue step",
+    ("no spare left for the node of the killed rank", "rank0"):
+        "no spares without a supervisor: rank 0 always runs the job again by a requeue",
+    ("a relaunch that committed nothing newer, the second in a row: no progress", "rank0"):
+        "rank 0 stops requeueing (no_requeue, logged) but exits 81, and srun's status is the "
+        "highest task code (a killed peer's 137): no process can make the job's code 77",
+})
 
 CASES = [(name, backend) for name, row in ROWS.items() for backend in BACKENDS
          if backend in row.native]

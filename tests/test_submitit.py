@@ -368,3 +368,91 @@ def test_notebook_runs_against_cluster(slurm_cluster, tmp_path):
     assert len(pkls) == 1
     _assert_pickle_small(pkls[0])
     print(f"notebook ran in {elapsed:.1f} s")
+
+
+# ------------------------------------------------------------------------ under the step loop
+
+def test_a_slurm_job_s_batch_script_runs_the_step_loop_around_submitit_s_command(tmp_path):
+    """krs.submit's SLURM executor: submitit's script without its srun line, our loop instead,
+    which runs srun with submitit's per-task logs (where job.stdout() reads them)."""
+    import shutil
+
+    from slurm_fixtures import in_ci
+    from kempner_resilience.integrations.submitit_slurm import ResilientSlurmExecutor
+
+    if shutil.which("srun") is None and not in_ci():
+        pytest.skip("submitit's SLURM executor needs srun on PATH")
+    auto = submitit.AutoExecutor(folder=tmp_path / "%j", cluster="slurm")
+    auto.update_parameters(timeout_min=30, tasks_per_node=2)
+    ours = ResilientSlurmExecutor.adopt(auto)
+    script = ours._make_submission_file_text(ours._submitit_command_str, "u")
+    command = script.splitlines()[script.splitlines().index("export SUBMITIT_EXECUTOR=slurm") + 1]
+    loop, _, inner = command.partition(" -- ")
+    assert "-m kempner_resilience.cli srun" in loop and not loop.startswith("srun")
+    assert f"--output {tmp_path}/%j/%j_%t_log.out --error {tmp_path}/%j/%j_%t_log.err" in loop
+    assert inner.endswith(f"-u -m submitit.core._submit {tmp_path}/%j")
+    assert "#SBATCH --ntasks-per-node=2" in script
+
+
+
+HELPERS = Path(__file__).resolve().parent / "checkpoint_helpers"
+RESCUE_STEPS, RESCUE_EVERY = 24, 4
+
+
+def _rescue_args(work: Path, *extra: str) -> tuple[str, ...]:
+    return ("--steps", str(RESCUE_STEPS), "--out", str(work / "weights.pt"), "--set",
+            f"checkpoint.dir={work / 'ckpt'}", "--set", f"checkpoint.every_steps={RESCUE_EVERY}",
+            *extra)
+
+
+def _submit_rescue(work: Path, *extra: str):
+    slurm = dict(timeout_min=30, tasks_per_node=2, cpus_per_task=1, name="kr-submitit-fault")
+    return krs.submit("submitit_rescue:main", *_rescue_args(work, *extra), folder=work / "logs",
+                      slurm=slurm)
+
+
+@pytest.mark.slurm
+def test_submitit_slurm_rank_exception_leaves_with_1_never_run_again(slurm_cluster, tmp_path,
+                                                                    monkeypatch):
+    """Rank 1 raises (a bug): the step loop's policy leaves with 1; no requeue, no relaunch."""
+    from slurm_fixtures import job_info, wait_job
+
+    monkeypatch.setenv("PYTHONPATH", f"{HELPERS}:{os.environ.get('PYTHONPATH', '')}")
+    job = _submit_rescue(tmp_path, "--raise-at", "1:9")
+    with pytest.raises(RuntimeError, match="without a result"):
+        krs.wait(job, timeout=240)
+    info = wait_job(job.job_id, timeout=60) or job_info(job.job_id)
+    err = (tmp_path / "logs" / f"{job.job_id}_0_log.err").read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", (info, err[-3000:])
+    assert info.get("Restarts") == "0", info
+    assert err.count("step 0: srun") == 1 and "step 1: srun" not in err, err[-3000:]
+
+
+@pytest.mark.slurm
+def test_submitit_slurm_rank_sigkilled_runs_again_and_resumes_bitwise(slurm_cluster, tmp_path,
+                                                                     monkeypatch):
+    """Rank 1 SIGKILLed: the step loop runs the job again (a requeue: no spare, no in-job
+    restart), it resumes, its result is submitit's, its weights an uninterrupted run's."""
+    import torch
+
+    from helpers import assert_bitwise_equal, free_port
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, str(HELPERS / "rescue_job.py"), *_rescue_args(ref)], cwd=ref,
+        env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for r in range(2)]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    work = tmp_path / "job"
+    monkeypatch.setenv("PYTHONPATH", f"{HELPERS}:{os.environ.get('PYTHONPATH', '')}")
+    job = _submit_rescue(work, "--kill-at", "1:9")
+    krs.wait(job, timeout=360)
+    assert job.results() == [0, 0]
+    rank0 = job.task(0)
+    assert re.search(r"resumed from \S+ \(step [1-9]", rank0.stderr() or ""), (rank0.stderr() or "")[-3000:]
+    assert "Loading pickle" in (rank0.stdout() or "")     # job.stdout() reads the task's log
+    assert_bitwise_equal(torch.load(work / "weights.pt", weights_only=True),
+                         torch.load(ref / "weights.pt", weights_only=True))

@@ -10,6 +10,7 @@ Run it in the batch script of a job that asked for N + K nodes with ``#SBATCH --
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from kempner_resilience.cli.common import CliError, Verb, config_args, training_command
 from kempner_resilience.config import load_config
@@ -30,6 +31,9 @@ def _setup(p: argparse.ArgumentParser) -> None:
                         "every node, standbys included): the step is never ended or relaunched "
                         "for a failure, only ended once the run finished; a failure that ends "
                         "it requeues the job (template multi_node_torchrun)")
+    p.add_argument("--srun-args", default="", metavar="ARGS",
+                   help="more options for every srun step, one shell-quoted string (submitit's "
+                        "jobs: \"--unbuffered --output F --error F\", its per-task logs)")
     config_args(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="what every srun task runs, after `--`")
@@ -57,7 +61,8 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError("--spares and --in-job-restarts must be >= 0", 2)
     cfg = load_config(args.config, args.overrides)
     try:
-        return run_in_place(command, args.spares, cfg, restarts, agents=args.agents)
+        return run_in_place(command, args.spares, cfg, restarts, agents=args.agents,
+                            srun_args=shlex.split(args.srun_args))
     except ValueError as e:
         raise CliError(str(e), 2) from None
 

@@ -2,7 +2,7 @@
 
 A run's directory holds more than its checkpoints: the run's identity, the lease, the ledger,
 the pins, the bad nodes, the restart decisions, the rescue files, the forced-exit markers and
-the names a checkpoint is renamed to when it is deleted or set aside. Every module that reads or
+the ranks' endings and the names a checkpoint is renamed to when it is deleted or set aside. Every module that reads or
 writes one of them takes a ``RunPaths`` and asks it for the path, so that the names are spelled
 once, here, and nothing else reads ``checkpoint.dir`` from the configuration
 (``tests/test_architecture.py`` checks both). The model is submitit's ``JobPaths``.
@@ -168,6 +168,25 @@ class RunPaths:
     def probe(self, host: str, rank: int, pid: int) -> Path:
         """The file the start-up check writes and removes to learn the directory is writable."""
         return self.root / f".kempner_probe-{host}-{rank}-{pid}"
+
+    # ----- the ranks' endings (no supervisor: rank 0 decides from them)
+
+    def endings(self, token: str) -> Path:
+        """``.endings.<token>/``: how each rank of attempt ``token`` ended
+        (``supervise/endings.py``); a new name in every attempt, like ``forced_marker``."""
+        return self.root / f".endings.{token}"
+
+    def rank_ending(self, token: str, rank: int) -> Path:
+        """``.endings.<token>/rank-<rank>.json``: one rank's ending in attempt ``token``."""
+        return self.endings(token) / f"rank-{int(rank)}.json"
+
+    def job_verdict(self, token: str) -> Path:
+        """``.endings.<token>/job.json``: rank 0's decision from the endings, for the others."""
+        return self.endings(token) / "job.json"
+
+    def all_endings(self) -> list[Path]:
+        """Every attempt's endings directory present."""
+        return sorted(self.root.glob(".endings.*"))
 
     # ----- the rescue
 

@@ -37,6 +37,11 @@ What this module adds is the hand-over between submitit and ``ResilientRun``:
   UNKNOWN and ``job.result()`` would wait forever for a job that failed; ``wait(job)`` polls
   ``scontrol show job`` and raises with the log's tail instead.
 
+Under SLURM ``submit`` runs the job under ``ResilientSlurmExecutor`` (``submitit_slurm.py``):
+submitit's batch script runs ``kempner-resilience srun``'s step loop, which launches the srun
+tasks and, after each step, asks the one policy whether the job runs again (relaunch in place,
+requeue, or leave: a rank's exception leaves with 1), as for ``kempner-resilience sbatch`` jobs.
+
 Without SLURM (submitit's local executor: ``AutoExecutor(folder, cluster="local")`` or
 ``LocalExecutor``, how a notebook user tries things first) the same flow works on this machine:
 each task gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from submitit's
@@ -353,4 +358,12 @@ def submit(fn: Callable[..., Any] | str, *args: Any,
         # submitit's reruns them only on its requeue code; and our job's _interrupt() reaches
         # the tasks (see submitit_local.py).
         executor = ResilientLocalExecutor.adopt(executor)
+    else:
+        from kempner_resilience.integrations.submitit_slurm import (ResilientSlurmExecutor,
+                                                                    is_slurm_executor)
+
+        if is_slurm_executor(executor):
+            # The batch script runs our srun step loop, which launches the tasks: one
+            # supervisor on the one policy, as `kempner-resilience sbatch` jobs have it.
+            executor = ResilientSlurmExecutor.adopt(executor)
     return executor.submit(job)

@@ -13,6 +13,7 @@ every rank learns the decision, or the same refusal, through the agreement's sto
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -91,7 +92,7 @@ def _checkpoints(parts: RunParts, progress: Progress, state: Mapping[str, Any],
     parts = replace(parts, ckpt=ckpt, run_id=rid)
     held = _hold_directory(parts, ckpt.paths, restarts)
     ckpt.claim(rid, held, _record_lineage(parts, ckpt.paths, lineage))
-    _mark_forced_exits_in(parts, ckpt.paths)
+    parts = replace(parts, attempt_token=_attempt_token(parts, ckpt.paths))
     parts = latest[0] = replace(parts, ledger=_ledger(parts, ckpt.paths, restarts))
     script = hparams.snapshot(state) if parts.rank == 0 else {}  # the script's, before the load
     info, load_s = _resume(parts, ckpt)
@@ -250,24 +251,26 @@ def _hold_directory(run: RunParts, paths: RunPaths, restarts: int | None) -> Lea
     return held
 
 
-def _mark_forced_exits_in(run: RunParts, paths: RunPaths) -> None:
-    """A rank forced out (a repeated SIGTERM/SIGINT) also leaves a marker in the run's
-    directory: the store, which normally carries the news, dies with rank 0 when rank 0 is
-    that rank.
-    Rank 0, holding the lease, clears the markers of earlier attempts, then hands every rank
-    this attempt's token (collective)."""
+def _attempt_token(run: RunParts, paths: RunPaths) -> str | None:
+    """This attempt's token, the same on every rank (collective; None in one process): it names
+    what ranks write for the others to read, the forced-exit marker (the store dies with rank
+    0 when rank 0 is forced out) and the ranks' endings (``supervise/endings.py``). Rank 0,
+    holding the lease, first clears both of earlier attempts."""
     if run.agreement.store is None:
-        return
+        return None
     token = None
     if run.rank == 0:
         token = uuid.uuid4().hex[:12]
         try:
             for old in paths.forced_markers():
                 old.unlink(missing_ok=True)
-        except OSError as e:     # a stale marker has another token: it is never read
-            log.debug("cannot clear old forced-exit markers in %s: %s", paths, e)
+            for old in paths.all_endings():
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:     # a stale entry has another token: it is never read
+            log.debug("cannot clear old forced-exit markers or endings in %s: %s", paths, e)
     token = run.agreement.share_text("attempt_token", token, 120.0)
     run.agreement.use_forced_marker(paths.forced_marker(token))
+    return token
 
 
 def _ledger(run: RunParts, paths: RunPaths, restarts: int | None) -> Ledger:

@@ -127,6 +127,10 @@ class ResilientRun:
             if exc_type is not None and not issubclass(exc_type, SystemExit):
                 sequence.fail(run, exc)     # leaves, or returns to re-raise a bug
                 return False
+            if exc_type is not None:
+                # The script left by its own sys.exit (no shutdown of ours ran): rank 0, which
+                # loses this rank now, must not take it for killed (supervise/endings.py).
+                run.note_ending("exit", leaving.exit_status(exc))
             mine = self._signal_reason()
             reason = mine or run.parts.agreement.agreed_reason()
             # (A lost lease agreed but not yet reached stops at its step, in the loop only.)
@@ -390,4 +394,3 @@ class ResilientRun:
         ledger's event and the report instead.
         """
         sequence.hang(self._state)
-

@@ -55,6 +55,9 @@ class RunParts:
     resumed_from: CheckpointInfo | None = None  # the checkpoint the run resumed from
     start_step: int = 0               # the resumed checkpoint's step, or 0
     completed_step: int | None = None  # rank 0: the total a finished loop of this run reached
+    # This attempt's token, the same on every rank of a distributed run with checkpoints (the
+    # names of its forced-exit marker and of its ranks' endings); None otherwise.
+    attempt_token: str | None = None
 
     @property
     def rank(self) -> int:

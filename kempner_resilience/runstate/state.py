@@ -2,7 +2,8 @@
 
 ``RunState`` is frozen too; it only pairs the two, and says what follows from both: the step a
 requeue comes back to, and rank 0's word to a supervisor (``supervise/channel.py``) after the
-set-up, after every commit and, with its exit code, when the run ended.
+set-up, after every commit and, with its exit code, when the run ended; without a supervisor,
+each rank's word about how it ended (``supervise/endings.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from kempner_resilience.runstate.parts import RunParts
 from kempner_resilience.runstate.progress import Progress
-from kempner_resilience.supervise.channel import report_now
+from kempner_resilience.supervise.channel import Channel, report_now
+from kempner_resilience.supervise.endings import RankEnding, note_ending
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -57,3 +59,16 @@ class RunState:
         report_now(parts.supervisor, parts.ckpt.paths.root, run_id=parts.run_id,
                    committed=self.committed_step(), code=code,
                    requeue=asdict(parts.config.requeue))
+
+    def note_ending(self, kind: str, code: int) -> None:
+        """With no supervisor: how this rank ended (``kind``, an ``Ending`` value, and its
+        exit ``code``), where rank 0 reads it before it requeues after losing this rank, and
+        the other survivors that rank 0 is deciding (``supervise/endings.py``). Under a
+        supervisor its exit code says it. Never raises; nothing without checkpoints (nothing
+        to requeue to) or in one process."""
+        parts = self.parts
+        if parts.ckpt is None or parts.attempt_token is None \
+                or Channel.from_env() is not None:
+            return
+        note_ending(parts.ckpt.paths, parts.attempt_token,
+                    RankEnding(self.rank, kind, int(code), self.step))

@@ -35,7 +35,7 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.teardown import flush_logs
 from kempner_resilience.stop.watchdog import DeadlineWatchdog
 
-__all__ = ["ExitMode", "RunExit", "resolve", "leave", "bound_exit"]
+__all__ = ["ExitMode", "RunExit", "resolve", "leave", "bound_exit", "exit_status"]
 
 log = get_logger(__name__)
 
@@ -130,3 +130,12 @@ def leave(deadline: DeadlineWatchdog, code: int, mode: ExitMode, exit_timeout_s:
     if error is not None and (keep_traceback or mode is ExitMode.RAISE):
         raise error
     raise RunExit(int(code)) from None
+
+
+def exit_status(exc: BaseException | None) -> int:
+    """The process's exit status for a ``SystemExit`` ``exc``, as the interpreter computes it
+    (None: 0; an integer: itself; anything else: 1)."""
+    code = getattr(exc, "code", None)
+    if code is None:
+        return 0
+    return code if isinstance(code, int) and not isinstance(code, bool) else 1

@@ -3,8 +3,9 @@
 The exit code comes from the one table, ``exitcodes.exit_code`` (what happened, ``Facts``, to
 the code; it lives in ``exitcodes`` so that the core layer's deciders, the signal thread and the
 watchdogs, use it too). ``record`` then says how the attempt ended, the same way for every
-ending: the run ledger's ``exit`` event, the trackers' finish (bounded), the run report and, under a supervisor, rank 0's word to it
-(``supervise/channel.py``).
+ending: the run ledger's ``exit`` event, the trackers' finish (bounded), the run report and,
+under a supervisor, rank 0's word to it (``supervise/channel.py``); without one, another rank's
+word to rank 0 (``supervise/endings.py``).
 
 Callers: the shutdown sequence's paths (``complete``, ``stop``, ``fail``, ``give_up``,
 ``hang``, in the hang watchdog's thread), which note the ending in the run's progress first. A hang that holds the GIL runs no Python in
@@ -39,6 +40,7 @@ def record(state: RunState, facts: Facts) -> int:
     _finish_trackers(state, code)
     write_report(state, code, facts)
     state.tell_supervisor(code)
+    state.note_ending(facts.ending.value, code)    # rank 0 without a supervisor reads it
     return code
 
 

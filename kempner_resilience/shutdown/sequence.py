@@ -100,6 +100,9 @@ def fail(state: RunState, exc: BaseException) -> None:
         parts.handler.deadline.expect_exit(
             code, parts.config.rescue.budget_s if lost and parts.rescue is not None
             else parts.config.signals.grace_s, f"exit after {type(exc).__name__}")
+    # Said first, before the rescue and the teardown: rank 0, when it lost this rank, may be
+    # deciding now whether to requeue (no supervisor: supervise/endings.py).
+    state.note_ending((Ending.PEER_LOST if lost else Ending.ERROR).value, code)
     forced = steps.peer_forced_code(state)
     lost = lost or forced is not None
     facts = Facts(Ending.PEER_LOST if lost else Ending.ERROR, state.step,
@@ -116,7 +119,10 @@ def fail(state: RunState, exc: BaseException) -> None:
             parts.handler.deadline.disarm()
             parts.handler.deadline.expect_exit(code, parts.config.signals.grace_s,
                                                f"exit after {type(exc).__name__}")
-        requeue_after_failure(state, "peer lost")
+        if forced is None:   # no supervisor: a peer's own ending ends the job
+            facts = replace(facts, peer_code=steps.peers_code(state))
+        if facts.peer_code is None:
+            requeue_after_failure(state, "peer lost")
     close_rescue(state, clean=False)       # its sockets and thread must not outlive the run
     done = _teardown(state, peers_alive=not lost)
     # A bug keeps its traceback; a lost peer is one line and the code (but an in-process caller

@@ -7,6 +7,7 @@ trackers, ``scontrol``) it still tells itself.
     stop_action     what a stop's reason does (save, requeue?) and the code it leaves with
     start_deadline  the ranks that agreed to another rank's stop arm their shutdown deadline
     emergency_save  every rank's shard, then rank 0's commit           -> SaveResult
+    peers_code      no supervisor: a peer's own ending ends the job      -> the job's code
     requeue         rank 0 decides and calls scontrol, every rank told  -> Requeued
     teardown        the user's cleanups, then ours                     -> TornDown
 """
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 from kempner_resilience.config import Action, ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel
-from kempner_resilience.exitcodes import Saved, Verdict
+from kempner_resilience.exitcodes import ExitCode, Saved, Verdict
 from kempner_resilience.runstate import RunState
 from kempner_resilience.stop.reason import StopKind, StopReason
 from kempner_resilience.stop.teardown import (CleanupResult, TeardownStack, cuda_synchronize,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SaveResult", "Requeued", "TornDown", "stop_action", "start_deadline",
            "emergency_save", "requeue", "requeue_decision", "teardown", "peer_forced_code",
+           "peers_code",
            "local_restart_count"]
 
 log = get_logger(__name__)
@@ -117,6 +119,51 @@ def peer_forced_code(state: RunState) -> int | None:
     log.error("rank %d was forced out by %s (exit %d, no checkpoint of its own): this rank "
               "exits with %d too", rank, how, code, code)
     return code
+
+
+def peers_code(state: RunState) -> int | None:
+    """A rank that lost a peer, with no supervisor to decide (plain ``srun python train.py``,
+    submitit arrays, plain torchrun): the one policy over the ranks' recorded endings
+    (``supervise/endings.py``). Rank 0 decides and writes its decision; another survivor
+    takes rank 0's (srun's status is the highest task code: every survivor must leave with
+    the job's code). The job's code when the job leaves (a peer raised: 1; a peer left
+    ``run.steps`` early: 1), so that this rank leaves with it and nothing is requeued; None
+    when the job is to run again (a peer killed, or one that only lost a peer too: the
+    requeue's budget then decides), when rank 0 is gone, or under a supervisor."""
+    from kempner_resilience.supervise.endings import (PEER_WAIT_S, VERDICT_WAIT_S,
+                                                      note_verdict, peer_decision,
+                                                      read_verdict)
+    from kempner_resilience.supervise.policy import Action, RankEnd
+
+    parts = state.parts
+    if parts.ckpt is None or parts.attempt_token is None or os.environ.get(CHANNEL_ENV):
+        return None
+    paths, token = parts.ckpt.paths, parts.attempt_token
+    # Within the exit's deadline, with room left for the requeue after it.
+    left = parts.handler.deadline.remaining()
+    if state.rank != 0:
+        wait = VERDICT_WAIT_S if left is None else max(0.0, min(VERDICT_WAIT_S, left / 2))
+        code = read_verdict(paths, token, wait_s=wait)
+        if code is not None:
+            log.error("rank 0 decided from the ranks' endings that the job ends (exit %d), "
+                      "not requeued: this rank exits with it too", code)
+        return code
+    wait = PEER_WAIT_S if left is None else max(0.0, min(PEER_WAIT_S, left / 2))
+    try:
+        decision, seen = peer_decision(paths, token, RankEnd(int(ExitCode.PEER_LOST)), 0,
+                                       parts.agreement.world_size, wait)
+    except Exception as e:   # never let the reading stop the exit: decide as before
+        log.error("could not read the other ranks' endings (%s): deciding without them", e)
+        return None
+    note_verdict(paths, token, decision)
+    said = ", ".join(f"rank {r}: {e.kind} {e.code}" for r, e in sorted(seen.items()))
+    if decision.action is not Action.LEAVE:
+        log.info("the other ranks' endings (%s; the rest killed): %s", said or "none recorded",
+                 decision.why)
+        return None
+    log.error("not requeued: %s (%s); this rank exits with %d", decision.why, said,
+              decision.code)
+    return decision.code
 
 
 # ------------------------------------------------------------------------------ the steps

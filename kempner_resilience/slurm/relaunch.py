@@ -181,6 +181,14 @@ class Relauncher:
         while True:
             bad = bad_nodes(self.run_paths) | self._bad_here
             nodes = choose_nodes(self.nodes, bad, self.need)
+            if nodes is None and index == 0 and self.job.restart_count > 0:
+                # A requeue could not keep this job off its bad nodes (badnodes refused an
+                # exclusion that leaves too few): another comes back here, until the
+                # no-progress guard. Train on them, as a plain srun job does.
+                nodes = choose_nodes(self.nodes, set(), self.need)
+                if nodes is not None:
+                    _log.warning("the job could not be kept off its recorded bad node(s) %s: "
+                                 "training on %s", ",".join(sorted(bad)), ",".join(nodes))
             if nodes is None:
                 # No step can start at all (a requeued job that came back with its bad nodes
                 # in the allocation): no ranks ended, so nothing for the policy to weigh; the
@@ -374,10 +382,12 @@ class Relauncher:
 
 
 def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,
-                 in_job_restarts: int, agents: bool = False) -> int:
-    """``kempner-resilience srun``: run the loop with this process's environment; signals
-    (the job's SIGTERM, a preemption) stop relaunches, the ranks handle them themselves."""
-    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents)
+                 in_job_restarts: int, agents: bool = False,
+                 srun_args: Sequence[str] = ()) -> int:
+    """``kempner-resilience srun``: the loop in this process's environment, ``srun_args`` given
+    to every step's srun; signals stop relaunches (the ranks handle them themselves)."""
+    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents,
+                      srun=("srun", *srun_args))
 
     def stop(signum: int, frame: object) -> None:
         loop.stopping = True       # only recorded: srun and the ranks get the signal from SLURM

@@ -18,6 +18,13 @@ would, once:
                           (as an optimizer that syncs a global norm would), in every launch
     --ballast-mb N        an extra replicated module holding N MB (a rescue that takes a while)
     --no-ddp-unsynced     no DDP, and each rank's model seeded differently: not replicas
+    --raise-at R:S        rank R raises RuntimeError in step S, in every launch (a bug)
+    --exit-at R:S         rank R calls sys.exit(0) in step S, in every launch (it leaves the
+                          loop early)
+
+The first launch is the one with none of ``KEMPNER_RESTART_COUNT``, ``SLURM_RESTART_COUNT`` (a
+plain ``srun`` job's requeue) and ``KEMPNER_RESILIENCE_IN_JOB_RESTART`` (the srun step loop's
+relaunch in place) above 0.
 
 Launched by ``LocalLauncher`` (rank, world and port from the environment, ``--progress``
 appended); rank 0 writes the final weights to ``--out``.
@@ -94,11 +101,15 @@ def main() -> int:
     p.add_argument("--optim-collective", action="store_true")
     p.add_argument("--ballast-mb", type=int, default=0)
     p.add_argument("--no-ddp-unsynced", action="store_true")
+    p.add_argument("--raise-at")
+    p.add_argument("--exit-at")
     args = p.parse_args()
     configure("INFO")
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    first = os.environ.get("KEMPNER_RESTART_COUNT", "0") == "0"
+    first = all(os.environ.get(v, "0") in ("", "0") for v in (
+        "KEMPNER_RESTART_COUNT", "SLURM_RESTART_COUNT", "KEMPNER_RESILIENCE_IN_JOB_RESTART"))
+    bug, leave = _at(args.raise_at), _at(args.exit_at)
     kill, kill_optim, hang, stall = (
         _at(a) if first else (-1, -1)
         for a in (args.kill_at, args.kill_in_optim, args.hang_at, args.stall_until_claim))
@@ -129,6 +140,10 @@ def main() -> int:
     with kr.ResilientRun(cfg, state=state) as run:
         for step in run.steps(args.steps):
             step_now[0] = step
+            if (rank, step) == bug:
+                raise RuntimeError(f"a bug on rank {rank} at step {step}")
+            if (rank, step) == leave:
+                sys.exit(0)
             if (rank, step) == hang:
                 _hang_holding_the_gil()
             if (rank, step) == stall:

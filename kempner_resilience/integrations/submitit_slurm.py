@@ -1,0 +1,103 @@
+"""submitit's SLURM executor, supervised: its batch script runs our srun step loop.
+
+submitit's own batch script runs ``srun ... python -u -m submitit.core._submit <folder>``: the
+tasks are srun tasks of submitit's script, and no process outside them decides whether the job
+runs again (rank 0's in-run requeue does, from its peers' recorded endings:
+``supervise/endings.py``). ``ResilientSlurmExecutor`` (a subclass of submitit's
+``SlurmExecutor``, which ``krs.submit`` adopts a SLURM executor into) writes instead
+
+    <python> -m kempner_resilience.cli srun --srun-args '--unbuffered --output <folder>/%j_%t_log.out
+        --error <folder>/%j_%t_log.err' -- <python> -u -m submitit.core._submit <folder>
+
+with submitit's own ``use_srun=False`` (the batch script runs the command itself): our loop
+(``slurm/relaunch.py``) launches srun, so a submitit job gets what a ``kempner-resilience
+sbatch`` job gets: one supervisor on the one policy after every step (a rank's exception
+leaves with 1, a rescued failure relaunches from the newest committed checkpoint, the
+no-progress guard, the restart budget, the loop's requeue with bad nodes kept out), the channel
+the ranks report their run to, and ``spares`` (nodes of the allocation kept out of the
+training, taken after a node failure). submitit's per-task logs stay where ``job.stdout()``
+reads them (srun writes them, as in submitit's script); srun's own lines (a task's end) go to
+the batch script's log, ``<folder>/%j_0_log.err``, where the loop passes them on.
+
+A job's result pickles, its resubmission pickle, ``job._interrupt()`` (TERM then USR2 to the
+job's steps: the loop, in the batch step, is not signalled) and ``krs.wait`` are submitit's and
+ours as before. Arrays (``map_array``, ``batch()``) are refused: their per-task log names
+(``%A_%a``) and one loop per array task are not built here; submit them with submitit's own
+executor.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Any
+
+from submitit.core import utils
+from submitit.slurm.slurm import SlurmExecutor
+
+__all__ = ["ResilientSlurmExecutor", "is_slurm_executor"]
+
+
+def is_slurm_executor(executor: Any) -> bool:
+    """An ``AutoExecutor(cluster="slurm")`` or a ``SlurmExecutor``."""
+    return isinstance(getattr(executor, "_executor", executor), SlurmExecutor)
+
+
+class ResilientSlurmExecutor(SlurmExecutor):  # type: ignore[misc]
+    """A ``SlurmExecutor`` whose batch script runs the training under ``kempner-resilience
+    srun`` (see the module docstring). ``spares``: nodes of the allocation kept as spares
+    (ask for ``nodes`` = training nodes + spares); ``in_job_restarts``: relaunches in place
+    before a failure requeues the job (default: ``spares``)."""
+
+    def __init__(self, folder: str | os.PathLike[str], max_num_timeout: int = 3,
+                 max_pickle_size_gb: float = 1.0, python: str | None = None,
+                 spares: int = 0, in_job_restarts: int | None = None) -> None:
+        super().__init__(folder, max_num_timeout=max_num_timeout,
+                         max_pickle_size_gb=max_pickle_size_gb, python=python)
+        if spares < 0 or (in_job_restarts is not None and in_job_restarts < 0):
+            raise ValueError(f"spares={spares}, in_job_restarts={in_job_restarts}: must be >= 0")
+        self.spares = int(spares)
+        self.in_job_restarts = in_job_restarts
+        self.parameters["use_srun"] = False      # our loop runs srun
+
+    @classmethod
+    def adopt(cls, executor: Any, spares: int = 0,
+              in_job_restarts: int | None = None) -> "ResilientSlurmExecutor":
+        """This executor with ``executor``'s folder, parameters and limits (an
+        ``AutoExecutor(cluster="slurm")`` or a ``SlurmExecutor``; returned as is if ours)."""
+        inner = getattr(executor, "_executor", executor)
+        if isinstance(inner, cls):
+            return inner
+        ours = cls(inner.folder, max_num_timeout=inner.max_num_timeout,
+                   max_pickle_size_gb=inner.max_pickle_size_gb, python=inner.python,
+                   spares=spares, in_job_restarts=in_job_restarts)
+        ours.parameters = dict(inner.parameters, use_srun=False)
+        return ours
+
+    def loop_command(self) -> list[str]:
+        """The loop's command line, up to its ``--``: srun's options for submitit's per-task
+        logs (the script's own ``srun`` line, which ``use_srun=False`` leaves out)."""
+        paths = utils.JobPaths(folder=self.folder)
+        logs = ["--unbuffered", "--output", str(paths.stdout)]
+        if not self.parameters.get("stderr_to_stdout"):
+            logs += ["--error", str(paths.stderr)]
+        logs += list(self.parameters.get("srun_args") or ())
+        cmd = [sys.executable, "-m", "kempner_resilience.cli", "srun", "--spares",
+               str(self.spares), "--srun-args", shlex.join(logs)]
+        if self.in_job_restarts is not None:
+            cmd += ["--in-job-restarts", str(self.in_job_restarts)]
+        return cmd
+
+    @property
+    def _submitit_command_str(self) -> str:
+        # submitit's command (its python, -u -m submitit.core._submit <folder>) after ours.
+        return " ".join([shlex.join(self.loop_command()), "--", super()._submitit_command_str])
+
+    def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
+        if len(delayed_submissions) > 1:
+            raise NotImplementedError(
+                "ResilientSlurmExecutor submits one job at a time (krs.submit); arrays "
+                "(map_array, batch) need one step loop per array task, not built: use "
+                "submitit's own SlurmExecutor for them")
+        return super()._internal_process_submissions(delayed_submissions)

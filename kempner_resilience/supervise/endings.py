@@ -1,0 +1,189 @@
+"""The ranks' endings when no supervisor watches them: rank 0 decides from them, by the policy.
+
+Under a supervisor (``kempner-resilience srun``'s step loop, ``launch``, our torchrun agents,
+submitit's local controller, the Ray driver) the ranks' exit codes reach one process outside
+them, which asks ``supervise.policy.decide``. With a plain ``srun python train.py`` in a batch
+script (submitit's SLURM executor is one) nothing outside the ranks decides: rank 0 requeues
+after a rescued failure itself. It saw only "a peer is gone"; a deterministic exception on rank
+1 (codes [81, 1]) was requeued again and again until the restart budget. So each rank writes,
+before its process dies, how it ended (``RankEnding``: rank, kind, code, step) into the run's
+directory (``RunPaths.rank_ending``, shared by every node), and rank 0, about to requeue after
+a peer loss, reads its peers' endings (``read_endings``: a bounded wait for those it has not
+seen) and asks the one policy with them (``peer_decision``):
+
+- a peer with no recorded ending was killed (SIGKILL: the OOM killer, a node gone), a
+  restartable ending; so is a peer that only lost a peer too (81);
+- a peer's own ending that ends the job (an exception: 1, a config error: 78, any unknown
+  code) leaves with that code, no requeue; peers that exited 0 while rank 0 lost them left
+  ``run.steps`` early: leave with 1 (``policy.job_code``'s row 3).
+
+srun's status is the highest of its tasks' codes, so the job's code is 1 only if no survivor
+exits 81: rank 0 writes its decision (``note_verdict``, ``RunPaths.job_verdict``) and the other
+survivors of the same loss, once they see that rank 0 is deciding (its own ending is there),
+wait for it (``read_verdict``) and leave with its code too.
+
+The attempt's token (new in every attempt, shared by rank 0 at set-up) names the directory, so
+an earlier attempt's endings are never read, and no rank looked the name up before it was
+written (an NFS client caches a name's absence). Writes are whole-file replaces, not fsynced:
+a reader sees a whole ending or none; a machine that crashes loses the rank with it, which then
+reads as killed, as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+from kempner_resilience.core.fileio import load_json_bounded, write_atomic
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.supervise.policy import Action, Decision, Evidence, RankEnd, decide
+
+__all__ = ["RankEnding", "note_ending", "read_endings", "peer_ends", "peer_decision",
+           "note_verdict", "read_verdict", "PEER_WAIT_S", "VERDICT_WAIT_S"]
+
+_log = get_logger(__name__)
+
+#: How long rank 0 waits for the endings of ranks it has not seen. A rank that failed on its own
+#: wrote its ending before rank 0 could notice (first thing in its failure path, before its
+#: sockets closed); a fellow survivor writes as soon as it notices the same loss, before the
+#: rescue rank 0 ran first. Only a killed rank never writes: every killed-peer failure pays
+#: this wait before its requeue (measured: rank 0 left 5.15 s after its killed peer with 5 s,
+#: 0.19 s before), so it is short.
+PEER_WAIT_S = 2.0
+#: How long a survivor waits for rank 0's decision once rank 0 is seen deciding: rank 0's own
+#: wait for the endings, and its rescue beside this rank's.
+VERDICT_WAIT_S = PEER_WAIT_S + 5.0
+_POLL_S = 0.2
+# What a rank without a recorded ending counts as: killed, as a node's death or the OOM killer.
+_KILLED = 128 + int(signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class RankEnding:
+    """How one rank ended: ``kind`` is the run's ``Ending`` value (``error``, ``peer-lost``,
+    ``completed``, ...), ``code`` its exit code, ``step`` the step boundary it reached."""
+
+    rank: int
+    kind: str
+    code: int
+    step: int
+
+    @classmethod
+    def from_json(cls, data: object) -> "RankEnding":
+        """From the file's content; ValueError names what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("not a rank's ending")
+        try:
+            rank, code, step = (data[k] for k in ("rank", "code", "step"))
+            kind = data["kind"]
+        except KeyError as e:
+            raise ValueError(f"a rank's ending without {e}") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, code, step)) \
+                or not isinstance(kind, str):
+            raise ValueError(f"a rank's ending with a wrong type: {data!r}")
+        return cls(rank, kind, code, step)
+
+    def end(self) -> RankEnd:
+        """As the policy's ``RankEnd``: an exit with ``code`` (a rank that wrote its ending
+        was not killed by a signal)."""
+        return RankEnd(self.code)
+
+
+def note_ending(paths: RunPaths, token: str, ending: RankEnding) -> None:
+    """Write ``ending`` as this rank's, replacing an earlier word of this attempt (a survivor
+    says 81 at once, then its final code). Never raises: a rank's exit never waits for it."""
+    path = paths.rank_ending(token, ending.rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(asdict(ending)), durable=False)
+    except OSError as e:
+        _log.warning("cannot record this rank's ending in %s: %s (rank 0 will count it as "
+                     "killed)", path.parent, e)
+
+
+def _read_one(path: object) -> RankEnding | None:
+    try:
+        return RankEnding.from_json(load_json_bounded(path))  # type: ignore[arg-type]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        _log.warning("a rank's ending %s is unreadable (%s): counted as not recorded", path, e)
+        return None
+
+
+def read_endings(paths: RunPaths, token: str, ranks: Iterable[int],
+                 wait_s: float = PEER_WAIT_S) -> dict[int, RankEnding]:
+    """The recorded endings of ``ranks`` in attempt ``token``, waiting up to ``wait_s`` for
+    those not recorded yet (polled: a rank that is still leaving writes within a moment)."""
+    want = set(ranks)
+    seen: dict[int, RankEnding] = {}
+    end = time.monotonic() + max(wait_s, 0.0)
+    while True:
+        for r in sorted(want - set(seen)):
+            got = _read_one(paths.rank_ending(token, r))
+            if got is not None and got.rank == r:
+                seen[r] = got
+        if set(seen) >= want or time.monotonic() >= end:
+            return seen
+        time.sleep(_POLL_S)
+
+
+def peer_ends(own: RankEnd, rank: int, world_size: int,
+              seen: dict[int, RankEnding]) -> tuple[RankEnd, ...]:
+    """Every rank's ending for the policy: this rank's ``own``, each peer's recorded one, and
+    SIGKILL for a peer that recorded none (its process died before it could: killed)."""
+    return tuple(own if r == rank else seen[r].end() if r in seen
+                 else RankEnd(_KILLED, signaled=True) for r in range(world_size))
+
+
+def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_size: int,
+                  wait_s: float = PEER_WAIT_S) -> tuple[Decision, dict[int, RankEnding]]:
+    """The one policy's decision from the ranks' endings (``peer_ends``), and the endings
+    read. Only the endings decide here (no budget, no commits): whether the job is to run again
+    at all; the restart budget and the no-progress guard stay the requeue's
+    (``slurm/requeue.decide_requeue``, over the restart record)."""
+    seen = read_endings(paths, token, (r for r in range(world_size) if r != rank), wait_s)
+    return decide(Evidence(peer_ends(own, rank, world_size, seen))), seen
+
+
+def note_verdict(paths: RunPaths, token: str, decision: Decision) -> None:
+    """Rank 0's decision from the endings, for the other survivors: the job's code, and
+    whether it leaves (no requeue). Never raises."""
+    path = paths.job_verdict(token)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"leave": decision.action is Action.LEAVE,
+                                       "code": int(decision.code)}), durable=False)
+    except OSError as e:
+        _log.warning("cannot tell the other ranks the job's code in %s: %s", path.parent, e)
+
+
+def read_verdict(paths: RunPaths, token: str, seen_s: float = 2.0,
+                 wait_s: float = VERDICT_WAIT_S) -> int | None:
+    """A survivor other than rank 0: the job's code when rank 0 decided that the job leaves,
+    else None (it runs again, or rank 0 is gone: no ending of its own within ``seen_s``, or
+    said nothing within ``wait_s``)."""
+    if not read_endings(paths, token, (0,), seen_s):
+        return None
+    end = time.monotonic() + max(wait_s, 0.0)
+    path = paths.job_verdict(token)
+    while True:
+        try:
+            data = load_json_bounded(path)
+        except FileNotFoundError:
+            data = None
+        except (OSError, ValueError) as e:
+            _log.warning("rank 0's decision %s is unreadable (%s)", path, e)
+            return None
+        if isinstance(data, dict):
+            code = data.get("code")
+            ok = data.get("leave") is True and isinstance(code, int) \
+                and not isinstance(code, bool)
+            return code if ok else None
+        if time.monotonic() >= end:
+            return None
+        time.sleep(_POLL_S)
