@@ -15,15 +15,19 @@ if [ "$#" -gt 0 ]; then
 fi
 
 logs=$(mktemp -d)
-KR_TEST_SHARD=local "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/local.xml" \
-    >"$logs/local.log" 2>&1 &
+# Each shard also records the CPU time of its processes (bash's `times`: the children's user and
+# system seconds), so a slow CI run says whether the shards were short of CPU or waiting.
+(rc=0; KR_TEST_SHARD=local "$PY" -m pytest -q -p no:cacheprovider \
+    --junitxml="$logs/local.xml" >"$logs/local.log" 2>&1 || rc=$?
+ times >"$logs/local.times"; exit $rc) &
 local_pid=$!
 # Whatever ends this script ends the other shard too, so no pytest outlives it.
-trap 'kill "$local_pid" 2>/dev/null || true' EXIT
+trap 'pkill -P "$local_pid" 2>/dev/null; kill "$local_pid" 2>/dev/null || true' EXIT
 set +e
 echo "== SLURM tests (the other tests run alongside; their report follows) =="
 KR_TEST_SHARD=slurm "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/slurm.xml"
 slurm_rc=$?
+times >"$logs/slurm.times"
 wait "$local_pid"
 local_rc=$?
 set -e
@@ -34,6 +38,8 @@ echo
 for shard in slurm local; do
     echo "== $shard shard =="
     "$PY" scripts/slowest_files.py "$logs/$shard.xml" 2>/dev/null || echo "(no report)"
+    # The second line of `times`: user and system time of the shard's reaped processes.
+    echo "CPU time of its processes (user, system): $(sed -n 2p "$logs/$shard.times" 2>/dev/null)"
 done
 rm -rf "$logs"
 echo

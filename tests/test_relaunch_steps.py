@@ -267,9 +267,12 @@ def _requeues(monkeypatch) -> list:
     from kempner_resilience.slurm import requeue
 
     calls: list = []
-    monkeypatch.setattr(requeue, "requeue_job",
-                        lambda job, cfg, *, exclude=(), min_nodes=None:
-                        calls.append((sorted(exclude), min_nodes)))
+
+    def requeue_job(job, cfg, *, exclude=(), min_nodes=None):
+        calls.append((sorted(exclude), min_nodes))
+        return requeue.RequeueResult(True, "1", "job 1 requeued", 1)
+
+    monkeypatch.setattr(requeue, "requeue_job", requeue_job)
     return calls
 
 
@@ -333,3 +336,16 @@ def test_a_rank_s_own_error_ends_the_job_with_its_code_and_marks_no_node_bad(tmp
     monkeypatch.setattr(loop, "run_step", lambda nodes, index: bug)
     assert loop.run() == 1                  # not srun's status (81): rank 1's own code
     assert bad_nodes(RunPaths(tmp_path / "run")) == set()
+
+
+def test_a_requeue_that_fails_ends_the_job_with_79_and_the_job_is_not_taken_for_requeued(
+        tmp_path, monkeypatch):
+    from kempner_resilience.slurm import requeue
+    from kempner_resilience.supervise.policy import Action, Guard, Kind, Decision
+
+    monkeypatch.setattr(requeue, "requeue_job", lambda job, cfg, *, exclude=(), min_nodes=None:
+                        requeue.RequeueResult(False, "1", "scontrol is not on PATH", 1))
+    _commit(tmp_path / "run", 20)
+    loop = _supervising(tmp_path)
+    no_spare = Decision(Action.REQUEUE, 81, Kind.FAILURE, "no spare", guard=Guard.NO_SPARE)
+    assert loop._requeue(no_spare) == (int(ExitCode.REQUEUE_FAILED), False)

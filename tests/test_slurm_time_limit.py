@@ -2,9 +2,11 @@
 its own before the limit, requeues, resumes bitwise, and ``report`` accounts for its wall time.
 
 The run reads its end time (``SLURM_JOB_END_TIME`` or ``squeue``) at start and stops once the
-time left falls below the estimated save + one step + ``requeue.time_limit_margin_s`` (30 s).
-Uninterrupted, the job needs ~2.2 minutes, so without that stop SLURM would kill it at the limit
-and the work since the last periodic checkpoint would be lost (and nothing would requeue it).
+time left falls below the estimated save + one step + ``requeue.time_limit_margin_s``: 75 s here
+instead of the default 30 s, so the stop comes ~40 s into the 2 minutes instead of ~90 s (the same
+behaviour, a shorter test). Uninterrupted, the job needs ~80 s, so without that stop SLURM would
+kill it at the limit and the work since the last periodic checkpoint would be lost (and nothing
+would requeue it).
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from slurm_fixtures import slurm_cluster, wait_for  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-STEPS = 60
+STEPS = 36
 
 
 def test_job_without_signal_saves_before_its_time_limit_requeues_and_resumes_bitwise(
         slurm_cluster, tmp_path):
     ref = run_reference(tmp_path / "reference", ranks=1, steps=STEPS)
     job = write_job(tmp_path / "job", ranks=1, steps=STEPS, step_time=2.0, every_steps=100,
-                    time_limit="2", job_name=f"kr-timelimit-{os.getpid()}")
+                    time_limit="2", job_name=f"kr-timelimit-{os.getpid()}",
+                    sets=["requeue.time_limit_margin_s=75"])
     lines = job.script.read_text().splitlines()
     job.script.write_text("\n".join(l for l in lines if "--signal" not in l) + "\n")
     assert "--signal" not in job.script.read_text()

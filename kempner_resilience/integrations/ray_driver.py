@@ -40,9 +40,8 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.integrations.ray_actor import ActorEnding
 from kempner_resilience.integrations.ray_board import create_board
-from kempner_resilience.slurm.badnodes import bad_nodes
 from kempner_resilience.slurm.env import SlurmJob
-from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
+from kempner_resilience.slurm.requeue import requeue_run
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.supervise.channel import newest_commit
 
@@ -249,12 +248,10 @@ class RayDriver:
         if step is None:
             log.warning("%s: not requeued, nothing committed to come back to", why)
             return None
-        verdict = decide_requeue(job, RestartLedger.for_checkpoint_dir(paths), step,
-                                 self.config.requeue)
-        if not verdict.requeue:
-            return verdict.verdict
-        result = requeue_job(job, self.config.requeue, exclude=set(exclude) | bad_nodes(paths),
-                             min_nodes=job.nnodes)
+        decision, result = requeue_run(job, paths, self.config.requeue, step, exclude=exclude,
+                                       min_nodes=job.nnodes)
+        if result is None:
+            return decision.verdict
         log.warning("%s: %s", why, result.message)
         return result.verdict
 

@@ -301,19 +301,19 @@ class Relauncher:
             _log.warning("not requeued: no committed checkpoint to come back to; the job ends "
                          "with %d", code)
             return code, False
-        from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue, requeue_job
+        from kempner_resilience.slurm.requeue import requeue_run
 
-        paths, cfg = self.run_paths, self.requeue_config()
-        ledger = RestartLedger.for_checkpoint_dir(paths)
-        verdict = decide_requeue(self.job, ledger, self._committed_step(), cfg)
-        if not verdict.requeue:
+        # Before the requeue (it SIGKILLs this batch step at once): the nodes the job trains on,
+        # for the requeued job's loop. The failed nodes are kept out of it too (badnodes).
+        _, result = requeue_run(self.job, self.run_paths, self.requeue_config(),
+                                self._committed_step(), exclude=self._bad_here,
+                                min_nodes=self.need,
+                                before=lambda: self.channel.record_train_nodes(self.need))
+        if result is None:
             return code, False
-        # Before the requeue: it SIGKILLs this batch step at once.
-        self.channel.record_train_nodes(self.need)
-        # The failed nodes are kept out of the requeued job too (badnodes).
-        requeue_job(self.job, cfg, exclude=bad_nodes(paths) | self._bad_here,
-                    min_nodes=self.need)
-        return code, True
+        # A requeue that failed ends the job with 79, as a rank's own does: the batch script
+        # (or the user, from the log's fix) may still requeue it.
+        return (code, True) if result.ok else (int(ExitCode.REQUEUE_FAILED), False)
 
     def _ledger_restart(self, res: StepResult, reason: str, bad: set[str],
                         spare: list[str]) -> None:

@@ -31,7 +31,7 @@ from kempner_resilience.exitcodes import ExitCode, Verdict
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.slurm.badnodes import exclude_for_requeue, requeue_excluding
+from kempner_resilience.slurm.badnodes import bad_nodes, exclude_for_requeue, requeue_excluding
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
 
@@ -300,3 +300,26 @@ def decide_requeue(job_or_restart_count: SlurmJob | int | None,
     return done(f"restart {restart_count + 1}"
                 + (f" of {config.max_restarts}" if config.max_restarts else "")
                 + f", committed step {committed_step}", Verdict.REQUEUED)
+
+
+def requeue_run(job: SlurmJob, paths: RunPaths, config: RequeueConfig,
+                committed_step: int | None, *, exclude: Iterable[str] = (),
+                min_nodes: int | None = None, before: Any = None
+                ) -> tuple[Decision, RequeueResult | None]:
+    """The job back to the queue on behalf of ranks that could not ask themselves (a
+    supervisor after a failure: the srun step loop, the Ray driver), as rank 0 does it: only
+    with a committed checkpoint to come back to, within the restart budget and the no-progress
+    guard (``decide_requeue`` over the run's ledger), keeping ``exclude`` and the run's recorded
+    bad nodes out of the requeued job. ``before`` (a callable) runs between the decision and
+    the requeue: a requeue SIGKILLs the batch step at once, so whatever must outlive it is
+    written there. The result is None when the decision was not to requeue."""
+    from kempner_resilience.slurm.badnodes import bad_nodes
+
+    decision = decide_requeue(job, RestartLedger.for_checkpoint_dir(paths), committed_step,
+                              config)
+    if not decision.requeue:
+        return decision, None
+    if before is not None:
+        before()
+    return decision, requeue_job(job, config, exclude=set(exclude) | bad_nodes(paths),
+                                 min_nodes=min_nodes)
