@@ -348,4 +348,6 @@ def test_a_requeue_that_fails_ends_the_job_with_79_and_the_job_is_not_taken_for_
     _commit(tmp_path / "run", 20)
     loop = _supervising(tmp_path)
     no_spare = Decision(Action.REQUEUE, 81, Kind.FAILURE, "no spare", guard=Guard.NO_SPARE)
+    from kempner_resilience.exitcodes import ExitCode
+
     assert loop._requeue(no_spare) == (int(ExitCode.REQUEUE_FAILED), False)
