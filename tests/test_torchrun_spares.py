@@ -386,3 +386,77 @@ def test_a_torchrun_agents_workers_learn_their_relaunch_and_rendezvous_from_its_
     # no standby waits), and nothing of the contract travels in another variable.
     assert not any(g["supervised"] for g in groups)
     assert all(g["variables"] == [] for g in groups), groups
+
+
+# What an agent says when torch keeps it out of a round as a standby.
+STOOD_BY = "standby (the rendezvous has its nodes)"
+
+# A worker that fails as a survivor of a lost peer does (81) in the first group once the test
+# says so (go.<node>), and in a relaunched group runs until the test says the run is done.
+_WAITER = """
+import os, sys, time
+from pathlib import Path
+from kempner_resilience.supervise.channel import relaunched
+
+work, node, again = Path(sys.argv[1]), os.environ["SLURMD_NODENAME"], relaunched().index
+(work / f"started.{node}.{again}").touch()
+flag = work / (f"go.{node}" if again == 0 else "done")
+while not flag.exists():
+    time.sleep(0.1)
+sys.exit(81 if again == 0 else 0)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="main: such an agent exits 1 with a traceback")
+def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_path):
+    # Three agents for two places (--nnodes=2). Both training nodes fail as survivors do (81,
+    # every node alive) and relaunch; node1 is slow to rejoin (frozen a few seconds: a loaded
+    # node), so node0 and the standby fill the next round and torch keeps node1 as a standby.
+    # Its workers trained once; when the run ends it is a standby like any other: exit 0.
+    script = write_script(tmp_path, _WAITER, "waiter.py")
+    port = free_port()
+    agents: list[subprocess.Popen] = []
+    frozen = False
+
+    def agent(i: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=stood-by",
+               "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3",
+               "--max-restarts=1", "--monitor-interval=0.2", "--no-python", sys.executable,
+               str(script), str(tmp_path)]
+        return subprocess.Popen(cmd, stdout=open(tmp_path / f"agent.{i}.out", "w"),
+                                stderr=open(tmp_path / f"agent.{i}.err", "w"),
+                                stdin=subprocess.DEVNULL, cwd=tmp_path, start_new_session=True,
+                                env=env(OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}"))
+
+    def err(i: int) -> str:
+        return (tmp_path / f"agent.{i}.err").read_text()
+
+    try:
+        agents.append(agent(0))
+        _listening(port)                     # agent 0 hosts the rendezvous store
+        agents.append(agent(1))
+        wait_for_file(tmp_path / "started.node0.0", timeout=120)
+        wait_for_file(tmp_path / "started.node1.0", timeout=120)
+        agents.append(agent(2))              # the standby
+        wait_for_file(tmp_path / "agent.2.err", timeout=120, contains=STOOD_BY)
+        (tmp_path / "go.node1").touch()
+        wait_for_file(tmp_path / "agent.1.err", timeout=120, contains="relaunching in place")
+        os.kill(agents[1].pid, signal.SIGSTOP)
+        frozen = True
+        (tmp_path / "go.node0").touch()
+        wait_for_file(tmp_path / "started.node0.1", timeout=120)
+        wait_for_file(tmp_path / "started.node2.1", timeout=120)
+        os.kill(agents[1].pid, signal.SIGCONT)
+        frozen = False
+        wait_for_file(tmp_path / "agent.1.err", timeout=120, contains=STOOD_BY)
+        (tmp_path / "done").touch()
+        codes = _finish(agents)
+    finally:
+        if frozen:
+            os.kill(agents[1].pid, signal.SIGCONT)
+        _finish(agents, timeout=0)
+    assert not (tmp_path / "started.node1.1").exists(), err(1)[-3000:]  # node1 stood by
+    assert codes == [0, 0, 0], (codes, err(1)[-3000:])
+    assert "Traceback" not in err(1), err(1)[-3000:]
