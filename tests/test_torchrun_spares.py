@@ -407,16 +407,22 @@ sys.exit(81 if again == 0 else 0)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="main: such an agent exits 1 with a traceback")
-def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_path):
+@pytest.mark.parametrize("store", ["agent", "apart"])
+def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_path, store):
     # Three agents for two places (--nnodes=2). Both training nodes fail as survivors do (81,
     # every node alive) and relaunch; node1 is slow to rejoin (frozen a few seconds: a loaded
     # node), so node0 and the standby fill the next round and torch keeps node1 as a standby.
     # Its workers trained once; when the run ends it is a standby like any other: exit 0.
+    # The rendezvous store is agent 0's (it goes with that agent: the standby loses its
+    # connection) or outlives the agents (the standby sees the rendezvous closed).
+    from torch.distributed import TCPStore
+
     script = write_script(tmp_path, _WAITER, "waiter.py")
     port = free_port()
     agents: list[subprocess.Popen] = []
     frozen = False
+    host = None if store == "agent" else TCPStore("127.0.0.1", port, is_master=True,
+                                                  wait_for_workers=False)
 
     def agent(i: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
@@ -435,7 +441,7 @@ def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_pa
 
     try:
         agents.append(agent(0))
-        _listening(port)                     # agent 0 hosts the rendezvous store
+        _listening(port)                     # agent 0 hosts the rendezvous store, or the test
         agents.append(agent(1))
         wait_for_file(tmp_path / "started.node0.0", timeout=120)
         wait_for_file(tmp_path / "started.node1.0", timeout=120)
@@ -457,6 +463,32 @@ def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_pa
         if frozen:
             os.kill(agents[1].pid, signal.SIGCONT)
         _finish(agents, timeout=0)
+        del host
     assert not (tmp_path / "started.node1.1").exists(), err(1)[-3000:]  # node1 stood by
     assert codes == [0, 0, 0], (codes, err(1)[-3000:])
     assert "Traceback" not in err(1), err(1)[-3000:]
+
+
+def test_an_agent_kept_out_of_a_round_after_training_ends_on_a_signal_as_a_standby_does():
+    # Its group was stopped before the rendezvous: those workers' codes are no longer the
+    # job's, and a signal (scancel, a time limit) ends it at once with 128+N as it ends a
+    # standby that never trained, instead of leaving it waiting in the rendezvous.
+    from kempner_resilience.config import ResilienceConfig
+    from kempner_resilience.integrations.torchrun_agent import Agent, Interrupted
+
+    agent = Agent(ResilienceConfig(), forward=True)
+    worker = subprocess.Popen([sys.executable, "-c", "raise SystemExit(81)"])
+    worker.wait()
+    agent.add_worker(worker)
+    agent.name_ranks({worker.pid: 1})
+    assert agent.codes() == {1: 81}
+    agent.stand_by()                       # torch put it in the next round's redundancy list
+    assert agent.codes() == {}
+    previous = signal.signal(signal.SIGUSR1, agent.on_signal)
+    try:
+        with pytest.raises(Interrupted) as stopped:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(5)                  # the handler runs at the next bytecode
+        assert stopped.value.signum == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
