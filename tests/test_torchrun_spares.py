@@ -417,6 +417,8 @@ def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_pa
     # connection) or outlives the agents (the standby sees the rendezvous closed).
     from torch.distributed import TCPStore
 
+    from kempner_resilience.slurm.standby import Relaunch, live_standbys
+
     script = write_script(tmp_path, _WAITER, "waiter.py")
     port = free_port()
     agents: list[subprocess.Popen] = []
@@ -439,6 +441,16 @@ def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_pa
     def err(i: int) -> str:
         return (tmp_path / f"agent.{i}.err").read_text()
 
+    def standby_waits() -> None:
+        # What the agents ask before a relaunch: a standby in torch's record of the rendezvous
+        # (an agent says it stands by before torch has written it there).
+        settings = Relaunch(endpoint=f"127.0.0.1:{port}", run_id="stood-by", restarts_left=1,
+                            stale_s=4.0)
+        end = time.monotonic() + 120
+        while not live_standbys(settings):
+            assert time.monotonic() < end, "no standby in the rendezvous"
+            time.sleep(0.2)
+
     try:
         agents.append(agent(0))
         _listening(port)                     # agent 0 hosts the rendezvous store, or the test
@@ -446,7 +458,7 @@ def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_pa
         wait_for_file(tmp_path / "started.node0.0", timeout=120)
         wait_for_file(tmp_path / "started.node1.0", timeout=120)
         agents.append(agent(2))              # the standby
-        wait_for_file(tmp_path / "agent.2.err", timeout=120, contains=STOOD_BY)
+        standby_waits()
         (tmp_path / "go.node1").touch()
         wait_for_file(tmp_path / "agent.1.err", timeout=120, contains="relaunching in place")
         os.kill(agents[1].pid, signal.SIGSTOP)
@@ -457,6 +469,7 @@ def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_pa
         os.kill(agents[1].pid, signal.SIGCONT)
         frozen = False
         wait_for_file(tmp_path / "agent.1.err", timeout=120, contains=STOOD_BY)
+        standby_waits()                      # node1, in the rendezvous's redundancy list
         (tmp_path / "done").touch()
         codes = _finish(agents)
     finally:
