@@ -386,3 +386,122 @@ def test_a_torchrun_agents_workers_learn_their_relaunch_and_rendezvous_from_its_
     # no standby waits), and nothing of the contract travels in another variable.
     assert not any(g["supervised"] for g in groups)
     assert all(g["variables"] == [] for g in groups), groups
+
+
+# What an agent says when torch keeps it out of a round as a standby.
+STOOD_BY = "standby (the rendezvous has its nodes)"
+
+# A worker that fails as a survivor of a lost peer does (81) in the first group once the test
+# says so (go.<node>), and in a relaunched group runs until the test says the run is done.
+_WAITER = """
+import os, sys, time
+from pathlib import Path
+from kempner_resilience.supervise.channel import relaunched
+
+work, node, again = Path(sys.argv[1]), os.environ["SLURMD_NODENAME"], relaunched().index
+(work / f"started.{node}.{again}").touch()
+flag = work / (f"go.{node}" if again == 0 else "done")
+while not flag.exists():
+    time.sleep(0.1)
+sys.exit(81 if again == 0 else 0)
+"""
+
+
+@pytest.mark.parametrize("store", ["agent", "apart"])
+def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_path, store):
+    # Three agents for two places (--nnodes=2). Both training nodes fail as survivors do (81,
+    # every node alive) and relaunch; node1 is slow to rejoin (frozen a few seconds: a loaded
+    # node), so node0 and the standby fill the next round and torch keeps node1 as a standby.
+    # Its workers trained once; when the run ends it is a standby like any other: exit 0.
+    # The rendezvous store is agent 0's (it goes with that agent: the standby loses its
+    # connection) or outlives the agents (the standby sees the rendezvous closed).
+    from torch.distributed import TCPStore
+
+    from kempner_resilience.slurm.standby import Relaunch, live_standbys
+
+    script = write_script(tmp_path, _WAITER, "waiter.py")
+    port = free_port()
+    agents: list[subprocess.Popen] = []
+    frozen = False
+    host = None if store == "agent" else TCPStore("127.0.0.1", port, is_master=True,
+                                                  wait_for_workers=False)
+
+    def agent(i: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=stood-by",
+               "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3",
+               "--max-restarts=1", "--monitor-interval=0.2", "--no-python", sys.executable,
+               str(script), str(tmp_path)]
+        return subprocess.Popen(cmd, stdout=open(tmp_path / f"agent.{i}.out", "w"),
+                                stderr=open(tmp_path / f"agent.{i}.err", "w"),
+                                stdin=subprocess.DEVNULL, cwd=tmp_path, start_new_session=True,
+                                env=env(OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}"))
+
+    def err(i: int) -> str:
+        return (tmp_path / f"agent.{i}.err").read_text()
+
+    def standby_waits() -> None:
+        # What the agents ask before a relaunch: a standby in torch's record of the rendezvous
+        # (an agent says it stands by before torch has written it there).
+        settings = Relaunch(endpoint=f"127.0.0.1:{port}", run_id="stood-by", restarts_left=1,
+                            stale_s=4.0)
+        end = time.monotonic() + 120
+        while not live_standbys(settings):
+            assert time.monotonic() < end, "no standby in the rendezvous"
+            time.sleep(0.2)
+
+    try:
+        agents.append(agent(0))
+        _listening(port)                     # agent 0 hosts the rendezvous store, or the test
+        agents.append(agent(1))
+        wait_for_file(tmp_path / "started.node0.0", timeout=120)
+        wait_for_file(tmp_path / "started.node1.0", timeout=120)
+        agents.append(agent(2))              # the standby
+        standby_waits()
+        (tmp_path / "go.node1").touch()
+        wait_for_file(tmp_path / "agent.1.err", timeout=120, contains="relaunching in place")
+        os.kill(agents[1].pid, signal.SIGSTOP)
+        frozen = True
+        (tmp_path / "go.node0").touch()
+        wait_for_file(tmp_path / "started.node0.1", timeout=120)
+        wait_for_file(tmp_path / "started.node2.1", timeout=120)
+        os.kill(agents[1].pid, signal.SIGCONT)
+        frozen = False
+        wait_for_file(tmp_path / "agent.1.err", timeout=120, contains=STOOD_BY)
+        standby_waits()                      # node1, in the rendezvous's redundancy list
+        (tmp_path / "done").touch()
+        codes = _finish(agents)
+    finally:
+        if frozen:
+            os.kill(agents[1].pid, signal.SIGCONT)
+        _finish(agents, timeout=0)
+        del host
+    assert not (tmp_path / "started.node1.1").exists(), err(1)[-3000:]  # node1 stood by
+    assert codes == [0, 0, 0], (codes, err(1)[-3000:])
+    assert "Traceback" not in err(1), err(1)[-3000:]
+
+
+def test_an_agent_kept_out_of_a_round_after_training_ends_on_a_signal_as_a_standby_does():
+    # Its group was stopped before the rendezvous: those workers' codes are no longer the
+    # job's, and a signal (scancel, a time limit) ends it at once with 128+N as it ends a
+    # standby that never trained, instead of leaving it waiting in the rendezvous.
+    from kempner_resilience.config import ResilienceConfig
+    from kempner_resilience.integrations.torchrun_agent import Agent, Interrupted
+
+    agent = Agent(ResilienceConfig(), forward=True)
+    worker = subprocess.Popen([sys.executable, "-c", "raise SystemExit(81)"])
+    worker.wait()
+    agent.add_worker(worker)
+    agent.name_ranks({worker.pid: 1})
+    assert agent.codes() == {1: 81}
+    agent.stand_by()                       # torch put it in the next round's redundancy list
+    assert agent.codes() == {}
+    previous = signal.signal(signal.SIGUSR1, agent.on_signal)
+    try:
+        with pytest.raises(Interrupted) as stopped:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(5)                  # the handler runs at the next bytecode
+        assert stopped.value.signum == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

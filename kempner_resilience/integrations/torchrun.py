@@ -199,19 +199,23 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                         what_the_workers_did(code, report.read()))
             return code
         except Exception as e:
-            if inplace is None or not inplace.unused_standby():
+            if inplace is None or not inplace.waiting_as_spare():
                 raise
-            # A spare that was never needed: the run ended (or its rendezvous host went,
-            # and the others requeue); its job is done, not failed.
-            log.info("%s: standby node not needed (%s: %s); exiting with 0", AGENT_NAME,
-                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            return 0
+            # A spare (never needed, or kept out of a round after it trained): the run ended
+            # (or its rendezvous host went, and the others requeue); its job is done, not
+            # failed. It has no workers: the job's code is the training group's.
+            code = agent_exit_code(agent.codes(), agent.killed_ranks())
+            log.info("%s: standby node not needed (%s: %s); exiting with %d", AGENT_NAME,
+                     type(e).__name__, str(e).splitlines()[0] if str(e) else "", code)
+            return code
         finally:
             if inplace is not None:
                 inplace.close()
-        if inplace is not None and inplace.unused_standby():
-            log.info("%s: standby node not needed; exiting with 0", AGENT_NAME)
-        return 0
+        # The policy's code over the last group's workers (a standby has none: 0).
+        code = agent_exit_code(agent.codes(), agent.killed_ranks())
+        if inplace is not None and inplace.waiting_as_spare():
+            log.info("%s: standby node not needed; exiting with %d", AGENT_NAME, code)
+        return code
     except Interrupted as e:
         log.warning("%s: %s; exiting with %d", AGENT_NAME, e, 128 + e.signum)
         return 128 + e.signum

@@ -61,12 +61,23 @@ class Agent:
         with self._lock:
             if self.workers and not self.alive():
                 # torch restarts the group (--max-restarts > 0): a fresh start, fresh deadline.
-                self.workers, self.signals, self.deadline = [], [], None
-                self.ranks, self.killed = {}, set()
-                self._group += 1
-                self._reaper = None
-                self._changed.set()
+                self._forget_group()
             self.workers.append(proc)
+
+    def stand_by(self) -> None:
+        """torch kept this agent out of a round (a standby): its last group, stopped before the
+        rendezvous, is over. It has no workers until it takes a place: a signal ends it as one
+        that never started any, and its workers' codes are no longer the job's."""
+        with self._lock:
+            if self.workers and not self.alive():
+                self._forget_group()
+
+    def _forget_group(self) -> None:
+        self.workers, self.signals, self.deadline = [], [], None
+        self.ranks, self.killed = {}, set()
+        self._group += 1
+        self._reaper = None
+        self._changed.set()
 
     def name_ranks(self, ranks: dict[int, int]) -> None:
         """``{pid: global rank}`` of the group just started (its workers' codes by rank)."""

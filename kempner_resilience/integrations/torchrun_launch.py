@@ -23,7 +23,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.integrations.torchrun_agent import Agent
+from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
 from kempner_resilience.integrations.torchrun_spares import InPlace
 
 if TYPE_CHECKING:
@@ -36,7 +36,8 @@ log = get_logger("kempner_resilience.integrations.torchrun")
 
 def launch(argv: Sequence[str], tracked: Agent, inplace: InPlace | None,
            shutdown_names: dict[str, Any], decides: bool) -> Any:
-    """Run torchrun's command line ``argv`` with our agent; the workers' return values. Raises
+    """Run torchrun's command line ``argv`` with our agent; the workers' return values (none
+    for an agent that ended as a standby: the rendezvous closed while it waited). Raises
     torch's ``ChildFailedError`` when the workers failed, after torch's own report of it
     (``record``), as torchrun's ``main`` does."""
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -159,6 +160,11 @@ def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracke
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
         events.record(agent.get_event_succeeded(), event_log)
+        if result is None:
+            # torch's run returns nothing when the rendezvous closed while this agent waited
+            # as a standby (its RendezvousGracefulExitError): the run is over, no worker here.
+            log.info("%s: the rendezvous closed while this agent stood by", AGENT_NAME)
+            return {}
         if result.is_failed():
             # torch's @record copies the first failure's error file into the agent's.
             raise ChildFailedError(name=name, failures=result.failures)

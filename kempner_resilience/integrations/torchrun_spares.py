@@ -43,8 +43,9 @@ rendezvous subclasses ask it):
   rescue budget): they fail with PEER_LOST or HANG within it and the relaunch above takes
   over; past it torch's restart stands. An elastic range (``--nnodes=A:B``) keeps torch's
   scale-up as it is.
-* *A standby that was never needed* ends with 0 when the run is over (the rendezvous host's
-  agent closes the store on its way out), not with torch's connection error.
+* *A standby* (never needed, or kept out of a later round after it trained) ends with 0 when
+  the run is over (the rendezvous host's agent closes the store on its way out), not with
+  torch's connection error: the job's code is the training group's.
 """
 
 from __future__ import annotations
@@ -147,17 +148,21 @@ class InPlace:
 
     def stand_by(self) -> None:
         """torch put this agent in a round's redundancy list: it waits as a spare."""
-        if not self.standby:
+        if not self.waiting_as_spare():
             log.info("%s: standby (the rendezvous has its nodes): waiting to take a failed "
                      "node's place", AGENT_NAME)
         self.standby = True
+        # An agent that trained may be kept out of the next round (the others and a spare
+        # filled it first): its stopped group is over, it is a standby like any other.
+        self.agent.stand_by()
 
     def restarting(self) -> None:
         """torch restarts this agent's failed group in place (the policy said so)."""
         self.restarts += 1
 
-    def unused_standby(self) -> bool:
-        """This agent only ever waited as a spare: it started no worker."""
+    def waiting_as_spare(self) -> bool:
+        """This agent waits as a spare now: torch kept it out of a round and it has started
+        no worker since (whether or not it trained before)."""
         return self.standby and not self.agent.workers
 
     def run_paths(self) -> RunPaths:
@@ -260,7 +265,7 @@ class InPlace:
         """The spare node(s) this round took in (torch's node addresses), as best known."""
         state = torch_private.rendezvous_state(rdzv_handler)
         members = {str(getattr(n, "addr", n)) for n in getattr(state, "participants", {}) or {}}
-        if self.standby and self.starts == 0:      # this agent stood by until now
+        if self.waiting_as_spare():      # this agent stood by until now
             own = getattr(torch_private.this_node(rdzv_handler), "addr", None)
             return None if own is None else str(own)
         return ",".join(sorted(members & set(self.spares_seen))) or None
