@@ -45,7 +45,7 @@ def _agent(work: Path, i: int, port: int, nnodes: int | str, steps: int, nproc: 
     cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", f"--nnodes={nnodes}",
            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=spares",
-           f"--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3{rdzv_conf}",
+           f"--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=5{rdzv_conf}",
            "--max-restarts=1",
            "--monitor-interval=0.2", "--no-python", sys.executable, "-m",
            "kempner_resilience.demo.train", "--steps", str(steps), "--step-time", "0.05",
