@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
@@ -42,7 +42,7 @@ from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
-__all__ = ["supervise", "actor_ends", "group_evidence", "recreates"]
+__all__ = ["supervise", "actor_ends", "group_decision", "group_evidence", "recreates"]
 
 log = get_logger(__name__)
 
@@ -112,12 +112,11 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
                                              actors, cancel=cancel,
                                              bound=config.rescue.budget_s + 30.0)
         ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None)
-        dead = _dead_nodes(ray, nodes, ends) - bad_nodes
+        decision, dead = group_decision(ends, config, nodes=nodes,
+                                        alive=_alive_nodes(ray, nodes, ends), bad=bad_nodes,
+                                        restarts=restarts, stalled=stalled,
+                                        commits=Commits(before, newest_commit(paths)))
         bad_nodes |= dead
-        decision = decide(group_evidence(
-            ends, config, restarts=restarts, stalled=stalled,
-            commits=Commits(before, newest_commit(paths)), dead=frozenset(dead),
-            spares=_spares(ray, nodes, bad_nodes) if dead else None))
         log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
                     [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,
                     decision.code, decision.why)
@@ -166,6 +165,23 @@ def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, resta
                     spares=spares)
 
 
+def group_decision(ends: tuple[RankEnd, ...], config: ResilienceConfig, *,
+                   nodes: Sequence[str], alive: Collection[str],
+                   bad: Collection[str] = frozenset(), restarts: int, stalled: int,
+                   commits: Commits) -> tuple[Decision, frozenset[str]]:
+    """The policy's answer after one incarnation, and the Ray nodes newly found dead under it.
+
+    ``nodes[r]``: the Ray node of rank ``r``'s actor; ``alive``: the nodes Ray holds alive once
+    the lost actors' silent nodes were waited on (``_alive_nodes``); ``bad``: the nodes that
+    died under an earlier incarnation. A node is dead when an actor on it died on its own and
+    Ray no longer holds it alive; the spares are then the live nodes beside the group's."""
+    lost = {node for node, end in zip(nodes, ends) if end.own_death}
+    dead = frozenset(lost - set(alive) - set(bad))
+    spares = len(set(alive) - set(nodes) - set(bad) - dead) if dead else None
+    return decide(group_evidence(ends, config, restarts=restarts, stalled=stalled,
+                                 commits=commits, dead=dead, spares=spares)), dead
+
+
 def recreates(d: Decision) -> bool:
     """A new group in this driver: a relaunch, or a requeue the actors asked for (Ray is the
     scheduler that places them again); a requeue for want of a spare node needs another
@@ -174,8 +190,8 @@ def recreates(d: Decision) -> bool:
                                            and d.kind is Kind.REQUESTED)
 
 
-def _dead_nodes(ray: Any, nodes: list[str], ends: tuple[RankEnd, ...]) -> set[str]:
-    """The Ray nodes that are gone under an actor that died: the failure's nodes.
+def _alive_nodes(ray: Any, nodes: list[str], ends: tuple[RankEnd, ...]) -> set[str]:
+    """The Ray nodes alive once the nodes of the actors that died have settled.
 
     A node that just died is first only "unavailable" to Ray (its health check has not failed
     enough yet) and Ray would place a new actor there. A lost actor's node whose raylet no
@@ -188,7 +204,7 @@ def _dead_nodes(ray: Any, nodes: list[str], ends: tuple[RankEnd, ...]) -> set[st
         dead = {n for n in lost if not info.get(n, {}).get("Alive")}
         silent = [n for n in lost - dead if not _answers(info[n])]
         if not silent or time.monotonic() > until:
-            return dead
+            return {n for n, node in info.items() if node.get("Alive")}
         log.warning("%d node(s) of lost actors do not answer: waiting for Ray to mark them "
                     "dead before a new group is placed", len(silent))
         time.sleep(_POLL_S)
@@ -219,8 +235,3 @@ def _remember(paths: RunPaths, hosts: set[str]) -> None:
                          job_id=os.environ.get("SLURM_JOB_ID"))
     except OSError as e:    # the memory is lost, never the checkpoint
         log.warning("could not record bad nodes %s: %s", sorted(hosts), e)
-
-
-def _spares(ray: Any, nodes: list[str], bad: set[str]) -> int:
-    """Live nodes that held no actor of the group and are not remembered bad."""
-    return len({n["NodeID"] for n in ray.nodes() if n.get("Alive")} - set(nodes) - bad)
