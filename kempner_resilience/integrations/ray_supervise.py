@@ -2,7 +2,9 @@
 
 The actors of one training group are the ranks of one ResilientRun (``ray_actor``). When one
 of them is lost, the group ends as ranks end: an actor SIGKILLed (the OOM killer, a node gone)
-leaves its call failed with Ray's ``RayActorError``, and the survivors, whose collective failed,
+leaves its call failed with Ray's ``RayActorError`` (so does an actor whose hang watchdog
+exited 42: Ray reports no exit code, and the driver reads the ending the rank recorded before
+it went, ``supervise/endings.py``), and the survivors, whose collective failed,
 rescue the last step boundary (``rescue/``) and end with 81 ``PEER_LOST``; an actor that Ray or
 its node sent SIGTERM (``ray.kill`` without force, a drain, an eviction) stops the whole group
 at one step boundary with the emergency checkpoint, and every actor ends with 143.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
@@ -39,6 +41,7 @@ from kempner_resilience.integrations.ray_actor import ActorEnding
 from kempner_resilience.integrations.ray_driver import RayDriver
 from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.supervise.channel import newest_commit
+from kempner_resilience.supervise.endings import RankEnding, endings_since
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
@@ -53,12 +56,14 @@ _NODE_DEATH_WAIT_S = 90.0
 _POLL_S = 1.0
 
 
-def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *,
-               driver_stopping: bool) -> tuple[RankEnd, ...]:
+def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
+               recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
     """Each training call's outcome (an ``ActorEnding``, or the exception it raised) as the
-    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) is a rank
-    killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a call that
-    raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM that the
+    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) ended as
+    it recorded before it went (``recorded``, ``supervise/endings.py``: the hang watchdog's
+    42, whose ``os._exit`` Ray reports only as a closed connection, with no exit code), else it
+    is a rank killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a
+    call that raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM that the
     driver did not send was stopped by Ray or its node (a kill, a drain, an eviction): as a
     scheduler requeues a job that its preemption's SIGTERM stopped, that group asks to run
     again (75 REQUEUE), with its emergency checkpoint."""
@@ -74,7 +79,8 @@ def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *,
                 code = int(ExitCode.REQUEUE)
             ends.append(RankEnd(code))
         elif _actor_died(out):
-            ends.append(_SIGKILL_END)
+            ends.append(recorded[rank].end() if recorded and rank in recorded
+                        else _SIGKILL_END)
         else:   # the training raised an error of its own (Ray's RayTaskError): a bug
             ends.append(RankEnd(int(ExitCode.ERROR)))
     return tuple(ends)
@@ -107,11 +113,12 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         nodes = driver.get([a.node_id.remote() for a in actors])
         if on_group is not None:
             on_group(restarts, actors)
-        before = newest_commit(paths)
+        before, known = newest_commit(paths), set(paths.all_endings())
         outcomes, killed = driver.wait_group([train(a, r) for r, a in enumerate(actors)],
                                              actors, cancel=cancel,
                                              bound=config.rescue.budget_s + 30.0)
-        ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None)
+        ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None,
+                          recorded=endings_since(paths, known, range(world_size)))
         decision, dead = group_decision(ends, config, nodes=nodes,
                                         alive=_alive_nodes(ray, nodes, ends), bad=bad_nodes,
                                         restarts=restarts, stalled=stalled,
