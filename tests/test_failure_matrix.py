@@ -38,7 +38,7 @@ stays out of the way; the budget and the spares are the rows' own.
   its bound, the endings the ranks recorded in the run's directory (``supervise/endings.py``;
   a process that exited 42 is only "gone" to Ray), the driver's signal, the restarts so far,
   each actor's Ray node and the nodes Ray holds alive after; run through ``endings_since``,
-  ``actor_ends`` and ``group_decision``, as ``supervise`` does.
+  ``actor_ends``, ``lost_nodes`` and ``group_decision``, as ``supervise`` does.
   Ray's exceptions are built without a running Ray (``import ray`` only).
 
 submitit under SLURM has no column of its own: its batch script runs the srun step loop
@@ -65,7 +65,8 @@ from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import load_config
 from kempner_resilience.integrations.local import launch_evidence
 from kempner_resilience.integrations.ray_actor import ActorEnding
-from kempner_resilience.integrations.ray_supervise import actor_ends, group_decision
+from kempner_resilience.integrations.ray_supervise import (actor_ends, group_decision,
+                                                           lost_nodes)
 from kempner_resilience.integrations.submitit_policy import Supervision
 from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
 from kempner_resilience.slurm.relaunch import Relauncher, StepResult
@@ -286,6 +287,7 @@ def through_ray(group: Ray, tmp_path: Path) -> Decision:
                       driver_stopping=group.driver_signal is not None,
                       recorded=endings_since(paths, known, range(len(group.outcomes))))
     decision, _ = group_decision(ends, config, nodes=nodes,
+                                 lost=lost_nodes(group.outcomes, group.killed, nodes),
                                  alive=set(nodes) if group.alive is None else group.alive,
                                  restarts=group.restarts, stalled=group.stalled,
                                  commits=Commits(before, newest_commit(paths)))

@@ -45,7 +45,8 @@ from kempner_resilience.supervise.endings import RankEnding, endings_since
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
-__all__ = ["supervise", "actor_ends", "group_decision", "group_evidence", "recreates"]
+__all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evidence",
+           "recreates"]
 
 log = get_logger(__name__)
 
@@ -63,10 +64,10 @@ def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stoppin
     it recorded before it went (``recorded``, ``supervise/endings.py``: the hang watchdog's
     42, whose ``os._exit`` Ray reports only as a closed connection, with no exit code), else it
     is a rank killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a
-    call that raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM that the
-    driver did not send was stopped by Ray or its node (a kill, a drain, an eviction): as a
-    scheduler requeues a job that its preemption's SIGTERM stopped, that group asks to run
-    again (75 REQUEUE), with its emergency checkpoint."""
+    call that raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM
+    that the driver did not send was stopped by Ray or its node (a kill, a drain, an
+    eviction): as a scheduler requeues a job that its preemption's SIGTERM stopped, that group
+    asks to run again (75 REQUEUE), with its emergency checkpoint."""
     ends = []
     for rank, out in enumerate(outcomes):
         ending = out.get("ending") if isinstance(out, dict) else out
@@ -119,8 +120,9 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
                                              bound=config.rescue.budget_s + 30.0)
         ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None,
                           recorded=endings_since(paths, known, range(world_size)))
-        decision, dead = group_decision(ends, config, nodes=nodes,
-                                        alive=_alive_nodes(ray, nodes, ends), bad=bad_nodes,
+        lost = lost_nodes(outcomes, killed, nodes)
+        decision, dead = group_decision(ends, config, nodes=nodes, lost=lost,
+                                        alive=_alive_nodes(ray, lost), bad=bad_nodes,
                                         restarts=restarts, stalled=stalled,
                                         commits=Commits(before, newest_commit(paths)))
         bad_nodes |= dead
@@ -172,17 +174,26 @@ def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, resta
                     spares=spares)
 
 
+def lost_nodes(outcomes: Sequence[Any], killed: Sequence[int],
+               nodes: Sequence[str]) -> frozenset[str]:
+    """The Ray nodes of the actors whose process is gone (Ray's ``RayActorError``; not those
+    the driver killed): the nodes a failure may have taken, whatever the rank recorded before
+    it went (its node may have died after)."""
+    return frozenset(nodes[r] for r, out in enumerate(outcomes)
+                     if r not in killed and _actor_died(out))
+
+
 def group_decision(ends: tuple[RankEnd, ...], config: ResilienceConfig, *,
-                   nodes: Sequence[str], alive: Collection[str],
+                   nodes: Sequence[str], lost: Collection[str], alive: Collection[str],
                    bad: Collection[str] = frozenset(), restarts: int, stalled: int,
                    commits: Commits) -> tuple[Decision, frozenset[str]]:
     """The policy's answer after one incarnation, and the Ray nodes newly found dead under it.
 
-    ``nodes[r]``: the Ray node of rank ``r``'s actor; ``alive``: the nodes Ray holds alive once
-    the lost actors' silent nodes were waited on (``_alive_nodes``); ``bad``: the nodes that
-    died under an earlier incarnation. A node is dead when an actor on it died on its own and
-    Ray no longer holds it alive; the spares are then the live nodes beside the group's."""
-    lost = {node for node, end in zip(nodes, ends) if end.own_death}
+    ``nodes[r]``: the Ray node of rank ``r``'s actor; ``lost``: the nodes of the actors that
+    are gone (``lost_nodes``); ``alive``: the nodes Ray holds alive once those that are silent
+    were waited on (``_alive_nodes``); ``bad``: the nodes that died under an earlier
+    incarnation. A lost actor's node is dead when Ray no longer holds it alive; the spares are
+    then the live nodes beside the group's."""
     dead = frozenset(lost - set(alive) - set(bad))
     spares = len(set(alive) - set(nodes) - set(bad) - dead) if dead else None
     return decide(group_evidence(ends, config, restarts=restarts, stalled=stalled,
@@ -197,19 +208,18 @@ def recreates(d: Decision) -> bool:
                                            and d.kind is Kind.REQUESTED)
 
 
-def _alive_nodes(ray: Any, nodes: list[str], ends: tuple[RankEnd, ...]) -> set[str]:
+def _alive_nodes(ray: Any, lost: Collection[str]) -> set[str]:
     """The Ray nodes alive once the nodes of the actors that died have settled.
 
     A node that just died is first only "unavailable" to Ray (its health check has not failed
     enough yet) and Ray would place a new actor there. A lost actor's node whose raylet no
     longer answers is waited on until Ray marks it dead, at most ``_NODE_DEATH_WAIT_S``; a
     node that answers is alive (the actor's process died alone: the OOM killer, a SIGKILL)."""
-    lost = {node for node, end in zip(nodes, ends) if end.own_death}
     until = time.monotonic() + _NODE_DEATH_WAIT_S
     while True:
         info = {n["NodeID"]: n for n in ray.nodes()}
         dead = {n for n in lost if not info.get(n, {}).get("Alive")}
-        silent = [n for n in lost - dead if not _answers(info[n])]
+        silent = [n for n in set(lost) - dead if not _answers(info[n])]
         if not silent or time.monotonic() > until:
             return {n for n, node in info.items() if node.get("Alive")}
         log.warning("%d node(s) of lost actors do not answer: waiting for Ray to mark them "
