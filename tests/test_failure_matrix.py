@@ -31,6 +31,16 @@ stays out of the way; the budget and the spares are the rows' own.
   does. Its only way to run again is ``scontrol requeue``: the policy's RELAUNCH and REQUEUE
   alike.
 
+- ``ray``: the Ray driver (``integrations/ray_supervise.py``) after one incarnation of a
+  training group: each training call's outcome as ``ray.get`` gives it (the actor's
+  ``ActorEnding``; Ray's ``ActorDiedError`` for an actor whose process is gone, its message as
+  Ray 2.60 writes it; ``RayTaskError`` for a call that raised), the ranks the driver killed after
+  its bound, the endings the ranks recorded in the run's directory (``supervise/endings.py``;
+  a process that exited 42 is only "gone" to Ray), the driver's signal, the restarts so far,
+  each actor's Ray node and the nodes Ray holds alive after; run through ``endings_since``,
+  ``actor_ends``, ``lost_nodes`` and ``group_decision``, as ``supervise`` does.
+  Ray's exceptions are built without a running Ray (``import ray`` only).
+
 submitit under SLURM has no column of its own: its batch script runs the srun step loop
 (``integrations/submitit_slurm.py``), whose column is ``srun``; the slurm tests in
 tests/test_submitit.py run two rows (an exception, a SIGKILL) on the real cluster.
@@ -48,20 +58,26 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import ray.exceptions
+from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import load_config
 from kempner_resilience.integrations.local import launch_evidence
+from kempner_resilience.integrations.ray_actor import ActorEnding
+from kempner_resilience.integrations.ray_supervise import (actor_ends, group_decision,
+                                                           lost_nodes)
 from kempner_resilience.integrations.submitit_policy import Supervision
 from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
 from kempner_resilience.slurm.relaunch import Relauncher, StepResult
 from kempner_resilience.slurm.steps import StepReport, parse_srun_line
-from kempner_resilience.supervise.channel import Channel, RunReport
+from kempner_resilience.supervise.channel import Channel, RunReport, newest_commit
 from kempner_resilience.config.schema import RequeueConfig
 from kempner_resilience.exitcodes import Ending, Facts, exit_code
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue
-from kempner_resilience.supervise.endings import RankEnding, note_ending, peer_decision
+from kempner_resilience.supervise.endings import (RankEnding, endings_since, note_ending,
+                                                  peer_decision)
 from kempner_resilience.supervise.policy import Action, Commits, Decision, RankEnd, decide
 from kempner_resilience.core.runpaths import RunPaths
 
@@ -136,6 +152,48 @@ class Rank0:
     world: int = 2
     restarts: int = 0                      # SLURM_RESTART_COUNT
     max_restarts: int = 20                 # the run's requeue.max_restarts
+
+
+@dataclass(frozen=True)
+class Ray:
+    """One incarnation of a training group as the Ray driver sees it once ``wait_group`` is
+    back: rank r's call's outcome at index r."""
+
+    outcomes: tuple[Any, ...]              # ActorEnding, or the exception ray.get raised
+    killed: tuple[int, ...] = ()           # ranks whose actors the driver killed after its bound
+    recorded: dict[int, tuple[str, int]] = field(default_factory=dict)
+                                           # rank -> (kind, code) it recorded in the run's
+                                           # directory before its process died (the hang path)
+    driver_signal: int | None = None       # a signal the driver received (its own stop)
+    nodes: tuple[str, ...] | None = None   # rank r's Ray node (None: one node per rank)
+    alive: tuple[str, ...] | None = None   # Ray's live nodes after (None: every node, no more)
+    restarts: int = 0                      # incarnations before this one
+    max_restarts: int = 20                 # the config's requeue.max_restarts
+    stalled: int = 0
+    rescued: bool = True
+
+
+def _died(node_died: bool = False) -> ray.exceptions.ActorDiedError:
+    """Ray's error for a call whose actor process is gone: a process that died or exited on
+    its own (the raylet sees its socket close, whatever the exit code), or its node's death."""
+    context = ActorDiedErrorContext(
+        class_name="Trainer", actor_id=bytes(16), pid=4242,
+        error_message="Worker unexpectedly exits with a connection error code 2. End of file. "
+                      "Some common causes include: (1) the process was killed by the OOM "
+                      "killer due to high memory usage, ...")
+    if node_died:
+        context = ActorDiedErrorContext(
+            class_name="Trainer", actor_id=bytes(16),
+            error_message="The actor died because its node has died. Node Id: b",
+            node_death_info=NodeDeathInfo(reason=NodeDeathInfo.UNEXPECTED_TERMINATION,
+                                          reason_message="health check failed"))
+    return ray.exceptions.ActorDiedError(context)
+
+
+def _raised(error: BaseException) -> ray.exceptions.RayTaskError:
+    """Ray's error for a call whose method raised, as ``ray.get`` raises it."""
+    return ray.exceptions.RayTaskError("Trainer.train", f"Traceback ...\n{error!r}",
+                                       error).as_instanceof_cause()
 
 
 def _commit(root: Path, step: int) -> None:
@@ -213,6 +271,29 @@ def through_rank0(view: Rank0, tmp_path: Path) -> Decision:
     return Decision(Action.LEAVE, code, decision.kind, verdict.reason)
 
 
+def through_ray(group: Ray, tmp_path: Path) -> Decision:
+    config = load_config(overrides=[f"checkpoint.dir={tmp_path / 'run'}",
+                                    f"requeue.max_restarts={group.max_restarts}",
+                                    "requeue.max_no_progress=2"])
+    paths = RunPaths.from_config(config)
+    _commit(paths.root, BEFORE)
+    before, known = newest_commit(paths), set(paths.all_endings())
+    if group.rescued:
+        _commit(paths.root, RESCUED)
+    for rank, (kind, code) in group.recorded.items():   # the incarnation's own token
+        note_ending(paths, "incarnation", RankEnding(rank, kind, code, RESCUED))
+    nodes = group.nodes or tuple(f"node-{r}" for r in range(len(group.outcomes)))
+    ends = actor_ends(group.outcomes, group.killed,
+                      driver_stopping=group.driver_signal is not None,
+                      recorded=endings_since(paths, known, range(len(group.outcomes))))
+    decision, _ = group_decision(ends, config, nodes=nodes,
+                                 lost=lost_nodes(group.outcomes, group.killed, nodes),
+                                 alive=set(nodes) if group.alive is None else group.alive,
+                                 restarts=group.restarts, stalled=group.stalled,
+                                 commits=Commits(before, newest_commit(paths)))
+    return decision
+
+
 #: backend -> runner of its native form.
 BACKENDS: dict[str, Callable[[Any, Path], Decision]] = {
     "srun": through_srun,
@@ -220,6 +301,7 @@ BACKENDS: dict[str, Callable[[Any, Path], Decision]] = {
     "submitit": through_submitit,
     "torchrun": through_torchrun,
     "rank0": through_rank0,
+    "ray": through_ray,
 }
 
 
@@ -244,6 +326,7 @@ ROWS: dict[str, Row] = {
         "local": Local((0, 0)),
         "submitit": Submitit((0, 0)),
         "torchrun": Torchrun({0: 0, 1: 0}),
+        "ray": Ray((ActorEnding(0), ActorEnding(0))),
     }),
     "a rank SIGKILLed, the survivor rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True),
@@ -251,6 +334,8 @@ ROWS: dict[str, Row] = {
         "submitit": Submitit((81, -9)),
         "torchrun": Torchrun({0: 81, 1: -9}),
         "rank0": Rank0({}),
+        # the actor's process SIGKILLed alone: its node answers, Ray holds it alive
+        "ray": Ray((ActorEnding(81), _died())),
     }),
     "a node killed: it says nothing, its peers rescued and said 81": Row(Action.RELAUNCH, 81, {
         "srun": Srun((_err("n1", "0-1", "Exited with exit code 81"),), tasks_per_node=2,
@@ -260,6 +345,9 @@ ROWS: dict[str, Row] = {
         # the survivor's agent: its own workers said 81; the dead node's agent died with it
         "torchrun": Torchrun({0: 81, 1: 81}),
         "rank0": Rank0({1: ("peer-lost", 81)}, world=4),
+        # Ray marks the node dead; a live node beside the group's is the spare
+        "ray": Ray((ActorEnding(81), ActorEnding(81), _died(node_died=True),
+                    _died(node_died=True)), nodes=("a", "a", "b", "b"), alive=("a", "c")),
     }),
     "a rank hung with the GIL held: its kernel timer's 42, no hang mark": Row(
         Action.RELAUNCH, 42, {
@@ -269,6 +357,9 @@ ROWS: dict[str, Row] = {
             "local": Local((42, 42)),
             "submitit": Submitit((42, 42)),
             "torchrun": Torchrun({0: 42, 1: 42}),
+            # both actors' processes exit 42, which Ray reports only as gone; rank 0's
+            # watchdog ran in Python and recorded its hang first, rank 1's backstop wrote none
+            "ray": Ray((_died(), _died()), recorded={0: ("hang", 42)}),
         }),
     "a rank frozen (SIGSTOP): ended by the supervisor after the grace": Row(
         Action.RELAUNCH, 42, {
@@ -279,6 +370,10 @@ ROWS: dict[str, Row] = {
             "local": Local((42, -9), killed=(1,)),
             "submitit": Submitit((42, -9), killed=(1,)),
             "torchrun": Torchrun({0: 42, 1: -9}, killed=(1,)),
+            # rank 0's watchdog recorded its hang and exited 42 (to Ray: gone); rank 1's call
+            # is still pending (ray.get's timeout) when the driver kills its actor
+            "ray": Ray((_died(), ray.exceptions.GetTimeoutError("not ready")), killed=(1,),
+                       recorded={0: ("hang", 42)}),
         }),
     "rank 1's exception, which rank 0 saw as a lost peer [81, 1]": Row(Action.LEAVE, 1, {
         "srun": Srun((_err("n1", "0", "Exited with exit code 81"),
@@ -287,6 +382,7 @@ ROWS: dict[str, Row] = {
         "submitit": Submitit((81, 1)),
         "torchrun": Torchrun({0: 81, 1: 1}),
         "rank0": Rank0({1: ("error", 1)}),
+        "ray": Ray((ActorEnding(81), _raised(ValueError("bad batch")))),
     }),
     "rank 0 left run.steps early [0, 81]": Row(Action.LEAVE, 1, {
         # srun ends by itself once rank 1 has: rank 0's silence is an exit 0.
@@ -294,6 +390,7 @@ ROWS: dict[str, Row] = {
         "local": Local((0, 81)),
         "submitit": Submitit((0, 81)),
         "torchrun": Torchrun({0: 0, 1: 81}),
+        "ray": Ray((ActorEnding(0), ActorEnding(81))),
     }),
     "a signal: every rank committed and asked to run again (75)": Row(Action.REQUEUE, 75, {
         "srun": Srun((_err("n1", "0", "Exited with exit code 75"),
@@ -303,10 +400,14 @@ ROWS: dict[str, Row] = {
         "submitit": Submitit((144, 144)),
         # the ranks' own time-limit stop (no signal at the agent)
         "torchrun": Torchrun({0: 75, 1: 75}),
+        # Ray or its node sent SIGTERM (a drain, an eviction), not the driver: the actors
+        # committed at one boundary and ended 143, which asks to run again
+        "ray": Ray((ActorEnding(143), ActorEnding(143))),
     }),
     "no spare left for the node of the killed rank": Row(Action.REQUEUE, 81, {
         "srun": Srun(KILLED_BESIDE_A_SURVIVOR, nodes=("n1", "n2"), ended_by_loop=True),
         "torchrun": Torchrun({0: 81, 1: -9}, standbys=0),
+        "ray": Ray((ActorEnding(81), _died(node_died=True)), nodes=("a", "b"), alive=("a",)),
     }),
     "the restart budget spent": Row(Action.LEAVE, 81, {
         # the relaunches in place and SLURM's requeues alike
@@ -316,6 +417,7 @@ ROWS: dict[str, Row] = {
         "submitit": Submitit((81, -9), restarts=3, max_restarts=3),
         "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=0),
         "rank0": Rank0({}, restarts=3, max_restarts=3),
+        "ray": Ray((ActorEnding(81), _died()), restarts=3, max_restarts=3),
     }),
     "a relaunch that committed nothing newer, the second in a row: no progress": Row(
         Action.LEAVE, 77, {
@@ -325,6 +427,7 @@ ROWS: dict[str, Row] = {
             "submitit": Submitit((81, -9), restarts=1, stalled=1, rescued=False),
             "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=2, max_restarts=3, stalled=1,
                                  rescued=False),
+            "ray": Ray((ActorEnding(81), _died()), restarts=1, stalled=1, rescued=False),
         }),
 }
 

@@ -9,9 +9,12 @@ tests/test_ray.py runs the same paths on a real Ray; this pins each answer, with
 from __future__ import annotations
 
 from kempner_resilience.config import load_config
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.ray_actor import ActorEnding
-from kempner_resilience.integrations.ray_supervise import actor_ends, group_evidence, recreates
+from kempner_resilience.integrations.ray_supervise import (actor_ends, group_decision,
+                                                           group_evidence, lost_nodes, recreates)
+from kempner_resilience.supervise.endings import RankEnding, endings_since, note_ending
 from kempner_resilience.supervise.policy import Action, Commits, Guard, decide
 
 
@@ -78,3 +81,25 @@ def test_a_dead_node_with_no_live_node_beside_the_group_goes_back_to_the_schedul
                 dead=frozenset({"node-b"}), spares=0)
     assert (d.action, d.guard) == (Action.REQUEUE, Guard.NO_SPARE)
     assert not recreates(d)      # another allocation: the driver leaves with the code
+
+
+def test_a_dead_actor_that_recorded_its_hang_ends_42_but_an_earlier_groups_words_are_not_read(
+        tmp_path):
+    paths = RunPaths(tmp_path / "run")
+    note_ending(paths, "earlier", RankEnding(1, "error", 1, 5))      # the last incarnation's
+    known = set(paths.all_endings())
+    note_ending(paths, "this", RankEnding(0, "hang", int(ExitCode.HANG), 9))
+    ends = actor_ends([ActorDiedError("gone"), ActorDiedError("gone")], (),
+                      driver_stopping=False, recorded=endings_since(paths, known, range(2)))
+    assert [e.code for e in ends] == [int(ExitCode.HANG), 137]
+
+
+def test_a_node_that_died_under_an_actor_is_kept_out_even_if_the_actor_recorded_81_before():
+    outcomes = [ActorEnding(int(ExitCode.PEER_LOST)), ActorDiedError("node gone")]
+    recorded = {1: RankEnding(1, "peer-lost", int(ExitCode.PEER_LOST), 9)}
+    ends = actor_ends(outcomes, (), driver_stopping=False, recorded=recorded)
+    d, dead = group_decision(ends, CFG, nodes=["node-a", "node-b"],
+                             lost=lost_nodes(outcomes, (), ["node-a", "node-b"]),
+                             alive={"node-a"}, restarts=0, stalled=0, commits=Commits(10, 14))
+    assert dead == {"node-b"}
+    assert (d.action, d.guard) == (Action.REQUEUE, Guard.NO_SPARE)

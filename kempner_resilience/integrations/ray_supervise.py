@@ -2,7 +2,9 @@
 
 The actors of one training group are the ranks of one ResilientRun (``ray_actor``). When one
 of them is lost, the group ends as ranks end: an actor SIGKILLed (the OOM killer, a node gone)
-leaves its call failed with Ray's ``RayActorError``, and the survivors, whose collective failed,
+leaves its call failed with Ray's ``RayActorError`` (so does an actor whose hang watchdog
+exited 42: Ray reports no exit code, and the driver reads the ending the rank recorded before
+it went, ``supervise/endings.py``), and the survivors, whose collective failed,
 rescue the last step boundary (``rescue/``) and end with 81 ``PEER_LOST``; an actor that Ray or
 its node sent SIGTERM (``ray.kill`` without force, a drain, an eviction) stops the whole group
 at one step boundary with the emergency checkpoint, and every actor ends with 143.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
@@ -39,10 +41,12 @@ from kempner_resilience.integrations.ray_actor import ActorEnding
 from kempner_resilience.integrations.ray_driver import RayDriver
 from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.supervise.channel import newest_commit
+from kempner_resilience.supervise.endings import RankEnding, endings_since
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
-__all__ = ["supervise", "actor_ends", "group_evidence", "recreates"]
+__all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evidence",
+           "recreates"]
 
 log = get_logger(__name__)
 
@@ -53,15 +57,17 @@ _NODE_DEATH_WAIT_S = 90.0
 _POLL_S = 1.0
 
 
-def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *,
-               driver_stopping: bool) -> tuple[RankEnd, ...]:
+def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
+               recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
     """Each training call's outcome (an ``ActorEnding``, or the exception it raised) as the
-    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) is a rank
-    killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a call that
-    raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM that the
-    driver did not send was stopped by Ray or its node (a kill, a drain, an eviction): as a
-    scheduler requeues a job that its preemption's SIGTERM stopped, that group asks to run
-    again (75 REQUEUE), with its emergency checkpoint."""
+    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) ended as
+    it recorded before it went (``recorded``, ``supervise/endings.py``: the hang watchdog's
+    42, whose ``os._exit`` Ray reports only as a closed connection, with no exit code), else it
+    is a rank killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a
+    call that raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM
+    that the driver did not send was stopped by Ray or its node (a kill, a drain, an
+    eviction): as a scheduler requeues a job that its preemption's SIGTERM stopped, that group
+    asks to run again (75 REQUEUE), with its emergency checkpoint."""
     ends = []
     for rank, out in enumerate(outcomes):
         ending = out.get("ending") if isinstance(out, dict) else out
@@ -74,7 +80,8 @@ def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *,
                 code = int(ExitCode.REQUEUE)
             ends.append(RankEnd(code))
         elif _actor_died(out):
-            ends.append(_SIGKILL_END)
+            ends.append(recorded[rank].end() if recorded and rank in recorded
+                        else _SIGKILL_END)
         else:   # the training raised an error of its own (Ray's RayTaskError): a bug
             ends.append(RankEnd(int(ExitCode.ERROR)))
     return tuple(ends)
@@ -107,17 +114,18 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
         nodes = driver.get([a.node_id.remote() for a in actors])
         if on_group is not None:
             on_group(restarts, actors)
-        before = newest_commit(paths)
+        before, known = newest_commit(paths), set(paths.all_endings())
         outcomes, killed = driver.wait_group([train(a, r) for r, a in enumerate(actors)],
                                              actors, cancel=cancel,
                                              bound=config.rescue.budget_s + 30.0)
-        ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None)
-        dead = _dead_nodes(ray, nodes, ends) - bad_nodes
+        ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None,
+                          recorded=endings_since(paths, known, range(world_size)))
+        lost = lost_nodes(outcomes, killed, nodes)
+        decision, dead = group_decision(ends, config, nodes=nodes, lost=lost,
+                                        alive=_alive_nodes(ray, lost), bad=bad_nodes,
+                                        restarts=restarts, stalled=stalled,
+                                        commits=Commits(before, newest_commit(paths)))
         bad_nodes |= dead
-        decision = decide(group_evidence(
-            ends, config, restarts=restarts, stalled=stalled,
-            commits=Commits(before, newest_commit(paths)), dead=frozenset(dead),
-            spares=_spares(ray, nodes, bad_nodes) if dead else None))
         log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
                     [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,
                     decision.code, decision.why)
@@ -166,6 +174,32 @@ def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, resta
                     spares=spares)
 
 
+def lost_nodes(outcomes: Sequence[Any], killed: Sequence[int],
+               nodes: Sequence[str]) -> frozenset[str]:
+    """The Ray nodes of the actors whose process is gone (Ray's ``RayActorError``; not those
+    the driver killed): the nodes a failure may have taken, whatever the rank recorded before
+    it went (its node may have died after)."""
+    return frozenset(nodes[r] for r, out in enumerate(outcomes)
+                     if r not in killed and _actor_died(out))
+
+
+def group_decision(ends: tuple[RankEnd, ...], config: ResilienceConfig, *,
+                   nodes: Sequence[str], lost: Collection[str], alive: Collection[str],
+                   bad: Collection[str] = frozenset(), restarts: int, stalled: int,
+                   commits: Commits) -> tuple[Decision, frozenset[str]]:
+    """The policy's answer after one incarnation, and the Ray nodes newly found dead under it.
+
+    ``nodes[r]``: the Ray node of rank ``r``'s actor; ``lost``: the nodes of the actors that
+    are gone (``lost_nodes``); ``alive``: the nodes Ray holds alive once those that are silent
+    were waited on (``_alive_nodes``); ``bad``: the nodes that died under an earlier
+    incarnation. A lost actor's node is dead when Ray no longer holds it alive; the spares are
+    then the live nodes beside the group's."""
+    dead = frozenset(lost - set(alive) - set(bad))
+    spares = len(set(alive) - set(nodes) - set(bad) - dead) if dead else None
+    return decide(group_evidence(ends, config, restarts=restarts, stalled=stalled,
+                                 commits=commits, dead=dead, spares=spares)), dead
+
+
 def recreates(d: Decision) -> bool:
     """A new group in this driver: a relaunch, or a requeue the actors asked for (Ray is the
     scheduler that places them again); a requeue for want of a spare node needs another
@@ -174,21 +208,20 @@ def recreates(d: Decision) -> bool:
                                            and d.kind is Kind.REQUESTED)
 
 
-def _dead_nodes(ray: Any, nodes: list[str], ends: tuple[RankEnd, ...]) -> set[str]:
-    """The Ray nodes that are gone under an actor that died: the failure's nodes.
+def _alive_nodes(ray: Any, lost: Collection[str]) -> set[str]:
+    """The Ray nodes alive once the nodes of the actors that died have settled.
 
     A node that just died is first only "unavailable" to Ray (its health check has not failed
     enough yet) and Ray would place a new actor there. A lost actor's node whose raylet no
     longer answers is waited on until Ray marks it dead, at most ``_NODE_DEATH_WAIT_S``; a
     node that answers is alive (the actor's process died alone: the OOM killer, a SIGKILL)."""
-    lost = {node for node, end in zip(nodes, ends) if end.own_death}
     until = time.monotonic() + _NODE_DEATH_WAIT_S
     while True:
         info = {n["NodeID"]: n for n in ray.nodes()}
         dead = {n for n in lost if not info.get(n, {}).get("Alive")}
-        silent = [n for n in lost - dead if not _answers(info[n])]
+        silent = [n for n in set(lost) - dead if not _answers(info[n])]
         if not silent or time.monotonic() > until:
-            return dead
+            return {n for n, node in info.items() if node.get("Alive")}
         log.warning("%d node(s) of lost actors do not answer: waiting for Ray to mark them "
                     "dead before a new group is placed", len(silent))
         time.sleep(_POLL_S)
@@ -219,8 +252,3 @@ def _remember(paths: RunPaths, hosts: set[str]) -> None:
                          job_id=os.environ.get("SLURM_JOB_ID"))
     except OSError as e:    # the memory is lost, never the checkpoint
         log.warning("could not record bad nodes %s: %s", sorted(hosts), e)
-
-
-def _spares(ray: Any, nodes: list[str], bad: set[str]) -> int:
-    """Live nodes that held no actor of the group and are not remembered bad."""
-    return len({n["NodeID"] for n in ray.nodes() if n.get("Alive")} - set(nodes) - bad)

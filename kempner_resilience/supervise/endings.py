@@ -27,6 +27,11 @@ an earlier attempt's endings are never read, and no rank looked the name up befo
 written (an NFS client caches a name's absence). Writes are whole-file replaces, not fsynced:
 a reader sees a whole ending or none; a machine that crashes loses the rank with it, which then
 reads as killed, as it was.
+
+The Ray driver is a supervisor that still reads them (``endings_since``): its actors run as
+ranks without a supervisor (they record their endings), and Ray reports an actor whose process
+exited (the hang watchdog's 42) only as gone, like a SIGKILLed one; what the rank recorded
+before its exit says which it was.
 """
 
 from __future__ import annotations
@@ -35,14 +40,16 @@ import json
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from pathlib import Path
+from typing import Collection, Iterable
 
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import Action, Decision, Evidence, RankEnd, decide
 
-__all__ = ["RankEnding", "note_ending", "read_endings", "peer_ends", "peer_decision",
+__all__ = ["RankEnding", "note_ending", "read_endings", "endings_since", "peer_ends",
+           "peer_decision",
            "note_verdict", "read_verdict", "PEER_WAIT_S", "VERDICT_WAIT_S"]
 
 _log = get_logger(__name__)
@@ -130,6 +137,22 @@ def read_endings(paths: RunPaths, token: str, ranks: Iterable[int],
         if set(seen) >= want or time.monotonic() >= end:
             return seen
         time.sleep(_POLL_S)
+
+
+def endings_since(paths: RunPaths, known: Collection[Path], ranks: Iterable[int]
+                  ) -> dict[int, RankEnding]:
+    """The endings ``ranks`` recorded in the attempts whose directories are not in ``known``
+    (``paths.all_endings()`` listed before those attempts began), without waiting: for a
+    supervisor that never learns the attempt's token (the Ray driver, whose actors form their
+    group themselves). A rank's process that died after it recorded (the hang watchdog's exit)
+    said how it ended; its supervisor sees only that it is gone."""
+    ranks = list(ranks)
+    prefix = paths.endings("").name
+    seen: dict[int, RankEnding] = {}
+    for directory in paths.all_endings():
+        if directory not in known:
+            seen.update(read_endings(paths, directory.name[len(prefix):], ranks, wait_s=0.0))
+    return seen
 
 
 def peer_ends(own: RankEnd, rank: int, world_size: int,
