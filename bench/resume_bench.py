@@ -10,7 +10,9 @@ by ``dcp.save``, and a ``dd`` file of the same byte count; then ``--rounds`` int
 - ``dd if=... of=/dev/null bs=64M`` of the same bytes (the disk, one sequential reader);
 - ours: ``CheckpointManager.resume`` (the library's load path, every CRC verified) into the
   live CPU tensors;
-- stock ``dcp.load`` of the ``dcp.save`` checkpoint into the same tensors.
+- stock ``dcp.load`` of the ``dcp.save`` checkpoint into the same tensors;
+- with ``--before``, also ours as it read before issue 32 item 5: each tensor in one
+  ``readinto``, then its CRC, no read-ahead hints (``reader._PIECE``/``_AHEAD`` set so).
 
 Prints each round and the medians of the ratios to ``dd``. Target (issue 32 item 5): ours >= 0.9x.
 Everything is written under ``--dir``, which is removed at the end.
@@ -31,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 
 import pagecache
 from checkpoint_bench import GIB, adam_state, flat_state, load, timed
-from kempner_resilience.checkpoint import CheckpointManager
+from kempner_resilience.checkpoint import CheckpointManager, reader
 from kempner_resilience.config import CheckpointConfig
 
 
@@ -68,31 +70,39 @@ def one_size(args: argparse.Namespace, size_gib: float) -> float:
             lmgr.close()
             return t
 
+        def before() -> float:
+            piece, ahead = reader._PIECE, reader._AHEAD
+            reader._PIECE, reader._AHEAD = 1 << 62, 0
+            try:
+                return ours()
+            finally:
+                reader._PIECE, reader._AHEAD = piece, ahead
+
         def stock() -> float:
             return timed(lambda: dcp.load({"s": flat}, checkpoint_id=str(root / "dcp")))
 
         runs = {"dd": (dd, root / "dd.bin"), "ours": (ours, root / "ours"),
                 "dcp.load": (stock, root / "dcp")}
+        if args.before:
+            runs["ours before"] = (before, root / "ours")
         order = list(runs)
-        ratios: dict[str, list[float]] = {"ours": [], "dcp.load": []}
+        ratios: dict[str, list[float]] = {k: [] for k in order if k != "dd"}
         for r in range(args.rounds):
             secs: dict[str, float] = {}
             hows = []
-            for name in order[r % 3:] + order[:r % 3]:
+            for name in order[r % len(order):] + order[:r % len(order)]:
                 fn, path = runs[name]
                 hows.append(pagecache.make_cold(path))
                 secs[name] = fn()
             rate = {k: nbytes / v / GIB for k, v in secs.items()}
             for k in ratios:
                 ratios[k].append(rate[k] / rate["dd"])
-            print(f"round {r + 1}: dd {rate['dd']:.2f} GiB/s, ours {rate['ours']:.2f} "
-                  f"({ratios['ours'][-1]:.2f}x), dcp.load {rate['dcp.load']:.2f} "
-                  f"({ratios['dcp.load'][-1]:.2f}x); cold by {sorted(set(hows))}; {load()}",
-                  flush=True)
+            print(f"round {r + 1}: dd {rate['dd']:.2f} GiB/s, " + ", ".join(
+                f"{k} {rate[k]:.2f} ({ratios[k][-1]:.2f}x)" for k in ratios)
+                + f"; cold by {sorted(set(hows))}; {load()}", flush=True)
         med = {k: statistics.median(v) for k, v in ratios.items()}
-        print(f"{nbytes / GIB:.2f} GiB: median over {args.rounds} rounds: ours "
-              f"{med['ours']:.2f}x cold dd (target >= 0.9), stock dcp.load "
-              f"{med['dcp.load']:.2f}x", flush=True)
+        print(f"{nbytes / GIB:.2f} GiB: median x cold dd over {args.rounds} rounds: " + ", ".join(
+            f"{k} {v:.2f}x" for k, v in med.items()) + " (target: ours >= 0.9)", flush=True)
         return med["ours"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -105,6 +115,8 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=1400)
     ap.add_argument("--threads", type=int, default=4, help="checkpoint.io_threads")
     ap.add_argument("--dir", default="/tmp/resumebench")
+    ap.add_argument("--before", action="store_true",
+                    help="also ours without read-ahead hints and piecewise CRC")
     args = ap.parse_args()
     meds = [one_size(args, float(s)) for s in args.sizes_gib.split(",")]
     return 0 if all(m >= 0.9 for m in meds) else 1
