@@ -1,15 +1,18 @@
 """Resume reads each tensor in pieces, checksummed as they land, with the kernel reading ahead
 (``reader._File``): tensors spanning many pieces come back bit-identical, and damage anywhere in
-them, not only in the first piece, still fails the checksum and falls back."""
+them, not only in the first piece, still fails the checksum and falls back. The checksum runs
+through libdeflate where the system has it: the same CRC-32 as zlib's."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
 
 from kempner_resilience.checkpoint import CheckpointManager
 from kempner_resilience.checkpoint import reader
+from kempner_resilience.checkpoint.crc import crc32
 from kempner_resilience.config import CheckpointConfig
 
 
@@ -74,3 +77,15 @@ def test_a_byte_flipped_in_a_late_read_piece_fails_the_checksum_and_falls_back(t
     assert info is not None and info.step == 1
     assert all(torch.equal(fresh["model"].state_dict()[k], first[k]) for k in first)
     assert "checksum mismatch (file damaged)" in caplog.text and "falling back" in caplog.text
+
+
+def test_the_fast_crc_is_zlibs_crc_on_tensors_bytearrays_bytes_and_continuations():
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    view = memoryview(data.numpy()).cast("B")
+    raw = bytes(view[:1 << 20])
+    assert crc32(view) == zlib.crc32(view)
+    assert crc32(view[12345:], 0xDEADBEEF) == zlib.crc32(view[12345:], 0xDEADBEEF)
+    assert crc32(bytearray(raw), 7) == zlib.crc32(raw, 7)
+    assert crc32(raw, 7) == zlib.crc32(raw, 7)
+    assert crc32(view[:100], 3) == zlib.crc32(view[:100], 3)
+    assert crc32(view[1 << 20:], crc32(view[:1 << 20])) == zlib.crc32(view)

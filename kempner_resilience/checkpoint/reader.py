@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from kempner_resilience.checkpoint import recordfmt
+from kempner_resilience.checkpoint.crc import crc32
 from kempner_resilience.checkpoint.hostbuf import HostStaging, Slot, caller_streams, flat_bytes
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged
 
@@ -90,7 +91,7 @@ class _File:
             self.pos += piece.nbytes
             done += piece.nbytes
             if crc is not None:
-                crc = zlib.crc32(piece, crc)
+                crc = crc32(piece, crc)
         return crc or 0
 
 
