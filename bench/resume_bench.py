@@ -11,8 +11,9 @@ by ``dcp.save``, and a ``dd`` file of the same byte count; then ``--rounds`` int
 - ours: ``CheckpointManager.resume`` (the library's load path, every CRC verified) into the
   live CPU tensors;
 - stock ``dcp.load`` of the ``dcp.save`` checkpoint into the same tensors;
-- with ``--before``, also ours as it read before issue 32 item 5: each tensor in one
-  ``readinto``, then its CRC, no read-ahead hints (``reader._PIECE``/``_AHEAD`` set so).
+- with ``--before``, also ours with the read pattern it had before issue 32 item 5: each
+  tensor in one ``readinto``, then its CRC, no read-ahead hints (``reader._PIECE``/``_AHEAD``
+  set so; the CRC is still ``crc.crc32``'s, libdeflate where present).
 
 Prints each round and the medians of the ratios to ``dd``, and the CPU seconds per GiB each
 reader spent (this process's threads, or ``dd``'s): on a busy 2-core machine a reader that
