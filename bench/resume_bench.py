@@ -13,7 +13,8 @@ by ``dcp.save``, and a ``dd`` file of the same byte count; then ``--rounds`` int
 - stock ``dcp.load`` of the ``dcp.save`` checkpoint into the same tensors;
 - with ``--before``, also ours with the read pattern it had before issue 32 item 5: each
   tensor in one ``readinto``, then its CRC, no read-ahead hints (``reader._PIECE``/``_AHEAD``
-  set so; the CRC is still ``crc.crc32``'s, libdeflate where present).
+  set so; the CRC is still ``crc.crc32``'s, libdeflate where present). ``--hints`` turns on
+  the (default off) WILLNEED read-ahead hints for "ours".
 
 Prints each round and the medians of the ratios to ``dd``, and the CPU seconds per GiB each
 reader spent (this process's threads, or ``dd``'s): on a busy 2-core machine a reader that
@@ -132,7 +133,11 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/resumebench")
     ap.add_argument("--before", action="store_true",
                     help="also ours without read-ahead hints and piecewise CRC")
+    ap.add_argument("--hints", action="store_true",
+                    help="ours with posix_fadvise WILLNEED 64 MiB ahead (off in the library)")
     args = ap.parse_args()
+    if args.hints:
+        reader._AHEAD = 64 << 20
     meds = [one_size(args, float(s)) for s in args.sizes_gib.split(",")]
     return 0 if all(m >= 0.9 for m in meds) else 1
 

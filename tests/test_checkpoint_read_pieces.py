@@ -1,6 +1,6 @@
-"""Resume reads each tensor in pieces, checksummed as they land, with the kernel reading ahead
-(``reader._File``): tensors spanning many pieces come back bit-identical, and damage anywhere in
-them, not only in the first piece, still fails the checksum and falls back. The checksum runs
+"""Resume reads each tensor in pieces, checksummed as they land (``reader._File``): tensors
+spanning many pieces come back bit-identical, and damage anywhere in them, not only in the
+first piece, still fails the checksum and falls back. The checksum runs
 through libdeflate where the system has it: the same CRC-32 as zlib's."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ such a record whose destination is on the GPU, the data is read into the reused 
 while the next chunk is read): no ``torch.load``, no second host copy. Anything else
 (resharding, records from other writers) takes the stock path: ``torch.load`` of the record,
 narrowed and copied. Files are read in parallel, one thread each, front to back in pieces
-checksummed as they land, the kernel asked to read ahead of each thread (``_File``).
+checksummed as they land (``_File``).
 
 A mismatch raises ``CheckpointCorrupt``; DCP gathers it from every rank, so all ranks see the
 load fail together and can fall back to an older checkpoint together.
@@ -39,11 +39,12 @@ __all__ = ["VerifyingReader"]
 
 
 # Reads go in pieces of _PIECE, each checksummed right after it lands (still in the CPU's
-# caches, so the CRC pass costs no second trip to memory), while the kernel reads _AHEAD bytes
-# further on (posix_fadvise WILLNEED): the disk never waits for the checksum, and the
-# checksum never waits for a disk request it could have seen coming.
+# caches). With _AHEAD > 0 the kernel is also asked (SEQUENTIAL, then WILLNEED _AHEAD bytes on)
+# to read ahead of each thread; off by default: on a disk whose own read-ahead is large (8 MiB
+# here) it made 8 GiB resumes slower, 0.66-0.82x vs 0.87-0.94x a cold dd without it
+# (docs/benchmarks.md). Left for disks with a small read_ahead_kb: bench/resume_bench.py --hints.
 _PIECE = 4 << 20
-_AHEAD = 64 << 20
+_AHEAD = 0
 
 
 def _read_exact(f: Any, view: memoryview, where: str) -> None:
@@ -62,7 +63,7 @@ class _File:
         self.fd = f.fileno()
         self.pos = 0
         self.advised = 0
-        if _AHEAD > 0:      # bench/resume_bench.py sets it to 0 to measure without the hints
+        if _AHEAD > 0:
             with contextlib.suppress(OSError, AttributeError):   # a hint: not every fs has it
                 os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
