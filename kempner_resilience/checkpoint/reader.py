@@ -8,8 +8,9 @@ such a record whose destination is on the GPU, the data is read into the reused 
 ``hostbuf``, checksummed there and copied to the device (from pinned memory without blocking,
 while the next chunk is read): no ``torch.load``, no second host copy. Anything else
 (resharding, records from other writers) takes the stock path: ``torch.load`` of the record,
-narrowed and copied. Files are read in parallel, one thread each, front to back in pieces
-checksummed as they land (``_File``).
+narrowed and copied. Files are read in parallel, one thread each; the CRCs go through
+``crc.crc32`` (libdeflate where present: on a busy host the checksum's CPU time is what a
+verified read loses to a plain one, docs/benchmarks.md).
 
 A mismatch raises ``CheckpointCorrupt``; DCP gathers it from every rank, so all ranks see the
 load fail together and can fall back to an older checkpoint together.
@@ -38,62 +39,12 @@ from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDama
 __all__ = ["VerifyingReader"]
 
 
-# Reads go in pieces of _PIECE, each checksummed right after it lands (still in the CPU's
-# caches). With _AHEAD > 0 the kernel is also asked (SEQUENTIAL, then WILLNEED _AHEAD bytes on)
-# to read ahead of each thread; off by default: on a disk whose own read-ahead is large (8 MiB
-# here) it made 8 GiB resumes slower, 0.66-0.82x vs 0.87-0.94x a cold dd without it
-# (docs/benchmarks.md). Left for disks with a small read_ahead_kb: bench/resume_bench.py --hints.
-_PIECE = 4 << 20
-_AHEAD = 0
-
-
 def _read_exact(f: Any, view: memoryview, where: str) -> None:
     while view.nbytes:
         n = f.readinto(view)
         if not n:
             raise CheckpointDamaged(f"{where}: file ends early (truncated)")
         view = view[n:]
-
-
-class _File:
-    """One checkpoint file read front to back, with the kernel reading ahead of us."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.fd = f.fileno()
-        self.pos = 0
-        self.advised = 0
-        if _AHEAD > 0:
-            with contextlib.suppress(OSError, AttributeError):   # a hint: not every fs has it
-                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-
-    def seek(self, offset: int) -> None:
-        if offset != self.pos:
-            self.f.seek(offset)
-            self.pos = offset
-
-    def _advise(self) -> None:
-        """Keep _AHEAD bytes past the read position requested from the disk."""
-        want = self.pos + _AHEAD
-        if _AHEAD <= 0 or self.advised - self.pos >= _AHEAD // 2:
-            return
-        start = max(self.advised, self.pos)
-        with contextlib.suppress(OSError, AttributeError):
-            os.posix_fadvise(self.fd, start, want - start, os.POSIX_FADV_WILLNEED)
-        self.advised = want
-
-    def read(self, view: memoryview, where: str, crc: int | None = None) -> int:
-        """Fill ``view``; returns ``crc`` continued over it (0 when ``crc`` is None)."""
-        done = 0
-        while done < view.nbytes:
-            self._advise()
-            piece = view[done:done + _PIECE]
-            _read_exact(self.f, piece, where)
-            self.pos += piece.nbytes
-            done += piece.nbytes
-            if crc is not None:
-                crc = crc32(piece, crc)
-        return crc or 0
 
 
 class _Ring:
@@ -180,8 +131,7 @@ class VerifyingReader(FileSystemReader):
         path = os.path.join(self.path, name)
         out: list[tuple[ReadItem, Any]] = []
         jobs.sort(key=lambda j: self.storage_data[j[0].storage_index].offset)
-        with open(path, "rb", buffering=0) as raw:
-            f = _File(raw)
+        with open(path, "rb", buffering=0) as f:
             for req, target in jobs:
                 md = self.storage_data[req.storage_index]
                 rec = self.records.get((name, md.offset))
@@ -200,10 +150,9 @@ class VerifyingReader(FileSystemReader):
                         out.append((req, self._read_direct(f, target, rec, md.length, where)))
                         continue
                 buf = bytearray(md.length)
-                crc = f.read(memoryview(buf), where, 0 if self.verify and rec is not None
-                             else None)
+                _read_exact(f, memoryview(buf), where)
                 if self.verify and rec is not None:
-                    self._check(crc, rec, where)
+                    self._check(crc32(buf), rec, where)
                 if req.type == LoadItemType.BYTE_IO:
                     out.append((req, bytes(buf)))
                     continue
@@ -231,23 +180,23 @@ class VerifyingReader(FileSystemReader):
         return rec[3] == len(prefix) and length == len(prefix) + \
             target.numel() * target.element_size() + len(suffix)
 
-    def _read_prefix(self, f: _File, target: torch.Tensor, where: str) -> int:
+    def _read_prefix(self, f: Any, target: torch.Tensor, where: str) -> int:
         """Read and check the record's header; returns its CRC."""
         prefix_t, prefix_crc, _, _ = recordfmt.record_template(target.dtype, tuple(target.shape))
         prefix = bytearray(len(prefix_t))
-        f.read(memoryview(prefix), where)
+        _read_exact(f, memoryview(prefix), where)
         if prefix != prefix_t:      # shape/dtype differ from what the record says: not ours
             raise CheckpointCorrupt(f"{where}: record header does not match the destination")
         return prefix_crc
 
-    def _read_suffix(self, f: _File, crc: int, nbytes: int, rec: list[Any], where: str) -> None:
+    def _read_suffix(self, f: Any, crc: int, nbytes: int, rec: list[Any], where: str) -> None:
         """Read the record's tail and check the record's CRC (``crc`` covers all before it)."""
         suffix = bytearray(rec[1] - rec[3] - nbytes)
-        f.read(memoryview(suffix), where)
+        _read_exact(f, memoryview(suffix), where)
         if self.verify:
             self._check(recordfmt.crc32_combine(crc, zlib.crc32(suffix), len(suffix)), rec, where)
 
-    def _read_staged(self, f: _File, target: torch.Tensor, rec: list[Any], length: int,
+    def _read_staged(self, f: Any, target: torch.Tensor, rec: list[Any], length: int,
                      where: str, ring: _Ring) -> torch.Tensor:
         """The record's data through the staging chunks into ``target`` (any device)."""
         crc = self._read_prefix(f, target, where)
@@ -258,7 +207,9 @@ class VerifyingReader(FileSystemReader):
             chunk, at = ring.room()
             n = min(nbytes - done, chunk.nbytes - at)
             staged = chunk.view[at:at + n]
-            data_crc = f.read(staged, where, data_crc if self.verify else None)
+            _read_exact(f, staged, where)
+            if self.verify:
+                data_crc = crc32(staged, data_crc)
             ring.slot.to_device(dst[done:done + n], chunk, at)
             ring.used += n
             done += n
@@ -266,11 +217,12 @@ class VerifyingReader(FileSystemReader):
         self._read_suffix(f, crc, nbytes, rec, where)
         return target
 
-    def _read_direct(self, f: _File, target: torch.Tensor, rec: list[Any], length: int,
+    def _read_direct(self, f: Any, target: torch.Tensor, rec: list[Any], length: int,
                      where: str) -> torch.Tensor:
         prefix_crc = self._read_prefix(f, target, where)
         data = recordfmt.bytes_view(target)
-        data_crc = f.read(data, where, 0 if self.verify else None)
-        crc = recordfmt.crc32_combine(prefix_crc, data_crc, data.nbytes) if self.verify else 0
+        _read_exact(f, data, where)
+        crc = recordfmt.crc32_combine(prefix_crc, crc32(data), data.nbytes) \
+            if self.verify else 0
         self._read_suffix(f, crc, data.nbytes, rec, where)
         return target
