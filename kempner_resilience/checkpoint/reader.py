@@ -8,7 +8,9 @@ such a record whose destination is on the GPU, the data is read into the reused 
 ``hostbuf``, checksummed there and copied to the device (from pinned memory without blocking,
 while the next chunk is read): no ``torch.load``, no second host copy. Anything else
 (resharding, records from other writers) takes the stock path: ``torch.load`` of the record,
-narrowed and copied. Files are read in parallel, one thread each.
+narrowed and copied. Files are read in parallel, one thread each; the CRCs go through
+``crc.crc32`` (libdeflate where present: on a busy host the checksum's CPU time is what a
+verified read loses to a plain one, docs/benchmarks.md).
 
 A mismatch raises ``CheckpointCorrupt``; DCP gathers it from every rank, so all ranks see the
 load fail together and can fall back to an older checkpoint together.
@@ -30,6 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from kempner_resilience.checkpoint import recordfmt
+from kempner_resilience.checkpoint.crc import crc32
 from kempner_resilience.checkpoint.hostbuf import HostStaging, Slot, caller_streams, flat_bytes
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged
 
@@ -149,7 +152,7 @@ class VerifyingReader(FileSystemReader):
                 buf = bytearray(md.length)
                 _read_exact(f, memoryview(buf), where)
                 if self.verify and rec is not None:
-                    self._check(zlib.crc32(buf), rec, where)
+                    self._check(crc32(buf), rec, where)
                 if req.type == LoadItemType.BYTE_IO:
                     out.append((req, bytes(buf)))
                     continue
@@ -206,7 +209,7 @@ class VerifyingReader(FileSystemReader):
             staged = chunk.view[at:at + n]
             _read_exact(f, staged, where)
             if self.verify:
-                data_crc = zlib.crc32(staged, data_crc)
+                data_crc = crc32(staged, data_crc)
             ring.slot.to_device(dst[done:done + n], chunk, at)
             ring.used += n
             done += n
@@ -219,7 +222,7 @@ class VerifyingReader(FileSystemReader):
         prefix_crc = self._read_prefix(f, target, where)
         data = recordfmt.bytes_view(target)
         _read_exact(f, data, where)
-        crc = recordfmt.crc32_combine(prefix_crc, zlib.crc32(data), data.nbytes) \
+        crc = recordfmt.crc32_combine(prefix_crc, crc32(data), data.nbytes) \
             if self.verify else 0
         self._read_suffix(f, crc, data.nbytes, rec, where)
         return target
