@@ -23,7 +23,7 @@ What this module adds is the hand-over between submitit and ``ResilientRun``:
   DCP checkpoint, and only then rank 0 requeues (``scontrol requeue``, with the restart budget)
   and every rank exits with ``REQUEUE`` (75).
 * **Signals outside a run.** A preemption signal that arrives before the function has entered
-  ``ResilientRun`` (imports, building the model) is kept and re-sent to the process as soon as
+  ``ResilientRun`` (imports, building the model) is kept and replayed by the run as soon as
   a run is active, so it is handled at the first step boundary; one that arrives after the
   function finished is logged and ignored (the result is about to be written).
 * **Resubmission.** The requeued job keeps its id and reruns submitit's unchanged

@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from kempner_resilience.config import normalize_signal
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.startup import _early
 
 __all__ = ["SignalTakeover", "in_submitit_job", "in_local_task", "preempt_signal"]
 
@@ -54,8 +56,9 @@ class SignalTakeover:
 
     * inside a ``ResilientRun``: its ShutdownHandler was installed on top of ours and chains to
       us; we do nothing, the run checkpoints and requeues.
-    * before a run (the function is still importing/building): the signal is kept and re-sent
-      to this process as soon as a run is active, so the run handles it at its first boundary.
+    * before a run (the function is still importing/building): the signal is kept with the
+      start-up recorder's (``core/startup``), which the run's ShutdownHandler replays when it
+      is installed, so the run handles it at its first boundary.
     * after the function returned: logged and ignored (the result is about to be written).
 
     SIGTERM with ``sigterm="ignore"`` is logged and ignored, as submitit does (ResilientRun is
@@ -63,16 +66,12 @@ class SignalTakeover:
     and ResilientRun's STOP inside one.
     """
 
-    def __init__(self, preempt_signum: int, sigterm: str = "ignore", poll_s: float = 0.05
-                 ) -> None:
+    def __init__(self, preempt_signum: int, sigterm: str = "ignore") -> None:
         self.preempt = preempt_signum
         self.sigterm = sigterm
-        self.poll_s = poll_s
         self.pending: int | None = None
-        self.redelivered = False
         self._done = threading.Event()
         self._previous: dict[int, Any] = {}
-        self._thread: threading.Thread | None = None
 
     def install(self) -> "SignalTakeover":
         signums = [self.preempt]
@@ -94,8 +93,6 @@ class SignalTakeover:
         """The function returned (or raised). In a submitit job our handlers stay, so a late
         signal cannot make submitit requeue a finished job; elsewhere the old ones come back."""
         self._done.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
         if not in_submitit_job() and threading.current_thread() is threading.main_thread():
             for s, prev in self._previous.items():
                 signal.signal(s, prev if prev is not None else signal.SIG_DFL)
@@ -114,21 +111,15 @@ class SignalTakeover:
         self.pending = signum
         log.warning("%s before the training entered ResilientRun: it is handled as soon as "
                     "the run starts", signal.Signals(signum).name)
-        self._thread = threading.Thread(target=self._redeliver, args=(signum,),
-                                        name="kempner-submitit-redeliver", daemon=True)
-        self._thread.start()
+        # Kept with the start-up recorder's signals: the run's ShutdownHandler replays them
+        # when it is installed, so the stop comes at the run's first step boundary, with its
+        # deadline counted from this arrival. (A thread that re-sent the signal once a run was
+        # active woke too late on a loaded machine: several steps ran first.)
+        _early.append((signum, time.monotonic()))
 
     def _on_term_ignored(self, signum: int, frame: Any) -> None:
         log.warning("SIGTERM ignored, as submitit does (its preemption signal is %s; "
                     "pass sigterm='stop' to act on SIGTERM)", signal.Signals(self.preempt).name)
-
-    def _redeliver(self, signum: int) -> None:
-        while not self._done.wait(self.poll_s):
-            if _run_active():
-                self.redelivered = True
-                os.kill(os.getpid(), signum)
-                return
-
 
 def _describe_handler(h: Any) -> str:
     if callable(h):

@@ -11,10 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from kempner_resilience.exitcodes import Ending, ExitCode
 from kempner_resilience.runstate.parts import RunParts
 from kempner_resilience.runstate.progress import Progress
 from kempner_resilience.supervise.channel import Channel, report_now
 from kempner_resilience.supervise.endings import RankEnding, note_ending
+
+_LEASE_LOST = Ending.LEASE_LOST.value
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -69,6 +72,11 @@ class RunState:
         parts = self.parts
         if parts.ckpt is None or parts.attempt_token is None \
                 or Channel.from_env() is not None:
+            return
+        # A run another run took checkpoint.dir over from writes nothing there any more (its
+        # lease says so on rank 0; every rank's code says so): the directory is the new
+        # holder's, and this run's ending is nobody's to read.
+        if kind == _LEASE_LOST or int(code) == int(ExitCode.LEASE_LOST) or parts.ckpt.lease_lost:
             return
         note_ending(parts.ckpt.paths, parts.attempt_token,
                     RankEnding(self.rank, kind, int(code), self.step))
