@@ -22,7 +22,7 @@ logs=$(mktemp -d)
  times >"$logs/local.times"; exit $rc) &
 local_pid=$!
 # Whatever ends this script ends the other shard too, so no pytest outlives it.
-trap 'pkill -P "$local_pid" 2>/dev/null; kill "$local_pid" 2>/dev/null || true' EXIT
+trap 'pkill -P "$local_pid" 2>/dev/null || true; kill "$local_pid" 2>/dev/null || true' EXIT
 set +e
 echo "== SLURM tests (the other tests run alongside; their report follows) =="
 KR_TEST_SHARD=slurm "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/slurm.xml"
