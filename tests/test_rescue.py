@@ -92,6 +92,22 @@ def test_survivors_inside_an_optimizer_step_refuse_the_rescue_and_the_run_falls_
 
 
 @pytest.mark.slow
+def test_a_rank_dying_after_its_all_reduce_but_before_its_boundary_falls_back_cleanly(
+        tmp_path, reference):
+    # The survivors finished the step (the all-reduce completed) and marked its boundary; the
+    # dead rank never sent its RNG and data position of that boundary, so no complete state of
+    # it exists anywhere: nothing that mixes steps is written, the run resumes from the
+    # periodic checkpoint (a node dying in this window loses the interval, not one step).
+    launches, weights = run_job(tmp_path, "--kill-after-step", f"3:{FAIL_AT}")
+    first, second = launches
+    assert first.exit_codes == [ExitCode.PEER_LOST] * 3 + [-signal.SIGKILL]
+    assert not [s for s, m in committed(tmp_path).items() if m.get("reason") == "rescue"]
+    assert f"no state of step {FAIL_AT + 1} from rank(s) [3]" in logs(tmp_path)
+    assert second.report["resumed_from"] == 20          # the periodic checkpoint
+    assert_bitwise_equal(reference, weights)
+
+
+@pytest.mark.slow
 def test_a_rescue_writer_killed_mid_write_leaves_nothing_committed(tmp_path):
     # 2 ranks: rank 1 dies, rank 0 writes the rescue, with 64 MB of replicated ballast so that
     # it takes long enough to be killed while writing.

@@ -17,6 +17,7 @@ how many in-job restarts it has left in its own supervisor channel (``Channel.of
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Mapping
@@ -78,9 +79,22 @@ def standbys_in(state: Any, stale_s: float, now: datetime | None = None) -> list
     return sorted(fresh)
 
 
-def live_standbys(relaunch: Relaunch, timeout_s: float = 5.0) -> list[str] | None:
+#: How long an empty answer is re-read before it is believed (``live_standbys``).
+SETTLE_S = 2.0
+_POLL_S = 0.1
+
+
+def live_standbys(relaunch: Relaunch, timeout_s: float = 5.0,
+                  settle_s: float = SETTLE_S) -> list[str] | None:
     """The standby agents in the rendezvous now (host names), or None when its store cannot be
-    read within ``timeout_s`` (the rendezvous host is gone: a relaunch is impossible)."""
+    read within ``timeout_s`` (the rendezvous host is gone: a relaunch is impossible).
+
+    An empty answer is read again for up to ``settle_s``: torch moves a standby from the
+    redundancy list to the wait list (once the failed node's agent left the round) in two
+    writes, and between them the standby is in neither list and has no heartbeat. The
+    survivors' agents ask at that very moment (the failed node's agent leaves as they
+    decide): a survivor read the gap on a loaded CI runner and ended the job with 81 instead
+    of relaunching on the standby."""
     try:
         from torch.distributed import TCPStore
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import \
@@ -89,13 +103,16 @@ def live_standbys(relaunch: Relaunch, timeout_s: float = 5.0) -> list[str] | Non
         host, _, port = relaunch.endpoint.rpartition(":")
         store = TCPStore(host, int(port), is_master=False,
                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        got = C10dRendezvousBackend(store, relaunch.run_id).get_state()
-        if got is None:
-            return []
-        # torch's own record of the rendezvous (pickled by its dynamic rendezvous handler, in
-        # the job's own store): what its agents read themselves.
-        state = pickle.loads(got[0])
+        backend = C10dRendezvousBackend(store, relaunch.run_id)
+        end = time.monotonic() + settle_s
+        while True:
+            got = backend.get_state()
+            # torch's own record of the rendezvous (pickled by its dynamic rendezvous handler,
+            # in the job's own store): what its agents read themselves.
+            found = [] if got is None else standbys_in(pickle.loads(got[0]), relaunch.stale_s)
+            if found or time.monotonic() >= end:
+                return found
+            time.sleep(_POLL_S)
     except Exception as e:   # the store's host died, a torch without these names, a timeout
         log.warning("could not read the torchrun rendezvous at %s (%s)", relaunch.endpoint, e)
         return None
-    return standbys_in(state, relaunch.stale_s)

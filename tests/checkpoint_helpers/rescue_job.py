@@ -7,6 +7,9 @@ would, once:
                           waiting in the gradient all-reduce
     --kill-in-optim R:S   with --optim-collective, rank R SIGKILLs itself inside its optimizer
                           step S: the others fail inside optimizer.step()
+    --kill-after-step R:S rank R SIGKILLs itself in step S after its optimizer step, before the
+                          step's boundary: the others are past the all-reduce it fed, one
+                          boundary ahead of anything it sent
     --hang-at R:S         rank R hangs in step S in a C call that holds the GIL
     --stall-until-claim R:S
                           rank R stalls in step S before its forward pass (a sleep: the GIL is
@@ -95,6 +98,7 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--kill-at")
     p.add_argument("--kill-in-optim")
+    p.add_argument("--kill-after-step")
     p.add_argument("--hang-at")
     p.add_argument("--stall-until-claim")
     p.add_argument("--slow-rescue-write", type=float, default=0.0)
@@ -110,9 +114,10 @@ def main() -> int:
     first = all(os.environ.get(v, "0") in ("", "0") for v in (
         "KEMPNER_RESTART_COUNT", "SLURM_RESTART_COUNT", "KEMPNER_RESILIENCE_IN_JOB_RESTART"))
     bug, leave = _at(args.raise_at), _at(args.exit_at)
-    kill, kill_optim, hang, stall = (
+    kill, kill_optim, kill_after, hang, stall = (
         _at(a) if first else (-1, -1)
-        for a in (args.kill_at, args.kill_in_optim, args.hang_at, args.stall_until_claim))
+        for a in (args.kill_at, args.kill_in_optim, args.kill_after_step, args.hang_at,
+                  args.stall_until_claim))
     if args.slow_rescue_write:
         _slow_rescue_writes(args.slow_rescue_write)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -156,6 +161,8 @@ def main() -> int:
             loss.backward()
             optim.step()
             sched.step()
+            if (rank, step) == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
             if args.step_time:
                 time.sleep(args.step_time)
             if progress is not None:
