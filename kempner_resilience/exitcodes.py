@@ -201,8 +201,8 @@ class Facts:
     saved: Saved = Saved.NOTHING       # SIGNAL: the emergency checkpoint
     requeue: Verdict | None = None     # SIGNAL with action `requeue`: the requeue's verdict
     peer_forced_code: int | None = None  # another rank was forced out with this (130/143)
-    peer_code: int | None = None       # PEER_LOST without a supervisor: the job's code from the
-                                       # ranks' recorded endings (supervise/endings.py) when it
+    peer_code: int | None = None       # PEER_LOST, HANG without a supervisor: the job's code from
+                                       # the ranks' recorded endings (supervise/endings.py) when it
                                        # ends the job (a peer's exception: 1)
 
 
@@ -289,6 +289,10 @@ ROWS: tuple[Row, ...] = (
         "code (a code outside this table: 1), never requeued"),
     Row(Facts(Ending.HANG), "the hang watchdog, or its backstop when the hang holds the GIL "
         "(after the rescue)"),
+    Row(Facts(Ending.HANG, peer_code=int(ExitCode.ERROR)),
+        "without a supervisor, a hang while another rank had ended on its own (with NCCL a "
+        "peer that raised leaves the others stuck in the collective), as rank 0 read the "
+        "ranks' endings: that ending's code, never requeued"),
     Row(Facts(Ending.DEADLINE), "the graceful shutdown overran the signal's grace"),
     Row(Facts(Ending.ERROR), "the training script raised"),
     Row(Facts(Ending.STARTUP), "a start-up error (configuration, checkpoint.dir) nothing caught"),

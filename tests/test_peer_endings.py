@@ -89,6 +89,20 @@ def test_a_rank_that_leaves_run_steps_by_sys_exit_makes_rank_0_leave_with_1(tmp_
     assert "left run.steps early" in errs[0], errs[0]
 
 
+def test_a_rank_that_raises_while_rank_0_hangs_waiting_for_it_ends_the_job_with_1_not_42(
+        tmp_path):
+    # With NCCL a peer that raised leaves the others stuck in the collective: no error reaches
+    # them, their hang watchdog decides. Rank 0 reads the endings there too: the job ends with
+    # the peer's code, not requeued (a requeue would replay the same bug until the budget).
+    codes, errs = _launch(tmp_path, "--raise-at", "1:9", "--wait-forever", "0:9",
+                          "--set", "watchdog.hang_timeout_s=3")
+    assert codes == [1, 1], errs
+    assert "hang detected" in errs[0], errs[0]
+    assert "not requeued" in errs[0] and "rank 1: error 1" in errs[0], errs[0]
+    ledger = [json.loads(line) for line in (tmp_path / "ckpt" / "ledger.jsonl").open()]
+    assert [(e["code"], e["ending"]) for e in ledger if e["ev"] == "exit"] == [(1, "hang")]
+
+
 def test_a_rank_sigkilled_leaves_81_and_the_next_launch_resumes_bitwise(tmp_path):
     ref = tmp_path / "ref"
     ref.mkdir()

@@ -323,6 +323,21 @@ def test_under_a_supervisor_relaunches_in_place_without_a_newer_commit_end_the_j
         blind.close()
 
 
+def _script_agent(work: Path, i: int, port: int, rdzv_id: str, script: Path,
+                  arg: Path) -> subprocess.Popen:
+    """Agent ``i`` (node ``node{i}``, ``--nnodes=2``, one restart) whose one worker runs
+    ``script arg``: a worker that does what the test says instead of training."""
+    cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
+           "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           f"--rdzv-id={rdzv_id}", "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3",
+           "--max-restarts=1", "--monitor-interval=0.2", "--no-python", sys.executable,
+           str(script), str(arg)]
+    return subprocess.Popen(cmd, stdout=open(work / f"agent.{i}.out", "w"),
+                            stderr=open(work / f"agent.{i}.err", "w"),
+                            stdin=subprocess.DEVNULL, cwd=work, start_new_session=True,
+                            env=env(OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}"))
+
+
 # A worker that says what it learnt from its agent's channel (one JSON line per worker group).
 # In the first group, once the standby agent waits: node1's worker is killed (its node leaves
 # the job to the standby), node0's fails as the survivor of a lost peer does (81); in the
@@ -363,15 +378,7 @@ def test_a_torchrun_agents_workers_learn_their_relaunch_and_rendezvous_from_its_
     agents: list[subprocess.Popen] = []
 
     def agent(i: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
-               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=learn", "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3",
-               "--max-restarts=1", "--monitor-interval=0.2", "--no-python", sys.executable,
-               str(script), str(learnt)]
-        return subprocess.Popen(cmd, stdout=open(tmp_path / f"agent.{i}.out", "w"),
-                                stderr=open(tmp_path / f"agent.{i}.err", "w"),
-                                stdin=subprocess.DEVNULL, cwd=tmp_path, start_new_session=True,
-                                env=env(OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}"))
+        return _script_agent(tmp_path, i, port, "learn", script, learnt)
 
     agents.append(agent(0))
     _listening(port)                        # agent 0 hosts the rendezvous store
@@ -439,16 +446,7 @@ def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_pa
                                                   wait_for_workers=False)
 
     def agent(i: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--nnodes=2",
-               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=stood-by",
-               "--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=3",
-               "--max-restarts=1", "--monitor-interval=0.2", "--no-python", sys.executable,
-               str(script), str(tmp_path)]
-        return subprocess.Popen(cmd, stdout=open(tmp_path / f"agent.{i}.out", "w"),
-                                stderr=open(tmp_path / f"agent.{i}.err", "w"),
-                                stdin=subprocess.DEVNULL, cwd=tmp_path, start_new_session=True,
-                                env=env(OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}"))
+        return _script_agent(tmp_path, i, port, "stood-by", script, tmp_path)
 
     def err(i: int) -> str:
         return (tmp_path / f"agent.{i}.err").read_text()

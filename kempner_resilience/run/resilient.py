@@ -384,7 +384,7 @@ class ResilientRun:
         if channel is not None:
             channel.note_hang_seen(launch_name(), parts.rank)
 
-    def _on_hang(self) -> None:
+    def _on_hang(self) -> int:
         """Runs in the hang watchdog's thread before the HANG exit, the main thread stuck or
         held; bounded by the backstop, armed for ``on_hang_budget_s`` when the hang was decided.
 
@@ -393,4 +393,4 @@ class ResilientRun:
         (``sequence.hang``): if this overruns its budget, the backstop's monitor writes the
         ledger's event and the report instead.
         """
-        sequence.hang(self._state)
+        return sequence.hang(self._state)

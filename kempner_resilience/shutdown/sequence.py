@@ -130,14 +130,20 @@ def fail(state: RunState, exc: BaseException) -> None:
     _leave(state, facts, done, error=exc, keep_traceback=not lost)
 
 
-def hang(state: RunState) -> None:
-    """The hang watchdog's thread, before its HANG exit, the main thread stuck or held: first
-    the rescue (survivors write the last step boundary), then the requeue (rank 0, under SLURM,
-    with a committed checkpoint, within the budget), then the ending recorded as every other
-    one is. The watchdog's thread leaves; its backstop bounds this."""
+def hang(state: RunState) -> int:
+    """The hang watchdog's thread, before its exit, the main thread stuck or held: first the
+    rescue (survivors write the last step boundary), then, with no supervisor, the ranks'
+    endings (a peer that raised or left ``run.steps`` while this rank waited for it in a
+    collective, as NCCL does: the job leaves with the peer's code, not requeued), then the
+    requeue (rank 0, under SLURM, with a committed checkpoint, within the budget), then the
+    ending recorded as every other one is. Returns the code the process exits with (HANG, or
+    the job's code from a peer's own ending). Its backstop bounds this."""
+    # Said first: rank 0, hung in the same collective, reads it before it decides.
+    state.note_ending(Ending.HANG.value, int(exitcodes.ExitCode.HANG))
     rescued(state, "hang")
-    verdict = requeue_after_failure(state, "hang")
-    record(state, Facts(Ending.HANG, state.step, requeue=verdict))
+    peer = steps.peers_code(state, own=exitcodes.ExitCode.HANG)
+    verdict = requeue_after_failure(state, "hang") if peer is None else None
+    return record(state, Facts(Ending.HANG, state.step, requeue=verdict, peer_code=peer))
 
 
 def give_up(state: RunState, step: int, err: BaseException) -> NoReturn:

@@ -121,9 +121,10 @@ def peer_forced_code(state: RunState) -> int | None:
     return code
 
 
-def peers_code(state: RunState) -> int | None:
-    """A rank that lost a peer, with no supervisor to decide (plain ``srun python train.py``,
-    submitit arrays, plain torchrun): the one policy over the ranks' recorded endings
+def peers_code(state: RunState, own: int = ExitCode.PEER_LOST) -> int | None:
+    """A rank that lost a peer (``own``: PEER_LOST) or hung (HANG: with NCCL a peer's exit
+    leaves the others stuck in the collective), with no supervisor to decide (plain ``srun
+    python train.py``, submitit arrays, plain torchrun): the one policy over the ranks' recorded endings
     (``supervise/endings.py``). Rank 0 decides and writes its decision; another survivor
     takes rank 0's (srun's status is the highest task code: every survivor must leave with
     the job's code). The job's code when the job leaves (a peer raised: 1; a peer left
@@ -150,7 +151,7 @@ def peers_code(state: RunState) -> int | None:
         return code
     wait = PEER_WAIT_S if left is None else max(0.0, min(PEER_WAIT_S, left / 2))
     try:
-        decision, seen = peer_decision(paths, token, RankEnd(int(ExitCode.PEER_LOST)), 0,
+        decision, seen = peer_decision(paths, token, RankEnd(int(own)), 0,
                                        parts.agreement.world_size, wait)
     except Exception as e:   # never let the reading stop the exit: decide as before
         log.error("could not read the other ranks' endings (%s): deciding without them", e)

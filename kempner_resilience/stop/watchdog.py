@@ -229,7 +229,8 @@ class HangWatchdog:
     ``rearm_every_s``. Time in which the process was stopped is not counted. ``busy()`` widens
     the budget while a checkpoint is written or read, so a slow save is never taken for a hang.
     ``on_hang`` runs in the watchdog thread after the stack dump (for a requeue) and must be
-    bounded in time.
+    bounded in time; the int it returns, if any, is the exit code instead of HANG (a peer's own
+    ending decided the job's code).
 
     Once it has decided (``decided``), the decision is final: a stall that ends while the hang
     path runs (a data-loader or NFS stall, a continued peer) must not let the training thread
@@ -240,7 +241,7 @@ class HangWatchdog:
     """
 
     def __init__(self, timeout_s: float, *, busy_timeout_s: float | None = None,
-                 on_hang: Callable[[], None] | None = None,
+                 on_hang: Callable[[], int | None] | None = None,
                  on_hang_budget_s: float = 30.0,
                  on_decide: Callable[[], None] | None = None) -> None:
         self.timeout_s = float(timeout_s)
@@ -366,9 +367,12 @@ class HangWatchdog:
                   idle, self._budget, HANG_CODE)
         dump_all_stacks(f"hang detected: no step finished for {idle:.1f} s; stacks of all "
                         "threads")
+        code = HANG_CODE
         if self.on_hang is not None:
             try:
-                self.on_hang()
+                decided = self.on_hang()
+                if isinstance(decided, int) and not isinstance(decided, bool):
+                    code = decided
             except Exception:
                 log.exception("hang action failed")
-        os._exit(HANG_CODE)
+        os._exit(code)

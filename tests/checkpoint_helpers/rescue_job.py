@@ -11,6 +11,9 @@ would, once:
                           step's boundary: the others are past the all-reduce it fed, one
                           boundary ahead of anything it sent
     --hang-at R:S         rank R hangs in step S in a C call that holds the GIL
+    --wait-forever R:S    rank R waits in step S before its forward pass without end, the GIL free
+                          (as NCCL leaves a rank in a collective whose peer is gone: gloo would
+                          fail it), in every launch: its hang watchdog decides
     --stall-until-claim R:S
                           rank R stalls in step S before its forward pass (a sleep: the GIL is
                           free, as in a data-loader or NFS stall) until a rescue claim appears
@@ -101,6 +104,7 @@ def main() -> int:
     p.add_argument("--kill-after-step")
     p.add_argument("--hang-at")
     p.add_argument("--stall-until-claim")
+    p.add_argument("--wait-forever")
     p.add_argument("--slow-rescue-write", type=float, default=0.0)
     p.add_argument("--optim-collective", action="store_true")
     p.add_argument("--ballast-mb", type=int, default=0)
@@ -113,7 +117,7 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     first = all(os.environ.get(v, "0") in ("", "0") for v in (
         "KEMPNER_RESTART_COUNT", "SLURM_RESTART_COUNT", "KEMPNER_RESILIENCE_IN_JOB_RESTART"))
-    bug, leave = _at(args.raise_at), _at(args.exit_at)
+    bug, leave, forever = _at(args.raise_at), _at(args.exit_at), _at(args.wait_forever)
     kill, kill_optim, kill_after, hang, stall = (
         _at(a) if first else (-1, -1)
         for a in (args.kill_at, args.kill_in_optim, args.kill_after_step, args.hang_at,
@@ -149,6 +153,9 @@ def main() -> int:
                 raise RuntimeError(f"a bug on rank {rank} at step {step}")
             if (rank, step) == leave:
                 sys.exit(0)
+            if (rank, step) == forever:
+                while True:
+                    time.sleep(1.0)
             if (rank, step) == hang:
                 _hang_holding_the_gil()
             if (rank, step) == stall:
