@@ -170,6 +170,11 @@ def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
     return _report(job_id, wanted, call(args, timeout))
 
 
+#: The longest the exclusion's update may take between ``requeuehold`` and ``release``
+#: (``requeue_excluding``): under SLURM's shortest sensible KillWait (5 s, the test clusters').
+_UPDATE_S = 3.0
+
+
 def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.0,
                       min_nodes: int | None = None) -> ScontrolResult | None:
     """``scontrol requeue`` then the exclusion, for a caller in the batch step, which SLURM
@@ -193,10 +198,18 @@ def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.
     # for the update; the release is tried whatever the update did (exit 4: the job is left
     # held, said with its fix below). A requeuehold that fails (exit 3) leaves the caller's
     # usual path: a plain requeue, then the update.
+    # The step is SIGKILLed KillWait after the requeuehold, so the release must come before
+    # then whatever the update does: the update gets at most _UPDATE_S. slurmctld 22.05 made an
+    # update of a job that had lost a node (--no-kill: "resizing") wait 5 s for its accounting
+    # record and then refuse it; the step died in that wait and the job stayed held for good.
+    # The release is tried again briefly when refused.
     script = ('s=$0; j=$1; shift; trap "" TERM INT HUP USR1 USR2; '
               '[ $# = 0 ] && exec "$s" requeue "$j"; '
-              '"$s" requeuehold "$j" || exit 3; "$s" "$@"; u=$?; '
-              '"$s" release "$j" || exit 4; exit $u')
+              '"$s" requeuehold "$j" || exit 3; '
+              f'timeout -s KILL {_UPDATE_S:g} "$s" "$@"; u=$?; '
+              '[ $u = 0 ] || echo "kempner-resilience: scontrol update of job $j failed (exit '
+              '$u): released without its node exclusion" >&2; '
+              'for i in 1 2 3; do "$s" release "$j" && exit $u; sleep 0.3; done; exit 4')
     cmd = [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
            "--job-name=kr-requeue", "--kill-on-bad-exit=0", "/bin/sh", "-c", script, exe,
            str(job_id), *update]
