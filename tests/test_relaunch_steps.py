@@ -105,14 +105,15 @@ def test_when_every_rank_ends_with_hang_the_node_of_the_rank_that_never_said_so_
     assert r.implicated(seen, 2) == {"n2"}
 
 
-def _loop(tmp_path, nodelist: str, job_id: str = "7"):
+def _loop(tmp_path, nodelist: str, job_id: str = "7", restart: int = 0):
     from kempner_resilience.config import load_config
     from kempner_resilience.slurm.relaunch import Relauncher
 
     cfg = load_config(None, [f"checkpoint.dir={tmp_path}"])
     return Relauncher(["true"], 1, cfg, environ={"SLURM_JOB_ID": job_id,
                                                   "SLURM_JOB_NODELIST": nodelist,
-                                                  "SLURM_NTASKS_PER_NODE": "2"})
+                                                  "SLURM_NTASKS_PER_NODE": "2",
+                                                  "SLURM_RESTART_COUNT": str(restart)})
 
 
 def test_a_job_requeued_with_its_spare_given_up_trains_on_as_many_nodes_as_before(tmp_path,
@@ -123,7 +124,7 @@ def test_a_job_requeued_with_its_spare_given_up_trains_on_as_many_nodes_as_befor
     loop = _loop(tmp_path, "n[1-3]")
     assert loop.need == 2
     loop.channel.record_train_nodes(2)
-    assert _loop(tmp_path, "n[1,4]").need == 2
+    assert _loop(tmp_path, "n[1,4]", restart=1).need == 2
     # A new submission (another job id) from the same directory takes its own shape.
     assert _loop(tmp_path, "n[1,4]", job_id="8").need == 1
 

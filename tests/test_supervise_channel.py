@@ -108,6 +108,27 @@ def test_the_step_loop_follows_the_directory_rank_0_reported_not_its_own_config(
     assert Channel.from_env(env_) == loop.channel
 
 
+def test_a_jobs_first_attempt_never_reads_what_an_earlier_job_with_its_id_left(tmp_path,
+                                                                            monkeypatch):
+    # SLURM numbers jobs from its first id again after a reset; a cancelled job 9 left its
+    # channel behind. The new job 9 must not take that run's bad nodes and commits for its own;
+    # its own requeue (restart 1) must find what its first attempt said.
+    from kempner_resilience.config import load_config
+    from kempner_resilience.slurm.relaunch import Relauncher
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KEMPNER_RESILIENCE_CONFIG", raising=False)
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'given'}"])
+    job = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n[1-3]"}
+    Channel.for_job("9", {}, cwd=tmp_path).report(RunReport(str(tmp_path / "old"), "r0", 24))
+    first = Relauncher(["true"], 1, cfg, environ=job)
+    assert first.channel.read() is None
+    assert first.run_paths.root == tmp_path / "given"
+    first.channel.report(RunReport(str(tmp_path / "mine"), "r1", 10))
+    again = Relauncher(["true"], 1, cfg, environ={**job, "SLURM_RESTART_COUNT": "1"})
+    assert again.run_paths.root == tmp_path / "mine"
+
+
 def test_a_finish_said_in_an_earlier_launch_does_not_end_the_next_one(tmp_path):
     from kempner_resilience.slurm.srunstep import FinishWatch
 

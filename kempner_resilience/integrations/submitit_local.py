@@ -176,7 +176,7 @@ class ResilientController(Controller):  # type: ignore[misc]
         budget and guard bound the launches)."""
         set_role("submitit controller")   # its own process, not a rank (its env may say RANK)
         folder = Path(str(self.folder).replace("%j", self.pid))
-        channel = Channel.for_job(self.pid, environ={}, cwd=folder)
+        channel = Channel.for_job(self.pid, environ={}, cwd=folder, fresh=True)
         os.environ.update(channel.env())       # the tasks inherit the controller's environment
         supervision = Supervision(channel)
         try:

@@ -95,8 +95,8 @@ class Relauncher:
         self.job = job
         self.nodes = expand_hostlist(env["SLURM_JOB_NODELIST"])
         # The ranks tell the loop which run it supervises (supervise/channel.py); a requeued job
-        # (same id) finds the report of its earlier attempt there.
-        self.channel = Channel.for_job(job.job_id, env)
+        # (same id) finds the report of its earlier attempt there. Its first attempt finds none.
+        self.channel = Channel.for_job(job.job_id, env, fresh=job.restart_count == 0)
         self.need = len(self.nodes) - int(self.spares)
         recorded = self.channel.train_nodes()
         if self.spares >= 0 and recorded is not None and recorded != self.need \

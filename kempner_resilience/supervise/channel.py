@@ -167,14 +167,26 @@ class Channel:
 
     @classmethod
     def for_job(cls, job_id: str, environ: Mapping[str, str] | None = None,
-                cwd: str | os.PathLike[str] | None = None) -> "Channel":
+                cwd: str | os.PathLike[str] | None = None, *, fresh: bool = False) -> "Channel":
         """The channel of job ``job_id``: ``.kempner-resilience/job-<id>`` under
         ``SLURM_SUBMIT_DIR`` (or ``cwd``), which every node of the job sees; created. Only a
         supervisor sets ``CHANNEL_ENV``: a rank that finds it leaves the run-again decision to
-        that supervisor, so a value inherited from outside is never reused."""
+        that supervisor, so a value inherited from outside is never reused.
+
+        ``fresh``: the job's first attempt (SLURM's restart count 0, a new local controller).
+        Whatever is there then belongs to another job that had the same id and ended without
+        removing it (cancelled): SLURM numbers jobs from its first id again when its state is
+        reset, and pids are reused. Read, its report names another run: a submitit job took its
+        bad nodes and its committed step for its own and requeued itself before it trained
+        (CI, a cluster restarted between two runs of the suite in one directory). It is
+        cleared."""
         env = os.environ if environ is None else environ
         base = Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd())
         root = (base / _JOBS_DIR / f"job-{job_id}").resolve()
+        if fresh and root.exists():
+            _log.warning("%s: left by an earlier job with the same id; cleared for this one",
+                         root)
+            shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
         return cls(root)
 
