@@ -27,7 +27,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-__all__ = ["StartupError", "install_early_recorder", "install_exit_hook"]
+__all__ = ["StartupError", "install_early_recorder", "install_exit_hook", "record_early_signal"]
 
 # ExitCode.CONFIG; exitcodes.py is not imported here so this module stays first and light.
 CONFIG_EXIT_CODE = 78
@@ -47,8 +47,14 @@ class StartupError(Exception):
 _early: list[tuple[int, float]] = []
 
 
-def _early_record(signum: int, frame: Any) -> None:
+def record_early_signal(signum: int) -> None:
+    """Keep ``signum``, arrived now before any run, for the run's ShutdownHandler to replay
+    when it is installed (its deadline counted from this arrival)."""
     _early.append((signum, time.monotonic()))
+
+
+def _early_record(signum: int, frame: Any) -> None:
+    record_early_signal(signum)
 
 
 def install_early_recorder(signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)) -> None:

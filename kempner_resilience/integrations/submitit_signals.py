@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from typing import Any
 
 from kempner_resilience.config import normalize_signal
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.core.startup import _early
+from kempner_resilience.core.startup import record_early_signal
 
 __all__ = ["SignalTakeover", "in_submitit_job", "in_local_task", "preempt_signal"]
 
@@ -115,7 +114,7 @@ class SignalTakeover:
         # when it is installed, so the stop comes at the run's first step boundary, with its
         # deadline counted from this arrival. (A thread that re-sent the signal once a run was
         # active woke too late on a loaded machine: several steps ran first.)
-        _early.append((signum, time.monotonic()))
+        record_early_signal(signum)
 
     def _on_term_ignored(self, signum: int, frame: Any) -> None:
         log.warning("SIGTERM ignored, as submitit does (its preemption signal is %s; "
