@@ -48,6 +48,20 @@ def test_job_pickle_small_and_refuses_model_state():
         krs.ResilientJob(_noop_fn, b"x" * (krs.MAX_PICKLE_BYTES + 1))
 
 
+def test_an_array_whose_jobs_share_a_checkpoint_dir_is_refused_before_anything_is_queued(
+        tmp_path):
+    """Two sweep entries in one checkpoint.dir would resume from each other's checkpoints:
+    submit_array names both and the fix, and no job is submitted."""
+    shared = [krs.ResilientJob(_noop_fn, a=a, overrides=[f"checkpoint.dir={tmp_path / 'ck'}"])
+              for a in (1, 2)]
+    executor = submitit.AutoExecutor(folder=tmp_path / "logs", cluster="local")
+    with pytest.raises(ValueError, match=r"jobs 0 and 1 both have checkpoint.dir=.*its own"):
+        krs.submit_array(shared, executor=executor)
+    with pytest.raises(TypeError, match="wrap it: krs.ResilientJob"):
+        krs.submit_array([_noop_fn], executor=executor)
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").rglob("*.pkl"))
+
+
 def test_checkpoint_returns_fresh_small_instance():
     job = krs.ResilientJob(_noop_fn, 3, config={"checkpoint": {"every_steps": 5}},
                            overrides=["requeue.max_restarts=4"])
@@ -153,6 +167,21 @@ def test_two_local_tasks_are_ranks_0_and_1_of_one_rendezvous(tmp_path):
         ("0", "0", "2"), ("1", "1", "2")]
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
     assert [e["KEMPNER_RESTART_COUNT"] for e in envs] == ["0", "0"]
+
+
+def test_a_local_array_runs_each_entry_as_its_own_job_in_its_own_checkpoint_dir(tmp_path):
+    """krs.submit_array without SLURM (a notebook's first try): one local job per entry, each
+    trained to the end and committed in its own directory, each with its own result."""
+    dirs = [tmp_path / f"lr{i}" for i in range(2)]
+    jobs = krs.submit_array(
+        [krs.ResilientJob(train_demo, overrides=[f"checkpoint.dir={d}", "checkpoint.every_steps=3"],
+                          steps=6, quiet=True) for d in dirs],
+        executor=_local_executor(tmp_path / "logs", tasks=1))
+    assert len({j.job_id for j in jobs}) == 2
+    results = [krs.wait(j, timeout=120).result() for j in jobs]
+    assert [(r["steps"], r["exit"]) for r in results] == [(6, 0), (6, 0)]
+    for d in dirs:
+        assert (d / "step_000000006" / "MANIFEST.json").is_file(), sorted(d.rglob("*"))
 
 
 def test_wait_notices_at_once_that_a_local_job_ended_without_a_result(tmp_path):
@@ -329,6 +358,41 @@ def test_submitit_two_tasks_preempt_requeue_resume(slurm_cluster, tmp_path):
     assert ref[0]["digest"] and res[0]["digest"] == ref[0]["digest"]
     # The resubmission pickle: a few KiB of paths and config, no tensors.
     _assert_pickle_small(d / "logs" / f"{job.job_id}_submitted.pkl")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_an_array_sweep_gives_each_task_its_own_loop_and_a_preempted_task_resumes_bitwise(
+        slurm_cluster, tmp_path):
+    """krs.submit_array: one sbatch --array of two identical 2-task runs in their own
+    directories. The first is interrupted (USR2): it checkpoints, requeues alone and resumes;
+    the second runs straight through; both end with the same weights, and submitit finds
+    every result and per-task log under the array's names."""
+    steps, ntasks = 30, 2
+    slurm = dict(timeout_min=30, tasks_per_node=ntasks, cpus_per_task=1, name="kr-array")
+    dirs = [tmp_path / f"lr{i}" for i in range(2)]
+    for d in dirs:
+        (d / "ck").mkdir(parents=True)
+    jobs = krs.submit_array(
+        [krs.ResilientJob(train_demo, overrides=[f"checkpoint.dir={d / 'ck'}"], steps=steps,
+                          step_time=0.25, out=str(d / "w.pt"), progress=str(d / "progress.txt"))
+         for d in dirs], folder=tmp_path / "logs", slurm=slurm)
+    array_id = jobs[0].job_id.split("_")[0]
+    assert [j.job_id for j in jobs] == [f"{array_id}_0", f"{array_id}_1"]
+    _wait_for_steps(dirs[0] / "progress.txt", ntasks, 5)
+    jobs[0]._interrupt()
+    for j in jobs:
+        krs.wait(j, timeout=300)
+    (first, *_), (second, *_) = (j.results() for j in jobs)
+    assert first["restart_count"] >= 1 and second["restart_count"] == 0, (first, second)
+    out = (tmp_path / "logs" / f"{jobs[0].job_id}_0_log.out").read_text()
+    resumed = [int(k) for k in re.findall(r"resumed at step (\d+)", out)]
+    assert resumed and resumed[0] > 0, out[-2000:]
+    err = (tmp_path / "logs" / f"{jobs[0].job_id}_0_log.err").read_text()
+    assert "step 0: srun" in err and re.search(r"emergency checkpoint for step \d+ committed",
+                                               err), err[-3000:]
+    assert "resumed at step" not in (tmp_path / "logs" / f"{jobs[1].job_id}_0_log.out").read_text()
+    assert first["digest"] and first["digest"] == second["digest"]
 
 
 def _inject_parameters(nb, params: dict) -> None:

@@ -88,9 +88,10 @@ from kempner_resilience.integrations.submitit_env import (preempt_when_controlle
 from kempner_resilience.integrations.submitit_signals import (SignalTakeover, in_local_task,
                                                               in_submitit_job, preempt_signal)
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.channel import CHANNEL_ENV
 
-__all__ = ["ResilientJob", "submit", "make_executor", "wait", "interrupt", "preempt_signal",
+__all__ = ["ResilientJob", "submit", "submit_array", "make_executor", "wait", "interrupt", "preempt_signal",
            "check_small", "resolve_callable", "MAX_PICKLE_BYTES", "LOCAL_REQUEUE_CODE"]
 
 log = get_logger(__name__)
@@ -343,13 +344,57 @@ def submit(fn: Callable[..., Any] | str, *args: Any,
     parameters (see ``make_executor``), or a ready ``executor``. ``config``/``overrides``/
     ``sigterm`` as for ``ResilientJob``; ``kwargs`` go to ``fn``.
     """
+    job = ResilientJob(fn, *args, config=config, overrides=overrides, sigterm=sigterm, **kwargs)
+    return _resilient_executor(folder, executor, slurm).submit(job)
+
+
+def submit_array(jobs: Iterable[ResilientJob], *,
+                 folder: str | os.PathLike[str] | None = None, executor: Any = None,
+                 slurm: Mapping[str, Any] | None = None) -> list[Any]:
+    """Submit several ``ResilientJob``s (a sweep) as one job array; returns their jobs, in order.
+
+    ```python
+    jobs = krs.submit_array(
+        [krs.ResilientJob(train, lr=lr, overrides=[f"checkpoint.dir=/scratch/me/lr{lr}"])
+         for lr in (1e-3, 3e-4)],
+        folder="runs/%j", slurm={"timeout_min": 240, "tasks_per_node": 4})
+    ```
+
+    Under SLURM one ``sbatch --array`` (``slurm={"slurm_array_parallelism": n}`` caps how many
+    run at once); each array task is a job of its own with its own step loop, so each is
+    preempted, requeued and resumed alone. Locally, one job per entry. Every job needs a
+    ``checkpoint.dir`` of its own: two runs in one directory would resume from each other's
+    checkpoints, so a shared one is refused here, before anything is queued.
+    """
+    jobs = list(jobs)
+    if not jobs:
+        raise ValueError("submit_array: no jobs given")
+    for i, job in enumerate(jobs):
+        if not isinstance(job, ResilientJob):
+            raise TypeError(f"submit_array: job {i} is a {type(job).__name__}, not a "
+                            "ResilientJob; wrap it: krs.ResilientJob(fn, **kwargs)")
+    seen: dict[str, int] = {}
+    for i, job in enumerate(jobs):
+        where = os.path.normpath(RunPaths.from_config(job.resolve_config()).root)
+        if where in seen:
+            raise ValueError(
+                f"submit_array: jobs {seen[where]} and {i} both have checkpoint.dir={where}: "
+                "each would resume from the other's checkpoints. Give every job its own, e.g. "
+                "overrides=[f\"checkpoint.dir=/scratch/me/sweep/{i}\"]")
+        seen[where] = i
+    return list(_resilient_executor(folder, executor, slurm).submit_array(jobs))
+
+
+def _resilient_executor(folder: str | os.PathLike[str] | None, executor: Any,
+                        slurm: Mapping[str, Any] | None) -> Any:
+    """The executor ``submit`` runs a job under: ``executor`` (or one made for ``folder``),
+    adopted into ours."""
     if executor is None:
         if folder is None:
             raise TypeError("submit() needs folder=... (or executor=...)")
         executor = make_executor(folder, **dict(slurm or {}))
     elif slurm:
         executor.update_parameters(**dict(slurm))
-    job = ResilientJob(fn, *args, config=config, overrides=overrides, sigterm=sigterm, **kwargs)
     from kempner_resilience.integrations.submitit_local import (ResilientLocalExecutor,
                                                                 is_local_executor)
 
@@ -357,13 +402,12 @@ def submit(fn: Callable[..., Any] | str, *args: Any,
         # Our controller decides whether the tasks run again (the one policy), where
         # submitit's reruns them only on its requeue code; and our job's _interrupt() reaches
         # the tasks (see submitit_local.py).
-        executor = ResilientLocalExecutor.adopt(executor)
-    else:
-        from kempner_resilience.integrations.submitit_slurm import (ResilientSlurmExecutor,
-                                                                    is_slurm_executor)
+        return ResilientLocalExecutor.adopt(executor)
+    from kempner_resilience.integrations.submitit_slurm import (ResilientSlurmExecutor,
+                                                                is_slurm_executor)
 
-        if is_slurm_executor(executor):
-            # The batch script runs our srun step loop, which launches the tasks: one
-            # supervisor on the one policy, as `kempner-resilience sbatch` jobs have it.
-            executor = ResilientSlurmExecutor.adopt(executor)
-    return executor.submit(job)
+    if is_slurm_executor(executor):
+        # The batch script runs our srun step loop, which launches the tasks: one
+        # supervisor on the one policy, as `kempner-resilience sbatch` jobs have it.
+        return ResilientSlurmExecutor.adopt(executor)
+    return executor

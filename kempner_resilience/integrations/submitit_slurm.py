@@ -21,9 +21,13 @@ the batch script's log, ``<folder>/%j_0_log.err``, where the loop passes them on
 
 A job's result pickles, its resubmission pickle, ``job._interrupt()`` (TERM then USR2 to the
 job's steps: the loop, in the batch step, is not signalled) and ``krs.wait`` are submitit's and
-ours as before. Arrays (``map_array``, ``batch()``) are refused: their per-task log names
-(``%A_%a``) and one loop per array task are not built here; submit them with submitit's own
-executor.
+ours as before.
+
+Arrays (``krs.submit_array``, or ``ResilientJob``s under ``with executor.batch():``) are submitit's
+one ``sbatch --array``. Each array task is a SLURM job of its own (its own id, restart count,
+requeue, bad nodes), so each runs its own step loop, with its own channel and its own
+``scontrol requeue <its id>``; only the per-task log names differ (``%A_%a`` where a single job
+has ``%j``, as submitit's script names them, so ``job.stdout()`` finds them).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class ResilientSlurmExecutor(SlurmExecutor):  # type: ignore[misc]
         self.spares = int(spares)
         self.in_job_restarts = in_job_restarts
         self.parameters["use_srun"] = False      # our loop runs srun
+        self._array = False                      # an array's batch script is being written
 
     @classmethod
     def adopt(cls, executor: Any, spares: int = 0,
@@ -79,9 +84,12 @@ class ResilientSlurmExecutor(SlurmExecutor):  # type: ignore[misc]
         """The loop's command line, up to its ``--``: srun's options for submitit's per-task
         logs (the script's own ``srun`` line, which ``use_srun=False`` leaves out)."""
         paths = utils.JobPaths(folder=self.folder)
-        logs = ["--unbuffered", "--output", str(paths.stdout)]
+        # An array task's files are <array id>_<index>_<task>: submitit's names (its
+        # _make_sbatch_string), which srun expands from %A and %a as sbatch does.
+        name = (lambda p: str(p).replace("%j", "%A_%a")) if self._array else str
+        logs = ["--unbuffered", "--output", name(paths.stdout)]
         if not self.parameters.get("stderr_to_stdout"):
-            logs += ["--error", str(paths.stderr)]
+            logs += ["--error", name(paths.stderr)]
         logs += list(self.parameters.get("srun_args") or ())
         cmd = [sys.executable, "-m", "kempner_resilience.cli", "srun", "--spares",
                str(self.spares), "--srun-args", shlex.join(logs)]
@@ -95,9 +103,12 @@ class ResilientSlurmExecutor(SlurmExecutor):  # type: ignore[misc]
         return " ".join([shlex.join(self.loop_command()), "--", super()._submitit_command_str])
 
     def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
-        if len(delayed_submissions) > 1:
-            raise NotImplementedError(
-                "ResilientSlurmExecutor submits one job at a time (krs.submit); arrays "
-                "(map_array, batch) need one step loop per array task, not built: use "
-                "submitit's own SlurmExecutor for them")
-        return super()._internal_process_submissions(delayed_submissions)
+        if len(delayed_submissions) <= 1:
+            return super()._internal_process_submissions(delayed_submissions)
+        # submitit writes one batch script for the array from _submitit_command_str: the
+        # flag gives its loop command the array's log names.
+        self._array = True
+        try:
+            return super()._internal_process_submissions(delayed_submissions)
+        finally:
+            self._array = False
