@@ -23,6 +23,7 @@ import io
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -37,6 +38,15 @@ from kempner_resilience.checkpoint.hostbuf import HostStaging, Slot, caller_stre
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged
 
 __all__ = ["VerifyingReader"]
+
+
+def _committed_manifest(path: Path) -> dict[str, Any] | None:
+    from kempner_resilience.checkpoint.layout import NotCommitted, read_manifest
+
+    try:
+        return read_manifest(path)
+    except NotCommitted:
+        return None
 
 
 def _read_exact(f: Any, view: memoryview, where: str) -> None:
@@ -68,16 +78,27 @@ class _Ring:
         return chunk, self.used
 
 
+# ``manifest`` not given: read the one committed beside the checkpoint, if any.
+_FROM_DIR: Any = object()
+
+
 class VerifyingReader(FileSystemReader):
     """``FileSystemReader`` that checks each record against ``manifest`` CRCs when ``verify``.
 
-    ``staging``, when given, carries the records of the destinations it ``wants`` (GPU tensors)
-    through its reused host buffers."""
+    A drop-in ``storage_reader`` for ``dcp.load``: ``VerifyingReader(path)`` reads the
+    manifest our checkpoint manager committed in ``path`` (``MANIFEST.json``) and verifies
+    against it; a directory without one (any other DCP checkpoint) is read unverified, as
+    torch's reader reads it; a manifest that is there but unreadable raises
+    ``CheckpointCorrupt``. ``manifest=None`` verifies nothing. ``staging``, when given,
+    carries the records of the destinations it ``wants`` (GPU tensors) through its reused
+    host buffers. Other keyword arguments go to torch's ``FileSystemReader``."""
 
-    def __init__(self, path: str | os.PathLike[str], manifest: dict[str, Any] | None, *,
-                 verify: bool = True, threads: int = 2,
-                 staging: HostStaging | None = None) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], manifest: dict[str, Any] | None = _FROM_DIR,
+                 *, verify: bool = True, threads: int = 2,
+                 staging: HostStaging | None = None, **torch_options: Any) -> None:
+        super().__init__(path, **torch_options)
+        if manifest is _FROM_DIR:
+            manifest = _committed_manifest(Path(path))
         self.verify = verify
         self.threads = max(1, threads)
         self.staging = staging

@@ -77,12 +77,30 @@ class ChecksummingWriter(FileSystemWriter):
     "records"}``; on the coordinator it also holds ``.metadata``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int = 2,
+    def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True,
+                 sync_files: bool = True, thread_count: int | None = None,
+                 per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
+                 overwrite: bool = False, *, threads: int = 2,
                  abort: threading.Event | None = None,
                  staging: HostStaging | None = None, prove: bool = False,
-                 direct: DirectPool | None = None) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True,
-                         thread_count=threads, overwrite=False)
+                 direct: DirectPool | None = None, **torch_options: Any) -> None:
+        # torch's FileSystemWriter arguments are taken as it takes them, so this is a drop-in
+        # storage_writer for dcp.save. Two differ on purpose: ``overwrite`` defaults to False
+        # (a save never writes over an existing checkpoint), and the files are fsynced
+        # whatever ``sync_files`` says (a checkpoint that a crash can take back is none).
+        if thread_count is not None:
+            threads = thread_count
+        super().__init__(path, single_file_per_rank=single_file_per_rank, sync_files=True,
+                         thread_count=max(1, threads),
+                         per_thread_copy_ahead=per_thread_copy_ahead,
+                         cache_staged_state_dict=cache_staged_state_dict, overwrite=overwrite,
+                         **torch_options)
+        # Our records (checksummed, straight from the tensors' bytes) are torch's file format
+        # with one file set per rank. Another layout (a file per item, stream extensions,
+        # another serialization) is written by torch's own write_data, without checksums.
+        fmt = torch_options.get("serialization_format")
+        self.stock = (not single_file_per_rank or bool(torch_options.get("_extensions"))
+                      or (fmt is not None and getattr(fmt, "value", fmt) != "torch_save"))
         self.threads = max(1, threads)
         self.abort = abort or threading.Event()
         self.staging = staging
@@ -98,6 +116,8 @@ class ChecksummingWriter(FileSystemWriter):
         self.write_seconds = 0.0
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.stock:
+            return super().write_data(plan, planner)
         prefix: StoragePrefix = plan.storage_data
         buckets = self._buckets(plan.items)
         if self.staging is not None:
@@ -142,8 +162,10 @@ class ChecksummingWriter(FileSystemWriter):
         staging = self.staging
         lease = staging.lease() if staging is not None else contextlib.nullcontext()
         bounce = self.direct.lease() if self.direct is not None else contextlib.nullcontext()
-        # O_EXCL: a fresh file in a fresh directory; never overwrite anything.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        # O_EXCL: a fresh file in a fresh directory; never overwrite anything, unless the
+        # caller of a plain dcp.save asked for overwrite=True (our manager never does).
+        fresh = os.O_TRUNC if self.overwrite else os.O_EXCL
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | fresh | os.O_CLOEXEC, 0o644)
         results: list[WriteResult] = []
         records: list[list[Any]] = []
         expected: list[tuple[str, list[Any], int]] = []     # (fqn, staged record, plain crc)

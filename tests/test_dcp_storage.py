@@ -1,0 +1,125 @@
+"""Our DCP storage plugins as torch's own: ``ChecksummingWriter`` and ``VerifyingReader`` are
+drop-in ``storage_writer``/``storage_reader`` arguments of ``dcp.save``/``dcp.load``, taking
+torch's ``FileSystemWriter``/``FileSystemReader`` arguments, writing and reading torch's format."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from checkpoint_helpers import toy
+from kempner_resilience.checkpoint import CheckpointManager
+from kempner_resilience.checkpoint.reader import VerifyingReader
+from kempner_resilience.checkpoint.writer import ChecksummingWriter
+from kempner_resilience.config import CheckpointConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state() -> dict:
+    """Nested dicts and lists, a view, bf16 and bool, a 0-dim and an empty tensor, raw bytes
+    and plain Python values: what a training state holds."""
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(3, 4, generator=g),
+            "nested": {"ids": torch.arange(10), "t": torch.randn(4, 4, generator=g).t()},
+            "scalar": torch.tensor(3.5), "empty": torch.empty(0),
+            "half": torch.randn(5, dtype=torch.bfloat16, generator=g),
+            "mask": torch.tensor([True, False, True]),
+            "strided": torch.randn(50, 300, generator=g)[:, ::3],
+            "listed": [torch.ones(2), {"deep": torch.full((2, 2), 7.0)}],
+            "blob": io.BytesIO(b"loader state"), "step": 7, "name": "run"}
+
+
+def _blank(x):
+    if isinstance(x, torch.Tensor):
+        return torch.zeros_like(x)
+    if isinstance(x, dict):
+        return {k: _blank(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_blank(v) for v in x]
+    return io.BytesIO() if isinstance(x, io.BytesIO) else x
+
+
+def _assert_same(want, got, where: str = "") -> None:
+    if isinstance(want, torch.Tensor):
+        assert want.dtype == got.dtype and torch.equal(want, got), where
+    elif isinstance(want, dict):
+        for k in want:
+            _assert_same(want[k], got[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        for i, (a, b) in enumerate(zip(want, got)):
+            _assert_same(a, b, f"{where}[{i}]")
+    elif isinstance(want, io.BytesIO):
+        got.seek(0)
+        assert got.read() == want.getvalue(), where
+    else:
+        assert want == got, where
+
+
+@pytest.mark.parametrize("writer,reader", [
+    (ChecksummingWriter, FileSystemReader), (FileSystemWriter, VerifyingReader),
+    (ChecksummingWriter, VerifyingReader)], ids=["ours-to-torch", "torch-to-ours", "ours"])
+def test_a_state_saved_with_one_side_s_plugin_loads_bitwise_with_the_other_s(
+        tmp_path: Path, writer, reader) -> None:
+    dcp.save(_state(), storage_writer=writer(tmp_path))
+    got = _blank(_state())
+    dcp.load(got, storage_reader=reader(tmp_path))
+    _assert_same(_state(), got)
+
+
+def test_torch_s_writer_arguments_are_taken_and_a_file_per_item_layout_is_torch_s_own(
+        tmp_path: Path) -> None:
+    writer = ChecksummingWriter(tmp_path, single_file_per_rank=False, sync_files=False,
+                                thread_count=3, per_thread_copy_ahead=1 << 20)
+    dcp.save(_state(), storage_writer=writer)
+    assert writer.threads == 3 and len(list(tmp_path.glob("*.distcp"))) > 1
+    got = _blank(_state())
+    dcp.load(got, storage_reader=FileSystemReader(tmp_path))
+    _assert_same(_state(), got)
+
+
+def test_a_second_save_into_the_same_directory_is_refused_unless_overwrite_is_asked(
+        tmp_path: Path) -> None:
+    dcp.save(_state(), storage_writer=ChecksummingWriter(tmp_path))
+    with pytest.raises(CheckpointException) as refused:
+        dcp.save({"w": torch.zeros(3, 4)}, storage_writer=ChecksummingWriter(tmp_path))
+    assert "already exists" in str(refused.value.failures[0])
+    got = _blank(_state())
+    dcp.load(got, storage_reader=VerifyingReader(tmp_path))
+    _assert_same(_state(), got)                            # the first save is intact
+    changed = dict(_state(), w=torch.full((3, 4), 2.0))
+    dcp.save(changed, storage_writer=ChecksummingWriter(tmp_path, overwrite=True))
+    got = _blank(changed)
+    dcp.load(got, storage_reader=FileSystemReader(tmp_path))
+    _assert_same(changed, got)
+
+
+def test_given_only_a_committed_checkpoint_s_path_our_reader_finds_a_flipped_byte(
+        tmp_path: Path) -> None:
+    state = toy.build(0)
+    toy.train_step(state)
+    info = CheckpointManager(CheckpointConfig(dir=str(tmp_path / "ckpt")), state).save(1)
+    meta = FileSystemReader(info.path).read_metadata()
+    blank = {k: torch.zeros(m.size, dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    assert blank
+    dcp.load(blank, storage_reader=VerifyingReader(info.path))     # intact: loads
+    # One byte inside the largest tensor's record, where the manifest's CRC covers it.
+    where = max((s for i, s in meta.storage_data.items() if i.fqn in blank),
+                key=lambda s: s.length)
+    shard = info.path / where.relative_path
+    raw = bytearray(shard.read_bytes())
+    raw[where.offset + where.length - 1] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as damaged:
+        warnings.simplefilter("ignore")
+        dcp.load(blank, storage_reader=VerifyingReader(info.path))
+    assert "checksum mismatch" in str(damaged.value.failures[0])
