@@ -86,6 +86,19 @@ def test_torch_s_writer_arguments_are_taken_and_a_file_per_item_layout_is_torch_
     _assert_same(_state(), got)
 
 
+def test_one_writer_reused_for_two_checkpoint_ids_lists_only_each_save_s_own_files(
+        tmp_path: Path) -> None:
+    writer = ChecksummingWriter(tmp_path / "a")
+    dcp.save(_state(), storage_writer=writer)
+    first, first_bytes = dict(writer.files), writer.bytes_written
+    dcp.save({"w": torch.ones(8)}, storage_writer=writer, checkpoint_id=tmp_path / "b")
+    assert 0 < writer.bytes_written < first_bytes
+    assert writer.files.keys() == first.keys() and writer.files != first
+    got = {"w": torch.zeros(8)}
+    dcp.load(got, storage_reader=VerifyingReader(tmp_path / "b"))
+    assert torch.equal(got["w"], torch.ones(8))
+
+
 def test_a_second_save_into_the_same_directory_is_refused_unless_overwrite_is_asked(
         tmp_path: Path) -> None:
     dcp.save(_state(), storage_writer=ChecksummingWriter(tmp_path))

@@ -115,6 +115,14 @@ class ChecksummingWriter(FileSystemWriter):
         self.bytes_written = 0
         self.write_seconds = 0.0
 
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A new save (``dcp.save`` calls this first; a reused writer may get another
+        ``checkpoint_id``): what the last one wrote is no longer this save's."""
+        super().reset(checkpoint_id)
+        self.files = {}
+        self.bytes_written = 0
+        self.write_seconds = 0.0
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.stock:
             return super().write_data(plan, planner)
