@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint_helpers import toy
+from checkpoint_helpers.launch import run_ranks
 from kempner_resilience.checkpoint import CheckpointManager
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.writer import ChecksummingWriter
@@ -99,17 +100,18 @@ def test_one_writer_reused_for_two_checkpoint_ids_lists_only_each_save_s_own_fil
     assert torch.equal(got["w"], torch.ones(8))
 
 
-def test_a_second_save_into_the_same_directory_is_refused_unless_overwrite_is_asked(
+def test_with_overwrite_false_a_second_save_into_a_directory_is_refused_as_our_saves_ask(
         tmp_path: Path) -> None:
-    dcp.save(_state(), storage_writer=ChecksummingWriter(tmp_path))
+    dcp.save(_state(), storage_writer=ChecksummingWriter(tmp_path, overwrite=False))
     with pytest.raises(CheckpointException) as refused:
-        dcp.save({"w": torch.zeros(3, 4)}, storage_writer=ChecksummingWriter(tmp_path))
+        dcp.save({"w": torch.zeros(3, 4)},
+                 storage_writer=ChecksummingWriter(tmp_path, overwrite=False))
     assert "already exists" in str(refused.value.failures[0])
     got = _blank(_state())
     dcp.load(got, storage_reader=VerifyingReader(tmp_path))
     _assert_same(_state(), got)                            # the first save is intact
     changed = dict(_state(), w=torch.full((3, 4), 2.0))
-    dcp.save(changed, storage_writer=ChecksummingWriter(tmp_path, overwrite=True))
+    dcp.save(changed, storage_writer=ChecksummingWriter(tmp_path))   # torch's default: True
     got = _blank(changed)
     dcp.load(got, storage_reader=FileSystemReader(tmp_path))
     _assert_same(changed, got)
@@ -136,3 +138,24 @@ def test_given_only_a_committed_checkpoint_s_path_our_reader_finds_a_flipped_byt
         warnings.simplefilter("ignore")
         dcp.load(blank, storage_reader=VerifyingReader(info.path))
     assert "checksum mismatch" in str(damaged.value.failures[0])
+
+
+def test_torch_s_resharding_scenarios_pass_with_our_writer_and_reader_on_two_gloo_ranks() -> None:
+    """ShardedTensors saved under one sharding and loaded under another (and swapped with a
+    replicated tensor), bytes items, repeated saves into one directory, 1 and 2 threads:
+    the scenarios of torch's test_file_system_checkpoint_cpu.py."""
+    outs = run_ranks("dcp_scenarios.py", [], world=2, timeout=180)
+    assert all("OK 18" in out for out in outs), outs
+
+
+def test_a_checkpoint_written_through_torch_s_stream_extensions_loads_with_our_reader(
+        tmp_path: Path) -> None:
+    from torch.testing._internal.distributed.checkpoint_utils import (
+        Rot13Example, get_test_extension_registry)
+
+    dcp.save(_state(), storage_writer=ChecksummingWriter(tmp_path, thread_count=2,
+                                                         _extensions=[Rot13Example()]))
+    got = _blank(_state())
+    dcp.load(got, storage_reader=VerifyingReader(
+        tmp_path, _extension_registry=get_test_extension_registry()))
+    _assert_same(_state(), got)

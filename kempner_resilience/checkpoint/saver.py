@@ -162,8 +162,10 @@ class Saver:
         try:
             staging = self.staging if self.staging_proven or reason != "emergency" else None
             prove = staging is not None and not self.staging_proven
-            writer = ChecksummingWriter(path, threads=self.config.io_threads, abort=abort,
-                                        staging=staging, prove=prove, direct=self.direct)
+            # overwrite=False: a save never writes over anything (the directory is fresh).
+            writer = ChecksummingWriter(path, overwrite=False, threads=self.config.io_threads,
+                                        abort=abort, staging=staging, prove=prove,
+                                        direct=self.direct)
             failure: BaseException | None = None
             try:
                 # Plan caching: with an unchanged state layout (every save after the first),

@@ -80,14 +80,15 @@ class ChecksummingWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True,
                  sync_files: bool = True, thread_count: int | None = None,
                  per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
-                 overwrite: bool = False, *, threads: int = 2,
+                 overwrite: bool = True, *, threads: int = 2,
                  abort: threading.Event | None = None,
                  staging: HostStaging | None = None, prove: bool = False,
                  direct: DirectPool | None = None, **torch_options: Any) -> None:
-        # torch's FileSystemWriter arguments are taken as it takes them, so this is a drop-in
-        # storage_writer for dcp.save. Two differ on purpose: ``overwrite`` defaults to False
-        # (a save never writes over an existing checkpoint), and the files are fsynced
-        # whatever ``sync_files`` says (a checkpoint that a crash can take back is none).
+        # torch's FileSystemWriter arguments are taken as it takes them, with its defaults, so
+        # this is a drop-in storage_writer for dcp.save (torch's own tests save twice into
+        # one directory). Our saves pass overwrite=False: they never write over anything.
+        # The files are fsynced whatever ``sync_files`` says (a checkpoint that a crash can
+        # take back is none).
         if thread_count is not None:
             threads = thread_count
         super().__init__(path, single_file_per_rank=single_file_per_rank, sync_files=True,

@@ -88,7 +88,7 @@ def write_rescue(state: TrainState, boundary: Boundary, blobs: Mapping[int, byte
     status: str | None = None
     manifest: dict[str, Any] = {}
     try:
-        writer = ChecksummingWriter(path, threads=io_threads)
+        writer = ChecksummingWriter(path, overwrite=False, threads=io_threads)
         planner = DefaultSavePlanner() if shards is None else sharded.ChunkPlanner()
         dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
         # What was checked before the write, checked again: the files hold the live tensors
