@@ -140,12 +140,13 @@ def test_given_only_a_committed_checkpoint_s_path_our_reader_finds_a_flipped_byt
     assert "checksum mismatch" in str(damaged.value.failures[0])
 
 
-def test_torch_s_resharding_scenarios_pass_with_our_writer_and_reader_on_two_gloo_ranks() -> None:
+def test_torch_s_resharding_scenarios_pass_with_our_writer_and_reader_on_two_gloo_ranks():
     """ShardedTensors saved under one sharding and loaded under another (and swapped with a
-    replicated tensor), bytes items, repeated saves into one directory, 1 and 2 threads:
-    the scenarios of torch's test_file_system_checkpoint_cpu.py."""
+    replicated tensor), bytes items, repeated saves into one directory, 1 and 2 threads (the
+    scenarios of torch's test_file_system_checkpoint_cpu.py); DTensors across Shard(0),
+    Shard(1) and Replicate (test_dtensor_resharding.py's)."""
     outs = run_ranks("dcp_scenarios.py", [], world=2, timeout=180)
-    assert all("OK 18" in out for out in outs), outs
+    assert all("OK 27" in out for out in outs), outs
 
 
 def test_a_checkpoint_written_through_torch_s_stream_extensions_loads_with_our_reader(

@@ -91,7 +91,8 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.channel import CHANNEL_ENV
 
-__all__ = ["ResilientJob", "submit", "submit_array", "make_executor", "wait", "interrupt", "preempt_signal",
+__all__ = ["ResilientJob", "submit", "submit_array", "make_executor", "wait", "interrupt",
+           "preempt_signal",
            "check_small", "resolve_callable", "MAX_PICKLE_BYTES", "LOCAL_REQUEUE_CODE"]
 
 log = get_logger(__name__)

@@ -1,6 +1,7 @@
 """Two gloo ranks run torch's own DCP test scenarios with our storage plugins: ShardedTensors
 saved under one sharding and loaded under another (and swapped with a plain tensor), bytes
-items, repeated saves into one directory, 1 and 2 writer threads. Prints ``OK <cases>``.
+items, repeated saves into one directory, 1 and 2 writer threads; DTensors saved under one
+placement and loaded under another. Prints ``OK <cases>``.
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dcp_scenarios.py
 """
@@ -58,6 +59,22 @@ def main() -> None:
                     assert torch.equal(saved["replicated"], whole_got), (saved_as, loaded_as)
                 assert got["bytes"] == [1, "text"]
                 cases += 1
+    # DTensors: saved under one placement, loaded under another (uneven sizes included).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    placements = [[Shard(0)], [Shard(1)], [Replicate()]]
+    for saved_as in placements:
+        for loaded_as in placements:
+            torch.manual_seed(cases)                       # the same whole tensor on both
+            whole = torch.randn(7, 5)
+            save({"d": distribute_tensor(whole, mesh, saved_as)},
+                 storage_writer=ChecksummingWriter(path))
+            got = {"d": distribute_tensor(torch.zeros(7, 5), mesh, loaded_as)}
+            load(got, storage_reader=VerifyingReader(path))
+            assert torch.equal(got["d"].full_tensor(), whole), (saved_as, loaded_as)
+            cases += 1
     dist.barrier()
     print(f"OK {cases}", flush=True)
     # torch's gloo teardown races the peer's exit now and then (an abort with or without our
