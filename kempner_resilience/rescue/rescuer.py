@@ -257,6 +257,16 @@ class Rescuer:
             if isinstance(writer, int) and 0 <= writer < self.world_size and \
                     self.shards.columns[writer] == self.shards.column:
                 return      # the writer holds this rank's shards itself
+            wanted = who.get("step") if who else None
+            if step is not None and isinstance(wanted, int) and wanted != step:
+                # The writer writes boundary `wanted` and this rank's shards are of another
+                # (it finished a step more before its peer died, or one less): offered at
+                # `step`, they would leave the writer waiting out its budget for a column
+                # that never comes. Said instead: the writer gives up at once and the run
+                # falls back to the newest committed checkpoint.
+                log.warning("rescue: rank %s writes step %d and this rank's shards are of "
+                            "step %d", writer, wanted, step)
+                step = None
             sharded.offer(self.files.dir, self.ckpt.state, self.shards, self.rank, step,
                           lambda: self._moved(step, generation) if step is not None else None)
 
