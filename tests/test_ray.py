@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -428,9 +429,18 @@ def test_a_ray_node_dying_under_an_actor_is_rescued_and_the_job_requeued_without
         assert info["Restarts"] == "1", text[-4000:]
         assert killed in info.get("ExcNodeList", ""), info      # the driver's requeue kept it out
         assert killed in json.loads((ckpt / "bad-nodes.json").read_text())["nodes"]
-        rescued = int(text.split("rescue: committed step ")[1].split()[0])
-        assert rescued >= 13 and rescued % 10, text[-4000:]
-        assert f"(step {rescued}, reason rescue)" in text, text[-4000:]   # the requeued run
+        if "rescue: committed step " in text:
+            rescued = int(text.split("rescue: committed step ")[1].split()[0])
+            assert rescued >= 13 and rescued % 10, text[-4000:]
+            assert f"(step {rescued}, reason rescue)" in text, text[-4000:]   # the requeued run
+        else:
+            # The documented fallback (docs/design.md, "Never a checkpoint that mixes steps"):
+            # the dead node's rank died after the step's all-reduce but before its boundary, so
+            # nobody holds its RNG and data position at the survivor's step. Said, and the
+            # requeued run resumes from the periodic save.
+            assert re.search(r"rescue skipped: no state of step \d+ from rank\(s\) \[1\]",
+                             text), text[-4000:]
+            assert re.search(r"\(step \d+0, reason periodic\)", text), text[-4000:]
         assert killed not in {(work / "pids" / f"host.r{r}").read_text() for r in (0, 1)}
         assert _same_weights(out, uninterrupted)
     finally:
