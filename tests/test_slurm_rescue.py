@@ -214,16 +214,17 @@ def test_hsdp_a_node_killed_between_periodic_saves_is_rescued_from_the_other_nod
 
     step = _rescued_step(job)
     # On failure: the first run's lines without the per-step ones (what each rank saw and did).
-    first_run = "\n".join(ln for ln in job.log_text().splitlines()
-                          if " loss " not in ln and not ln.startswith("step "))[:6000]
-    if step is None and "this rank's shards are of step" in first_run:
+    said = "\n".join(ln for ln in job.log_text().splitlines()
+                     if " loss " not in ln and not ln.startswith("step "))
+    first_run = said[:6000]
+    if step is None and "this rank's shards are of step" in said:
         # The documented fallback (docs/design.md): the node died just after one of its ranks'
         # replica all-reduce with a survivor, so that survivor finished one step more than the
         # other, and nobody holds its shard column at the other's boundary. It says so and
         # the writer gives up at once (it used to wait out its budget until SLURM's SIGTERM);
         # the job resumed from the periodic save, bitwise (checked above).
         assert re.search(r"rescue skipped: no shards of step \d+ for shard column\(s\) \[\d\]",
-                         first_run), first_run
+                         said), first_run
         return
     assert step is not None, f"no rescue (killed at {kill_at}): {first_run}"
     rescue = _manifests(job.checkpoints)[step]["rescue"]
