@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint_helpers import toy
 from checkpoint_helpers.launch import run_ranks
+from helpers import assert_bitwise_equal
 from kempner_resilience.checkpoint import CheckpointManager
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.writer import ChecksummingWriter
@@ -49,20 +50,20 @@ def _blank(x):
     return io.BytesIO() if isinstance(x, io.BytesIO) else x
 
 
-def _assert_same(want, got, where: str = "") -> None:
-    if isinstance(want, torch.Tensor):
-        assert want.dtype == got.dtype and torch.equal(want, got), where
-    elif isinstance(want, dict):
-        for k in want:
-            _assert_same(want[k], got[k], f"{where}.{k}")
-    elif isinstance(want, list):
-        for i, (a, b) in enumerate(zip(want, got)):
-            _assert_same(a, b, f"{where}[{i}]")
-    elif isinstance(want, io.BytesIO):
-        got.seek(0)
-        assert got.read() == want.getvalue(), where
-    else:
-        assert want == got, where
+def _comparable(x):
+    """``x`` for ``assert_bitwise_equal``: each tensor with its dtype (torch.equal ignores
+    it), a byte stream as its bytes."""
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, x)
+    if isinstance(x, dict):
+        return {k: _comparable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_comparable(v) for v in x]
+    return x.getvalue() if isinstance(x, io.BytesIO) else x
+
+
+def _assert_same(want, got) -> None:
+    assert_bitwise_equal(_comparable(want), _comparable(got))
 
 
 @pytest.mark.parametrize("writer,reader", [

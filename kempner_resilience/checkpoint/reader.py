@@ -36,13 +36,12 @@ from kempner_resilience.checkpoint import recordfmt
 from kempner_resilience.checkpoint.crc import crc32
 from kempner_resilience.checkpoint.hostbuf import HostStaging, Slot, caller_streams, flat_bytes
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged
+from kempner_resilience.checkpoint.layout import NotCommitted, read_manifest
 
 __all__ = ["VerifyingReader"]
 
 
 def _committed_manifest(path: Path) -> dict[str, Any] | None:
-    from kempner_resilience.checkpoint.layout import NotCommitted, read_manifest
-
     try:
         return read_manifest(path)
     except NotCommitted:
