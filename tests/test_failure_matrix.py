@@ -151,7 +151,7 @@ class Rank0:
     recorded: dict[int, tuple[str, int]]   # rank -> (kind, code) it recorded; absent: none
     world: int = 2
     restarts: int = 0                      # SLURM_RESTART_COUNT
-    max_restarts: int = 20                 # the run's requeue.max_restarts
+    max_restarts: int | str = 20           # the run's requeue.max_restarts
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class Ray:
     nodes: tuple[str, ...] | None = None   # rank r's Ray node (None: one node per rank)
     alive: tuple[str, ...] | None = None   # Ray's live nodes after (None: every node, no more)
     restarts: int = 0                      # incarnations before this one
-    max_restarts: int = 20                 # the config's requeue.max_restarts
+    max_restarts: int | str = 20           # the config's requeue.max_restarts
     stalled: int = 0
     rescued: bool = True
 
@@ -418,6 +418,34 @@ ROWS: dict[str, Row] = {
         "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=0),
         "rank0": Rank0({}, restarts=3, max_restarts=3),
         "ray": Ray((ActorEnding(81), _died()), restarts=3, max_restarts=3),
+    }),
+    # One meaning of requeue.max_restarts (and of each launcher's own budget) everywhere:
+    # torchrun's --max-restarts and Ray Train's max_failures, 0 = never run again.
+    "a restart budget of 0: the first failure is not run again": Row(Action.LEAVE, 81, {
+        "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, max_restarts=0),
+        "local": Local((81, -9), max_launches=1),          # launch --max-restarts 0
+        "submitit": Submitit((81, -9), max_restarts=0),
+        "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=0, max_restarts=0),
+        "rank0": Rank0({}, max_restarts=0),
+        "ray": Ray((ActorEnding(81), _died()), max_restarts=0),
+    }),
+    "a restart budget of 1: the first failure is run again": Row(Action.RELAUNCH, 81, {
+        "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, max_restarts=1),
+        "local": Local((81, -9), max_launches=2),
+        "submitit": Submitit((81, -9), max_restarts=1),
+        "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=1, max_restarts=1),
+        "rank0": Rank0({}, max_restarts=1),
+        "ray": Ray((ActorEnding(81), _died()), max_restarts=1),
+    }),
+    "an unlimited restart budget after 50 restarts": Row(Action.RELAUNCH, 81, {
+        "srun": Srun(KILLED_BESIDE_A_SURVIVOR, ended_by_loop=True, slurm_restart_count=50,
+                     max_restarts=-1),                    # as rank 0 reports `unlimited`
+        "local": Local((81, -9), index=50, max_launches=10**6),
+        "submitit": Submitit((81, -9), restarts=50, max_restarts=-1),
+        # torchrun's --max-restarts has no unlimited: a large number is its spelling
+        "torchrun": Torchrun({0: 81, 1: -9}, restarts_left=10**6 - 50, max_restarts=10**6),
+        "rank0": Rank0({}, restarts=50, max_restarts="unlimited"),
+        "ray": Ray((ActorEnding(81), _died()), restarts=50, max_restarts="unlimited"),
     }),
     "a relaunch that committed nothing newer, the second in a row: no progress": Row(
         Action.LEAVE, 77, {

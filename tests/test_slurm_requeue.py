@@ -140,7 +140,7 @@ def test_no_progress_over_max_no_progress_restarts_stops_using_the_ledger_on_dis
 
 
 def test_progress_resets_the_no_progress_count(tmp_path):
-    cfg = RequeueConfig(max_restarts=0, max_no_progress=2)  # max_restarts=0: unlimited
+    cfg = RequeueConfig(max_restarts="unlimited", max_no_progress=2)
     path = RunPaths(tmp_path).restarts
     steps = [10, 10, 20, 20, 30]
     assert all(decide_requeue(rc, path, s, cfg).requeue for rc, s in enumerate(steps))
@@ -238,3 +238,37 @@ def test_a_job_slurm_already_requeued_counts_as_requeued(tmp_path, monkeypatch):
     assert result.ok
     assert result.attempts == 1
     assert "already requeued" in result.message
+
+
+def test_a_restart_budget_of_0_never_requeues_as_torchrun_s_max_restarts_0(tmp_path):
+    path = RunPaths(tmp_path).restarts
+    d = decide_requeue(SlurmJob(job_id="1", restart_count=0), path, 10,
+                       RequeueConfig(max_restarts=0))
+    assert not d.requeue and "budget" in d.reason
+
+
+def test_an_unlimited_restart_budget_is_written_unlimited_or_minus_1(tmp_path):
+    from kempner_resilience.config import load_config
+
+    for spelling in ("unlimited", "-1"):
+        cfg = load_config(None, [f"requeue.max_restarts={spelling}"]).requeue
+        assert cfg.restart_limit is None
+        assert decide_requeue(SlurmJob(job_id="1", restart_count=10**5), RunPaths(tmp_path)
+                              .restarts, 10**5, cfg).requeue
+
+
+def test_a_config_with_max_restarts_0_is_told_at_start_that_0_now_means_no_restart(
+        tmp_path, caplog):
+    import logging
+
+    import torch
+    import kempner_resilience as kr
+
+    cfg = kr.load_config(None, [f"checkpoint.dir={tmp_path}", "requeue.max_restarts=0"])
+    with caplog.at_level(logging.WARNING):
+        with kr.ResilientRun(cfg, state={"model": torch.nn.Linear(2, 2)},
+                             exit_mode="raise") as run:
+            for _ in run.steps(1):
+                pass
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "max_restarts is 0" in said and "unlimited" in said

@@ -23,9 +23,15 @@ from kempner_resilience.config.serial import build, check_fields, dump
 __all__ = ["Action", "CheckpointConfig", "ConfigError", "ConfigFileNotFoundError", "DirectIOMode",
            "ExitMode", "IntegrationsConfig", "RequeueConfig", "RescueConfig", "ResilienceConfig",
            "SignalsConfig", "StagingMode", "WatchdogConfig", "normalize_signal", "signal_or_key",
-           "ENV_CONFIG"]
+           "ENV_CONFIG", "UNLIMITED"]
 
 ENV_CONFIG = "KEMPNER_RESILIENCE_CONFIG"
+
+#: ``requeue.max_restarts`` without a limit (Ray Train's ``max_failures=-1``); written
+#: ``unlimited`` in a config. 0 means no restart, as torchrun's ``--max-restarts 0``.
+UNLIMITED = -1
+UNLIMITED_WORDS = ("unlimited", "inf", "infinite")
+UNLIMITED_NOTE = "0 = never run again; -1 = unlimited"
 
 
 def normalize_signal(name: str | int) -> str:
@@ -270,8 +276,9 @@ class RequeueConfig(_Section):
     enabled: bool = field(default=True, metadata=_help(
         "requeue after a committed emergency checkpoint when the signal's action is requeue"))
     max_restarts: int = field(default=20, metadata=_help(
-        "restart budget: stop with NO_REQUEUE once the job has been restarted this often; "
-        "0 = unlimited", bounds=_count(0, 10**6, "0 = unlimited")))
+        "restart budget, as torchrun's --max-restarts and Ray Train's max_failures: the job is "
+        "run again at most this often, then stops with NO_REQUEUE; 0 = never run again; "
+        "unlimited (or -1) = no limit", bounds=_count(-1, 10**6, UNLIMITED_NOTE)))
     max_no_progress: int = field(default=2, metadata=_help(
         "stop with NO_REQUEUE after this many restarts in a row without a newer committed "
         "checkpoint; 0 = off", bounds=_count(0, 10**6, _OFF)))
@@ -287,6 +294,18 @@ class RequeueConfig(_Section):
     time_limit_margin_s: float = field(default=30.0, metadata=_help(
         "seconds kept free before the allocation's end by the time-limit stop (the save "
         "estimate and one step come on top)", bounds=_seconds(_DAY_S, zero="no margin")))
+
+    def __post_init__(self) -> None:
+        # The explicit spelling of "no limit": YAML and --set give the word, Python may too.
+        if isinstance(self.max_restarts, str) and \
+                self.max_restarts.strip().lower() in UNLIMITED_WORDS:
+            self.max_restarts = UNLIMITED
+        super().__post_init__()
+
+    @property
+    def restart_limit(self) -> int | None:
+        """The restart budget as every decider reads it: None = no limit, 0 = never again."""
+        return None if self.max_restarts == UNLIMITED else int(self.max_restarts)
 
 
 @dataclass

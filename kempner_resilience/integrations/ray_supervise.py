@@ -168,7 +168,7 @@ def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, resta
     of the config, the committed steps before and after, the Ray nodes that died under an actor
     (implicated) and the live nodes beside the group's (``spares``; None when no node died:
     the group comes back where Ray places it)."""
-    return Evidence(ends, restarts=restarts, max_restarts=config.requeue.max_restarts,
+    return Evidence(ends, restarts=restarts, max_restarts=config.requeue.restart_limit,
                     commits=commits, stalled=stalled,
                     max_no_progress=config.requeue.max_no_progress, implicated=dead,
                     spares=spares)

@@ -30,8 +30,8 @@ __all__ = ["LOCAL_REQUEUE_CODE", "DEFAULT_MAX_RESTARTS", "task_ends", "Supervisi
 
 #: submitit's ``LOCAL_REQUEUE_RETURN_CODE``: a task's "run me again" to the local controller.
 LOCAL_REQUEUE_CODE = 144
-#: The restarts allowed when the run said nothing (no report, or ``requeue.max_restarts`` 0,
-#: unlimited): submitit's own controller starts the tasks at most 6 times.
+#: The restarts allowed when the run said nothing (no report yet: it died before it started):
+#: submitit's own controller starts the tasks at most 6 times.
 DEFAULT_MAX_RESTARTS = 5
 
 
@@ -68,7 +68,7 @@ class Supervision:
         when no rank ever reported its run: the guard cannot apply), its budget and guard."""
         paths = self.channel.run_paths()
         commits = None if paths is None else Commits(self.before, newest_commit(paths))
-        budget = self.channel.requeue_setting("max_restarts", 0) or DEFAULT_MAX_RESTARTS
+        budget = self.channel.restart_limit(DEFAULT_MAX_RESTARTS)
         return Evidence(task_ends(codes, killed), restarts=self.restarts, max_restarts=budget,
                         commits=commits, stalled=self.stalled,
                         max_no_progress=self.channel.requeue_setting("max_no_progress", 2))

@@ -369,6 +369,12 @@ def _preflight(run: RunParts) -> None:
     from kempner_resilience.slurm.preflight import plain_torchrun
 
     job, ckpt = run.slurm, run.ckpt
+    if run.rank == 0 and run.config.requeue.restart_limit == 0:
+        # 0 meant "unlimited" before it took torchrun's meaning: a config written then would
+        # silently lose its requeues.
+        log.warning("requeue.max_restarts is 0: this job is never requeued or relaunched (0 "
+                    "meant unlimited in earlier versions); write `max_restarts: unlimited` "
+                    "for no limit")
     hint = plain_torchrun() if run.rank == 0 and job is None else None
     if hint is not None:        # under SLURM, the preflight's findings below say it
         log.warning("%s", hint)

@@ -46,7 +46,7 @@ class LoopState:
     """What the step loop knows beside the step itself."""
 
     relaunches: int = 0                   # relaunches in place before this step (its index)
-    max_relaunches: int = 1               # --in-job-restarts
+    max_relaunches: int = 1               # --in-job-restarts, within requeue.max_restarts
     requeue_left: bool = False            # SLURM would still requeue the job: requeue.enabled
                                           # and SLURM_RESTART_COUNT < requeue.max_restarts
     committed_before: int | None = None   # the run's newest committed step when the step began

@@ -239,10 +239,14 @@ class Relauncher:
         spares. Reads the run's directory and the channel; acts on nothing."""
         cfg = self.requeue_config()
         bad = bad_nodes(self.run_paths) | self._bad_here
+        # A relaunch in place is a restart too: the run's budget (requeue.max_restarts, less
+        # what SLURM's requeues used of it) caps the loop's own, so 0 runs the step once.
+        limit, restarts = cfg.restart_limit, self.job.restart_count
+        in_place = int(self.in_job_restarts) if limit is None else \
+            min(int(self.in_job_restarts), max(0, limit - restarts))
         state = LoopState(
-            relaunches=index, max_relaunches=int(self.in_job_restarts),
-            requeue_left=bool(cfg.enabled) and (not cfg.max_restarts
-                                                or self.job.restart_count < cfg.max_restarts),
+            relaunches=index, max_relaunches=in_place,
+            requeue_left=bool(cfg.enabled) and (limit is None or restarts < limit),
             committed_before=committed_before, committed_now=self._committed_step(),
             stalled=self._stalled, max_no_progress=int(cfg.max_no_progress),
             spares=len(set(self.nodes) - bad - set(res.report.nodes)), stopping=self.stopping)

@@ -259,7 +259,8 @@ def decide_requeue(job_or_restart_count: SlurmJob | int | None,
     RestartLedger, a ledger file path, or None (no no-progress guard). ``committed_step``: the
     newest committed checkpoint's step (None: none yet). Does not need SLURM.
 
-    NO_REQUEUE when the budget is spent (``restart_count >= max_restarts``; 0 = unlimited) or
+    NO_REQUEUE when the budget is spent (``restart_count >= max_restarts``: 0 never requeues,
+    ``unlimited`` has no limit) or
     when the committed step did not advance over ``max_no_progress`` consecutive restarts.
     """
     if ledger is not None and not isinstance(ledger, RestartLedger):
@@ -290,15 +291,16 @@ def decide_requeue(job_or_restart_count: SlurmJob | int | None,
 
     if not config.enabled:
         return done("requeue.enabled is false", Verdict.DISABLED)
-    if config.max_restarts and restart_count >= config.max_restarts:
+    limit = config.restart_limit
+    if limit is not None and restart_count >= limit:
         return done(f"restart budget exhausted: restarted {restart_count} times, "
-                    f"requeue.max_restarts={config.max_restarts}", Verdict.BUDGET_SPENT)
+                    f"requeue.max_restarts={limit}", Verdict.BUDGET_SPENT)
     if config.max_no_progress and stalled >= config.max_no_progress:
         return done(f"no progress: the committed step stayed at {committed_step} over {stalled} "
                     f"restarts in a row (requeue.max_no_progress={config.max_no_progress}); "
                     "the job probably dies before it can checkpoint", Verdict.NO_PROGRESS)
     return done(f"restart {restart_count + 1}"
-                + (f" of {config.max_restarts}" if config.max_restarts else "")
+                + (f" of {limit}" if limit is not None else "")
                 + f", committed step {committed_step}", Verdict.REQUEUED)
 
 

@@ -240,6 +240,15 @@ class Channel:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         return value if ok else default     # type: ignore[return-value]
 
+    def restart_limit(self, default: int | None) -> int | None:
+        """The run's restart budget (``requeue.max_restarts``) as rank 0 reported it: None for
+        ``unlimited`` (-1), 0 for no restart; ``default`` when the run said nothing."""
+        report = self.read()
+        value = None if report is None else report.requeue.get("max_restarts")
+        if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+            return default
+        return None if value == -1 else value
+
     # ------------------------------------------------------------------ the launch
 
     def begin_launch(self, restarts: int) -> None:
