@@ -19,8 +19,8 @@ import enum
 import signal
 from dataclasses import dataclass
 
-__all__ = ["ExitCode", "describe", "for_signal_stop", "TABLE", "RUN_AGAIN", "RESCUED", "Ending",
-           "Saved", "Verdict", "Facts", "exit_code", "Row", "ROWS", "CLI_ONLY", "endings_markdown"]
+__all__ = ["ExitCode", "describe", "brief", "BRIEF", "for_signal_stop", "TABLE", "RUN_AGAIN",
+           "RESCUED", "Ending", "Saved", "Verdict", "Facts", "exit_code", "Row", "ROWS", "CLI_ONLY", "endings_markdown"]
 
 
 class ExitCode(enum.IntEnum):
@@ -115,6 +115,36 @@ TABLE: dict[ExitCode, str] = {
 }
 
 
+#: One short sentence per code, for the exit line a run prints last: ``TABLE`` (and
+#: ``kempner-resilience exit-codes``) holds the full explanation.
+BRIEF: dict[ExitCode, str] = {
+    ExitCode.OK: "all steps finished",
+    ExitCode.ERROR: "the job ends on an error; not requeued",
+    ExitCode.HANG: "no step finished within watchdog.hang_timeout_s",
+    ExitCode.DEADLINE: "the shutdown overran its grace",
+    ExitCode.REQUEUE: "checkpoint committed; run it again",
+    ExitCode.STOPPED: "stopped by a signal; checkpoint committed, not requeued",
+    ExitCode.NO_REQUEUE: "restart budget spent or no progress; not requeued",
+    ExitCode.CONFIG: "the run could not start; stderr names the fix",
+    ExitCode.REQUEUE_FAILED: "checkpoint committed, but the requeue failed; resubmit the job",
+    ExitCode.CHECKPOINT_FAILED: "the checkpoint failed; the previous one is intact",
+    ExitCode.PEER_LOST: "another rank is gone; the newest committed checkpoint is the resume "
+                        "point",
+    ExitCode.LEASE_LOST: "another run holds checkpoint.dir now; do not requeue",
+    ExitCode.SIGINT: "stopped by SIGINT; checkpoint committed",
+    ExitCode.SIGTERM: "stopped by SIGTERM; checkpoint committed",
+}
+
+
+def brief(code: int) -> str:
+    """``NAME (code): one short sentence``, for a run's exit line (``describe`` says all)."""
+    try:
+        c = ExitCode(code)
+    except ValueError:
+        return describe(code)
+    return f"{c.name} ({code}): {BRIEF.get(c, TABLE[c])}"
+
+
 # The restartable endings, defined once here (the code contract, in the core layer) and read by
 # the launch side's one policy (``supervise/policy.py``), which the srun steps, the torchrun
 # spares and the local launcher take them from. RESCUED: a failure the survivors may have
@@ -155,6 +185,8 @@ class Ending(enum.Enum):
     """How a run ended (the ``ending`` of the run ledger's ``exit`` event)."""
 
     COMPLETED = "completed"            # every step ran
+    LEFT_EARLY = "left-early"          # the script left run.steps before its last step (a
+                                       # break, a return): ranks still in the loop lose it
     SIGNAL = "signal"                  # a shutdown signal (or the allocation's end): all ranks
                                        # stopped at one step, saved, maybe requeued
     FORCED = "forced"                  # a second SIGINT/SIGTERM during the shutdown: out at once
@@ -211,7 +243,8 @@ _REQUEUE_CODES = {Verdict.REQUEUED: ExitCode.REQUEUE, Verdict.BUDGET_SPENT: Exit
                   Verdict.SCONTROL_FAILED: ExitCode.REQUEUE_FAILED,
                   Verdict.UNHEARD: ExitCode.REQUEUE_FAILED}
 _KNOWN = frozenset(int(c) for c in ExitCode)
-_FIXED = {Ending.COMPLETED: ExitCode.OK, Ending.ERROR: ExitCode.ERROR,
+_FIXED = {Ending.COMPLETED: ExitCode.OK, Ending.LEFT_EARLY: ExitCode.OK,
+          Ending.ERROR: ExitCode.ERROR,
           Ending.PEER_LOST: ExitCode.PEER_LOST, Ending.HANG: ExitCode.HANG,
           Ending.DEADLINE: ExitCode.DEADLINE, Ending.STARTUP: ExitCode.CONFIG,
           Ending.SAVES_FAILING: ExitCode.CHECKPOINT_FAILED,
@@ -256,6 +289,8 @@ _TERM, _INT, _USR1 = signal.SIGTERM, signal.SIGINT, signal.SIGUSR1
 
 ROWS: tuple[Row, ...] = (
     Row(Facts(Ending.COMPLETED), "every step ran"),
+    Row(Facts(Ending.LEFT_EARLY), "this rank's script left `run.steps` before its last step (a "
+        "`break`, a `return`); a rank still in the loop loses it and leaves with 1"),
     _stop(_USR1, "a signal whose action is `requeue` (SIGUSR1 by default, or the allocation's "
           "end); checkpoint committed; requeued", requeue=Verdict.REQUEUED),
     _stop(_USR1, "the same; not requeued: requeue.max_restarts reached",

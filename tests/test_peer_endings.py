@@ -115,3 +115,11 @@ def test_a_rank_sigkilled_leaves_81_and_the_next_launch_resumes_bitwise(tmp_path
     assert _launch(work)[0] == [0, 0]       # run again, as the 81 asks: no kill this time
     assert_bitwise_equal(torch.load(work / "weights.pt", weights_only=True),
                          torch.load(ref / "weights.pt", weights_only=True))
+
+
+def test_a_rank_that_breaks_out_of_run_steps_is_named_with_its_step_by_the_survivor(tmp_path):
+    codes, errs = _launch(tmp_path, "--break-at", "1:5")
+    assert codes == [1, 0], errs
+    assert "rank 1 left run.steps at step 5" in errs[0], errs[0]
+    assert "not requeued" in errs[0] and "node" not in errs[0], errs[0]
+    assert "left run.steps at step 5" in errs[1], errs[1]

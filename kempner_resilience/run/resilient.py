@@ -141,7 +141,8 @@ class ResilientRun:
                 sequence.stop(run, StopDecision(self.step, reason, mine is not None))
             if exc_type is None:
                 loop.say_if_never_looped(run.parts, self._looped, self._progress.last_saved)
-                sequence.complete(run, self.step)
+                sequence.complete(run, self.step, left_early=self._looped and not self._done
+                                  and reason is None)
         finally:
             self._hang.stop()
             # Past an ending in `exit` mode the deadline still bounds the interpreter's exit.

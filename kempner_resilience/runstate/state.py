@@ -18,6 +18,7 @@ from kempner_resilience.supervise.channel import Channel, report_now
 from kempner_resilience.supervise.endings import RankEnding, note_ending
 
 _LEASE_LOST = Ending.LEASE_LOST.value
+_LEFT_EARLY = Ending.LEFT_EARLY.value
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -70,8 +71,10 @@ class RunState:
         supervisor its exit code says it. Never raises; nothing without checkpoints (nothing
         to requeue to) or in one process."""
         parts = self.parts
+        # A rank that left run.steps early says so under a supervisor too: its exit code (0)
+        # tells the supervisor, but only this word tells its peers which rank and step.
         if parts.ckpt is None or parts.attempt_token is None \
-                or Channel.from_env() is not None:
+                or (Channel.from_env() is not None and kind != _LEFT_EARLY):
             return
         # A run another run took checkpoint.dir over from writes nothing there any more (its
         # lease says so on rank 0; every rank's code says so): the directory is the new

@@ -108,9 +108,15 @@ def fail(state: RunState, exc: BaseException) -> None:
     facts = Facts(Ending.PEER_LOST if lost else Ending.ERROR, state.step,
                   peer_forced_code=forced)
     if lost:
-        if forced is None:
+        left = steps.peers_left(state) if forced is None else {}
+        if left:
+            log.error("%s; leaving at step %d", "; ".join(
+                f"rank {r} left run.steps at step {s}" for r, s in sorted(left.items())),
+                facts.step)
+        elif forced is None:
             log.error("a peer rank is gone (%s); leaving at step %d", first_line(exc),
                       facts.step)
+        if forced is None:
             rescued(state, "peer lost")
         else:   # the user forced a rank out: every rank leaves at once, no rescue wait
             log.info("no rescue: a rank was forced out with %d (%s)", forced, first_line(exc))
@@ -173,13 +179,20 @@ def lease_lost(state: RunState, step: int) -> NoReturn:
     _leave(state, Facts(Ending.LEASE_LOST, step), done)
 
 
-def complete(state: RunState, step: int) -> None:
-    """All steps ran: cleanups, drain saves, report; the caller's code goes on."""
+def complete(state: RunState, step: int, *, left_early: bool = False) -> None:
+    """All steps ran, or the script left ``run.steps`` early without a stop (``left_early``):
+    cleanups, drain saves, report; the caller's code goes on."""
+    if left_early:
+        # Said first, before this rank's sockets close: a peer still in the loop then names
+        # this rank and its step instead of "a peer is gone" (steps.peers_left).
+        state.note_ending(Ending.LEFT_EARLY.value, 0)
+        log.info("left run.steps at step %d without a stop: ranks still in the loop will lose "
+                 "this rank", step)
     close_rescue(state)
     state.parts.teardown.run()
     if state.parts.ckpt is not None:
         state.parts.ckpt.close()
-    record(state, Facts(Ending.COMPLETED, step))
+    record(state, Facts(Ending.LEFT_EARLY if left_early else Ending.COMPLETED, step))
     state.parts.agreement.release()
 
 
@@ -280,7 +293,7 @@ def _leave(state: RunState, facts: Facts, done: TornDown, error: BaseException |
             log.warning("exiting with %s (%d): no state to checkpoint (ResilientRun without "
                         "state=)", exitcodes.ExitCode(code).name, code)
         else:
-            log.warning("exiting with %s", exitcodes.describe(code))
+            log.warning("exiting with %s", exitcodes.brief(code))
     leaving.leave(parts.handler.deadline, code, parts.exit_mode,
                   parts.config.watchdog.exit_timeout_s, error, keep_traceback,
                   left_behind=done.left_behind)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from kempner_resilience.config import Action, ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel
-from kempner_resilience.exitcodes import ExitCode, Saved, Verdict
+from kempner_resilience.exitcodes import Ending, ExitCode, Saved, Verdict
 from kempner_resilience.runstate import RunState
 from kempner_resilience.stop.reason import StopKind, StopReason
 from kempner_resilience.stop.teardown import (CleanupResult, TeardownStack, cuda_synchronize,
@@ -165,6 +165,26 @@ def peers_code(state: RunState, own: int = ExitCode.PEER_LOST) -> int | None:
     log.error("not requeued: %s (%s); this rank exits with %d", decision.why, said,
               decision.code)
     return decision.code
+
+
+def peers_left(state: RunState) -> dict[int, int]:
+    """The peers that left ``run.steps`` early in this attempt, as they said before their
+    sockets closed (``sequence.complete``): rank -> the step it left at. One listing of the
+    attempt's endings, no wait: a failure path must not pay a rank-by-rank lookup."""
+    from kempner_resilience.supervise.endings import read_endings
+
+    parts = state.parts
+    if parts.ckpt is None or parts.attempt_token is None:
+        return {}
+    paths, token = parts.ckpt.paths, parts.attempt_token
+    try:
+        names = os.listdir(paths.endings(token))
+    except OSError:
+        return {}
+    ranks = [int(n[5:-5]) for n in names
+             if n.startswith("rank-") and n.endswith(".json") and n[5:-5].isdigit()]
+    seen = read_endings(paths, token, (r for r in ranks if r != state.rank), wait_s=0.0)
+    return {r: e.step for r, e in seen.items() if e.kind == Ending.LEFT_EARLY.value}
 
 
 # ------------------------------------------------------------------------------ the steps

@@ -219,9 +219,8 @@ def decide(ev: Evidence) -> Decision:
     if kind is Kind.LEFT_EARLY:
         lost = [r for r in range(len(ev.ends)) if r not in early]
         return Decision(Action.LEAVE, code, kind,
-                        f"rank(s) {list(early)} left run.steps early (exit 0) while rank(s) "
-                        f"{lost} still ran and lost them: a script that leaves the loop on some "
-                        "ranks only (break, sys.exit), not a node failure; not relaunched",
+                        f"rank(s) {list(early)} left run.steps early while rank(s) {lost} "
+                        "still trained: not relaunched",
                         left_early=early)
     if kind in (Kind.FINAL, Kind.STOPPED):
         return Decision(Action.LEAVE, code, kind,

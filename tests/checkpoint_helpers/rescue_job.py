@@ -27,6 +27,8 @@ would, once:
     --raise-at R:S        rank R raises RuntimeError in step S, in every launch (a bug)
     --exit-at R:S         rank R calls sys.exit(0) in step S, in every launch (it leaves the
                           loop early)
+    --break-at R:S        rank R breaks out of ``run.steps`` in step S, in every launch (it
+                          leaves the loop early and ends its script normally)
 
 The first launch is the one with none of ``KEMPNER_RESTART_COUNT``, ``SLURM_RESTART_COUNT`` (a
 plain ``srun`` job's requeue) and ``KEMPNER_RESILIENCE_IN_JOB_RESTART`` (the srun step loop's
@@ -111,6 +113,7 @@ def main() -> int:
     p.add_argument("--no-ddp-unsynced", action="store_true")
     p.add_argument("--raise-at")
     p.add_argument("--exit-at")
+    p.add_argument("--break-at")
     args = p.parse_args()
     configure("INFO")
     torch.set_num_threads(1)
@@ -118,6 +121,7 @@ def main() -> int:
     first = all(os.environ.get(v, "0") in ("", "0") for v in (
         "KEMPNER_RESTART_COUNT", "SLURM_RESTART_COUNT", "KEMPNER_RESILIENCE_IN_JOB_RESTART"))
     bug, leave, forever = _at(args.raise_at), _at(args.exit_at), _at(args.wait_forever)
+    early = _at(args.break_at)
     kill, kill_optim, kill_after, hang, stall = (
         _at(a) if first else (-1, -1)
         for a in (args.kill_at, args.kill_in_optim, args.kill_after_step, args.hang_at,
@@ -153,6 +157,8 @@ def main() -> int:
                 raise RuntimeError(f"a bug on rank {rank} at step {step}")
             if (rank, step) == leave:
                 sys.exit(0)
+            if (rank, step) == early:
+                break
             if (rank, step) == forever:
                 while True:
                     time.sleep(1.0)
