@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from kempner_resilience.exitcodes import ExitCode
 from slurm_fixtures import (in_ci, multinode_cluster, slow_death, slurm_cluster,  # noqa: F401
                             submit, wait_for, wait_job)
 
@@ -296,20 +297,42 @@ def test_sigkill_of_one_training_actor_is_rescued_and_its_group_recreated_losing
     assert job.processes() == []
 
 
-def test_sigterm_to_the_asyncio_rollout_actor_cancels_every_episode_and_leaks_nothing(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", ["get", "supervise"])
+def test_sigterm_to_the_asyncio_rollout_actor_cancels_every_episode_and_the_job_runs_again(
+        tmp_path: Path, shape: str) -> None:
     # Ray's kill without force, a node drain, an eviction of the rollout actor: SIGTERM to its
-    # own process, whose event loop runs in a thread the signal's handler does not run on.
-    job = Job(tmp_path, tmp_path / "ckpt", "--steps", "400")
+    # own process, whose event loop runs in a thread the signal's handler does not run on. The
+    # training cannot go on without it: it stops with a checkpoint and asks to run again.
+    job = Job(tmp_path, tmp_path / "ckpt", "--steps", "400",
+              *(["--supervise"] if shape == "supervise" else []))
     job.wait_training()
     rollout = job.rollout_pid()
     os.kill(rollout, signal.SIGTERM)
     assert _gone(rollout, within_s=25.0), job.text()      # signals.grace_per_signal_s SIGTERM
     assert "rollout" in job.finally_ran(), job.text()
     assert job.resources() == 0, job.text()               # every episode's finally ran
-    if job.proc.poll() is None:                           # the training may go on: end it
-        job.ctrl_c()
-    job.wait()
+    code = job.wait()
+    text = job.text()
+    assert code == ExitCode.REQUEUE, text                 # never 0, never 1
+    assert "a rollout or helper actor was stopped" in text, text
+    assert "Traceback" not in text, text
+    assert len(_committed(job.ckpt)) == 1, text
+    assert job.processes() == []
+
+
+def test_sigterm_to_a_training_actor_of_the_plain_job_ends_the_driver_with_75_not_0(
+        tmp_path: Path) -> None:
+    # docs/ray.md's plain shape (driver.get on the training calls): the actor's eviction stops
+    # its group at one boundary with a checkpoint; the driver must not report the job done.
+    job = Job(tmp_path, tmp_path / "ckpt", "--steps", "400")
+    job.wait_training()
+    os.kill(job.trainers()[1], signal.SIGTERM)
+    code = job.wait()
+    text = job.text()
+    assert code == ExitCode.REQUEUE, text
+    assert "trained" not in text, text                    # the script's own "done" line
+    assert len(_committed(job.ckpt)) == 1, text
+    assert job.resources() == 0
     assert job.processes() == []
 
 

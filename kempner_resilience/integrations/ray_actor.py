@@ -32,15 +32,20 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, Sequence
 
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.ray_board import BoardWatcher
+from kempner_resilience.supervise.endings import RankEnding
+from kempner_resilience.supervise.policy import RankEnd
 
-__all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group"]
+__all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group", "actor_ends",
+           "actor_died"]
 
 log = get_logger(__name__)
+
+_SIGKILL_END = RankEnd(128 + 9, signaled=True)
 
 
 @dataclass
@@ -55,6 +60,43 @@ class ActorEnding:
     @property
     def stopped(self) -> bool:
         return self.code != 0
+
+
+def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
+               recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
+    """Each training call's outcome (an ``ActorEnding``, or the exception it raised) as the
+    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) ended as
+    it recorded before it went (``recorded``, ``supervise/endings.py``: the hang watchdog's
+    42, whose ``os._exit`` Ray reports only as a closed connection, with no exit code), else it
+    is a rank killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a
+    call that raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM
+    that the driver did not send was stopped by Ray or its node (a kill, a drain, an
+    eviction): as a scheduler requeues a job that its preemption's SIGTERM stopped, that group
+    asks to run again (75 REQUEUE), with its emergency checkpoint."""
+    ends = []
+    for rank, out in enumerate(outcomes):
+        ending = out.get("ending") if isinstance(out, dict) else out
+        if rank in killed:
+            ends.append(RankEnd(int(ExitCode.HANG), by_supervisor=True))
+        elif isinstance(ending, ActorEnding):
+            code = ending.code
+            if code == int(ExitCode.SIGTERM) and not ending.from_driver \
+                    and not driver_stopping:
+                code = int(ExitCode.REQUEUE)
+            ends.append(RankEnd(code))
+        elif actor_died(out):
+            ends.append(recorded[rank].end() if recorded and rank in recorded
+                        else _SIGKILL_END)
+        else:   # the training raised an error of its own (Ray's RayTaskError): a bug
+            ends.append(RankEnd(int(ExitCode.ERROR)))
+    return tuple(ends)
+
+
+def actor_died(error: Any) -> bool:
+    """Whether ``error`` (a call's outcome) says that the actor's process is gone."""
+    # By the class's name: Ray is imported lazily, and RayActorError is its API for "the
+    # actor's process is gone" (ActorDiedError, ActorUnavailableError derive from it).
+    return any(c.__name__ == "RayActorError" for c in type(error).__mro__)
 
 
 def init_group(rank: int, world_size: int, addr: str, port: int, *,

@@ -38,12 +38,13 @@ from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, l
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
-from kempner_resilience.integrations.ray_actor import ActorEnding
+from kempner_resilience.integrations.ray_actor import ActorEnding, actor_died, actor_ends
 from kempner_resilience.integrations.ray_board import create_board
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import requeue_run
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.supervise.channel import newest_commit
+from kempner_resilience.supervise.policy import Action, Evidence, RankEnd, decide
 
 __all__ = ["RayDriver"]
 
@@ -63,8 +64,10 @@ class RayDriver:
     ...     out = driver.get([t.train.remote(driver.board, 100) for t in trainers],
     ...                      cancel=[rollout.run.remote(50)])
 
-    ``get`` returns the results of ``refs`` when they are all done; after a stop it raises
-    ``SystemExit`` with the job's code (the ``with`` block's code after it does not run).
+    ``get`` returns the results of ``refs`` when every training call completed; after a
+    stop, or when a call ended otherwise (an actor stopped by Ray's SIGTERM, killed, or a
+    rollout actor lost), it raises ``SystemExit`` with the job's code (the ``with`` block's
+    code after it does not run): never a stopped job that looks done.
     """
 
     def __init__(self, config: ResilienceConfig | SignalsConfig | None = None, *,
@@ -130,26 +133,52 @@ class RayDriver:
 
         ``cancel``: other in-flight calls that live as long as the training (rollouts, reward
         workers). A stop cancels them without force and waits for them; so does the end of
-        the training. A signal, or any of these calls failing, stops everything (the sequence
-        above); a failure is raised again after the stop.
+        the training. A signal, or a call raising an error of its own, stops everything (the
+        sequence above); that error is raised again after the stop. A call of ``cancel``
+        whose actor was stopped or died (an eviction) also stops everything, to run again
+        (75). A training actor that Ray stopped or lost ends its group as ranks end (the
+        survivors rescue and stop); ``get`` then leaves with the job's code from the one
+        policy, requeueing under SLURM when the job is to run again.
         """
         import ray
 
         refs, cancel = list(refs), list(cancel)
         pending = refs + cancel
+        until: float | None = None      # a training actor is lost: the others' rescue bound
+        bound = self._rescue_bound()
         while not self._stop.is_set() and any(r in pending for r in refs):
+            if until is not None and time.monotonic() > until:
+                break
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
             for ref in done:
                 err = _error_of(ref)
-                if err is not None:
-                    log.error("a task failed (%s): stopping every actor", type(err).__name__)
-                    self._stop_all(signal.SIGTERM, refs, cancel, error=err)
+                if err is None:
+                    continue
+                if ref in cancel and _lost(err):
+                    self._helper_lost(err, refs, cancel)
+                if ref in refs and actor_died(err):
+                    if until is None:
+                        log.error("a training actor is gone (%s): waiting up to %.0f s for "
+                                  "the others' rescue", type(err).__name__, bound)
+                        until = time.monotonic() + bound
+                    continue
+                log.error("a task failed (%s): stopping every actor", type(err).__name__)
+                self._stop_all(signal.SIGTERM, refs, cancel, error=err)
         if self._stop.is_set():
             req = self._handler.request
             assert req is not None
             self._stop_all(req.signum, refs, cancel)
+        killed = [r for r, ref in enumerate(refs) if ref in pending]
+        if killed:
+            log.error("rank(s) %s did not end %.0f s after the loss: killing every actor",
+                      killed, bound)
+            self._kill_actors()
         self._cancel_and_wait(cancel, self._bound(signal.SIGTERM))
-        return ray.get(refs)
+        results = [_result_of(r) for r in refs]
+        ends = actor_ends([_outcome(r) for r in results], killed, driver_stopping=False)
+        if any(e.code != 0 for e in ends):
+            self._leave_after(ends)
+        return results
 
     def untrack(self, *actors: Any) -> None:
         """Actors no longer to kill on a forced stop (a supervisor killed them already)."""
@@ -164,16 +193,25 @@ class RayDriver:
 
         Unlike ``get``, a failed call does not stop everything: its actor is lost, and the
         survivors rescue and end on their own (``ray_supervise`` decides what follows). A
-        signal to the driver is its stop, as in ``get`` (``cancel`` included)."""
+        signal to the driver is its stop, as in ``get`` (``cancel`` included); so is a call of
+        ``cancel`` that ends on its own (a rollout actor evicted: to run again)."""
         import ray
 
-        refs = list(refs)
-        pending = list(refs)
+        refs, cancel = list(refs), list(cancel)
+        pending = refs + cancel
         until: float | None = None
-        while pending and not self._stop.is_set():
+        while any(r in pending for r in refs) and not self._stop.is_set():
             if until is not None and time.monotonic() > until:
                 break
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            for ref in (r for r in done if r in cancel):
+                err = _error_of(ref)
+                if err is not None and _lost(err):
+                    self._helper_lost(err, refs, cancel)
+                if err is not None:
+                    log.error("a task failed (%s): stopping every actor", type(err).__name__)
+                    self._stop_all(signal.SIGTERM, refs, cancel, error=err)
+            done = [r for r in done if r in refs]
             if until is None and any(_error_of(r) is not None for r in done):
                 log.error("a training actor is lost: waiting up to %.0f s for the others' "
                           "rescue", bound)
@@ -181,7 +219,7 @@ class RayDriver:
         if self._stop.is_set():
             req = self._handler.request
             assert req is not None
-            self._stop_all(req.signum, refs, list(cancel))
+            self._stop_all(req.signum, refs, cancel)
         killed = [r for r, ref in enumerate(refs) if ref in pending]
         for r in killed:
             log.error("rank %d did not end %.0f s after the loss: killing its actor", r, bound)
@@ -197,9 +235,42 @@ class RayDriver:
 
     # ------------------------------------------------------------------ the stop
 
+    def _helper_lost(self, err: BaseException, refs: list[Any], cancel: list[Any]) -> None:
+        """A call that lives as long as the training (a rollout) ended without being asked:
+        its actor was stopped (Ray's SIGTERM: a drain, an eviction) or died. The training
+        cannot go on without it: every actor stops with its checkpoint, to run again."""
+        why = "was stopped (its tasks cancelled)" if _cancelled(err) else "is gone"
+        log.error("a rollout or helper actor %s (%s): stopping the training to run again",
+                  why, type(err).__name__)
+        self._stop_all(signal.SIGTERM, refs, cancel, run_again=f"a helper actor {why}")
+
+    def _leave_after(self, ends: Sequence[RankEnd]) -> None:
+        """The training calls ended, not all of them completed (the group stopped by Ray's
+        SIGTERM, an actor lost): the job's code from the one policy, the job requeued under
+        SLURM when it is to run again, Ray shut down, ``SystemExit``."""
+        import ray
+
+        decision = decide(Evidence(tuple(ends)))
+        code = decision.code
+        if decision.action is not Action.LEAVE:
+            verdict = self.requeue(decision.why)
+            if verdict is not None and verdict is not Verdict.REQUEUED:
+                code = int(exit_code(Facts(Ending.SIGNAL, signum=signal.SIGTERM,
+                                           saved=Saved.COMMITTED, requeue=verdict)))
+        log.warning("the training group ended %s before its last step: %s; exit %d",
+                    [e.code for e in ends], decision.why, code)
+        ray.shutdown()
+        raise SystemExit(code)
+
+    def _rescue_bound(self) -> float:
+        """How long the survivors of a lost training actor get to rescue and end."""
+        return (self.config.rescue.budget_s if self.config is not None else 120.0) + 30.0
+
     def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
-                  error: BaseException | None = None) -> None:
-        """Stop every actor, wait for them within the bound, shut Ray down, leave."""
+                  error: BaseException | None = None, run_again: str | None = None) -> None:
+        """Stop every actor, wait for them within the bound, shut Ray down, leave.
+        ``run_again``: why the job is to run again although no signal asked (a lost helper
+        actor): requeued under SLURM once every actor committed, else exit 75."""
         import ray
 
         self._stopping = True
@@ -217,10 +288,13 @@ class RayDriver:
             code = int(ExitCode.DEADLINE)
         elif error is not None:
             code = int(ExitCode.ERROR)
+        elif run_again is not None:
+            saved = _saved(self.results)
+            verdict = self.requeue(run_again) if saved is Saved.COMMITTED else None
+            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
+                                       requeue=verdict or Verdict.REQUEUED)))
         else:
-            saved = Saved.FAILED if any(isinstance(r, ActorEnding)
-                                        and r.code == ExitCode.CHECKPOINT_FAILED
-                                        for r in self.results) else Saved.COMMITTED
+            saved = _saved(self.results)
             if signal.SIGINT in self._handler.deliveries:
                 signum = signal.SIGINT   # the parent's SIGTERM may have come first: a Ctrl+C
             code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
@@ -318,6 +392,36 @@ def _clear_ray_handlers(signums: Sequence[int]) -> None:
         prev = signal.getsignal(signum)
         if callable(prev) and (getattr(prev, "__module__", "") or "").startswith("ray"):
             signal.signal(signum, signal.SIG_DFL)
+
+
+def _saved(results: Sequence[Any]) -> Saved:
+    """The stop's checkpoint as the training calls returned it (an ``ActorEnding`` each, or a
+    dict holding one under ``"ending"``)."""
+    for r in results:
+        ending = r.get("ending") if isinstance(r, dict) else r
+        if isinstance(ending, ActorEnding) and ending.code == ExitCode.CHECKPOINT_FAILED:
+            return Saved.FAILED
+    return Saved.COMMITTED
+
+
+def _outcome(result: Any) -> Any:
+    """A call's result as ``actor_ends`` reads it: an ``ActorEnding`` (alone or under a
+    dict's ``"ending"``) or an exception as they are; any other value is a call that completed
+    (``get`` also waits for plain calls: an address, a group's set-up)."""
+    ending = result.get("ending") if isinstance(result, dict) else result
+    if isinstance(ending, (ActorEnding, BaseException)):
+        return result
+    return ActorEnding(0)
+
+
+def _cancelled(err: BaseException) -> bool:
+    return any(c.__name__ == "TaskCancelledError" for c in type(err).__mro__)
+
+
+def _lost(err: BaseException) -> bool:
+    """A call that ended because its actor was stopped or died, not by an error of its own:
+    nobody but the actor's own SIGTERM handling cancels a call the driver did not cancel."""
+    return _cancelled(err) or actor_died(err)
 
 
 def _error_of(ref: Any) -> BaseException | None:

@@ -31,17 +31,18 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.ray_actor import ActorEnding
+from kempner_resilience.integrations.ray_actor import actor_died as _actor_died
+from kempner_resilience.integrations.ray_actor import actor_ends
 from kempner_resilience.integrations.ray_driver import RayDriver
 from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.supervise.channel import newest_commit
-from kempner_resilience.supervise.endings import RankEnding, endings_since
+from kempner_resilience.supervise.endings import endings_since
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
                                                  RankEnd, decide)
 
@@ -50,41 +51,10 @@ __all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evi
 
 log = get_logger(__name__)
 
-_SIGKILL_END = RankEnd(128 + 9, signaled=True)
 # How long a lost actor's silent node may take to be declared dead by Ray (its health check:
 # by default 5 failures 3 s apart, each with a 10 s timeout, after a 5 s initial delay).
 _NODE_DEATH_WAIT_S = 90.0
 _POLL_S = 1.0
-
-
-def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
-               recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
-    """Each training call's outcome (an ``ActorEnding``, or the exception it raised) as the
-    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) ended as
-    it recorded before it went (``recorded``, ``supervise/endings.py``: the hang watchdog's
-    42, whose ``os._exit`` Ray reports only as a closed connection, with no exit code), else it
-    is a rank killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a
-    call that raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM
-    that the driver did not send was stopped by Ray or its node (a kill, a drain, an
-    eviction): as a scheduler requeues a job that its preemption's SIGTERM stopped, that group
-    asks to run again (75 REQUEUE), with its emergency checkpoint."""
-    ends = []
-    for rank, out in enumerate(outcomes):
-        ending = out.get("ending") if isinstance(out, dict) else out
-        if rank in killed:
-            ends.append(RankEnd(int(ExitCode.HANG), by_supervisor=True))
-        elif isinstance(ending, ActorEnding):
-            code = ending.code
-            if code == int(ExitCode.SIGTERM) and not ending.from_driver \
-                    and not driver_stopping:
-                code = int(ExitCode.REQUEUE)
-            ends.append(RankEnd(code))
-        elif _actor_died(out):
-            ends.append(recorded[rank].end() if recorded and rank in recorded
-                        else _SIGKILL_END)
-        else:   # the training raised an error of its own (Ray's RayTaskError): a bug
-            ends.append(RankEnd(int(ExitCode.ERROR)))
-    return tuple(ends)
 
 
 def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
@@ -145,12 +115,6 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
             except Exception as e:   # already gone
                 log.debug("ray.kill: %s", e)
         restarts, stalled = restarts + 1, decision.stalled
-
-
-def _actor_died(error: Any) -> bool:
-    # By the class's name: Ray is imported lazily, and RayActorError is its API for "the
-    # actor's process is gone" (ActorDiedError, ActorUnavailableError derive from it).
-    return any(c.__name__ == "RayActorError" for c in type(error).__mro__)
 
 
 def _describe(outcome: Any, end: RankEnd) -> str:
