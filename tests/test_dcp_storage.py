@@ -4,9 +4,13 @@ torch's ``FileSystemWriter``/``FileSystemReader`` arguments, writing and reading
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import pickle
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,10 +22,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from checkpoint_helpers import toy
 from checkpoint_helpers.launch import run_ranks
 from helpers import assert_bitwise_equal
-from kempner_resilience.checkpoint import CheckpointManager
+from kempner_resilience.checkpoint import CheckpointCorrupt, CheckpointManager, commit, layout
+from kempner_resilience.checkpoint.info import CheckpointCommitted
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.writer import ChecksummingWriter
 from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.core.runpaths import RunPaths
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -160,4 +166,141 @@ def test_a_checkpoint_written_through_torch_s_stream_extensions_loads_with_our_r
     got = _blank(_state())
     dcp.load(got, storage_reader=VerifyingReader(
         tmp_path, _extension_registry=get_test_extension_registry()))
+    _assert_same(_state(), got)
+
+
+def _cause(err: CheckpointException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException``."""
+    f = next(iter(err.failures.values()))
+    return f[0] if isinstance(f, tuple) else getattr(f, "exc", f)
+
+
+def _committed(tmp_path: Path, state: dict, step: int = 10) -> Path:
+    return CheckpointManager(CheckpointConfig(dir=str(tmp_path / "ckpt")), state).save(step).path
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_a_plain_dcp_save_into_a_committed_step_is_refused_and_the_checkpoint_kept(
+        tmp_path: Path) -> None:
+    step = _committed(tmp_path, toy.build(0))
+    before = _files(step)
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as refused:
+        warnings.simplefilter("ignore")
+        # overwrite=True is the default, as torch's: it must not matter here.
+        dcp.save({"w": torch.zeros(3, 4)}, storage_writer=ChecksummingWriter(step))
+    cause = _cause(refused.value)
+    assert isinstance(cause, CheckpointCommitted), cause
+    assert str(step) in str(cause) and "fresh directory" in str(cause)
+    assert _files(step) == before                      # not one byte touched, nothing added
+    layout.verify_entry(layout.scan_one(step))         # `kempner-resilience verify` passes
+
+
+def _step_with_two_twin_layers(tmp_path: Path) -> tuple[Path, dict, Any]:
+    """A committed checkpoint of two same-shaped layers, a blank state to load it into, and
+    its parsed ``.metadata``."""
+    torch.manual_seed(0)
+    step = _committed(tmp_path, {"model": torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                                               torch.nn.Linear(4, 4))})
+    meta = FileSystemReader(step).read_metadata()
+    blank = {k: torch.zeros(m.size, dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    return step, blank, meta
+
+
+def _index(meta: Any, suffix: str) -> Any:
+    return next(i for i in meta.storage_data if i.fqn.endswith(suffix))
+
+
+def _load_fails_naming(step: Path, blank: dict, *words: str) -> None:
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as failed:
+        warnings.simplefilter("ignore")
+        dcp.load(blank, storage_reader=VerifyingReader(step))
+    cause = _cause(failed.value)
+    assert isinstance(cause, CheckpointCorrupt), cause
+    assert str(step / ".metadata") in str(cause)
+    for word in words:
+        assert word in str(cause), cause
+
+
+def test_a_metadata_re_pickled_to_point_layer_0_at_layer_1_s_record_fails_the_load(
+        tmp_path: Path) -> None:
+    step, blank, meta = _step_with_two_twin_layers(tmp_path)
+    layer0, layer1 = _index(meta, "0.weight"), _index(meta, "1.weight")
+    meta.storage_data[layer0] = meta.storage_data[layer1]     # same length: its CRC matches
+    (step / ".metadata").write_bytes(pickle.dumps(meta))
+    _load_fails_naming(step, blank, layer0.fqn, layer1.fqn)
+    assert not blank[layer0.fqn].any()                 # layer 1's weights not in layer 0
+
+
+def test_a_metadata_entry_shifted_off_its_record_fails_as_corrupt_not_in_torch_s_unpickler(
+        tmp_path: Path) -> None:
+    step, blank, meta = _step_with_two_twin_layers(tmp_path)
+    layer0 = _index(meta, "0.weight")
+    info = meta.storage_data[layer0]
+    meta.storage_data[layer0] = dataclasses.replace(info, offset=info.offset + 1)
+    (step / ".metadata").write_bytes(pickle.dumps(meta))
+    _load_fails_naming(step, blank, layer0.fqn, f"{info.relative_path}@{info.offset + 1}")
+
+
+def test_a_save_without_collectives_commits_its_rank_local_metadata_and_verifies(
+        tmp_path: Path) -> None:
+    step = layout.create_step_dir(RunPaths(tmp_path / "ckpt"), 5)
+    writer = ChecksummingWriter(step, overwrite=False)
+    dcp.save(_state(), storage_writer=writer, no_dist=True, use_collectives=False)
+    assert "__0.metadata" in writer.files and not (step / ".metadata").exists()
+    assert commit.commit(step, 5, "test", [(writer.files, None)], time.monotonic(), 0.0, 1,
+                         {}) is None
+    layout.verify_entry(layout.scan_one(step))
+    got = _blank(_state())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # DCP warns that it falls back to rank-local metadata
+        dcp.load(got, storage_reader=VerifyingReader(step), no_dist=True)
+    _assert_same(_state(), got)
+
+
+@pytest.fixture
+def gloo_alone(tmp_path: Path):
+    """A one-rank gloo group in this process (process staging needs one), and torch's staging
+    process ended afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import _async_process_executor as staging
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        proc = staging._CHECKPOINT_PROCESS
+        staging._CHECKPOINT_PROCESS = None
+        if proc is not None:
+            proc._send(staging._CheckpointSaveProcessControlOpts.TERMINATE)
+            proc._save_process.join(timeout=10)
+        dist.destroy_process_group()
+
+
+def test_an_async_save_in_a_staging_process_writes_what_a_plain_save_writes_and_verifies(
+        tmp_path: Path, gloo_alone) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    paths = RunPaths(tmp_path / "ckpt")
+    plain, staged = layout.create_step_dir(paths, 1), layout.create_step_dir(paths, 2)
+    writer = ChecksummingWriter(plain, overwrite=False)
+    dcp.save(_state(), storage_writer=writer)
+    dcp.async_save(_state(), storage_writer=ChecksummingWriter(staged, overwrite=False),
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(timeout=120)
+    shards = sorted(p.name for p in plain.glob("*.distcp"))
+    assert shards and shards == sorted(p.name for p in staged.glob("*.distcp"))
+    for name in shards:                     # same bytes: the same record checksums
+        assert (staged / name).read_bytes() == (plain / name).read_bytes(), name
+    files = dict(writer.files, **{".metadata": {
+        "size": (staged / ".metadata").stat().st_size,
+        "crc32": layout.file_crc(staged / ".metadata"), "rank": 0}})
+    assert commit.commit(staged, 2, "test", [(files, None)], time.monotonic(), 0.0, 1,
+                         {}) is None
+    layout.verify_entry(layout.scan_one(staged))
+    got = _blank(_state())
+    dcp.load(got, storage_reader=VerifyingReader(staged))
     _assert_same(_state(), got)

@@ -11,6 +11,7 @@ which `kempner-resilience ls`/`verify` do not need.
 from typing import Any
 
 from kempner_resilience.checkpoint.info import (
+    CheckpointCommitted,
     CheckpointCorrupt,
     CheckpointDirError,
     CheckpointError,
@@ -19,8 +20,8 @@ from kempner_resilience.checkpoint.info import (
 )
 from kempner_resilience.checkpoint.layout import MANIFEST_NAME
 
-__all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointError", "CheckpointCorrupt",
-           "CheckpointDirError", "SavePeerLost", "MANIFEST_NAME"]
+__all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointError", "CheckpointCommitted",
+           "CheckpointCorrupt", "CheckpointDirError", "SavePeerLost", "MANIFEST_NAME"]
 
 
 def __getattr__(name: str) -> Any:

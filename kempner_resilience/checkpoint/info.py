@@ -7,8 +7,9 @@ from pathlib import Path
 
 from kempner_resilience.core.startup import StartupError
 
-__all__ = ["CheckpointError", "CheckpointCorrupt", "CheckpointDamaged", "CheckpointDirError",
-           "CheckpointInfo", "SavePeerLost", "StateMismatchError", "describe_error", "is_damage"]
+__all__ = ["CheckpointError", "CheckpointCommitted", "CheckpointCorrupt", "CheckpointDamaged",
+           "CheckpointDirError", "CheckpointInfo", "SavePeerLost", "StateMismatchError",
+           "describe_error", "is_damage"]
 
 
 class CheckpointError(RuntimeError):
@@ -24,6 +25,11 @@ class CheckpointDamaged(CheckpointCorrupt):
     shorter or longer than its manifest says, a file the manifest lists that is gone. Not a
     permission, an I/O error or a state that does not fit (those may pass): a checkpoint that
     fails with this at resume is set aside (``checkpoint/quarantine.py``)."""
+
+
+class CheckpointCommitted(CheckpointError):
+    """A save was pointed at a directory that holds a committed checkpoint. Refused before any
+    byte is written: writing over it would destroy the checkpoint it holds."""
 
 
 def is_damage(err: BaseException | None) -> bool:

@@ -7,10 +7,13 @@ Three levels, each reading more than the one before:
   records of each data file tiling it exactly, and their CRCs combining to the file's CRC.
 * ``check_metadata`` compares DCP's ``.metadata`` with the manifest: every storage entry DCP
   would read (file, offset, length) is exactly one manifest record, and every record is read.
+  A save without collectives (``use_collectives=False``) has one ``__<rank>.metadata`` per rank
+  instead, each naming its rank's records (``metadata_names``, ``check_all_metadata``).
 * ``verify_data`` reads every byte: each record's CRC and each file's size and CRC.
 
 Resume runs the first two before loading (``.metadata`` CRC included when ``checkpoint.verify``)
-and checks record CRCs while it loads (``VerifyingReader``); `verify` runs all three.
+and checks record CRCs while it loads (``VerifyingReader``, which runs the second level itself
+when used alone as DCP's storage reader); `verify` runs all three.
 Every failure is a ``CheckpointCorrupt`` naming the file and what is wrong with it.
 
 Nothing here imports torch: `ls` and `verify` start in a fraction of a second.
@@ -18,22 +21,25 @@ Nothing here imports torch: `ls` and `verify` start in a fraction of a second.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 from kempner_resilience.checkpoint.crc import crc32_combine
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged
 from kempner_resilience.core.fileio import open_regular
 
-__all__ = ["METADATA_NAME", "check_manifest", "check_metadata", "load_metadata", "verify_data"]
+__all__ = ["METADATA_NAME", "check_all_metadata", "check_manifest", "check_metadata",
+           "load_metadata", "metadata_name", "metadata_names", "parse_metadata", "verify_data"]
 
 METADATA_NAME = ".metadata"
 MARKER_NAME = "OWNER.json"        # layout's ownership marker: a whole-file checksum, no records
 _DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
+_RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")      # use_collectives=False: one per rank
 _READ_CHUNK = 16 << 20
 
 # (bytes done, bytes total, seconds since start): progress of ``verify_data``.
@@ -44,14 +50,30 @@ def _uint(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def metadata_name(rank: int | None = None) -> str:
+    """DCP's metadata file: ``.metadata``, or rank ``rank``'s own in a save without collectives."""
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def metadata_names(manifest: dict[str, Any]) -> list[str]:
+    """The metadata files the manifest lists: ``.metadata``, or each rank's own."""
+    return sorted(n for n in manifest["files"]
+                  if n == METADATA_NAME or _RANK_METADATA_RE.match(n))
+
+
+def _whole_file(name: str) -> bool:
+    """A file the manifest checksums whole (no records)."""
+    return name in (METADATA_NAME, MARKER_NAME) or bool(_RANK_METADATA_RE.match(name))
+
+
 def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
     """Whether the manifest of ``path`` describes a checkpoint our writer could have produced;
     reads no file. A record CRC or a file CRC edited alone is caught here: they stop adding up."""
     files = manifest["files"]
-    if METADATA_NAME not in files:
+    if not metadata_names(manifest):
         raise CheckpointCorrupt(f"{path}: the manifest lists no {METADATA_NAME} (manifest damaged)")
     for name, meta in files.items():
-        if name not in (METADATA_NAME, MARKER_NAME) and not _DATA_RE.match(name):
+        if not _whole_file(name) and not _DATA_RE.match(name):
             raise CheckpointCorrupt(f"{path}: the manifest lists {name!r}, which is not a "
                                     "checkpoint file (manifest damaged)")
         where = path / name
@@ -59,7 +81,7 @@ def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
                 meta.get("crc32")):
             raise CheckpointCorrupt(f"{where}: the manifest has no valid size and checksum for "
                                     "it (manifest damaged)")
-        if name in (METADATA_NAME, MARKER_NAME):
+        if _whole_file(name):
             continue
         records = meta.get("records")
         if not isinstance(records, list):
@@ -84,18 +106,20 @@ def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
                                     "combine to its file checksum (manifest damaged)")
 
 
-def check_metadata(path: Path, metadata: Any, manifest: dict[str, Any]) -> None:
-    """Whether DCP's parsed ``.metadata`` (``metadata``) and the manifest describe the same bytes:
-    a load reads exactly the (file, offset, length) that ``.metadata`` names, so each must be one
-    CRC-checked manifest record, and a record nobody reads means the two disagree."""
-    where = path / METADATA_NAME
+def check_metadata(path: Path, metadata: Any, manifest: dict[str, Any],
+                   name: str = METADATA_NAME, complete: bool = True) -> set[tuple[str, int]]:
+    """Whether DCP's parsed metadata file ``name`` (``metadata``) and the manifest describe the
+    same bytes: a load reads exactly the (file, offset, length) it names, so each must be one
+    CRC-checked manifest record; with ``complete``, a record nobody reads means the two
+    disagree (a rank's own metadata names only its rank's records). Returns the records named."""
+    where = path / name
     storage = getattr(metadata, "storage_data", None)
     tensors = getattr(metadata, "state_dict_metadata", None)
     if not isinstance(storage, dict) or not isinstance(tensors, dict):
         raise CheckpointCorrupt(f"{where}: not the metadata of a DCP checkpoint (file damaged)")
-    records = {(name, rec[0]): rec[1] for name, meta in manifest["files"].items()
+    records = {(file, rec[0]): rec[1] for file, meta in manifest["files"].items()
                for rec in meta.get("records", ())}
-    seen: set[tuple[str, int]] = set()
+    seen: dict[tuple[str, int], Any] = {}
     for index, info in storage.items():
         fqn = getattr(index, "fqn", index)
         key = (getattr(info, "relative_path", None), getattr(info, "offset", None))
@@ -108,18 +132,41 @@ def check_metadata(path: Path, metadata: Any, manifest: dict[str, Any]) -> None:
                                     f"the manifest's record there is {records[key]} bytes "
                                     "(.metadata or manifest damaged)")
         if key in seen:
-            raise CheckpointCorrupt(f"{where}: two entries share {key[0]}@{key[1]} "
-                                    "(file damaged)")
+            raise CheckpointCorrupt(f"{where}: {fqn!r} and {seen[key]!r} are both stored at "
+                                    f"{key[0]}@{key[1]} (file damaged)")
         if fqn not in tensors:
             raise CheckpointCorrupt(f"{where}: {fqn!r} has stored data but no entry in the "
                                     "state dict metadata (file damaged)")
-        seen.add(key)
+        seen[key] = fqn
+    if complete:
+        _all_read(path, records, set(seen))
+    return set(seen)
+
+
+def _all_read(path: Path, records: Any, seen: set[tuple[str, int]]) -> None:
     unread = sorted(set(records) - seen)
     if unread:
         name, offset = unread[0]
         raise CheckpointCorrupt(f"{path / name}@{offset}: a record in the manifest that "
                                 f"{METADATA_NAME} does not name ({len(unread)} such; .metadata "
                                 "or manifest damaged)")
+
+
+def check_all_metadata(path: Path, manifest: dict[str, Any]) -> None:
+    """Every metadata file the manifest lists, parsed (``load_metadata``) and matched against
+    it; together they name every record exactly once."""
+    seen: set[tuple[str, int]] = set()
+    names = metadata_names(manifest)
+    for name in names:
+        named = check_metadata(path, load_metadata(path, name), manifest, name,
+                               complete=len(names) == 1)
+        if seen & named:
+            file, offset = sorted(seen & named)[0]
+            raise CheckpointCorrupt(f"{path / name}: names {file}@{offset}, which another "
+                                    "rank's metadata names too (file damaged)")
+        seen |= named
+    _all_read(path, {(file, rec[0]) for file, meta in manifest["files"].items()
+                     for rec in meta.get("records", ())}, seen)
 
 
 class _Stub:
@@ -146,10 +193,23 @@ _REAL = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "froz
          ("builtins", "slice"), ("builtins", "complex")}
 
 
-def load_metadata(path: Path) -> Any:
-    """DCP's ``.metadata`` of checkpoint ``path``, parsed without importing what it names (see
-    ``_Stub``): the storage entries and state dict keys ``check_metadata`` compares."""
-    where = path / METADATA_NAME
+def load_metadata(path: Path, name: str = METADATA_NAME) -> Any:
+    """DCP's ``.metadata`` (or ``name``) of checkpoint ``path``, parsed without importing what
+    it names (see ``_Stub``): the storage entries and state dict keys ``check_metadata``
+    compares."""
+    where = path / name
+    try:
+        # Not a FIFO nor a device (a link to /dev/zero would unpickle without end).
+        with os.fdopen(open_regular(where), "rb") as f:
+            return parse_metadata(where, f)
+    except OSError as e:
+        raise CheckpointCorrupt(f"{where}: cannot be read ({e.strerror}); check its permissions "
+                                "and the filesystem") from None
+
+
+def parse_metadata(where: Path, source: BinaryIO | bytes) -> Any:
+    """A metadata file's bytes (or open file), parsed as ``load_metadata`` parses: no code
+    run, nothing imported. ``where`` names it in the error."""
     stubs: dict[tuple[str, str], type] = {}
 
     class _Unpickler(pickle.Unpickler):
@@ -163,14 +223,9 @@ def load_metadata(path: Path) -> Any:
                                     "ours)")
 
     try:
-        # Not a FIFO nor a device (a link to /dev/zero would unpickle without end).
-        with os.fdopen(open_regular(where), "rb") as f:
-            return _Unpickler(f).load()
-    except CheckpointCorrupt:
+        return _Unpickler(io.BytesIO(source) if isinstance(source, bytes) else source).load()
+    except (CheckpointCorrupt, OSError):
         raise
-    except OSError as e:
-        raise CheckpointCorrupt(f"{where}: cannot be read ({e.strerror}); check its permissions "
-                                "and the filesystem") from None
     except Exception as e:      # noqa: BLE001 - unpickling damaged bytes raises anything
         raise CheckpointCorrupt(f"{where}: does not parse ({type(e).__name__}: {e}; file "
                                 "damaged)") from None
@@ -184,6 +239,10 @@ def verify_data(path: Path, manifest: dict[str, Any], names: Iterable[str] | Non
 
     files = manifest["files"]
     chosen = sorted(files if names is None else names)
+    for name in chosen:
+        if name not in files:
+            raise CheckpointCorrupt(f"{path / name}: not listed in the manifest (a checkpoint "
+                                    "of another layout, or the manifest damaged)")
     total = sum(int(files[n]["size"]) for n in chosen)
     buf = bytearray(min(_READ_CHUNK, max(total, 1)))
     view = memoryview(buf)

@@ -43,9 +43,10 @@ MARKER_NAME = integrity.MARKER_NAME
 MARKER_FORMAT = "kempner_resilience.step-owner/1"
 # Every name our saves create inside a step directory (``is_our_file``); a directory holding
 # anything else is not touched by retention (somebody put it there). MANIFEST.json.tmp is the
-# temporary name of versions before ``write_atomic``.
-_OUR_FILES = re.compile(r"^(__\d+_\d+\.distcp|\.metadata|\.metadata\.tmp|MANIFEST\.json(\.tmp)?"
-                        r"|OWNER\.json)$")
+# temporary name of versions before ``write_atomic``; ``__<rank>.metadata`` is a save's
+# without collectives (one per rank).
+_OUR_FILES = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?"
+                        r"|MANIFEST\.json(\.tmp)?|OWNER\.json)$")
 _READ_CHUNK = 16 << 20
 
 
@@ -320,10 +321,10 @@ def verify_entry(entry: Entry, progress: integrity.Progress | None = None) -> No
     matched against the manifest's records, then every byte of every file."""
     validate(entry, allow_foreign_owner=True)
     man = entry.manifest or {}
-    verify_files(entry.path, man, [integrity.METADATA_NAME])
-    integrity.check_metadata(entry.path, integrity.load_metadata(entry.path), man)
-    verify_files(entry.path, man, [n for n in man["files"] if n != integrity.METADATA_NAME],
-                 progress)
+    metadata = integrity.metadata_names(man)
+    verify_files(entry.path, man, metadata)
+    integrity.check_all_metadata(entry.path, man)
+    verify_files(entry.path, man, [n for n in man["files"] if n not in metadata], progress)
 
 
 def latest(paths: RunPaths, allow_foreign_owner: bool) -> CheckpointInfo | None:

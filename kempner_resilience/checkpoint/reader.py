@@ -12,6 +12,12 @@ narrowed and copied. Files are read in parallel, one thread each; the CRCs go th
 ``crc.crc32`` (libdeflate where present: on a busy host the checksum's CPU time is what a
 verified read loses to a plain one, docs/benchmarks.md).
 
+Before any record, DCP's metadata is checked as resume checks it (``integrity``): its bytes
+against the manifest's checksum, before they are unpickled, and each entry's (file, offset,
+length) against the manifest's record there. A record the manifest does not know is never read
+unverified. So a ``.metadata`` re-pickled to point one tensor at another's record fails the
+load instead of loading the wrong weights.
+
 A mismatch raises ``CheckpointCorrupt``; DCP gathers it from every rank, so all ranks see the
 load fail together and can fall back to an older checkpoint together.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,9 +37,10 @@ import torch
 from torch.futures import Future
 from kempner_resilience.core.torch_private import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from kempner_resilience.checkpoint import recordfmt
+from kempner_resilience.checkpoint import integrity, recordfmt
 from kempner_resilience.checkpoint.crc import crc32
 from kempner_resilience.checkpoint.hostbuf import HostStaging, Slot, caller_streams, flat_bytes
 from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDamaged
@@ -43,9 +51,11 @@ __all__ = ["VerifyingReader"]
 
 def _committed_manifest(path: Path) -> dict[str, Any] | None:
     try:
-        return read_manifest(path)
+        manifest = read_manifest(path)
     except NotCommitted:
         return None
+    integrity.check_manifest(path, manifest)    # its records are what every read trusts
+    return manifest
 
 
 def _read_exact(f: Any, view: memoryview, where: str) -> None:
@@ -88,7 +98,9 @@ class VerifyingReader(FileSystemReader):
     manifest our checkpoint manager committed in ``path`` (``MANIFEST.json``) and verifies
     against it; a directory without one (any other DCP checkpoint) is read unverified, as
     torch's reader reads it; a manifest that is there but unreadable raises
-    ``CheckpointCorrupt``. ``manifest=None`` verifies nothing. ``staging``, when given,
+    ``CheckpointCorrupt``. With a manifest, DCP's metadata is checked against it first
+    (checksum, each entry's record) and a record it does not list is refused, as resume
+    checks them. ``manifest=None`` verifies nothing. ``staging``, when given,
     carries the records of the destinations it ``wants`` (GPU tensors) through its reused
     host buffers. Other keyword arguments go to torch's ``FileSystemReader``."""
 
@@ -96,17 +108,88 @@ class VerifyingReader(FileSystemReader):
                  *, verify: bool = True, threads: int = 2,
                  staging: HostStaging | None = None, **torch_options: Any) -> None:
         super().__init__(path, **torch_options)
-        if manifest is _FROM_DIR:
-            manifest = _committed_manifest(Path(path))
         self.verify = verify
         self.threads = max(1, threads)
         self.staging = staging
         self._caller_streams: dict[int, Any] = {}
+        self._from_dir = manifest is _FROM_DIR
+        self._use(_committed_manifest(Path(path)) if self._from_dir else manifest)
+        self.bytes_read = 0
+
+    def _use(self, manifest: dict[str, Any] | None) -> None:
+        self.manifest = manifest
         self.records: dict[tuple[str, int], list[Any]] = {}
         for name, meta in ((manifest or {}).get("files") or {}).items():
             for rec in meta.get("records", ()):
                 self.records[(name, rec[0])] = rec
-        self.bytes_read = 0
+        self._metadata_name = integrity.METADATA_NAME
+        self._problem: CheckpointCorrupt | None = None
+
+    @property
+    def _checking(self) -> bool:
+        return self.verify and self.manifest is not None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Another load (``dcp.load`` may name another ``checkpoint_id``): the manifest is
+        the one committed there."""
+        super().reset(checkpoint_id)
+        if self._from_dir:
+            self._use(_committed_manifest(Path(self.path)))
+        else:
+            self._problem = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata (``.metadata``, or ``__<rank>.metadata`` when ``rank`` is given), its
+        bytes checked against the manifest before they are unpickled. A mismatch is raised by
+        ``set_up_storage_reader`` on every rank: raised here, DCP would take it for a missing
+        file and look for rank-local metadata instead."""
+        if not self._checking:
+            return super().read_metadata(*args, **kwargs)
+        rank = kwargs.get("rank")
+        name = integrity.metadata_name(rank)
+        with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
+            raw = f.read()      # missing: DCP's fall-back to rank-local metadata, as torch's
+        self._metadata_name = name
+        self._problem = self._metadata_problem(name, raw)
+        if self._problem is not None:
+            return Metadata(state_dict_metadata={}, storage_data={})   # never unpickled
+        metadata = pickle.loads(raw)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _metadata_problem(self, name: str, raw: bytes) -> CheckpointCorrupt | None:
+        """Why the metadata bytes ``raw`` (file ``name``) are not the ones committed, if so."""
+        where = Path(self.path) / name
+        meta = (self.manifest or {})["files"].get(name)
+        if meta is None:
+            return CheckpointCorrupt(f"{where}: not listed in the manifest of {self.path} "
+                                     "(written after the commit, or the manifest damaged)")
+        if len(raw) == meta["size"] and zlib.crc32(raw) == meta["crc32"]:
+            return None
+        # Damaged for sure; name the entry that went wrong where the parsed entries show it
+        # (parsed without running code: the bytes are not the committed ones).
+        try:
+            integrity.check_metadata(Path(self.path), integrity.parse_metadata(where, raw),
+                                     self.manifest or {}, name,
+                                     complete=name == integrity.METADATA_NAME)
+            detail = "file damaged"
+        except CheckpointCorrupt as e:
+            detail = str(e).removeprefix(f"{where}: ")
+        return CheckpointDamaged(f"{where}: checksum mismatch with the manifest ({detail})")
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        """Every rank, before any record is read: the metadata matches the manifest."""
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if not self._checking:
+            return
+        if self._problem is not None:
+            raise self._problem
+        integrity.check_metadata(Path(self.path), metadata, self.manifest or {},
+                                 self._metadata_name,
+                                 complete=self._metadata_name == integrity.METADATA_NAME)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if any(getattr(self.storage_data[req.storage_index], "transform_descriptors", None)
@@ -160,6 +243,10 @@ class VerifyingReader(FileSystemReader):
             for req, target in jobs:
                 md = self.storage_data[req.storage_index]
                 rec = self.records.get((name, md.offset))
+                if rec is None and self._checking:
+                    raise CheckpointCorrupt(
+                        f"{path}@{md.offset}: {req.storage_index.fqn!r} is stored where the "
+                        "manifest has no record (.metadata or manifest damaged); not read")
                 if rec is not None and rec[1] != md.length:
                     raise CheckpointCorrupt(f"{path}@{md.offset}: manifest and .metadata disagree")
                 where = f"{path}@{md.offset}"

@@ -17,6 +17,12 @@ which file and keeps the checksums.
 The result is a standard DCP checkpoint: ``__<rank>_<i>.distcp`` + ``.metadata``, loadable by
 ``dcp.load`` with a stock ``FileSystemReader``. Per-record CRCs (offset, length, crc, data offset,
 dtype) and a whole-file CRC are kept in ``files`` for the manifest.
+
+As a drop-in ``storage_writer`` it refuses a directory that holds a committed checkpoint (a
+``MANIFEST.json``), whatever ``overwrite`` says, at set-up on every rank: before any file is
+opened. It also runs where torch moves it: pickled into ``async_save``'s staging process (the
+abort event and the host buffers stay behind; the files are the same), and in the rank-local
+mode of ``use_collectives=False`` (each rank's ``__<rank>.metadata``).
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from kempner_resilience.checkpoint import recordfmt
 from kempner_resilience.checkpoint.directio import DirectPool, DirectSink
 from kempner_resilience.checkpoint.hostbuf import HostStaging, caller_streams
-from kempner_resilience.checkpoint.layout import file_crc
+from kempner_resilience.checkpoint.info import CheckpointCommitted
+from kempner_resilience.checkpoint.integrity import metadata_name
+from kempner_resilience.checkpoint.layout import MANIFEST_NAME, file_crc
 from kempner_resilience.checkpoint.outfile import ENV_STAGE_FAULT, OutFile, SaveAborted
 from kempner_resilience.core.fileio import fsync_dir
 from kempner_resilience.core.torch_private import StorageInfo, StoragePrefix
@@ -74,7 +82,10 @@ class ChecksummingWriter(FileSystemWriter):
     carries the bytes of the tensors it ``wants`` (device tensors) through its reused host
     buffers instead of a fresh ``.cpu()`` copy each (same file, byte for byte). After
     ``dcp.save``, ``files`` maps each file this rank wrote to ``{"size", "crc32", "rank",
-    "records"}``; on the coordinator it also holds ``.metadata``.
+    "records"}``; on the coordinator it also holds ``.metadata`` (without collectives, each
+    rank its own ``__<rank>.metadata``). A copy that torch sends to another process (the
+    process staging of ``dcp.async_save``) fills its own ``files`` there, not this one's.
+    A directory holding a committed checkpoint is refused with ``CheckpointCommitted``.
     """
 
     def __init__(self, path: str | os.PathLike[str], single_file_per_rank: bool = True,
@@ -115,6 +126,37 @@ class ChecksummingWriter(FileSystemWriter):
         self.files: dict[str, dict[str, Any]] = {}
         self.bytes_written = 0
         self.write_seconds = 0.0
+
+    # Bound to this process: an event other threads set, host buffers pinned here, CUDA
+    # streams. A copy sent to another process (async_save's process staging) writes the same
+    # files through plain host copies; the abort event stays with the original.
+    _LOCAL = ("abort", "staging", "direct", "_caller_streams")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._LOCAL:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.abort = threading.Event()
+        self.staging = None
+        self.direct = None
+        self._caller_streams = {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Every rank, before any file is opened: refuse a committed checkpoint's directory."""
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        # Whatever ``overwrite`` says: torch's overwrite truncates the shards first and
+        # replaces .metadata last, so a save that fails midway leaves neither checkpoint. A
+        # manifest that is there but unreadable is refused as well (committed once).
+        manifest = Path(self.path) / MANIFEST_NAME
+        if os.path.lexists(manifest):
+            raise CheckpointCommitted(
+                f"{self.path} holds a committed checkpoint ({MANIFEST_NAME} is there); a save "
+                "into it would destroy that checkpoint, so nothing was written. Save into a "
+                "fresh directory instead (a new checkpoint_id or path)")
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new save (``dcp.save`` calls this first; a reused writer may get another
@@ -264,9 +306,12 @@ class ChecksummingWriter(FileSystemWriter):
         return [offset, buf.nbytes, zlib.crc32(buf)]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Stock ``.metadata`` write (tmp, fsync, rename), then make the rename durable."""
+        """Stock ``.metadata`` write (tmp, fsync, rename), then make the rename durable.
+        Without collectives each rank writes its own ``__<rank>.metadata`` (torch's name)."""
         super().finish(metadata, results)
         fsync_dir(self.path)
-        meta = Path(self.path) / ".metadata"
-        self.files[".metadata"] = {"size": meta.stat().st_size, "crc32": file_crc(meta),
-                                   "rank": self.rank or 0}
+        rank_local = not self.use_collectives and self.rank is not None
+        name = metadata_name(self.rank if rank_local else None)
+        meta = Path(self.path) / name
+        self.files[name] = {"size": meta.stat().st_size, "crc32": file_crc(meta),
+                            "rank": self.rank or 0}
