@@ -55,7 +55,9 @@ def _quick_check(entry: layout.Entry) -> None:
     """What `ls` checks without --checksums: resume's pre-load checks that read no tensor data
     (manifest, sizes, .metadata checksum)."""
     layout.validate(entry, allow_foreign_owner=True)
-    layout.verify_files(entry.path, entry.manifest or {}, [integrity.METADATA_NAME])
+    manifest = entry.manifest or {}
+    layout.verify_files(entry.path, manifest,
+                        integrity.metadata_names(manifest) or [integrity.METADATA_NAME])
 
 
 def _problem(entry: layout.Entry, full: bool, progress=None) -> str | None:
