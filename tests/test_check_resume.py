@@ -283,3 +283,33 @@ def test_processes_the_script_started_are_ended_with_each_launch_setsid_ones_inc
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     assert len(pids) == 6, pids           # a child and a grandchild in each of 3 launches
     assert [p for p in pids if pid_alive(p)] == [], verdict(proc)
+
+
+# A script whose data depends on the launch's number: the relaunch after the stop trains on
+# other inputs, though nothing carried across steps is missing from state.
+READS_RESTART_COUNT = """
+import os
+import kempner_resilience as kr
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+scale = 1.0 + int(os.environ.get("KEMPNER_RESTART_COUNT", "0"))
+with kr.ResilientRun(state={"model": model, "optim": optim}) as run:
+    for step in run.steps(100):
+        optim.zero_grad()
+        model(torch.ones(1, 2) * scale).sum().backward()
+        optim.step()
+"""
+
+
+def test_a_script_that_reads_the_restart_count_is_told_so_not_that_it_carries_a_variable(
+        tmp_path):
+    script = write_script(tmp_path, READS_RESTART_COUNT, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2")
+    assert proc.returncode == ExitCode.RESUME_INEXACT, verdict(proc)
+    cause = proc.stdout.split("Likely cause:", 1)[1].replace("\n    ", " ")
+    assert cause.lstrip().startswith("- the script reads KEMPNER_RESTART_COUNT (train.py)"), \
+        verdict(proc)
+    assert "carried from one step to the next" not in cause, verdict(proc)
