@@ -47,7 +47,6 @@ import random
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -215,12 +214,12 @@ class LocalLauncher:
         (then the last launch has ``interrupted`` set). SIGINT and SIGTERM are taken over while
         this runs (main thread only: elsewhere Ctrl+C keeps raising KeyboardInterrupt, which is
         handled the same way)."""
+        # The ranks tell the launcher which run this is (supervise/channel.py): its directory
+        # (whatever way the script sets checkpoint.dir) and its no-progress setting.
+        self.channel = Channel.private("kempner-resilience-launch-")
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
             if main else {}
-        # The ranks tell the launcher which run this is (supervise/channel.py): its directory
-        # (whatever way the script sets checkpoint.dir) and its no-progress setting.
-        self.channel = Channel(Path(tempfile.mkdtemp(prefix="kempner-resilience-launch-")))
         try:
             stalled = 0
             for index in range(self.max_launches):
