@@ -248,3 +248,68 @@ def test_interrupts_too_close_for_the_ranks_agreement_are_a_usage_error(tmp_path
     assert proc.returncode == ExitCode.USAGE, verdict(proc)
     assert "at least 3 apart" in proc.stderr
     assert not (tmp_path / "check").exists()
+
+
+# A script that starts processes of its own and never ends them: a child (in the rank's
+# session) and, through a shell, a grandchild that left the session with setsid.
+STARTS_CHILDREN = """
+import subprocess
+from pathlib import Path
+import kempner_resilience as kr
+import torch
+
+pids = Path(__file__).with_name("pids")
+child = subprocess.Popen(["sleep", "300"])
+subprocess.run(["sh", "-c", f"setsid sleep 300 & echo $! >> {pids}"], check=True)
+with pids.open("a") as f:
+    f.write(f"{child.pid}\\n")
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 2)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+with kr.ResilientRun(state={"model": model, "optim": optim}) as run:
+    for step in run.steps(100):
+        optim.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        optim.step()
+"""
+
+
+def test_processes_the_script_started_are_ended_with_each_launch_setsid_ones_included(tmp_path):
+    from kempner_resilience.core.procs import pid_alive
+
+    script = write_script(tmp_path, STARTS_CHILDREN, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 6, pids           # a child and a grandchild in each of 3 launches
+    assert [p for p in pids if pid_alive(p)] == [], verdict(proc)
+
+
+# A script whose data depends on the launch's number: the relaunch after the stop trains on
+# other inputs, though nothing carried across steps is missing from state.
+READS_RESTART_COUNT = """
+import os
+import kempner_resilience as kr
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+scale = 1.0 + int(os.environ.get("KEMPNER_RESTART_COUNT", "0"))
+with kr.ResilientRun(state={"model": model, "optim": optim}) as run:
+    for step in run.steps(100):
+        optim.zero_grad()
+        model(torch.ones(1, 2) * scale).sum().backward()
+        optim.step()
+"""
+
+
+def test_a_script_that_reads_the_restart_count_is_told_so_not_that_it_carries_a_variable(
+        tmp_path):
+    script = write_script(tmp_path, READS_RESTART_COUNT, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2")
+    assert proc.returncode == ExitCode.RESUME_INEXACT, verdict(proc)
+    cause = proc.stdout.split("Likely cause:", 1)[1].replace("\n    ", " ")
+    assert cause.lstrip().startswith("- the script reads KEMPNER_RESTART_COUNT (train.py)"), \
+        verdict(proc)
+    assert "carried from one step to the next" not in cause, verdict(proc)

@@ -143,7 +143,10 @@ def test_each_rank_gets_its_rank_and_a_rendezvous_and_relaunches_count_as_restar
         assert len(ports) == 1 and ports.pop().isdigit()
 
 
-def test_the_restart_budget_ends_the_relaunches_with_the_ranks_code(tmp_path):
+def test_a_spent_restart_budget_ends_the_relaunches_with_the_budget_code_not_run_it_again(
+        tmp_path):
+    # The ranks said 75 (run it again) each time; after the budget nothing runs it again, and
+    # the launcher says so with 77, as a rank whose own budget is spent does.
     code, seen = _record(tmp_path, "75", "--ranks", "1", "--max-restarts", "2")
-    assert code == ExitCode.REQUEUE
+    assert code == ExitCode.NO_REQUEUE
     assert sorted(s[5] for s in seen) == ["0", "1", "2"]    # three launches, counted

@@ -265,3 +265,41 @@ def test_the_step_loop_tells_each_step_which_relaunch_it_is_through_the_channel(
     said = [line.split() for line in out.read_text().splitlines()]
     assert [launch for launch, _ in said] == ["1.0", "1.1"]
     assert before <= float(said[1][1]) <= time.time()
+
+
+_REPORTER = ("import sys\n"
+             "from kempner_resilience.supervise.channel import Channel, launch_name, report_now\n"
+             "report_now(Channel.from_env(), sys.argv[1], run_id='r', committed=3, code=0,\n"
+             "           requeue={})\n"
+             "print(launch_name())\n")
+
+
+def test_a_read_only_submit_directory_moves_the_channel_to_this_node_and_the_ranks_follow(
+        tmp_path, mount_tmpfs, caplog):
+    # `kempner-resilience srun` submitted from a read-only directory: the step loop starts, its
+    # channel in a job-scoped directory of this node, and a step's task reports to it there.
+    from kempner_resilience.config import load_config
+    from kempner_resilience.slurm.relaunch import Relauncher
+
+    submit = mount_tmpfs("submit", "size=1m,ro")
+    local = tmp_path / "node-tmp"
+    local.mkdir()
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    e = env(SLURM_JOB_ID="9", SLURM_JOB_NODELIST="n[1-3]", SLURM_SUBMIT_DIR=str(submit),
+            TMPDIR=str(local))
+    e.pop(CHANNEL_ENV, None)
+    loop = Relauncher([sys.executable, "-c", _REPORTER, str(tmp_path / "run")], 1,
+                      load_config(None, [f"checkpoint.dir={tmp_path / 'run'}"]), environ=e,
+                      srun=(str(srun),))
+    assert loop.channel.root.is_relative_to(local)
+    assert f"{submit / '.kempner-resilience' / 'job-9'} cannot hold the supervisor's channel" \
+        in caplog.text and str(loop.channel.root) in caplog.text
+    assert loop.run_step(["n1", "n2"], 0).code == 0
+    report = loop.channel.read()
+    assert report is not None and report.committed == 3 and report.code == 0
+    assert loop.run_paths.root == (tmp_path / "run").resolve()
+    assert list(submit.iterdir()) == []
+    loop.channel.remove()
+    assert list(local.iterdir()) == []

@@ -58,6 +58,9 @@ ROWS = {
     "the restart budget is spent: the job's code stays": (
         Evidence((killed(), exited(LOST)), commits=COMMITTED, restarts=3, max_restarts=3),
         Action.LEAVE, LOST),
+    "the restart budget is spent after the ranks asked to run again: 77, not 75": (
+        Evidence((exited(REQ), exited(REQ)), commits=COMMITTED, restarts=3, max_restarts=3),
+        Action.LEAVE, int(ExitCode.NO_REQUEUE)),
     "the relaunches in place spent, the scheduler behind still requeues: its turn": (
         Evidence((killed(), exited(LOST)), commits=COMMITTED, restarts=1, max_restarts=1,
                  scheduler_left=True), Action.REQUEUE, LOST),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
-from kempner_resilience.checkresume.diagnose import likely_causes
+from kempner_resilience.checkresume.diagnose import likely_causes, restart_count_readers
 from kempner_resilience.checkresume.options import CheckOptions
 from kempner_resilience.checkresume.runs import RunResult, run_script
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
@@ -136,7 +136,8 @@ def check_resume(opts: CheckOptions) -> Verdict:
     at = ", ".join(map(str, stops))
     how = f"with rank {opts.kill_rank} SIGKILLed at step(s) {at}" if opts.kill_rank is not None \
         else f"stopped by {signal.Signals(opts.signum).name} at step(s) {at}"
-    return _compare(ref, got, work, stops, how, killed=opts.kill_rank is not None)
+    return _compare(ref, got, work, stops, how, killed=opts.kill_rank is not None,
+                    readers=restart_count_readers(opts.command))
 
 
 def _idle_streams(ref: RunResult, cache: dict[tuple[str, int], Snapshot]) -> set[str]:
@@ -149,9 +150,10 @@ def _idle_streams(ref: RunResult, cache: dict[tuple[str, int], Snapshot]) -> set
 
 
 def _compare(ref: RunResult, got: RunResult, work: Path, stops: tuple[int, ...], how: str, *,
-             killed: bool) -> Verdict:
+             killed: bool, readers: list[str]) -> Verdict:
     """The two runs' checkpoints of every common step, in order, up to the first that differs;
-    then the last one; then the likely cause."""
+    then the last one; then the likely cause (``readers``: the script's files that read
+    KEMPNER_RESTART_COUNT)."""
     steps = sorted(set(ref.committed) & set(got.committed))
     cache: dict[tuple[str, int], Snapshot] = {}
     idle = _idle_streams(ref, cache)
@@ -187,7 +189,7 @@ def _compare(ref: RunResult, got: RunResult, work: Path, stops: tuple[int, ...],
     else:
         has_scheduler = any(k is Kind.SCHEDULER
                             for k in _snapshots(ref, cache, step).kinds.values())
-        causes = likely_causes(diffs, step, after_stop, has_scheduler)
+        causes = likely_causes(diffs, step, after_stop, has_scheduler, readers)
     return Verdict(Outcome.INEXACT, work, None, stops, tuple(compared), step, tuple(diffs),
                    after_stop, final_step, tuple(final_diffs), tuple(causes),
                    tuple(sorted(left_out)), how)

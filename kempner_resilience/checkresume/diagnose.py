@@ -16,16 +16,31 @@ points at the usual traps (issue 31):
   after the stop that is typically a prefetched batch; some steps after it, gradients
   accumulated over a window the stop cut (the optimizer steps only at the window's end);
 - any of these before the first stop: the script does not repeat itself even uninterrupted.
+
+One cause no checkpoint shows: the script reads ``KEMPNER_RESTART_COUNT``, which the launcher
+sets to each launch's number (0 in the uninterrupted run, 1, 2, ... after each resume). What
+depends on it differs after a resume while nothing carried is missing from state, so the
+checkpoints alone would point at a carried variable. The script's source says it: the files of
+the command and the Python files beside them are searched for the name
+(``restart_count_readers``), and a match is named first, in place of that guess.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
 
 from kempner_resilience.checkresume.compare import EntryDiff
 from kempner_resilience.checkresume.snapshot import Kind
 
-__all__ = ["likely_causes", "CARRIED", "ACCUMULATED", "SCHEDULER", "NONDETERMINISTIC"]
+__all__ = ["likely_causes", "restart_count_readers", "restart_count_cause", "CARRIED",
+           "ACCUMULATED", "SCHEDULER", "NONDETERMINISTIC", "RESTART_COUNT_VAR"]
+
+#: What the launcher sets to each launch's number (``integrations/local.py``).
+RESTART_COUNT_VAR = "KEMPNER_RESTART_COUNT"
+# A script's directory is searched for the name: bounded, a large tree is not walked.
+_MAX_FILES, _MAX_BYTES = 200, 4 << 20
 
 CARRIED = ("a variable carried from one step to the next is not in state (a prefetched batch, "
            "accumulated gradients, a running value the update uses): the first step after the "
@@ -47,17 +62,70 @@ NONDETERMINISTIC = ("the runs differ before any interruption: the script does no
                     "seed it and make it deterministic so that a resume can be checked")
 
 
+def restart_count_readers(command: Sequence[str], cwd: str | os.PathLike[str] | None = None
+                          ) -> list[str]:
+    """The files of ``command`` (a script, ``-m module``) and the Python files beside them that
+    name ``KEMPNER_RESTART_COUNT``, relative to ``cwd`` where they are under it; bounded."""
+    base = Path(cwd or os.getcwd())
+    scripts: list[Path] = []
+    for i, arg in enumerate(command[1:], 1):
+        path = base / arg
+        if command[i - 1] == "-m":
+            mod = base / arg.replace(".", "/")
+            path = next((p for p in (mod.with_suffix(".py"), mod / "__main__.py")
+                         if p.is_file()), path)
+        if path.suffix == ".py" and path.is_file():
+            scripts.append(path)
+    files = list(dict.fromkeys(scripts + sorted(
+        p for s in scripts for p in s.parent.glob("*.py"))))[:_MAX_FILES]
+    found = []
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                text = f.read(_MAX_BYTES)
+        except OSError:
+            continue
+        if RESTART_COUNT_VAR.encode() in text:
+            try:
+                found.append(str(path.relative_to(base)))
+            except ValueError:
+                found.append(str(path))
+    return found
+
+
+def restart_count_cause(readers: Sequence[str]) -> str:
+    """The cause when the script reads the launch's number (``readers``: where)."""
+    return (f"the script reads {RESTART_COUNT_VAR} ({', '.join(readers[:3])}): the launcher "
+            "sets it to the launch's number, 0 in the uninterrupted run and 1, 2, ... after "
+            "each resume, so whatever depends on it (a seed, a learning rate, a data offset, a "
+            "step count) differs after a resume, and no checkpoint can restore it. Derive such "
+            "values from what the checkpoint restores (the step run.steps yields, state) "
+            "instead")
+
+
 def _names(diffs: Iterable[EntryDiff], kind: Kind) -> list[str]:
     return sorted({d.key for d in diffs if d.kind is kind})
 
 
 def likely_causes(diffs: list[EntryDiff], step: int, stop: int | None,
-                  has_scheduler: bool) -> list[str]:
+                  has_scheduler: bool, restart_readers: Sequence[str] = ()) -> list[str]:
     """The likely causes of ``diffs`` at ``step``, the first step that differs; ``stop`` is the
     last stop of the interrupted run before it (None: it differs before any stop);
-    ``has_scheduler``: the checkpoints hold a scheduler's state."""
+    ``has_scheduler``: the checkpoints hold a scheduler's state; ``restart_readers``: the
+    script's files that read ``KEMPNER_RESTART_COUNT`` (``restart_count_readers``)."""
     if stop is None:
         return [NONDETERMINISTIC]
+    causes = _from_entries(diffs, step, stop, has_scheduler)
+    if not restart_readers:
+        return causes
+    # The guess by elimination (model and optimizer only) gives way to what the source says.
+    return [restart_count_cause(restart_readers)] + [
+        c for c in causes if c != CARRIED and not c.startswith(ACCUMULATED)]
+
+
+def _from_entries(diffs: list[EntryDiff], step: int, stop: int,
+                  has_scheduler: bool) -> list[str]:
+    """The causes that what differs points at, the script's source aside."""
     kinds = {d.kind for d in diffs}
     causes = []
     if Kind.SCHEDULER in kinds:

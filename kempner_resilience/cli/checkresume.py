@@ -78,7 +78,12 @@ def _run(args: argparse.Namespace) -> int:
     from kempner_resilience.checkresume.check import check_resume, cleanup   # loads torch
     from kempner_resilience.checkresume.render import render
 
-    verdict = check_resume(opts)
+    try:
+        verdict = check_resume(opts)
+    except OSError as e:    # the work directory (or the temporary one) cannot be written
+        where = e.filename or args.workdir or "the temporary directory"
+        raise CliError(f"cannot write {where}: {e.strerror or e}; give --workdir a writable "
+                       "directory (or set TMPDIR to one)", int(ExitCode.CONFIG)) from None
     print(render(verdict))
     sys.stdout.flush()
     cleanup(verdict, keep=args.workdir is not None)

@@ -48,7 +48,8 @@ def _setup(p: argparse.ArgumentParser) -> None:
                    help="the command every rank runs, e.g. python train.py --lr 0.1")
     codes = ", ".join(f"{int(c)} {c.name}" for c in sorted(RUN_AGAIN))
     p.epilog = (f"Relaunched after {codes} or a rank killed by a signal (what a requeueing "
-                "scheduler reruns); stops on 0, on any other code and when the budget is spent. "
+                "scheduler reruns); stops on 0, on any other code and when the budget is spent "
+                "(then 77 NO_REQUEUE where the ranks asked to run again with 75). "
                 "The exit status is the job's code of the last launch, one rule over the ranks' "
                 "codes (docs/design.md, \"One supervisor policy\"): a rank's own code (1 ERROR, "
                 "78 CONFIG, ...) over its peers' 81 PEER_LOST, so [81, 1] exits 1 without a "
@@ -92,8 +93,8 @@ def _run(args: argparse.Namespace) -> int:
         elif code == 0:
             _log.info("%s: done", what)
         elif decision is not None and decision.guard is Guard.BUDGET:
-            _log.error("%s; the restart budget (--max-restarts %d) is spent: not "
-                       "relaunched", what, args.max_restarts)
+            _log.error("%s; the restart budget (--max-restarts %d) is spent: not relaunched, "
+                       "exit %d", what, args.max_restarts, code)
         else:
             _log.error("%s; not relaunched: %s", what,
                        decision.why if decision is not None else "")

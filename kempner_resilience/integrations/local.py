@@ -31,6 +31,11 @@ stuck in a collective its lost peer will never join) gets SIGTERM, and SIGKILL
 own (``RankEnd.by_supervisor``). Survivors that detect a lost peer only through their hang
 watchdog need a grace above ``watchdog.hang_timeout_s`` + ``rescue.budget_s`` to commit their
 rescue before they are killed.
+
+When a launch is over, whatever the ranks started and left running is killed too, as SLURM kills
+a step's processes (``core/strays.py``): the ranks' sessions, and processes that left them
+(``setsid``) but carry the launch's channel in their environment. A relaunch never runs beside
+the last launch's data servers or stray children.
 """
 
 from __future__ import annotations
@@ -42,7 +47,6 @@ import random
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,7 +54,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.supervise.channel import Channel, newest_commit
+from kempner_resilience.core.strays import clock_ticks_now, end_strays
+from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, newest_commit
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  RankEnd, decide, job_code)
@@ -209,12 +214,12 @@ class LocalLauncher:
         (then the last launch has ``interrupted`` set). SIGINT and SIGTERM are taken over while
         this runs (main thread only: elsewhere Ctrl+C keeps raising KeyboardInterrupt, which is
         handled the same way)."""
+        # The ranks tell the launcher which run this is (supervise/channel.py): its directory
+        # (whatever way the script sets checkpoint.dir) and its no-progress setting.
+        self.channel = Channel.private("kempner-resilience-launch-")
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
             if main else {}
-        # The ranks tell the launcher which run this is (supervise/channel.py): its directory
-        # (whatever way the script sets checkpoint.dir) and its no-progress setting.
-        self.channel = Channel(Path(tempfile.mkdtemp(prefix="kempner-resilience-launch-")))
         try:
             stalled = 0
             for index in range(self.max_launches):
@@ -295,6 +300,7 @@ class LocalLauncher:
             self.channel.begin_launch(index)     # the ranks' restart count (budget, ledger)
         procs = []
         t0 = time.monotonic()
+        since = clock_ticks_now()       # what the ranks start from now on is this launch's
         for rank in range(self.ranks):
             env = self.rank_env(rank, port, index)
             err = out = None
@@ -370,8 +376,10 @@ class LocalLauncher:
             self._signal_all(procs, signal.SIGINT)
             _wait_all(procs, self.stop_timeout_s)
         finally:
-            # Whatever ended the wait (an error here included), no rank outlives the launch.
+            # Whatever ended the wait (an error here included), no rank outlives the launch,
+            # nor anything a rank started: the ranks' sessions and the channel's mark.
             self._signal_all(procs, signal.SIGKILL)
+            self._end_strays(index, procs, since)
         # The received signals are consumed: a relaunch must not forward them again.
         del self._received[:forwarded]
         ended = time.monotonic()
@@ -385,6 +393,23 @@ class LocalLauncher:
             log0 = (self.workdir / f"rank0.{index}.log").read_text(errors="replace")
             launch.stderr_tail = log0.splitlines()[-15:]
         return launch
+
+    def _end_strays(self, index: int, procs: list[subprocess.Popen],
+                    since: int | None) -> None:
+        """End what the ranks of launch ``index`` started and left running, as SLURM ends a
+        step's processes (``core/strays.py``): the channel's path is unique to this launcher."""
+        for p in procs:
+            try:
+                p.wait(KILL_AFTER_TERM_S)     # SIGKILLed: only the kernel's teardown is left
+            except subprocess.TimeoutExpired:
+                pass
+        mark = (CHANNEL_ENV, str(self.channel.env()[CHANNEL_ENV])) \
+            if self.channel is not None else None
+        ended = end_strays([p.pid for p in procs], mark, since)
+        if ended:
+            _log.warning("launch %d: ended %d process(es) the ranks had started and left "
+                         "running (pids %s)", index + 1, len(ended),
+                         ", ".join(map(str, sorted(ended))))
 
     @staticmethod
     def _signal_all(procs: list[subprocess.Popen], signum: int) -> None:

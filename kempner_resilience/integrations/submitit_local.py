@@ -175,8 +175,7 @@ class ResilientController(Controller):  # type: ignore[misc]
         """Launch until the policy says leave (``max_retry``: submitit's, unused: the run's
         budget and guard bound the launches)."""
         set_role("submitit controller")   # its own process, not a rank (its env may say RANK)
-        folder = Path(str(self.folder).replace("%j", self.pid))
-        channel = Channel.for_job(self.pid, environ={}, cwd=folder, fresh=True)
+        channel = self.open_channel()
         os.environ.update(channel.env())       # the tasks inherit the controller's environment
         supervision = Supervision(channel)
         try:
@@ -199,6 +198,12 @@ class ResilientController(Controller):  # type: ignore[misc]
                             self.pid, ranks, d.code, supervision.restarts, d.why)
         finally:
             channel.remove()
+
+    def open_channel(self) -> Channel:
+        """This controller's own channel in its folder (``Channel.for_controller``: its host,
+        pid and a random token): another controller whose pid is the same, on another host
+        sharing the folder, never clears or removes it."""
+        return Channel.for_controller(self.pid, Path(str(self.folder).replace("%j", self.pid)))
 
     def wait(self, freq: int = 24) -> tp.Sequence[tp.Optional[int]]:
         """Until every task ended, bounded: submitit's time limit (its signal ``signal_delay_s``

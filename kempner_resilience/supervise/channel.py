@@ -33,6 +33,17 @@ mixes the memory of unrelated runs started from the same directory. So the ranks
 - the supervisor keeps its per-job memory there (``train_nodes``); what belongs to the run and
   outlives the job (bad nodes, restart events) goes to the run's directory that rank 0 named.
 
+Where the submit directory cannot hold it (read-only, full, not a directory), the job's channel
+falls back to a job-scoped directory of this node (``$TMPDIR``, ``/dev/shm``, the system's
+temporary directory: ``.kempner-resilience-<uid>/job-<id>``), said in one log line: the ranks
+find it through the environment as before, but only those on the supervisor's node can write
+to it, and a requeue onto another node starts without it. With no writable place at all, the
+supervisor stops with 78 (CONFIG), naming the path and the fix, before any rank starts.
+
+A local controller's job (submitit's local executor) is named by its host, its pid and a random
+token (``Channel.for_controller``): two controllers on two hosts sharing a folder can have the
+same pid, and neither may clear or remove the other's live channel.
+
 ``KEMPNER_RESILIENCE_SUPERVISOR`` is the contract's only variable; the ones it replaced are read
 when set by hand, with a deprecation warning (``supervise/legacy_env.py``).
 
@@ -45,7 +56,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,9 +68,10 @@ from typing import Any, Mapping
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.core.startup import StartupError
 
-__all__ = ["CHANNEL_ENV", "Channel", "Relaunched", "RunReport", "REPORT_NAME", "report_now",
-           "launch_name", "relaunched", "newest_commit"]
+__all__ = ["CHANNEL_ENV", "Channel", "ChannelUnwritable", "Relaunched", "RunReport",
+           "REPORT_NAME", "report_now", "launch_name", "relaunched", "newest_commit"]
 
 _log = get_logger(__name__)
 
@@ -72,6 +86,33 @@ _TRAIN_NODES = "train-nodes.json"
 _RELAUNCH = "relaunch.json"
 _AGENT = "agent.json"
 _AGENTS_DIR = "agents"
+
+
+class ChannelUnwritable(OSError, StartupError):
+    """No directory can hold the supervisor's channel: the launcher stops with 78 (CONFIG)
+    before any rank starts; the message names the paths tried and the fix."""
+
+
+def _writable_dir(path: Path) -> str | None:
+    """Create ``path`` (parents included); None when it is a writable directory, else why."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return e.strerror or str(e)
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "not writable"
+    return None
+
+
+def _local_places(environ: Mapping[str, str]) -> list[Path]:
+    """This node's job-scoped places for a channel, in order: $TMPDIR, /dev/shm, the system's
+    temporary directory."""
+    found = [Path(p) for p in (environ.get("TMPDIR"), "/dev/shm") if p]
+    try:
+        found.append(Path(tempfile.gettempdir()))
+    except (OSError, FileNotFoundError):
+        pass
+    return list(dict.fromkeys(found))
 
 
 @dataclass(frozen=True)
@@ -154,6 +195,20 @@ class Channel:
         channel.offer_rendezvous(None)
         return channel
 
+    @classmethod
+    def private(cls, prefix: str) -> "Channel":
+        """A channel of this process's own, for ranks on this node (the local launcher): a
+        fresh temporary directory, in ``/dev/shm`` when the temporary directories cannot take
+        one; ``ChannelUnwritable`` (78) when none can."""
+        tried = []
+        for place in [None, *_local_places(os.environ)]:
+            try:
+                return cls(Path(tempfile.mkdtemp(prefix=prefix, dir=place)))
+            except OSError as e:
+                tried.append(f"{place or 'the temporary directory'}: {e.strerror or e}")
+        raise ChannelUnwritable("no directory can hold the supervisor's channel: "
+                                + "; ".join(tried) + ". Set TMPDIR to a writable directory")
+
     @property
     def supervised(self) -> bool:
         """Whether a supervisor above the ranks decides whether the job runs again (the srun
@@ -182,13 +237,41 @@ class Channel:
         cleared."""
         env = os.environ if environ is None else environ
         base = Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd())
-        root = (base / _JOBS_DIR / f"job-{job_id}").resolve()
-        if fresh and root.exists():
-            _log.warning("%s: left by an earlier job with the same id; cleared for this one",
-                         root)
-            shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True, exist_ok=True)
-        return cls(root)
+        name = f"job-{job_id}"
+        wanted = (base / _JOBS_DIR / name).resolve()
+        places = [wanted] + [(p / f"{_JOBS_DIR}-{os.getuid()}" / name).resolve()
+                             for p in _local_places(env)]
+        tried = []
+        for root in places:
+            if fresh and root.is_dir():
+                _log.warning("%s: left by an earlier job with the same id; cleared for this "
+                             "one", root)
+                shutil.rmtree(root, ignore_errors=True)
+            why = _writable_dir(root)
+            if why is None:
+                if root != wanted:
+                    _log.warning("%s cannot hold the supervisor's channel (%s): using %s on "
+                                 "this node instead (ranks on other nodes cannot report to "
+                                 "it); submit from a writable directory to share it", wanted,
+                                 tried[0][1], root)
+                return cls(root)
+            tried.append((root, why))
+        raise ChannelUnwritable(
+            "no directory can hold the supervisor's channel: " + "; ".join(
+                f"{p}: {why}" for p, why in tried) + ". Submit the job from a writable "
+            "directory (SLURM_SUBMIT_DIR), or set TMPDIR to a writable one")
+
+    @classmethod
+    def for_controller(cls, pid: str, folder: str | os.PathLike[str],
+                       host: str | None = None) -> "Channel":
+        """The channel of a local controller's job (submitit's local executor): ``job-<pid>.
+        <host>.<token>`` in ``folder``, created. Hosts sharing a folder reuse each other's
+        pids (so do containers on one host), and a job id alone made a second controller clear
+        the first's live channel as an earlier job's leftover: with the host and a random
+        token in its name, a controller's channel is its own, never there before, and the
+        only one it removes."""
+        host = (host or socket.gethostname() or "host").replace("/", "_")
+        return cls.for_job(f"{pid}.{host}.{secrets.token_hex(4)}", environ={}, cwd=folder)
 
     def env(self) -> dict[str, str]:
         """The variables that hand this channel to the ranks (the one contract: one)."""
@@ -361,10 +444,10 @@ class Channel:
     def remove(self) -> None:
         """The job is over for good: its channel goes (bounded: a local directory walk)."""
         shutil.rmtree(self.root, ignore_errors=True)
-        if self.root.parent.name != _JOBS_DIR:
+        if not self.root.parent.name.startswith(_JOBS_DIR):
             return
         try:
-            self.root.parent.rmdir()      # .kempner-resilience/, when this was its last job
+            self.root.parent.rmdir()      # .kempner-resilience(-<uid>)/, after its last job
         except OSError:
             pass
 

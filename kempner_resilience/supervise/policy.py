@@ -37,8 +37,10 @@ known).
 
 The decision (``decide``), in order: a completed job, a signal to the supervisor (Ctrl+C), and
 rows 2, 3 and 7 leave with their code. Rows 4-6 run again unless the restart budget is spent
-(leave with the job's code, as a scheduler that stops requeueing does) or the committed step did
-not advance over ``max_no_progress`` relaunches in a row (leave with 77 NO_REQUEUE). A relaunch
+(leave with the job's code, as a scheduler that stops requeueing does; row 4's 75 says "run it
+again", so it leaves with 77 NO_REQUEUE, as a rank whose own budget is spent does) or the
+committed step did not advance over ``max_no_progress`` relaunches in a row (leave with 77
+NO_REQUEUE). A relaunch
 resumes from the newest committed checkpoint; when nothing was ever committed it starts fresh:
 that loses nothing a requeue or a hand restart would not, and a job that never commits makes
 no progress, so the guard bounds it. A failure that implicates nodes relaunches in place only
@@ -231,7 +233,11 @@ def decide(ev: Evidence) -> Decision:
         stalled = 0 if ev.commits.advanced else ev.stalled + (1 if ev.restarts > 0 else 0)
     spent = ev.max_restarts is not None and ev.restarts >= ev.max_restarts
     if spent and not ev.scheduler_left:
-        return Decision(Action.LEAVE, code, kind,
+        # Ranks that asked to run again (75: "run it again") are not: the job says so with
+        # the budget's code, as a rank whose own budget is spent does. A failure keeps its
+        # code (what failed), as rank 0 leaves it.
+        left = int(ExitCode.NO_REQUEUE) if kind is Kind.REQUESTED else code
+        return Decision(Action.LEAVE, left, kind,
                         f"the restart budget ({ev.max_restarts}) is spent", stalled,
                         guard=Guard.BUDGET)
     if ev.commits is not None and ev.max_no_progress > 0 and stalled >= ev.max_no_progress:
