@@ -103,6 +103,9 @@ def test_a_rank_dying_after_its_all_reduce_but_before_its_boundary_falls_back_cl
     assert first.exit_codes == [ExitCode.PEER_LOST] * 3 + [-signal.SIGKILL]
     assert not [s for s, m in committed(tmp_path).items() if m.get("reason") == "rescue"]
     assert f"no state of step {FAIL_AT + 1} from rank(s) [3]" in logs(tmp_path)
+    # Said as it is: the dead rank's buddy is alive and holds its older boundary.
+    assert f"rank 3 is one boundary behind, at step {FAIL_AT}" in logs(tmp_path)
+    assert "both gone or stuck" not in logs(tmp_path)
     assert second.report["resumed_from"] == 20          # the periodic checkpoint
     assert_bitwise_equal(reference, weights)
 

@@ -108,6 +108,15 @@ class RescueFiles:
                 out.add(int(m.group(1)))
         return out
 
+    def steps_of(self, rank: int) -> list[int]:
+        """The boundaries of which ``rank``'s snapshot is here, oldest first."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(2)) for m in map(_SNAP_RE.match, names)
+                      if m and int(m.group(1)) == rank)
+
     def mark_offered(self, rank: int) -> None:
         self._ensure()
         _write_whole(self.dir / f"offered.{rank}", b"")

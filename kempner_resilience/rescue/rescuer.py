@@ -364,9 +364,7 @@ class Rescuer:
         blobs = {r: self.files.get(r, step) for r in sorted(need - missing)}
         missing |= {r for r, b in blobs.items() if b is None}
         if missing:
-            why = (f"no state of step {step} from rank(s) {sorted(missing)} (each rank's RNG and "
-                   "data position live only on it and its buddy: both gone or stuck)")
-            return self._done(step, None, why)
+            return self._done(step, None, self._why_missing(step, missing))
         shards = None
         if layout is not None:
             shards, why = sharded.collect(self.files.dir, layout, step, missing_cols)
@@ -395,6 +393,27 @@ class Rescuer:
         log.warning("rescue: committed step %d at %s, %.2f s after the failure (rank %d wrote "
                     "it: %s)", step, info.path, time.monotonic() - t0, self.rank, reason)
         return self._done(step, info, None)
+
+    def _why_missing(self, step: int, missing: set[int]) -> str:
+        """Why the state of ``step`` is not whole. A rank that died after its step's
+        all-reduce but before its boundary (a long post-step phase: a weight sync, an eval) is
+        one boundary behind the survivors: its buddy, alive, offered only the older boundary,
+        and a checkpoint of mixed steps is never written. Otherwise the rank and its buddy are
+        both gone or stuck."""
+        offered = self.files.offered()
+        behind = []
+        for r in sorted(missing):
+            held = [s for s in self.files.steps_of(r) if s < step]
+            buddy = (r + self.offset) % self.world_size
+            if held and (buddy in offered or r in offered):
+                behind.append(f"rank {r} is one boundary behind, at step {held[-1]} (its buddy, "
+                              f"rank {buddy}, holds that)")
+        head = f"no state of step {step} from rank(s) {sorted(missing)}"
+        if len(behind) == len(missing):
+            return (f"{head}: {'; '.join(behind)}; it died after its step's all-reduce, before "
+                    "its boundary")
+        return (f"{head} (each rank's RNG and data position live only on it and its buddy: "
+                "both gone or stuck" + (f"; {'; '.join(behind)}" if behind else "") + ")")
 
     def _done(self, step: int, info: CheckpointInfo | None, why: str | None) -> RescueResult:
         out = {"committed": info is not None, "step": step, "writer": self.rank, "why": why,
