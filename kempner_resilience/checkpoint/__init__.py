@@ -15,12 +15,13 @@ from kempner_resilience.checkpoint.info import (
     CheckpointDirError,
     CheckpointError,
     CheckpointInfo,
+    LineageDamagedError,
     SavePeerLost,
 )
 from kempner_resilience.checkpoint.layout import MANIFEST_NAME
 
 __all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointError", "CheckpointCorrupt",
-           "CheckpointDirError", "SavePeerLost", "MANIFEST_NAME"]
+           "CheckpointDirError", "LineageDamagedError", "SavePeerLost", "MANIFEST_NAME"]
 
 
 def __getattr__(name: str) -> Any:
