@@ -88,8 +88,10 @@ TABLE: dict[ExitCode, str] = {
     ExitCode.NO_REQUEUE: "restart budget exhausted or no progress over several restarts: do not "
                          "requeue; look at the job's log",
     ExitCode.CONFIG: "the run could not start: an invalid configuration (a wrong or unknown key, "
-                     "a missing config file), a checkpoint.dir that cannot hold checkpoints, or "
-                     "a checkpoint whose entries differ from the live state's; "
+                     "a missing config file), a checkpoint.dir that cannot hold checkpoints, "
+                     "a checkpoint whose entries differ from the live state's, or every "
+                     "checkpoint of the run found damaged and set aside (checkpoint.resume: "
+                     "false starts a new lineage); "
                      "stderr names the problem and the fix, without a traceback",
     ExitCode.REQUEUE_FAILED: "emergency checkpoint committed but `scontrol requeue` failed; "
                              "resubmit the job by hand",

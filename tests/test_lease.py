@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -235,6 +236,30 @@ def test_a_holder_frozen_past_the_lease_timeout_and_taken_over_exits_82_having_w
 def _run_holder(script, ckpt, out) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), str(ckpt), "40", "0", "0", str(out)],
                           capture_output=True, text=True, env=env(), timeout=300)
+
+
+def test_a_lease_rewritten_to_name_another_host_is_lost_naming_that_holder_and_the_real_times(
+        tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    held = lease.acquire(RunPaths(root), stale_s=12.0)           # a heartbeat every second
+    path = RunPaths(root).lease
+    try:
+        # A run on another host took the lease (or someone edited the file) while this one
+        # was alive and beating: no pause, no timeout passed.
+        path.write_text(json.dumps(dict(held.me, host="node-b-elsewhere", pid=4242,
+                                        run_id="run-b", token="theirs")))
+        with pytest.raises(lease.LeaseLost) as err:
+            held.check()
+    finally:
+        held.release()
+    why = str(err.value)
+    assert "the lease now names host node-b-elsewhere, pid 4242, run run-b" in why, why
+    assert "another run took it over, or the file was rewritten" in why
+    touched = float(re.search(r"heartbeat touched it ([\d.]+) s ago", why).group(1))
+    assert touched < 2.0 and "the lease's 12 s timeout" in why
+    assert "paused" not in why, "it was never paused"
+    assert json.loads(path.read_text())["token"] == "theirs"     # the other's lease stays
 
 
 def test_a_lease_missing_for_a_few_heartbeats_is_written_again_and_the_heartbeat_goes_on(

@@ -20,6 +20,7 @@ import torch.nn as nn
 import kempner_resilience as kr
 from kempner_resilience.checkpoint import layout, retention
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV, OtherRunError
+from kempner_resilience.checkpoint.info import LineageDamagedError
 from kempner_resilience.checkpoint.quarantine import NOTE_NAME
 from kempner_resilience.core.goodput import analyze_dir
 from kempner_resilience.core.startup import StartupError
@@ -97,6 +98,117 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_never_costs_the_good_ones(
     third, trained, weight = train(ck, 28, every=5, keep_last=1)
     assert third.start_step == 25 and trained == [25, 26, 27]
     assert torch.equal(weight, trained_weight(28))
+
+
+def torch_save_into(step_dir: Path) -> None:
+    """A user's own ``dcp.save`` aimed at a committed step: torch's FileSystemWriter
+    (``overwrite=True`` by default) replaces its shards and ``.metadata`` in place."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():       # torch's own "overwriting since overwrite=True"
+        warnings.simplefilter("ignore")
+        dcp.save({"model": nn.Linear(4, 2).state_dict()},
+                 storage_writer=dcp.FileSystemWriter(str(step_dir)))
+
+
+def overwrite_every_step(ck: Path) -> list[int]:
+    """Every committed step of ``ck`` overwritten by torch's writer; the steps."""
+    steps = steps_on_disk(ck)
+    for step in steps:
+        torch_save_into(ck / layout.dir_name(step))
+    return steps
+
+
+def set_aside_dirs(ck: Path) -> list[str]:
+    return sorted(p.name for p in ck.iterdir() if p.name.startswith(".damaged-"))
+
+
+def test_a_plain_torch_dcp_save_into_a_committed_step_is_set_aside_named_and_resume_falls_back(
+        tmp_path, caplog):
+    ck = tmp_path / "ck"
+    train(ck, 30, every=5)                                # steps 20, 25, 30
+    torch_save_into(ck / "step_000000030")
+    again, trained, weight = train(ck, 30, every=5)
+    assert again.start_step == 25 and trained == list(range(25, 30))
+    assert torch.equal(weight, trained_weight(30))
+    [aside] = [ck / name for name in set_aside_dirs(ck)]
+    assert aside.name.startswith(".damaged-step_000000030-")
+    said = [r.getMessage() for r in caplog.records if "set it aside" in r.getMessage()]
+    assert len(said) == 1, said                           # one line: step, why, where
+    assert "step 30 " in said[0] and str(aside) in said[0]
+    assert "its shards no longer match their checksums" in said[0]
+    assert "modified after its commit" in said[0] and "dcp.save" in said[0]
+
+
+REFUSED = """
+import sys
+import torch, torch.nn as nn
+import kempner_resilience as kr
+
+cfg = kr.load_config(overrides=[f"checkpoint.dir={sys.argv[1]}", "checkpoint.every_steps=5"])
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+with kr.ResilientRun(cfg, state={"model": model}) as run:
+    for step in run.steps(40):
+        print("trained", step, flush=True)
+"""
+
+
+def test_every_committed_step_overwritten_exits_78_naming_them_and_the_fix_and_frees_the_dir(
+        tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import env, write_script
+
+    ck = tmp_path / "ck"
+    train(ck, 30, every=5)
+    assert overwrite_every_step(ck) == [20, 25, 30]
+    proc = subprocess.run([sys.executable, str(write_script(tmp_path, REFUSED)), str(ck)],
+                          capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 78, proc.stderr
+    assert "Traceback" not in proc.stderr and "trained" not in proc.stdout
+    assert set_aside_dirs(ck) == [f".damaged-step_0000000{s}-size" for s in (20, 25, 30)]
+    refusal = proc.stderr[proc.stderr.index("kempner_resilience: "):]
+    assert all(str(ck / name) in refusal for name in set_aside_dirs(ck)), refusal
+    assert "checkpoint.resume: false" in refusal and "starting fresh" not in proc.stderr
+    assert not RunPaths(ck).lease.exists(), "a run that did not start holds no lease"
+
+
+def test_a_launch_after_every_checkpoint_was_set_aside_refuses_too_rather_than_start_fresh(
+        tmp_path):
+    ck = tmp_path / "ck"
+    train(ck, 30, every=5)
+    overwrite_every_step(ck)
+    with pytest.raises(LineageDamagedError):
+        train(ck, 30, every=5)                            # sets them aside, refuses
+    aside = set_aside_dirs(ck)
+    with pytest.raises(LineageDamagedError) as err:
+        train(ck, 30, every=5)                            # nothing left to try: refuses
+    assert isinstance(err.value, StartupError), "a script exits with 78 CONFIG"
+    assert all(name in str(err.value) for name in aside) and len(aside) == 3
+    assert "checkpoint.resume: false" in str(err.value)
+    assert set_aside_dirs(ck) == aside and steps_on_disk(ck) == []
+    assert not RunPaths(ck).lease.exists()
+
+
+def test_a_new_lineage_started_on_purpose_after_everything_was_set_aside_starts_at_0_and_keeps_them(
+        tmp_path):
+    ck = tmp_path / "ck"
+    old, _, _ = train(ck, 30, every=5)
+    overwrite_every_step(ck)
+    with pytest.raises(LineageDamagedError):
+        train(ck, 30, every=5)
+    aside = set_aside_dirs(ck)
+    fresh, trained, _ = train(ck, 10, every=5, resume=False)       # the fix, followed
+    assert fresh.start_step == 0 and trained == list(range(10)) and fresh.run_id != old.run_id
+    assert set_aside_dirs(ck) == aside                              # kept for inspection
+    assert old.run_id in json.loads((ck / "run.json").read_text())["earlier_runs"]
+    nxt, trained, weight = train(ck, 12, every=5)                  # the new lineage goes on
+    assert nxt.start_step == 10 and trained == [10, 11]
+    assert torch.equal(weight, trained_weight(12))
 
 
 # ------------------------------------------------------------------ 2. lineages

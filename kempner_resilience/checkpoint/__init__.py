@@ -16,12 +16,14 @@ from kempner_resilience.checkpoint.info import (
     CheckpointDirError,
     CheckpointError,
     CheckpointInfo,
+    LineageDamagedError,
     SavePeerLost,
 )
 from kempner_resilience.checkpoint.layout import MANIFEST_NAME
 
 __all__ = ["CheckpointManager", "CheckpointInfo", "CheckpointError", "CheckpointCommitted",
-           "CheckpointCorrupt", "CheckpointDirError", "SavePeerLost", "MANIFEST_NAME"]
+           "CheckpointCorrupt", "CheckpointDirError", "LineageDamagedError", "SavePeerLost",
+           "MANIFEST_NAME"]
 
 
 def __getattr__(name: str) -> Any:

@@ -8,8 +8,8 @@ from pathlib import Path
 from kempner_resilience.core.startup import StartupError
 
 __all__ = ["CheckpointError", "CheckpointCommitted", "CheckpointCorrupt", "CheckpointDamaged",
-           "CheckpointDirError", "CheckpointInfo", "SavePeerLost", "StateMismatchError",
-           "describe_error", "is_damage"]
+           "CheckpointDirError", "CheckpointInfo", "LineageDamagedError", "SavePeerLost",
+           "StateMismatchError", "describe_error", "is_damage"]
 
 
 class CheckpointError(RuntimeError):
@@ -57,6 +57,19 @@ class StateMismatchError(CheckpointError, StartupError):
     fill new state. Refused on every rank alike, and never by falling back to an older
     checkpoint (it would not match either, or match by chance); uncaught in a script, the
     process exits with 78 (CONFIG). ``checkpoint.allow_partial_resume`` opts in."""
+
+
+class LineageDamagedError(CheckpointError, StartupError):
+    """Every checkpoint the run could resume from was found damaged and set aside
+    (``checkpoint/quarantine.py``): starting again at step 0 under the same run would quietly
+    drop the training they held, so the run refuses to start, on every rank alike, and keeps
+    refusing while set-aside checkpoints of its lineage exist. ``checkpoint.resume: false``
+    starts a new lineage on purpose; uncaught in a script, the process exits with 78 (CONFIG).
+    ``set_aside`` lists the directories, where they lie now."""
+
+    def __init__(self, message: str, set_aside: list[Path] | None = None) -> None:
+        super().__init__(message)
+        self.set_aside = list(set_aside or [])
 
 
 class SavePeerLost(RuntimeError):

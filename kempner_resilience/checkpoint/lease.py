@@ -201,13 +201,23 @@ class Lease:
                 return
             if seen.kind is None and seen.holder is None and silent < self.timeout_s / 2:
                 return                          # unreadable for a moment (NFS): next beat
-            other = seen.holder or {}
-            self._lose("another run took the directory over ("
-                       + (describe(other) + f", run {str(other.get('run_id') or '?')[:60]}"
-                          if other else "the lease file is " + (seen.kind or "unreadable"))
-                       + f") while this one was paused or cut off for {silent:.0f} s")
+            self._lose(self._taken_over(seen.holder or {}, seen.kind, silent))
         except OSError as e:           # a filesystem hiccup: the next beat tries again
             log.debug("lease heartbeat failed: %s", e)
+
+    def _taken_over(self, other: dict[str, Any], kind: str | None, silent: float) -> str:
+        """What the file now says, and how that can be: a takeover of a run not heard from
+        for longer than the timeout, or, sooner, a rewrite no takeover rule allows."""
+        now = (f"the lease now names {describe(other)}, run "
+               f"{str(other.get('run_id') or '?')[:60]}" if other
+               else f"the lease file is now {kind or 'unreadable'}")
+        if silent >= self.timeout_s:
+            return (f"{now}: another run took the directory over after this one was not heard "
+                    f"from for {silent:.1f} s (paused, or cut off from the filesystem), longer "
+                    f"than the lease's {self.timeout_s:.0f} s timeout")
+        return (f"{now}: another run took it over, or the file was rewritten, although this "
+                f"run's heartbeat touched it {silent:.1f} s ago, within the lease's "
+                f"{self.timeout_s:.0f} s timeout")
 
     def _lose(self, why: str) -> None:
         self._lost = (f"this run lost its lease on {self.path.parent}: {why}; it stops at the "

@@ -73,7 +73,9 @@ def load_newest(paths: RunPaths, config: CheckpointConfig, state: TrainState, ra
 
     A checkpoint that fails validation or checksum verification is skipped with a warning and
     the previous one is tried; CheckpointError when checkpoints exist but none loads (the
-    model may then be partially overwritten). Collective. Checkpoints of ``earlier`` lineages
+    model may then be partially overwritten), ``LineageDamagedError`` (exit 78) when what
+    stands in the way is only damage: every checkpoint of the lineage set aside, now or by an
+    earlier launch. Collective. Checkpoints of ``earlier`` lineages
     are not tried. One whose bytes prove it damaged is set aside by rank 0
     (``quarantine.set_aside``); those that failed otherwise (permissions, a state that does not
     fit) stay, and are appended to ``failed`` so the run's retention neither counts nor
@@ -81,14 +83,18 @@ def load_newest(paths: RunPaths, config: CheckpointConfig, state: TrainState, ra
     """
     # Rank 0 lists, every rank tries the same list: all make the same choice. Damaged entries
     # are tried too, so the warning below names them and the fall-back is the same as for any
-    # other per-checkpoint error.
-    listing = candidates(paths, earlier) if rank == 0 else (None, None)
-    tried, err = comm.broadcast_object(listing)
+    # other per-checkpoint error. Those of the lineage earlier launches set aside come along:
+    # with nothing else to load, they make the start a refusal, not a fresh start.
+    earlier = frozenset(earlier)
+    listing = (*candidates(paths, earlier), _set_aside_before(paths, earlier)) if rank == 0 \
+        else (None, None, [])
+    tried, err, before = comm.broadcast_object(listing)
     if tried is None:
         raise CheckpointError(f"cannot list the checkpoints in {paths} ({err}); fix its "
                               "permissions or set checkpoint.resume: false")
     failures: list[str] = []
     damaged: list[tuple[Path, str]] = []
+    moved: list[tuple[Path, Path | None, str]] = []      # rank 0's: where each went
     try:
         for p in tried:
             info, why, nread, proven = try_load(paths, Path(p), config, state, rank, comm, staging)
@@ -107,10 +113,15 @@ def load_newest(paths: RunPaths, config: CheckpointConfig, state: TrainState, ra
                         p, why)
     finally:
         # After the walk, when no rank reads them any more: rank 0 alone renames.
-        if rank == 0:
-            for p, why in damaged:
-                if quarantine.set_aside(p, why) is None and failed is not None:
-                    failed.append(p)
+        for p, why in damaged:
+            target = quarantine.set_aside(p, why) if rank == 0 else None
+            moved.append((p, target, why))
+            if rank == 0 and target is None and failed is not None:
+                failed.append(p)
+    if len(damaged) == len(failures) and (damaged or before):
+        # Nothing of the lineage left that loads, and only damage to blame (the same on every
+        # rank: gathered): refused on every rank, never a quiet start from step 0.
+        raise quarantine.refusal(paths, moved, [Path(p) for p in before], renamed=rank == 0)
     if failures:
         raise CheckpointError(
             f"no committed checkpoint in {paths} could be loaded ({'; '.join(failures)}). The "
@@ -118,6 +129,16 @@ def load_newest(paths: RunPaths, config: CheckpointConfig, state: TrainState, ra
             "fresh, move the step_* directories away or set checkpoint.resume: false")
     log.debug("no committed checkpoint in %s: starting fresh", paths)
     return None
+
+
+def _set_aside_before(paths: RunPaths, earlier: frozenset[str | None]) -> list[str]:
+    """Rank 0: the set-aside checkpoints of the lineage resume continues (none of an
+    ``earlier`` one), newest first."""
+    try:
+        return [str(e.path) for e in lineage_candidates(quarantine.entries(paths), earlier)]
+    except OSError as e:      # a hint lost, not a resume: the listing above says what is wrong
+        log.debug("cannot list the set-aside checkpoints in %s: %s", paths, e)
+        return []
 
 
 def try_load(paths: RunPaths, path: Path, config: CheckpointConfig, state: TrainState,

@@ -223,7 +223,8 @@ class CheckpointManager:
         """Load the newest good checkpoint into ``state`` on every rank and restore RNG streams
         (``loader.load_newest``: a bad one is skipped, the previous one tried). None when there
         is none (fresh start) or ``config.resume`` is off; CheckpointError when checkpoints
-        exist but none loads. Collective."""
+        exist but none loads (``LineageDamagedError``, exit 78, when every one of the lineage
+        was found damaged and set aside, now or before). Collective."""
         if not self.config.resume:
             log.info("checkpoint.resume is off: starting fresh")
             return None

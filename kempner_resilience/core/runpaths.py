@@ -32,6 +32,7 @@ from typing import Any
 __all__ = ["RunPaths"]
 
 _STEP_RE = re.compile(r"^step_(\d{9,})(?:\.(\d+))?$")
+_DAMAGED_RE = re.compile(r"^\.damaged-(step_\d{9,}(?:\.\d+)?)-[a-z-]+(?:\.\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,18 @@ class RunPaths:
         """What a checkpoint that resume found damaged is renamed to (kept for inspection,
         never a step name again); ``n`` tells apart the same step damaged twice."""
         return f".damaged-{step_dir_name}-{why}" + (f".{n}" if n else "")
+
+    @staticmethod
+    def parse_damaged_name(name: str) -> str | None:
+        """The step directory's name a set-aside checkpoint had (``damaged_name`` read back),
+        else None."""
+        m = _DAMAGED_RE.match(name)
+        return m.group(1) if m else None
+
+    def set_aside(self) -> list[Path]:
+        """Every checkpoint set aside as damaged (``damaged_name``) that is still here."""
+        return sorted(p for p in self.root.glob(".damaged-step_*")
+                      if self.parse_damaged_name(p.name) is not None)
 
     # ----- the run's own files
 

@@ -52,8 +52,10 @@ def begin(base: RunParts, progress: Progress, state: Mapping[str, Any] | None,
     """Set the run up on the main thread (collective), and return its parts: ``base`` (what
     the run was built with) and what each step built. ``progress`` is the run's: the resume
     notes its step there, and a forced exit during the set-up records with it. On any error the
-    watchdog and the signal handlers are taken down again before it is raised."""
+    watchdog and the signal handlers are taken down again, and the directory's lease given up,
+    before it is raised."""
     base.handler.install()
+    latest: list[RunParts] = [base]
     try:
         parts = replace(base, agreement=StopAgreement.from_torch())  # rank, world size, store
         latest = _record_forced_exits(parts, progress)          # a repeated SIGTERM/SIGINT
@@ -76,6 +78,11 @@ def begin(base: RunParts, progress: Progress, state: Mapping[str, Any] | None,
     except BaseException:
         base.hang.stop()
         base.handler.uninstall(keep_deadline=base.handler.requested())
+        if latest[0].ckpt is not None:      # set up, then refused: the directory is free
+            try:
+                latest[0].ckpt.close()
+            except Exception as e:  # noqa: BLE001 - the error being raised is the one to see
+                log.debug("cannot close the checkpoint manager after a failed start: %s", e)
         raise
     return parts
 
@@ -91,19 +98,27 @@ def _checkpoints(parts: RunParts, progress: Progress, state: Mapping[str, Any],
     rid, lineage = _resolve_run_id(parts, ckpt.paths, run_id)  # run.json, ours
     parts = replace(parts, ckpt=ckpt, run_id=rid)
     held = _hold_directory(parts, ckpt.paths, restarts)
-    ckpt.claim(rid, held, _record_lineage(parts, ckpt.paths, lineage))
-    parts = replace(parts, attempt_token=_attempt_token(parts, ckpt.paths))
-    parts = latest[0] = replace(parts, ledger=_ledger(parts, ckpt.paths, restarts))
-    script = hparams.snapshot(state) if parts.rank == 0 else {}  # the script's, before the load
-    info, load_s = _resume(parts, ckpt)
-    if info is not None:
-        progress.resumed(int(info.step), load_s)
-    parts = latest[0] = replace(parts, resumed_from=info,
-                                start_step=0 if info is None else int(info.step),
-                                completed_step=_announce_start(parts, ckpt, info, load_s,
-                                                               script, state))
-    parts.clock.set_save_estimate(ckpt.estimate().seconds)
-    return replace(parts, rescue=_rescue(parts, ckpt))
+    try:
+        ckpt.claim(rid, held, _record_lineage(parts, ckpt.paths, lineage))
+        parts = replace(parts, attempt_token=_attempt_token(parts, ckpt.paths))
+        parts = latest[0] = replace(parts, ledger=_ledger(parts, ckpt.paths, restarts))
+        script = hparams.snapshot(state) if parts.rank == 0 else {}  # the script's, pre-load
+        info, load_s = _resume(parts, ckpt)
+        if info is not None:
+            progress.resumed(int(info.step), load_s)
+        parts = latest[0] = replace(parts, resumed_from=info,
+                                    start_step=0 if info is None else int(info.step),
+                                    completed_step=_announce_start(parts, ckpt, info, load_s,
+                                                                   script, state))
+        parts.clock.set_save_estimate(ckpt.estimate().seconds)
+        return replace(parts, rescue=_rescue(parts, ckpt))
+    except BaseException:
+        # A run that does not start (a refused resume, a state that does not fit) gives the
+        # directory up: no shutdown sequence runs for it, and a lease left behind would make
+        # the next launch take it over from a run that never ran.
+        if held is not None:
+            held.release()
+        raise
 
 
 # ------------------------------------------------------------------------------ the steps
@@ -171,7 +186,7 @@ def _resolve_run_id(run: RunParts, paths: RunPaths, explicit: str | None
     every rank gets the id, or the same refusal. With ``checkpoint.resume: false`` in a
     directory holding checkpoints, a new lineage (``identity.plan_lineage``): its ``run.json``
     (rank 0's, None elsewhere) is written by ``_record_lineage`` once the lease is held."""
-    from kempner_resilience.checkpoint import layout
+    from kempner_resilience.checkpoint import layout, quarantine
 
     cfg = run.config.checkpoint
     text = None
@@ -182,8 +197,9 @@ def _resolve_run_id(run: RunParts, paths: RunPaths, explicit: str | None
             # it neither blocks the restart nor gives this attempt an unrecorded id.
             rid = explicit
             recorded = identity.repair(paths, rid)
-            if not cfg.resume:
-                rid, lineage = identity.plan_lineage(paths, layout.scan(paths), explicit)
+            if not cfg.resume:     # set-aside checkpoints too: a lineage they end is left
+                rid, lineage = identity.plan_lineage(
+                    paths, layout.scan(paths) + quarantine.entries(paths), explicit)
             elif rid is None:
                 rid, _ = identity.load_or_create(paths)
             elif recorded is None:
