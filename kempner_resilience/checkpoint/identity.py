@@ -1,8 +1,8 @@
 """One run identity across requeues: ``run.json`` in ``checkpoint.dir``.
 
 A job requeued five times is one training run. The first attempt that finds no ``run.json``
-creates it (atomically: written aside, then hard-linked into place, so two attempts racing on
-the same directory end up with the same id); every later attempt reads it. Every checkpoint
+creates it once it holds the directory's lease (atomically: written aside, then hard-linked into
+place, never over another attempt's); every later attempt reads it. Every checkpoint
 records the id in its manifest and ownership marker, so a directory that holds checkpoints of a
 different run (copied in, or a run id given explicitly that is not the directory's) is noticed
 at resume instead of silently continuing someone else's training.
