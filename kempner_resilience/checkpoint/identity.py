@@ -1,17 +1,19 @@
 """One run identity across requeues: ``run.json`` in ``checkpoint.dir``.
 
 A job requeued five times is one training run. The first attempt that finds no ``run.json``
-creates it (atomically: written aside, then hard-linked into place, so two attempts racing on
-the same directory end up with the same id); every later attempt reads it. Every checkpoint
+creates it once it holds the directory's lease (atomically: written aside, then hard-linked into
+place, never over another attempt's); every later attempt reads it. Every checkpoint
 records the id in its manifest and ownership marker, so a directory that holds checkpoints of a
 different run (copied in, or a run id given explicitly that is not the directory's) is noticed
 at resume instead of silently continuing someone else's training.
 
-A damaged ``run.json`` (truncated by a full disk, unparsable, a run id that is not a string) is
-bookkeeping, not the run's state: it must not block every restart, nor (with
-``allow_other_run``) give each attempt a new id whose retention then keeps every earlier
-attempt's checkpoints. ``repair`` rewrites it (atomically, with a warning naming the file) from
-the run id the newest committed checkpoint records, or a new id when no checkpoint records one.
+A damaged ``run.json`` (cut short, random bytes, a symbolic link, a FIFO) is bookkeeping, not
+the run's state: it must neither block every restart nor hand the directory to another lineage.
+``runrecord`` rebuilds it from what the step directories record (the current lineage, and the
+ones left behind), or refuses the start when that cannot be told (a directory in its place, an
+unreadable file, a ledger that disagrees). A start decides everything by reading (``plan``) and
+writes ``run.json`` only once it holds the directory's lease (``record``): a refused start
+writes nothing. ``repair`` does both at once, for tools.
 
 Lineages: ``checkpoint.resume: false`` in a directory holding checkpoints starts a new lineage
 (``plan_lineage``, ``record_lineage``): a new run id is recorded in ``run.json``, and the ids it
@@ -30,14 +32,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Iterable
 
+from kempner_resilience.checkpoint import runrecord
 from kempner_resilience.checkpoint.info import CheckpointDirError
-from kempner_resilience.core.fileio import load_json_bounded, write_atomic
+from kempner_resilience.checkpoint.runrecord import Recorded, RunFileError, recorded_run_id
+from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["RUN_ID_ENV", "OtherRunError", "new_run_id", "read_run_id", "repair",
+__all__ = ["RUN_ID_ENV", "OtherRunError", "RunFileError", "Plan", "plan", "record",
+           "new_run_id", "read_run_id", "repair",
            "load_or_create", "other_run_ids", "check_same_run", "recorded_run_id",
            "earlier_runs", "plan_lineage", "record_lineage", "mark_complete", "completed_step"]
 
@@ -55,26 +61,19 @@ def new_run_id() -> str:
 
 
 def read_run_id(paths: RunPaths) -> str | None:
-    """The run id recorded in ``run.json``, or None when there is none (or unreadable)."""
-    return _read(paths)[0]
+    """The run id recorded in ``run.json``, or None when there is none (or it is damaged)."""
+    return _read_data(paths).get("run_id")
 
 
 def _read_data(paths: RunPaths) -> dict[str, Any]:
-    """The whole of ``run.json`` ({} when absent or unreadable)."""
-    try:
-        data = load_json_bounded(paths.run_file)     # a FIFO or /dev/zero: unreadable
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    """The whole of a sound ``run.json`` ({} when absent or damaged; never blocks)."""
+    return runrecord.read(paths)[0] or {}
 
 
 def earlier_runs(paths: RunPaths) -> frozenset[str | None]:
     """The lineages ``run.json`` records as left behind by a fresh start (``None`` among them
     stands for checkpoints that record no run id at all)."""
-    raw = _read_data(paths).get("earlier_runs")
-    if not isinstance(raw, list):
-        return frozenset()
-    return frozenset(r for r in raw if r is None or (isinstance(r, str) and len(r) <= 256))
+    return runrecord.earlier_of(_read_data(paths))
 
 
 def completed_step(paths: RunPaths, run_id: str) -> int | None:
@@ -97,19 +96,100 @@ def mark_complete(paths: RunPaths, run_id: str, step: int) -> None:
     _write(paths, data, replace=True)
 
 
-def plan_lineage(paths: RunPaths, entries: Iterable[Any], proposed: str | None = None
-                 ) -> tuple[str, dict[str, Any] | None]:
+@dataclass(frozen=True)
+class Plan:
+    """What a start decided about the run's identity, by reading only (``plan``)."""
+
+    run_id: str
+    earlier: frozenset[str | None]      # lineages left behind: never resumed, counted, deleted
+    recorded: str | None = None         # the directory's own id (run.json's, or recovered)
+    write: dict[str, Any] | None = None  # the run.json ``record`` puts in place, if any
+    replace: bool = False               # over what is there; else only where there is none
+    note: str | None = None             # what ``record`` says once it is written
+    repair: bool = False                # ``note`` is a warning: run.json was damaged
+
+
+def plan(paths: RunPaths, entries: Iterable[Any], explicit: str | None = None, *,
+         resume: bool = True) -> Plan:
+    """The run id a start goes on with, the lineages it leaves alone, and the ``run.json`` it
+    writes once it holds the lease (``record``). Reads only. ``entries``: ``layout.scan``'s.
+
+    A damaged ``run.json`` is recovered from the step directories (``runrecord``). Raises
+    ``RunFileError`` when that cannot be done safely (a directory in its place, an unreadable
+    file; on resume, a ledger naming another run), and ``OtherRunError`` as ``plan_lineage``."""
+    entries = list(entries)
+    found = runrecord.recorded(paths, entries)
+    if not resume:
+        rid, data = plan_lineage(paths, entries, explicit, found)
+        if data is not None and data.get("repaired_at") is None:
+            left = data.get("earlier_runs") or []
+            return Plan(rid, frozenset(left), found.run_id, data, replace=True, note=(
+                f"checkpoint.resume is off: run {rid} starts a new lineage in {paths}; the "
+                "checkpoints of " + ", ".join("run " + r if r else "no recorded run"
+                                              for r in left)
+                + " are kept (never resumed from nor deleted by this run)"))
+        return _resumed(paths, found, rid, data)
+    if found.doubt is not None and explicit != found.run_id:
+        raise RunFileError(found.doubt)
+    rid = explicit or found.run_id or new_run_id()
+    data = None
+    if found.damage is not None and found.run_id in (None, rid):
+        data = found.repaired(rid)    # (another explicit id: check_same_run refuses the start)
+    return _resumed(paths, found, rid, data)
+
+
+def _resumed(paths: RunPaths, found: Recorded, rid: str, data: dict[str, Any] | None) -> Plan:
+    """The plan of a start that goes on with ``rid``: a damaged ``run.json`` rewritten as
+    ``data``, a missing one created."""
+    if found.damage is None:
+        if found.exists:
+            return Plan(rid, found.earlier, found.run_id)
+        return Plan(rid, found.earlier, None, {"run_id": rid, "created_at": time.time()})
+    if data is None:
+        return Plan(rid, found.earlier, found.run_id)
+    if found.run_id is not None:
+        left = sorted(r or "no recorded run" for r in found.earlier)
+        note = (f"{paths.run_file} was damaged ({found.damage}); repaired it with run id "
+                f"{found.run_id}, the one its newest checkpoint {found.source} records: the run "
+                "goes on under that id" + (f" (lineages left behind, kept: {', '.join(left)})"
+                                           if left else ""))
+    else:
+        note = (f"{paths.run_file} was damaged ({found.damage}) and no checkpoint records a run "
+                f"id; replaced it with run id {rid}")
+    return Plan(rid, found.earlier, found.run_id, data, replace=True, note=note, repair=True)
+
+
+def record(paths: RunPaths, planned: Plan) -> None:
+    """Write what ``plan`` decided (rank 0, holding the directory's lease). OSError when
+    ``run.json`` cannot be written: the next start decides the same from the directory."""
+    if planned.write is None:
+        return
+    if not _write(paths, planned.write, replace=planned.replace):
+        log.warning("%s appeared while this run started; this run goes on as run %s",
+                    paths.run_file, planned.run_id)
+        return
+    if planned.note is not None:
+        (log.warning if planned.repair else log.info)("%s", planned.note)
+
+
+def plan_lineage(paths: RunPaths, entries: Iterable[Any], proposed: str | None = None,
+                 found: Recorded | None = None) -> tuple[str, dict[str, Any] | None]:
     """A fresh start (``checkpoint.resume: false``): the run id to use, and the ``run.json`` to
     write for it (None: nothing to write). Reads only: ``record_lineage`` writes, once the run
-    holds the directory's lease.
+    holds the directory's lease. ``found``: the directory's identity (``runrecord.recorded``),
+    read here when not given.
 
     When the directory holds committed checkpoints not already left behind, a new lineage
     begins (``proposed`` or a new id) and their run ids, with the one ``run.json`` named, join
-    ``earlier_runs``; otherwise the recorded id (or ``proposed``) goes on. Raises
-    OtherRunError when ``proposed`` names a lineage that has checkpoints here: starting it
-    again at step 0 would mix two trainings under one id."""
-    current = read_run_id(paths)
-    earlier = set(earlier_runs(paths))
+    ``earlier_runs``; otherwise the recorded id (or ``proposed``) goes on (a damaged
+    ``run.json`` is then rewritten: ``repaired_at`` in the result). Raises OtherRunError when
+    ``proposed`` names a lineage that has checkpoints here: starting it again at step 0 would
+    mix two trainings under one id."""
+    entries = list(entries)
+    if found is None:
+        found = runrecord.recorded(paths, entries)
+    current = found.run_id
+    earlier = set(found.earlier)
     live = {recorded_run_id(e) for e in entries if e.committed} - earlier
     if proposed is not None and (proposed in live or proposed in earlier):
         raise OtherRunError(
@@ -118,7 +198,8 @@ def plan_lineage(paths: RunPaths, entries: Iterable[Any], proposed: str | None =
             f"({RUN_ID_ENV}), or resume it (checkpoint.resume: true)")
     if not live:                      # nothing to leave behind: this lineage goes on
         if current is None or proposed is None or proposed == current:
-            return (current or proposed or new_run_id()), None
+            rid = current or proposed or new_run_id()
+            return rid, (found.repaired(rid) if found.damage is not None else None)
         return proposed, {"run_id": proposed, "created_at": time.time(),
                           "earlier_runs": _ordered(earlier | {current})}
     rid = proposed or new_run_id()
@@ -143,71 +224,21 @@ def _ordered(ids: Iterable[str | None]) -> list[str | None]:
     return sorted(ids, key=lambda r: "" if r is None else r)
 
 
-def _read(paths: RunPaths) -> tuple[str | None, str | None]:
-    """``(run_id, None)``; ``(None, None)`` when there is no file; ``(None, what is wrong)``
-    when there is one that records no usable id."""
-    try:
-        data = load_json_bounded(paths.run_file)     # a FIFO or /dev/zero: unreadable
-    except FileNotFoundError:
-        return None, None
-    except (OSError, ValueError) as e:
-        return None, f"unreadable ({type(e).__name__}: {e})"
-    rid = data.get("run_id") if isinstance(data, dict) else None
-    if not isinstance(rid, str) or not rid.strip() or len(rid) > 256:
-        return None, f"no usable run_id in it ({json.dumps(rid, default=str)[:60]})"
-    return rid, None
-
-
-def _recorded_by_checkpoints(paths: RunPaths) -> str | None:
-    """The run id the most recently committed checkpoint records (manifest, else ownership
-    marker): by commit time, not step, since a fresh lineage starts again at low steps."""
-    from kempner_resilience.checkpoint import layout
-
-    try:
-        entries = layout.scan(paths)
-    except OSError:
-        return None
-    by_time = sorted((e for e in entries if e.committed),
-                     key=lambda e: float((e.manifest or {}).get("committed_at", 0.0) or 0.0))
-    for e in reversed(by_time):
-        rid = recorded_run_id(e)
-        if isinstance(rid, str) and rid:
-            return rid
-    return None
-
-
-def recorded_run_id(entry: Any) -> Any:
-    """The run id a checkpoint records: its manifest's, else its ownership marker's."""
-    from kempner_resilience.checkpoint import layout
-
-    rid = (entry.manifest or {}).get("run_id")
-    if rid is None:
-        try:
-            rid = (layout.read_marker(entry.path) or {}).get("run_id")
-        except Exception:  # noqa: BLE001 - a damaged marker is just no evidence
-            rid = None
-    return rid
-
-
 def repair(paths: RunPaths, proposed: str | None = None) -> str | None:
-    """When ``run.json`` exists but records no usable id, rewrite it (atomically) with the
-    id of the newest committed checkpoint, else ``proposed`` or a new one; returns the id now
+    """When ``run.json`` exists but is damaged, rewrite it (atomically) from what the step
+    directories record (``runrecord``), else with ``proposed`` or a new id; returns the id now
     recorded. None when the file is absent (``load_or_create`` makes it); the recorded id when
-    it is sound. Raises OSError when the file cannot be rewritten."""
-    rid, problem = _read(paths)
-    if problem is None:
-        return rid
-    found = _recorded_by_checkpoints(paths)
-    rid = found or proposed or new_run_id()
-    _write(paths, {"run_id": rid, "created_at": time.time(), "repaired_at": time.time()},
-           replace=True)
-    if found:
-        log.warning("%s was damaged (%s); repaired it with run id %s, the one its newest "
-                    "committed checkpoint records: the run goes on under that id", paths.run_file,
-                    problem, rid)
-    else:
-        log.warning("%s was damaged (%s) and no checkpoint records a run id; replaced it with a "
-                    "new run id %s", paths.run_file, problem, rid)
+    it is sound. Raises ``RunFileError`` when it cannot be repaired safely, OSError when it
+    cannot be rewritten. For tools: a start plans, then records under its lease."""
+    from kempner_resilience.checkpoint import layout
+
+    found = runrecord.recorded(paths, layout.scan(paths))
+    if found.damage is None:
+        return found.run_id
+    if found.doubt is not None:
+        raise RunFileError(found.doubt)
+    rid = found.run_id or proposed or new_run_id()
+    record(paths, _resumed(paths, found, rid, found.repaired(rid)))
     return rid
 
 
@@ -250,8 +281,10 @@ def other_run_ids(entries: Iterable[Any], run_id: str,
 
 
 def check_same_run(paths: RunPaths, run_id: str, entries: Iterable[Any],
-                   recorded: str | None = None) -> None:
-    """Raise ``OtherRunError`` naming both runs when the run's directory belongs to another run."""
+                   recorded: str | None = None,
+                   earlier: Iterable[str | None] | None = None) -> None:
+    """Raise ``OtherRunError`` naming both runs when the run's directory belongs to another run.
+    ``earlier``: the lineages left behind (``Plan.earlier``); read from ``run.json`` if None."""
     override = ("set checkpoint.allow_other_run: true (--set checkpoint.allow_other_run=true) "
                 "to continue from them anyway, or point checkpoint.dir at a directory of its own")
     if recorded is not None and recorded != run_id:
@@ -259,7 +292,8 @@ def check_same_run(paths: RunPaths, run_id: str, entries: Iterable[Any],
             f"{paths.run_file} belongs to run {recorded}, but this is run {run_id} (given by "
             f"{RUN_ID_ENV} or ResilientRun(run_id=...)); refusing to resume another run's "
             f"training: {override}")
-    others = other_run_ids(entries, run_id, earlier_runs(paths))
+    others = other_run_ids(entries, run_id,
+                           earlier_runs(paths) if earlier is None else earlier)
     if others:
         what = "; ".join(f"run {rid}: {', '.join(sorted(names)[-3:])}"
                          for rid, names in others.items())

@@ -95,11 +95,11 @@ def _checkpoints(parts: RunParts, progress: Progress, state: Mapping[str, Any],
     restarts = parts.slurm.restart_count if parts.slurm is not None else local_restart_count()
     ckpt = _manager(parts, state, restarts)
     ckpt.check_dir()                                       # writable, room for a save
-    rid, lineage = _resolve_run_id(parts, ckpt.paths, run_id)  # run.json, ours
+    rid, plan = _resolve_run_id(parts, ckpt.paths, run_id)  # run.json, ours
     parts = replace(parts, ckpt=ckpt, run_id=rid)
     held = _hold_directory(parts, ckpt.paths, restarts)
     try:
-        ckpt.claim(rid, held, _record_lineage(parts, ckpt.paths, lineage))
+        ckpt.claim(rid, held, _record_lineage(parts, ckpt.paths, plan))
         parts = replace(parts, attempt_token=_attempt_token(parts, ckpt.paths))
         parts = latest[0] = replace(parts, ledger=_ledger(parts, ckpt.paths, restarts))
         script = hparams.snapshot(state) if parts.rank == 0 else {}  # the script's, pre-load
@@ -181,65 +181,63 @@ def _manager(run: RunParts, state: Mapping[str, Any], restarts: int | None
 
 
 def _resolve_run_id(run: RunParts, paths: RunPaths, explicit: str | None
-                    ) -> tuple[str, dict[str, Any] | None]:
-    """Rank 0 reads or creates ``run.json`` and checks the checkpoints belong to this run;
-    every rank gets the id, or the same refusal. With ``checkpoint.resume: false`` in a
-    directory holding checkpoints, a new lineage (``identity.plan_lineage``): its ``run.json``
-    (rank 0's, None elsewhere) is written by ``_record_lineage`` once the lease is held."""
+                    ) -> tuple[str, identity.Plan | None]:
+    """Rank 0 reads ``run.json`` (a damaged one recovered from the checkpoints) and checks the
+    checkpoints belong to this run; every rank gets the id, or the same refusal. Nothing is
+    written here: rank 0's plan (None elsewhere) is written by ``_record_lineage`` once the
+    lease is held, so a refused start writes nothing. With ``checkpoint.resume: false`` in a
+    directory holding checkpoints, the plan is a new lineage (``identity.plan_lineage``)."""
     from kempner_resilience.checkpoint import layout, quarantine
 
     cfg = run.config.checkpoint
     text = None
-    lineage: dict[str, Any] | None = None
+    plan: identity.Plan | None = None
     if run.rank == 0:
         try:
-            # repair: a damaged run.json is rewritten from the checkpoints' run id, so
-            # it neither blocks the restart nor gives this attempt an unrecorded id.
-            rid = explicit
-            recorded = identity.repair(paths, rid)
-            if not cfg.resume:     # set-aside checkpoints too: a lineage they end is left
-                rid, lineage = identity.plan_lineage(
-                    paths, layout.scan(paths) + quarantine.entries(paths), explicit)
-            elif rid is None:
-                rid, _ = identity.load_or_create(paths)
-            elif recorded is None:
-                rid, _ = identity.load_or_create(paths, rid)
+            entries = layout.scan(paths)
+            # Without resume, set-aside checkpoints too: a lineage they end is left behind.
+            plan = identity.plan(paths, entries if cfg.resume
+                                 else entries + quarantine.entries(paths), explicit,
+                                 resume=cfg.resume)
             if cfg.resume:
                 try:
-                    identity.check_same_run(paths, rid, layout.scan(paths), recorded)
+                    identity.check_same_run(paths, plan.run_id, entries, plan.recorded,
+                                            plan.earlier)
                 except identity.OtherRunError as e:
                     if not cfg.allow_other_run:
                         raise
                     log.warning("%s; continuing: checkpoint.allow_other_run is true",
                                 str(e).split("; refusing")[0])
-            text = "ok:" + rid
+            text = "ok:" + plan.run_id
         except identity.OtherRunError as e:
             text = "refused:" + str(e)
-        except OSError as e:
-            text = "ok:" + (explicit or identity.new_run_id())
-            log.warning("cannot record the run id in %s (%s); this attempt uses %s", paths,
-                        e, text[3:])
+        except identity.RunFileError as e:
+            text = "damaged:" + str(e)
+        except OSError as e:      # a new id here would be a new one in every attempt
+            text = (f"damaged:cannot read the run's identity in {paths} ({e}); check the "
+                    "directory's permissions and its filesystem, then restart")
     text = run.agreement.share_text("run_id", text, 120.0)
     kind, _, value = text.partition(":")
     if kind == "refused":
         raise identity.OtherRunError(value)
-    return value, lineage
+    if kind == "damaged":
+        raise identity.RunFileError(value)
+    return value, plan
 
 
-def _record_lineage(run: RunParts, paths: RunPaths, lineage: dict[str, Any] | None
+def _record_lineage(run: RunParts, paths: RunPaths, plan: identity.Plan | None
                     ) -> frozenset[str | None]:
-    """Rank 0, holding the lease: write a fresh start's new lineage into ``run.json``; the
-    lineages left behind in ``root`` (rank 0's: it alone lists for resume and runs
-    retention)."""
-    if run.rank != 0:
+    """Rank 0, holding the lease: write what ``_resolve_run_id`` planned into ``run.json`` (a
+    new lineage, a repair, a first attempt's id); the lineages left behind in ``root`` (rank
+    0's: it alone lists for resume and runs retention)."""
+    if run.rank != 0 or plan is None:
         return frozenset()
-    if not run.config.checkpoint.resume:
-        try:
-            identity.record_lineage(paths, run.run_id or "", lineage)
-        except OSError as e:
-            log.warning("cannot record the new lineage %s in %s (%s): the next resume may not "
-                        "find it", run.run_id, paths.run_file, e)
-    return identity.earlier_runs(paths)
+    try:
+        identity.record(paths, plan)
+    except OSError as e:
+        log.warning("cannot record run %s in %s (%s): the next start decides again from the "
+                    "checkpoints", run.run_id, paths.run_file, e)
+    return plan.earlier
 
 
 def _hold_directory(run: RunParts, paths: RunPaths, restarts: int | None) -> Lease | None:
