@@ -7,8 +7,10 @@ its whole process group (a terminal). One uninterrupted run is the reference for
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,6 +55,20 @@ def test_sigterm_ctrl_c_and_usr1_each_stop_every_rank_at_one_step_with_its_code_
     assert code == 0, out[-4000:]
     assert "resumed from" in out
     assert_same_final(reference, tmp_path / "final.pt")
+
+
+def test_ctrl_c_with_a_reward_thread_pool_exits_130_within_the_grace_leaving_no_process(tmp_path):
+    # Flow-Factory's case: a reward ThreadPoolExecutor holding tensors, Ctrl+C to the launch.
+    cmd = _launch(tmp_path, "--rewards")
+    t0 = time.monotonic()
+    code, out = interrupt(tmp_path, cmd, 8, signal.SIGINT, group=True)
+    assert code == 130, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert committed_steps(tmp_path), out[-4000:]
+    assert time.monotonic() - t0 < 120          # the default grace (signals.grace_s)
+    ranks = [int(p.read_text()) for p in tmp_path.glob("progress.pid*")]
+    assert len(ranks) == 2
+    assert [pid for pid in ranks if os.path.exists(f"/proc/{pid}")] == []
 
 
 def test_cpu_with_several_processes_starts_that_many_gloo_ranks_not_one():

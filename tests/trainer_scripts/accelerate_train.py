@@ -3,7 +3,9 @@ Rank 0 saves the final model, optimizer, scheduler and RNG to --out; each step i
 --progress (``rank R step S``). Config: $KEMPNER_RESILIENCE_CONFIG."""
 
 import argparse
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import kempner_resilience as kr                                         # first, before torch
 from kempner_resilience.trainers.accelerate import ResilientAccelerate  # marked
@@ -18,6 +20,7 @@ ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--out")
 ap.add_argument("--progress")
 ap.add_argument("--step-s", type=float, default=0.05)
+ap.add_argument("--rewards", action="store_true", help="Flow-Factory's reward thread pool")
 args = ap.parse_args()
 
 accelerator = Accelerator()
@@ -33,7 +36,14 @@ progress = open(args.progress, "a", buffering=1) if args.progress else None
 run = ResilientAccelerate(None, accelerator, state={"model": model, "optim": optim,  # marked
                                                     "sched": sched, "data": loader})
 with run:                                                                             # marked
+    if args.rewards:    # each step queues reward work holding tensors, as Flow-Factory does
+        pool = run.add_executor(ThreadPoolExecutor(2), name="rewards")
+        with open(f"{args.progress}.pid{accelerator.process_index}", "w") as f:
+            f.write(str(os.getpid()))
     for step, (x, y) in zip(run.steps(args.steps), run.data):                        # marked
+        if args.rewards:
+            for _ in range(4):
+                pool.submit(lambda t=x.clone(): (time.sleep(0.2), t.sum()))
         optim.zero_grad()
         accelerator.backward(nn.functional.mse_loss(model(x), y))
         optim.step()
