@@ -16,7 +16,7 @@ fi
 stamp=.venv/.kr-pyproject.sha256
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c \
-    "import kempner_resilience, pytest, submitit, nbclient, matplotlib, wandb, torchdata, ray" 2>/dev/null
+    "import kempner_resilience, pytest, submitit, nbclient, matplotlib, wandb, torchdata, ray, accelerate, transformers, pytorch_lightning" 2>/dev/null
 then
   quiet_pip -e ".[test]"
   echo "$want" > "$stamp"

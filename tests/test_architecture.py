@@ -1,7 +1,7 @@
 """The package's shape, checked from its source: dependencies point one way (core/, stop/,
 config/ <- checkpoint/, slurm/, rescue/, integrations/, supervise/ <- runstate/ <- shutdown/ <-
-run/ <- cli/, demo/), a folder is a layer or one job within one, the shutdown steps never reach
-forward, no module sets an attribute on another module's part (only records are filled in from
+run/ <- trainers/ <- cli/, demo/), a folder is a layer or one job within one, the shutdown
+steps never reach forward, no module sets an attribute on another module's part (only records are filled in from
 outside), nothing guesses its caller from ``sys.modules``, and docs/design.md's picture names
 every module.
 
@@ -27,7 +27,7 @@ PKG = ROOT / "kempner_resilience"
 LAYERS = {
     "core": {"core", "config", "stop", "exitcodes"},
     "library": {"checkpoint", "slurm", "rescue", "integrations", "supervise"},
-    "run": {"", "run", "shutdown", "runstate"},
+    "run": {"", "run", "shutdown", "runstate", "trainers"},
     "top": {"cli", "demo", "checkresume"},
 }
 # The package root holds only the public names and the public exit-code path: every other
@@ -42,7 +42,7 @@ ABOVE = {  # what each layer must never import
 # Within the run layer, the folders in order: each imports only from itself and the folders
 # before it. The run's state is shared by its set-up, loop and shutdown; the shutdown sequence
 # takes that state and never the run (``run`` -> ``shutdown`` only, no cycle between them).
-RUN_LAYER_ORDER = ["runstate", "shutdown", "run", ""]
+RUN_LAYER_ORDER = ["runstate", "shutdown", "run", "trainers", ""]
 
 # The shutdown path in order; each step's module imports nothing of the steps after it.
 SHUTDOWN_STEPS = ["stop.signals", "stop.agreement", "checkpoint.manager", "slurm.requeue",

@@ -92,7 +92,7 @@ def _load_verbs() -> None:
 # How the command line's own log lines are labelled (never ``[rank N]``): the process that
 # starts ranks, or the agent torchrun runs, says what it is; other verbs say their name.
 _ROLES = {"launch": "launcher", "demo": "demo launcher", "srun": "srun supervisor",
-          "torchrun": "agent", "check-resume": "check-resume"}
+          "torchrun": "agent", "accelerate": "agent", "check-resume": "check-resume"}
 
 
 def _stdout_to_devnull() -> None:

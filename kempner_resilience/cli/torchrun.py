@@ -2,9 +2,12 @@
 
     kempner-resilience torchrun [--config F] [--set K=V] [--forward-signals M] \\
         --nnodes=2 --nproc-per-node=4 ... train.py [args]
+    kempner-resilience accelerate [--config F] [--set K=V] [--forward-signals M] \\
+        launch --multi_gpu --num_processes 4 ... train.py [args]
 
 Our options come first; everything from the first other argument on (or after ``--``) is
-torchrun's command line, passed on unchanged. See ``integrations/torchrun.py``.
+torchrun's (accelerate's) command line, passed on unchanged. See ``integrations/torchrun.py``
+and ``integrations/accelerate_launch.py``.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ __all__ = ["VERBS", "separate"]
 
 _VALUED = ("--config", "-c", "--set", "--forward-signals")
 _FLAGS = ("-h", "--help")
+_WRAPPERS = ("torchrun", "accelerate")    # verbs followed by another launcher's command line
 
 
 def separate(argv: Sequence[str]) -> list[str]:
-    """``argv`` with ``--`` put before torchrun's arguments when the verb is ``torchrun``:
+    """``argv`` with ``--`` put before torchrun's arguments when the verb is ``torchrun`` (or
+    accelerate's, for ``accelerate``):
     argparse would otherwise reject torchrun's options (``--nnodes``) as unknown ones."""
     argv = list(argv)
     verb = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
-    if verb is None or argv[verb] != "torchrun":
+    if verb is None or argv[verb] not in _WRAPPERS:
         return argv
     i = verb + 1
     while i < len(argv) and argv[i] != "--":
@@ -41,13 +46,17 @@ def separate(argv: Sequence[str]) -> list[str]:
     return argv
 
 
-def _setup(p: argparse.ArgumentParser) -> None:
-    p.usage = "%(prog)s [options] [--] TORCHRUN_ARGS... SCRIPT [ARGS...]"
+def _wrapper_args(p: argparse.ArgumentParser) -> None:
     config_args(p)
     p.add_argument("--forward-signals", choices=("auto", "yes", "no"), default=None,
                    help="send the agent's signals to the workers: yes, no (SLURM delivers them "
                         "to every process of the step), auto (default: from SLURM's "
                         "ProctrackType; also $KEMPNER_RESILIENCE_FORWARD_SIGNALS)")
+
+
+def _setup(p: argparse.ArgumentParser) -> None:
+    p.usage = "%(prog)s [options] [--] TORCHRUN_ARGS... SCRIPT [ARGS...]"
+    _wrapper_args(p)
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER, metavar="TORCHRUN_ARGS",
                    help="torchrun's own arguments, then the training script and its arguments")
     p.epilog = ("The exit status is the workers' (the lowest rank's non-zero code; 75 when the "
@@ -75,7 +84,39 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(str(e), 2) from None
 
 
+def _setup_accelerate(p: argparse.ArgumentParser) -> None:
+    p.usage = "%(prog)s [options] [--] launch ACCELERATE_ARGS... SCRIPT [ARGS...]"
+    _wrapper_args(p)
+    p.add_argument("accelerate_args", nargs=argparse.REMAINDER, metavar="ACCELERATE_ARGS",
+                   help="`launch`, accelerate's own options, then the training script and its "
+                        "arguments")
+    p.epilog = ("The exit status is the workers' (as for `kempner-resilience torchrun`). Several "
+                "CPU ranks: `launch --multi_gpu --num_processes 2` (not --cpu: it starts one).")
+
+
+def _run_accelerate(args: argparse.Namespace) -> int:
+    from kempner_resilience.integrations.accelerate_launch import AccelerateArgsError, run
+
+    argv = list(args.accelerate_args)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    forward = {"yes": True, "no": False}.get(args.forward_signals or "auto")
+    config = load_config(args.config, args.overrides)
+    try:
+        return run(argv, config, forward)
+    except AccelerateArgsError as e:
+        raise CliError(str(e), 2) from None
+    except ImportError as e:
+        raise CliError(f"accelerate is not installed ({e}): pip install "
+                       "'kempner-resilience[accelerate]'", 2) from None
+    except ValueError as e:   # a bad $KEMPNER_RESILIENCE_FORWARD_SIGNALS
+        raise CliError(str(e), 2) from None
+
+
 VERBS = [
     Verb("torchrun", "run torchrun (one agent per node under srun) so that SLURM's signals reach "
          "every worker once and the agent waits for their checkpoint", _setup, _run),
+    Verb("accelerate", "run `accelerate launch` with the torchrun agent of the `torchrun` verb: "
+         "signals reach every rank once, the agent waits for their checkpoint",
+         _setup_accelerate, _run_accelerate),
 ]

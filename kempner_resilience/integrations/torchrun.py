@@ -47,7 +47,7 @@ import os
 import re
 import signal
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.integrations.torchrun_agent import (AGENT_NAME, MARGIN_S, Agent,
@@ -76,6 +76,9 @@ _TORCH_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _YES, _NO = ("yes", "1", "true", "always"), ("no", "0", "false", "never")
 _Agent = Agent   # the name tests/test_torchrun.py knows it by
+#: Another launcher's front end (``accelerate launch``): given the function that replaces
+#: ``torch.distributed.run.run(args)``, it runs its command line, which calls that function.
+Front = Callable[[Callable[[Any], Any]], Any]
 
 
 def forward_signals(environ: Mapping[str, str] | None = None, timeout_s: float = 10.0
@@ -124,13 +127,15 @@ def _signals(config: ResilienceConfig) -> list[int]:
 
 
 def run(argv: Sequence[str], config: ResilienceConfig | None = None,
-        forward: bool | None = None) -> int:
+        forward: bool | None = None, *, front: Front | None = None) -> int:
     """Run ``torchrun argv`` (its own arguments, then the script's) in this process as a
     well-behaved srun task; returns the exit code for the batch script (see ``agent_exit_code``).
 
     ``config``: the package config the workers use (their grace and exit timeout bound the
     agent's wait); default ``load_config()``. ``forward``: None decides with
-    ``forward_signals()``.
+    ``forward_signals()``. ``front``: another launcher's command line that runs torchrun in
+    this process (``accelerate launch``): called with the function to run in the place of
+    ``torch.distributed.run.run``; ``argv`` is then unused (no spare nodes).
     """
     set_role("agent")     # not a rank: its SLURM_PROCID under srun is its node's index
     config = config or load_config()
@@ -169,7 +174,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
                  "are forwarded" if forward else "are not forwarded", why)
         shutdown_names = torch_private.elastic("shutdown")
-        settings = in_place_settings(argv)
+        settings = in_place_settings(argv) if front is None else None
         decides = torch_private.elastic("restarts") is not None
         inplace = None
         if shutdown_names is not None and settings is not None and decides \
@@ -179,7 +184,13 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
             if shutdown_names is None:
                 # Everything rests on knowing the workers: without them, torchrun stays stock.
                 _restore(previous)
-                torchrun_main(list(argv))
+                if front is not None:
+                    from torch.distributed.run import run as torch_run
+                    front(torch_run)
+                else:
+                    torchrun_main(list(argv))
+            elif front is not None:
+                front(lambda args: launch(args, agent, None, shutdown_names, decides))
             else:
                 launch(argv, agent, inplace, shutdown_names, decides)
         except ChildFailedError as e:

@@ -15,6 +15,7 @@ agent's constructor grew over 2.11-2.13) are passed only where that torch has th
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import os
@@ -34,16 +35,18 @@ __all__ = ["launch"]
 log = get_logger("kempner_resilience.integrations.torchrun")
 
 
-def launch(argv: Sequence[str], tracked: Agent, inplace: InPlace | None,
+def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent, inplace: InPlace | None,
            shutdown_names: dict[str, Any], decides: bool) -> Any:
     """Run torchrun's command line ``argv`` with our agent; the workers' return values (none
     for an agent that ended as a standby: the rendezvous closed while it waited). Raises
     torch's ``ChildFailedError`` when the workers failed, after torch's own report of it
-    (``record``), as torchrun's ``main`` does."""
+    (``record``), as torchrun's ``main`` does. ``argv`` may also be torchrun's arguments
+    already parsed (what another launcher, ``accelerate launch``, hands to
+    ``torch.distributed.run.run``)."""
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import config_from_args, parse_args
 
-    args = parse_args(list(argv))
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(list(argv))
     _as_torchrun_does(args)
     config, entrypoint, cmd_args = config_from_args(args)
     return record(_launch_agent)(config, entrypoint, list(cmd_args), tracked, inplace,

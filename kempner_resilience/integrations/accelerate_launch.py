@@ -1,0 +1,85 @@
+"""`accelerate launch` with our torchrun agent: one word in front of the user's command line.
+
+``accelerate launch --multi_gpu --num_processes 2 train.py`` runs torch's elastic launcher in
+its own process (``multi_gpu_launcher`` calls ``torch.distributed.run.run(args)``): it is
+torchrun, with stock torchrun's signal behaviour (a USR1 at the launcher kills it and the ranks
+train on unsupervised; a Ctrl+C SIGKILLs them 30 s later, whatever they are doing).
+``kempner-resilience accelerate launch ...`` parses the same command line with accelerate's own
+parser (its config file, its defaults) and runs accelerate's ``launch_command`` with our agent
+(``torchrun.run`` and its ``front``) in the place of torch's ``run``: nothing else of
+accelerate's changes, so the user keeps their launcher and their config files.
+
+Several ranks on CPU: ``accelerate launch --cpu --num_processes 2`` starts ONE process
+(``--cpu`` takes accelerate's simple launcher, which ignores ``--num_processes``), and
+``--multi_gpu --num_processes 2`` on a machine without GPUs starts two ranks that each believe
+they train alone (``DistributedType.NO``, one process each, no gradient exchange). Stock
+accelerate needs ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2``. This
+wrapper reads ``--cpu`` (or ``--multi_gpu`` where no GPU is visible) with several processes as
+what the user asked for, N gloo ranks on CPU, and launches that, said in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable, Sequence
+
+from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.core.log import get_logger
+
+__all__ = ["run", "parse", "AccelerateArgsError"]
+
+log = get_logger("kempner_resilience.integrations.torchrun")
+
+_USE_CPU = "ACCELERATE_USE_CPU"
+
+
+class AccelerateArgsError(ValueError):
+    """An ``accelerate launch`` command line this wrapper cannot run as asked."""
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """``accelerate launch``'s arguments (the word ``launch`` first), parsed by accelerate."""
+    argv = list(argv)
+    if argv[:1] != ["launch"]:
+        raise AccelerateArgsError("give accelerate's launch command: `kempner-resilience "
+                                  "accelerate launch [accelerate's options] train.py [args]`")
+    from accelerate.commands.launch import launch_command_parser
+
+    args = launch_command_parser().parse_args(argv[1:])
+    many = (args.num_processes or 1) > 1
+    if many and (args.cpu or (args.multi_gpu and not _gpus())):
+        log.info("accelerate launch: %d ranks on CPU (gloo), started as --multi_gpu with "
+                 "ACCELERATE_USE_CPU=1 (stock accelerate starts %s)", args.num_processes,
+                 "one process for --cpu" if args.cpu else "ranks that each train alone")
+        args.cpu, args.multi_gpu = False, True
+        os.environ[_USE_CPU] = "true"     # the ranks' Accelerator reads it: MULTI_CPU
+    return args
+
+
+def _gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run(argv: Sequence[str], config: ResilienceConfig | None = None,
+        forward: bool | None = None) -> int:
+    """Run ``accelerate launch ...`` (``argv`` starts with ``launch``) with our agent; returns
+    the exit code for the batch script, as ``kempner-resilience torchrun`` does."""
+    from kempner_resilience.integrations import torchrun
+
+    args = parse(argv)
+
+    def front(start: Callable[[Any], Any]) -> Any:
+        from unittest import mock
+
+        import torch.distributed.run as distrib_run
+        from accelerate.commands.launch import launch_command
+
+        # accelerate looks the function up on torch's module at the call
+        # (`distrib_run.run(args)`): swapped for the launch only, put back after it.
+        with mock.patch.object(distrib_run, "run", start):
+            return launch_command(args)
+
+    return torchrun.run([], config, forward, front=front)

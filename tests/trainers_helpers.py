@@ -1,0 +1,91 @@
+"""What the trainer adapters' tests share: a 2-rank job under its library's launcher,
+interrupted by signals at chosen steps and run again, and its final state compared."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from helpers import assert_bitwise_equal, env, wait_for_file
+from kempner_resilience.checkpoint import MANIFEST_NAME
+
+SCRIPTS = Path(__file__).resolve().parent / "trainer_scripts"
+
+
+def start(work: Path, cmd: Sequence[str], name: str) -> subprocess.Popen:
+    """``cmd`` in ``work`` (its own session: a Ctrl+C goes to its process group), its
+    checkpoints in ``work/ckpt``, no network (HF_HUB_OFFLINE)."""
+    return subprocess.Popen(
+        list(cmd), cwd=work, stdin=subprocess.DEVNULL, start_new_session=True,
+        stdout=open(work / f"{name}.out", "w"), stderr=subprocess.STDOUT,
+        env=env(KEMPNER_RESILIENCE_CONFIG=str(_config(work)), HF_HUB_OFFLINE="1",
+                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+
+
+def _config(work: Path) -> Path:
+    path = work / "resilience.yaml"
+    if not path.exists():
+        path.write_text(f"checkpoint:\n  dir: {work / 'ckpt'}\n  every_steps: 0\n"
+                        "watchdog:\n  hang_timeout_s: 0\n")
+    return path
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> int:
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def last_steps(progress: Path) -> dict[int, int]:
+    """Each rank's last step started, from its ``rank R step S`` lines."""
+    last: dict[int, int] = {}
+    for rank, step in re.findall(r"^rank (\d+) step (\d+)$", progress.read_text(), re.M):
+        last[int(rank)] = max(last.get(int(rank), -1), int(step))
+    return last
+
+
+def committed_steps(work: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (work / "ckpt").glob("step_*")
+                  if (p / MANIFEST_NAME).exists())
+
+
+def interrupt(work: Path, cmd: Sequence[str], at_step: int, signum: int,
+              group: bool = False) -> tuple[int, str]:
+    """Run ``cmd`` and send ``signum`` to the launcher (its process group with ``group``, as
+    a terminal's Ctrl+C) once rank 0 has reached ``at_step``; its exit code and output."""
+    name = f"launch{len(list(work.glob('launch*.out')))}"
+    proc = start(work, cmd, name)
+    try:
+        wait_for_file(work / "progress", timeout=180, contains=f"rank 0 step {at_step}\n")
+    except BaseException:
+        finish(proc, 0.1)
+        raise
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        os.kill(proc.pid, signum)
+    return finish(proc), (work / f"{name}.out").read_text()
+
+
+def run_to_end(work: Path, cmd: Sequence[str]) -> tuple[int, str]:
+    name = f"launch{len(list(work.glob('launch*.out')))}"
+    code = finish(start(work, cmd, name))
+    return code, (work / f"{name}.out").read_text()
+
+
+def assert_same_final(a: Path, b: Path) -> None:
+    """Two runs' final state files (model, optimizer, scheduler, RNG) are bitwise equal."""
+    assert_bitwise_equal(torch.load(a, weights_only=False), torch.load(b, weights_only=False))
+
+
+__all__ = ["SCRIPTS", "start", "finish", "last_steps", "committed_steps", "interrupt",
+           "run_to_end", "assert_same_final", "signal"]
