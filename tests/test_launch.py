@@ -25,10 +25,12 @@ STEPS = 30
 
 
 def launch(*args: str, cwd: Path) -> subprocess.Popen:
-    """``kempner-resilience launch ARGS`` as a terminal's foreground job (own process group)."""
+    """``kempner-resilience launch ARGS`` as a terminal's foreground job (own process group),
+    its ranks started cold, as a user's are by default (``rank_pids`` reads them as its
+    children, and their environment from /proc)."""
     return subprocess.Popen([sys.executable, "-m", "kempner_resilience.cli", "launch", *args],
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env(), start_new_session=True)
+                            env=env(KEMPNER_RESILIENCE_WARM="0"), start_new_session=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:

@@ -16,6 +16,7 @@ of the last launch.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 
 from kempner_resilience.cli.common import CliError, Verb
@@ -44,6 +45,11 @@ def _setup(p: argparse.ArgumentParser) -> None:
                         "later); default 120. Survivors whose lost peer shows only through "
                         "their hang watchdog need more than watchdog.hang_timeout_s + "
                         "rescue.budget_s to commit the rescue")
+    p.add_argument("--warm", action="store_true",
+                   help="fork the ranks of every launch from one process that imported torch "
+                        "once: a relaunch costs a fork instead of Python's and torch's start-up "
+                        "(a command `python script.py ...` or `python -m module ...` only; the "
+                        "ranks are that process's children). Also KEMPNER_RESILIENCE_WARM=1")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the command every rank runs, e.g. python train.py --lr 0.1")
     codes = ", ".join(f"{int(c)} {c.name}" for c in sorted(RUN_AGAIN))
@@ -74,6 +80,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.stop_timeout <= 0:
         raise CliError(f"--stop-timeout {args.stop_timeout}: give a positive number of "
                        "seconds", 2)
+    if args.warm:
+        os.environ["KEMPNER_RESILIENCE_WARM"] = "1"
     if shutil.which(command[0]) is None:
         raise CliError(f"{command[0]!r}: no such command (not a file, not on PATH)", 2)
 

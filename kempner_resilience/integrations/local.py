@@ -55,6 +55,7 @@ from typing import Callable, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.strays import clock_ticks_now, end_strays
+from kempner_resilience.integrations.warm import WarmProcess, Zygote, warm_command
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, newest_commit
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
@@ -207,6 +208,7 @@ class LocalLauncher:
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.launches: list[Launch] = []
         self.channel: Channel | None = None   # the ranks' word, while run() runs
+        self._zygote: Zygote | None = None     # the warm ranks' parent, while run() runs
         self._received: list[int] = []     # signals to forward, appended by the handler
 
     def run(self) -> list[Launch]:
@@ -217,6 +219,9 @@ class LocalLauncher:
         # The ranks tell the launcher which run this is (supervise/channel.py): its directory
         # (whatever way the script sets checkpoint.dir) and its no-progress setting.
         self.channel = Channel.private("kempner-resilience-launch-")
+        # Ranks forked from a process that imported torch once (warm.py): a relaunch costs
+        # a fork, not Python's and torch's start-up; any other command starts cold.
+        self._zygote = Zygote(self._zygote_env()) if warm_command(self.command) else None
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
             if main else {}
@@ -243,8 +248,19 @@ class LocalLauncher:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if self._zygote is not None:
+                self._zygote.close()
             self.channel.remove()
         return self.launches
+
+    def _zygote_env(self) -> dict[str, str]:
+        """The ranks' environment less what differs from rank to rank or launch to launch,
+        and less the channel (the stray sweep looks for it, and the zygote is no stray)."""
+        env = self.rank_env(0, "0", 0)
+        for key in ("RANK", "LOCAL_RANK", "MASTER_PORT", "KEMPNER_RESTART_COUNT",
+                    *(self.channel.env() if self.channel is not None else {})):
+            env.pop(key, None)
+        return env
 
     def _run_paths(self) -> RunPaths | None:
         """The run's directory: as rank 0 reported it, else the caller's ``run_paths``."""
@@ -303,6 +319,13 @@ class LocalLauncher:
         since = clock_ticks_now()       # what the ranks start from now on is this launch's
         for rank in range(self.ranks):
             env = self.rank_env(rank, port, index)
+            if self._zygote is not None:
+                try:
+                    procs.append(self._warm(command, env, rank, index, report))
+                    continue
+                except OSError as e:
+                    _log.warning("warm start unavailable (%s): starting the ranks cold", e)
+                    self._zygote = None
             err = out = None
             if self.workdir is not None:
                 env["KEMPNER_RESILIENCE_REPORT"] = str(report)
@@ -393,6 +416,20 @@ class LocalLauncher:
             log0 = (self.workdir / f"rank0.{index}.log").read_text(errors="replace")
             launch.stderr_tail = log0.splitlines()[-15:]
         return launch
+
+    def _warm(self, command: list[str], env: dict[str, str], rank: int, index: int,
+              report: Path | None) -> WarmProcess:
+        """Rank ``rank`` of launch ``index`` forked from the zygote, with the streams and the
+        working directory a cold start gets."""
+        assert self._zygote is not None
+        out = err = None
+        if self.workdir is not None:
+            env["KEMPNER_RESILIENCE_REPORT"] = str(report)
+            out, err = os.devnull, str(self.workdir / f"rank{rank}.{index}.log")
+        elif self.log_dir is not None:
+            out = err = str(self.log_dir / f"rank{rank}.{index}.log")
+        return self._zygote.spawn(command, env, None if self.workdir is None
+                                  else str(self.workdir), out, err)
 
     def _end_strays(self, index: int, procs: list[subprocess.Popen],
                     since: int | None) -> None:

@@ -1,0 +1,311 @@
+"""Warm ranks for the local launcher: rank processes forked from a parent that has imported
+torch, so a launch or a relaunch does not pay Python's and torch's start-up again.
+
+A rank's fixed cost before its first step on a small machine is seconds of CPU (``import
+torch`` 1-2 s, DCP 0.7 s, ``torch._dynamo`` on the first optimizer 1-1.5 s). ``Zygote`` starts
+one process per launcher that imports those once, single-threaded in Python and never touching
+CUDA (``import torch`` does not initialise it), then forks a rank per request. The child turns
+itself into the rank before the user's script runs: its own session, the rank's environment
+(``os.environ`` replaced whole), working directory, standard streams, default signal
+dispositions and mask, ``sys.argv`` and ``sys.path[0]`` as ``python script.py`` sets them,
+fresh seeds for the RNGs a cold start seeds from the OS (``random`` reseeds itself at fork;
+NumPy's global one is reseeded here); then the script runs as ``__main__`` and the interpreter
+exits as after a cold start (threads joined, ``atexit``, an uncaught exception's traceback and
+code, KeyboardInterrupt's 130).
+
+What a child cannot have that a cold start has: another interpreter, other ``-X``/``-u``
+flags, or a library that read an environment variable at import (OpenMP's thread count): the
+zygote runs with the launch's own environment (the ranks differ from it only by their rank's
+variables: ``RANK``, ``LOCAL_RANK``, the port, the restart count, the channel), and a command
+that is not ``<this python> script.py ...`` or ``<this python> -m module ...`` starts cold.
+Two things a tool may see differ from a cold start: a warm rank is the zygote's child, not the
+launcher's, and its ``/proc/<pid>/environ`` shows the zygote's environment (the rank's own is
+in ``os.environ``). So warm starts are opt-in: ``KEMPNER_RESILIENCE_WARM=1`` (``launch
+--warm``).
+
+The protocol, one JSON line each way over a pipe pair: the launcher asks ``{"argv", "env",
+"cwd", "stdout", "stderr"}``; the zygote answers ``{"pid"}`` for a fork, and ``{"exit": pid,
+"code": returncode}`` (negative for a signal, as ``Popen``) when it reaps one. ``WarmProcess``
+is the launcher's ``Popen``-like handle on such a rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["Zygote", "WarmProcess", "warm_command", "WARM_ENV", "PRELOAD"]
+
+WARM_ENV = "KEMPNER_RESILIENCE_WARM"
+#: What the zygote imports before it forks: what every rank of ours imports anyway.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.optim",
+           "torch._dynamo")
+_PR_SET_PDEATHSIG = 1
+_READY_S = 120.0        # the zygote's imports, on a loaded machine
+
+
+def warm_command(command: Sequence[str]) -> bool:
+    """Whether ``command`` can start warm: ``<this python> script.py ...`` or ``<this python>
+    -m module ...``, nothing else (an interpreter flag would have to be the zygote's too)."""
+    if os.environ.get(WARM_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
+        return False
+    if len(command) < 2:
+        return False
+    exe = command[0]
+    try:
+        same = os.path.samefile(exe if os.sep in exe else _which(exe), sys.executable)
+    except (OSError, TypeError):
+        return False
+    if not same:
+        return False
+    if command[1] == "-m":
+        return len(command) >= 3
+    return not command[1].startswith("-") and command[1].endswith(".py")
+
+
+def _which(name: str) -> str:
+    import shutil
+
+    found = shutil.which(name)
+    if found is None:
+        raise OSError(name)
+    return found
+
+
+def _die_with_parent(signum: int = signal.SIGTERM) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
+    except (OSError, AttributeError):
+        pass
+
+
+class Zygote:
+    """The launcher's side: the zygote process and the ranks it forked."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._lock = threading.Condition()
+        self._pids: list[int] = []          # answers to requests, in order
+        self.codes: dict[int, int] = {}     # pid -> returncode, once reaped
+        self._ready = False
+        self._dead = False
+        req_r, req_w = os.pipe()
+        ans_r, ans_w = os.pipe()
+        # Run as a file, not ``-m``: importing this package in the zygote would leave its
+        # import-time state (the start-up signal recorder, ...) in every rank.
+        # A session of its own: a terminal's Ctrl+C is the launcher's to pass on, rank by rank.
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(req_r), str(ans_w)], env=env,
+            pass_fds=(req_r, ans_w), preexec_fn=_die_with_parent, start_new_session=True)
+        os.close(req_r)
+        os.close(ans_w)
+        self._req = os.fdopen(req_w, "w", buffering=1)
+        self._ans = os.fdopen(ans_r, "r")
+        self._reader = threading.Thread(target=self._read, name="kempner-zygote", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._ans:
+            msg = json.loads(line)
+            with self._lock:
+                if "ready" in msg:
+                    self._ready = True
+                elif "pid" in msg:
+                    self._pids.append(int(msg["pid"]))
+                elif "exit" in msg:
+                    self.codes[int(msg["exit"])] = int(msg["code"])
+                self._lock.notify_all()
+        with self._lock:
+            self._dead = True
+            self._lock.notify_all()
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None,
+              stdout: str | None, stderr: str | None) -> "WarmProcess":
+        """A rank forked from the zygote; raises OSError when the zygote cannot give one."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._ready or self._dead, _READY_S) \
+                    or self._dead:
+                raise OSError("the warm-start process is gone")
+            asked = len(self._pids)
+        try:
+            self._req.write(json.dumps({"argv": list(argv), "env": env, "cwd": cwd,
+                                        "stdout": stdout, "stderr": stderr}) + "\n")
+            self._req.flush()
+        except (OSError, ValueError) as e:
+            raise OSError(f"the warm-start process is gone ({e})") from None
+        with self._lock:
+            if not self._lock.wait_for(lambda: len(self._pids) > asked or self._dead, 30.0) \
+                    or len(self._pids) <= asked:
+                raise OSError("the warm-start process did not fork")
+            return WarmProcess(self._pids[asked], self)
+
+    def close(self) -> None:
+        """End the zygote (its ranks are the launcher's to end first); bounded."""
+        try:
+            self._req.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class WarmProcess:
+    """A forked rank as the launcher handles a ``Popen``: ``pid``, ``poll``, ``wait``,
+    ``send_signal``, ``returncode`` (negative for a death by a signal)."""
+
+    def __init__(self, pid: int, zygote: Zygote) -> None:
+        self.pid = pid
+        self._zygote = zygote
+
+    @property
+    def returncode(self) -> int | None:
+        code = self._zygote.codes.get(self.pid)
+        if code is None and self._zygote._dead:
+            return -int(signal.SIGKILL)     # its parent is gone, and so is it (PDEATHSIG)
+        return code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        z = self._zygote
+        with z._lock:
+            if not z._lock.wait_for(lambda: self.returncode is not None, timeout):
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+        code = self.returncode
+        assert code is not None
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        # Only while the zygote has not reaped it: a reaped pid may already be another's.
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ the zygote process
+
+def _serve(req_fd: int, ans_fd: int) -> dict[str, Any] | None:
+    """The zygote's loop; returns the request in a forked child (which becomes the rank),
+    None when the launcher closed the pipe."""
+    # Only the launcher ends the zygote (closing the pipe), or its death (PDEATHSIG's SIGTERM).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in PRELOAD:
+        __import__(name)
+    # What the imports made is never freed and, frozen, never scanned by a child's collector:
+    # without this, a rank's garbage collections (its exit's above all: 2.4 s here) touch
+    # every inherited object and copy each page it lives on.
+    gc.collect()
+    gc.freeze()
+    ans = os.fdopen(ans_fd, "w", buffering=1)
+    req = os.fdopen(req_fd, "r")
+    ans.write(json.dumps({"ready": True}) + "\n")
+    children: set[int] = set()
+    buf = ""
+    open_pipe = True
+    while open_pipe or children:
+        ready, _, _ = select.select([req] if open_pipe else [], [], [], 0.05)
+        if ready:
+            chunk = os.read(req.fileno(), 1 << 16).decode()
+            if not chunk:
+                open_pipe = False
+            buf += chunk
+            while "\n" in buf:
+                line, buf = buf.split("\n", 1)
+                msg = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    req.close()
+                    ans.close()
+                    return msg
+                children.add(pid)
+                ans.write(json.dumps({"pid": pid}) + "\n")
+        if not open_pipe and not children:
+            break
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            try:
+                ans.write(json.dumps({"exit": pid, "code": code}) + "\n")
+            except (OSError, ValueError):
+                pass
+    return None
+
+
+def _become(msg: dict[str, Any]) -> None:
+    """In the forked child: become the rank ``msg`` describes, as a cold start would be."""
+    os.setsid()
+    _die_with_parent()
+    opened: dict[str, int] = {}         # stdout and stderr into one log: one open file
+    for fd, where in ((1, msg.get("stdout")), (2, msg.get("stderr"))):
+        if where:
+            if where not in opened:
+                opened[where] = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened[where], fd)
+    for target in opened.values():
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    if msg.get("cwd"):
+        os.chdir(msg["cwd"])
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                   signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    try:    # NumPy's global RNG (torch imported NumPy in the zygote): seeded from the OS at
+        import numpy    # its import in a cold start, so afresh in each rank here
+
+        numpy.random.seed()
+    except ImportError:
+        pass
+
+
+def _run(argv: list[str]) -> None:
+    """``python script.py args`` or ``python -m module args``, as the interpreter runs them."""
+    import runpy
+
+    if argv[1] == "-m":
+        sys.argv = [argv[2], *argv[3:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    else:
+        script = str(Path(argv[1]))
+        sys.argv = [script, *argv[2:]]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    _die_with_parent()
+    del sys.path[0]     # this file's folder: the package's inside, not a place to import from
+    msg = _serve(int(sys.argv[1]), int(sys.argv[2]))
+    if msg is None:
+        return
+    _become(msg)
+    _run(msg["argv"])    # an exception or SystemExit ends this interpreter as it would a rank's
+
+
+if __name__ == "__main__":
+    main()
