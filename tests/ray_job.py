@@ -29,7 +29,7 @@ from pathlib import Path
 
 import kempner_resilience as kr
 from kempner_resilience.integrations.ray_actor import TrainingActor
-from kempner_resilience.integrations.ray_aio import AsyncActor, supervise
+from kempner_resilience.integrations.ray_aio import AsyncActor, supervise_tasks
 from kempner_resilience.integrations.ray_driver import RayDriver
 
 
@@ -79,7 +79,7 @@ class Rollout(AsyncActor):
         Path(work, "pids").mkdir(exist_ok=True)
         Path(work, "pids", f"rollout.{os.getpid()}").write_text("")
         try:
-            return await self.main(supervise(self._episode(Path(work), i, fail_at_step)
+            return await self.main(supervise_tasks(self._episode(Path(work), i, fail_at_step)
                                              for i in range(n)))
         finally:
             Path(work, "finally.rollout").write_text("ran")

@@ -28,7 +28,7 @@ LAYERS = {
     "core": {"core", "config", "stop", "exitcodes"},
     "library": {"checkpoint", "slurm", "rescue", "integrations", "supervise"},
     "run": {"", "run", "shutdown", "runstate", "trainers"},
-    "top": {"cli", "demo", "checkresume"},
+    "top": {"cli", "demo", "checkresume", "ray"},
 }
 # The package root holds only the public names and the public exit-code path: every other
 # module is in the folder of its layer or job.

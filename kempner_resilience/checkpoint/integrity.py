@@ -34,12 +34,15 @@ from kempner_resilience.checkpoint.info import CheckpointCorrupt, CheckpointDama
 from kempner_resilience.core.fileio import open_regular
 
 __all__ = ["METADATA_NAME", "check_all_metadata", "check_manifest", "check_metadata",
-           "load_metadata", "metadata_name", "metadata_names", "parse_metadata", "verify_data"]
+           "load_metadata", "metadata_name", "metadata_names", "parse_metadata", "part",
+           "part_names", "verify_data"]
 
 METADATA_NAME = ".metadata"
 MARKER_NAME = "OWNER.json"        # layout's ownership marker: a whole-file checksum, no records
 _DATA_RE = re.compile(r"^__\d+_\d+\.distcp$")
 _RANK_METADATA_RE = re.compile(r"^__\d+\.metadata$")      # use_collectives=False: one per rank
+# A part saved by other processes (``checkpoint/delegated.py``): ``<part>/<file>``.
+_PART_RE = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_-]*)/(.+)$")
 _READ_CHUNK = 16 << 20
 
 # (bytes done, bytes total, seconds since start): progress of ``verify_data``.
@@ -66,14 +69,37 @@ def _whole_file(name: str) -> bool:
     return name in (METADATA_NAME, MARKER_NAME) or bool(_RANK_METADATA_RE.match(name))
 
 
+def part_names(manifest: dict[str, Any]) -> list[str]:
+    """The parts other processes saved into subdirectories (``checkpoint/delegated.py``)."""
+    return sorted({m.group(1) for n in manifest["files"] if (m := _PART_RE.match(n))})
+
+
+def part(manifest: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """The manifest as one DCP checkpoint sees it: the files of part ``name`` (names relative
+    to its subdirectory), or with None the step directory's own files. The other keys stay."""
+    if name is None:
+        files = {n: m for n, m in manifest["files"].items() if "/" not in n}
+    else:
+        files = {n[len(name) + 1:]: m for n, m in manifest["files"].items()
+                 if n.startswith(f"{name}/")}
+    return {**manifest, "files": files}
+
+
 def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
     """Whether the manifest of ``path`` describes a checkpoint our writer could have produced;
     reads no file. A record CRC or a file CRC edited alone is caught here: they stop adding up."""
     files = manifest["files"]
-    if not metadata_names(manifest):
-        raise CheckpointCorrupt(f"{path}: the manifest lists no {METADATA_NAME} (manifest damaged)")
+    for sub in [None, *part_names(manifest)]:
+        if not metadata_names(part(manifest, sub)):
+            where = path if sub is None else path / sub
+            raise CheckpointCorrupt(f"{where}: the manifest lists no {METADATA_NAME} (manifest "
+                                    "damaged)")
     for name, meta in files.items():
-        if not _whole_file(name) and not _DATA_RE.match(name):
+        inner = _PART_RE.match(name)
+        base = inner.group(2) if inner else name
+        if inner and (base == MARKER_NAME or "/" in base):
+            base = ""       # a part holds DCP's files only, one level down
+        if not _whole_file(base) and not _DATA_RE.match(base):
             raise CheckpointCorrupt(f"{path}: the manifest lists {name!r}, which is not a "
                                     "checkpoint file (manifest damaged)")
         where = path / name
@@ -81,7 +107,7 @@ def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
                 meta.get("crc32")):
             raise CheckpointCorrupt(f"{where}: the manifest has no valid size and checksum for "
                                     "it (manifest damaged)")
-        if _whole_file(name):
+        if _whole_file(base):
             continue
         records = meta.get("records")
         if not isinstance(records, list):
@@ -154,7 +180,14 @@ def _all_read(path: Path, records: Any, seen: set[tuple[str, int]]) -> None:
 
 def check_all_metadata(path: Path, manifest: dict[str, Any]) -> None:
     """Every metadata file the manifest lists, parsed (``load_metadata``) and matched against
-    it; together they name every record exactly once."""
+    it; together they name every record exactly once. A part other processes saved
+    (``part_names``) is one DCP checkpoint of its own, in its subdirectory: checked alike."""
+    for sub in part_names(manifest):
+        _check_all_metadata(path / sub, part(manifest, sub))
+    _check_all_metadata(path, part(manifest))
+
+
+def _check_all_metadata(path: Path, manifest: dict[str, Any]) -> None:
     seen: set[tuple[str, int]] = set()
     names = metadata_names(manifest)
     for name in names:

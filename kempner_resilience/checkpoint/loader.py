@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from kempner_resilience.checkpoint import (identity, integrity, layout, pinned, quarantine,
-                                          statekeys)
+from kempner_resilience.checkpoint import (delegated, identity, integrity, layout, pinned,
+                                          quarantine, statekeys)
 from kempner_resilience.checkpoint.comm import Comm
 from kempner_resilience.checkpoint.hostbuf import HostStaging
 from kempner_resilience.checkpoint.info import (CheckpointError, CheckpointInfo,
@@ -30,6 +30,7 @@ from kempner_resilience.checkpoint.info import (CheckpointError, CheckpointInfo,
 from kempner_resilience.checkpoint.reader import VerifyingReader
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.config import CheckpointConfig
+from kempner_resilience.core.faults import is_peer_failure
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 
@@ -162,10 +163,11 @@ def try_load(paths: RunPaths, path: Path, config: CheckpointConfig, state: Train
         layout.validate(entry, config.allow_foreign_owner)
         if config.verify:
             layout.verify_files(path, entry.manifest or {}, [integrity.METADATA_NAME])
-        reader = VerifyingReader(path, entry.manifest, verify=config.verify,
+        own = integrity.part(entry.manifest or {})    # without the parts others saved
+        reader = VerifyingReader(path, own, verify=config.verify,
                                  threads=config.io_threads, staging=staging)
         metadata = reader.read_metadata()
-        integrity.check_metadata(path, metadata, entry.manifest or {})
+        integrity.check_metadata(path, metadata, own)
         sd, blob_key = state.load_template(rank, set(metadata.state_dict_metadata),
                                            comm.world_size)
         # Before anything is loaded: the entries the checkpoint holds that the live state
@@ -199,6 +201,15 @@ def try_load(paths: RunPaths, path: Path, config: CheckpointConfig, state: Train
     why = _check_objects(paths, path, config, state, blob, why, diff, rank, comm)
     if why:
         return None, why, 0, False
+    if state.delegated:     # loaded by their processes, before this one's state is applied
+        try:
+            why = delegated.load_parts(state.delegated, path, entry.manifest or {})
+        except (Exception, CheckpointException) as e:  # theirs: an older one is tried
+            if is_peer_failure(e):
+                raise
+            return None, f"{path}: {describe_error(e)}", 0, is_damage(e)
+        if why:
+            return None, why, 0, False
     step = state.restore(sd, blob_key, blob)
     if rank == 0 and (line := statekeys.dtype_line(str(path), diff)) is not None:
         log.warning("%s", line)

@@ -91,6 +91,11 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.state = TrainState(state, ddp_buckets=config.ddp_buckets)
+        if world_size > 1 and self.state.delegated:
+            raise CheckpointError(
+                f"state {sorted(self.state.delegated)} is saved by other processes (a worker "
+                "group): it belongs to a single-process run (a Ray driver), not to one of "
+                f"{world_size} ranks")
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise CheckpointError(f"world_size={world_size} but torch.distributed is not "

@@ -55,7 +55,7 @@ def _committed_manifest(path: Path) -> dict[str, Any] | None:
     except NotCommitted:
         return None
     integrity.check_manifest(path, manifest)    # its records are what every read trusts
-    return manifest
+    return integrity.part(manifest)     # the parts other processes saved are theirs to read
 
 
 def _read_exact(f: Any, view: memoryview, where: str) -> None:

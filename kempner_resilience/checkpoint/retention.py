@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 from kempner_resilience.checkpoint.info import CheckpointCorrupt
 from kempner_resilience.checkpoint.layout import (MANIFEST_NAME, MARKER_NAME, Entry, is_our_file,
                                                   read_manifest, read_marker)
+from kempner_resilience.checkpoint.delegated import PART_RE
 from kempner_resilience.core.fileio import fsync_dir
 from kempner_resilience.core.runpaths import RunPaths
 
@@ -56,9 +57,15 @@ def why_not_ours(path: Path, manifest: dict[str, Any] | None = None,
         if st.st_uid != uid:
             return f"it is owned by uid {st.st_uid}, not by us (uid {uid})"
         for name in os.listdir(path):
+            fst = os.lstat(path / name)
+            if stat.S_ISDIR(fst.st_mode) and PART_RE.match(name):
+                # A part other processes saved (checkpoint/delegated.py): DCP's files only.
+                why = _not_our_part(path / name, fst, uid)
+                if why is not None:
+                    return why
+                continue
             if not is_our_file(name):
                 return f"it holds {name!r}, which our saves never write"
-            fst = os.lstat(path / name)
             if not stat.S_ISREG(fst.st_mode):
                 return f"its {name!r} is not a regular file"
             if fst.st_uid != uid:
@@ -79,6 +86,21 @@ def why_not_ours(path: Path, manifest: dict[str, Any] | None = None,
     theirs = marker.get("run_id")
     if run_id is not None and theirs is not None and theirs != run_id:
         return f"it belongs to run {theirs!r}, not to this run ({run_id!r})"
+    return None
+
+
+def _not_our_part(path: Path, st: os.stat_result, uid: int) -> str | None:
+    """Why the subdirectory ``path`` of a step directory is not a part of our saves, if so."""
+    if st.st_uid != uid:
+        return f"its {path.name!r} is owned by uid {st.st_uid}, not by us (uid {uid})"
+    for name in os.listdir(path):
+        fst = os.lstat(path / name)
+        if not is_our_file(name) or name in (MANIFEST_NAME, MARKER_NAME):
+            return f"it holds {path.name}/{name}, which our saves never write"
+        if not stat.S_ISREG(fst.st_mode):
+            return f"its {path.name}/{name} is not a regular file"
+        if fst.st_uid != uid:
+            return f"its {path.name}/{name} is owned by uid {fst.st_uid}, not by us (uid {uid})"
     return None
 
 

@@ -20,7 +20,8 @@ import torch.distributed.checkpoint as dcp   # imported up front: ~0.7 s, never 
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException subclass
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from kempner_resilience.checkpoint import commit, dircheck, directio, layout, pinned, retention
+from kempner_resilience.checkpoint import (commit, delegated, dircheck, directio, layout, pinned,
+                                           retention)
 from kempner_resilience.checkpoint.comm import Comm
 from kempner_resilience.checkpoint.directio import DirectPool
 from kempner_resilience.checkpoint.estimate import SaveEstimator
@@ -179,8 +180,15 @@ class Saver:
                     # later operation fails), so no gather of the failure either.
                     raise
                 failure = e
+            files, lost = writer.files, None
+            if failure is None and self.rank == 0 and self.state.delegated:
+                try:    # the parts other processes save (a Ray worker group's actors)
+                    files = delegated.save_parts(self.state.delegated, path, step, files)
+                except Exception as e:  # noqa: BLE001 - theirs to raise; nothing is committed
+                    failure = e
+                    lost = e if is_peer_failure(e) else None
             gathered = comm.all_gather_object(
-                (writer.files if failure is None else None, describe_error(failure)))
+                (files if failure is None else None, describe_error(failure)))
             mismatch = next((why for _, why in gathered if why and STAGING_MISMATCH in why), None)
             if mismatch is not None:
                 # Same list on every rank (all_gather): all drop staging and save again.
@@ -207,6 +215,8 @@ class Saver:
                 if self.rank == 0:
                     with contextlib.suppress(OSError):
                         retention.remove_dir(path)
+                if lost is not None:    # the processes that save a part are gone: not a save
+                    raise lost          # failure to retry, a loss for the run's policy
                 raise CheckpointError(self._failure_text(step, path, status))
         finally:
             self._writing.discard(path)

@@ -40,6 +40,7 @@ from kempner_resilience.checkpoint.carried import PendingGrads, unsaved_schedule
 from kempner_resilience.checkpoint.data import (LoaderEntry, ResumableLoader, is_stateful_loader,
                                                 plain_loader_error, warn_global_seed)
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
+from kempner_resilience.checkpoint.delegated import is_delegated
 from kempner_resilience.checkpoint.info import CheckpointError
 from kempner_resilience.checkpoint.sharded import (blob_source, local, saved_ranks,
                                                    sharded_parts, world_change_line)
@@ -133,6 +134,7 @@ class TrainState:
         self.optims: dict[str, tuple[torch.optim.Optimizer, nn.Module]] = {}
         self.others: dict[str, Any] = {}
         self.apps: dict[str, Any] = {}      # Stateful objects of sharded state (see above)
+        self.delegated: dict[str, Any] = {}  # saved and loaded by other processes
         self._app_parts: list[tuple[nn.Module | None, torch.optim.Optimizer | None]] = []
         for name, value in state.items():
             if not isinstance(name, str) or not name or "." in name or name.startswith("rank_state"):
@@ -140,6 +142,10 @@ class TrainState:
                                       "without dots, e.g. 'model', 'optim'")
             if isinstance(value, nn.Module):
                 self.modules[name] = value
+            elif is_delegated(value):
+                # Saved and loaded by other processes (a Ray worker group's actors), into the
+                # step directory's subdirectory ``name`` (``delegated.py``).
+                self.delegated[name] = value
             elif isinstance(value, torch.optim.Optimizer):
                 pass    # paired with its module below
             elif is_stateful_loader(value):

@@ -9,7 +9,7 @@ the tasks; what goes wrong there (SkyRL's leaked sandboxes) is the same two thin
   ``ray.cancel(ref, force=False)`` cancels the method's task; ``AsyncActor.stop()`` does the
   same from another call;
 * ``asyncio.gather`` leaves the siblings of a failed task running (and their resources held)
-  after the caller is gone. ``supervise`` runs the work as one ``asyncio.TaskGroup``: the first
+  after the caller is gone. ``supervise_tasks`` runs the work as one ``asyncio.TaskGroup``: the first
   failure cancels the siblings, waits for their ``finally``, then raises.
 
 * a SIGTERM sent to the actor's own process (Ray's kill, a node drain, an eviction). Ray's
@@ -30,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import warnings
 import weakref
 from typing import Any, Awaitable, Coroutine, Iterable
 
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.log import get_logger, label, set_role
 
-__all__ = ["supervise", "AsyncActor"]
+__all__ = ["supervise_tasks", "supervise", "AsyncActor"]
 
 log = get_logger(__name__)
 
@@ -44,7 +45,7 @@ _ACTORS: "weakref.WeakSet[AsyncActor]" = weakref.WeakSet()
 _MARGIN_S = 5.0
 
 
-async def supervise(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
+async def supervise_tasks(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
     """Run ``coros`` as one task group and return their results in order.
 
     One that raises cancels the others; a cancellation of the caller cancels them all; either
@@ -66,6 +67,15 @@ async def supervise(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
     return [t.result() for t in tasks]
 
 
+async def supervise(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Deprecated name of ``supervise_tasks`` (``ray_supervise.supervise`` is the group's
+    supervisor: one public name, one function)."""
+    warnings.warn("kempner_resilience.integrations.ray_aio.supervise is now supervise_tasks "
+                  "(also kempner_resilience.ray.supervise_tasks)", DeprecationWarning,
+                  stacklevel=2)
+    return await supervise_tasks(coros)
+
+
 class AsyncActor:
     """Mixin for a Ray asyncio actor: ``main(aw)`` runs a method's work as a stoppable main
     task, ``stop()`` (another call) cancels every running main task and waits for their
@@ -74,7 +84,7 @@ class AsyncActor:
     >>> @ray.remote
     ... class Rollout(AsyncActor):
     ...     async def run(self, n):
-    ...         return await self.main(supervise(episode(i) for i in range(n)))
+    ...         return await self.main(supervise_tasks(episode(i) for i in range(n)))
     """
 
     _mains: "set[asyncio.Task[Any]]"
@@ -85,6 +95,8 @@ class AsyncActor:
         cancels."""
         if not hasattr(self, "_mains"):
             self._mains = set()
+            if label().startswith("rank "):    # not a rank: its lines say what it is
+                set_role(f"{type(self).__name__} actor")
         self._loop = asyncio.get_running_loop()
         _ACTORS.add(self)
         _hook_ray_sigterm()

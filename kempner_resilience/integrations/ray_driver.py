@@ -46,7 +46,7 @@ from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.policy import Action, Evidence, RankEnd, decide
 
-__all__ = ["RayDriver"]
+__all__ = ["RayDriver", "driver_forces", "clear_ray_handlers"]
 
 log = get_logger(__name__)
 
@@ -83,7 +83,7 @@ class RayDriver:
         self.board: Any = None
         self.actors: list[Any] = []
         self.results: list[Any] = []      # what the refs returned in the stop, in order
-        self._handler = ShutdownHandler(self.signals, forces=_driver_forces)
+        self._handler = ShutdownHandler(self.signals, forces=driver_forces)
         self._stop = threading.Event()
         self._stopping = False
         self._role: str | None = None     # this process's log label before the driver's
@@ -98,7 +98,7 @@ class RayDriver:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("RayDriver must be entered on the main thread (Python only "
                                "delivers signals there)")
-        _clear_ray_handlers(self._handler.signals)
+        clear_ray_handlers(self._handler.signals)
         self._role = set_role("ray driver")     # not a rank, whatever RANK says
         self._handler.install()
         self._handler.add_listener(lambda req: self._stop.set())
@@ -378,7 +378,7 @@ class RayDriver:
         _kill_descendants(os.getpid())
 
 
-def _driver_forces(signum: int, earlier: list[int]) -> bool:
+def driver_forces(signum: int, earlier: list[int]) -> bool:
     """Only a second SIGINT, or a second SIGTERM, forces the driver out. A dying parent's
     SIGTERM can reach the driver's signal thread before the Ctrl+C's own SIGINT (Ray's threads
     block SIGINT, so only the main thread takes it, while any thread takes the SIGTERM): that
@@ -386,7 +386,7 @@ def _driver_forces(signum: int, earlier: list[int]) -> bool:
     return signum in (signal.SIGINT, signal.SIGTERM) and signum in earlier
 
 
-def _clear_ray_handlers(signums: Sequence[int]) -> None:
+def clear_ray_handlers(signums: Sequence[int]) -> None:
     """Ray's handlers (``SystemExit`` at an arbitrary point) must not be chained by ours."""
     for signum in signums:
         prev = signal.getsignal(signum)

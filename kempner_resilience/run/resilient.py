@@ -67,6 +67,10 @@ class ResilientRun:
             ``checkpoint.dir/run.json``, else a new one); see ``kempner_resilience.checkpoint.identity``.
     """
 
+    # Which repeated signal forces the exit (None: ``stop.signals.repeat_forces``); a driver
+    # whose parent sends SIGTERM with the Ctrl+C has its own rule (``run/ray_run.py``).
+    _forces: Callable[[int, list[int]], bool] | None = None
+
     def __init__(self, config: ResilienceConfig | str | os.PathLike[str] | Mapping[str, Any]
                  | None = None,
                  state: Mapping[str, Any] | None = None, *, overrides: tuple[str, ...] = (),
@@ -79,7 +83,7 @@ class ResilientRun:
         self.state = state
         mode = ExitMode(str(exit_mode).lower()) if exit_mode is not None \
             else config.watchdog.exit_mode
-        self._handler = ShutdownHandler(config.signals)
+        self._handler = ShutdownHandler(config.signals, forces=self._forces)
         self._hang = HangWatchdog(config.watchdog.hang_timeout_s,
                                   busy_timeout_s=config.watchdog.checkpoint_timeout_s,
                                   on_hang=self._on_hang, on_decide=self._on_hang_decided)

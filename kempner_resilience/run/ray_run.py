@@ -1,0 +1,157 @@
+"""RayRun: a ResilientRun in a Ray driver whose loop is the driver's (SkyRL's trainer shape).
+
+```python
+ray.init()
+policy, ref = WorkerGroup(PolicyWorker, 2), WorkerGroup(RefWorker, 1)
+with RayRun(cfg, state={"data": loader, "trainer": counters, "policy": policy,
+                        "ref": ref}) as run:
+    for step in run.steps(total):              # the driver's loop, one step's orchestration
+        batch = next(batches)
+        episodes = asyncio.run(generate(batch))
+        ref.call("forward", episodes); policy.call("train_step", episodes)
+```
+
+What the run adds to a ResilientRun, and why:
+
+* The worker groups are entries of ``state`` like the data loader: on entry each group is
+  formed (its actors created, their process group joined, the config handed over), then the
+  newest committed checkpoint is loaded into the driver's parts and, by the actors themselves,
+  into each group (``checkpoint/delegated.py``). A save writes the driver's own state, then
+  each group's into ``<step>/<name>/``, and the driver commits the one manifest.
+* Ray's SIGTERM handler in the driver raises ``SystemExit`` wherever the main thread is; it is
+  cleared before the run's handlers go in, so a signal (Ctrl+C, SLURM's USR1, the parent's
+  SIGTERM) stops at the driver's step boundary, with the emergency save of every part. A
+  parent's SIGTERM that comes with the Ctrl+C is the same stop (``driver_forces``).
+* A group's actor that died or fell silent raises ``GroupLost`` out of the step: the run ends
+  as a rank that lost a peer ends (PEER_LOST, 81, nothing saved: the actors' state is gone),
+  and every group's actors are killed. Under ``supervise_loop`` the one policy
+  (``supervise/policy.py``: the restart budget, the no-progress guard) decides: the driver's
+  function runs again, its run resumes from the newest commit with new groups, and the steps
+  redone are said; or the driver leaves with the policy's code. Never 0, never 1.
+* The run leaves by raising (``raise`` exit mode): the driver's process goes on to shut Ray
+  down, or to run the loop again.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any, Callable, Mapping, TypeVar
+
+from kempner_resilience.config import ExitMode
+from kempner_resilience.core.log import get_logger, set_role
+from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.integrations.ray_driver import clear_ray_handlers, driver_forces
+from kempner_resilience.integrations.ray_group import GroupLost, WorkerGroup
+from kempner_resilience.run.resilient import ResilientRun
+from kempner_resilience.supervise.channel import newest_commit
+from kempner_resilience.supervise.policy import Action, Commits, Evidence, RankEnd, decide
+
+__all__ = ["RayRun", "supervise_loop"]
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+# Set by ``supervise_loop`` while it runs the driver's function: a lost group is then the
+# supervisor's to decide on; outside it the driver leaves with PEER_LOST for its launcher.
+_SUPERVISED: contextvars.ContextVar[bool] = contextvars.ContextVar("kr_ray_supervised",
+                                                                    default=False)
+
+
+class RayRun(ResilientRun):
+    """A ResilientRun in a Ray driver (entered after ``ray.init``, on the main thread):
+    ``state`` holds the driver's own parts and its ``WorkerGroup`` s. Arguments as
+    ``ResilientRun``'s; ``exit_mode`` defaults to ``raise``."""
+
+    _forces = staticmethod(driver_forces)
+
+    def __init__(self, config: Any = None, state: Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("exit_mode", ExitMode.RAISE)
+        super().__init__(config, state, **kwargs)
+        self.groups = {k: v for k, v in (state or {}).items() if isinstance(v, WorkerGroup)}
+        self.lost: GroupLost | None = None
+        self._role: str | None = None
+        _LAST_CONFIG.set(self.config)
+
+    def __enter__(self) -> "RayRun":
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("RayRun is entered after ray.init()")
+        clear_ray_handlers(self._handler.signals)
+        self._role = set_role("ray driver")     # not a rank, whatever RANK says
+        try:
+            for name, group in self.groups.items():    # formed before the resume loads them
+                group.start(name, self.config)
+            super().__enter__()
+        except BaseException:
+            self._stop_groups()
+            set_role(self._role)
+            raise
+        for name, group in self.groups.items():
+            self.add_cleanup(group.stop, name=f"{name} group's actors")
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        lost = exc if isinstance(exc, GroupLost) else None
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        except GroupLost as e:       # the run's failure path ended, raised again (raise mode)
+            lost = e
+            self._said_lost(e)
+            if _SUPERVISED.get():
+                raise
+            raise SystemExit(int(ExitCode.PEER_LOST)) from None
+        finally:
+            if lost is not None:
+                self.lost = lost
+            self._stop_groups()
+            set_role(self._role)
+
+    def _said_lost(self, e: GroupLost) -> None:
+        paths = RunPaths.from_config(self.config)
+        committed = newest_commit(paths)
+        redo = self.step - (committed or 0)
+        log.error("%s at step %d: its group's state is gone; the newest commit is step %s "
+                  "(%d step(s) to redo)", e, self.step, committed, redo)
+
+    def _stop_groups(self) -> None:
+        for group in self.groups.values():
+            group.stop()
+
+
+def supervise_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn(*args, **kwargs)`` (the driver's training: a ``RayRun`` and its loop) until it
+    returns; when a worker group is lost the one policy decides: ``fn`` runs again (its run
+    resumes from the newest commit with new groups) within ``requeue.max_restarts`` and the
+    no-progress guard, or the driver leaves with the policy's code (``SystemExit``)."""
+    token = _SUPERVISED.set(True)
+    restarts, stalled, before = 0, 0, None
+    try:
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except GroupLost as e:
+                config = _LAST_CONFIG.get()
+                if config is None:       # lost outside a RayRun: nothing to resume from
+                    raise
+                now = newest_commit(RunPaths.from_config(config))
+                decision = decide(Evidence(
+                    (RankEnd(int(ExitCode.PEER_LOST)),), restarts=restarts,
+                    max_restarts=config.requeue.restart_limit, commits=Commits(before, now),
+                    stalled=stalled, max_no_progress=config.requeue.max_no_progress))
+                if decision.action is Action.LEAVE:
+                    log.error("%s: %s; exit %d", e, decision.why, decision.code)
+                    raise SystemExit(decision.code) from None
+                restarts, stalled, before = restarts + 1, decision.stalled, now
+                log.warning("%s: the worker groups are recreated and the loop resumes from "
+                            "step %s (restart %d: %s)", e, now, restarts, decision.why)
+    finally:
+        _SUPERVISED.reset(token)
+
+
+# The config of the last RayRun built in this context (``supervise_loop`` reads its budget).
+_LAST_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("kr_ray_config",
+                                                                   default=None)

@@ -1,0 +1,166 @@
+"""Ray, the driver-loop shape (SkyRL's trainer): the loop in the driver over a
+StatefulDataLoader, rollouts by ``asyncio.run`` each step, passive worker groups (a 2-actor
+policy, a 1-actor reference) saved by their actors into the driver's one checkpoint.
+
+Each test runs tests/ray_loop_job.py on a real local Ray, gloo on CPU, 50 rollout episodes a
+step, in a session of its own; every process carries a tag, so "every actor gone" is a scan of
+/proc. The uninterrupted reference run is shared (module fixture). Skipped without Ray, except
+under CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from slurm_fixtures import in_ci
+
+JOB = Path(__file__).with_name("ray_loop_job.py")
+STEPS = "30"
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_installed() -> None:
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("torchdata") is None:
+        why = "ray or torchdata is not installed (pip install -e '.[ray]')"
+        if in_ci():
+            pytest.fail(f"{why} [CI is set: a Ray test that cannot run fails]", pytrace=False)
+        pytest.skip(why)
+
+
+class Job:
+    """One run of the job, in a session of its own, its processes tagged."""
+
+    def __init__(self, root: Path, ckpt: Path, *args: str) -> None:
+        self.work = root / f"work-{uuid.uuid4().hex[:6]}"
+        self.work.mkdir(parents=True)
+        self.ckpt, self.out = ckpt, self.work / "out.pt"
+        self.tag = f"kr-ray-loop-{uuid.uuid4().hex}"
+        self.log = self.work / "driver.log"
+        env = {**os.environ, "KR_RAY_TEST_TAG": self.tag, "RAY_DEDUP_LOGS": "0",
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("RANK", None)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(JOB), "--ckpt", str(ckpt), "--work", str(self.work),
+                 "--steps", STEPS, "--out", str(self.out), *args], stdout=out,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                stdin=subprocess.DEVNULL)
+
+    def wait_step(self, step: int, timeout: float = 120.0) -> None:
+        until = time.monotonic() + timeout
+        while self.step() < step:
+            assert time.monotonic() < until and self.proc.poll() is None, self.text()
+            time.sleep(0.05)
+
+    def step(self) -> int:
+        try:
+            return int((self.work / "progress").read_text())
+        except (OSError, ValueError):
+            return -1
+
+    def policy_pid(self, rank: int) -> int:
+        return int((self.work / "pids" / f"policy.r{rank}").read_text())
+
+    def wait(self, timeout: float = 180.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def sandboxes(self) -> int:
+        return len(list((self.work / "resources").glob("sandbox*")))
+
+    def processes(self, settle_s: float = 10.0) -> list[str]:
+        needle = f"KR_RAY_TEST_TAG={self.tag}".encode()
+        until = time.monotonic() + settle_s
+        while True:
+            left = []
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    if needle in Path(f"/proc/{pid}/environ").read_bytes():
+                        left.append(pid)
+                except OSError:
+                    continue
+            if not left or time.monotonic() > until:
+                return left
+            time.sleep(0.2)
+
+
+def _committed(ckpt: Path) -> list[int]:
+    """Steps committed with the driver's files and both groups' parts."""
+    return sorted(int(d.name.removeprefix("step_")) for d in ckpt.glob("step_*")
+                  if (d / "MANIFEST.json").is_file()
+                  and len(list((d / "policy").glob("*.distcp"))) == 2
+                  and len(list((d / "ref").glob("*.distcp"))) == 1)
+
+
+def _assert_bitwise(a_path: Path, b_path: Path) -> None:
+    """The policy's weights and optimizer, the data position, the counters, the driver's RNG."""
+    import torch
+
+    a, b = torch.load(a_path, weights_only=False), torch.load(b_path, weights_only=False)
+    for k in a["policy"]["model"]:
+        assert torch.equal(a["policy"]["model"][k], b["policy"]["model"][k]), k
+    for pa, pb in zip(a["policy"]["optim"]["state"].values(),
+                      b["policy"]["optim"]["state"].values()):
+        assert torch.equal(pa["momentum_buffer"], pb["momentum_buffer"])
+    assert torch.equal(a["rng"], b["rng"])
+    assert a["counters"] == b["counters"]
+    assert str(a["data"]) == str(b["data"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ray-loop-whole")
+    job = Job(root, root / "ckpt")
+    assert job.wait() == 0, job.text()
+    assert _committed(job.ckpt) == [10, 20, 30]
+    return job.out
+
+
+def test_ctrl_c_under_a_dying_parent_stops_at_the_drivers_boundary_and_resumes_bitwise(
+        reference: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, tmp_path / "ckpt", "--parent", "--sleep", "0.1")
+    job.wait_step(12)
+    os.killpg(job.proc.pid, signal.SIGINT)      # the terminal's Ctrl+C; the parent's TERM follows
+    code = job.wait()
+    text = job.text()
+    assert code == 130, text
+    assert "second SIG" not in text and "forced:" not in text, text
+    stopped = int(text.split("stopping at step ")[1].split()[0])
+    assert _committed(job.ckpt)[-1] == stopped > 12, text     # the stop's step, every part
+    assert job.sandboxes() == 0
+    assert job.processes() == []                            # every actor, the Ray node, gone
+    resumed = Job(tmp_path, job.ckpt)
+    assert resumed.wait() == 0, resumed.text()
+    assert f"step {stopped}" in resumed.text(), resumed.text()
+    _assert_bitwise(resumed.out, reference)
+    assert resumed.processes() == []
+
+
+def test_a_policy_actor_killed_mid_step_recreates_the_groups_and_the_run_completes_bitwise(
+        reference: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--sleep", "0.1")
+    job.wait_step(13)
+    os.kill(job.policy_pid(1), signal.SIGKILL)
+    assert job.wait() == 0, job.text()
+    text = job.text()
+    assert "policy rank 1 is gone" in text, text
+    assert "step(s) to redo" in text and "recreated" in text, text
+    _assert_bitwise(job.out, reference)
+    assert job.sandboxes() == 0
+    assert job.processes() == []
