@@ -313,3 +313,45 @@ def test_a_script_that_reads_the_restart_count_is_told_so_not_that_it_carries_a_
     assert cause.lstrip().startswith("- the script reads KEMPNER_RESTART_COUNT (train.py)"), \
         verdict(proc)
     assert "carried from one step to the next" not in cause, verdict(proc)
+
+
+# The README's own example, as a user fills it in: the config loaded from the shipped defaults
+# with the real run's checkpoint.dir set in code, a ResumableLoader, a scheduler in state.
+README_EXAMPLE = """
+import kempner_resilience as kr
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+dataset = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+model = torch.nn.Linear(8, 1)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = torch.optim.lr_scheduler.StepLR(optim, step_size=5)
+
+cfg = kr.load_config("configs/default.yaml", overrides=["checkpoint.dir=REAL_RUN"])
+data = kr.ResumableLoader(DataLoader(dataset, batch_size=32, shuffle=True))
+with kr.ResilientRun(cfg, state={"model": model, "optim": optim, "sched": sched,
+                                 "data": data}) as run:
+    for step in run.steps(100):
+        x, y = next(data)
+        optim.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        sched.step()
+"""
+
+
+def test_a_script_that_sets_its_own_checkpoint_dir_is_refused_and_its_real_run_untouched(
+        tmp_path):
+    real = tmp_path / "scratch" / "run1"
+    script = write_script(tmp_path, README_EXAMPLE.replace("REAL_RUN", str(real)), "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2")
+    assert proc.returncode == ExitCode.RESUME_UNCHECKED, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    assert "sets its own checkpoint.dir" in out and "before its first step" in out, verdict(proc)
+    assert f'the line to change: train.py:12: cfg = kr.load_config("configs/default.yaml", ' \
+        f'overrides=["checkpoint.dir={real}"])' in out, verdict(proc)
+    assert "kr.load_config()" in out, verdict(proc)
+    assert not real.exists(), sorted(real.rglob("*"))
+    # The refusal came at the first launch's start: nothing interrupted, nothing relaunched.
+    assert not (tmp_path / "check" / "interrupted").exists()

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
-from kempner_resilience.checkresume.diagnose import likely_causes, restart_count_readers
+from kempner_resilience.checkresume.diagnose import (likely_causes, own_dir_line,
+                                                      restart_count_readers)
 from kempner_resilience.checkresume.options import CheckOptions
 from kempner_resilience.checkresume.runs import RunResult, run_script
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
 from kempner_resilience.exitcodes import ExitCode, for_signal_stop
-from kempner_resilience.stop.rehearsal import PlannedStop
+from kempner_resilience.stop.rehearsal import OWN_DIR_REFUSED, PlannedStop
 
 __all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
 
@@ -64,8 +65,10 @@ class Verdict:
         return self.outcome.value
 
 
-def _failure(run: RunResult, what: str, timeout_s: float) -> str | None:
-    """Why ``run`` cannot be compared, or None."""
+def _failure(run: RunResult, what: str, timeout_s: float, command: tuple[str, ...] = ()
+             ) -> str | None:
+    """Why ``run`` cannot be compared, or None (``command``: the script's, to quote its line
+    that sets checkpoint.dir)."""
     if run.timed_out:
         return (f"the {what} run did not end within --timeout {timeout_s:g} s: its ranks were "
                 "stopped (a step that hangs, or steps too slow for the budget); raise --timeout "
@@ -81,6 +84,14 @@ def _failure(run: RunResult, what: str, timeout_s: float) -> str | None:
                     "path, or ResilientRun without a config) and pass your settings to "
                     "check-resume with --config/--set")
     last = run.launches[-1]
+    if last.code == int(ExitCode.CONFIG) and OWN_DIR_REFUSED in run.log_text():
+        line = own_dir_line(command)
+        change = (f"; the line to change: {line}" if line else "")
+        return (f"the script sets its own checkpoint.dir (its real run's), so it was refused "
+                f"at its start, before its first step: nothing was written there{change}. "
+                "Load the config with kr.load_config() (no path, no checkpoint.dir override: "
+                "it reads $KEMPNER_RESILIENCE_CONFIG, which check-resume sets and a job script "
+                "can set too) and give check-resume your settings with --config/--set")
     ok = {int(ExitCode.OK), int(for_signal_stop(_FINAL))}
     if last.code not in ok:
         tail = run.log_tail()
@@ -107,7 +118,7 @@ def check_resume(opts: CheckOptions) -> Verdict:
     common = dict(work=work, ranks=opts.ranks, config=opts.config, timeout_s=opts.timeout_s)
     ref = run_script(list(opts.command), name="uninterrupted", stops=[final], relaunches=0,
                      **common)
-    problem = _failure(ref, "uninterrupted", opts.timeout_s)
+    problem = _failure(ref, "uninterrupted", opts.timeout_s, opts.command)
     if problem:
         return Verdict(Outcome.UNCHECKED, work, problem)
     interrupts = opts.interrupts()
@@ -117,7 +128,7 @@ def check_resume(opts: CheckOptions) -> Verdict:
     got = run_script(list(opts.command), name="interrupted", stops=interrupts + [final],
                      relaunches=len(interrupts), relaunch_codes=again,
                      every_steps=0 if opts.kill_rank is not None else 1, **common)
-    problem = _failure(got, "interrupted", opts.timeout_s)
+    problem = _failure(got, "interrupted", opts.timeout_s, opts.command)
     # Where each relaunch resumed: the stops as the checkpoints saw them (a killed rank's
     # launch reports no stop step of its own).
     stops = tuple(l.start_step for l in got.launches[1:] if l.start_step is not None)

@@ -14,6 +14,11 @@ Without ``@RANK`` every rank raises the signal (as SLURM signals every task); wi
 rank (a SIGKILLed rank: the survivors' rescue and the relaunch after 81). A step fires only
 when the loop reaches it by training, never at the step a launch resumed from: the relaunch
 after the stop at step 3 starts at 3 and goes on to 7.
+
+check-resume also names, in ``$KEMPNER_RESILIENCE_CHECK_DIR``, the checkpoint directory it gave
+the run. A script that sets a ``checkpoint.dir`` of its own (a config file or override in code,
+as the README's example does) would train its real run forward under check-resume's stops:
+``refuse_other_dir`` stops such a run at its start, before anything is written there.
 """
 
 from __future__ import annotations
@@ -21,14 +26,19 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 from kempner_resilience.stop.agreement import StopAgreement
 
-__all__ = ["REHEARSAL_ENV", "PlannedStop", "parse", "encode", "planned", "rehearse",
-           "min_gap"]
+__all__ = ["REHEARSAL_ENV", "CHECK_DIR_ENV", "OWN_DIR_REFUSED", "PlannedStop", "parse",
+           "encode", "planned", "rehearse", "min_gap", "refuse_other_dir"]
 
 #: The plan, in the ranks' environment (set by check-resume; unset in every real job).
 REHEARSAL_ENV = "KEMPNER_RESILIENCE_REHEARSAL"
+#: The checkpoint directory check-resume gave the run (unset in every real job).
+CHECK_DIR_ENV = "KEMPNER_RESILIENCE_CHECK_DIR"
+#: The words that start the refusal, which check-resume looks for in rank 0's log.
+OWN_DIR_REFUSED = "check-resume refused the script's own checkpoint.dir"
 
 
 @dataclass(frozen=True)
@@ -110,3 +120,23 @@ def min_gap(world_size: int) -> int:
     """The fewest steps between the start of a launch and a planned stop that can land on its
     step (the signal is raised ``lead`` steps before it, after the launch's first step)."""
     return 1 + (StopAgreement().lead_steps if world_size > 1 else 0)
+
+
+def refuse_other_dir(checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Under check-resume, raise ``ConfigError`` (exit 78) when the run's resolved
+    ``checkpoint_dir`` is not the one check-resume gave it: the script set its own, and the
+    check would write into (and train forward) the real run. Nothing is written before this."""
+    given = os.environ.get(CHECK_DIR_ENV)
+    if not given:
+        return
+    mine = Path(checkpoint_dir).expanduser()
+    if mine.resolve() == Path(given).resolve():
+        return
+    from kempner_resilience.config.errors import ConfigError
+
+    raise ConfigError([("checkpoint.dir", (
+        f"{OWN_DIR_REFUSED} ({mine}), not the directory check-resume gave it ({given}); "
+        "nothing was written there. Load the config with kr.load_config() (no path, no "
+        "checkpoint.dir override: it reads $KEMPNER_RESILIENCE_CONFIG, which check-resume sets, "
+        "and a job script can set too) and give check-resume your file and overrides with "
+        "--config/--set"))])
