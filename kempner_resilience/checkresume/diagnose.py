@@ -17,6 +17,10 @@ points at the usual traps (issue 31):
   accumulated over a window the stop cut (the optimizer steps only at the window's end);
 - any of these before the first stop: the script does not repeat itself even uninterrupted.
 
+Whether a script repeats itself is measured, not guessed: when the interrupted run differs,
+``check.py`` runs the uninterrupted one a second time, and two straight runs that differ make
+the verdict "not deterministic" (its own exit code) instead of a cause.
+
 One cause no checkpoint shows: the script reads ``KEMPNER_RESTART_COUNT``, which the launcher
 sets to each launch's number (0 in the uninterrupted run, 1, 2, ... after each resume). What
 depends on it differs after a resume while nothing carried is missing from state, so the
@@ -57,10 +61,11 @@ ACCUMULATED = ("gradients accumulated over several steps were lost at the stop (
 SCHEDULER = ("an LR scheduler not in state: the resumed run's scheduler started again from its "
              "first step, so the optimizer's learning rate differs from the step after the "
              "resume on; put the scheduler in state={..., \"sched\": scheduler}")
-NONDETERMINISTIC = ("the runs differ before any interruption: the script does not repeat "
-                    "itself even uninterrupted (an unseeded initialisation or RNG, "
-                    "nondeterministic kernels, data that depends on time or order of arrival); "
-                    "seed it and make it deterministic so that a resume can be checked")
+NONDETERMINISTIC = ("the script does not repeat itself even uninterrupted (an unseeded "
+                    "initialisation or RNG, nondeterministic kernels, data that depends on time "
+                    "or order of arrival): seed it (torch.manual_seed, and random/numpy where "
+                    "it draws from them) and make it deterministic so that a resume can be "
+                    "checked")
 
 
 def _script_files(command: Sequence[str], base: Path) -> list[Path]:

@@ -53,6 +53,20 @@ def render(v: Verdict) -> str:
         note = "\n" + _wrap(f"(not compared: {', '.join(v.unseeded)}: RNG streams the "
                              "training loop never draws from, left unseeded by the script)",
                              "  ")
+    if v.layouts:
+        note += "\n" + _wrap(f"(not compared bitwise: {', '.join(v.layouts[:4])}: DDP's "
+                             "gradient-bucket layout, which a resumed process records later; "
+                             "what it determines, the gradients' sum, is in the model and "
+                             "optimizer, compared)", "  ")
+    if v.outcome is Outcome.NONDETERMINISTIC:
+        lines = [f"check-resume: NOT DETERMINISTIC (unchecked). The run {v.how} differs from "
+                 "the uninterrupted run, but so does a second uninterrupted run: the two "
+                 f"straight runs already differ at step {v.first_step}:"]
+        lines += _entries(v.first_diffs)
+        lines.append("Cause:")
+        lines += [_wrap(f"- {c}") for c in v.causes]
+        lines.append(f"  checkpoints and rank logs of the runs: {v.workdir}")
+        return "\n".join(lines) + note
     if v.outcome is Outcome.EXACT:
         return (f"check-resume: exact. The run {v.how} and resumed each "
                 f"time equals the uninterrupted run at every step, bitwise ({len(v.compared)} "
