@@ -444,3 +444,40 @@ def test_an_unseeded_script_is_not_deterministic_with_its_own_code_not_inexact(t
     assert "two straight runs already differ at step 1" in out, verdict(proc)
     assert "model (model)" in out and "seed it (torch.manual_seed" in out, verdict(proc)
 
+
+# A learning rate decayed in place at the top of each step, before the optimizer steps, on 2
+# DDP ranks: the survivors of a killed rank are inside the next step, its lr already set.
+DECAYS_LR_BEFORE_ITS_STEP = """
+import kempner_resilience as kr
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+xs, ys = torch.randn(64, 8), torch.randn(64, 1)
+model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+with kr.ResilientRun(state={"model": model, "optim": optim}) as run:
+    for step in run.steps(100):
+        for group in optim.param_groups:
+            group["lr"] *= 0.99
+        i = (4 * step + 2 * dist.get_rank()) % 64
+        optim.zero_grad()
+        nn.functional.mse_loss(model(xs[i:i + 2]), ys[i:i + 2]).backward()
+        optim.step()
+"""
+
+
+def test_a_rescue_holds_the_boundarys_lr_so_lr_decayed_before_the_step_resumes_exactly(
+        tmp_path):
+    # The rescue of step 3 held the lr step 3 had set for itself (one decay too many): a resume
+    # from it decayed again, a real inexact resume, and check-resume said INEXACT for nanoGPT's
+    # get_lr too. The rescue now holds the param groups as they were at the boundary.
+    script = write_script(tmp_path, DECAYS_LR_BEFORE_ITS_STEP, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at",
+                        "3", "--kill-rank", "1")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert "with rank 1 SIGKILLed at step(s) 3 and resumed" in proc.stdout, verdict(proc)
+    log = (tmp_path / "check" / "interrupted" / "logs" / "rank0.0.log").read_text()
+    assert "rescue: committed step 3" in log
