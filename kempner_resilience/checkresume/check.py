@@ -61,6 +61,7 @@ class Verdict:
     unseeded: tuple[str, ...] = ()             # RNG streams left out: never drawn from
     how: str = ""                              # "stopped by SIGUSR1 at steps 3, 7", ...
     layouts: tuple[str, ...] = ()              # DDP bucket records that differ, not compared
+    disk_bytes: int | None = None              # what the runs wrote under workdir
 
     @property
     def code(self) -> int:
@@ -113,13 +114,32 @@ def _snapshots(run: RunResult, cache: dict[tuple[str, int], Snapshot], step: int
 
 
 def check_resume(opts: CheckOptions) -> Verdict:
-    """Run both runs and compare them (main thread only: the launcher handles signals).
+    """Run both runs and compare them (main thread only: the launcher handles signals); the
+    verdict says how much disk the runs used."""
+    work = opts.workdir or Path(tempfile.mkdtemp(prefix="kempner-check-resume-"))
+    work.mkdir(parents=True, exist_ok=True)
+    verdict = _check(opts, work)
+    return replace(verdict, disk_bytes=_disk_use(work))
+
+
+def _disk_use(root: Path) -> int:
+    """Bytes of the files under ``root`` (the checkpoints and logs of every run)."""
+    total = 0
+    for path in root.rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _check(opts: CheckOptions, work: Path) -> Verdict:
+    """The runs and their comparison, in ``work``.
 
     The interrupted run goes first: a stop can land later than planned (one inside a
     gradient-accumulation window waits for the window's end), and the uninterrupted run then
     trains to where the interrupted one really ended, so every resume is compared."""
-    work = opts.workdir or Path(tempfile.mkdtemp(prefix="kempner-check-resume-"))
-    work.mkdir(parents=True, exist_ok=True)
     common = dict(work=work, ranks=opts.ranks, config=opts.config, timeout_s=opts.timeout_s)
     interrupts = opts.interrupts()
     again = frozenset() if opts.kill_rank is not None else frozenset(

@@ -45,7 +45,14 @@ def _wrap(text: str, indent: str = "  ") -> str:
 
 
 def render(v: Verdict) -> str:
-    """The report of ``v`` (several lines, no trailing newline)."""
+    """The report of ``v`` (several lines, no trailing newline), with the disk the runs used."""
+    text = _report(v)
+    if v.disk_bytes is None:
+        return text
+    return text + f"\n  disk used: {v.disk_bytes / 1e6:.1f} MB (checkpoints and logs of the runs)"
+
+
+def _report(v: Verdict) -> str:
     if v.outcome is Outcome.UNCHECKED:
         return f"check-resume: UNCHECKED: {v.problem}\n  work directory: {v.workdir}"
     note = ""
