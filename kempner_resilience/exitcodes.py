@@ -29,6 +29,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     RESUME_INEXACT = 3
     RESUME_UNCHECKED = 4
+    RESUME_NONDETERMINISTIC = 5
     HANG = 42
     DEADLINE = 43
     REQUEUE = 75
@@ -48,6 +49,7 @@ ERROR = ExitCode.ERROR
 USAGE = ExitCode.USAGE
 RESUME_INEXACT = ExitCode.RESUME_INEXACT
 RESUME_UNCHECKED = ExitCode.RESUME_UNCHECKED
+RESUME_NONDETERMINISTIC = ExitCode.RESUME_NONDETERMINISTIC
 HANG = ExitCode.HANG
 DEADLINE = ExitCode.DEADLINE
 REQUEUE = ExitCode.REQUEUE
@@ -75,6 +77,12 @@ TABLE: dict[ExitCode, str] = {
     ExitCode.RESUME_UNCHECKED: "`check-resume`: nothing to compare: the script failed, timed "
                                "out, never committed a checkpoint or used a checkpoint.dir of "
                                "its own; the report says which (CLI only)",
+    ExitCode.RESUME_NONDETERMINISTIC: "`check-resume`: unchecked, the script is not "
+                                      "deterministic: two uninterrupted runs of it already "
+                                      "differ (an unseeded initialisation or RNG, "
+                                      "nondeterministic kernels), so no resume can be judged; "
+                                      "the report names the first step and entries that differ "
+                                      "(CLI only)",
     ExitCode.HANG: "hang watchdog: no step finished within watchdog.hang_timeout_s; stacks were "
                    "dumped to stderr, and the replicas wrote the last step as a rescue "
                    "checkpoint when they could (rescue.*); resume from the last committed one",
@@ -339,7 +347,8 @@ ROWS: tuple[Row, ...] = (
 
 # Codes no run produces: the command line's own.
 CLI_ONLY: frozenset[ExitCode] = frozenset({ExitCode.USAGE, ExitCode.RESUME_INEXACT,
-                                          ExitCode.RESUME_UNCHECKED})
+                                          ExitCode.RESUME_UNCHECKED,
+                                          ExitCode.RESUME_NONDETERMINISTIC})
 
 
 def _signal_name(signum: int | None) -> str:

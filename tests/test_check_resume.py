@@ -237,7 +237,7 @@ def test_a_script_whose_step_hangs_is_stopped_at_the_timeout_and_unchecked(tmp_p
     """, "train.py")
     proc = check_resume(tmp_path, script, "--steps", "6", "--interrupt-at", "3", timeout="8")
     assert proc.returncode == ExitCode.RESUME_UNCHECKED, verdict(proc)
-    assert "the uninterrupted run did not end within --timeout 8 s" in proc.stdout, verdict(proc)
+    assert "the interrupted run did not end within --timeout 8 s" in proc.stdout, verdict(proc)
     assert subprocess.run(["pgrep", "-f", str(script)], capture_output=True).stdout == b""
 
 
@@ -313,3 +313,171 @@ def test_a_script_that_reads_the_restart_count_is_told_so_not_that_it_carries_a_
     assert cause.lstrip().startswith("- the script reads KEMPNER_RESTART_COUNT (train.py)"), \
         verdict(proc)
     assert "carried from one step to the next" not in cause, verdict(proc)
+
+
+# The README's own example, as a user fills it in: the config loaded from the shipped defaults
+# with the real run's checkpoint.dir set in code, a ResumableLoader, a scheduler in state.
+README_EXAMPLE = """
+import kempner_resilience as kr
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+dataset = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+model = torch.nn.Linear(8, 1)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+sched = torch.optim.lr_scheduler.StepLR(optim, step_size=5)
+
+cfg = kr.load_config("configs/default.yaml", overrides=["checkpoint.dir=REAL_RUN"])
+data = kr.ResumableLoader(DataLoader(dataset, batch_size=32, shuffle=True))
+with kr.ResilientRun(cfg, state={"model": model, "optim": optim, "sched": sched,
+                                 "data": data}) as run:
+    for step in run.steps(100):
+        x, y = next(data)
+        optim.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        sched.step()
+"""
+
+
+def test_a_script_that_sets_its_own_checkpoint_dir_is_refused_and_its_real_run_untouched(
+        tmp_path):
+    real = tmp_path / "scratch" / "run1"
+    script = write_script(tmp_path, README_EXAMPLE.replace("REAL_RUN", str(real)), "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2")
+    assert proc.returncode == ExitCode.RESUME_UNCHECKED, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    assert "sets its own checkpoint.dir" in out and "before its first step" in out, verdict(proc)
+    assert f'the line to change: train.py:12: cfg = kr.load_config("configs/default.yaml", ' \
+        f'overrides=["checkpoint.dir={real}"])' in out, verdict(proc)
+    assert "kr.load_config()" in out, verdict(proc)
+    assert not real.exists(), sorted(real.rglob("*"))
+    # The refusal came at the first launch's start: nothing relaunched, no second run.
+    assert not (tmp_path / "check" / "uninterrupted").exists()
+
+
+# Gradients accumulated over 8 run steps under DDP's no_sync on 2 ranks, the optimizer stepping
+# at each window's end (a micro-batch per run step, as a large-batch loop written around
+# run.steps does). A stop inside a window waits for the window's end on 2 ranks.
+DDP_ACCUMULATION = """
+import contextlib
+import kempner_resilience as kr
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ACCUM = 8
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+xs, ys = torch.randn(256, 8), torch.randn(256, 1)
+model = nn.parallel.DistributedDataParallel(
+    nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+with kr.ResilientRun(state={"model": model, "optim": optim}) as run:
+    for step in run.steps(10_000):
+        i = (2 * step + rank) % 256
+        closes = (step + 1) % ACCUM == 0
+        with contextlib.nullcontext() if closes else model.no_sync():
+            (nn.functional.mse_loss(model(xs[i:i + 1]), ys[i:i + 1]) / ACCUM).backward()
+        if closes:
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+"""
+
+
+def test_a_stop_deferred_past_the_last_step_to_a_windows_end_is_found_and_the_check_ends(
+        tmp_path):
+    # The stop planned at 3 waits for the window's end, step 8, past --steps 6: the relaunch
+    # resumed beyond every planned stop and trained on until the timeout. Now it makes its
+    # final stop at once (it lands at the next window's end, 16), and the uninterrupted run
+    # trains as far; DDP's bucket record, written later by a resumed process, is not a diff.
+    script = write_script(tmp_path, DDP_ACCUMULATION, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at",
+                        "3", timeout="60")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    assert "stopped by SIGUSR1 at step(s) 8 (planned at 3: a stop inside a gradient-" \
+        "accumulation window waits for the window's end)" in out, verdict(proc)
+    assert "steps 1..16" in out, verdict(proc)
+
+
+# mnist-shaped: a small CNN on fixed images, with no seed anywhere: each run starts from other
+# weights, so the interrupted run differs from the uninterrupted one for no fault of the resume.
+UNSEEDED = """
+import kempner_resilience as kr
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, 1)
+        self.fc1 = nn.Linear(4 * 13 * 13, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        return F.log_softmax(self.fc1(torch.flatten(x, 1)), dim=1)
+
+
+images = torch.linspace(0, 1, 8 * 28 * 28).reshape(8, 1, 28, 28)
+target = torch.arange(8) % 10
+model = Net()
+optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+with kr.ResilientRun(state={"model": model, "optim": optimizer}) as run:
+    for step in run.steps(100):
+        optimizer.zero_grad()
+        F.nll_loss(model(images), target).backward()
+        optimizer.step()
+"""
+
+
+def test_an_unseeded_script_is_not_deterministic_with_its_own_code_not_inexact(tmp_path):
+    script = write_script(tmp_path, UNSEEDED, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2")
+    assert proc.returncode == ExitCode.RESUME_NONDETERMINISTIC, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    assert out.startswith("check-resume: NOT DETERMINISTIC (unchecked)."), verdict(proc)
+    assert "two straight runs already differ at step 1" in out, verdict(proc)
+    assert "model (model)" in out and "seed it (torch.manual_seed" in out, verdict(proc)
+
+
+# A learning rate decayed in place at the top of each step, before the optimizer steps, on 2
+# DDP ranks: the survivors of a killed rank are inside the next step, its lr already set.
+DECAYS_LR_BEFORE_ITS_STEP = """
+import kempner_resilience as kr
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+xs, ys = torch.randn(64, 8), torch.randn(64, 1)
+model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+with kr.ResilientRun(state={"model": model, "optim": optim}) as run:
+    for step in run.steps(100):
+        for group in optim.param_groups:
+            group["lr"] *= 0.99
+        i = (4 * step + 2 * dist.get_rank()) % 64
+        optim.zero_grad()
+        nn.functional.mse_loss(model(xs[i:i + 2]), ys[i:i + 2]).backward()
+        optim.step()
+"""
+
+
+def test_a_rescue_holds_the_boundarys_lr_so_lr_decayed_before_the_step_resumes_exactly(
+        tmp_path):
+    # The rescue of step 3 held the lr step 3 had set for itself (one decay too many): a resume
+    # from it decayed again, a real inexact resume, and check-resume said INEXACT for nanoGPT's
+    # get_lr too. The rescue now holds the param groups as they were at the boundary.
+    script = write_script(tmp_path, DECAYS_LR_BEFORE_ITS_STEP, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at",
+                        "3", "--kill-rank", "1")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert "with rank 1 SIGKILLed at step(s) 3 and resumed" in proc.stdout, verdict(proc)
+    log = (tmp_path / "check" / "interrupted" / "logs" / "rank0.0.log").read_text()
+    assert "rescue: committed step 3" in log

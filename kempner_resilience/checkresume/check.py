@@ -16,16 +16,17 @@ import enum
 import shutil
 import signal
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
-from kempner_resilience.checkresume.diagnose import likely_causes, restart_count_readers
+from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, likely_causes,
+                                                      own_dir_line, restart_count_readers)
 from kempner_resilience.checkresume.options import CheckOptions
 from kempner_resilience.checkresume.runs import RunResult, run_script
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
 from kempner_resilience.exitcodes import ExitCode, for_signal_stop
-from kempner_resilience.stop.rehearsal import PlannedStop
+from kempner_resilience.stop.rehearsal import OWN_DIR_REFUSED, PlannedStop
 
 __all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
 
@@ -39,6 +40,7 @@ class Outcome(enum.Enum):
     EXACT = int(ExitCode.OK)
     INEXACT = int(ExitCode.RESUME_INEXACT)
     UNCHECKED = int(ExitCode.RESUME_UNCHECKED)
+    NONDETERMINISTIC = int(ExitCode.RESUME_NONDETERMINISTIC)
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,18 @@ class Verdict:
     causes: tuple[str, ...] = ()
     unseeded: tuple[str, ...] = ()             # RNG streams left out: never drawn from
     how: str = ""                              # "stopped by SIGUSR1 at steps 3, 7", ...
+    layouts: tuple[str, ...] = ()              # DDP bucket records that differ, not compared
+    disk_bytes: int | None = None              # what the runs wrote under workdir
 
     @property
     def code(self) -> int:
         return self.outcome.value
 
 
-def _failure(run: RunResult, what: str, timeout_s: float) -> str | None:
-    """Why ``run`` cannot be compared, or None."""
+def _failure(run: RunResult, what: str, timeout_s: float, command: tuple[str, ...] = ()
+             ) -> str | None:
+    """Why ``run`` cannot be compared, or None (``command``: the script's, to quote its line
+    that sets checkpoint.dir)."""
     if run.timed_out:
         return (f"the {what} run did not end within --timeout {timeout_s:g} s: its ranks were "
                 "stopped (a step that hangs, or steps too slow for the budget); raise --timeout "
@@ -81,6 +87,14 @@ def _failure(run: RunResult, what: str, timeout_s: float) -> str | None:
                     "path, or ResilientRun without a config) and pass your settings to "
                     "check-resume with --config/--set")
     last = run.launches[-1]
+    if last.code == int(ExitCode.CONFIG) and OWN_DIR_REFUSED in run.log_text():
+        line = own_dir_line(command)
+        change = (f"; the line to change: {line}" if line else "")
+        return (f"the script sets its own checkpoint.dir (its real run's), so it was refused "
+                f"at its start, before its first step: nothing was written there{change}. "
+                "Load the config with kr.load_config() (no path, no checkpoint.dir override: "
+                "it reads $KEMPNER_RESILIENCE_CONFIG, which check-resume sets and a job script "
+                "can set too) and give check-resume your settings with --config/--set")
     ok = {int(ExitCode.OK), int(for_signal_stop(_FINAL))}
     if last.code not in ok:
         tail = run.log_tail()
@@ -100,24 +114,42 @@ def _snapshots(run: RunResult, cache: dict[tuple[str, int], Snapshot], step: int
 
 
 def check_resume(opts: CheckOptions) -> Verdict:
-    """Run both runs and compare them (main thread only: the launcher handles signals)."""
+    """Run both runs and compare them (main thread only: the launcher handles signals); the
+    verdict says how much disk the runs used."""
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="kempner-check-resume-"))
     work.mkdir(parents=True, exist_ok=True)
-    final = PlannedStop(opts.steps, _FINAL)
+    verdict = _check(opts, work)
+    return replace(verdict, disk_bytes=_disk_use(work))
+
+
+def _disk_use(root: Path) -> int:
+    """Bytes of the files under ``root`` (the checkpoints and logs of every run)."""
+    total = 0
+    for path in root.rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _check(opts: CheckOptions, work: Path) -> Verdict:
+    """The runs and their comparison, in ``work``.
+
+    The interrupted run goes first: a stop can land later than planned (one inside a
+    gradient-accumulation window waits for the window's end), and the uninterrupted run then
+    trains to where the interrupted one really ended, so every resume is compared."""
     common = dict(work=work, ranks=opts.ranks, config=opts.config, timeout_s=opts.timeout_s)
-    ref = run_script(list(opts.command), name="uninterrupted", stops=[final], relaunches=0,
-                     **common)
-    problem = _failure(ref, "uninterrupted", opts.timeout_s)
-    if problem:
-        return Verdict(Outcome.UNCHECKED, work, problem)
     interrupts = opts.interrupts()
     again = frozenset() if opts.kill_rank is not None else frozenset(
         {int(for_signal_stop(opts.signum))})
     # A killed rank's run commits only its stops: the survivors' rescue writes the killed step.
-    got = run_script(list(opts.command), name="interrupted", stops=interrupts + [final],
+    got = run_script(list(opts.command), name="interrupted",
+                     stops=interrupts + [PlannedStop(opts.steps, _FINAL)],
                      relaunches=len(interrupts), relaunch_codes=again,
                      every_steps=0 if opts.kill_rank is not None else 1, **common)
-    problem = _failure(got, "interrupted", opts.timeout_s)
+    problem = _failure(got, "interrupted", opts.timeout_s, opts.command)
     # Where each relaunch resumed: the stops as the checkpoints saw them (a killed rank's
     # launch reports no stop step of its own).
     stops = tuple(l.start_step for l in got.launches[1:] if l.start_step is not None)
@@ -133,11 +165,30 @@ def check_resume(opts: CheckOptions) -> Verdict:
                    "as with FSDP); a lost rank then costs the steps since the last checkpoint")
     if problem:
         return Verdict(Outcome.UNCHECKED, work, problem, stops)
+    end = got.launches[-1].stop_step or max(got.committed)
+    ref = run_script(list(opts.command), name="uninterrupted",
+                     stops=[PlannedStop(end, _FINAL)], relaunches=0, **common)
+    problem = _failure(ref, "uninterrupted", opts.timeout_s, opts.command)
+    if problem:
+        return Verdict(Outcome.UNCHECKED, work, problem, stops)
     at = ", ".join(map(str, stops))
+    moved = "" if opts.kill_rank is not None or stops == opts.interrupt_at else (
+        f" (planned at {', '.join(map(str, opts.interrupt_at))}: a stop inside a gradient-"
+        "accumulation window waits for the window's end)")
     how = f"with rank {opts.kill_rank} SIGKILLed at step(s) {at}" if opts.kill_rank is not None \
-        else f"stopped by {signal.Signals(opts.signum).name} at step(s) {at}"
-    return _compare(ref, got, work, stops, how, killed=opts.kill_rank is not None,
-                    readers=restart_count_readers(opts.command))
+        else f"stopped by {signal.Signals(opts.signum).name} at step(s) {at}{moved}"
+    cmp = _Comparer(ref)
+    verdict = _compare(cmp, got, work, stops, how, killed=opts.kill_rank is not None,
+                       readers=restart_count_readers(opts.command))
+    if verdict.outcome is not Outcome.INEXACT:
+        return verdict
+    # Does the script repeat itself? A second straight run says whether the difference is the
+    # resume's or the script's own (unseeded, nondeterministic): only measured, never guessed.
+    again = run_script(list(opts.command), name="uninterrupted-again",
+                       stops=[PlannedStop(end, _FINAL)], relaunches=0, **common)
+    if _failure(again, "second uninterrupted", opts.timeout_s, opts.command) is not None:
+        return verdict
+    return _repeats(cmp, again, verdict)
 
 
 def _idle_streams(ref: RunResult, cache: dict[tuple[str, int], Snapshot]) -> set[str]:
@@ -149,37 +200,61 @@ def _idle_streams(ref: RunResult, cache: dict[tuple[str, int], Snapshot]) -> set
             and equal_values(a.entries[k], b.entries[k])}
 
 
-def _compare(ref: RunResult, got: RunResult, work: Path, stops: tuple[int, ...], how: str, *,
+@dataclass
+class _Walk:
+    """Two runs' checkpoints compared step by step: what a walk found."""
+
+    compared: list[int]
+    first: tuple[int, list[EntryDiff]] | None = None
+    left_out: set[str] = field(default_factory=set)     # idle RNG streams that differ
+    layouts: set[str] = field(default_factory=set)      # DDP bucket records that differ
+
+
+class _Comparer:
+    """Compares runs against the uninterrupted one (``ref``), each checkpoint read once."""
+
+    def __init__(self, ref: RunResult) -> None:
+        self.ref = ref
+        self.cache: dict[tuple[str, int], Snapshot] = {}
+        self.idle = _idle_streams(ref, self.cache)
+
+    def diff(self, got: RunResult, step: int, walk: _Walk) -> list[EntryDiff]:
+        out = diff_snapshots(_snapshots(self.ref, self.cache, step),
+                             _snapshots(got, self.cache, step))
+        walk.left_out.update(d.key for d in out if d.key in self.idle)
+        # Compared by what they determine (the gradients' sum, in the model and optimizer).
+        walk.layouts.update(d.key for d in out if d.kind is Kind.LAYOUT)
+        return [d for d in out if d.key not in self.idle and d.kind is not Kind.LAYOUT]
+
+    def walk(self, got: RunResult) -> _Walk:
+        """Every common step in order, up to the first that differs."""
+        walk = _Walk([])
+        for step in sorted(set(self.ref.committed) & set(got.committed)):
+            walk.compared.append(step)
+            diffs = self.diff(got, step, walk)
+            if diffs:
+                walk.first = (step, diffs)
+                break
+        return walk
+
+
+def _compare(cmp: _Comparer, got: RunResult, work: Path, stops: tuple[int, ...], how: str, *,
              killed: bool, readers: list[str]) -> Verdict:
     """The two runs' checkpoints of every common step, in order, up to the first that differs;
     then the last one; then the likely cause (``readers``: the script's files that read
     KEMPNER_RESTART_COUNT)."""
-    steps = sorted(set(ref.committed) & set(got.committed))
-    cache: dict[tuple[str, int], Snapshot] = {}
-    idle = _idle_streams(ref, cache)
-    left_out: set[str] = set()
-
-    def diff(step: int) -> list[EntryDiff]:
-        out = diff_snapshots(_snapshots(ref, cache, step), _snapshots(got, cache, step))
-        left_out.update(d.key for d in out if d.key in idle)
-        return [d for d in out if d.key not in idle]
-
-    compared: list[int] = []
-    first: tuple[int, list[EntryDiff]] | None = None
-    for step in steps:
-        compared.append(step)
-        diffs = diff(step)
-        if diffs:
-            first = (step, diffs)
-            break
-    final_step = steps[-1]
-    if first is None:
+    ref, cache = cmp.ref, cmp.cache
+    walk = cmp.walk(got)
+    compared = walk.compared
+    final_step = max(set(ref.committed) & set(got.committed))
+    if walk.first is None:
         return Verdict(Outcome.EXACT, work, None, stops, tuple(compared), final_step=final_step,
-                       unseeded=tuple(sorted(left_out)), how=how)
+                       unseeded=tuple(sorted(walk.left_out)), how=how,
+                       layouts=tuple(sorted(walk.layouts)))
     if final_step not in compared:
         compared.append(final_step)
-    final_diffs = diff(final_step)
-    step, diffs = first
+    final_diffs = cmp.diff(got, final_step, walk)
+    step, diffs = walk.first
     before = [s for s in stops if s < step]
     after_stop = before[-1] if before else None
     if killed and step in stops:
@@ -192,7 +267,19 @@ def _compare(ref: RunResult, got: RunResult, work: Path, stops: tuple[int, ...],
         causes = likely_causes(diffs, step, after_stop, has_scheduler, readers)
     return Verdict(Outcome.INEXACT, work, None, stops, tuple(compared), step, tuple(diffs),
                    after_stop, final_step, tuple(final_diffs), tuple(causes),
-                   tuple(sorted(left_out)), how)
+                   tuple(sorted(walk.left_out)), how, layouts=tuple(sorted(walk.layouts)))
+
+
+def _repeats(cmp: _Comparer, again: RunResult, inexact: Verdict) -> Verdict:
+    """``inexact``, or NONDETERMINISTIC when a second uninterrupted run (``again``) already
+    differs from the first: then no resume can be judged against it."""
+    walk = cmp.walk(again)
+    if walk.first is None:
+        return inexact
+    step, diffs = walk.first
+    return replace(inexact, outcome=Outcome.NONDETERMINISTIC, first_step=step,
+                   first_diffs=tuple(diffs), after_stop=None, final_step=None, final_diffs=(),
+                   causes=(NONDETERMINISTIC,), compared=tuple(walk.compared))
 
 
 def cleanup(verdict: Verdict, keep: bool) -> None:

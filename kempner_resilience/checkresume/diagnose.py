@@ -17,6 +17,10 @@ points at the usual traps (issue 31):
   accumulated over a window the stop cut (the optimizer steps only at the window's end);
 - any of these before the first stop: the script does not repeat itself even uninterrupted.
 
+Whether a script repeats itself is measured, not guessed: when the interrupted run differs,
+``check.py`` runs the uninterrupted one a second time, and two straight runs that differ make
+the verdict "not deterministic" (its own exit code) instead of a cause.
+
 One cause no checkpoint shows: the script reads ``KEMPNER_RESTART_COUNT``, which the launcher
 sets to each launch's number (0 in the uninterrupted run, 1, 2, ... after each resume). What
 depends on it differs after a resume while nothing carried is missing from state, so the
@@ -28,14 +32,15 @@ the command and the Python files beside them are searched for the name
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from kempner_resilience.checkresume.compare import EntryDiff
 from kempner_resilience.checkresume.snapshot import Kind
 
-__all__ = ["likely_causes", "restart_count_readers", "restart_count_cause", "CARRIED",
-           "ACCUMULATED", "SCHEDULER", "NONDETERMINISTIC", "RESTART_COUNT_VAR"]
+__all__ = ["likely_causes", "restart_count_readers", "restart_count_cause", "own_dir_line",
+           "CARRIED", "ACCUMULATED", "SCHEDULER", "NONDETERMINISTIC", "RESTART_COUNT_VAR"]
 
 #: What the launcher sets to each launch's number (``integrations/local.py``).
 RESTART_COUNT_VAR = "KEMPNER_RESTART_COUNT"
@@ -56,17 +61,16 @@ ACCUMULATED = ("gradients accumulated over several steps were lost at the stop (
 SCHEDULER = ("an LR scheduler not in state: the resumed run's scheduler started again from its "
              "first step, so the optimizer's learning rate differs from the step after the "
              "resume on; put the scheduler in state={..., \"sched\": scheduler}")
-NONDETERMINISTIC = ("the runs differ before any interruption: the script does not repeat "
-                    "itself even uninterrupted (an unseeded initialisation or RNG, "
-                    "nondeterministic kernels, data that depends on time or order of arrival); "
-                    "seed it and make it deterministic so that a resume can be checked")
+NONDETERMINISTIC = ("the script does not repeat itself even uninterrupted (an unseeded "
+                    "initialisation or RNG, nondeterministic kernels, data that depends on time "
+                    "or order of arrival): seed it (torch.manual_seed, and random/numpy where "
+                    "it draws from them) and make it deterministic so that a resume can be "
+                    "checked")
 
 
-def restart_count_readers(command: Sequence[str], cwd: str | os.PathLike[str] | None = None
-                          ) -> list[str]:
-    """The files of ``command`` (a script, ``-m module``) and the Python files beside them that
-    name ``KEMPNER_RESTART_COUNT``, relative to ``cwd`` where they are under it; bounded."""
-    base = Path(cwd or os.getcwd())
+def _script_files(command: Sequence[str], base: Path) -> list[Path]:
+    """The files of ``command`` (a script, ``-m module``) and the Python files beside them;
+    bounded."""
     scripts: list[Path] = []
     for i, arg in enumerate(command[1:], 1):
         path = base / arg
@@ -76,21 +80,50 @@ def restart_count_readers(command: Sequence[str], cwd: str | os.PathLike[str] | 
                          if p.is_file()), path)
         if path.suffix == ".py" and path.is_file():
             scripts.append(path)
-    files = list(dict.fromkeys(scripts + sorted(
+    return list(dict.fromkeys(scripts + sorted(
         p for s in scripts for p in s.parent.glob("*.py"))))[:_MAX_FILES]
-    found = []
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                text = f.read(_MAX_BYTES)
-        except OSError:
-            continue
-        if RESTART_COUNT_VAR.encode() in text:
-            try:
-                found.append(str(path.relative_to(base)))
-            except ValueError:
-                found.append(str(path))
-    return found
+
+
+def _read(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(_MAX_BYTES)
+    except OSError:
+        return b""
+
+
+def _shown(path: Path, base: Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+def restart_count_readers(command: Sequence[str], cwd: str | os.PathLike[str] | None = None
+                          ) -> list[str]:
+    """The files of ``command`` (a script, ``-m module``) and the Python files beside them that
+    name ``KEMPNER_RESTART_COUNT``, relative to ``cwd`` where they are under it; bounded."""
+    base = Path(cwd or os.getcwd())
+    return [_shown(path, base) for path in _script_files(command, base)
+            if RESTART_COUNT_VAR.encode() in _read(path)]
+
+
+def own_dir_line(command: Sequence[str], cwd: str | os.PathLike[str] | None = None
+                 ) -> str | None:
+    """Where the script sets its own ``checkpoint.dir``: ``train.py:12: cfg = ...``, the first
+    line of its files naming ``checkpoint.dir`` (else one calling ``load_config`` with a path);
+    None when no line says it."""
+    base = Path(cwd or os.getcwd())
+    fallback = None
+    for path in _script_files(command, base):
+        for n, line in enumerate(_read(path).decode(errors="replace").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            where = f"{_shown(path, base)}:{n}: {line.strip()}"
+            if "checkpoint.dir" in code or re.search(r"[\"']dir[\"']\s*:", code):
+                return where
+            if fallback is None and re.search(r"load_config\(\s*[^)\s]", code):
+                fallback = where
+    return fallback
 
 
 def restart_count_cause(readers: Sequence[str]) -> str:

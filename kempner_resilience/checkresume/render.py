@@ -45,7 +45,14 @@ def _wrap(text: str, indent: str = "  ") -> str:
 
 
 def render(v: Verdict) -> str:
-    """The report of ``v`` (several lines, no trailing newline)."""
+    """The report of ``v`` (several lines, no trailing newline), with the disk the runs used."""
+    text = _report(v)
+    if v.disk_bytes is None:
+        return text
+    return text + f"\n  disk used: {v.disk_bytes / 1e6:.1f} MB (checkpoints and logs of the runs)"
+
+
+def _report(v: Verdict) -> str:
     if v.outcome is Outcome.UNCHECKED:
         return f"check-resume: UNCHECKED: {v.problem}\n  work directory: {v.workdir}"
     note = ""
@@ -53,6 +60,20 @@ def render(v: Verdict) -> str:
         note = "\n" + _wrap(f"(not compared: {', '.join(v.unseeded)}: RNG streams the "
                              "training loop never draws from, left unseeded by the script)",
                              "  ")
+    if v.layouts:
+        note += "\n" + _wrap(f"(not compared bitwise: {', '.join(v.layouts[:4])}: DDP's "
+                             "gradient-bucket layout, which a resumed process records later; "
+                             "what it determines, the gradients' sum, is in the model and "
+                             "optimizer, compared)", "  ")
+    if v.outcome is Outcome.NONDETERMINISTIC:
+        lines = [f"check-resume: NOT DETERMINISTIC (unchecked). The run {v.how} differs from "
+                 "the uninterrupted run, but so does a second uninterrupted run: the two "
+                 f"straight runs already differ at step {v.first_step}:"]
+        lines += _entries(v.first_diffs)
+        lines.append("Cause:")
+        lines += [_wrap(f"- {c}") for c in v.causes]
+        lines.append(f"  checkpoints and rank logs of the runs: {v.workdir}")
+        return "\n".join(lines) + note
     if v.outcome is Outcome.EXACT:
         return (f"check-resume: exact. The run {v.how} and resumed each "
                 f"time equals the uninterrupted run at every step, bitwise ({len(v.compared)} "

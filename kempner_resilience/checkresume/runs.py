@@ -7,9 +7,10 @@ environment: ``$KEMPNER_RESILIENCE_CONFIG`` names a config made for this run (th
 ``--config``/``--set`` with the checkpoint directory replaced by a fresh one, a commit at every
 step, nothing deleted), ``$KEMPNER_RESILIENCE_REHEARSAL`` plans the stops
 (``stop/rehearsal.py``), ``$KEMPNER_RESILIENCE_REPORT`` brings each launch's report back. A
-script that loads its config from a file of its own ignores the first; rank 0 tells the
-launcher the directory it really uses (``supervise/channel.py``) and such a run is refused
-rather than mixed with another.
+script that loads its config from a file of its own ignores the first; the directory given
+is named again in ``$KEMPNER_RESILIENCE_CHECK_DIR``, and a run whose resolved
+``checkpoint.dir`` is another (the script's own: its real run) refuses to start before it
+writes anything (exit 78, ``stop/rehearsal.py``).
 
 The whole run gets ``timeout_s``: then the launcher is sent SIGTERM, which it forwards to every
 rank (a checkpoint, 143), and ranks still alive after ``stop_timeout_s`` are killed.
@@ -31,7 +32,7 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.integrations.local import Launch, LocalLauncher
 from kempner_resilience.core.ledger import REPORT_ENV
-from kempner_resilience.stop.rehearsal import REHEARSAL_ENV, PlannedStop, encode
+from kempner_resilience.stop.rehearsal import CHECK_DIR_ENV, REHEARSAL_ENV, PlannedStop, encode
 
 __all__ = ["LaunchSummary", "RunResult", "run_script", "run_config"]
 
@@ -64,16 +65,19 @@ class RunResult:
     committed: dict[int, Path] = field(default_factory=dict)
     timed_out: bool = False
 
-    def log_tail(self, lines: int = 12) -> str:
-        """The end of rank 0's log of the last launch, indented, for a failure message."""
+    def log_text(self) -> str:
+        """Rank 0's log of the last launch ('' when there is none)."""
         if not self.launches:
             return ""
-        path = self.logs / f"rank0.{self.launches[-1].index}.log"
         try:
-            text = path.read_text(errors="replace").splitlines()[-lines:]
+            return (self.logs / f"rank0.{self.launches[-1].index}.log").read_text(
+                errors="replace")
         except OSError:
             return ""
-        return "\n".join(f"    {line}" for line in text)
+
+    def log_tail(self, lines: int = 12) -> str:
+        """The end of rank 0's log of the last launch, indented, for a failure message."""
+        return "\n".join(f"    {line}" for line in self.log_text().splitlines()[-lines:])
 
 
 def run_config(base: Mapping[str, Any], root: Path, every_steps: int = 1) -> dict[str, Any]:
@@ -158,7 +162,7 @@ def run_script(command: list[str], *, name: str, work: Path, ranks: int,
     write_atomic(cfg_path, yaml.safe_dump(run_config(config, root, every_steps), sort_keys=False),
                  durable=False)
     env = {"KEMPNER_RESILIENCE_CONFIG": str(cfg_path), REHEARSAL_ENV: encode(stops),
-           REPORT_ENV: str(report)}
+           REPORT_ENV: str(report), CHECK_DIR_ENV: str(root)}
     result = RunResult(name, root, logs)
     holder: list[LocalLauncher] = []
 

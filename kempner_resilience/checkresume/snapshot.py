@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY as DDP_BUCKETS
 from kempner_resilience.checkpoint.statekeys import BLOB_PREFIX
 
 __all__ = ["Kind", "Snapshot", "read_snapshot"]
@@ -44,7 +45,11 @@ class Kind(enum.Enum):
     LOADER = "data position"       # a data loader's (or sampler's) position
     RNG = "RNG stream"             # a global RNG stream (python, numpy, torch, CUDA)
     OBJECT = "object"              # another object's state_dict() entry
-    META = "bookkeeping"           # the step, the DDP bucket layout, ...
+    META = "bookkeeping"           # the step, ...
+    # DDP's gradient-bucket layout (checkpoint/ddp_buckets.py): recorded once DDP logs it, so
+    # a resumed process records none for a while where an uninterrupted one has it. What it
+    # determines, how gradients are summed, shows in the model and optimizer entries.
+    LAYOUT = "DDP bucket layout"
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,8 @@ def _blob(key: str, value: Any, entries: dict[str, Any], kinds: dict[str, Kind])
         _flatten(str(part), content, flat)
         for k, v in flat.items():
             entries[f"{rank}:{k}"] = v
-            kinds[f"{rank}:{k}"] = Kind.RNG if part == "rng" else Kind.META
+            kinds[f"{rank}:{k}"] = Kind.RNG if part == "rng" else \
+                Kind.LAYOUT if part == DDP_BUCKETS else Kind.META
 
 
 def read_snapshot(step_dir: Path, step: int) -> Snapshot:

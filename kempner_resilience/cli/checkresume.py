@@ -7,7 +7,8 @@ Runs the script on N local ranks twice (``checkresume/``): uninterrupted to --st
 stopped at each --interrupt-at step and relaunched from its checkpoint, and compares the two
 runs' checkpoints step by step. Exit 0: exact; 3 (RESUME_INEXACT): what differs, from which
 step, and the likely cause; 4 (RESUME_UNCHECKED): the script failed, timed out or committed
-nothing. --config/--set are the settings the script's ResilientRun gets (its checkpoint.dir
+nothing; 5 (RESUME_NONDETERMINISTIC): two uninterrupted runs already differ. --config/--set
+are the settings the script's ResilientRun gets (its checkpoint.dir
 and cadence are check-resume's own).
 """
 
@@ -54,7 +55,8 @@ def _setup(p: argparse.ArgumentParser) -> None:
                    help="the command every rank runs, e.g. python train.py --lr 0.1")
     p.epilog = ("Exit 0: exact; 3 RESUME_INEXACT: the report names the entries that differ, "
                 "the first step that differs and the likely cause; 4 RESUME_UNCHECKED: the "
-                "script failed, timed out or committed no checkpoint.")
+                "script failed, timed out or committed no checkpoint; 5 "
+                "RESUME_NONDETERMINISTIC: two uninterrupted runs of it already differ.")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -12,6 +12,9 @@ cheaply, so the boundary's state can be rebuilt after a failure in the middle of
   other objects of the state (data position, scheduler, scaler), pickled into one small byte
   string (``encode``; about 12 KB, tens of microseconds; ``decode`` gives the per-rank blob a
   checkpoint holds, see ``checkpoint.state``);
+* each optimizer's param-group settings (lr, momentum, ...: all but the parameters): a script
+  may set the next step's values before its optimizer step (nanoGPT's ``get_lr``, ``lr *=
+  0.99``), and a checkpoint of the boundary holds the values the last step used;
 * the model's persistent buffers (BatchNorm statistics change in the forward pass), copied
   into one flat buffer per dtype and device, allocated once, with one ``torch.cat`` each
   (half the time of a ``torch._foreach_copy_`` into per-buffer copies for 300 small buffers).
@@ -29,6 +32,7 @@ optimizer step begun and every mark: the writer compares it before its commit.
 from __future__ import annotations
 
 import array
+import copy
 import ctypes
 import pickle
 import random
@@ -161,6 +165,8 @@ class Boundary:
         # Per (dtype, device): flat 1-d views of its live buffers, and its flat copy. Empty when
         # a buffer is not contiguous (no flat view): then each is copied on its own.
         self._groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        # Each optimizer's param-group settings at the last boundary (``_settings``).
+        self._settings: dict[str, list[dict[str, Any]]] = {}
 
     def attach(self) -> None:
         """Hook every optimizer of the state and allocate the buffer copies (once)."""
@@ -248,6 +254,7 @@ class Boundary:
                 log.warning("rescue off for this rank: %s", self.error)
         if self._live:
             self._copy_buffers()
+        self._settings = _settings(self.state)
         self._snaps = (None if payload is None else Snapshot(step, payload), self._snaps[0])
         self.step = step
         self.stepped = False
@@ -281,7 +288,22 @@ class Boundary:
         """The snapshots of the last two boundaries, newest first."""
         return [s for s in self._snaps if s is not None]
 
+    def boundary_settings(self) -> dict[str, list[dict[str, Any]]]:
+        """Each optimizer's param-group settings (all but ``params``) as they were at the last
+        boundary, by the optimizer's state name."""
+        return self._settings
+
     def boundary_buffers(self) -> dict[int, torch.Tensor]:
         """The persistent buffers as they were at the last boundary, by the live buffer's
         ``data_ptr()``."""
         return {live.data_ptr(): copy for live, copy in zip(self._live, self._copies)}
+
+
+def _settings(state: TrainState) -> dict[str, list[dict[str, Any]]]:
+    """Each optimizer's param-group settings, copied (a tensor lr is cloned; numbers and tuples
+    are immutable): a few small dicts per step."""
+    return {name: [{k: v.detach().clone() if isinstance(v, torch.Tensor) else
+                    copy.deepcopy(v) if isinstance(v, (list, dict)) else v
+                    for k, v in group.items() if k != "params"}
+                   for group in optim.param_groups]
+            for name, (optim, _) in state.optims.items()}

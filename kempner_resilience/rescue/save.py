@@ -1,11 +1,12 @@
 """Writing the rescue checkpoint: one process, no collective, a normal committed checkpoint.
 
 The writer holds a full replica (DDP), so its live parameters and optimizer state, still at the
-boundary (``Boundary`` refused otherwise), with the persistent buffers put back to their
-boundary copies, are the whole tensor state. Sharded (HSDP): its own shards and, from the
-rescue files, one holder's shards of every other column (``sharded``), written as all the chunks
-of each DTensor, as a periodic save describes them. The per-rank blobs (RNG streams, data position,
-scheduler) of every rank come from the snapshots: its own, and the others' from the rescue files.
+boundary (``Boundary`` refused otherwise), with the persistent buffers and the optimizers'
+param-group settings put back to their boundary copies, are the whole tensor state. Sharded
+(HSDP): its own shards and, from the rescue files, one holder's shards of every other column
+(``sharded``), written as all the chunks of each DTensor, as a periodic save describes them.
+The per-rank blobs (RNG streams, data position, scheduler) of every rank come from the
+snapshots: its own, and the others' from the rescue files.
 DCP writes them without a process group (``no_dist``: one ``__0_0.distcp`` file that any world
 size loads) through the package's checksumming writer into a fresh step directory, and the
 manifest commit makes it visible, exactly as for any save. Nothing is committed on any error:
@@ -47,6 +48,11 @@ def _state_dict(state: TrainState, boundary: Boundary, blobs: Mapping[int, bytes
                         if isinstance(v, torch.Tensor) and v.numel()
                         and not sharded.is_dtensor(v) else v
                         for k, v in sd[name].items()}
+    for name, settings in boundary.boundary_settings().items():
+        # The step after the boundary may have set its own lr already: the boundary's values.
+        groups = sd.get(name, {}).get("param_groups") if isinstance(sd.get(name), dict) else None
+        if groups is not None and len(groups) == len(settings):
+            sd[name]["param_groups"] = [{**live, **saved} for live, saved in zip(groups, settings)]
     if shards is not None:
         # Sharded (HSDP): every DTensor as all its chunks, this rank's and the other columns'.
         sd = sharded.chunked(sd, sharded.local_shards(sd), shards)

@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kempner_resilience.checkpoint import identity
+from kempner_resilience.stop import rehearsal
 from kempner_resilience.stop.agreement import StopAgreement
 from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.core.ledger import Ledger, attempt_start
@@ -92,6 +93,8 @@ def _checkpoints(parts: RunParts, progress: Progress, state: Mapping[str, Any],
     """The checkpoint steps, in order: the directory checked, the run's identity and the
     directory's lease, the ledger's start, the resume, then the rescue. ``latest[0]``: the
     parts a forced exit records with, from the ledger on."""
+    # Under check-resume, a directory of the script's own is the real run's: refused unwritten.
+    rehearsal.refuse_other_dir(RunPaths.from_config(parts.config).root)
     restarts = parts.slurm.restart_count if parts.slurm is not None else local_restart_count()
     ckpt = _manager(parts, state, restarts)
     ckpt.check_dir()                                       # writable, room for a save
