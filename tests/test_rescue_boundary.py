@@ -105,3 +105,24 @@ def test_the_snapshot_holds_numpys_exact_state_also_when_only_a_cached_gaussian_
     assert same(snapped(), np.random.get_state())
     np.random.seed(7)
     assert same(snapped(), np.random.get_state())
+
+
+def test_a_rescue_of_a_plain_sgd_without_state_does_not_count_its_own_state_building_as_a_step(
+        tmp_path: Path) -> None:
+    # DCP gives an optimizer without state (SGD, no momentum) one at a step with lr 0; the
+    # rescue's own thread doing so must not look like the training moving past the boundary.
+    state = _build()
+    state["optim"] = torch.optim.SGD(state["model"].parameters(), lr=1e-2)
+    state["sched"] = torch.optim.lr_scheduler.StepLR(state["optim"], step_size=3, gamma=0.5)
+    boundary = Boundary(TrainState(state))
+    boundary.attach()
+    boundary.mark(3)
+    generation = boundary.generation
+    assert boundary.freeze(5.0)
+    [snap, *_] = boundary.snapshots()
+    info = write_rescue(boundary.state, boundary, {0: snap.payload}, 3,
+                        paths=RunPaths(tmp_path / "rescued"), run_id=None, io_threads=2,
+                        world_size=1, extra={"rescue": {"reason": "test"}})
+    assert info.step == 3 and boundary.generation == generation
+    assert boundary.why_inconsistent() is None
+    layout.verify_entry(layout.scan_one(info.path))

@@ -223,6 +223,10 @@ class Boundary:
         return frozen is not None and frozen != threading.get_ident()
 
     def _pre(self, *_args: Any) -> None:
+        if self._frozen_by == threading.get_ident():
+            # The rescue's own state building: DCP initialises an optimizer that has no state
+            # yet (plain SGD) with a step at lr 0, which changes nothing of the boundary.
+            return
         with self._gate:
             held = self._held()
             if not held:
@@ -233,7 +237,8 @@ class Boundary:
             hold_until_exit("a rescue is writing the state of the last step boundary")
 
     def _post(self, *_args: Any) -> None:
-        self.in_step -= 1
+        if self._frozen_by != threading.get_ident():
+            self.in_step -= 1
 
     def mark(self, step: int) -> bytes | None:
         """The state is at boundary ``step``: snapshot it. Returns the snapshot (None once a
