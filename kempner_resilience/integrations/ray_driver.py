@@ -44,7 +44,8 @@ from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import requeue_run
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.supervise.channel import newest_commit
-from kempner_resilience.supervise.policy import Action, Evidence, RankEnd, decide
+from kempner_resilience.supervise.policy import Action as Next
+from kempner_resilience.supervise.policy import Evidence, RankEnd, decide
 
 __all__ = ["RayDriver", "driver_forces", "clear_ray_handlers"]
 
@@ -252,7 +253,7 @@ class RayDriver:
 
         decision = decide(Evidence(tuple(ends)))
         code = decision.code
-        if decision.action is not Action.LEAVE:
+        if decision.action is not Next.LEAVE:
             verdict = self.requeue(decision.why)
             if verdict is not None and verdict is not Verdict.REQUEUED:
                 code = int(exit_code(Facts(Ending.SIGNAL, signum=signal.SIGTERM,
