@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kempner_resilience.config import ExitMode, ResilienceConfig
-from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.log import announce, get_logger
 from kempner_resilience.run.resilient import ResilientRun
 
 __all__ = ["ResilientTrainer", "TrainerProgress"]
@@ -178,9 +178,9 @@ class ResilientTrainer(ResilientRun):
         t = self.trainer
         t.add_callback(_boundary_callback(self))
         with self:
-            if self._took_over_jit:
-                log.info("the Trainer's enable_jit_checkpoint is taken over: SIGTERM stops "
-                         "every rank at one step with a committed checkpoint")
+            if self._took_over_jit and self.rank == 0:    # seen even with logging unset
+                announce(log, "the Trainer's enable_jit_checkpoint is taken over: SIGTERM "
+                         "stops every rank at one step with a committed checkpoint")
             folder = self._resume_folder() if self.resumed_from is not None else None
             saved = {n: t.__dict__.get(n) for n in _LOADERS}
             try:
