@@ -1,0 +1,238 @@
+"""The Hugging Face ``Trainer``: a ``Trainer.train()`` script under ``ResilientRun`` in three lines.
+
+```python
+from kempner_resilience.trainers.hf import ResilientTrainer                  # +1
+trainer = Trainer(model, args=TrainingArguments(...), train_dataset=ds)
+ResilientTrainer(cfg, trainer).train()                                       # +2 (was trainer.train())
+```
+
+Why the run drives the Trainer's loop from a callback and resumes through the Trainer's own
+``resume_from_checkpoint``: the Trainer works out which epoch and batch to resume from (locals
+of its loop) before any callback runs, so a callback alone cannot resume the data position.
+Here the Trainer's own skip does it, fed from the run's verified checkpoint:
+
+* The optimizer and scheduler are created before ``train()`` (``create_optimizer``,
+  ``create_scheduler``, as the Trainer would), so the run's state holds the model, the
+  optimizer, the scheduler, the scaler, and the Trainer's ``TrainerState`` (``global_step``,
+  epoch, logs, stateful callbacks); the run resumes them when it is entered.
+* After a resume, each rank writes a folder holding only what the Trainer reads to find its
+  data position: ``trainer_state.json`` and its RNG file, both from the run's checkpoint. It is
+  passed as ``resume_from_checkpoint``: the Trainer skips the trained batches of the epoch and
+  puts the RNG back after the skip. Its loaders of weights, optimizer and scheduler are switched
+  off meanwhile (the run already loaded them, checked against the manifest).
+* A callback's ``on_step_end`` is the run's step boundary (``run.steps``): heartbeat,
+  periodic save, and the stop agreed on every rank. A stop saves there and raises
+  ``SystemExit`` with the documented code, out of ``train()``: a script's "final" save after
+  ``train()`` never runs on a stopped run.
+* ``TrainingArguments(enable_jit_checkpoint=True)`` is taken over: its SIGTERM handler and
+  callback are removed, and SIGTERM stops at the step boundary like the other signals.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Mapping
+
+from kempner_resilience.config import ExitMode, ResilienceConfig
+from kempner_resilience.core.log import announce, get_logger
+from kempner_resilience.run.resilient import ResilientRun
+
+__all__ = ["ResilientTrainer", "TrainerProgress"]
+
+log = get_logger(__name__)
+
+_STATE_FILE = "trainer_state.json"     # transformers.trainer.TRAINER_STATE_NAME
+
+
+class TrainerProgress:
+    """The Trainer's ``TrainerState`` as an entry of the run's state: where the loop is
+    (``global_step``, ``epoch``), its log history, and its stateful callbacks' state (as the
+    Trainer's own checkpoint writes them)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.loaded: str | None = None     # the JSON a resume restored
+
+    def state_dict(self) -> dict[str, Any]:
+        from transformers.trainer_callback import ExportableState
+
+        t = self.trainer
+        state = copy.deepcopy(t.state)
+        for cb in [*t.callback_handler.callbacks, t.control]:
+            if isinstance(cb, ExportableState):
+                name = cb.__class__.__name__
+                if isinstance(state.stateful_callbacks.get(name), list):
+                    state.stateful_callbacks[name] = [*state.stateful_callbacks[name],
+                                                      cb.state()]
+                else:
+                    state.stateful_callbacks[name] = cb.state()
+        return {"json": json.dumps(asdict(state), sort_keys=True)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.loaded = str(sd["json"])
+
+    @property
+    def global_step(self) -> int:
+        return int(json.loads(self.loaded)["global_step"]) if self.loaded else 0
+
+
+def _boundary_callback(run: "ResilientTrainer") -> Any:
+    """The callback that makes each optimizer step of the Trainer a step of the run (a
+    ``TrainerCallback``, defined here: transformers is imported only when it is used)."""
+    from transformers import TrainerCallback
+
+    class RunBoundary(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            run._loop_begins(state)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if run._boundary():        # all steps ran: the Trainer ends by itself
+                control.should_training_stop = True
+
+    return RunBoundary()
+
+
+class ResilientTrainer(ResilientRun):
+    """``ResilientRun`` for a script that trains with ``transformers.Trainer``.
+
+    Args:
+        config: as for ``ResilientRun`` (a ``ResilienceConfig``, a YAML path, a mapping, or
+            None for the defaults / ``$KEMPNER_RESILIENCE_CONFIG``).
+        trainer: the script's ``Trainer``, built and not trained yet.
+        overrides, exit_mode, run_id: as for ``ResilientRun``.
+
+    Call ``train()`` in place of ``trainer.train()``: it returns the Trainer's ``TrainOutput``
+    when every step ran, and raises ``SystemExit`` with the documented code after a stop.
+    """
+
+    def __init__(self, config: ResilienceConfig | str | os.PathLike[str] | Mapping[str, Any]
+                 | None, trainer: Any, *, overrides: tuple[str, ...] = (),
+                 exit_mode: ExitMode | str | None = None, run_id: str | None = None) -> None:
+        if not all(hasattr(trainer, a) for a in ("train", "args", "callback_handler")):
+            raise TypeError(f"trainer must be a transformers.Trainer, not a "
+                            f"{type(trainer).__name__}")
+        if trainer.model_init is not None:
+            raise ValueError("a Trainer with model_init builds its model inside train(), after "
+                             "the run resumed the state: pass the model to Trainer(model=...)")
+        self.trainer = trainer
+        self.progress = TrainerProgress(trainer)
+        self._took_over_jit = self._take_over_jit_checkpoint()
+        self.max_steps = self._create_optimizer_and_scheduler()
+        state: dict[str, Any] = {"model": trainer.model, "optim": trainer.optimizer,
+                                 "sched": trainer.lr_scheduler, "trainer": self.progress}
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler
+        self._loop: Any = None
+        super().__init__(config, state, overrides=overrides, exit_mode=exit_mode,
+                         run_id=run_id)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _take_over_jit_checkpoint(self) -> bool:
+        """``enable_jit_checkpoint``: its SIGTERM handler put back and its callback removed,
+        so the run's handler gets SIGTERM (a handler of its own would save again, late).
+        True when there was one."""
+        found = False
+        for cb in list(self.trainer.callback_handler.callbacks):
+            if type(cb).__name__ != "JITCheckpointCallback":
+                continue
+            manager = getattr(cb, "jit_manager", None)
+            old = getattr(manager, "_original_sigterm_handler", None)
+            if old is not None:
+                import signal
+
+                signal.signal(signal.SIGTERM, old)
+            self.trainer.remove_callback(cb)
+            found = True
+        return found
+
+    def _create_optimizer_and_scheduler(self) -> int:
+        """The Trainer's optimizer and scheduler, created now as ``train()`` would, so the run
+        can resume them; returns the run's total, the Trainer's ``max_steps``."""
+        t = self.trainer
+        loader = t.get_train_dataloader()
+        max_steps = int(t.set_initial_training_values(t.args, loader)[-1])
+        t.create_optimizer()
+        t.create_scheduler(num_training_steps=max_steps, optimizer=t.optimizer)
+        # A scheduler the Trainer created is made again at train(); this one is the user's now.
+        t._created_lr_scheduler = False
+        return max_steps
+
+    # ------------------------------------------------------------------ train
+
+    def train(self, **kwargs: Any) -> Any:
+        """``trainer.train(**kwargs)`` under the run: resumed from its newest committed
+        checkpoint, stopped at an optimizer step on every rank, saved, and left with the
+        documented code (``SystemExit``). Returns the Trainer's ``TrainOutput``."""
+        if kwargs.get("resume_from_checkpoint"):
+            raise ValueError("ResilientTrainer.train resumes from the run's own checkpoint "
+                             "(checkpoint.dir): leave resume_from_checkpoint out")
+        kwargs.pop("resume_from_checkpoint", None)
+        t = self.trainer
+        t.add_callback(_boundary_callback(self))
+        with self:
+            if self._took_over_jit and self.rank == 0:    # seen even with logging unset
+                announce(log, "the Trainer's enable_jit_checkpoint is taken over: SIGTERM "
+                         "stops every rank at one step with a committed checkpoint")
+            folder = self._resume_folder() if self.resumed_from is not None else None
+            saved = {n: t.__dict__.get(n) for n in _LOADERS}
+            try:
+                if folder is not None:      # the run loaded these: the Trainer must not
+                    for n in _LOADERS:
+                        setattr(t, n, _nothing)
+                out = t.train(resume_from_checkpoint=folder, **kwargs)
+            finally:
+                for n, fn in saved.items():
+                    if fn is None:
+                        t.__dict__.pop(n, None)
+                    else:
+                        setattr(t, n, fn)
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
+        return out
+
+    def _resume_folder(self) -> str:
+        """This rank's folder of what the Trainer reads to find its data position after a
+        resume: the resumed ``trainer_state.json`` and the RNG streams as the run restored
+        them, in the Trainer's own format."""
+        folder = tempfile.mkdtemp(prefix=f"kr-hf-resume-{os.getpid()}-")
+        Path(folder, _STATE_FILE).write_text(self.progress.loaded or "{}")
+        self.trainer._save_rng_state(folder)
+        return folder
+
+    def _loop_begins(self, state: Any) -> None:
+        """``on_train_begin``: the run's loop starts at the Trainer's step."""
+        if int(state.global_step) != self.step:
+            raise RuntimeError(f"the Trainer starts at step {state.global_step}, the run at "
+                               f"{self.step}: was train() called with a checkpoint of its own?")
+        self._loop = self.steps(self.max_steps)
+        self._advance()
+
+    def _boundary(self) -> bool:
+        """``on_step_end``: one step done. A stop saves and raises ``SystemExit`` here;
+        True once every step ran."""
+        if self._loop is None:
+            raise RuntimeError("on_step_end before on_train_begin")
+        return self._advance()
+
+    def _advance(self) -> bool:
+        try:
+            next(self._loop)
+        except StopIteration:
+            return True
+        return False
+
+
+# The Trainer's loaders of what the run restores itself (weights, optimizer, scheduler, scaler).
+_LOADERS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler")
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None

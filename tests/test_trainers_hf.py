@@ -1,0 +1,96 @@
+"""The Hugging Face Trainer under `kempner-resilience torchrun`: a ``Trainer.train()`` script
+written the library's documented way, adopted with ``ResilientTrainer``, on two gloo ranks.
+Signals go where a user's go: USR1 and SIGTERM to the launcher (what ``--signal=B:USR1`` and
+a preemption send), Ctrl+C to its whole process group (a terminal). One uninterrupted run is
+the reference for the module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from helpers import require
+from trainers_helpers import (SCRIPTS, assert_same_final, committed_steps, interrupt,
+                              last_steps, run_to_end, signal)
+from kempner_resilience.exitcodes import ExitCode
+
+require("transformers")
+
+STEPS = 40        # 16 batches an epoch on each rank: the stops fall mid-epoch
+
+
+def _launch(work, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--standalone",
+            "--nproc-per-node=2", str(SCRIPTS / "hf_train.py"), "--steps", str(STEPS),
+            "--out", str(work / "final.pt"), "--progress", str(work / "progress"), *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    work = tmp_path_factory.mktemp("hf_reference")
+    code, out = run_to_end(work, _launch(work, "--step-s", "0"))
+    assert code == 0, out[-4000:]
+    return work / "final.pt"
+
+
+def test_sigterm_ctrl_c_and_usr1_each_stop_every_rank_at_one_step_with_its_code_and_the_run_resumes_bitwise(
+        tmp_path, reference):
+    # enable_jit_checkpoint on: its SIGTERM handling is taken over (no late save of its own)
+    cmd = _launch(tmp_path, "--jit")
+    stops = [(6, signal.SIGTERM, False, 143), (17, signal.SIGINT, True, 130),
+             (29, signal.SIGUSR1, False, int(ExitCode.REQUEUE))]
+    for at, signum, group, expected in stops:
+        code, out = interrupt(tmp_path, cmd, at, signum, group)
+        assert code == expected, out[-4000:]
+        last = last_steps(tmp_path / "progress")
+        assert last[0] == last[1], last                          # one step on every rank
+        assert committed_steps(tmp_path)[-1] == last[0] + 1, out[-4000:]
+        assert "Traceback" not in out, out[-4000:]
+        assert not (tmp_path / "final.pt").exists()      # train() did not return as if done
+    assert not (tmp_path / "hf_out").exists() or not list((tmp_path / "hf_out").glob("checkpoint-*"))
+    code, out = run_to_end(tmp_path, cmd)
+    assert code == 0, out[-4000:]
+    assert "resumed from" in out
+    assert_same_final(reference, tmp_path / "final.pt")
+
+
+
+def _tiny_trainer(tmp_path, **args):
+    """A Trainer of a one-layer GPT-2 built from a config, in-process."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=8, n_positions=4, n_embd=8, n_layer=1,
+                                       n_head=1, bos_token_id=0, eos_token_id=0))
+    ids = torch.zeros(4, dtype=torch.long)
+    return Trainer(model, train_dataset=[{"input_ids": ids, "labels": ids}] * 4,
+                   args=TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2,
+                                          use_cpu=True, report_to=[], **args))
+
+
+def test_the_trainers_jit_checkpoint_is_taken_over_its_sigterm_handler_and_callback_removed(tmp_path):
+    from kempner_resilience.trainers.hf import ResilientTrainer
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = _tiny_trainer(tmp_path, enable_jit_checkpoint=True)
+    try:
+        assert signal.getsignal(signal.SIGTERM) != before      # the Trainer's own handler
+        run = ResilientTrainer({"checkpoint": {"dir": str(tmp_path / "ckpt")}}, trainer)
+        assert signal.getsignal(signal.SIGTERM) == before
+        names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+        assert "JITCheckpointCallback" not in names
+        assert run.max_steps == 2 and trainer.optimizer is not None
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_resume_from_the_trainers_own_checkpoint_is_refused_and_nothing_is_written(tmp_path):
+    from kempner_resilience.trainers.hf import ResilientTrainer
+
+    run = ResilientTrainer({"checkpoint": {"dir": str(tmp_path / "ckpt")}},
+                           _tiny_trainer(tmp_path))
+    with pytest.raises(ValueError, match="resumes from the run's own checkpoint"):
+        run.train(resume_from_checkpoint=True)
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("step_*"))

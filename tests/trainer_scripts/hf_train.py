@@ -1,0 +1,59 @@
+"""A Hugging Face Trainer script written the library's documented way, adopted in two marked
+lines (the import, and ``ResilientTrainer(...).train()`` in place of ``trainer.train()``).
+A tiny GPT-2 built from a config (no download). Rank 0 saves the final model, optimizer,
+scheduler, RNG and loop position to --out; each step is a line in --progress
+(``rank R step S``). Config: $KEMPNER_RESILIENCE_CONFIG."""
+
+import argparse
+import time
+
+import kempner_resilience as kr                                       # first, before torch
+from kempner_resilience.trainers.hf import ResilientTrainer           # marked
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
+                          TrainingArguments, set_seed)
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--steps", type=int, default=40)
+ap.add_argument("--out")
+ap.add_argument("--progress")
+ap.add_argument("--step-s", type=float, default=0.05)
+ap.add_argument("--jit", action="store_true", help="TrainingArguments(enable_jit_checkpoint)")
+args = ap.parse_args()
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 64, (128, 8), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Progress(TrainerCallback):
+    def on_step_end(self, targs, state, control, **kw):
+        time.sleep(args.step_s)
+        if args.progress:
+            with open(args.progress, "a") as f:
+                f.write(f"rank {targs.process_index} step {state.global_step - 1}\n")
+
+
+set_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                   n_head=2, bos_token_id=0, eos_token_id=0))
+targs = TrainingArguments(output_dir="hf_out", max_steps=args.steps, per_device_train_batch_size=4,
+                          learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=5,
+                          save_strategy="no", report_to=[], logging_strategy="no",
+                          disable_tqdm=True, use_cpu=True, seed=0,
+                          ddp_find_unused_parameters=False,
+                          enable_jit_checkpoint=args.jit)
+trainer = Trainer(model, args=targs, train_dataset=Tokens(), callbacks=[Progress()])
+ResilientTrainer(None, trainer).train()                                # marked: was trainer.train()
+
+if trainer.args.process_index == 0 and args.out:
+    torch.save({"model": trainer.model.state_dict(), "optim": trainer.optimizer.state_dict(),
+                "sched": trainer.lr_scheduler.state_dict(), "rng": torch.get_rng_state(),
+                "step": trainer.state.global_step, "epoch": trainer.state.epoch}, args.out)
