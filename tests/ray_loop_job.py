@@ -148,7 +148,10 @@ def driver(a: argparse.Namespace) -> None:
     import ray
 
     (Path(a.work) / "resources").mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=2, include_dashboard=False)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()     # the cluster the `ray` sbatch template started over the allocation
+    else:
+        ray.init(num_cpus=2, include_dashboard=False)
     try:
         if a.supervise:
             krr.supervise_loop(train, a)

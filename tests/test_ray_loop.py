@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_fixtures import in_ci
+from slurm_fixtures import in_ci, slurm_cluster, submit, wait_for, wait_job  # noqa: F401
 
 JOB = Path(__file__).with_name("ray_loop_job.py")
 STEPS = "30"
@@ -164,3 +164,37 @@ def test_a_policy_actor_killed_mid_step_recreates_the_groups_and_the_run_complet
     _assert_bitwise(job.out, reference)
     assert job.sandboxes() == 0
     assert job.processes() == []
+
+
+@pytest.mark.slurm
+def test_usr1_through_the_ray_template_stops_the_driver_loop_requeues_and_resumes_bitwise(
+        slurm_cluster, reference: Path, tmp_path: Path) -> None:
+    from kempner_resilience.slurm import render_sbatch
+
+    work, ckpt, out, log = tmp_path / "work", tmp_path / "ckpt", tmp_path / "out.pt", \
+        tmp_path / "job.out"
+    (work / "resources").mkdir(parents=True)
+    script = tmp_path / "ray.sbatch"
+    script.write_text(render_sbatch(
+        template="ray", nodes=1, time="00:10:00", job_name="rayloop", output=str(log),
+        extra={"cpus-per-task": 3},
+        command=[sys.executable, str(JOB), "--ckpt", str(ckpt), "--work", str(work),
+                 "--steps", STEPS, "--sleep", "0.1", "--out", str(out)]))
+    tag = f"kr-ray-loop-{uuid.uuid4().hex}"
+    env = {**os.environ, "KR_RAY_TEST_TAG": tag, "RAY_DEDUP_LOGS": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("RANK", None)
+    job_id = submit(str(script), cwd=tmp_path, env=env)
+    progress = work / "progress"
+    wait_for(lambda: progress.is_file() and int(progress.read_text() or -1) >= 8, timeout=120,
+             what="the first run past step 8")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True, timeout=30)
+    info = wait_job(job_id, timeout=240)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert info["Restarts"] == "1", text[-4000:]
+    assert "driver exited with 75" in text and "driver exited with 0" in text, text[-4000:]
+    stopped = int(text.split("stopping at step ")[1].split()[0])
+    assert stopped in _committed(ckpt), text[-4000:]       # the driver's files, every part
+    assert f"step {stopped}" in text.split("driver exited with 75")[1], text[-4000:]
+    _assert_bitwise(out, reference)
