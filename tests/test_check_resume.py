@@ -207,6 +207,9 @@ def test_an_lr_scheduler_left_out_of_state_is_reported_inexact_naming_the_schedu
     assert re.search(r"optim\.param_groups\.0\.lr: [0-9.]+ vs [0-9.]+", first), verdict(proc)
     assert "model" not in first.split("Likely cause:")[0], verdict(proc)
     assert "an LR scheduler not in state" in out, verdict(proc)
+    # The run's own warning measured it: passed on word for word, first.
+    assert "the run said: an LR scheduler drives optimizer 'optim' but is not in the state" \
+        in out, verdict(proc)
 
 
 def test_a_script_that_never_commits_a_checkpoint_is_unchecked_with_its_own_code(tmp_path):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
-from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, likely_causes,
+from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, RUN_SAID, likely_causes,
                                                       own_dir_line, restart_count_readers)
 from kempner_resilience.checkresume.options import CheckOptions
 from kempner_resilience.checkresume.runs import RunResult, run_script
@@ -265,6 +265,8 @@ def _compare(cmp: _Comparer, got: RunResult, work: Path, stops: tuple[int, ...],
         has_scheduler = any(k is Kind.SCHEDULER
                             for k in _snapshots(ref, cache, step).kinds.values())
         causes = likely_causes(diffs, step, after_stop, has_scheduler, readers)
+    # What the resumed run measured itself comes first: its own warnings name the cause exactly.
+    causes = [f"the run said: {m}" for m in got.said(RUN_SAID)[:3]] + list(causes)
     return Verdict(Outcome.INEXACT, work, None, stops, tuple(compared), step, tuple(diffs),
                    after_stop, final_step, tuple(final_diffs), tuple(causes),
                    tuple(sorted(walk.left_out)), how, layouts=tuple(sorted(walk.layouts)))

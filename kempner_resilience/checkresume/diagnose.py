@@ -40,7 +40,8 @@ from kempner_resilience.checkresume.compare import EntryDiff
 from kempner_resilience.checkresume.snapshot import Kind
 
 __all__ = ["likely_causes", "restart_count_readers", "restart_count_cause", "own_dir_line",
-           "CARRIED", "ACCUMULATED", "SCHEDULER", "NONDETERMINISTIC", "RESTART_COUNT_VAR"]
+           "CARRIED", "ACCUMULATED", "SCHEDULER", "NONDETERMINISTIC", "RESTART_COUNT_VAR",
+           "RUN_SAID"]
 
 #: What the launcher sets to each launch's number (``integrations/local.py``).
 RESTART_COUNT_VAR = "KEMPNER_RESTART_COUNT"
@@ -134,6 +135,14 @@ def restart_count_cause(readers: Sequence[str]) -> str:
             "step count) differs after a resume, and no checkpoint can restore it. Derive such "
             "values from what the checkpoint restores (the step run.steps yields, state) "
             "instead")
+
+
+#: The run's own warnings that measure a resume's inexactness (checkpoint/data.py,
+#: loaderfit.py, carried.py): when the interrupted run said one, it is the cause, word for word.
+RUN_SAID = ("before the checkpoint was restored", "batches taken before the first step",
+            "which no checkpoint saves", "without its own generator",
+            "resumes from a checkpoint saved with another loader", "draws from a global RNG",
+            "but is not in the state", "holds accumulated gradients")
 
 
 def _names(diffs: Iterable[EntryDiff], kind: Kind) -> list[str]:

@@ -24,7 +24,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.fileio import write_atomic
@@ -74,6 +74,23 @@ class RunResult:
                 errors="replace")
         except OSError:
             return ""
+
+    def said(self, phrases: Sequence[str]) -> list[str]:
+        """Our own lines of this run's logs (every rank, every launch) that contain one of
+        ``phrases``, the message only, each once, in order."""
+        out: list[str] = []
+        for path in sorted(self.logs.glob("rank*.log")):
+            try:
+                text = path.read_text(errors="replace")
+            except OSError:
+                continue
+            for line in text.splitlines():
+                if "kempner_resilience" not in line and "[rank " not in line:
+                    continue
+                message = line.split("] ", 1)[-1].strip()
+                if any(p in message for p in phrases) and message not in out:
+                    out.append(message)
+        return out
 
     def log_tail(self, lines: int = 12) -> str:
         """The end of rank 0's log of the last launch, indented, for a failure message."""
