@@ -54,11 +54,13 @@ CARRIED = ("a variable carried from one step to the next is not in state (a pref
            "the loop carries across steps goes in state (a custom object with state_dict() and "
            "load_state_dict()), or is recomputed at the top of each step (fetch the batch "
            "inside the loop, not at the end of the previous step)")
-ACCUMULATED = ("gradients accumulated over several steps were lost at the stop (a gradient-"
-               "accumulation window cut by the stop): model and optimizer stayed equal after "
-               "the resume until the window's optimizer step, which then used fewer "
-               "micro-batches. Stop only at a window's end, or keep the accumulated gradients "
-               "in state")
+ACCUMULATED = ("a value the loop carries across steps is not in state, and it changed the update "
+               "only later: a running value set outside the optimizer's state (a learning rate "
+               "changed by hand at an epoch end or an eval, best_val_loss, a patience counter), "
+               "or gradients accumulated over several steps and lost at the stop (model and "
+               "optimizer then stay equal until the window's optimizer step). Put what the loop "
+               "carries in state (an object with state_dict() and load_state_dict()), and stop "
+               "only at a window's end")
 SCHEDULER = ("an LR scheduler not in state: the resumed run's scheduler started again from its "
              "first step, so the optimizer's learning rate differs from the step after the "
              "resume on; put the scheduler in state={..., \"sched\": scheduler}")
