@@ -1,6 +1,7 @@
 """Adapters for the trainers people use: each a thin layer over ``ResilientRun``.
 
-``trainers.accelerate``: an ``Accelerator`` loop. Each module imports its library lazily, so
-``import kempner_resilience`` works without them (the ``accelerate``, ``hf`` and ``lightning``
-extras install them).
+``trainers.accelerate``: an ``Accelerator`` loop; ``trainers.lightning``: a
+``LightningModule`` trained by ``Trainer.fit`` (a callback). Each module imports its library
+lazily, so ``import kempner_resilience`` works without them (the ``accelerate``, ``hf`` and
+``lightning`` extras install them).
 """
