@@ -55,3 +55,56 @@ def test_sigterm_ctrl_c_and_usr1_each_stop_every_rank_at_one_step_with_its_code_
     assert "resumed from" in out
     assert "not resumable" not in out     # Lightning sees a loader that resumes mid-epoch
     assert_same_final(reference, tmp_path / "final.pt")
+
+
+def _tiny_fit(tmp_path, loader, resilient: bool = True, **fit_kwargs):
+    """``Trainer.fit`` in this process on one CPU device, with a ResilientCallback whose
+    checkpoints go to ``tmp_path/ckpt`` (or none); the trainer."""
+    import pytorch_lightning as pl
+    import torch
+
+    from kempner_resilience.trainers.lightning import ResilientCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = ResilientCallback({"checkpoint": {"dir": str(tmp_path / "ckpt")}}, exit_mode="raise")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2,
+                         callbacks=[cb] if resilient else [],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(Tiny(), loader, **fit_kwargs)
+    return trainer
+
+
+def test_fit_with_a_ckpt_path_is_refused_naming_it_before_anything_is_written(tmp_path):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+    _tiny_fit(tmp_path, loader, resilient=False).save_checkpoint(tmp_path / "last.ckpt")
+    with pytest.raises(ValueError, match="leave ckpt_path out"):
+        _tiny_fit(tmp_path, loader, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_iterable_train_dataset_is_refused_naming_the_fix_before_anything_is_written(
+        tmp_path):
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([(torch.randn(4),) for _ in range(8)])
+
+    with pytest.raises(ValueError, match="StatefulDataLoader"):
+        _tiny_fit(tmp_path, DataLoader(Stream(), batch_size=2))
+    assert not (tmp_path / "ckpt").exists()

@@ -228,10 +228,6 @@ class ResilientCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if trainer.ckpt_path:
-            raise ValueError(f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) with a "
-                             "ResilientCallback: leave ckpt_path out, the run resumes from the "
-                             "newest committed checkpoint in checkpoint.dir")
         if trainer.reload_dataloaders_every_n_epochs:
             raise ValueError("reload_dataloaders_every_n_epochs with a ResilientCallback: the "
                              "train loader's position is kept on the loader built at the start; "
@@ -245,6 +241,10 @@ class ResilientCallback(pl.Callback):
         trainer._signal_connector = _NoSignals(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.ckpt_path:    # known from here on; Lightning would restore it over ours
+            raise ValueError(f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) with a "
+                             "ResilientCallback: leave ckpt_path out, the run resumes from the "
+                             "newest committed checkpoint in checkpoint.dir")
         config, overrides, exit_mode, run_id = self._args
         run = ResilientRun(config, self._state(trainer, pl_module), overrides=overrides,
                            exit_mode=exit_mode, run_id=run_id)
