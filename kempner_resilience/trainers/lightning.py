@@ -20,7 +20,8 @@ What the callback does, on Lightning's hooks (the run's engine does the rest, as
   "bypassed" the signal (the run went on, then exited 0 with nothing saved); its SLURM USR1
   handler saved ``hpc_ckpt_*.ckpt`` inside the handler and requeued whatever that save did.
 * ``on_fit_start`` (after the strategy set up the model and optimizers, before Lightning's
-  loop): the train loader is built and made resumable (``LoaderPosition``), the run is
+  loop): a ``fit(ckpt_path=...)`` is refused (Lightning would restore it over the run's
+  resume right after this hook); the train loader is built and made resumable (``LoaderPosition``), the run is
   entered: the lease, then the resume from the newest committed checkpoint, into the model
   (the DDP wrapper as it is), the optimizers, the LR schedulers, the precision plugin's
   state, Lightning's loops (``fit_loop.state_dict()``, which holds the loader's position, as
