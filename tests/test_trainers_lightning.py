@@ -1,0 +1,110 @@
+"""PyTorch Lightning under `kempner-resilience torchrun`: a script written Lightning's
+documented way (a ``LightningModule``, ``Trainer.fit`` with the DDP strategy), adopted with a
+``ResilientCallback``, on two gloo ranks that Lightning takes from torchelastic's environment.
+Signals go where a user's go: USR1 and SIGTERM to the launcher (what ``--signal=B:USR1`` and a
+preemption send), Ctrl+C to its whole process group (a terminal). One uninterrupted run is the
+reference for the module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from helpers import require
+from trainers_helpers import (SCRIPTS, assert_same_final, committed_steps, interrupt,
+                              last_steps, run_to_end, signal)
+from kempner_resilience.exitcodes import ExitCode
+
+require("pytorch_lightning")
+
+STEPS = 40        # 16 batches an epoch on each rank: the stops fall mid-epoch
+
+
+def _launch(work, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--standalone",
+            "--nproc-per-node=2", str(SCRIPTS / "lightning_train.py"), "--steps", str(STEPS),
+            "--out", str(work / "final.pt"), "--progress", str(work / "progress"), *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    work = tmp_path_factory.mktemp("lightning_reference")
+    code, out = run_to_end(work, _launch(work, "--step-s", "0"))
+    assert code == 0, out[-4000:]
+    return work / "final.pt"
+
+
+def test_sigterm_ctrl_c_and_usr1_each_stop_every_rank_at_one_step_with_its_code_and_fit_resumes_bitwise(
+        tmp_path, reference):
+    cmd = _launch(tmp_path)
+    stops = [(6, signal.SIGTERM, False, 143), (17, signal.SIGINT, True, 130),
+             (29, signal.SIGUSR1, False, int(ExitCode.REQUEUE))]
+    for at, signum, group, expected in stops:
+        code, out = interrupt(tmp_path, cmd, at, signum, group)
+        assert code == expected, out[-4000:]
+        last = last_steps(tmp_path / "progress")
+        assert last[0] == last[1], last                          # one step on every rank
+        assert committed_steps(tmp_path)[-1] == last[0] + 1, out[-4000:]
+        assert "Traceback" not in out, out[-4000:]
+        assert not (tmp_path / "final.pt").exists()    # the code after fit never ran
+        assert not list(tmp_path.rglob("hpc_ckpt_*.ckpt"))       # Lightning saved nothing
+    code, out = run_to_end(tmp_path, cmd)
+    assert code == 0, out[-4000:]
+    assert "resumed from" in out
+    assert "not resumable" not in out     # Lightning sees a loader that resumes mid-epoch
+    assert_same_final(reference, tmp_path / "final.pt")
+
+
+def _tiny_fit(tmp_path, loader, resilient: bool = True, **fit_kwargs):
+    """``Trainer.fit`` in this process on one CPU device, with a ResilientCallback whose
+    checkpoints go to ``tmp_path/ckpt`` (or none); the trainer."""
+    import pytorch_lightning as pl
+    import torch
+
+    from kempner_resilience.trainers.lightning import ResilientCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = ResilientCallback({"checkpoint": {"dir": str(tmp_path / "ckpt")}}, exit_mode="raise")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2,
+                         callbacks=[cb] if resilient else [],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(Tiny(), loader, **fit_kwargs)
+    return trainer
+
+
+def test_fit_with_a_ckpt_path_is_refused_naming_it_before_anything_is_written(tmp_path):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+    _tiny_fit(tmp_path, loader, resilient=False).save_checkpoint(tmp_path / "last.ckpt")
+    with pytest.raises(ValueError, match="leave ckpt_path out"):
+        _tiny_fit(tmp_path, loader, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_iterable_train_dataset_is_refused_naming_the_fix_before_anything_is_written(
+        tmp_path):
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([(torch.randn(4),) for _ in range(8)])
+
+    with pytest.raises(ValueError, match="StatefulDataLoader"):
+        _tiny_fit(tmp_path, DataLoader(Stream(), batch_size=2))
+    assert not (tmp_path / "ckpt").exists()

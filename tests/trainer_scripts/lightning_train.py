@@ -1,0 +1,57 @@
+"""A Lightning script written the library's documented way (a ``LightningModule``,
+``Trainer.fit``), adopted in the marked lines. Rank 0 saves the final model, optimizer,
+scheduler and RNG to --out; each step is a line in --progress (``rank R step S``). Config:
+$KEMPNER_RESILIENCE_CONFIG. Launched by ``kempner-resilience torchrun --nproc-per-node 2``."""
+
+import argparse
+import time
+
+import kempner_resilience as kr                                          # first, before torch
+from kempner_resilience.trainers.lightning import ResilientCallback      # marked
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--steps", type=int, default=40)
+ap.add_argument("--out")
+ap.add_argument("--progress")
+ap.add_argument("--step-s", type=float, default=0.05)
+args = ap.parse_args()
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+        self.progress = open(args.progress, "a", buffering=1) if args.progress else None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        time.sleep(args.step_s)
+        if self.progress:
+            self.progress.write(f"rank {self.global_rank} step {self.global_step}\n")
+        return loss
+
+    def configure_optimizers(self):
+        optim = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.5)
+        return {"optimizer": optim, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+pl.seed_everything(0, verbose=False)
+data = TensorDataset(torch.randn(256, 16), torch.randn(256, 1))
+loader = DataLoader(data, batch_size=8, shuffle=True)
+model = Tiny()
+trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=args.steps,
+                     callbacks=[ResilientCallback(None)],                  # marked
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+trainer.fit(model, loader)
+
+if trainer.is_global_zero and args.out:
+    torch.save({"model": model.state_dict(), "optim": trainer.optimizers[0].state_dict(),
+                "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                "rng": torch.get_rng_state()}, args.out)
