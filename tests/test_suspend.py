@@ -30,6 +30,15 @@ HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "rescue_job.py
 STEPS, EVERY, STOP_AT, HANG_TIMEOUT_S = 24, 10, 12, 3.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cold_ranks():
+    """The ranks started cold: ``_ranks`` finds them as this process's children running the
+    helper (a warm rank is the zygote's child, its command line the zygote's)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KEMPNER_RESILIENCE_WARM", "0")
+        yield
+
+
 def _ranks() -> list[int]:
     """Our children running the helper: the launcher's ranks."""
     me, found = os.getpid(), []

@@ -35,6 +35,8 @@ What the run adds to a ResilientRun, and why:
 from __future__ import annotations
 
 import contextvars
+import os
+import signal
 from typing import Any, Callable, Mapping, TypeVar
 
 from kempner_resilience.config import ExitMode
@@ -96,8 +98,14 @@ class RayRun(ResilientRun):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         lost = exc if isinstance(exc, GroupLost) else None
+        if isinstance(exc, SystemExit) and self._handler.request is not None:
+            _keep_the_stop_code(exc.code)
         try:
             return super().__exit__(exc_type, exc, tb)
+        except SystemExit as e:
+            if self._handler.request is not None:
+                _keep_the_stop_code(e.code)
+            raise
         except GroupLost as e:       # the run's failure path ended, raised again (raise mode)
             lost = e
             self._said_lost(e)
@@ -120,6 +128,29 @@ class RayRun(ResilientRun):
     def _stop_groups(self) -> None:
         for group in self.groups.values():
             group.stop()
+
+
+def _keep_the_stop_code(code: Any) -> None:
+    """After a stop by a signal the driver still shuts Ray down (``raise`` mode), with the run's
+    handlers gone. A dying parent's SIGTERM that comes late (``uv run`` sends it right after
+    the Ctrl+C, a loaded machine delays it) must not kill the driver with another code: it is
+    ignored, said once; a second Ctrl+C leaves at once, with the stop's code."""
+    leave = code if isinstance(code, int) else int(ExitCode.ERROR)
+    said: list[int] = []
+
+    def late(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT:
+            os._exit(leave)
+        if not said:
+            said.append(signum)
+            log.warning("%s after the stop: the driver still leaves with %d",
+                        signal.Signals(signum).name, leave)
+
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, late)
+    except ValueError:          # not the main thread: nothing can be installed
+        pass
 
 
 def supervise_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
