@@ -98,13 +98,12 @@ class RayRun(ResilientRun):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         lost = exc if isinstance(exc, GroupLost) else None
-        if isinstance(exc, SystemExit) and self._handler.request is not None:
-            _keep_the_stop_code(exc.code)
+        signalled = self._handler.request is not None
+        stop_code = exc.code if isinstance(exc, SystemExit) and signalled else None
         try:
             return super().__exit__(exc_type, exc, tb)
         except SystemExit as e:
-            if self._handler.request is not None:
-                _keep_the_stop_code(e.code)
+            stop_code = e.code if signalled else None
             raise
         except GroupLost as e:       # the run's failure path ended, raised again (raise mode)
             lost = e
@@ -115,6 +114,8 @@ class RayRun(ResilientRun):
         finally:
             if lost is not None:
                 self.lost = lost
+            if stop_code is not None:    # after the run's handlers went (they restore Ray's)
+                _keep_the_stop_code(stop_code)
             self._stop_groups()
             set_role(self._role)
 
