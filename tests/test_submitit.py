@@ -523,29 +523,20 @@ def test_submitit_slurm_rank_sigkilled_runs_again_and_resumes_bitwise(slurm_clus
 
 
 def test_two_local_controllers_with_one_pid_on_two_hosts_never_clear_each_others_channel(
-        tmp_path, monkeypatch):
+        tmp_path):
     # Two hosts share the jobs' folder, and their controllers happen to have the same pid: the
     # second must neither clear the first's live channel as a leftover nor remove it at its end.
-    import signal
-    import socket
+    # Each controller opens its channel as open_channel() does, with its own host's name.
+    from kempner_resilience.supervise.channel import Channel, RunReport
 
-    from kempner_resilience.integrations.submitit_local import ResilientController
-    from kempner_resilience.supervise.channel import RunReport
-
-    for key, value in dict(SUBMITIT_LOCAL_NTASKS="1", SUBMITIT_LOCAL_COMMAND="true",
-                           SUBMITIT_LOCAL_TIMEOUT_S="60", SUBMITIT_LOCAL_SIGNAL_DELAY_S="5",
-                           SUBMITIT_STDERR_TO_STDOUT="", SUBMITIT_LOCAL_WITH_SHELL="").items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(signal, "signal", lambda *a: None)   # submitit's SIGTERM handler
-    monkeypatch.setattr(socket, "gethostname", lambda: "host-a")
-    first = ResilientController(tmp_path)
-    mine = first.open_channel()
+    pid = "4242"
+    mine = Channel.for_controller(pid, tmp_path, host="host-a")
     mine.report(RunReport(str(tmp_path / "run-a"), "a", 12))
-    monkeypatch.setattr(socket, "gethostname", lambda: "host-b")
-    second = ResilientController(tmp_path)
-    theirs = second.open_channel()
-    assert first.pid == second.pid and theirs.root != mine.root
+    theirs = Channel.for_controller(pid, tmp_path, host="host-b")
+    assert theirs.root != mine.root
     assert theirs.read() is None
     theirs.remove()
+    again = Channel.for_controller(pid, tmp_path, host="host-a")   # same host and pid: a
+    assert again.root != mine.root and again.read() is None        # new job's own channel
     report = mine.read()
     assert report is not None and (report.run_id, report.committed) == ("a", 12)
