@@ -45,7 +45,7 @@ from kempner_resilience.core.log import get_logger, rank
 log = get_logger(__name__)
 
 __all__ = ["ResumableLoader", "LoaderEntry", "is_stateful_loader", "plain_loader_error",
-           "warn_global_seed"]
+           "warn_global_seed", "sampler_chain", "seeded_generator"]
 
 _VERSION = 2      # 2: the loader's shape saved with the position (1 still loads)
 
@@ -98,6 +98,28 @@ def _global_seed() -> int:
     # One draw, when the wrapper is made: before ResilientRun restores the global RNG, so a
     # resumed run's stream after the restore is the uninterrupted run's.
     return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def seeded_generator() -> torch.Generator:
+    """A generator for a loader that has none, seeded by one draw from the global RNG now
+    (before a resume restores it: the resumed run's global stream stays the uninterrupted
+    run's). The trainer adapters' loaders get theirs from here too."""
+    return torch.Generator().manual_seed(_global_seed())
+
+
+def sampler_chain(*roots: Any) -> list[Any]:
+    """Every sampler under ``roots`` (a batch sampler, a sampler; wrappers such as
+    Accelerate's ``BatchSamplerShard`` followed through their ``batch_sampler`` and
+    ``sampler``), outermost first, each once."""
+    out: list[Any] = []
+    todo = list(roots)
+    while todo:
+        s = todo.pop(0)
+        if s is None or any(s is o for o in out):
+            continue
+        out.append(s)
+        todo += [getattr(s, "batch_sampler", None), getattr(s, "sampler", None)]
+    return out
 
 
 class _SkipFirst:

@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from kempner_resilience.config import ExitMode, ResilienceConfig
+from kempner_resilience.checkpoint.data import sampler_chain, seeded_generator
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.run.resilient import ResilientRun
 
@@ -86,19 +87,6 @@ class _Skip:
         return getattr(self.inner, name)
 
 
-def _sampler_chain(batch_sampler: Any) -> list[Any]:
-    """The samplers under Accelerate's batch sampler (``BatchSamplerShard`` -> the user's
-    ``BatchSampler`` -> its sampler), outermost first."""
-    out, todo = [], [batch_sampler]
-    while todo:
-        s = todo.pop(0)
-        if s is None or any(s is o for o in out):
-            continue
-        out.append(s)
-        todo += [getattr(s, "batch_sampler", None), getattr(s, "sampler", None)]
-    return out
-
-
 class AcceleratedLoader:
     """An endless stream of batches from a prepared ``DataLoaderShard`` that a checkpoint
     resumes mid-epoch, bitwise (see the module doc). ``next(data)`` gives the next batch;
@@ -119,9 +107,8 @@ class AcceleratedLoader:
         self.loader = loader
         if base.generator is None:
             # One draw from the global RNG now, before a resume restores it (see module doc).
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            base.generator = torch.Generator().manual_seed(seed)
-        samplers = _sampler_chain(base.batch_sampler)
+            base.generator = seeded_generator()
+        samplers = sampler_chain(base.batch_sampler)
         self._skip = _Skip(base.batch_sampler)
         # DataLoader refuses a new batch sampler after __init__ (a guard for users changing it
         # mid-iteration); Accelerate's loader reads it only when an epoch begins.
