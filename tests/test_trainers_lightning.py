@@ -108,3 +108,56 @@ def test_an_iterable_train_dataset_is_refused_naming_the_fix_before_anything_is_
     with pytest.raises(ValueError, match="StatefulDataLoader"):
         _tiny_fit(tmp_path, DataLoader(Stream(), batch_size=2))
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_checkpoint_at_an_epoch_s_last_batch_resumes_at_the_next_epoch_s_first_batch_bitwise(
+        tmp_path):
+    """Lightning resumes a save at the epoch's last batch as the next epoch's start: the loader
+    must not skip that next epoch's batches (a shuffled loader, 4 batches an epoch, the
+    checkpoint at step 4, the resumed fit ends where a straight one does)."""
+    import pytorch_lightning as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from kempner_resilience.trainers.lightning import ResilientCallback
+
+    class Crash(Exception):
+        pass
+
+    class Tiny(pl.LightningModule):
+        def __init__(self, crash_at: int | None) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2),
+                                           torch.nn.Linear(8, 1))
+            self.crash_at = crash_at
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == self.crash_at:
+                raise Crash()
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def fit(work, crash_at=None):
+        work.mkdir(exist_ok=True)
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(8, 4))
+        model = Tiny(crash_at)
+        cfg = {"checkpoint": {"dir": str(work / "ckpt"), "every_steps": 4},
+               "watchdog": {"hang_timeout_s": 0}}
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10,
+                             callbacks=[ResilientCallback(cfg, exit_mode="raise")],
+                             logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=work)
+        trainer.fit(model, DataLoader(data, batch_size=2, shuffle=True))
+        return model.net.state_dict()
+
+    straight = fit(tmp_path / "straight")
+    with pytest.raises(Crash):
+        fit(tmp_path / "resumed", crash_at=5)
+    assert committed_steps(tmp_path / "resumed")[-1] == 4      # the epoch's last batch
+    resumed = fit(tmp_path / "resumed")
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k

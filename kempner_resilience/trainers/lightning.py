@@ -161,11 +161,17 @@ class LoaderPosition:
 
     def state_dict(self) -> dict[str, Any]:
         p = self._pass
-        states = p.start if p.start is not None else [g.get_state() for g in p.generators]
         # Batches of this epoch handed to training, resumed ones counted (Lightning's count:
         # a loader's own would include what its workers prefetched).
-        batch = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return {"batch": int(batch), "generators": [s.clone() for s in states]}
+        batch = int(self.trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        if p.start is None or batch >= self.trainer.num_training_batches:
+            # The epoch's last batch: Lightning resumes this as the next epoch's start (its
+            # restart resets the batch count and moves the epoch on), so the position is that
+            # start: no batch to skip, and the generators as they are now, which is where the
+            # next pass would begin (nothing draws from them between passes). The epoch's own
+            # start with its 16 batches to skip would skip the whole next epoch instead.
+            return {"batch": 0, "generators": [g.get_state() for g in p.generators]}
+        return {"batch": batch, "generators": [s.clone() for s in p.start]}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         if len(sd["generators"]) != len(self._pass.generators):
