@@ -4,6 +4,7 @@ scheduler and RNG to --out; each step is a line in --progress (``rank R step S``
 $KEMPNER_RESILIENCE_CONFIG. Launched by ``kempner-resilience torchrun --nproc-per-node 2``."""
 
 import argparse
+import os
 import time
 
 import kempner_resilience as kr                                          # first, before torch
@@ -18,6 +19,8 @@ ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--out")
 ap.add_argument("--progress")
 ap.add_argument("--step-s", type=float, default=0.05)
+ap.add_argument("--hold", help="at --hold-at, wait while this file exists (at most 300 s)")
+ap.add_argument("--hold-at", type=int, default=8)
 args = ap.parse_args()
 
 
@@ -33,6 +36,10 @@ class Tiny(pl.LightningModule):
         time.sleep(args.step_s)
         if self.progress:
             self.progress.write(f"rank {self.global_rank} step {self.global_step}\n")
+        if args.hold and self.global_step == args.hold_at:
+            deadline = time.monotonic() + 300
+            while os.path.exists(args.hold) and time.monotonic() < deadline:
+                time.sleep(0.05)
         return loss
 
     def configure_optimizers(self):
