@@ -180,6 +180,14 @@ def test_corrupt_ledger_is_replaced_not_fatal(tmp_path):
     assert json.loads(path.read_text())["restarts"]["0"]["step"] == 1
 
 
+def test_the_deprecated_decide_requeue_warns_and_answers_with_the_policy_s_decision(tmp_path):
+    from kempner_resilience.slurm import decide_requeue as deprecated
+
+    with pytest.warns(DeprecationWarning, match="scheduler_decision"):
+        d = deprecated(0, RunPaths(tmp_path).restarts, 5, RequeueConfig(max_restarts=0))
+    assert not d.runs_again and d.verdict is Verdict.BUDGET_SPENT
+
+
 # ----------------------------------------------------------------- real cluster
 
 def _requeue_script(tmp_path: Path, extra: str = "", args: str = "") -> str:
