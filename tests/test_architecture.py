@@ -480,3 +480,36 @@ def test_no_module_but_runpaths_spells_an_entry_of_the_run_directory():
 def test_runpaths_imports_nothing_of_the_package():
     # core/, and below even config/: every layer that names an entry can import it.
     assert IMPORTS[RUNPATHS] == set()
+
+
+# One decider: whether a job runs again, and with which code, is the policy's alone.
+POLICY = "supervise.policy"
+# The policy's answer and the requeue's word for it: no other module keeps a type of its own
+# for the run-again question.
+DECISION_TYPES = {"Decision", "Outcome"}
+# (module, class) -> why that class answers another question.
+DECISION_TYPES_ALLOWED = {
+    ("checkresume.check", "Outcome"): "whether a resumed run matched an uninterrupted one",
+}
+
+
+def _decision_builds(name: str) -> list[int]:
+    """Lines of ``name`` that call a ``Decision`` into being (``Decision(...)``,
+    ``policy.Decision(...)``)."""
+    return [n.lineno for n in ast.walk(_tree(name)) if isinstance(n, ast.Call)
+            and ((isinstance(n.func, ast.Name) and n.func.id == "Decision")
+                 or (isinstance(n.func, ast.Attribute) and n.func.attr == "Decision"))]
+
+
+def test_no_decision_is_constructed_outside_the_policy():
+    found = [f"{name}:{line} builds a Decision" for name in MODULES if name != POLICY
+             for line in _decision_builds(name)]
+    assert found == [], "give the policy the evidence (supervise/policy.Evidence) and decide()"
+
+
+def test_no_module_but_the_policy_keeps_a_decision_type_of_its_own():
+    found = [f"{name}: class {n.name}" for name in MODULES if name != POLICY
+             for n in ast.walk(_tree(name)) if isinstance(n, ast.ClassDef)
+             and n.name in DECISION_TYPES and (name, n.name) not in DECISION_TYPES_ALLOWED]
+    assert found == [], "one decision type (supervise/policy.Decision), one verdict type " \
+                        "(exitcodes.Verdict)"

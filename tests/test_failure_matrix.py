@@ -26,10 +26,10 @@ stays out of the way; the budget and the spares are the rows' own.
 
 - ``rank0``: no supervisor (a plain ``srun python train.py``; submitit arrays): rank 0 after it
   lost a peer and rescued, with the endings its peers recorded in the run's directory (a rank
-  that recorded none was killed), then its own requeue within the run's budget and guard
-  (``supervise/endings.py``, ``slurm/requeue.decide_requeue``), as ``shutdown/sequence.fail``
-  does. Its only way to run again is ``scontrol requeue``: the policy's RELAUNCH and REQUEUE
-  alike.
+  that recorded none was killed), then the policy's requeue within the run's budget and guard
+  (``supervise/endings.py``, ``slurm/requeue.scheduler_decision``), as
+  ``shutdown/sequence.fail`` does. Its only way to run again is ``scontrol requeue``: the
+  policy's RELAUNCH and REQUEUE alike.
 
 - ``ray``: the Ray driver (``integrations/ray_supervise.py``) after one incarnation of a
   training group: each training call's outcome as ``ray.get`` gives it (the actor's
@@ -73,9 +73,8 @@ from kempner_resilience.slurm.relaunch import Relauncher, StepResult
 from kempner_resilience.slurm.steps import StepReport, parse_srun_line
 from kempner_resilience.supervise.channel import Channel, RunReport, newest_commit
 from kempner_resilience.config.schema import RequeueConfig
-from kempner_resilience.exitcodes import Ending, Facts, exit_code
 from kempner_resilience.slurm.env import SlurmJob
-from kempner_resilience.slurm.requeue import RestartLedger, decide_requeue
+from kempner_resilience.slurm.requeue import RestartLedger, scheduler_decision
 from kempner_resilience.supervise.endings import (RankEnding, endings_since, note_ending,
                                                   peer_decision)
 from kempner_resilience.supervise.policy import Action, Commits, Decision, RankEnd, decide
@@ -262,13 +261,10 @@ def through_rank0(view: Rank0, tmp_path: Path) -> Decision:
     decision, _ = peer_decision(paths, "t", RankEnd(81), 0, view.world, wait_s=0.0)
     if decision.action is Action.LEAVE:
         return decision
-    verdict = decide_requeue(SlurmJob(job_id="7", restart_count=view.restarts),
-                             RestartLedger.for_checkpoint_dir(paths), RESCUED,
-                             RequeueConfig(max_restarts=view.max_restarts))
-    if verdict.requeue:
-        return decision
-    code = int(exit_code(Facts(Ending.PEER_LOST, requeue=verdict.verdict)))
-    return Decision(Action.LEAVE, code, decision.kind, verdict.reason)
+    job = SlurmJob(job_id="7", restart_count=view.restarts)
+    requeue = scheduler_decision((RankEnd(81),), job, RestartLedger.for_checkpoint_dir(paths),
+                                 RESCUED, RequeueConfig(max_restarts=view.max_restarts))
+    return decision if requeue.runs_again else requeue
 
 
 def through_ray(group: Ray, tmp_path: Path) -> Decision:

@@ -1,4 +1,5 @@
-"""requeue_job against fake and real scontrol; decide_requeue's restart budget and ledger."""
+"""requeue_job against fake and real scontrol; the policy's requeue (scheduler_decision): the
+restart budget and the ledger."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import pytest
 from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode, Verdict
 from kempner_resilience.slurm import (
-    Outcome,
     RestartLedger,
     SlurmJob,
-    decide_requeue,
     requeue_job,
+    scheduler_decision,
 )
+from kempner_resilience.slurm.requeue import REQUESTED
 from kempner_resilience.core.runpaths import RunPaths
 from slurm_fixtures import job_info, slurm_cluster, submit, wait_for, wait_job  # noqa: F401
 
@@ -114,12 +115,17 @@ def test_requeue_uses_array_id_for_array_tasks(fake_scontrol):
 
 # ----------------------------------------------------------------- restart budget
 
+def decide_requeue(who, ledger, step, cfg):
+    """The policy's requeue for ranks that stopped and asked to run again."""
+    return scheduler_decision(REQUESTED, who, ledger, step, cfg)
+
+
 def test_budget_allows_requeue_until_max_restarts_then_no_requeue(tmp_path):
     cfg = RequeueConfig(max_restarts=3, max_no_progress=0)
     ledger = RunPaths(tmp_path).restarts
     outcomes = [decide_requeue(rc, ledger, 100 * rc, cfg) for rc in range(5)]
-    assert [d.outcome for d in outcomes] == [Outcome.REQUEUE] * 3 + [Outcome.NO_REQUEUE] * 2
-    assert outcomes[3].verdict is Verdict.BUDGET_SPENT and "budget" in outcomes[3].reason
+    assert [d.runs_again for d in outcomes] == [True] * 3 + [False] * 2
+    assert outcomes[3].verdict is Verdict.BUDGET_SPENT and "budget" in outcomes[3].why
     assert outcomes[0].verdict is Verdict.REQUEUED
 
 
@@ -128,11 +134,11 @@ def test_no_progress_over_max_no_progress_restarts_stops_using_the_ledger_on_dis
     path = RunPaths(tmp_path).restarts
     job = lambda rc: SlurmJob(job_id="9", restart_count=rc)  # noqa: E731
     # Each decision loads the ledger from disk, as a fresh process after a requeue would.
-    assert decide_requeue(job(0), RestartLedger.load(path), 50, cfg).requeue
-    assert decide_requeue(job(1), RestartLedger.load(path), 80, cfg).requeue  # progress
-    assert decide_requeue(job(2), RestartLedger.load(path), 80, cfg).requeue  # 1 stalled
+    assert decide_requeue(job(0), RestartLedger.load(path), 50, cfg).runs_again
+    assert decide_requeue(job(1), RestartLedger.load(path), 80, cfg).runs_again  # progress
+    assert decide_requeue(job(2), RestartLedger.load(path), 80, cfg).runs_again  # 1 stalled
     d = decide_requeue(job(3), RestartLedger.load(path), 80, cfg)  # 2 stalled
-    assert d.verdict is Verdict.NO_PROGRESS and "no progress" in d.reason
+    assert d.verdict is Verdict.NO_PROGRESS and "no progress" in d.why
     data = json.loads(path.read_text())
     assert data["job_id"] == "9"
     assert {k: v["step"] for k, v in data["restarts"].items()} == {
@@ -143,7 +149,7 @@ def test_progress_resets_the_no_progress_count(tmp_path):
     cfg = RequeueConfig(max_restarts="unlimited", max_no_progress=2)
     path = RunPaths(tmp_path).restarts
     steps = [10, 10, 20, 20, 30]
-    assert all(decide_requeue(rc, path, s, cfg).requeue for rc, s in enumerate(steps))
+    assert all(decide_requeue(rc, path, s, cfg).runs_again for rc, s in enumerate(steps))
 
 
 def test_new_job_id_starts_a_fresh_ledger(tmp_path):
@@ -152,26 +158,34 @@ def test_new_job_id_starts_a_fresh_ledger(tmp_path):
     decide_requeue(SlurmJob(job_id="1", restart_count=0), path, 5, cfg)
     decide_requeue(SlurmJob(job_id="1", restart_count=1), path, 5, cfg)  # stalled -> no
     # A fresh sbatch reusing the checkpoint dir must not inherit job 1's stall.
-    assert decide_requeue(SlurmJob(job_id="2", restart_count=0), path, 5, cfg).requeue
+    assert decide_requeue(SlurmJob(job_id="2", restart_count=0), path, 5, cfg).runs_again
 
 
 def test_decision_outside_slurm_counts_restarts_from_the_ledger(tmp_path):
     cfg = RequeueConfig(max_restarts=2, max_no_progress=0)
     path = RunPaths(tmp_path).restarts
-    assert [decide_requeue(None, path, i, cfg).outcome for i in range(3)] == [
-        Outcome.REQUEUE, Outcome.REQUEUE, Outcome.NO_REQUEUE]
+    assert [decide_requeue(None, path, i, cfg).runs_again for i in range(3)] == [
+        True, True, False]
 
 
 def test_disabled_requeue_decides_stop(tmp_path):
     d = decide_requeue(0, None, 5, RequeueConfig(enabled=False))
-    assert d.outcome is Outcome.NO_REQUEUE and d.verdict is Verdict.DISABLED
+    assert not d.runs_again and d.verdict is Verdict.DISABLED
 
 
 def test_corrupt_ledger_is_replaced_not_fatal(tmp_path):
     path = RunPaths(tmp_path).restarts
     path.write_text("{not json")
-    assert decide_requeue(0, path, 1, RequeueConfig()).requeue
+    assert decide_requeue(0, path, 1, RequeueConfig()).runs_again
     assert json.loads(path.read_text())["restarts"]["0"]["step"] == 1
+
+
+def test_the_deprecated_decide_requeue_warns_and_answers_with_the_policy_s_decision(tmp_path):
+    from kempner_resilience.slurm import decide_requeue as deprecated
+
+    with pytest.warns(DeprecationWarning, match="scheduler_decision"):
+        d = deprecated(0, RunPaths(tmp_path).restarts, 5, RequeueConfig(max_restarts=0))
+    assert not d.runs_again and d.verdict is Verdict.BUDGET_SPENT
 
 
 # ----------------------------------------------------------------- real cluster
@@ -244,7 +258,7 @@ def test_a_restart_budget_of_0_never_requeues_as_torchrun_s_max_restarts_0(tmp_p
     path = RunPaths(tmp_path).restarts
     d = decide_requeue(SlurmJob(job_id="1", restart_count=0), path, 10,
                        RequeueConfig(max_restarts=0))
-    assert not d.requeue and "budget" in d.reason
+    assert not d.runs_again and "budget" in d.why
 
 
 def test_an_unlimited_restart_budget_is_written_unlimited_or_minus_1(tmp_path):
@@ -254,7 +268,7 @@ def test_an_unlimited_restart_budget_is_written_unlimited_or_minus_1(tmp_path):
         cfg = load_config(None, [f"requeue.max_restarts={spelling}"]).requeue
         assert cfg.restart_limit is None
         assert decide_requeue(SlurmJob(job_id="1", restart_count=10**5), RunPaths(tmp_path)
-                              .restarts, 10**5, cfg).requeue
+                              .restarts, 10**5, cfg).runs_again
 
 
 def test_a_config_with_max_restarts_0_is_told_at_start_that_0_now_means_no_restart(

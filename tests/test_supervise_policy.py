@@ -11,9 +11,10 @@ import signal
 
 import pytest
 
-from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode
+from kempner_resilience.config import RequeueConfig
+from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode, Verdict
 from kempner_resilience.supervise.policy import (Action, Commits, Evidence, Guard, Kind, RankEnd,
-                                                 decide)
+                                                 decide, requeue_evidence)
 
 OK, ERR, HANG, REQ, LOST = 0, int(ExitCode.ERROR), int(ExitCode.HANG), \
     int(ExitCode.REQUEUE), int(ExitCode.PEER_LOST)
@@ -113,3 +114,64 @@ def test_every_backend_takes_its_restartable_endings_from_the_one_definition():
     rescued = {int(c) for c in RESCUED}
     assert set(steps.FAILURE_CODES) == set(torchrun_spares._RESCUED) == rescued
     assert set(local.RELAUNCH_CODES) == {int(c) for c in RUN_AGAIN} == rescued | {REQ}
+
+
+# ------------------------------------------------------------------------ the scheduler's requeue
+
+def requeue(ends, restarts=0, history=(), committed=20, **config):
+    """The policy's answer for the scheduler's requeue: the run's requeue settings, SLURM's
+    restart count, the committed step at each earlier requeue decision."""
+    cfg = RequeueConfig(**{"max_no_progress": 0, **config})
+    return decide(requeue_evidence(tuple(ends), cfg, restarts,
+                                   None if history is None else list(history), committed))
+
+
+@pytest.mark.parametrize("budget,restarts,runs_again", [
+    (0, 0, False), (1, 0, True), (1, 1, False), ("unlimited", 10**5, True)])
+def test_the_requeue_budget_comes_from_requeue_max_restarts(budget, restarts, runs_again):
+    d = requeue((exited(LOST),), restarts=restarts, history=[20] * restarts, max_restarts=budget)
+    assert d.runs_again is runs_again
+    assert d.verdict is (Verdict.REQUEUED if runs_again else Verdict.BUDGET_SPENT)
+
+
+def test_a_spent_requeue_budget_keeps_a_failure_s_code_and_gives_a_stop_77():
+    failed = requeue((exited(HANG),), restarts=3, history=[20] * 3, max_restarts=3)
+    asked = requeue((exited(REQ),), restarts=3, history=[20] * 3, max_restarts=3)
+    assert (failed.action, failed.code) == (Action.LEAVE, HANG)
+    assert (asked.action, asked.code) == (Action.LEAVE, int(ExitCode.NO_REQUEUE))
+    assert "restart budget exhausted" in failed.why and "requeue.max_restarts=3" in failed.why
+
+
+def test_a_requeue_with_nothing_committed_to_come_back_to_is_not_tried():
+    d = requeue((exited(LOST),), committed=None)
+    assert (d.action, d.code, d.guard, d.verdict) == (Action.LEAVE, LOST,
+                                                      Guard.NOTHING_COMMITTED, None)
+
+
+def test_a_run_that_cannot_see_its_checkpoints_is_requeued_without_the_commit_rule():
+    assert requeue((exited(REQ),), history=None, committed=None).action is Action.REQUEUE
+
+
+def test_requeue_enabled_false_never_requeues():
+    d = requeue((exited(REQ),), enabled=False)
+    assert (d.action, d.verdict) == (Action.LEAVE, Verdict.DISABLED)
+
+
+def test_the_requeue_history_is_folded_into_the_one_no_progress_count():
+    # 50, 80, 80, then 80 again: the third requeue in a row without a newer committed step.
+    stuck = requeue((exited(REQ),), restarts=3, history=[50, 80, 80], committed=80,
+                    max_no_progress=2)
+    assert (stuck.action, stuck.code, stuck.verdict) == (
+        Action.LEAVE, int(ExitCode.NO_REQUEUE), Verdict.NO_PROGRESS)
+    moved = requeue((exited(REQ),), restarts=3, history=[50, 80, 80], committed=90,
+                    max_no_progress=2)
+    assert (moved.action, moved.stalled) == (Action.REQUEUE, 0)
+
+
+def test_the_caller_s_relaunch_codes_run_again_within_the_budget_and_others_leave():
+    codes = frozenset({LOST})
+    again = decide(Evidence((exited(LOST),), max_restarts=2, relaunch_codes=codes))
+    spent = decide(Evidence((exited(LOST),), restarts=2, max_restarts=2, relaunch_codes=codes))
+    other = decide(Evidence((exited(HANG),), max_restarts=2, relaunch_codes=codes))
+    assert [d.action for d in (again, spent, other)] == [Action.RELAUNCH, Action.LEAVE,
+                                                         Action.LEAVE]

@@ -125,16 +125,18 @@ def _ends(codes: Sequence[int], killed: Sequence[int]) -> tuple[RankEnd, ...]:
 
 def launch_evidence(codes: Sequence[int], killed: Sequence[int] = (), *, index: int = 0,
                     max_launches: int = 10, commits: Commits | None = None, stalled: int = 0,
-                    max_no_progress: int = 2, interrupted: bool = False) -> Evidence:
+                    max_no_progress: int = 2, interrupted: bool = False,
+                    relaunch_codes: frozenset[int] | None = None) -> Evidence:
     """The policy's evidence after launch ``index`` (0: the first): the ranks' exit statuses
     (``Popen.returncode``, negative for a signal), the ranks the launcher killed after the
     grace, the budget (``max_launches``: the first launch and the relaunches together), the
     commits (None: the launcher does not know the checkpoint directory), the no-progress count
-    and guard, and whether a signal to the launcher stopped it. One machine: no nodes to
-    implicate, no spares; the launcher is the scheduler, nothing stands behind it."""
+    and guard, whether a signal to the launcher stopped it, and the caller's relaunch codes
+    (None: the policy's rule). One machine: no nodes to implicate, no spares; the launcher is
+    the scheduler, nothing stands behind it."""
     return Evidence(_ends(codes, killed), restarts=index, max_restarts=max_launches - 1,
                     commits=commits, stalled=stalled, max_no_progress=max_no_progress,
-                    stopping=interrupted)
+                    stopping=interrupted, relaunch_codes=relaunch_codes)
 
 
 @dataclass
@@ -235,10 +237,11 @@ class LocalLauncher:
                     del self._received[:]
                 commits = None if self._run_paths() is None else Commits(before,
                                                                        self._committed_step())
-                launch.decision = self._decide(launch, launch_evidence(
+                launch.decision = decide(launch_evidence(
                     launch.exit_codes, launch.killed, index=index,
                     max_launches=self.max_launches, commits=commits, stalled=stalled,
-                    max_no_progress=self._max_no_progress(), interrupted=launch.interrupted))
+                    max_no_progress=self._max_no_progress(), interrupted=launch.interrupted,
+                    relaunch_codes=self.relaunch_codes))
                 stalled = launch.decision.stalled
                 self.launches.append(launch)
                 if self.on_launch:
@@ -272,17 +275,6 @@ class LocalLauncher:
         if self.channel is None:
             return self.max_no_progress
         return self.channel.requeue_setting("max_no_progress", self.max_no_progress)
-
-    def _decide(self, launch: Launch, ev: Evidence) -> Decision:
-        """The policy's decision; with ``relaunch_codes``, the caller's set instead."""
-        d = decide(ev)
-        if self.relaunch_codes is None:
-            return d
-        again = not launch.interrupted and d.code in self.relaunch_codes \
-            and ev.restarts < self.max_launches - 1
-        return Decision(Action.RELAUNCH if again else Action.LEAVE, d.code, d.kind,
-                        "the caller's relaunch codes" if again else d.why, d.stalled,
-                        d.left_early, d.guard)
 
     def _committed_step(self) -> int | None:
         return newest_commit(self._run_paths())

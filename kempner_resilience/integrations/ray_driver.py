@@ -41,11 +41,11 @@ from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict
 from kempner_resilience.integrations.ray_actor import ActorEnding, actor_died, actor_ends
 from kempner_resilience.integrations.ray_board import create_board
 from kempner_resilience.slurm.env import SlurmJob
-from kempner_resilience.slurm.requeue import requeue_run
+from kempner_resilience.slurm.requeue import REQUESTED, requeue_run
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.policy import Action as Next
-from kempner_resilience.supervise.policy import Evidence, RankEnd, decide
+from kempner_resilience.supervise.policy import Evidence, Guard, RankEnd, decide
 
 __all__ = ["RayDriver", "driver_forces", "clear_ray_handlers"]
 
@@ -254,7 +254,7 @@ class RayDriver:
         decision = decide(Evidence(tuple(ends)))
         code = decision.code
         if decision.action is not Next.LEAVE:
-            verdict = self.requeue(decision.why)
+            verdict = self.requeue(decision.why, ends=tuple(ends))
             if verdict is not None and verdict is not Verdict.REQUEUED:
                 code = int(exit_code(Facts(Ending.SIGNAL, signum=signal.SIGTERM,
                                            saved=Saved.COMMITTED, requeue=verdict)))
@@ -307,9 +307,11 @@ class RayDriver:
             raise error
         raise SystemExit(code)
 
-    def requeue(self, why: str, *, exclude: Iterable[str] = ()) -> Verdict | None:
+    def requeue(self, why: str, *, exclude: Iterable[str] = (),
+                ends: tuple[RankEnd, ...] = REQUESTED) -> Verdict | None:
         """Under SLURM, the job back to the queue as rank 0 does it for ranks
-        (``slurm/requeue.py``): only with a committed checkpoint to come back to, within the
+        (``slurm/requeue.py``): when the one policy says so for the group's ``ends`` (a stop
+        that asked to run again, by default): a committed checkpoint to come back to, the
         restart budget and the no-progress guard (the ledger in ``checkpoint.dir``), keeping
         ``exclude`` and the run's recorded bad nodes out of the requeued job. The driver is the
         job's one SLURM process: its actors see no SLURM job (the ``ray`` template starts Ray
@@ -319,12 +321,11 @@ class RayDriver:
         if job is None or self.config is None:
             return None
         paths = RunPaths.from_config(self.config)
-        step = newest_commit(paths)
-        if step is None:
+        decision, result = requeue_run(job, paths, self.config.requeue, newest_commit(paths),
+                                       ends=ends, exclude=exclude, min_nodes=job.nnodes)
+        if decision.guard is Guard.NOTHING_COMMITTED:
             log.warning("%s: not requeued, nothing committed to come back to", why)
             return None
-        decision, result = requeue_run(job, paths, self.config.requeue, step, exclude=exclude,
-                                       min_nodes=job.nnodes)
         if result is None:
             return decision.verdict
         log.warning("%s: %s", why, result.message)

@@ -220,8 +220,7 @@ def requeue_after_failure(state: RunState, why: str) -> Verdict | None:
     failure's code stays its own (PEER_LOST, HANG): the verdict is logged, None when no
     requeue was tried."""
     parts = state.parts
-    committed = state.committed_step()
-    if parts.slurm is None or state.rank != 0 or committed is None:
+    if parts.slurm is None or state.rank != 0:
         return None
     if parts.ckpt is not None and parts.ckpt.lease_lost:
         log.warning("%s: not requeued: another run holds %s now (this run lost its lease)",
@@ -236,10 +235,14 @@ def requeue_after_failure(state: RunState, why: str) -> Verdict | None:
         return None
     if _relaunch_in_place(why):
         return None
+    own = exitcodes.ExitCode.HANG if why == "hang" else exitcodes.ExitCode.PEER_LOST
     try:
-        requeued = steps.requeue_decision(state, committed)
+        # The policy weighs no requeue without a committed checkpoint to come back to.
+        requeued = steps.requeue_decision(state, state.committed_step(), int(own))
     except Exception as e:      # never let the requeue attempt stop the exit
         log.error("%s: requeue failed: %s", why, e)
+        return None
+    if requeued is None:
         return None
     _note_scontrol(state, requeued)
     verdict = requeued.verdict

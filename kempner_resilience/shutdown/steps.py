@@ -230,7 +230,11 @@ def requeue(state: RunState, committed: int | None) -> Requeued:
     """Rank 0 decides (budget, scontrol with its own timeout); every rank learns its verdict
     through the store within what is left of the deadline."""
     parts = state.parts
-    mine = requeue_decision(state, committed) if state.rank == 0 else None
+    mine = None
+    if state.rank == 0:
+        # The ranks stopped and saved (committed, or a run without state): no requeue weighed
+        # would mean nothing committed after a save that did not fail, which no save leaves.
+        mine = requeue_decision(state, committed) or Requeued(Verdict.NO_PROGRESS)
     left = parts.handler.deadline.remaining()
     try:
         wait = left if left is not None else 60.0
@@ -249,21 +253,29 @@ def requeue(state: RunState, committed: int | None) -> Requeued:
     return Requeued(verdict, None if mine is None else mine.scontrol_s)
 
 
-def requeue_decision(state: RunState, committed: int | None) -> Requeued:
-    """Rank 0: within the restart budget and the no-progress guard, ``scontrol requeue`` (or,
-    outside SLURM, "run me again" to a local launcher)."""
-    from kempner_resilience.slurm import decide_requeue, requeue_job
+def requeue_decision(state: RunState, committed: int | None,
+                     ending: int = int(ExitCode.REQUEUE)) -> Requeued | None:
+    """Rank 0: when the one policy says the job runs again (``slurm.scheduler_decision``:
+    a committed checkpoint to come back to, the restart budget, the no-progress guard, for the
+    ranks' ``ending``: REQUEUE after a stop, a failure's own code), ``scontrol requeue`` (or,
+    outside SLURM, "run me again" to a local launcher). None: no requeue was weighed (nothing
+    committed to come back to)."""
+    from kempner_resilience.slurm import requeue_job, scheduler_decision
     from kempner_resilience.slurm.badnodes import bad_nodes
     from kempner_resilience.slurm.requeue import RestartLedger
+    from kempner_resilience.supervise.policy import RankEnd
 
     parts = state.parts
     ledger = None
     if parts.ckpt is not None:
         ledger = RestartLedger.for_checkpoint_dir(parts.ckpt.paths)
     who = parts.slurm if parts.slurm is not None else local_restart_count()
-    verdict = decide_requeue(who, ledger, committed, parts.config.requeue)
-    if not verdict.requeue:
-        return Requeued(verdict.verdict)
+    decision = scheduler_decision((RankEnd(ending),), who, ledger, committed,
+                                  parts.config.requeue)
+    if decision.verdict is None:
+        return None
+    if decision.verdict is not Verdict.REQUEUED:
+        return Requeued(decision.verdict)
     # Before the requeue: `scontrol requeue` SIGTERMs every task at once.
     parts.trackers.preempting()
     if parts.slurm is None:

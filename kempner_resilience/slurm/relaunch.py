@@ -21,8 +21,8 @@ this loop:
 
 The policy requeues when no spare is left for the implicated nodes or when
 ``--in-job-restarts`` are spent while SLURM would still requeue the job (its requeue budget
-left). The loop then requeues the job as rank 0 would have (``decide_requeue`` +
-``requeue_job``: a committed checkpoint to come back to, the restart budget, the bad nodes
+left). The loop then requeues the job as rank 0 would have (the policy's requeue,
+``requeue_run``: a committed checkpoint to come back to, the restart budget, the bad nodes
 excluded): the ranks leave the requeue after a failure to the loop (``IN_JOB_ENV``), since
 rank 0 may be the dead one. The ranks that asked to run again (75, a signal) requeued the job
 themselves, as without spares. A dead batch node ends this loop too: SLURM's own node-failure
@@ -197,8 +197,7 @@ class Relauncher:
                        f"{len(self.nodes)} nodes are not recorded bad ({','.join(sorted(bad))}); "
                        f"{self.need} needed")
                 _log.error("%s: requeueing", why)
-                return self._requeue(Decision(Action.REQUEUE, int(ExitCode.PEER_LOST),
-                                              Kind.FAILURE, why, guard=Guard.NO_SPARE))
+                return self._hand_off((RankEnd(int(ExitCode.PEER_LOST)),))
             before = self._committed_step()
             res = self.run_step(nodes, index)
             if self.agents:
@@ -270,13 +269,14 @@ class Relauncher:
         code = res.code
         # srun's status as one ending, read by the policy's own rule (a rescued failure or a
         # death by a signal of its own is a failure; a stop, a bug, a 75 are not).
-        _, kind, _ = job_code((RankEnd(code, signaled=code > 128),))
+        end = (RankEnd(code, signaled=code > 128),)
+        _, kind, _ = job_code(end)
         if res.finished or self.stopping or kind is not Kind.FAILURE:
             return code, False
         why = (f"the agents ended with {code} (their in-place restarts, if any, are spent): "
                "the scheduler runs it again")
         _log.warning("step %d: %s", index, why)
-        return self._requeue(Decision(Action.REQUEUE, code, Kind.FAILURE, why))
+        return self._hand_off(end)
 
     def _reason(self, report: StepReport) -> str:
         if any(e.node_failure for e in report.ends) or (set(report.nodes)
@@ -294,25 +294,32 @@ class Relauncher:
 
     def _requeue(self, decision: Decision) -> tuple[int, bool]:
         """The policy's REQUEUE. The ranks asked (75): rank 0 requeued the job itself, as
-        without spares. After a failure the ranks left the requeue to us: do it as rank 0 would
-        have, with a committed checkpoint to come back to and within the restart budget
-        (``decide_requeue``). The code stays the decision's; whether the job was requeued comes
-        with it."""
+        without spares. After a failure, the hand-off (``_hand_off``)."""
         code = decision.code
-        if decision.kind is Kind.REQUESTED or self.stopping:
+        if decision.kind is Kind.REQUESTED:
             return code, False
-        if self._committed_step() is None:
-            _log.warning("not requeued: no committed checkpoint to come back to; the job ends "
-                         "with %d", code)
-            return code, False
+        return self._hand_off((RankEnd(code, signaled=code > 128),))
+
+    def _hand_off(self, ends: tuple[RankEnd, ...]) -> tuple[int, bool]:
+        """The job to SLURM after a failure the ranks left to us (``IN_JOB_ENV``: rank 0 may be
+        the dead one): the one policy decides as for rank 0 (``requeue_run``: a committed
+        checkpoint to come back to, the restart budget, the no-progress guard over the run's
+        restart record), the failed nodes kept out. The code is the failure's (``ends``);
+        whether the job was requeued comes with it. A signal to the loop requeues nothing."""
         from kempner_resilience.slurm.requeue import requeue_run
 
+        code = job_code(ends)[0]     # the failure's, whatever stops the requeue
+        if self.stopping:
+            return code, False
         # Before the requeue (it SIGKILLs this batch step at once): the nodes the job trains on,
         # for the requeued job's loop. The failed nodes are kept out of it too (badnodes).
-        _, result = requeue_run(self.job, self.run_paths, self.requeue_config(),
-                                self._committed_step(), exclude=self._bad_here,
-                                min_nodes=self.need,
-                                before=lambda: self.channel.record_train_nodes(self.need))
+        decision, result = requeue_run(
+            self.job, self.run_paths, self.requeue_config(), self._committed_step(), ends=ends,
+            exclude=self._bad_here, min_nodes=self.need,
+            before=lambda: self.channel.record_train_nodes(self.need))
+        if decision.guard is Guard.NOTHING_COMMITTED:
+            _log.warning("not requeued: no committed checkpoint to come back to; the job ends "
+                         "with %d", code)
         if result is None:
             return code, False
         # A requeue that failed ends the job with 79, as a rank's own does: the batch script

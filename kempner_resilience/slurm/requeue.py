@@ -2,9 +2,11 @@
 
 Two separate jobs:
 
-* ``decide_requeue``: the restart budget. Pure logic plus a small JSON ledger next to the
-  checkpoints, so it works the same outside SLURM (there a "requeue" decision means "exit with
-  REQUEUE and let the local launcher relaunch").
+* ``scheduler_decision``: whether the scheduler may run the job again, asked of the one policy
+  (``supervise/policy.py``: the restart budget, the no-progress guard, a committed checkpoint to
+  come back to), with the restart record next to the checkpoints (``RestartLedger``) as its
+  memory. It works the same outside SLURM (there a "requeue" decision means "exit with REQUEUE
+  and let the local launcher relaunch").
 * ``requeue_job``: ``scontrol requeue <id>`` with a time limit and retries. Call it only after the
   emergency checkpoint is committed: SLURM SIGTERMs every task of the job at once. With
   ``exclude`` (the run's recorded bad nodes, ``slurm/badnodes.py``) the requeued job's
@@ -18,10 +20,10 @@ verdict (``exitcodes.Verdict``: requeued, or why not); the exit code is the one 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -34,9 +36,14 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.slurm.badnodes import bad_nodes, exclude_for_requeue, requeue_excluding
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.scontrol import ScontrolResult, run_scontrol
+from kempner_resilience.supervise.policy import (Decision, Guard, RankEnd, decide,
+                                                 requeue_evidence)
 
-__all__ = ["RequeueResult", "requeue_job", "Outcome", "Decision", "RestartLedger",
-           "decide_requeue"]
+__all__ = ["RequeueResult", "requeue_job", "RestartLedger", "scheduler_decision",
+           "decide_requeue", "REQUESTED"]
+
+#: The ranks' ending when they stopped on a signal and asked to run again (75).
+REQUESTED: tuple[RankEnd, ...] = (RankEnd(int(ExitCode.REQUEUE)),)
 
 _log = get_logger(__name__)
 
@@ -156,30 +163,6 @@ def _requeue(job: SlurmJob | str, config: RequeueConfig) -> RequeueResult:
 
 # ------------------------------------------------------------------------ restart budget
 
-class Outcome(str, enum.Enum):
-    REQUEUE = "requeue"
-    NO_REQUEUE = "no_requeue"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The restart-budget decision: ``verdict`` REQUEUED when the job may run again (the
-    requeue itself is still to be done), else why not (BUDGET_SPENT, NO_PROGRESS, DISABLED)."""
-
-    outcome: Outcome
-    reason: str
-    restart_count: int
-    committed_step: int | None
-    verdict: Verdict
-
-    @property
-    def requeue(self) -> bool:
-        return self.outcome is Outcome.REQUEUE
-
-
 @dataclass
 class RestartLedger:
     """restart_count -> committed step at each requeue decision, in a small JSON file.
@@ -214,13 +197,15 @@ class RestartLedger:
             _log.warning("restart ledger %s unreadable (%s); starting a new one", p, e)
             return cls(p)
 
-    def record(self, restart_count: int, committed_step: int | None, outcome: Outcome,
+    def record(self, restart_count: int, committed_step: int | None, requeue: bool,
                job_id: str | None = None) -> None:
+        """The decision at ``restart_count``: the committed step it saw, whether it requeued."""
         if job_id is not None and self.job_id is not None and job_id != self.job_id:
             self.entries.clear()
         if job_id is not None:
             self.job_id = job_id
-        self.entries[int(restart_count)] = {"step": committed_step, "outcome": outcome.value,
+        self.entries[int(restart_count)] = {"step": committed_step,
+                                            "outcome": "requeue" if requeue else "no_requeue",
                                             "time": time.time()}
 
     def history(self, before: int, job_id: str | None = None) -> list[tuple[int, int | None]]:
@@ -237,31 +222,22 @@ class RestartLedger:
         write_atomic(self.path, json.dumps(data, indent=1))
 
 
-def _no_progress_run(history: list[tuple[int, int | None]], step: int | None) -> int:
-    """How many decisions in a row, ending with the current one, saw no newer committed step."""
-    steps = [s for _, s in history] + [step]
-    run = 0
-    for prev, cur in zip(reversed(steps[:-1]), reversed(steps)):
-        if (cur if cur is not None else -1) > (prev if prev is not None else -1):
-            break
-        run += 1
-    return run
+def scheduler_decision(ends: tuple[RankEnd, ...],
+                       job_or_restart_count: SlurmJob | int | None,
+                       ledger: RestartLedger | str | os.PathLike[str] | None,
+                       committed_step: int | None,
+                       config: RequeueConfig, *, save: bool = True) -> Decision:
+    """The one policy's answer to "may the scheduler run this job again?"
+    (``supervise.policy.requeue_evidence``), recorded in ``ledger`` and logged.
 
-
-def decide_requeue(job_or_restart_count: SlurmJob | int | None,
-                   ledger: RestartLedger | str | os.PathLike[str] | None,
-                   committed_step: int | None,
-                   config: RequeueConfig, *, save: bool = True) -> Decision:
-    """Whether this run may ask to be run again; records the decision in ``ledger``.
-
-    ``job_or_restart_count``: the SlurmJob, or the restart count (a local launcher's), or None
-    (then the number of earlier decisions in the ledger stands in for it). ``ledger``: a
-    RestartLedger, a ledger file path, or None (no no-progress guard). ``committed_step``: the
-    newest committed checkpoint's step (None: none yet). Does not need SLURM.
-
-    NO_REQUEUE when the budget is spent (``restart_count >= max_restarts``: 0 never requeues,
-    ``unlimited`` has no limit) or
-    when the committed step did not advance over ``max_no_progress`` consecutive restarts.
+    ``ends``: how the ranks ended (``REQUESTED``: they stopped and asked to run again; a
+    failure's code). ``job_or_restart_count``: the SlurmJob, or the restart count (a local
+    launcher's), or None (then the number of earlier decisions in the ledger stands in for
+    it). ``ledger``: a RestartLedger, a ledger file path, or None (no checkpoints to see: no
+    no-progress guard, no committed-checkpoint rule). ``committed_step``: the newest committed
+    checkpoint's step (None: none yet). Does not need SLURM. ``decision.verdict`` is the
+    requeue step's; a decision with nothing committed (``Guard.NOTHING_COMMITTED``) weighed no
+    requeue and is neither recorded nor logged (the caller says it in its words).
     """
     if ledger is not None and not isinstance(ledger, RestartLedger):
         ledger = RestartLedger.load(ledger)
@@ -273,53 +249,51 @@ def decide_requeue(job_or_restart_count: SlurmJob | int | None,
         restart_count = len(ledger.entries) if ledger is not None else 0
     else:
         restart_count = int(job_or_restart_count)
-    history = ledger.history(restart_count, job_id) if ledger is not None else []
-    stalled = _no_progress_run(history, committed_step)
+    history = None if ledger is None else [s for _, s in ledger.history(restart_count, job_id)]
+    decision = decide(requeue_evidence(ends, config, restart_count, history, committed_step))
+    if decision.guard is Guard.NOTHING_COMMITTED:
+        return decision
+    if ledger is not None:
+        ledger.record(restart_count, committed_step, decision.runs_again, job_id)
+        if save:
+            try:
+                ledger.save()
+            except OSError as e:  # the decision stands; only the history is lost
+                _log.warning("could not write restart ledger %s: %s", ledger.path, e)
+    log = _log.info if decision.runs_again else _log.warning
+    log("restart decision: %s (%s)", "requeue" if decision.runs_again else "no_requeue",
+        decision.why)
+    return decision
 
-    def done(reason: str, verdict: Verdict) -> Decision:
-        outcome = Outcome.REQUEUE if verdict is Verdict.REQUEUED else Outcome.NO_REQUEUE
-        if ledger is not None:
-            ledger.record(restart_count, committed_step, outcome, job_id)
-            if save:
-                try:
-                    ledger.save()
-                except OSError as e:  # the decision stands; only the history is lost
-                    _log.warning("could not write restart ledger %s: %s", ledger.path, e)
-        log = _log.info if outcome is Outcome.REQUEUE else _log.warning
-        log("restart decision: %s (%s)", outcome, reason)
-        return Decision(outcome, reason, restart_count, committed_step, verdict)
 
-    if not config.enabled:
-        return done("requeue.enabled is false", Verdict.DISABLED)
-    limit = config.restart_limit
-    if limit is not None and restart_count >= limit:
-        return done(f"restart budget exhausted: restarted {restart_count} times, "
-                    f"requeue.max_restarts={limit}", Verdict.BUDGET_SPENT)
-    if config.max_no_progress and stalled >= config.max_no_progress:
-        return done(f"no progress: the committed step stayed at {committed_step} over {stalled} "
-                    f"restarts in a row (requeue.max_no_progress={config.max_no_progress}); "
-                    "the job probably dies before it can checkpoint", Verdict.NO_PROGRESS)
-    return done(f"restart {restart_count + 1}"
-                + (f" of {limit}" if limit is not None else "")
-                + f", committed step {committed_step}", Verdict.REQUEUED)
+def decide_requeue(job_or_restart_count: SlurmJob | int | None,
+                   ledger: RestartLedger | str | os.PathLike[str] | None,
+                   committed_step: int | None,
+                   config: RequeueConfig, *, save: bool = True) -> Decision:
+    """Deprecated: ``scheduler_decision(REQUESTED, ...)``, the policy's decision for ranks that
+    asked to run again (``decision.runs_again``, ``decision.verdict``)."""
+    warnings.warn("decide_requeue is deprecated: the one policy decides the requeue "
+                  "(kempner_resilience.slurm.scheduler_decision)", DeprecationWarning,
+                  stacklevel=2)
+    return scheduler_decision(REQUESTED, job_or_restart_count, ledger, committed_step, config,
+                              save=save)
 
 
 def requeue_run(job: SlurmJob, paths: RunPaths, config: RequeueConfig,
-                committed_step: int | None, *, exclude: Iterable[str] = (),
-                min_nodes: int | None = None, before: Any = None
+                committed_step: int | None, *, ends: tuple[RankEnd, ...] = REQUESTED,
+                exclude: Iterable[str] = (), min_nodes: int | None = None, before: Any = None
                 ) -> tuple[Decision, RequeueResult | None]:
     """The job back to the queue on behalf of ranks that could not ask themselves (a
-    supervisor after a failure: the srun step loop, the Ray driver), as rank 0 does it: only
-    with a committed checkpoint to come back to, within the restart budget and the no-progress
-    guard (``decide_requeue`` over the run's ledger), keeping ``exclude`` and the run's recorded
-    bad nodes out of the requeued job. ``before`` (a callable) runs between the decision and
-    the requeue: a requeue SIGKILLs the batch step at once, so whatever must outlive it is
-    written there. The result is None when the decision was not to requeue."""
-    from kempner_resilience.slurm.badnodes import bad_nodes
-
-    decision = decide_requeue(job, RestartLedger.for_checkpoint_dir(paths), committed_step,
-                              config)
-    if not decision.requeue:
+    supervisor after a failure: the srun step loop, the Ray driver), as rank 0 does it: when
+    the policy says so for ``ends`` (``scheduler_decision`` over the run's restart record: a
+    committed checkpoint to come back to, the restart budget, the no-progress guard), keeping
+    ``exclude`` and the run's recorded bad nodes out of the requeued job. ``before`` (a
+    callable) runs between the decision and the requeue: a requeue SIGKILLs the batch step at
+    once, so whatever must outlive it is written there. The result is None when the decision
+    was not to requeue."""
+    decision = scheduler_decision(ends, job, RestartLedger.for_checkpoint_dir(paths),
+                                  committed_step, config)
+    if not decision.runs_again:
         return decision, None
     if before is not None:
         before()

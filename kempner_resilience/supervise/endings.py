@@ -167,8 +167,8 @@ def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_si
                   wait_s: float = PEER_WAIT_S) -> tuple[Decision, dict[int, RankEnding]]:
     """The one policy's decision from the ranks' endings (``peer_ends``), and the endings
     read. Only the endings decide here (no budget, no commits): whether the job is to run again
-    at all; the restart budget and the no-progress guard stay the requeue's
-    (``slurm/requeue.decide_requeue``, over the restart record)."""
+    at all; the restart budget and the no-progress guard are the requeue's, asked of the same
+    policy (``slurm/requeue.scheduler_decision``, over the restart record)."""
     seen = read_endings(paths, token, (r for r in range(world_size) if r != rank), wait_s)
     return decide(Evidence(peer_ends(own, rank, world_size, seen))), seen
 

@@ -49,18 +49,32 @@ other nodes. A REQUEUE ending (row 4) is always the scheduler's. A supervisor wi
 behind it (``Evidence.scheduler_left``: the srun step loop inside a SLURM job, whose budget is
 of relaunches in place) hands the job to that scheduler once its own budget is spent, instead
 of leaving: the scheduler's budget, checked when it requeues, is the job's.
+
+The scheduler's requeue is asked here too (``Evidence.by_requeue``: rank 0 without a
+supervisor, the step loop's hand-off to SLURM, the Ray driver under SLURM). Its evidence
+(``requeue_evidence``) is the run's requeue settings and the restart record: SLURM's restart
+count against ``requeue.max_restarts``, and the committed step at each earlier requeue
+decision of the job, folded into the same no-progress count as a relaunch's. The order then:
+nothing committed to come back to (NOTHING_COMMITTED: no requeue is tried; the failure keeps its
+code), ``requeue.enabled`` false (DISABLED), the budget, no progress; else REQUEUE. A requeue's
+words name the settings (``requeue.max_restarts=3``), as the job's log has always said them.
+With the caller's own ``relaunch_codes`` (``LocalLauncher``, the demo's) those codes run again
+within the budget, and every other code leaves.
 """
 
 from __future__ import annotations
 
 import enum
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Sequence
 
-from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode
+from kempner_resilience.config import RequeueConfig
+from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode, Verdict
 
 __all__ = ["Action", "Kind", "Guard", "RankEnd", "Commits", "Evidence", "Decision", "job_code",
-           "decide", "RESCUED", "RUN_AGAIN", "ENDS_THE_JOB", "NOT_IN_PLACE", "RESCUED_CODES"]
+           "decide", "requeue_evidence", "RESCUED", "RUN_AGAIN", "ENDS_THE_JOB", "NOT_IN_PLACE",
+           "RESCUED_CODES"]
 
 RESCUED_CODES: frozenset[int] = frozenset(int(c) for c in RESCUED)
 # The codes a rank chooses that end the job as it is, whatever its peers say: a relaunch would
@@ -106,6 +120,9 @@ class Guard(enum.Enum):
                                  # supervisor: its relaunches in place, a REQUEUE)
     NO_PROGRESS = "no-progress"  # no newer committed step over max_no_progress relaunches
     NO_SPARE = "no-spare"        # no spare node left for a relaunch in place (a requeue)
+    DISABLED = "disabled"        # requeue.enabled is false: nothing runs the job again
+    NOTHING_COMMITTED = "nothing-committed"  # a requeue with no committed checkpoint to come
+                                             # back to: not tried
 
 
 @dataclass(frozen=True)
@@ -158,6 +175,11 @@ class Evidence:
                                               # run the job again (srun's step loop in a SLURM
                                               # job whose requeue budget is not spent): once
                                               # max_restarts is spent, the job is handed to it
+    by_requeue: bool = False                  # the job runs again only by the scheduler's
+                                              # requeue, asked now (``requeue_evidence``)
+    enabled: bool = True                      # requeue.enabled (False: never run again)
+    relaunch_codes: frozenset[int] | None = None  # the caller's codes that run again (within
+                                              # the budget) in place of the policy's rule
 
 
 @dataclass(frozen=True)
@@ -171,6 +193,24 @@ class Decision:
     stalled: int = 0                          # ``Evidence.stalled`` for the next launch
     left_early: tuple[int, ...] = field(default=())   # ranks that left run.steps early
     guard: Guard | None = None                # the guarantee that stopped a run-again
+
+    @property
+    def runs_again(self) -> bool:
+        """Relaunched or requeued: the job is to run again."""
+        return self.action is not Action.LEAVE
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """As the requeue step's verdict (the exit-code table's word): REQUEUED when the job
+        is to run again, BUDGET_SPENT, NO_PROGRESS or DISABLED when a guarantee stopped it;
+        None when no requeue was weighed (the endings ended the job, nothing committed)."""
+        if self.runs_again:
+            return Verdict.REQUEUED
+        return _VERDICTS.get(self.guard) if self.guard is not None else None
+
+
+_VERDICTS = {Guard.BUDGET: Verdict.BUDGET_SPENT, Guard.NO_PROGRESS: Verdict.NO_PROGRESS,
+             Guard.DISABLED: Verdict.DISABLED}
 
 
 def _code_of(end: RankEnd) -> int:
@@ -213,6 +253,42 @@ def job_code(ends: tuple[RankEnd, ...] | list[RankEnd]) -> tuple[int, Kind, tupl
 
 def decide(ev: Evidence) -> Decision:
     """Relaunch, requeue or leave, and the job's code; the order is the module docstring's."""
+    d = _decide(ev)
+    if ev.relaunch_codes is None:
+        return d
+    again = not ev.stopping and d.code in ev.relaunch_codes \
+        and (ev.max_restarts is None or ev.restarts < ev.max_restarts)
+    return replace(d, action=Action.RELAUNCH if again else Action.LEAVE,
+                   why="the caller's relaunch codes" if again else d.why)
+
+
+def requeue_evidence(ends: tuple[RankEnd, ...], config: RequeueConfig, restarts: int,
+                     history: Sequence[int | None] | None, committed: int | None) -> Evidence:
+    """The evidence for the scheduler's requeue: the ranks' ``ends`` (a stop that asked to
+    run again: one REQUEUE; a failure: its code), the run's requeue settings (the budget:
+    ``config.restart_limit``, here and nowhere else), ``restarts`` (SLURM's restart count),
+    ``history`` (the committed step at each earlier requeue decision of this job, oldest
+    first; None: the run has no checkpoints to see, no guard) and the newest ``committed``
+    step."""
+    commits, stalled = None, 0
+    if history is not None:
+        for prev, cur in zip(history, history[1:]):
+            stalled = _stalled(stalled, Commits(prev, cur), earlier=True)
+        commits = Commits(history[-1] if history else None, committed)
+    return Evidence(tuple(ends), restarts=int(restarts), max_restarts=config.restart_limit,
+                    commits=commits, stalled=stalled,
+                    max_no_progress=int(config.max_no_progress), by_requeue=True,
+                    enabled=bool(config.enabled))
+
+
+def _stalled(stalled: int, commits: Commits, earlier: bool) -> int:
+    """The no-progress count after a launch with ``commits``: a newer committed step resets
+    it; a run-again that committed nothing newer adds one (the first launch, ``earlier``
+    False, has nothing to fall behind)."""
+    return 0 if commits.advanced else stalled + (1 if earlier else 0)
+
+
+def _decide(ev: Evidence) -> Decision:
     code, kind, early = job_code(ev.ends)
     if kind is Kind.COMPLETED:
         return Decision(Action.LEAVE, 0, kind, "every rank finished")
@@ -230,7 +306,9 @@ def decide(ev: Evidence) -> Decision:
     # A job that is to run again (REQUESTED, FAILURE): the guarantees, in order.
     stalled = ev.stalled
     if ev.commits is not None:
-        stalled = 0 if ev.commits.advanced else ev.stalled + (1 if ev.restarts > 0 else 0)
+        stalled = _stalled(ev.stalled, ev.commits, earlier=ev.restarts > 0)
+    if ev.by_requeue:
+        return _requeue(ev, code, kind, stalled)
     spent = ev.max_restarts is not None and ev.restarts >= ev.max_restarts
     if spent and not ev.scheduler_left:
         # Ranks that asked to run again (75: "run it again") are not: the job says so with
@@ -260,3 +338,33 @@ def decide(ev: Evidence) -> Decision:
                         f"no spare node left for {sorted(ev.implicated)}: the scheduler runs "
                         f"it again elsewhere, {start}", stalled, guard=Guard.NO_SPARE)
     return Decision(Action.RELAUNCH, code, kind, f"a failure worth a relaunch; {start}", stalled)
+
+
+def _requeue(ev: Evidence, code: int, kind: Kind, stalled: int) -> Decision:
+    """The scheduler's requeue of a job that is to run again (``Evidence.by_requeue``): the
+    module docstring's order, in the words the job's log has always had for it."""
+    # A stop that asked to run again is not, it leaves with the budget's code; a failure
+    # keeps its own (what failed).
+    left = int(ExitCode.NO_REQUEUE) if kind is Kind.REQUESTED else code
+    now = ev.commits.now if ev.commits is not None else None
+    if ev.commits is not None and now is None:
+        return Decision(Action.LEAVE, code, kind,
+                        "no committed checkpoint to come back to", stalled,
+                        guard=Guard.NOTHING_COMMITTED)
+    if not ev.enabled:
+        return Decision(Action.LEAVE, left, kind, "requeue.enabled is false", stalled,
+                        guard=Guard.DISABLED)
+    limit = ev.max_restarts
+    if limit is not None and ev.restarts >= limit:
+        return Decision(Action.LEAVE, left, kind,
+                        f"restart budget exhausted: restarted {ev.restarts} times, "
+                        f"requeue.max_restarts={limit}", stalled, guard=Guard.BUDGET)
+    if ev.commits is not None and ev.max_no_progress > 0 and stalled >= ev.max_no_progress:
+        return Decision(Action.LEAVE, int(ExitCode.NO_REQUEUE), kind,
+                        f"no progress: the committed step stayed at {now} over {stalled} "
+                        f"restarts in a row (requeue.max_no_progress={ev.max_no_progress}); "
+                        "the job probably dies before it can checkpoint", stalled,
+                        guard=Guard.NO_PROGRESS)
+    return Decision(Action.REQUEUE, code, kind,
+                    f"restart {ev.restarts + 1}" + (f" of {limit}" if limit is not None else "")
+                    + f", committed step {now}", stalled)
