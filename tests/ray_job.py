@@ -6,10 +6,14 @@ created when the episode starts and removed in its ``finally``). Every actor wri
 WORK/finally.<name> from its own ``finally``; rank 0 writes WORK/progress (the last step) and,
 when the training completes, the model's weights to --out.
 
-``--supervise`` runs the group through the Ray supervisor backend (``ray_supervise``): a lost
-actor's group comes back in the same driver. Each training call writes WORK/pids/r<rank>.<pid>
-when it starts; its ``finally`` records whether its process group was destroyed. The rollout's
-call writes WORK/pids/rollout.<pid>.
+The plain job uses the names of the earlier shape (``RayDriver.get``, the actors' ``address`` and
+``init_group``, ``stop_context(board)``, the config shipped by the script). ``--supervise`` is
+docs/ray.md's actor-loop shape through ``kempner_resilience.ray`` in its five names: the driver's
+``run_group`` forms the group, hands it the config, and brings it back when an actor is lost
+(``ray_supervise``). Each training call writes WORK/pids/r<rank>.<pid> when it starts; its
+``finally`` records whether its process group was destroyed. The rollout's call writes
+WORK/pids/rollout.<pid>. ``--post-step STEP``: rank 1 has a long post-step phase (a weight
+sync, an eval) after STEP's all-reduce, once per job: it writes WORK/post-step when it begins.
 
 ``--parent`` runs the driver under a parent that, like ``uv run``, dies on Ctrl+C and sends its
 child SIGTERM (once: it is dead after); it exits with the driver's code.
@@ -28,50 +32,88 @@ import time
 from pathlib import Path
 
 import kempner_resilience as kr
+import kempner_resilience.ray as krr
 from kempner_resilience.integrations.ray_actor import TrainingActor
 from kempner_resilience.integrations.ray_aio import AsyncActor, supervise_tasks
 from kempner_resilience.integrations.ray_driver import RayDriver
 
 
-class Trainer(TrainingActor):
-    def train(self, board, ckpt: str, work: str, steps: int, sleep_s: float, out: str,
-              every: int = 100000) -> dict:
-        import torch
-        import torch.distributed as dist
+def _loop(run, model, optim, work: str, steps: int, sleep_s: float, out: str,
+          post_step: int = 0) -> None:
+    import torch
+    import torch.distributed as dist
 
-        rank, world = dist.get_rank(), dist.get_world_size()
-        Path(work, "pids").mkdir(exist_ok=True)
-        Path(work, "pids", f"r{rank}.{os.getpid()}").write_text("")
-        Path(work, "pids", f"host.r{rank}").write_text(socket.gethostname())
-        torch.manual_seed(0)
-        model = torch.nn.Linear(8, 4)
-        optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in run.steps(steps):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 1000 + rank))
+        optim.zero_grad()
+        model(x).pow(2).mean().backward()
+        time.sleep(sleep_s)    # the step's compute: most of a real step
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        optim.step()
+        if rank == 0:
+            Path(work, "progress").write_text(str(step))
+        marker = Path(work, "post-step")
+        if post_step and rank == 1 and step == post_step and not marker.exists():
+            marker.write_text(str(step))
+            time.sleep(60)     # a weight sync, an eval: past the all-reduce, before the boundary
+    if rank == 0 and out:
+        torch.save(model.state_dict(), out)
+
+
+def _started(work: str) -> tuple:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    Path(work, "pids").mkdir(exist_ok=True)
+    Path(work, "pids", f"r{rank}.{os.getpid()}").write_text("")
+    Path(work, "pids", f"host.r{rank}").write_text(socket.gethostname())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    return rank, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _ended(work: str, rank: int) -> None:
+    import torch.distributed as dist
+
+    group = "group live" if dist.is_initialized() else "group destroyed"
+    Path(work, f"finally.trainer{rank}").write_text(group)
+    Path(work, "pids", f"r{rank}.{os.getpid()}").write_text(group)
+
+
+class Trainer(TrainingActor):
+    """The earlier shape: the script ships the config and the board, and forms the group."""
+
+    def train(self, board, ckpt: str, work: str, steps: int, sleep_s: float, out: str) -> dict:
+        rank, model, optim = _started(work)
         cfg = kr.load_config(overrides=[f"checkpoint.dir={ckpt}",
-                                        f"checkpoint.every_steps={every}"])
+                                        "checkpoint.every_steps=100000"])
         run = None
         try:
             with self.stop_context(board) as ending:
                 with kr.ResilientRun(cfg, state={"model": model, "optim": optim}) as run:
-                    for step in run.steps(steps):
-                        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(
-                            step * 1000 + rank))
-                        optim.zero_grad()
-                        model(x).pow(2).mean().backward()
-                        time.sleep(sleep_s)    # the step's compute: most of a real step
-                        for p in model.parameters():
-                            dist.all_reduce(p.grad)
-                            p.grad /= world
-                        optim.step()
-                        if rank == 0:
-                            Path(work, "progress").write_text(str(step))
-                    if rank == 0 and out:
-                        torch.save(model.state_dict(), out)
+                    _loop(run, model, optim, work, steps, sleep_s, out)
             return {"rank": rank, "code": ending.code, "step": run.step if run else None,
                     "ending": ending}
         finally:
-            group = "group live" if dist.is_initialized() else "group destroyed"
-            Path(work, f"finally.trainer{rank}").write_text(group)
-            Path(work, "pids", f"r{rank}.{os.getpid()}").write_text(group)
+            _ended(work, rank)
+
+
+class GroupTrainer(krr.TrainingActor):
+    """docs/ray.md's actor-loop shape: the driver formed the group and handed the config."""
+
+    def train(self, work: str, steps: int, sleep_s: float, out: str, post_step: int) -> dict:
+        rank, model, optim = _started(work)
+        run = None
+        try:
+            with self.resilient_run(state={"model": model, "optim": optim}) as run:
+                _loop(run, model, optim, work, steps, sleep_s, out, post_step)
+            return {"rank": rank, "step": run.step if run else None}
+        finally:
+            _ended(work, rank)
 
 
 class Rollout(AsyncActor):
@@ -116,7 +158,7 @@ def driver(a: argparse.Namespace) -> None:
     remote_trainer = ray.remote(num_cpus=1)(Trainer)
     remote_rollout = ray.remote(num_cpus=0)(Rollout)
     if a.supervise:
-        supervised(a, work, remote_trainer, remote_rollout)
+        supervised(a, work, remote_rollout)
         return
     with RayDriver(kr.load_config()) as drv:
         trainers = drv.track(*[remote_trainer.remote() for _ in range(2)])
@@ -130,19 +172,16 @@ def driver(a: argparse.Namespace) -> None:
     ray.shutdown()
 
 
-def supervised(a: argparse.Namespace, work: Path, remote_trainer, remote_rollout) -> None:
+def supervised(a: argparse.Namespace, work: Path, remote_rollout) -> None:
     import ray
 
-    from kempner_resilience.integrations.ray_supervise import supervise
-
-    cfg = kr.load_config(overrides=[f"checkpoint.dir={a.ckpt}"])
-    with RayDriver(cfg) as drv:
+    cfg = krr.load_config(overrides=[f"checkpoint.dir={a.ckpt}",
+                                     f"checkpoint.every_steps={a.every}"])
+    with krr.RayDriver(cfg) as drv:
         rollout = drv.track(remote_rollout.remote())[0]
         episodes = rollout.run.remote(str(work), a.resources, a.fail_at_step)
-        out = supervise(drv, remote_trainer.remote, 2,
-                        lambda t, r: t.train.remote(drv.board, a.ckpt, str(work), a.steps,
-                                                    a.sleep, a.out, a.every),
-                        cfg, cancel=[episodes])
+        out = drv.run_group(GroupTrainer, 2, "train", str(work), a.steps, a.sleep, a.out,
+                            a.post_step, cancel=[episodes])
         print("trained", [o["step"] for o in out], flush=True)
     ray.shutdown()
 
@@ -172,7 +211,9 @@ def main() -> None:
                    "passed this step")
     p.add_argument("--out", default="")
     p.add_argument("--every", type=int, default=100000, help="checkpoint.every_steps")
-    p.add_argument("--supervise", action="store_true", help="through ray_supervise")
+    p.add_argument("--supervise", action="store_true", help="the five-name shape: run_group")
+    p.add_argument("--post-step", type=int, default=0, help="rank 1's long post-step phase "
+                   "after this step (--supervise)")
     a = p.parse_args()
     if a.parent:
         sys.exit(parent([x for x in sys.argv[1:] if x != "--parent"]))

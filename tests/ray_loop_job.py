@@ -5,7 +5,7 @@ the driver's RNG, runs ``asyncio.run`` of N rollout episodes (each holds a sandb
 WORK/resources, removed in its ``finally``), then a forward pass on a 1-actor reference group
 and the update on a 2-actor policy group (gloo). Checkpoint every 10 steps (``--every``).
 Rank 0 of the policy writes WORK/progress; each policy actor writes WORK/pids/policy.r<rank>
-with its pid. At the end the driver saves the policy's weights and optimizer, the data
+with its pid, the reference actor WORK/pids/ref.r0. At the end the driver saves the policy's weights and optimizer, the data
 position, its counters and its RNG to --out.
 
 ``--parent``: under a parent that, like ``uv run``, dies on Ctrl+C and SIGTERMs the driver
@@ -27,6 +27,13 @@ from pathlib import Path
 import kempner_resilience.ray as krr
 
 
+def _pidfile(work: Path, name: str) -> None:
+    (work / "pids").mkdir(exist_ok=True)
+    tmp = work / "pids" / f"{name}.tmp"
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, work / "pids" / name)       # whole, for the test to read
+
+
 class PolicyWorker(krr.Worker):
     def __init__(self, work: str) -> None:
         import torch
@@ -43,11 +50,7 @@ class PolicyWorker(krr.Worker):
         import torch
         import torch.distributed as dist
 
-        (self.work / "pids").mkdir(exist_ok=True)
-        pidfile = self.work / "pids" / f"policy.r{self.kr_rank}"
-        tmp = pidfile.parent / f"{pidfile.name}.tmp"
-        tmp.write_text(str(os.getpid()))
-        os.replace(tmp, pidfile)                # whole, for the test to read
+        _pidfile(self.work, f"policy.r{self.kr_rank}")
         shard = x[self.kr_rank::self.kr_world_size]
         self.optim.zero_grad()
         (self.model(shard).pow(2).mean() * reward).backward()
@@ -64,10 +67,11 @@ class PolicyWorker(krr.Worker):
 
 
 class RefWorker(krr.Worker):
-    def __init__(self) -> None:
+    def __init__(self, work: str) -> None:
         import torch
 
         torch.manual_seed(1)
+        self.work = Path(work)
         self.model = torch.nn.Linear(8, 4)
 
     def checkpoint_state(self):
@@ -76,6 +80,7 @@ class RefWorker(krr.Worker):
     def forward(self, x) -> float:
         import torch
 
+        _pidfile(self.work, f"ref.r{self.kr_rank}")
         with torch.no_grad():
             return float(self.model(x).mean())
 
@@ -122,7 +127,7 @@ def train(a: argparse.Namespace) -> None:
                                 shuffle=True)
     counters = Counters()
     policy = krr.WorkerGroup(PolicyWorker, 2, str(work), options={"num_cpus": 0.5})
-    ref = krr.WorkerGroup(RefWorker, 1, options={"num_cpus": 0.5})
+    ref = krr.WorkerGroup(RefWorker, 1, str(work), options={"num_cpus": 0.5})
     with krr.RayRun(cfg, state={"data": loader, "trainer": counters, "policy": policy,
                                 "ref": ref}) as run:
         batches = iter(loader)

@@ -297,6 +297,33 @@ def test_sigkill_of_one_training_actor_is_rescued_and_its_group_recreated_losing
     assert job.processes() == []
 
 
+def test_an_actor_dying_in_a_long_post_step_phase_is_said_one_boundary_behind_in_one_line(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    # Rank 1 dies after its step's all-reduce, in a long post-step phase (a weight sync, an
+    # eval): rank 0 reached the step's boundary, rank 1's last boundary (held by its buddy) is
+    # the one before. docs/ray.md promises no rescue (never a checkpoint of mixed steps), one
+    # line that says so, and the group back from the periodic save.
+    job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--steps", "60", "--every", "10",
+              "--post-step", "13", "--out", str(tmp_path / "resumed.pt"))
+    job.wait_training(step=13)
+    while not (job.work / "post-step").exists():
+        assert job.proc.poll() is None, job.text()
+        time.sleep(0.05)
+    first = job.trainers()
+    os.kill(first[1], signal.SIGKILL)
+    assert job.wait() == 0, job.text()
+    text = job.text()
+    said = re.findall(r"rescue skipped: no state of step (\d+) from rank\(s\) \[1\]: rank 1 is "
+                      r"one boundary behind, at step (\d+)", text)
+    assert len(said) == 1, text
+    assert int(said[0][1]) == int(said[0][0]) - 1, said
+    assert "rescue: committed step" not in text, text
+    assert "(step 10, reason periodic)" in text, text     # the next group resumed from it
+    assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
+    assert job.resources() == 0
+    assert job.processes() == []
+
+
 @pytest.mark.parametrize("shape", ["get", "supervise"])
 def test_sigterm_to_the_asyncio_rollout_actor_cancels_every_episode_and_the_job_runs_again(
         tmp_path: Path, shape: str) -> None:

@@ -69,7 +69,20 @@ class Job:
             return -1
 
     def policy_pid(self, rank: int) -> int:
-        return int((self.work / "pids" / f"policy.r{rank}").read_text())
+        return self.pid(f"policy.r{rank}")
+
+    def pid(self, name: str, other_than: int = 0, timeout: float = 120.0) -> int:
+        """The pid in WORK/pids/<name>, once it is not ``other_than`` (a recreated actor's)."""
+        until = time.monotonic() + timeout
+        while True:
+            try:
+                pid = int((self.work / "pids" / name).read_text())
+                if pid != other_than:
+                    return pid
+            except (OSError, ValueError):
+                pass
+            assert time.monotonic() < until and self.proc.poll() is None, self.text()
+            time.sleep(0.05)
 
     def wait(self, timeout: float = 180.0) -> int:
         try:
@@ -152,15 +165,30 @@ def test_ctrl_c_under_a_dying_parent_stops_at_the_drivers_boundary_and_resumes_b
     assert resumed.processes() == []
 
 
-def test_a_policy_actor_killed_mid_step_recreates_the_groups_and_the_run_completes_bitwise(
+def test_an_evicted_policy_actor_an_evicted_reference_actor_and_a_killed_policy_actor_each_recreate_the_groups_once(
         reference: Path, tmp_path: Path) -> None:
+    # SIGTERM to an actor's own process: Ray's kill without force, a node drain, an eviction.
+    # Ray's handler exits it mid-step; to the driver that is an actor gone, as a SIGKILL's
+    # (the OOM killer, a crashed node) is.
     job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--sleep", "0.1")
     job.wait_step(13)
-    os.kill(job.policy_pid(1), signal.SIGKILL)
-    assert job.wait() == 0, job.text()
+    policy = job.policy_pid(1)
+    os.kill(policy, signal.SIGTERM)
+    job.pid("policy.r1", other_than=policy)             # the recreated groups
+    job.wait_step(22)                                   # past their commit of step 20
+    ref = job.pid("ref.r0")
+    os.kill(ref, signal.SIGTERM)
+    job.pid("ref.r0", other_than=ref)
+    job.wait_step(25)
+    os.kill(job.policy_pid(0), signal.SIGKILL)
+    assert job.wait() == 0, job.text()                  # completed: never 1, never 0 unfinished
     text = job.text()
-    assert "policy rank 1 is gone" in text, text
-    assert "step(s) to redo" in text and "recreated" in text, text
+    said = [line for line in text.splitlines() if "step(s) to redo" in line]
+    assert len(said) == 3, text                         # one line for each loss
+    assert all("[ray driver]" in line for line in said), said
+    assert "policy rank 1 is gone" in said[0] and "resumes from step 10" in said[0], said
+    assert "ref rank 0 is gone" in said[1] and "resumes from step 20" in said[1], said
+    assert "policy rank 0 is gone" in said[2], said
     _assert_bitwise(job.out, reference)
     assert job.sandboxes() == 0
     assert job.processes() == []

@@ -103,3 +103,55 @@ def test_a_node_that_died_under_an_actor_is_kept_out_even_if_the_actor_recorded_
                              alive={"node-a"}, restarts=0, stalled=0, commits=Commits(10, 14))
     assert dead == {"node-b"}
     assert (d.action, d.guard) == (Action.REQUEUE, Guard.NO_SPARE)
+
+
+# ----- the actor-loop shape's actor side, in process (the group itself: tests/test_ray.py)
+
+def test_a_training_actor_whose_group_the_driver_did_not_form_is_told_how_to_form_it():
+    import pytest
+
+    import kempner_resilience.ray as krr
+
+    class Trainer(krr.TrainingActor):
+        pass
+
+    with pytest.raises(RuntimeError, match=r"driver\.run_group"):
+        with Trainer().resilient_run(state={}):
+            pass
+
+
+def test_the_driver_gets_a_methods_result_with_how_the_actors_run_ended():
+    import kempner_resilience.ray as krr
+
+    class Trainer(krr.TrainingActor):
+        def train(self, steps, *, scale=1):
+            return steps * scale
+
+    out = Trainer().kr_call("train", (3,), {"scale": 2})
+    assert out["result"] == 6
+    assert out["ending"].code == 0
+    assert actor_ends([out], (), driver_stopping=False)[0].code == 0
+
+
+def test_the_earlier_shapes_init_group_still_forms_the_group_and_warns(monkeypatch):
+    import socket
+
+    import pytest
+    import torch.distributed as dist
+
+    from kempner_resilience.core.log import set_role
+    from kempner_resilience.integrations.ray_actor import TrainingActor
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    role = set_role("test")
+    try:
+        with pytest.warns(DeprecationWarning, match="run_group"):
+            TrainingActor().init_group(0, 1, "127.0.0.1", port)
+        assert dist.is_initialized() and dist.get_world_size() == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        set_role(role)

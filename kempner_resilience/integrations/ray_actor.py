@@ -5,8 +5,10 @@ The actors of one training group are the ranks of one ResilientRun: each runs
 what ranks get (the step agreement, the hang watchdog, the emergency save, the teardown that
 destroys the group). What Ray changes, and this module handles:
 
-* ranks come from the driver, not from the environment: ``init_group(rank, world_size, addr,
-  port)``, with rank 0's ``address()`` and a free port;
+* ranks come from the driver, not from the environment: the driver forms the group
+  (``RayDriver.run_group``, ``ray_supervise``) through ``kr_address`` (rank 0's address and a
+  free port) and ``kr_setup``, which joins the group and hands over the driver's config and
+  stop board; no address, port or ``init_group`` in the user's code;
 * the driver's stop arrives through the stop board (``ray_board``), turned into the same signal
   sent to this process (``stop_context``);
 * Ray's workers block SIGINT: ``stop_context`` unblocks it on the main thread while it lasts;
@@ -31,9 +33,11 @@ import os
 import signal
 import socket
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
+from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.ray_board import BoardWatcher
@@ -184,26 +188,59 @@ def _exit_after_return(code: int) -> None:
 
 
 class TrainingActor:
-    """Mixin for a Ray training actor class: group set-up and the stop context as methods.
+    """Mixin for a Ray training actor class: the driver forms its group and calls its methods.
 
-    >>> @ray.remote
-    ... class Trainer(TrainingActor):
-    ...     def train(self, board, steps):
-    ...         with self.stop_context(board) as ending:
-    ...             with kr.ResilientRun(cfg, state=...) as run:
-    ...                 for step in run.steps(steps): ...
-    ...         return ending.code
+    The driver (``RayDriver.run_group``, or ``ray_supervise.supervise``) creates the actors,
+    joins them into one process group (``kr_setup``) and hands each the run's config
+    (``kr_config``) and its stop board (``kr_board``); ``kempner_resilience.ray.TrainingActor``
+    adds ``resilient_run``, the ResilientRun built from them. ``kr_call`` is how the driver
+    calls a method: its result and how the run ended (``kr_ending``) come back together.
+
+    The names of the earlier shape (``address``, ``init_group``, ``stop_context(board)``) keep
+    working; the first two warn (the driver forms the group now).
     """
 
-    def address(self) -> tuple[str, int]:
-        """This actor's node address and a free port on it: rank 0's, for ``init_group``."""
+    kr_config: ResilienceConfig | None = None
+    kr_board: Any = None
+    kr_rank: int = 0
+    kr_world_size: int = 1
+    kr_ending: ActorEnding | None = None    # how the run of the current call ended
+
+    def kr_address(self) -> tuple[str, int]:
+        """This actor's node address and a free port on it: rank 0's, for the group."""
         import ray
 
         return ray.util.get_node_ip_address(), _free_port()
 
+    def kr_setup(self, rank: int, world_size: int, addr: str, port: int,
+                 config: ResilienceConfig | None = None, board: Any = None,
+                 backend: str = "gloo") -> None:
+        """Join the group as ``rank`` (rank 0 hosts the store at ``addr:port``) and keep the
+        driver's config and stop board for the run."""
+        init_group(rank, world_size, addr, port, backend=backend)
+        self.kr_config, self.kr_board = config, board
+        self.kr_rank, self.kr_world_size = rank, world_size
+
+    def kr_call(self, method: str, args: Sequence[Any] = (),
+                kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Run ``method`` for the driver: ``{"result": what it returned, "ending": how its run
+        ended}`` (an ``ActorEnding``; code 0 when no run stopped in it)."""
+        self.kr_ending = ActorEnding()
+        result = getattr(self, method)(*args, **dict(kwargs or {}))
+        return {"result": result, "ending": self.kr_ending}
+
+    def address(self) -> tuple[str, int]:
+        """Deprecated: the driver forms the group (``RayDriver.run_group``)."""
+        warnings.warn("TrainingActor.address is deprecated: RayDriver.run_group forms the "
+                      "group", DeprecationWarning, stacklevel=2)
+        return self.kr_address()
+
     def init_group(self, rank: int, world_size: int, addr: str, port: int,
                    backend: str = "gloo") -> None:
-        init_group(rank, world_size, addr, port, backend=backend)
+        """Deprecated: the driver forms the group (``RayDriver.run_group``)."""
+        warnings.warn("TrainingActor.init_group is deprecated: RayDriver.run_group forms the "
+                      "group", DeprecationWarning, stacklevel=2)
+        self.kr_setup(rank, world_size, addr, port, backend=backend)
 
     def pid(self) -> int:
         return os.getpid()

@@ -60,12 +60,11 @@ class RayDriver:
 
     >>> ray.init()
     >>> with RayDriver(cfg) as driver:
-    ...     trainers = driver.track(*[Trainer.remote() for _ in range(2)])
     ...     rollout = driver.track(Rollout.remote())[0]
-    ...     out = driver.get([t.train.remote(driver.board, 100) for t in trainers],
-    ...                      cancel=[rollout.run.remote(50)])
+    ...     out = driver.run_group(Trainer, 2, "train", 100, cancel=[rollout.run.remote(50)])
 
-    ``get`` returns the results of ``refs`` when every training call completed; after a
+    ``run_group`` forms the training group, hands it the config and re-forms it when an actor
+    is lost. ``get`` returns the results of ``refs`` when every training call completed; after a
     stop, or when a call ended otherwise (an actor stopped by Ray's SIGTERM, killed, or a
     rollout actor lost), it raises ``SystemExit`` with the job's code (the ``with`` block's
     code after it does not run): never a stopped job that looks done.
@@ -180,6 +179,33 @@ class RayDriver:
         if any(e.code != 0 for e in ends):
             self._leave_after(ends)
         return results
+
+    def run_group(self, actor_cls: Any, world_size: int, method: str, *args: Any,
+                  cancel: Sequence[Any] = (), backend: str = "gloo",
+                  options: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+        """The training group's work, formed and re-formed by the library: what
+        ``method(*args, **kwargs)`` returned on each rank, in rank order.
+
+        ``actor_cls`` is a ``TrainingActor`` class (plain, or made by ``ray.remote``; a plain
+        one gets 1 CPU, ``options`` go to Ray's ``.options``). ``world_size`` actors are
+        created and joined into one process group (``backend``), each given this driver's
+        config and stop board, and ``method`` is called on each. When an actor is lost the one
+        policy decides (``ray_supervise``): a new group of new actors runs ``method`` again,
+        resuming from the newest commit, or the driver leaves with the policy's code
+        (``SystemExit``). ``cancel``: calls that live as long as the training (rollouts)."""
+        import ray
+
+        from kempner_resilience.integrations.ray_supervise import supervise
+
+        if hasattr(actor_cls, "remote"):
+            make = actor_cls.options(**options) if options else actor_cls
+        else:
+            make = ray.remote(actor_cls).options(**{"num_cpus": 1, **(options or {})})
+        config = self.config if self.config is not None else load_config()
+        outcomes = supervise(self, make.remote, world_size,
+                             lambda actor, rank: actor.kr_call.remote(method, args, kwargs),
+                             config, cancel=cancel, backend=backend)
+        return [o["result"] if isinstance(o, dict) and "result" in o else o for o in outcomes]
 
     def untrack(self, *actors: Any) -> None:
         """Actors no longer to kill on a forced stop (a supervisor killed them already)."""

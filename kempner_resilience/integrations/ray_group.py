@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
-from kempner_resilience.core.faults import first_line
+from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.integrations.ray_actor import _free_port, actor_died, init_group
 
@@ -33,6 +33,8 @@ __all__ = ["WorkerGroup", "Worker", "GroupLost"]
 log = get_logger(__name__)
 
 _POLL_S = 0.1
+# How long a rank whose collective failed waits for the peer that caused it to be seen gone.
+_CAUSE_WAIT_S = 5.0
 
 
 class GroupLost(RuntimeError):
@@ -187,14 +189,15 @@ class WorkerGroup:
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
             for ref in done:
-                self._raise_if_failed(ref, ranks[refs.index(ref)])
+                self._raise_if_failed(ref, ranks[refs.index(ref)], refs, ranks)
             if pending and time.monotonic() > until:
                 rank = ranks[refs.index(pending[0])]
                 raise GroupLost(self.name, rank, f"did not answer within {self.bound_s:.0f} s "
                                 "(watchdog.hang_timeout_s)")
         return [ray.get(r) for r in refs]
 
-    def _raise_if_failed(self, ref: Any, rank: int) -> None:
+    def _raise_if_failed(self, ref: Any, rank: int, refs: list[Any],
+                         ranks: list[int]) -> None:
         import ray
 
         try:
@@ -202,11 +205,32 @@ class WorkerGroup:
         except ray.exceptions.RayTaskError as e:     # the actor's own code raised: its error
             if actor_died(e):
                 raise GroupLost(self.name, rank, f"is gone ({first_line(e)})") from None
+            if is_peer_failure(e):
+                # A survivor's collective failed because a peer went: the group is lost, and
+                # the peer that went is named when Ray reports it within a few seconds.
+                raise self._gone_peer(refs, ranks) or GroupLost(
+                    self.name, rank, f"lost a peer ({first_line(e)})") from None
             raise
         except (ray.exceptions.RayActorError, ray.exceptions.TaskCancelledError) as e:
             # Killed (SIGKILL, the OOM killer), evicted (SIGTERM: Ray's handler exits the
             # actor), or its node lost: the process is gone.
             raise GroupLost(self.name, rank, f"is gone ({type(e).__name__})") from None
+
+    def _gone_peer(self, refs: list[Any], ranks: list[int]) -> GroupLost | None:
+        """The ``GroupLost`` of an actor of ``refs`` whose process is gone, waited for up to
+        ``_CAUSE_WAIT_S``; None if every actor is alive."""
+        import ray
+
+        ray.wait(refs, num_returns=len(refs), timeout=_CAUSE_WAIT_S)
+        for ref, rank in zip(refs, ranks):
+            try:
+                ray.get(ref, timeout=0)
+            except (ray.exceptions.RayActorError, ray.exceptions.TaskCancelledError) as e:
+                return GroupLost(self.name, rank, f"is gone ({type(e).__name__})")
+            except Exception as e:   # done with an error of its own, or still running
+                if actor_died(e):
+                    return GroupLost(self.name, rank, f"is gone ({first_line(e)})")
+        return None
 
     # ------------------------------------------------------------------ checkpoints
 

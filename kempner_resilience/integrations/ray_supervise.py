@@ -39,7 +39,6 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.integrations.ray_actor import actor_died as _actor_died
 from kempner_resilience.integrations.ray_actor import actor_ends
-from kempner_resilience.integrations.ray_driver import RayDriver
 from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.endings import endings_since
@@ -57,13 +56,16 @@ _NODE_DEATH_WAIT_S = 90.0
 _POLL_S = 1.0
 
 
-def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
+def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
               train: Callable[[Any, int], Any], config: ResilienceConfig, *,
-              cancel: Sequence[Any] = (), on_group: Callable[[int, list[Any]], None] | None = None
-              ) -> list[Any]:
+              cancel: Sequence[Any] = (), on_group: Callable[[int, list[Any]], None] | None = None,
+              backend: str = "gloo") -> list[Any]:
     """Run the training group until the policy says leave; the last incarnation's results.
 
-    ``make_actor()`` creates one training actor (a ``TrainingActor``), ``train(actor, rank)``
+    ``driver`` is the ``RayDriver`` whose context this runs in (``RayDriver.run_group`` calls
+    this with the user's actor class and method). ``make_actor()`` creates one training actor
+    (a ``TrainingActor``); the group is formed here, each actor given ``config`` and the
+    driver's stop board (``kr_setup``, over ``backend``). ``train(actor, rank)``
     starts its training call (returning the ``ActorEnding`` of its ``stop_context``, or a
     dict holding it under ``"ending"``). ``cancel``: calls that live as long as the
     training (rollouts), cancelled at the end. ``on_group(incarnation, actors)`` is called once
@@ -78,8 +80,8 @@ def supervise(driver: RayDriver, make_actor: Callable[[], Any], world_size: int,
     while True:
         actors = [make_actor() for _ in range(world_size)]
         driver.track(*actors)
-        addr, port = driver.get([actors[0].address.remote()])[0]
-        driver.get([a.init_group.remote(r, world_size, addr, port)
+        addr, port = driver.get([actors[0].kr_address.remote()])[0]
+        driver.get([a.kr_setup.remote(r, world_size, addr, port, config, driver.board, backend)
                     for r, a in enumerate(actors)])
         nodes = driver.get([a.node_id.remote() for a in actors])
         if on_group is not None:

@@ -16,20 +16,39 @@ with krr.RayRun(krr.load_config(), state={"data": loader, "policy": policy,
 
 ``krr.supervise_loop(train)`` runs ``train`` again when a group is lost (the one policy).
 
-The actor-loop shape (the loop inside each training actor): ``RayDriver``, ``TrainingActor``,
-``AsyncActor``, ``supervise`` (a training group recreated after a loss) and
-``supervise_tasks`` (an asyncio actor's work as one task group). docs/ray.md shows both.
+The actor-loop shape (the loop inside each training actor), in five names:
+
+```python
+class Trainer(krr.TrainingActor):
+    def train(self, steps):
+        with self.resilient_run(state={"model": model, "optim": optim}) as run:
+            for step in run.steps(steps): ...
+
+class Rollout(krr.AsyncActor):
+    async def run(self, n):
+        return await self.main(krr.supervise_tasks(episode(i) for i in range(n)))
+
+with krr.RayDriver(krr.load_config()) as driver:
+    episodes = driver.track(ray.remote(Rollout).remote())[0].run.remote(50)
+    results = driver.run_group(Trainer, 2, "train", 1000, cancel=[episodes])
+```
+
+``run_group`` forms the group (no address, port or ``init_group``), hands each actor the
+driver's config and stop board, and re-forms it when an actor is lost. The earlier names
+(``stop_context``, ``supervise``; ``TrainingActor.address``/``init_group`` warn) keep
+working. docs/ray.md shows both shapes.
 """
 
 from __future__ import annotations
 
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.ray_actor import ActorEnding, TrainingActor, stop_context
+from kempner_resilience.integrations.ray_actor import ActorEnding, stop_context
 from kempner_resilience.integrations.ray_aio import AsyncActor, supervise_tasks
 from kempner_resilience.integrations.ray_driver import RayDriver
 from kempner_resilience.integrations.ray_group import GroupLost, Worker, WorkerGroup
 from kempner_resilience.integrations.ray_supervise import supervise
+from kempner_resilience.run.ray_actor_run import TrainingActor
 from kempner_resilience.run.ray_run import RayRun, supervise_loop
 
 __all__ = ["RayRun", "WorkerGroup", "Worker", "GroupLost", "supervise_loop", "RayDriver",

@@ -75,7 +75,7 @@ class RayRun(ResilientRun):
         self.groups = {k: v for k, v in (state or {}).items() if isinstance(v, WorkerGroup)}
         self.lost: GroupLost | None = None
         self._role: str | None = None
-        _LAST_CONFIG.set(self.config)
+        _LAST_RUN.set(self)
 
     def __enter__(self) -> "RayRun":
         import ray
@@ -107,9 +107,11 @@ class RayRun(ResilientRun):
             raise
         except GroupLost as e:       # the run's failure path ended, raised again (raise mode)
             lost = e
-            self._said_lost(e)
-            if _SUPERVISED.get():
+            if _SUPERVISED.get():       # supervise_loop says it, with what follows
                 raise
+            log.error("%s at step %d: its group's state is gone; the newest commit is step %s "
+                      "(%d step(s) to redo); exit %d", e, self.step, *self._redo(),
+                      int(ExitCode.PEER_LOST))
             raise SystemExit(int(ExitCode.PEER_LOST)) from None
         finally:
             if lost is not None:
@@ -119,12 +121,10 @@ class RayRun(ResilientRun):
             self._stop_groups()
             set_role(self._role)
 
-    def _said_lost(self, e: GroupLost) -> None:
-        paths = RunPaths.from_config(self.config)
-        committed = newest_commit(paths)
-        redo = self.step - (committed or 0)
-        log.error("%s at step %d: its group's state is gone; the newest commit is step %s "
-                  "(%d step(s) to redo)", e, self.step, committed, redo)
+    def _redo(self) -> tuple[int | None, int]:
+        """The newest committed step, and how many steps of this run are to be redone."""
+        committed = newest_commit(RunPaths.from_config(self.config))
+        return committed, self.step - (committed or 0)
 
     def _stop_groups(self) -> None:
         for group in self.groups.values():
@@ -160,30 +160,35 @@ def supervise_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     resumes from the newest commit with new groups) within ``requeue.max_restarts`` and the
     no-progress guard, or the driver leaves with the policy's code (``SystemExit``)."""
     token = _SUPERVISED.set(True)
+    role = set_role("ray driver")       # its lines are the driver's, between the runs too
     restarts, stalled, before = 0, 0, None
     try:
         while True:
             try:
                 return fn(*args, **kwargs)
             except GroupLost as e:
-                config = _LAST_CONFIG.get()
-                if config is None:       # lost outside a RayRun: nothing to resume from
+                run = _LAST_RUN.get()
+                if run is None:          # lost outside a RayRun: nothing to resume from
                     raise
-                now = newest_commit(RunPaths.from_config(config))
+                config = run.config
+                now, redo = run._redo()
                 decision = decide(Evidence(
                     (RankEnd(int(ExitCode.PEER_LOST)),), restarts=restarts,
                     max_restarts=config.requeue.restart_limit, commits=Commits(before, now),
                     stalled=stalled, max_no_progress=config.requeue.max_no_progress))
                 if decision.action is Action.LEAVE:
-                    log.error("%s: %s; exit %d", e, decision.why, decision.code)
+                    log.error("%s at step %d: %s; the newest commit is step %s; exit %d", e,
+                              run.step, decision.why, now, decision.code)
                     raise SystemExit(decision.code) from None
                 restarts, stalled, before = restarts + 1, decision.stalled, now
-                log.warning("%s: the worker groups are recreated and the loop resumes from "
-                            "step %s (restart %d: %s)", e, now, restarts, decision.why)
+                # One line per loss: what was lost, where, what is redone, why it goes on.
+                log.warning("%s at step %d: the worker groups are recreated and the loop "
+                            "resumes from step %s, %d step(s) to redo (restart %d: %s)", e,
+                            run.step, now, redo, restarts, decision.why)
     finally:
         _SUPERVISED.reset(token)
+        set_role(role)
 
 
-# The config of the last RayRun built in this context (``supervise_loop`` reads its budget).
-_LAST_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("kr_ray_config",
-                                                                   default=None)
+# The last RayRun built in this context (``supervise_loop`` reads its budget and its step).
+_LAST_RUN: contextvars.ContextVar[Any] = contextvars.ContextVar("kr_ray_run", default=None)
