@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
 from kempner_resilience.checkresume.coverage import Plan, cover, covers, merge, read_events
 from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, RUN_SAID,
@@ -179,6 +180,25 @@ def _how(opts: CheckOptions, stops: tuple[int, ...], planned: tuple[int, ...]) -
     return f"stopped by {signal.Signals(opts.signum).name} at step(s) {at}{moved}"
 
 
+def _pace(run: RunResult, end: int) -> tuple[float, float]:
+    """The run's seconds per step and per launch's start-up: a step's from the commit times
+    of consecutive steps (the median, so a relaunch between two steps does not count), the
+    start-up's from the rest of the run's wall time. A launch's start-up (Python, torch, the
+    script's set-up) can be most of a short run, and is paid once per launch, not per step."""
+    times = []
+    for step, path in sorted(run.committed.items()):
+        try:
+            times.append((step, (path / MANIFEST_NAME).stat().st_mtime))
+        except OSError:
+            continue
+    gaps = sorted((t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(times, times[1:])
+                  if s1 > s0 and t1 >= t0)
+    if not gaps:
+        return run.wall_s / max(1, end), 0.0
+    step_s = gaps[len(gaps) // 2]
+    return step_s, max(0.0, run.wall_s - step_s * end) / max(1, len(run.launches))
+
+
 def _check(opts: CheckOptions, work: Path) -> Verdict:
     """The runs and their comparison, in ``work``.
 
@@ -193,11 +213,15 @@ def _check(opts: CheckOptions, work: Path) -> Verdict:
     if problem:
         return Verdict(Outcome.UNCHECKED, work, problem, stops)
     end = got.launches[-1].stop_step or max(got.committed)
+    step_s, start_s = _pace(got, end)
     plan = cover(read_events([got.events_file]), stops, end, gap=min_gap(opts.ranks),
-                 max_steps=opts.max_steps, step_s=got.wall_s / max(1, end),
+                 max_steps=opts.max_steps, step_s=step_s, start_s=start_s,
                  timeout_s=opts.timeout_s)
     # A checkpoint per step up to about twice the default window, then fewer: disk bounded.
     every = max(1, plan.end // (2 * opts.steps))
+    # A divisor of the first run's end, so that the uninterrupted run commits that step too
+    # and the first run's resumes are compared where they all crossed.
+    every = max(d for d in range(1, min(every, end) + 1) if end % d == 0)
     across, across_stops, across_end = None, (), 0
     if plan.stops:
         across, across_stops, problem = _interrupted(opts, common, "across-events",

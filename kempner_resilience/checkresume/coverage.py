@@ -101,10 +101,11 @@ class Plan:
 
 
 def cover(events: Sequence[Event], stops: Sequence[int], end: int, *, gap: int,
-          max_steps: int, step_s: float, timeout_s: float) -> Plan:
+          max_steps: int, step_s: float, timeout_s: float, start_s: float = 0.0) -> Plan:
     """The stops that cross each event ``stops``/``end`` do not, one after each event's first
     occurrence, and the end past its second; within ``max_steps`` and, at ``step_s`` seconds
-    a step (the first run's pace), within ``timeout_s``."""
+    a step and ``start_s`` a launch (the first run's pace), within ``timeout_s``: the run
+    that crosses is two launches, the stop's and the resume's."""
     plan: list[int] = []
     last_end = 0
     crosses: list[Event] = []
@@ -122,9 +123,10 @@ def cover(events: Sequence[Event], stops: Sequence[int], end: int, *, gap: int,
             beyond.append((e, f"crossing it takes {need} steps, beyond --max-steps "
                               f"{max_steps}"))
             continue
-        if step_s * need > timeout_s:
+        if 2 * start_s + step_s * need > timeout_s:
             beyond.append((e, f"crossing it takes {need} steps, about "
-                              f"{math.ceil(step_s * need)} s at the first run's pace, beyond "
+                              f"{math.ceil(2 * start_s + step_s * need)} s at the first run's "
+                              "pace, beyond "
                               f"--timeout {timeout_s:g}"))
             continue
         plan.append(s)

@@ -27,7 +27,7 @@ class CheckOptions:
     signal_name: str = "SIGUSR1"
     kill_rank: int | None = None          # SIGKILL this rank at the interrupts instead
     timeout_s: float = 120.0              # per run
-    max_steps: int = 100                  # how far a run may go to cross an epoch end
+    max_steps: int = 300                  # how far a run may go to cross an epoch end
     workdir: Path | None = None           # kept; None: a temporary one, removed when exact
     config: Mapping[str, Any] = field(default_factory=dict)   # the user's resolved config
 

@@ -1,7 +1,7 @@
 """`kempner-resilience check-resume`: prove that a script resumes exactly, before the real job.
 
     kempner-resilience check-resume [--ranks N] [--steps 10] [--interrupt-at 3,7]
-        [--signal USR1] [--kill-rank R] [--timeout 120] [--max-steps 100]
+        [--signal USR1] [--kill-rank R] [--timeout 120] [--max-steps 300]
         -- python train.py [args]
 
 Runs the script on N local ranks twice (``checkresume/``): uninterrupted to --steps, then
@@ -50,9 +50,9 @@ def _setup(p: argparse.ArgumentParser) -> None:
                         "rescue and the relaunch after 81)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds each run may take before its ranks are stopped; default 120")
-    p.add_argument("--max-steps", type=int, default=100, metavar="M",
+    p.add_argument("--max-steps", type=int, default=300, metavar="M",
                    help="how far a run may train to stop across the first epoch end or "
-                        "scheduler milestone the script shows; default 100")
+                        "scheduler milestone the script shows; default 300")
     p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
                    help="where both runs' checkpoints and rank logs go (kept); default a "
                         "temporary directory, removed when the resume is exact")
