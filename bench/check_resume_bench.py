@@ -49,6 +49,12 @@ CASES = {
                                ["--steps", "4", "--interrupt-at", "2"]),
     "README example, its own checkpoint.dir": (cases.README_EXAMPLE, "must not be touched",
                                                ["--steps", "4", "--interrupt-at", "2"]),
+    "lr annealed at the epoch end (12 steps), defaults": (
+        cases.ANNEALS_AT_EPOCH_END, "inexact after the first epoch end", []),
+    "the same, --max-steps 20": (cases.ANNEALS_AT_EPOCH_END, "inexact after the first epoch end",
+                                 ["--max-steps", "20"]),
+    "persistent-worker eval loader at the epoch end (6 steps), defaults": (
+        cases.PERSISTENT_EVAL_LOADER, "inexact from the second eval after a resume", []),
 }
 
 

@@ -30,6 +30,7 @@ class ExitCode(enum.IntEnum):
     RESUME_INEXACT = 3
     RESUME_UNCHECKED = 4
     RESUME_NONDETERMINISTIC = 5
+    RESUME_NOT_COVERED = 6
     HANG = 42
     DEADLINE = 43
     REQUEUE = 75
@@ -50,6 +51,7 @@ USAGE = ExitCode.USAGE
 RESUME_INEXACT = ExitCode.RESUME_INEXACT
 RESUME_UNCHECKED = ExitCode.RESUME_UNCHECKED
 RESUME_NONDETERMINISTIC = ExitCode.RESUME_NONDETERMINISTIC
+RESUME_NOT_COVERED = ExitCode.RESUME_NOT_COVERED
 HANG = ExitCode.HANG
 DEADLINE = ExitCode.DEADLINE
 REQUEUE = ExitCode.REQUEUE
@@ -83,6 +85,11 @@ TABLE: dict[ExitCode, str] = {
                                       "nondeterministic kernels), so no resume can be judged; "
                                       "the report names the first step and entries that differ "
                                       "(CLI only)",
+    ExitCode.RESUME_NOT_COVERED: "`check-resume`: exact for the steps it compared, but its "
+                                 "stops did not cross an event that changes state outside a "
+                                 "step (an epoch end, a scheduler's milestone) within "
+                                 "--max-steps or --timeout; the report names the event and its "
+                                 "step, and the steps found exact (CLI only)",
     ExitCode.HANG: "hang watchdog: no step finished within watchdog.hang_timeout_s; stacks were "
                    "dumped to stderr, and the replicas wrote the last step as a rescue "
                    "checkpoint when they could (rescue.*); resume from the last committed one",
@@ -348,7 +355,8 @@ ROWS: tuple[Row, ...] = (
 # Codes no run produces: the command line's own.
 CLI_ONLY: frozenset[ExitCode] = frozenset({ExitCode.USAGE, ExitCode.RESUME_INEXACT,
                                           ExitCode.RESUME_UNCHECKED,
-                                          ExitCode.RESUME_NONDETERMINISTIC})
+                                          ExitCode.RESUME_NONDETERMINISTIC,
+                                          ExitCode.RESUME_NOT_COVERED})
 
 
 def _signal_name(signum: int | None) -> str:

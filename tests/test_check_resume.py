@@ -153,17 +153,23 @@ def test_the_quickstart_adoption_example_on_two_ranks_resumes_exactly(tmp_path):
     _, after = doc_example("quickstart.md", "### Adopting an existing DDP script", "\n#")
     script = write_script(tmp_path, after, "train.py")
     proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at", "3")
-    assert proc.returncode == ExitCode.OK, verdict(proc)
-    assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
+    # Its loader's first epoch end is at step 64: a second interrupted run stops just after it
+    # and trains past the next one, and the whole is exact.
+    assert proc.returncode == 0, verdict(proc)
     assert "stopped by SIGUSR1 at step(s) 3 and resumed" in proc.stdout, verdict(proc)
+    assert "epoch end" in proc.stdout, verdict(proc)
 
 
 def test_the_quickstart_example_resumes_exactly_from_the_rescue_after_a_rank_is_killed(tmp_path):
     _, after = doc_example("quickstart.md", "### Adopting an existing DDP script", "\n#")
     script = write_script(tmp_path, after, "train.py")
     proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at", "3",
-                        "--kill-rank", "1")
-    assert proc.returncode == ExitCode.OK, verdict(proc)
+                        "--kill-rank", "1", "--max-steps", "6")
+    # Exact for every step compared; its loader's first epoch end (step 64) is beyond
+    # --max-steps, so the verdict says so with its own code, never a plain 0.
+    assert proc.returncode == ExitCode.RESUME_NOT_COVERED, verdict(proc)
+    assert "not covered: the epoch end of 'data' at step 64" in proc.stdout, verdict(proc)
+    assert "exact for steps 3-6" in proc.stdout, verdict(proc)
     assert "with rank 1 SIGKILLed at step(s) 3 and resumed" in proc.stdout, verdict(proc)
     # The interrupted run commits only its stops: step 3 is the survivors' rescue checkpoint.
     log = (tmp_path / "check" / "interrupted" / "logs" / "rank0.0.log").read_text()
@@ -484,3 +490,95 @@ def test_a_rescue_holds_the_boundarys_lr_so_lr_decayed_before_the_step_resumes_e
     assert "with rank 1 SIGKILLed at step(s) 3 and resumed" in proc.stdout, verdict(proc)
     log = (tmp_path / "check" / "interrupted" / "logs" / "rank0.0.log").read_text()
     assert "rescue: committed step 3" in log
+
+
+# word_language_model's shape: a learning rate the loop anneals at each epoch's end and carries
+# in a variable, not in state. An epoch is 12 steps, beyond the default window of 10: a real
+# resume after the first epoch end trains on with the first lr.
+ANNEALS_AT_EPOCH_END = """
+import kempner_resilience as kr
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+dataset = TensorDataset(torch.randn(96, 8), torch.randn(96, 1))
+model = torch.nn.Linear(8, 1)
+data = kr.ResumableLoader(DataLoader(dataset, batch_size=8, shuffle=True))
+lr = 0.1
+with kr.ResilientRun(state={"model": model, "data": data}) as run:
+    for step in run.steps(10_000):
+        x, y = next(data)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        if data.batch == len(data):      # the epoch's last batch: evaluate, anneal
+            lr /= 4
+"""
+
+
+def test_an_lr_changed_only_at_the_epoch_end_is_found_by_a_stop_across_the_epoch_end(tmp_path):
+    script = write_script(tmp_path, ANNEALS_AT_EPOCH_END, "train.py")
+    proc = check_resume(tmp_path, script)           # the default window: steps 10, stops 3, 7
+    assert proc.returncode == ExitCode.RESUME_INEXACT, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    # The epoch end at step 12 was foreseen from the loader; a run stopped after it differs.
+    assert "at step(s) 13 (across the epoch end of 'data' at step 12 (foreseen))" in out, \
+        verdict(proc)
+    assert "from step 14 on (1 step(s) after the stop at step 13)" in out, verdict(proc)
+    assert "state that changes at the epoch end of 'data'" in out, verdict(proc)
+
+
+def test_an_epoch_end_beyond_max_steps_is_not_covered_with_its_own_code_never_exact(tmp_path):
+    script = write_script(tmp_path, ANNEALS_AT_EPOCH_END, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "4", "--interrupt-at", "2",
+                        "--max-steps", "20")
+    assert proc.returncode == ExitCode.RESUME_NOT_COVERED, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    assert out.startswith("check-resume: NOT COVERED: exact for steps 1-4; not covered: the "
+                          "epoch end of 'data' at step 12 (foreseen)."), verdict(proc)
+    assert "crossing it takes 25 steps, beyond --max-steps 20" in out, verdict(proc)
+    # Only the runs needed: no run across the epoch end was started.
+    assert not (tmp_path / "check" / "across-events").exists()
+
+
+# mnist's test loader: persistent workers and no generator of its own, iterated at each epoch
+# end (6 steps). Its first iterator draws the workers' seed from the global RNG; a process
+# resumed after that draws again at its first eval, and dropout then differs.
+PERSISTENT_EVAL_LOADER = """
+import kempner_resilience as kr
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.manual_seed(0)
+train = TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
+test = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+optim = torch.optim.SGD(model.parameters(), lr=0.05)
+data = kr.ResumableLoader(DataLoader(train, batch_size=8, shuffle=True))
+test_loader = DataLoader(test, batch_size=8, num_workers=1, persistent_workers=True)
+with kr.ResilientRun(state={"model": model, "optim": optim, "data": data}) as run:
+    for step in run.steps(10_000):
+        x, y = next(data)
+        model.train()
+        optim.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        if data.batch == len(data):      # the epoch's end: evaluate
+            model.eval()
+            with torch.no_grad():
+                loss = sum(torch.nn.functional.mse_loss(model(a), b) for a, b in test_loader)
+"""
+
+
+def test_a_persistent_worker_eval_loader_is_found_by_a_stop_across_the_epoch_end(tmp_path):
+    script = write_script(tmp_path, PERSISTENT_EVAL_LOADER, "train.py")
+    proc = check_resume(tmp_path, script, "--steps", "6", "--interrupt-at", "3")
+    assert proc.returncode == ExitCode.RESUME_INEXACT, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    assert "at step(s) 7 (across the epoch end of 'data' at step 6)" in out, verdict(proc)
+    # The next eval, the resumed process's first, drew the workers' seed from the global RNG.
+    first = out.split("At step 12, the first that differs:", 1)[1].split("At step")[0]
+    assert "rank0:rng.torch" in first and "model" not in first, verdict(proc)
+    assert "an eval loader with persistent workers" in out, verdict(proc)

@@ -19,14 +19,17 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
-from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, RUN_SAID, likely_causes,
+from kempner_resilience.checkresume.coverage import Plan, cover, covers, merge, read_events
+from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, RUN_SAID,
+                                                      across_event_cause, likely_causes,
                                                       own_dir_line, restart_count_readers)
 from kempner_resilience.checkresume.options import CheckOptions
 from kempner_resilience.checkresume.runs import RunResult, run_script
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
 from kempner_resilience.exitcodes import ExitCode, for_signal_stop
-from kempner_resilience.stop.rehearsal import OWN_DIR_REFUSED, PlannedStop
+from kempner_resilience.stop.rehearsal import OWN_DIR_REFUSED, PlannedStop, min_gap
 
 __all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
 
@@ -41,6 +44,7 @@ class Outcome(enum.Enum):
     INEXACT = int(ExitCode.RESUME_INEXACT)
     UNCHECKED = int(ExitCode.RESUME_UNCHECKED)
     NONDETERMINISTIC = int(ExitCode.RESUME_NONDETERMINISTIC)
+    NOT_COVERED = int(ExitCode.RESUME_NOT_COVERED)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class Verdict:
     how: str = ""                              # "stopped by SIGUSR1 at steps 3, 7", ...
     layouts: tuple[str, ...] = ()              # DDP bucket records that differ, not compared
     disk_bytes: int | None = None              # what the runs wrote under workdir
+    also: str = ""                             # the run stopped across events, if one ran
+    crossed: tuple[str, ...] = ()              # the events a stop crossed
+    not_covered: tuple[str, ...] = ()          # NOT_COVERED: the events none crossed, and why
 
     @property
     def code(self) -> int:
@@ -134,61 +141,152 @@ def _disk_use(root: Path) -> int:
     return total
 
 
+def _interrupted(opts: CheckOptions, common: dict, name: str, at: tuple[int, ...], end: int,
+                 every: int) -> tuple[RunResult, tuple[int, ...], str | None]:
+    """An interrupted run stopped at ``at`` and finally at ``end``; where its relaunches
+    resumed; and why it cannot be compared (None: it can)."""
+    kill = opts.kill_rank is not None
+    interrupts = [PlannedStop(s, signal.SIGKILL, opts.kill_rank) if kill
+                  else PlannedStop(s, opts.signum) for s in at]
+    again = frozenset() if kill else frozenset({int(for_signal_stop(opts.signum))})
+    # A killed rank's run commits only its stops: the survivors' rescue writes the killed step.
+    got = run_script(list(opts.command), name=name, stops=interrupts + [PlannedStop(end, _FINAL)],
+                     relaunches=len(interrupts), relaunch_codes=again,
+                     every_steps=0 if kill else every, **common)
+    problem = _failure(got, name, opts.timeout_s, opts.command)
+    # Where each relaunch resumed: the stops as the checkpoints saw them (a killed rank's
+    # launch reports no stop step of its own).
+    stops = tuple(l.start_step for l in got.launches[1:] if l.start_step is not None)
+    if problem is None and len(got.launches) < 2:
+        problem = (f"the {name} run was never interrupted: it ended at step "
+                   f"{max(got.committed)} before step {at[0]}; lower "
+                   "--interrupt-at and --steps to fit the script's steps")
+    if problem is None and kill and stops != at[:len(stops)]:
+        problem = (f"after rank {opts.kill_rank} was killed at steps "
+                   f"{', '.join(map(str, at))} the relaunches resumed from steps "
+                   f"{', '.join(map(str, stops)) or 'none'}: the survivors wrote no rescue "
+                   "checkpoint (rescue.enabled off, or a rank's state held by that rank alone, "
+                   "as with FSDP); a lost rank then costs the steps since the last checkpoint")
+    return got, stops, problem
+
+
+def _how(opts: CheckOptions, stops: tuple[int, ...], planned: tuple[int, ...]) -> str:
+    at = ", ".join(map(str, stops))
+    if opts.kill_rank is not None:
+        return f"with rank {opts.kill_rank} SIGKILLed at step(s) {at}"
+    moved = "" if stops == planned else (
+        f" (planned at {', '.join(map(str, planned))}: a stop inside a gradient-"
+        "accumulation window waits for the window's end)")
+    return f"stopped by {signal.Signals(opts.signum).name} at step(s) {at}{moved}"
+
+
+def _pace(run: RunResult, end: int) -> tuple[float, float]:
+    """The run's seconds per step and per launch's start-up: a step's from the commit times
+    of consecutive steps (the median, so a relaunch between two steps does not count), the
+    start-up's from the rest of the run's wall time. A launch's start-up (Python, torch, the
+    script's set-up) can be most of a short run, and is paid once per launch, not per step."""
+    times = []
+    for step, path in sorted(run.committed.items()):
+        try:
+            times.append((step, (path / MANIFEST_NAME).stat().st_mtime))
+        except OSError:
+            continue
+    gaps = sorted((t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(times, times[1:])
+                  if s1 > s0 and t1 >= t0)
+    if not gaps:
+        return run.wall_s / max(1, end), 0.0
+    step_s = gaps[len(gaps) // 2]
+    return step_s, max(0.0, run.wall_s - step_s * end) / max(1, len(run.launches))
+
+
 def _check(opts: CheckOptions, work: Path) -> Verdict:
     """The runs and their comparison, in ``work``.
 
     The interrupted run goes first: a stop can land later than planned (one inside a
     gradient-accumulation window waits for the window's end), and the uninterrupted run then
-    trains to where the interrupted one really ended, so every resume is compared."""
+    trains to where the interrupted one really ended, so every resume is compared. The
+    events it saw or foresaw (an epoch end, a milestone: ``coverage.py``) that its stops did
+    not cross get a second interrupted run, stopped across them, when the budget allows."""
     common = dict(work=work, ranks=opts.ranks, config=opts.config, timeout_s=opts.timeout_s)
-    interrupts = opts.interrupts()
-    again = frozenset() if opts.kill_rank is not None else frozenset(
-        {int(for_signal_stop(opts.signum))})
-    # A killed rank's run commits only its stops: the survivors' rescue writes the killed step.
-    got = run_script(list(opts.command), name="interrupted",
-                     stops=interrupts + [PlannedStop(opts.steps, _FINAL)],
-                     relaunches=len(interrupts), relaunch_codes=again,
-                     every_steps=0 if opts.kill_rank is not None else 1, **common)
-    problem = _failure(got, "interrupted", opts.timeout_s, opts.command)
-    # Where each relaunch resumed: the stops as the checkpoints saw them (a killed rank's
-    # launch reports no stop step of its own).
-    stops = tuple(l.start_step for l in got.launches[1:] if l.start_step is not None)
-    if problem is None and len(got.launches) < 2:
-        problem = (f"the interrupted run was never interrupted: it ended at step "
-                   f"{max(got.committed)} before step {opts.interrupt_at[0]}; lower "
-                   "--interrupt-at and --steps to fit the script's steps")
-    if problem is None and opts.kill_rank is not None and stops != opts.interrupt_at[:len(stops)]:
-        problem = (f"after rank {opts.kill_rank} was killed at steps "
-                   f"{', '.join(map(str, opts.interrupt_at))} the relaunches resumed from steps "
-                   f"{', '.join(map(str, stops)) or 'none'}: the survivors wrote no rescue "
-                   "checkpoint (rescue.enabled off, or a rank's state held by that rank alone, "
-                   "as with FSDP); a lost rank then costs the steps since the last checkpoint")
+    got, stops, problem = _interrupted(opts, common, "interrupted", opts.interrupt_at,
+                                       opts.steps, 1)
     if problem:
         return Verdict(Outcome.UNCHECKED, work, problem, stops)
     end = got.launches[-1].stop_step or max(got.committed)
+    step_s, start_s = _pace(got, end)
+    plan = cover(read_events([got.events_file]), stops, end, gap=min_gap(opts.ranks),
+                 max_steps=opts.max_steps, step_s=step_s, start_s=start_s,
+                 timeout_s=opts.timeout_s)
+    # A checkpoint per step up to about twice the default window, then fewer: disk bounded.
+    every = max(1, plan.end // (2 * opts.steps))
+    # A divisor of the first run's end, so that the uninterrupted run commits that step too
+    # and the first run's resumes are compared where they all crossed.
+    every = max(d for d in range(1, min(every, end) + 1) if end % d == 0)
+    across, across_stops, across_end = None, (), 0
+    if plan.stops:
+        across, across_stops, problem = _interrupted(opts, common, "across-events",
+                                                     plan.stops, plan.end, every)
+        if problem:
+            return Verdict(Outcome.UNCHECKED, work, problem, stops)
+        across_end = across.launches[-1].stop_step or max(across.committed)
+    ref_end = max(end, across_end)
     ref = run_script(list(opts.command), name="uninterrupted",
-                     stops=[PlannedStop(end, _FINAL)], relaunches=0, **common)
+                     stops=[PlannedStop(ref_end, _FINAL)], relaunches=0, every_steps=every,
+                     **common)
     problem = _failure(ref, "uninterrupted", opts.timeout_s, opts.command)
     if problem:
         return Verdict(Outcome.UNCHECKED, work, problem, stops)
-    at = ", ".join(map(str, stops))
-    moved = "" if opts.kill_rank is not None or stops == opts.interrupt_at else (
-        f" (planned at {', '.join(map(str, opts.interrupt_at))}: a stop inside a gradient-"
-        "accumulation window waits for the window's end)")
-    how = f"with rank {opts.kill_rank} SIGKILLed at step(s) {at}" if opts.kill_rank is not None \
-        else f"stopped by {signal.Signals(opts.signum).name} at step(s) {at}{moved}"
     cmp = _Comparer(ref)
-    verdict = _compare(cmp, got, work, stops, how, killed=opts.kill_rank is not None,
-                       readers=restart_count_readers(opts.command))
+    readers = restart_count_readers(opts.command)
+    killed = opts.kill_rank is not None
+    verdict = _compare(cmp, got, work, stops, _how(opts, stops, opts.interrupt_at),
+                       killed=killed, readers=readers)
+    if verdict.outcome is Outcome.EXACT and across is not None:
+        events = ", ".join(e.words() for e in plan.crosses)
+        other = _compare(cmp, across, work, across_stops,
+                         f"{_how(opts, across_stops, plan.stops)} (across {events})",
+                         killed=killed, readers=readers)
+        if other.outcome is Outcome.INEXACT and other.after_stop in across_stops:
+            said = [c for c in other.causes if c.startswith("the run said: ")]
+            other = replace(other, causes=tuple(said + [across_event_cause(events)] + [
+                c for c in other.causes if c not in said]))
+        verdict = other if other.outcome is not Outcome.EXACT else replace(
+            verdict, also=other.how, compared=tuple(sorted(set(verdict.compared) |
+                                                           set(other.compared))),
+            unseeded=tuple(sorted(set(verdict.unseeded) | set(other.unseeded))),
+            layouts=tuple(sorted(set(verdict.layouts) | set(other.layouts))))
+    if verdict.outcome is Outcome.EXACT:
+        return _coverage(verdict, ref, [(got, stops, end), (across, across_stops, across_end)],
+                         plan)
     if verdict.outcome is not Outcome.INEXACT:
         return verdict
     # Does the script repeat itself? A second straight run says whether the difference is the
     # resume's or the script's own (unseeded, nondeterministic): only measured, never guessed.
     again = run_script(list(opts.command), name="uninterrupted-again",
-                       stops=[PlannedStop(end, _FINAL)], relaunches=0, **common)
+                       stops=[PlannedStop(ref_end, _FINAL)], relaunches=0, every_steps=every,
+                       **common)
     if _failure(again, "second uninterrupted", opts.timeout_s, opts.command) is not None:
         return verdict
     return _repeats(cmp, again, verdict)
+
+
+def _coverage(verdict: Verdict, ref: RunResult,
+              runs: list[tuple[RunResult | None, tuple[int, ...], int]], plan: Plan) -> Verdict:
+    """An exact ``verdict`` with the events its runs crossed, or NOT_COVERED naming those no
+    run crossed: what the uninterrupted run saw first, then what the others saw or foresaw."""
+    events = merge(read_events([ref.events_file]),
+                   read_events([r.events_file for r, _, _ in runs if r is not None]))
+    why = {e.kind: reason for e, reason in plan.beyond}
+    crossed, missed = [], []
+    for e in events:
+        if any(r is not None and covers(e, s, end) for r, s, end in runs):
+            crossed.append(e.words())
+        else:
+            missed.append(f"{e.words()}: " + why.get(e.kind, (
+                f"no stop fell between it and its next occurrence"
+                + (f" at step {e.second}" if e.second is not None else ""))))
+    verdict = replace(verdict, crossed=tuple(crossed), not_covered=tuple(missed))
+    return replace(verdict, outcome=Outcome.NOT_COVERED) if missed else verdict
 
 
 def _idle_streams(ref: RunResult, cache: dict[tuple[str, int], Snapshot]) -> set[str]:

@@ -27,6 +27,7 @@ class CheckOptions:
     signal_name: str = "SIGUSR1"
     kill_rank: int | None = None          # SIGKILL this rank at the interrupts instead
     timeout_s: float = 120.0              # per run
+    max_steps: int = 300                  # how far a run may go to cross an epoch end
     workdir: Path | None = None           # kept; None: a temporary one, removed when exact
     config: Mapping[str, Any] = field(default_factory=dict)   # the user's resolved config
 
@@ -52,6 +53,9 @@ class CheckOptions:
                              f"{self.ranks - 1}")
         if self.kill_rank is not None and self.ranks < 2:
             raise ValueError("--kill-rank needs --ranks 2 or more (survivors to rescue)")
+        if self.max_steps < self.steps:
+            raise ValueError(f"--max-steps {self.max_steps}: give at least --steps "
+                             f"{self.steps} (how far a run may go to cross an epoch end)")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout {self.timeout_s}: give a positive number of seconds")
 

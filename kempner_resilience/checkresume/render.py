@@ -41,7 +41,8 @@ def _entries(diffs: tuple[EntryDiff, ...]) -> list[str]:
 
 
 def _wrap(text: str, indent: str = "  ") -> str:
-    return textwrap.fill(text, 96, initial_indent=indent, subsequent_indent=indent + "  ")
+    return textwrap.fill(text, 96, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False)
 
 
 def render(v: Verdict) -> str:
@@ -74,10 +75,24 @@ def _report(v: Verdict) -> str:
         lines += [_wrap(f"- {c}") for c in v.causes]
         lines.append(f"  checkpoints and rank logs of the runs: {v.workdir}")
         return "\n".join(lines) + note
-    if v.outcome is Outcome.EXACT:
-        return (f"check-resume: exact. The run {v.how} and resumed each "
-                f"time equals the uninterrupted run at every step, bitwise ({len(v.compared)} "
-                f"checkpoints compared, steps {v.compared[0]}..{v.compared[-1]}).{note}")
+    if v.outcome in (Outcome.EXACT, Outcome.NOT_COVERED):
+        also = f", and the run {v.also}," if v.also else ""
+        exact = (f"The run {v.how} and resumed each time{also} equals the uninterrupted run at "
+                 f"every step compared, bitwise ({len(v.compared)} checkpoints, steps "
+                 f"{v.compared[0]}..{v.compared[-1]}).")
+        if v.crossed:
+            exact += "\n" + _wrap(f"Its stops crossed {', '.join(v.crossed)}.", "  ")
+        if v.outcome is Outcome.EXACT:
+            return f"check-resume: exact. {exact}{note}"
+        lines = [f"check-resume: NOT COVERED: exact for steps {v.compared[0]}-{v.compared[-1]}; "
+                 f"not covered: {'; '.join(e.split(':', 1)[0] for e in v.not_covered)}.", exact,
+                 "Not covered (no stop crossed it):"]
+        lines += [_wrap(f"- {e}") for e in v.not_covered]
+        lines.append(_wrap("A resume across it may still differ (a value changed there and "
+                           "carried outside state, an eval loader's workers): raise --max-steps "
+                           "and --timeout to cross it, or shorten the script's epochs for the "
+                           "check.", "  "))
+        return "\n".join(lines) + note
     lines = [f"check-resume: INEXACT. The run {v.how} and resumed differs "
              f"from the uninterrupted run from step {v.first_step} on"
              + (f" ({v.first_step - v.after_stop} step(s) after the stop at step "

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -32,7 +33,8 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.integrations.local import Launch, LocalLauncher
 from kempner_resilience.core.ledger import REPORT_ENV
-from kempner_resilience.stop.rehearsal import CHECK_DIR_ENV, REHEARSAL_ENV, PlannedStop, encode
+from kempner_resilience.stop.rehearsal import (CHECK_DIR_ENV, EVENTS_ENV, REHEARSAL_ENV,
+                                               PlannedStop, encode)
 
 __all__ = ["LaunchSummary", "RunResult", "run_script", "run_config"]
 
@@ -64,6 +66,12 @@ class RunResult:
     launches: list[LaunchSummary] = field(default_factory=list)
     committed: dict[int, Path] = field(default_factory=dict)
     timed_out: bool = False
+    wall_s: float = 0.0                          # how long its launches took, all together
+
+    @property
+    def events_file(self) -> Path:
+        """Where rank 0 wrote the epoch ends and milestones it saw (``run/events.py``)."""
+        return self.logs.parent / "events.jsonl"
 
     def log_text(self) -> str:
         """Rank 0's log of the last launch ('' when there is none)."""
@@ -181,6 +189,7 @@ def run_script(command: list[str], *, name: str, work: Path, ranks: int,
     env = {"KEMPNER_RESILIENCE_CONFIG": str(cfg_path), REHEARSAL_ENV: encode(stops),
            REPORT_ENV: str(report), CHECK_DIR_ENV: str(root)}
     result = RunResult(name, root, logs)
+    env[EVENTS_ENV] = str(result.events_file)
     holder: list[LocalLauncher] = []
 
     def told(launch: Launch) -> None:
@@ -205,8 +214,10 @@ def run_script(command: list[str], *, name: str, work: Path, ranks: int,
                              relaunch_codes=again, stop_timeout_s=stop_timeout_s,
                              log_dir=logs, env=env)
     holder.append(launcher)
+    began = time.monotonic()
     with _Deadline(timeout_s) as deadline:
         launcher.run()
+    result.wall_s = time.monotonic() - began
     result.timed_out = deadline.fired
     result.committed = _committed(root)
     return result

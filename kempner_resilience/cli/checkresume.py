@@ -1,15 +1,18 @@
 """`kempner-resilience check-resume`: prove that a script resumes exactly, before the real job.
 
     kempner-resilience check-resume [--ranks N] [--steps 10] [--interrupt-at 3,7]
-        [--signal USR1] [--kill-rank R] [--timeout 120] -- python train.py [args]
+        [--signal USR1] [--kill-rank R] [--timeout 120] [--max-steps 300]
+        -- python train.py [args]
 
 Runs the script on N local ranks twice (``checkresume/``): uninterrupted to --steps, then
 stopped at each --interrupt-at step and relaunched from its checkpoint, and compares the two
 runs' checkpoints step by step. Exit 0: exact; 3 (RESUME_INEXACT): what differs, from which
 step, and the likely cause; 4 (RESUME_UNCHECKED): the script failed, timed out or committed
-nothing; 5 (RESUME_NONDETERMINISTIC): two uninterrupted runs already differ. --config/--set
-are the settings the script's ResilientRun gets (its checkpoint.dir
-and cadence are check-resume's own).
+nothing; 5 (RESUME_NONDETERMINISTIC): two uninterrupted runs already differ; 6
+(RESUME_NOT_COVERED): exact, but the stops did not cross an epoch end or a scheduler milestone
+the script shows, within --max-steps (by default a run stops across the first one).
+--config/--set are the settings the script's ResilientRun gets (its checkpoint.dir and cadence
+are check-resume's own).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def _setup(p: argparse.ArgumentParser) -> None:
                         "rescue and the relaunch after 81)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds each run may take before its ranks are stopped; default 120")
+    p.add_argument("--max-steps", type=int, default=300, metavar="M",
+                   help="how far a run may train to stop across the first epoch end or "
+                        "scheduler milestone the script shows; default 300")
     p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
                    help="where both runs' checkpoints and rank logs go (kept); default a "
                         "temporary directory, removed when the resume is exact")
@@ -56,7 +62,9 @@ def _setup(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Exit 0: exact; 3 RESUME_INEXACT: the report names the entries that differ, "
                 "the first step that differs and the likely cause; 4 RESUME_UNCHECKED: the "
                 "script failed, timed out or committed no checkpoint; 5 "
-                "RESUME_NONDETERMINISTIC: two uninterrupted runs of it already differ.")
+                "RESUME_NONDETERMINISTIC: two uninterrupted runs of it already differ; 6 "
+                "RESUME_NOT_COVERED: exact, but no stop crossed an epoch end or milestone "
+                "within --max-steps (the report names it).")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -74,6 +82,7 @@ def _run(args: argparse.Namespace) -> int:
         opts = CheckOptions(tuple(command), ranks=args.ranks, steps=args.steps,
                             interrupt_at=args.interrupt_at, signal_name=args.signal,
                             kill_rank=args.kill_rank, timeout_s=args.timeout,
+                            max_steps=args.max_steps,
                             workdir=args.workdir, config=cfg.to_dict())
     except ValueError as e:
         raise CliError(str(e), int(ExitCode.USAGE)) from None

@@ -27,6 +27,7 @@ from kempner_resilience.checkpoint import identity
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV
 from kempner_resilience.config import ExitMode, ResilienceConfig, load_config
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.run import events
 from kempner_resilience.run import remarks as loop
 from kempner_resilience.run import window
 from kempner_resilience.run.begin import begin
@@ -249,8 +250,13 @@ class ResilientRun:
         if rescue is not None:
             rescue.mark(progress.step)
         plan = rehearsal.planned()      # check-resume's stops (stop/rehearsal.py); () otherwise
+        # check-resume's watcher of epoch ends and milestones (run/events.py); None otherwise.
+        seen = events.watch(parts.ckpt.state.others, parts.rank) \
+            if plan and parts.ckpt is not None else None
         while progress.step < total:
             if plan:
+                if seen is not None:
+                    seen.at(progress.step)
                 rehearsal.rehearse(plan, progress.step, parts.start_step, parts.agreement)
             now = time.monotonic()
             reason = self._signal_reason()

@@ -33,13 +33,15 @@ from pathlib import Path
 
 from kempner_resilience.stop.agreement import StopAgreement
 
-__all__ = ["REHEARSAL_ENV", "CHECK_DIR_ENV", "OWN_DIR_REFUSED", "PlannedStop", "parse",
+__all__ = ["REHEARSAL_ENV", "CHECK_DIR_ENV", "EVENTS_ENV", "OWN_DIR_REFUSED", "PlannedStop", "parse",
            "encode", "planned", "due", "rehearse", "min_gap", "refuse_other_dir"]
 
 #: The plan, in the ranks' environment (set by check-resume; unset in every real job).
 REHEARSAL_ENV = "KEMPNER_RESILIENCE_REHEARSAL"
 #: The checkpoint directory check-resume gave the run (unset in every real job).
 CHECK_DIR_ENV = "KEMPNER_RESILIENCE_CHECK_DIR"
+#: Where rank 0 writes the epoch ends and milestones it sees (``run/events.py``; check-resume only).
+EVENTS_ENV = "KEMPNER_RESILIENCE_EVENTS"
 #: The words that start the refusal, which check-resume looks for in rank 0's log.
 OWN_DIR_REFUSED = "check-resume refused the script's own checkpoint.dir"
 
