@@ -35,11 +35,12 @@ progress = open(args.progress, "a", buffering=1) if args.progress else None
 
 run = ResilientAccelerate(None, accelerator, state={"model": model, "optim": optim,  # marked
                                                     "sched": sched, "data": loader})
+if args.progress:       # which process is which rank, for a test that signals one
+    with open(f"{args.progress}.pid{accelerator.process_index}", "w") as f:
+        f.write(str(os.getpid()))
 with run:                                                                             # marked
     if args.rewards:    # each step queues reward work holding tensors, as Flow-Factory does
         pool = run.add_executor(ThreadPoolExecutor(2), name="rewards")
-        with open(f"{args.progress}.pid{accelerator.process_index}", "w") as f:
-            f.write(str(os.getpid()))
     for step, (x, y) in zip(run.steps(args.steps), run.data):                        # marked
         if args.rewards:
             for _ in range(4):
