@@ -286,14 +286,16 @@ def _run(argv: list[str]) -> None:
     """``python script.py args`` or ``python -m module args``, as the interpreter runs them."""
     import runpy
 
+    # Inserted, not set: main() took the zygote's own folder off already, so sys.path[0] is
+    # PYTHONPATH's first folder now, which a cold start keeps.
     if argv[1] == "-m":
         sys.argv = [argv[2], *argv[3:]]
-        sys.path[0] = os.getcwd()
+        sys.path.insert(0, os.getcwd())
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
     else:
         script = str(Path(argv[1]))
         sys.argv = [script, *argv[2:]]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         runpy.run_path(script, run_name="__main__")
 
 
