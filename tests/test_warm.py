@@ -62,6 +62,28 @@ def test_a_warm_rank_gets_its_own_environment_arguments_directory_and_exit_code(
     assert not seen0["kr_loaded"]                    # the package's import-time state is the rank's
 
 
+def test_a_warm_rank_imports_from_the_same_folders_as_a_cold_start_pythonpath_included(
+        tmp_path):
+    import json
+    import subprocess
+
+    script = write_script(tmp_path, "import json, sys; print(json.dumps(sys.path))", "p.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path / "lib"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cold = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    z = Zygote(env)
+    try:
+        out = tmp_path / "warm.out"
+        assert z.spawn([sys.executable, str(script)], env, str(tmp_path), str(out),
+                       str(out)).wait(timeout=60) == 0
+    finally:
+        z.close()
+    warm = json.loads(out.read_text().strip().splitlines()[-1])
+    assert warm == json.loads(cold.stdout)
+    assert warm[1] == str(tmp_path / "lib")
+
+
 def test_a_warm_rank_killed_by_a_signal_reports_it_as_popen_does(zygote, tmp_path):
     script = write_script(tmp_path, "import time\ntime.sleep(60)\n")
     p = zygote.spawn([sys.executable, str(script)], dict(os.environ), None, os.devnull,

@@ -140,11 +140,13 @@ def restart_count_cause(readers: Sequence[str]) -> str:
 
 
 #: The run's own warnings that measure a resume's inexactness (checkpoint/data.py,
-#: loaderfit.py, carried.py): when the interrupted run said one, it is the cause, word for word.
+#: loaderfit.py, carried.py, trainers/hf.py): when the interrupted run said one, it is the
+#: cause, word for word.
 RUN_SAID = ("before the checkpoint was restored", "batches taken before the first step",
             "which no checkpoint saves", "without its own generator",
             "resumes from a checkpoint saved with another loader", "draws from a global RNG",
-            "but is not in the state", "holds accumulated gradients")
+            "but is not in the state", "holds accumulated gradients",
+            "starts the resumed epoch from its first batch")
 
 
 def across_event_cause(events: str) -> str:

@@ -288,6 +288,8 @@ def _run(argv: list[str]) -> None:
     over the first of them (``main`` took this file's folder out already)."""
     import runpy
 
+    # Inserted, not set: main() took the zygote's own folder off already, so sys.path[0] is
+    # PYTHONPATH's first folder now, which a cold start keeps.
     if argv[1] == "-m":
         sys.argv = [argv[2], *argv[3:]]
         sys.path.insert(0, os.getcwd())

@@ -21,7 +21,9 @@ lives, so this class puts that state into ``state``:
   batches at the index sampler (nothing loaded for them), where ``skip_first_batches`` loads
   and drops them. Its base ``DataLoader`` gets a seeded generator of its own: without one it
   draws its workers' seed from torch's global RNG at every epoch, and a resumed run draws once
-  more than the run it continues (the documented resume is then not bitwise).
+  more than the run it continues (the documented resume is then not bitwise). A shuffling
+  sampler without a generator (one process: Accelerate shards nothing) shares it, for the
+  same reason.
 * ``accelerator.scaler`` (mixed precision) and the objects given to
   ``accelerator.register_for_checkpointing`` go in as ``scaler`` and ``custom_<i>``.
 * the prepared model (DDP) goes in as it is; an ``AcceleratedOptimizer`` or
@@ -39,7 +41,7 @@ import os
 from typing import Any, Iterator, Mapping
 
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, RandomSampler
 
 from kempner_resilience.config import ExitMode, ResilienceConfig
 from kempner_resilience.checkpoint.data import sampler_chain, seeded_generator
@@ -109,6 +111,11 @@ class AcceleratedLoader:
             # One draw from the global RNG now, before a resume restores it (see module doc).
             base.generator = seeded_generator()
         samplers = sampler_chain(base.batch_sampler)
+        for s in samplers:
+            # One process (no BatchSamplerShard, whose sampler Accelerate seeds): a shuffling
+            # sampler without a generator draws its seed from the global RNG at every epoch.
+            if isinstance(s, RandomSampler) and s.generator is None:
+                s.generator = base.generator
         self._skip = _Skip(base.batch_sampler)
         # DataLoader refuses a new batch sampler after __init__ (a guard for users changing it
         # mid-iteration); Accelerate's loader reads it only when an epoch begins.
@@ -168,6 +175,22 @@ class AcceleratedLoader:
         self._epoch_rng = [s.clone() for s in sd["generators"]]
 
 
+def _check_processes(accelerator: Any) -> None:
+    """Refuse an Accelerator that runs as one process where the launcher started several.
+
+    Started by a launcher that sets ``WORLD_SIZE`` but not Accelerate's own variables (torchrun,
+    ``kempner-resilience launch``, check-resume) on a machine without CUDA, the Accelerator
+    runs alone (no ``ACCELERATE_USE_CPU``): every rank would train on the whole dataset and the
+    ranks' checkpoints would not be one model's."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    processes = int(getattr(accelerator, "num_processes", 1))
+    if world.isdigit() and int(world) > 1 and processes == 1:
+        raise ValueError(f"the launcher started {world} ranks (WORLD_SIZE={world}) but the "
+                         "Accelerator runs as 1 process: each rank would train alone. On CPU "
+                         "set ACCELERATE_USE_CPU=1 (what `accelerate launch --cpu` sets) or "
+                         "pass Accelerator(cpu=True); on GPUs make CUDA visible to every rank")
+
+
 class ResilientAccelerate(ResilientRun):
     """``ResilientRun`` for a script that trains with an ``accelerate.Accelerator``.
 
@@ -187,6 +210,7 @@ class ResilientAccelerate(ResilientRun):
         if not hasattr(accelerator, "prepare") or not hasattr(accelerator, "state"):
             raise TypeError(f"accelerator must be an accelerate.Accelerator, not a "
                             f"{type(accelerator).__name__}")
+        _check_processes(accelerator)
         self.accelerator = accelerator
         self.loaders: dict[str, AcceleratedLoader] = {}
         full: dict[str, Any] = {}

@@ -24,6 +24,9 @@ Here the Trainer's own skip does it, fed from the run's verified checkpoint:
   periodic save, and the stop agreed on every rank. A stop saves there and raises
   ``SystemExit`` with the documented code, out of ``train()``: a script's "final" save after
   ``train()`` never runs on a stopped run.
+* ``TrainingArguments(ignore_data_skip=True)`` is the user's choice (no skip: a faster
+  resume of a large epoch), and a resume says that it is not exact: the resumed epoch starts
+  again from its first batch.
 * ``TrainingArguments(enable_jit_checkpoint=True)`` is taken over: its SIGTERM handler and
   callback are removed, and SIGTERM stops at the step boundary like the other signals.
 """
@@ -182,6 +185,12 @@ class ResilientTrainer(ResilientRun):
                 announce(log, "the Trainer's enable_jit_checkpoint is taken over: SIGTERM "
                          "stops every rank at one step with a committed checkpoint")
             folder = self._resume_folder() if self.resumed_from is not None else None
+            if folder is not None and t.args.ignore_data_skip and self.rank == 0:
+                log.warning("TrainingArguments(ignore_data_skip=True): the Trainer starts the "
+                            "resumed epoch from its first batch, not after the batches step %d "
+                            "already trained, so the steps after this resume train on other "
+                            "batches than a run without a stop (not an exact resume); leave "
+                            "ignore_data_skip False to skip them", self.step)
             saved = {n: t.__dict__.get(n) for n in _LOADERS}
             try:
                 if folder is not None:      # the run loaded these: the Trainer must not

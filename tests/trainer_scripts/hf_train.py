@@ -5,10 +5,13 @@ scheduler, RNG and loop position to --out; each step is a line in --progress
 (``rank R step S``). Config: $KEMPNER_RESILIENCE_CONFIG."""
 
 import argparse
+import sys
 import time
 
-import kempner_resilience as kr                                       # first, before torch
-from kempner_resilience.trainers.hf import ResilientTrainer           # marked
+PLAIN = "--plain" in sys.argv       # the script as it was before (bench/trainers_bench.py)
+if not PLAIN:
+    import kempner_resilience as kr                                   # first, before torch
+    from kempner_resilience.trainers.hf import ResilientTrainer       # marked
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
                           TrainingArguments, set_seed)
@@ -19,6 +22,10 @@ ap.add_argument("--out")
 ap.add_argument("--progress")
 ap.add_argument("--step-s", type=float, default=0.05)
 ap.add_argument("--jit", action="store_true", help="TrainingArguments(enable_jit_checkpoint)")
+ap.add_argument("--ignore-data-skip", action="store_true",
+                help="TrainingArguments(ignore_data_skip): a resumed epoch starts again")
+ap.add_argument("--plain", action="store_true", help="without the package: trainer.train()")
+ap.add_argument("--times", help="rank 0 appends each step's end (time.perf_counter) here")
 args = ap.parse_args()
 
 
@@ -39,6 +46,9 @@ class Progress(TrainerCallback):
         if args.progress:
             with open(args.progress, "a") as f:
                 f.write(f"rank {targs.process_index} step {state.global_step - 1}\n")
+        if args.times and targs.process_index == 0:
+            with open(args.times, "a") as f:
+                f.write(f"{time.perf_counter()}\n")
 
 
 set_seed(0)
@@ -49,9 +59,13 @@ targs = TrainingArguments(output_dir="hf_out", max_steps=args.steps, per_device_
                           save_strategy="no", report_to=[], logging_strategy="no",
                           disable_tqdm=True, use_cpu=True, seed=0,
                           ddp_find_unused_parameters=False,
-                          enable_jit_checkpoint=args.jit)
+                          enable_jit_checkpoint=args.jit,
+                          ignore_data_skip=args.ignore_data_skip)
 trainer = Trainer(model, args=targs, train_dataset=Tokens(), callbacks=[Progress()])
-ResilientTrainer(None, trainer).train()                                # marked: was trainer.train()
+if PLAIN:
+    trainer.train()
+else:
+    ResilientTrainer(None, trainer).train()                            # marked: was trainer.train()
 
 if trainer.args.process_index == 0 and args.out:
     torch.save({"model": trainer.model.state_dict(), "optim": trainer.optimizer.state_dict(),
