@@ -96,15 +96,17 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _three_agents(work: Path, agents: list[subprocess.Popen],
-                  hang_timeout_s: float = 1800) -> tuple[int, int]:
+                  hang_timeout_s: float = 1800, rdzv_conf: str = "") -> tuple[int, int]:
     """Starts three agents into ``agents`` (``--nnodes=2``) and waits until the node that is not
     the rendezvous host has trained 10 steps past the first periodic save; returns (that
     training node, the standby)."""
     work.mkdir()
     port = free_port()
-    agents.append(_agent(work, 0, port, 2, STEPS, hang_timeout_s=hang_timeout_s))
+    agents.append(_agent(work, 0, port, 2, STEPS, hang_timeout_s=hang_timeout_s,
+                         rdzv_conf=rdzv_conf))
     _listening(port)            # agent 0 hosts the rendezvous store (the first node)
-    agents += [_agent(work, i, port, 2, STEPS, hang_timeout_s=hang_timeout_s) for i in (1, 2)]
+    agents += [_agent(work, i, port, 2, STEPS, hang_timeout_s=hang_timeout_s,
+                      rdzv_conf=rdzv_conf) for i in (1, 2)]
     wait_for_file(work / "progress.0", timeout=120, contains="step 5\n")
     # Two agents train; the third waits in torch's redundancy list.
     training = [i for i, a in enumerate(agents) if child_pids(a.pid)]
@@ -170,6 +172,31 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
     # (outside SLURM an attempt is named by its index: "1+1", the first in-job restart)
     assert f"1+1: a worker on node{victim} was killed" in out, out
     assert f"kept out: node{victim}; spare: " in out and (" + rescue " in out) == rescued, out
+
+
+def test_a_node_killed_whole_leaves_the_rendezvous_once_the_survivor_lost_it_not_after_torch_s_window(
+        tmp_path, reference):
+    # Agent and worker SIGKILLed together (a power loss, a kernel panic). torch alone keeps
+    # the dead agent in the finished round until its heartbeat is older than the keep-alive
+    # window (1 s x 30 here), and the next round cannot open before. The survivor's worker
+    # lost its peer and rescued: its agent drops the dead node once its heartbeat is 2 s old.
+    work = tmp_path / "job"
+    agents: list[subprocess.Popen] = []
+    try:
+        victim, standby = _three_agents(work, agents, rdzv_conf=",keep_alive_max_attempt=30")
+        for pid in [*child_pids(agents[victim].pid), agents[victim].pid]:
+            os.kill(pid, signal.SIGKILL)
+        codes = _finish([agents[0], agents[standby]])
+    finally:
+        _finish(agents, timeout=0)
+    err = (work / "agent.0.err").read_text()
+    assert codes == [0, 0], (codes, err[-3000:])
+    assert "is gone (its heartbeat is" in err and "not after torch's 30 s" in err, err[-3000:]
+    assert "relaunching in place" in err, err[-3000:]
+    _resume_point(work, err)
+    assert f"step {STEPS - 1}\n" in (work / f"progress.{standby}").read_text()
+    same, total, diff = compare_weights(reference, work / "weights.pt")
+    assert not diff, f"{len(diff)} of {total} tensors differ"
 
 
 def test_a_frozen_node_s_place_goes_to_the_standby_only_after_the_survivors_rescued_bitwise(

@@ -50,7 +50,12 @@ Optional (looked up where used; without them a feature is off and says so in the
     ``_settings`` and ``_stop_heartbeats``, ``_RendezvousExitOp`` (a node that leaves without
     closing the rendezvous) and ``_RendezvousState``'s fields (``rendezvous_state``: the round,
     the participants, the standbys and their heartbeats). Without them: no relaunch in place
-    (a failure requeues).
+    (a failure requeues);
+  * ``notice`` (``integrations/torchrun_elastic.py``): the state holder's ``_sanitize``,
+    ``_state`` and ``_settings``: the holder becomes a subclass of its class whose sanitize,
+    once this node's workers lost a peer, also drops a finished round's participant whose
+    heartbeat is two keep-alive intervals old. Without them the dead node leaves when
+    torch's keep-alive window expires.
 """
 
 from __future__ import annotations
@@ -158,12 +163,15 @@ ELASTIC: dict[str, tuple[str, tuple[str, ...]]] = {
         _DR + "_DistributedRendezvousOpExecutor._add_to_redundancy_list",
         _DR + "DynamicRendezvousHandler._stop_heartbeats", _DR + "_RendezvousExitOp",
         _DR + "_RendezvousState")),
+    "notice": ("a dead node leaves the rendezvous only when torch's keep-alive window expires", (
+        _DR + "_BackendRendezvousStateHolder._sanitize",)),
 }
 # The instance attributes of each group, checked on the first instance (``instance_missing``).
 ELASTIC_INSTANCE = {
     "shutdown": ("_pcontext",),
     "restarts": ("_remaining_restarts",),
     "spares": ("_op_executor", "_this_node", "_state_holder", "_settings"),
+    "notice": ("_state", "_settings"),       # on the state holder
 }
 # _RendezvousState's fields the glue reads (torch pickles that object into its store).
 _STATE_FIELDS = ("round", "participants", "wait_list", "redundancy_list", "last_heartbeats")

@@ -13,8 +13,18 @@ before they are used; a torch that lacks one keeps torch's behaviour for that pa
   rank-0 agent writes the restart event (``_initialize_workers``, ``_start_workers``).
 * ``SpareHandler`` (a ``DynamicRendezvousHandler``): a node standing by is noticed (its op
   executor, a subclass of torch's, reports the redundancy list), a waiting node is hidden from
-  the monitor while the survivors rescue (``num_nodes_waiting``), and a node that leaves only
-  takes itself out of the rendezvous instead of closing it for the job (``shutdown``).
+  the monitor while the survivors rescue (``num_nodes_waiting``), a node that leaves only
+  takes itself out of the rendezvous instead of closing it for the job (``shutdown``), and a
+  dead node is dropped from the rendezvous as soon as the survivors know (``notice_lost_peer``).
+
+Why the last one: after a node's death the next round opens only once every participant of
+the finished one has left it, and a dead node leaves only when torch finds its heartbeat
+older than the keep-alive window (``keep_alive_interval`` x ``keep_alive_max_attempt``: 10 s
+with the template's values, 15 s with torch's). The survivors know sooner: their workers
+lost a peer and rescued. From then on, their state holder (a subclass of torch's, its
+``_sanitize`` extended) treats a participant of the finished round whose heartbeat is two
+intervals old as dead. A live participant beats every interval from its own thread until it
+leaves the round itself, so only a dead or frozen agent is that late.
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ from __future__ import annotations
 import functools
 import signal
 import time
-from datetime import timedelta
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -99,6 +110,9 @@ class ElasticAgent(LocalElasticAgent):
         if ok:
             if self.inplace is not None:
                 self.inplace.restarting()
+                handler = worker_group.spec.rdzv_handler
+                if isinstance(handler, SpareHandler):
+                    handler.notice_lost_peer()
             log.warning("%s: workers failed with %s: relaunching in place (%s)", AGENT_NAME,
                         codes, why)
         else:
@@ -122,6 +136,27 @@ class SpareHandler(DynamicRendezvousHandler):
             self._op_executor = _standby_executor(
                 self._names["_DistributedRendezvousOpExecutor"])(
                 self._this_node, self._state_holder, self._settings, self)
+            holder = self._state_holder
+            if torch_private.elastic("notice") is not None \
+                    and not torch_private.instance_missing("notice", holder):
+                # Built by torch's from_backend: it becomes an instance of a subclass of its
+                # own class (see the module doc); torch's class is untouched.
+                holder.__class__ = _noticing_holder(type(holder))
+
+    def notice_lost_peer(self) -> None:
+        """This node's workers lost a peer and the group relaunches in place: from now until
+        the keep-alive window has passed once more, a participant of the finished round
+        whose heartbeat is two intervals old leaves the rendezvous (see the module doc)."""
+        holder = getattr(self, "_state_holder", None)
+        settings = getattr(self, "_settings", None)
+        if not hasattr(holder, "kr_notice") or settings is None:
+            return
+        interval = settings.keep_alive_interval
+        window = interval * settings.keep_alive_max_attempt
+        if 2 * interval >= window:
+            return                  # torch's own window is as short
+        holder.kr_notice = _Notice(self._this_node, 2 * interval, window,
+                                   time.monotonic() + window.total_seconds() + 60.0)
 
     def standing_by(self) -> None:
         """torch put this node in the round's redundancy list: it waits as a spare."""
@@ -180,6 +215,61 @@ def _standby_executor(base: type) -> type:
             super()._add_to_redundancy_list()
 
     return StandbyExecutor
+
+
+_LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+@dataclass
+class _Notice:
+    """What a survivor's state holder knows after its workers lost a peer: its own node, how
+    old a heartbeat is dead now (``stale``), torch's window, and until when this holds."""
+
+    node: Any
+    stale: timedelta
+    window: timedelta
+    until: float
+    said: set[Any] = field(default_factory=set)
+
+    def expire(self, state: Any) -> None:
+        """Mark a finished round's participant with a heartbeat older than ``stale`` as dead
+        (its heartbeat set long past): torch's sanitize, which runs next, removes it."""
+        if not getattr(state, "complete", False):
+            return
+        now = datetime.now(timezone.utc)
+        beats = getattr(state, "last_heartbeats", {})
+        for node in list(getattr(state, "participants", {})):
+            beat = beats.get(node)
+            if node == self.node or beat is None or now - beat <= self.stale:
+                continue
+            beats[node] = _LONG_AGO
+            if node not in self.said:
+                self.said.add(node)
+                log.warning("%s: rendezvous node %s is gone (its heartbeat is %.1f s old and "
+                            "this node's workers lost a peer): it leaves the rendezvous now, "
+                            "not after torch's %.0f s", AGENT_NAME, node,
+                            (now - beat).total_seconds(), self.window.total_seconds())
+
+
+@functools.lru_cache(maxsize=None)
+def _noticing_holder(base: type) -> type:
+    """torch's rendezvous state holder (private, so subclassed only once resolved) whose
+    sanitize first applies the survivors' notice (``_Notice``), when one holds."""
+
+    class NoticingStateHolder(base):  # type: ignore[misc, valid-type]
+        kr_notice: _Notice | None = None
+
+        def _sanitize(self) -> None:
+            notice = self.kr_notice
+            if notice is not None:
+                if time.monotonic() > notice.until:
+                    self.kr_notice = None
+                else:
+                    notice.expire(self._state)
+            super()._sanitize()
+
+    NoticingStateHolder.__name__ = NoticingStateHolder.__qualname__ = f"Noticing{base.__name__}"
+    return NoticingStateHolder
 
 
 def spare_handler(params: RendezvousParameters, inplace: InPlace) -> SpareHandler:
