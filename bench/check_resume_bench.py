@@ -55,6 +55,11 @@ CASES = {
                                  ["--max-steps", "20"]),
     "persistent-worker eval loader at the epoch end (6 steps), defaults": (
         cases.PERSISTENT_EVAL_LOADER, "inexact from the second eval after a resume", []),
+    "mnist-shaped, persistent workers, loader's own generator (6-step epoch)": (
+        cases.PERSISTENT_SEEDED_LOADER, "exact", ["--steps", "6", "--interrupt-at", "3"]),
+    "noise from a torch.Generator left out of state": (
+        cases.NOISE_GENERATOR_LEFT_OUT, "inexact (the generator)",
+        ["--steps", "6", "--interrupt-at", "3"]),
 }
 
 

@@ -7,6 +7,8 @@ each found at run time and named in one line on rank 0, or made exact.
 - a ``ResumableLoader`` resumed with another batch size, dataset length or sampler: named (a
   batch size alone goes on from the same sample);
 - a sampler whose RNG no checkpoint holds: named; a torch generator of any name: saved;
+- a torch.Generator of the script's own that the loop draws from, left out of the state: named
+  at the next save; put in the state, it is saved and set back;
 - a script that never iterates ``run.steps()``: named at exit; batches taken from a loader
   before the checkpoint was restored into it: named;
 - ``zip(data, run.steps(n))``, ``zip(run.steps(n), data)`` and a batch carried into the next
@@ -399,4 +401,62 @@ def test_a_resumable_loader_in_the_state_draws_no_warning(caplog):
     # The quickstart's own line used to warn on every rank that it should be wrapped.
     TrainState({"data": kr.ResumableLoader(DataLoader(DATA, sampler=DistributedSampler(
         DATA, num_replicas=1, rank=0)))})
+    assert warned(caplog) == ""
+
+
+# ------------------------------------------------------------------- the script's generators
+
+def draw_noise(state: TrainState, noise: torch.Generator, step: int) -> torch.Tensor:
+    """One step that draws input noise from ``noise``, then a save of ``step``."""
+    x = torch.randn(4, generator=noise)
+    state.capture(step, 0)
+    return x
+
+
+def test_a_generator_the_loop_draws_from_left_out_of_the_state_is_named_at_the_next_save(
+        caplog):
+    noise = torch.Generator().manual_seed(1234)       # the script's own, not in the state
+    state = TrainState({"model": nn.Linear(4, 1)})
+    state.loop_starts()
+    state.capture(0, 0)
+    assert warned(caplog) == ""                       # not drawn from yet: nothing to lose
+    draw_noise(state, noise, 1)
+    draw_noise(state, noise, 2)
+    named = [r.getMessage() for r in caplog.records if "torch.Generator" in r.getMessage()]
+    assert len(named) == 1, named
+    assert "'noise' (test_resume_warnings.py) is drawn from in the loop but is not in the " \
+        "state" in named[0] and "state={..., 'noise': noise}" in named[0]
+
+
+def test_a_generator_in_the_state_is_saved_and_set_back_at_resume_and_not_named(caplog):
+    noise = torch.Generator().manual_seed(1234)
+    state = TrainState({"model": nn.Linear(4, 1), "noise": noise})
+    state.loop_starts()
+    draw_noise(state, noise, 1)
+    saved = state.capture(2, 0)
+    straight = torch.randn(4, generator=noise)
+    again = torch.Generator().manual_seed(9)
+    resumed = TrainState({"model": nn.Linear(4, 1), "noise": again})
+    resumed.restore(saved, "rank_state.rank0")
+    assert torch.equal(torch.randn(4, generator=again), straight)
+    assert warned(caplog) == ""
+
+
+def test_a_generator_a_resumable_loader_or_a_state_object_saves_is_not_named(caplog):
+    shuffle = torch.Generator().manual_seed(1)        # given to the loader: the loader saves it
+    data = kr.ResumableLoader(DataLoader(DATA, batch_size=4, shuffle=True, generator=shuffle))
+    noise = torch.Generator().manual_seed(2)
+
+    class Noise:                                      # an object of the user's that saves it
+        def state_dict(self) -> dict:
+            return {"rng": noise.get_state()}
+
+        def load_state_dict(self, sd: dict) -> None:
+            noise.set_state(sd["rng"])
+
+    state = TrainState({"model": nn.Linear(4, 1), "data": data, "noise": Noise()})
+    state.loop_starts()
+    for step in range(1, 12):                         # into the loader's second epoch
+        next(data)
+        draw_noise(state, noise, step)
     assert warned(caplog) == ""

@@ -22,9 +22,11 @@ put back, so that draw is overwritten.
 
 With ``num_workers > 0`` each worker seeds itself from the base seed (``base_seed + worker_id``),
 which comes from the restored generator: random augmentation in workers repeats exactly. With
-``persistent_workers=True`` the workers keep their RNG across epochs, which no checkpoint holds:
-the augmentation after a resume is then not the uninterrupted run's (StatefulDataLoader saves
-worker state).
+``persistent_workers=True`` the base seed is drawn at the loader's first pass only, so a process
+resumed in a later epoch draws it from a copy of the generator: the saved generators, the epoch's
+order and every batch stay the uninterrupted run's. The workers keep their RNG across epochs,
+which no checkpoint holds: the augmentation they draw after a resume is then not the
+uninterrupted run's (StatefulDataLoader saves worker state).
 
 torch is imported by this module; torchdata never is (it is optional: the ``data`` extra).
 """
@@ -266,7 +268,28 @@ class ResumableLoader:
         for s in self._set_epoch:
             s.set_epoch(self.epoch)
         self._index.skip = self.batch
-        self._it = iter(self._twin)
+        self._it = self._pass()
+
+    def _pass(self) -> Iterator[Any]:
+        """The twin's iterator for this epoch. With persistent workers the loader draws its
+        workers' base seed from its generator at its first pass only: the uninterrupted run
+        drew it at epoch 0, and a process resumed in a later epoch would draw once more from
+        the restored generator, which a ``RandomSampler`` made by ``shuffle=True`` shares (the
+        epoch then comes in another order). That process draws the seed from a copy instead:
+        the saved generators stay where the uninterrupted run had them, and so do the
+        batches."""
+        twin = self._twin
+        if not (twin.persistent_workers and twin.num_workers > 0 and twin._iterator is None
+                and self.epoch > 0):
+            return iter(twin)
+        own = twin.generator
+        copy_ = torch.Generator()
+        copy_.set_state(own.get_state())
+        twin.generator = copy_
+        try:
+            return iter(twin)
+        finally:
+            twin.generator = own
 
     def loop_starts(self) -> None:
         """The training loop's first step begins: the batches taken since this loader was made

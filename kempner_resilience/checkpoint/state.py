@@ -41,6 +41,8 @@ from kempner_resilience.checkpoint.data import (LoaderEntry, ResumableLoader, is
                                                 plain_loader_error, warn_global_seed)
 from kempner_resilience.checkpoint.ddp_buckets import RECORD_KEY, BucketLayouts
 from kempner_resilience.checkpoint.delegated import is_delegated
+from kempner_resilience.checkpoint.generators import (GeneratorEntry, UnsavedGenerators,
+                                                      held_generators)
 from kempner_resilience.checkpoint.info import CheckpointError
 from kempner_resilience.checkpoint.sharded import (blob_source, local, saved_ranks,
                                                    sharded_parts, world_change_line)
@@ -124,7 +126,8 @@ class TrainState:
     value must have ``state_dict()`` and ``load_state_dict()`` (CheckpointError at construction
     otherwise) and goes into the rank's blob. A
     plain ``DataLoader`` is refused with the fix named (``ResumableLoader``); a
-    ``StatefulDataLoader`` is kept with its sampler's epoch (``data.LoaderEntry``).
+    ``StatefulDataLoader`` is kept with its sampler's epoch (``data.LoaderEntry``); a
+    ``torch.Generator`` is kept with its state (``generators.GeneratorEntry``).
     With ``ddp_buckets``, the gradient bucket layout of every DDP among the modules is saved and
     offered back at resume (``buckets``, ``loaded_buckets``).
     """
@@ -154,6 +157,8 @@ class TrainState:
                 self.others[name] = LoaderEntry(value)
             elif isinstance(value, DataLoader):
                 raise plain_loader_error(name)
+            elif isinstance(value, torch.Generator):
+                self.others[name] = GeneratorEntry(value)     # its state, set back at resume
             elif callable(getattr(value, "state_dict", None)) and callable(
                     getattr(value, "load_state_dict", None)):
                 # Sharded state pickled into one rank's blob could not be resharded, and
@@ -183,6 +188,8 @@ class TrainState:
                 self.optims[name] = (value, self._owner(name, value))
         # Gradients accumulated but not applied at a save go with it (``carried.py``).
         self.grads = PendingGrads({n: o for n, (o, _) in self.optims.items()})
+        # The script's own generators left out of the state, named once drawn from.
+        self.generators = UnsavedGenerators()
         self._schedulers_checked = False
         self.buckets = BucketLayouts(self.modules if ddp_buckets else {})
         self.loaded_buckets: dict[str, Any] | None = None
@@ -286,12 +293,13 @@ class TrainState:
 
     def loop_starts(self) -> None:
         """The training loop's first step begins: each ``ResumableLoader`` learns how many
-        batches the loop carries in (its look-ahead), and an LR scheduler left out of the
-        state is named."""
+        batches the loop carries in (its look-ahead), an LR scheduler left out of the state is
+        named, and the script's generators left out of it are watched (``generators.py``)."""
         for obj in self.others.values():
             if isinstance(obj, ResumableLoader):
                 obj.loop_starts()
         self.check_schedulers()
+        self.generators.watch(held_generators(self.others.values()))
 
     def check_schedulers(self) -> None:
         """Rank 0, once (at the loop's start, else at the first save): an optimizer in the
@@ -315,6 +323,7 @@ class TrainState:
         blob = {"step": step, "rng": capture_rng(),
                 "objects": {n: o.state_dict() for n, o in self.others.items()},
                 "fresh_optims": list(self.fresh_optims)}
+        self.generators.check(blob["objects"])
         if pending:
             blob["grads"] = pending
             self.grads.say(step, pending)

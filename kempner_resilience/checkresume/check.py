@@ -355,6 +355,7 @@ def _compare(cmp: _Comparer, got: RunResult, work: Path, stops: tuple[int, ...],
     step, diffs = walk.first
     before = [s for s in stops if s < step]
     after_stop = before[-1] if before else None
+    said = got.said(RUN_SAID)[:3]
     if killed and step in stops:
         causes = [f"the survivors' rescue checkpoint of step {step} (written after the rank was "
                   "killed) differs from the uninterrupted run's: state of the killed rank that "
@@ -362,9 +363,9 @@ def _compare(cmp: _Comparer, got: RunResult, work: Path, stops: tuple[int, ...],
     else:
         has_scheduler = any(k is Kind.SCHEDULER
                             for k in _snapshots(ref, cache, step).kinds.values())
-        causes = likely_causes(diffs, step, after_stop, has_scheduler, readers)
+        causes = likely_causes(diffs, step, after_stop, has_scheduler, readers, said)
     # What the resumed run measured itself comes first: its own warnings name the cause exactly.
-    causes = [f"the run said: {m}" for m in got.said(RUN_SAID)[:3]] + list(causes)
+    causes = [f"the run said: {m}" for m in said] + list(causes)
     return Verdict(Outcome.INEXACT, work, None, stops, tuple(compared), step, tuple(diffs),
                    after_stop, final_step, tuple(final_diffs), tuple(causes),
                    tuple(sorted(walk.left_out)), how, layouts=tuple(sorted(walk.layouts)))

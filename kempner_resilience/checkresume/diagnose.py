@@ -9,8 +9,9 @@ points at the usual traps (issue 31):
   the scheduler's own count sets another);
 - a scheduler's own entries: it is in ``state`` but restored differently;
 - the data position: the loader is not in ``state``, or batches were drawn outside the steps;
-- RNG streams: a global RNG drawn from where the checkpoint cannot see it (a batch drawn before
-  the loop, a sampler or augmentation with an RNG of its own);
+- RNG streams and generators, named by their path in the checkpoint: a global RNG drawn from
+  where the checkpoint cannot see it (a batch drawn before the loop), a generator a state object
+  saves drawn from differently;
 - model and optimizer only, with the data position and RNG streams equal: the step trained on
   something the checkpoint does not hold, a variable carried from one step to the next. Right
   after the stop that is typically a prefetched batch; some steps after it, gradients
@@ -21,7 +22,12 @@ Whether a script repeats itself is measured, not guessed: when the interrupted r
 ``check.py`` runs the uninterrupted one a second time, and two straight runs that differ make
 the verdict "not deterministic" (its own exit code) instead of a cause.
 
-One cause no checkpoint shows: the script reads ``KEMPNER_RESTART_COUNT``, which the launcher
+Two causes no checkpoint shows. A ``torch.Generator`` of the script's own left out of state
+(noise drawn from it) restarts at a resume: only model and optimizer differ, as with a carried
+batch. The run measures it (``checkpoint/generators.py`` names a generator of the script's that
+the loop drew from and no save holds), and its warning takes the place of that guess.
+
+The other: the script reads ``KEMPNER_RESTART_COUNT``, which the launcher
 sets to each launch's number (0 in the uninterrupted run, 1, 2, ... after each resume). What
 depends on it differs after a resume while nothing carried is missing from state, so the
 checkpoints alone would point at a carried variable. The script's source says it: the files of
@@ -36,6 +42,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from kempner_resilience.checkpoint.generators import UNSAVED_GENERATOR
 from kempner_resilience.checkresume.compare import EntryDiff
 from kempner_resilience.checkresume.snapshot import Kind
 
@@ -140,13 +147,13 @@ def restart_count_cause(readers: Sequence[str]) -> str:
 
 
 #: The run's own warnings that measure a resume's inexactness (checkpoint/data.py,
-#: loaderfit.py, carried.py, trainers/hf.py): when the interrupted run said one, it is the
-#: cause, word for word.
+#: loaderfit.py, carried.py, generators.py, trainers/hf.py): when the interrupted run said one,
+#: it is the cause, word for word.
 RUN_SAID = ("before the checkpoint was restored", "batches taken before the first step",
             "which no checkpoint saves", "without its own generator",
             "resumes from a checkpoint saved with another loader", "draws from a global RNG",
             "but is not in the state", "holds accumulated gradients",
-            "starts the resumed epoch from its first batch")
+            "starts the resumed epoch from its first batch", UNSAVED_GENERATOR)
 
 
 def across_event_cause(events: str) -> str:
@@ -162,24 +169,51 @@ def across_event_cause(events: str) -> str:
             "load_state_dict()); give the eval loader generator=torch.Generator()")
 
 
+def _rng_cause(keys: Iterable[str]) -> str:
+    """The cause when RNG entries differ, naming them: a global stream (``rank0:rng.torch``) or
+    a generator a state object saves (``rank0:objects.data.generators.0``)."""
+    keys = sorted(keys)
+    streams = [k for k in keys if k.split(":", 1)[-1].startswith("rng.")]
+    owned = [k for k in keys if k not in streams]
+    what = []
+    if streams:
+        what.append("the global RNG stream" + ("s " if len(streams) > 1 else " ")
+                    + ", ".join(streams[:3]))
+    if owned:
+        objs = sorted({k.split(":", 1)[-1].split(".")[1] for k in owned
+                       if k.split(":", 1)[-1].startswith("objects.")})
+        what.append("the torch.Generator" + ("s" if len(owned) > 1 else "") + " of "
+                    + ", ".join(f"state[{o!r}]" for o in objs) + f" ({', '.join(owned[:3])})")
+    return (f"a torch.Generator (or RNG stream) the script draws from is not in state, or is "
+            f"drawn from outside the steps: {' and '.join(what)} differ"
+            + ("s" if len(keys) == 1 else "") + " after the resume. The resumed run drew "
+            "random numbers the uninterrupted one did not, or in another order (a batch drawn "
+            "before the loop or at start-up; a sampler, augmentation or noise drawn from a "
+            "generator of its own): put every torch.Generator the loop draws from in state "
+            "(state={..., \"noise\": generator}) and draw nothing outside run.steps")
+
+
 def _names(diffs: Iterable[EntryDiff], kind: Kind) -> list[str]:
     return sorted({d.key for d in diffs if d.kind is kind})
 
 
 def likely_causes(diffs: list[EntryDiff], step: int, stop: int | None,
-                  has_scheduler: bool, restart_readers: Sequence[str] = ()) -> list[str]:
+                  has_scheduler: bool, restart_readers: Sequence[str] = (),
+                  said: Sequence[str] = ()) -> list[str]:
     """The likely causes of ``diffs`` at ``step``, the first step that differs; ``stop`` is the
     last stop of the interrupted run before it (None: it differs before any stop);
     ``has_scheduler``: the checkpoints hold a scheduler's state; ``restart_readers``: the
-    script's files that read ``KEMPNER_RESTART_COUNT`` (``restart_count_readers``)."""
+    script's files that read ``KEMPNER_RESTART_COUNT`` (``restart_count_readers``); ``said``:
+    the run's own warnings (``RUN_SAID``), which the caller passes on first."""
     if stop is None:
         return [NONDETERMINISTIC]
     causes = _from_entries(diffs, step, stop, has_scheduler)
-    if not restart_readers:
-        return causes
-    # The guess by elimination (model and optimizer only) gives way to what the source says.
-    return [restart_count_cause(restart_readers)] + [
-        c for c in causes if c != CARRIED and not c.startswith(ACCUMULATED)]
+    # The guess by elimination (model and optimizer only) gives way to what was measured: the
+    # script's source reads the launch's number, or the run saw a generator of the script's,
+    # which no checkpoint holds, drawn from in the loop.
+    if restart_readers or any(UNSAVED_GENERATOR in m for m in said):
+        causes = [c for c in causes if c != CARRIED and not c.startswith(ACCUMULATED)]
+    return [restart_count_cause(restart_readers)] + causes if restart_readers else causes
 
 
 def _from_entries(diffs: list[EntryDiff], step: int, stop: int,
@@ -200,10 +234,7 @@ def _from_entries(diffs: list[EntryDiff], step: int, stop: int,
                       "or after the last step), or zip(loader, run.steps(n)) with the loader "
                       "first, which draws one batch more at every stop")
     if Kind.RNG in kinds:
-        causes.append("a global RNG used outside state: the resumed run drew random numbers "
-                      "the uninterrupted one did not, or in another order (a batch drawn "
-                      "before the loop, at start-up after the resume; a sampler, augmentation "
-                      "or dropout with an RNG of its own)")
+        causes.append(_rng_cause(d.key for d in diffs if d.kind is Kind.RNG))
     if Kind.OBJECT in kinds:
         causes.append(f"the state of {', '.join(_names(diffs, Kind.OBJECT)[:3])} differs: "
                       "its state_dict() does not hold everything it carries across steps")

@@ -43,7 +43,7 @@ class Kind(enum.Enum):
     LR = "learning rate"           # an optimizer param group's lr / initial_lr
     SCHEDULER = "scheduler"        # an LR scheduler object's state
     LOADER = "data position"       # a data loader's (or sampler's) position
-    RNG = "RNG stream"             # a global RNG stream (python, numpy, torch, CUDA)
+    RNG = "RNG stream"             # a global RNG stream, or a generator an object saves
     OBJECT = "object"              # another object's state_dict() entry
     META = "bookkeeping"           # the step, ...
     # DDP's gradient-bucket layout (checkpoint/ddp_buckets.py): recorded once DDP logs it, so
@@ -74,6 +74,14 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
             _flatten(f"{prefix}.{i}", v, out)
     else:
         out[prefix] = value
+
+
+def _is_generator(key: str) -> bool:
+    """A generator's state inside an object's (``objects.noise.generator``, a loader's
+    ``objects.data.generators.0``): an RNG stream, whatever the object it belongs to."""
+    parts = key.split(".")
+    return parts[-1] in ("generator", "generators") or \
+        (len(parts) > 1 and parts[-2] == "generators" and parts[-1].isdigit())
 
 
 def _is_optimizer(value: Any) -> bool:
@@ -108,7 +116,7 @@ def _blob(key: str, value: Any, entries: dict[str, Any], kinds: dict[str, Kind])
                 _flatten(f"objects.{name}", state, one)
                 for k, v in one.items():
                     entries[f"{rank}:{k}"] = v
-                    kinds[f"{rank}:{k}"] = kind
+                    kinds[f"{rank}:{k}"] = Kind.RNG if _is_generator(k) else kind
             continue
         _flatten(str(part), content, flat)
         for k, v in flat.items():
