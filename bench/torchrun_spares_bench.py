@@ -57,7 +57,8 @@ def _workers_on(node: str, workdir: Path) -> bool:
 
 def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
     from kempner_resilience.demo.slurm_demo import write_job
-    from kempner_resilience.core.ledger import LEDGER_NAME, read_ledger
+    from kempner_resilience.core.ledger import read_ledger
+    from kempner_resilience.core.runpaths import RunPaths
 
     job = write_job(work, ranks=4, nodes=2, spares=1, steps=STEPS, step_time=0.05,
                     every_steps=EVERY, env=env, torchrun=True,
@@ -75,7 +76,7 @@ def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
         completed_t = time.time()
         if info.get("JobState") != "COMPLETED" or info.get("Restarts") != "0":
             raise RuntimeError(f"job ended {info}: {job.log_text()[-2000:]}")
-        evs = read_ledger(job.checkpoints / LEDGER_NAME)
+        evs = read_ledger(RunPaths(job.checkpoints).ledger)
         first: dict[str, float] = {}
         for e in evs:
             if e["t"] >= killed - 1.0:   # the rescue may be stamped before our clock read
