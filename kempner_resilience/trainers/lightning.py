@@ -50,6 +50,7 @@ except ImportError:        # the unified package only
     from lightning.pytorch.trainer.connectors.signal_connector import (  # type: ignore[no-redef]
         _SignalConnector)
 
+from kempner_resilience.checkpoint.data import sampler_chain, seeded_generator
 from kempner_resilience.config import ExitMode, ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.run.resilient import ResilientRun
@@ -68,19 +69,6 @@ class _NoSignals(_SignalConnector):
 
     def teardown(self) -> None:
         pass
-
-
-def _samplers(loader: DataLoader) -> list[Any]:
-    """The loader's batch sampler and the samplers under it, outermost first."""
-    out: list[Any] = []
-    todo = [loader.batch_sampler, loader.sampler]
-    while todo:
-        s = todo.pop(0)
-        if s is None or any(s is o for o in out):
-            continue
-        out.append(s)
-        todo += [getattr(s, "batch_sampler", None), getattr(s, "sampler", None)]
-    return out
 
 
 class _Pass:
@@ -144,9 +132,8 @@ class LoaderPosition:
                 "Dataset with batch_size, or torchdata's StatefulDataLoader")
         self.trainer = trainer
         if loader.generator is None:
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            loader.generator = torch.Generator().manual_seed(seed)
-        samplers = _samplers(loader)
+            loader.generator = seeded_generator()
+        samplers = sampler_chain(loader.batch_sampler, loader.sampler)
         for s in samplers:
             if isinstance(s, RandomSampler) and s.generator is None:
                 s.generator = loader.generator
