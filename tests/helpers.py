@@ -163,6 +163,26 @@ def child_pids(pid: int) -> list[int]:
     return sorted(kids)
 
 
+def worker_pids(agent: int) -> list[int]:
+    """A torchrun agent's live workers, sorted: its children, or, started warm, its zygote's
+    (``integrations/warm.py``, the agent's one child then)."""
+    workers = []
+    for pid in child_pids(agent):
+        try:
+            zygote = "integrations/warm.py" in Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:
+            continue
+        workers += child_pids(pid) if zygote else [pid]
+    return sorted(workers)
+
+
+def node_pids(agent: int) -> list[int]:
+    """A torchrun agent's whole tree, workers first, then its zygote, then the agent: killed in
+    this order, no worker hears its parent-death signal before its own SIGKILL."""
+    workers = worker_pids(agent)
+    return [*workers, *(p for p in child_pids(agent) if p not in workers), agent]
+
+
 def fill_disk(root: Path, leave: int = 8192) -> None:
     """Fill the file system of ``root`` (a small tmpfs) up to ``leave`` bytes: less than one
     save, so the next one fails with a full disk."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child_pids, env, free_port, wait_for_file, write_script
+from helpers import env, free_port, wait_for_file, worker_pids, write_script
 from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.cli.torchrun import separate
 from kempner_resilience.exitcodes import ExitCode
@@ -62,7 +62,7 @@ def _start(work: Path, worker: list[str], forward: str) -> subprocess.Popen:
 
 
 def _workers(agent: subprocess.Popen) -> list[int]:
-    return child_pids(agent.pid)
+    return worker_pids(agent.pid)
 
 
 def _wait(agent: subprocess.Popen, timeout: float = 120) -> int:
@@ -345,7 +345,7 @@ def test_an_agent_killed_outright_leaves_an_emergency_checkpoint_143_on_every_wo
     try:
         _running(tmp_path)
         agent = int((tmp_path / "agent.pid").read_text())
-        workers = [pid for pid in child_pids(agent)]
+        workers = worker_pids(agent)
         assert len(workers) == 2
         os.kill(agent, signal.SIGKILL)
         reaper.wait(120)

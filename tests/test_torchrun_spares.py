@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child_pids, env, free_port, wait_for_file, write_script
+from helpers import env, free_port, node_pids, wait_for_file, worker_pids, write_script
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.core.ledger import read_ledger
@@ -84,9 +84,11 @@ def _finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[int | 
     finally:
         for a in agents:
             if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-                for w in child_pids(a.pid):
-                    os.kill(w, signal.SIGKILL)
+                for pid in node_pids(a.pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +111,7 @@ def _three_agents(work: Path, agents: list[subprocess.Popen],
                       rdzv_conf=rdzv_conf) for i in (1, 2)]
     wait_for_file(work / "progress.0", timeout=120, contains="step 5\n")
     # Two agents train; the third waits in torch's redundancy list.
-    training = [i for i, a in enumerate(agents) if child_pids(a.pid)]
+    training = [i for i, a in enumerate(agents) if worker_pids(a.pid)]
     assert len(training) == 2 and 0 in training, training
     [victim] = [i for i in training if i != 0]
     [standby] = {0, 1, 2} - set(training)
@@ -139,7 +141,7 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
     agents: list[subprocess.Popen] = []
     try:
         victim, standby = _three_agents(work, agents)
-        for w in child_pids(agents[victim].pid):
+        for w in worker_pids(agents[victim].pid):
             os.kill(w, signal.SIGKILL)       # its worker dies (the OOM killer, a GPU fault)
         codes = _finish(agents)
     finally:
@@ -184,7 +186,7 @@ def test_a_node_killed_whole_leaves_the_rendezvous_once_the_survivor_lost_it_not
     agents: list[subprocess.Popen] = []
     try:
         victim, standby = _three_agents(work, agents, rdzv_conf=",keep_alive_max_attempt=30")
-        for pid in [*child_pids(agents[victim].pid), agents[victim].pid]:
+        for pid in node_pids(agents[victim].pid):
             os.kill(pid, signal.SIGKILL)
         codes = _finish([agents[0], agents[standby]])
     finally:
@@ -210,7 +212,7 @@ def test_a_frozen_node_s_place_goes_to_the_standby_only_after_the_survivors_resc
     frozen: list[int] = []
     try:
         victim, standby = _three_agents(work, agents, hang_timeout_s=8)
-        frozen = [agents[victim].pid, *child_pids(agents[victim].pid)]
+        frozen = node_pids(agents[victim].pid)
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
         codes = _finish([agents[0], agents[standby]])
@@ -274,10 +276,8 @@ def test_without_a_standby_the_survivor_does_not_wait_for_one_and_exits_with_pee
     try:
         wait_for_file(tmp_path / "progress.1", timeout=120, contains="step 5\n")
         victim = agents[1]
-        workers = child_pids(victim.pid)
-        os.killpg(victim.pid, signal.SIGKILL)          # the node dies: agent and worker
-        for w in workers:
-            os.kill(w, signal.SIGKILL)
+        for pid in node_pids(victim.pid):              # the node dies: agent and worker
+            os.kill(pid, signal.SIGKILL)
         [code] = _finish(agents[:1], timeout=90)
     finally:
         _finish(agents, timeout=0)

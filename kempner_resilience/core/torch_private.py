@@ -56,6 +56,11 @@ Optional (looked up where used; without them a feature is off and says so in the
     once this node's workers lost a peer, also drops a finished round's participant whose
     heartbeat is two keep-alive intervals old. Without them the dead node leaves when
     torch's keep-alive window expires.
+  * ``warm`` (``integrations/torchrun_warm.py``): ``SubprocessHandler._popen`` and
+    ``_stdout``/``_stderr`` (a subclass of torch's handler forks the worker from the agent's
+    zygote instead), and ``multiprocessing.api.get_subprocess_handler``, the module-level
+    name the process context builds its handlers with, replaced for the time of a worker
+    group's start only (``starting``'s way). Without them: the workers start cold.
 """
 
 from __future__ import annotations
@@ -165,6 +170,10 @@ ELASTIC: dict[str, tuple[str, tuple[str, ...]]] = {
         _DR + "_RendezvousState")),
     "notice": ("a dead node leaves the rendezvous only when torch's keep-alive window expires", (
         _DR + "_BackendRendezvousStateHolder._sanitize",)),
+    "warm": ("the workers start cold (Python and import torch again at each relaunch)", (
+        SUBPROCESS_HANDLER_MODULE[len(_EL):] + ":SubprocessHandler._popen",
+        SUBPROCESS_HANDLER_MODULE[len(_EL):] + ":SubprocessHandler.close",
+        MP_API_MODULE[len(_EL):] + ":get_subprocess_handler")),
 }
 # The instance attributes of each group, checked on the first instance (``instance_missing``).
 ELASTIC_INSTANCE = {
@@ -172,6 +181,7 @@ ELASTIC_INSTANCE = {
     "restarts": ("_remaining_restarts",),
     "spares": ("_op_executor", "_this_node", "_state_holder", "_settings"),
     "notice": ("_state", "_settings"),       # on the state holder
+    "warm": ("_stdout", "_stderr"),          # on a subprocess handler
 }
 # _RendezvousState's fields the glue reads (torch pickles that object into its store).
 _STATE_FIELDS = ("round", "participants", "wait_list", "redundancy_list", "last_heartbeats")

@@ -10,7 +10,8 @@ before they are used; a torch that lacks one keeps torch's behaviour for that pa
   them to exit on their own before it closes them (a subclass of its class, ``_waiting``), and whether a failed group restarts is the
   policy's answer (``_monitor_workers``: ``torchrun_spares.InPlace`` with spares, else
   ``restart_decision``); with spares it also gives each group its relaunch environment and the
-  rank-0 agent writes the restart event (``_initialize_workers``, ``_start_workers``).
+  rank-0 agent writes the restart event (``_initialize_workers``, ``_start_workers``); with
+  ``$KEMPNER_RESILIENCE_WARM=1`` its workers fork from its zygote (``torchrun_warm.py``).
 * ``SpareHandler`` (a ``DynamicRendezvousHandler``): a node standing by is noticed (its op
   executor, a subclass of torch's, reports the redundancy list), a waiting node is hidden from
   the monitor while the survivors rescue (``num_nodes_waiting``), a node that leaves only
@@ -46,6 +47,7 @@ from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent, starting
 from kempner_resilience.integrations.torchrun_spares import InPlace, restart_decision
+from kempner_resilience.integrations.torchrun_warm import WarmWorkers, warm_starting
 
 __all__ = ["ElasticAgent", "SpareHandler", "spare_handler"]
 
@@ -67,6 +69,15 @@ class ElasticAgent(LocalElasticAgent):
         self.shutdown_names = shutdown_names
         self.decides = decides and not torch_private.instance_missing("restarts", self)
         torch_private.instance_missing("shutdown", self)   # logged: torch closes at once
+        # Built on the main thread, before the rendezvous: the workers' zygote (or None).
+        self.warm = WarmWorkers.for_spec(spec, tracked)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            if self.warm is not None:
+                self.warm.close()
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         if self.inplace is not None:
@@ -76,7 +87,7 @@ class ElasticAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self.inplace is not None:
             self.inplace.before_start(worker_group.spec.rdzv_handler, worker_group.group_rank)
-        with starting(self.tracked, self.shutdown_names):
+        with starting(self.tracked, self.shutdown_names), warm_starting(self.warm):
             pids = super()._start_workers(worker_group)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None:

@@ -27,6 +27,15 @@ The protocol, one JSON line each way over a pipe pair: the launcher asks ``{"arg
 "cwd", "stdout", "stderr"}``; the zygote answers ``{"pid"}`` for a fork, and ``{"exit": pid,
 "code": returncode}`` (negative for a signal, as ``Popen``) when it reaps one. ``WarmProcess``
 is the launcher's ``Popen``-like handle on such a rank.
+
+The zygote never runs a rank's code, and checks it before every fork (``pristine``): no module
+of this package (where steps run), no process group, no ``__main__`` but its own, one thread.
+A zygote that fails the check answers ``{"refused": why}`` and exits; the launcher starts its
+ranks cold from then on. So a rank whose state cannot be trusted (a hang, a timed-out
+collective) is never the parent of the next incarnation: each incarnation is a fresh fork.
+The torchrun agents use it too (``torchrun_warm.py``): their zygote ignores the signals SLURM
+may send to every process of a step, and dies with the agent (SIGKILL, then its workers get
+their own parent-death signal).
 """
 
 from __future__ import annotations
@@ -44,21 +53,34 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["Zygote", "WarmProcess", "warm_command", "WARM_ENV", "PRELOAD"]
+__all__ = ["Zygote", "WarmProcess", "warm_command", "warm_on", "pristine", "WARM_ENV",
+           "PRELOAD", "UNBUFFERED"]
 
 WARM_ENV = "KEMPNER_RESILIENCE_WARM"
 #: What the zygote imports before it forks: what every rank of ours imports anyway.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.optim",
            "torch._dynamo")
+#: The one interpreter flag a warm rank can have: unbuffered streams (torchrun adds it).
+UNBUFFERED = "-u"
 _PR_SET_PDEATHSIG = 1
 _READY_S = 120.0        # the zygote's imports, on a loaded machine
+# The package's own top-level name: a zygote that imported it may have run a step.
+_PACKAGE = "kempner_resilience"
 
 
-def warm_command(command: Sequence[str]) -> bool:
+def warm_on() -> bool:
+    """Whether ``$KEMPNER_RESILIENCE_WARM`` asks for warm starts."""
+    return os.environ.get(WARM_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def warm_command(command: Sequence[str], flags: Sequence[str] = ()) -> bool:
     """Whether ``command`` can start warm: ``<this python> script.py ...`` or ``<this python>
-    -m module ...``, nothing else (an interpreter flag would have to be the zygote's too)."""
-    if os.environ.get(WARM_ENV, "0").strip().lower() not in ("1", "true", "yes", "on"):
+    -m module ...``, nothing else (an interpreter flag would have to be the zygote's too).
+    ``flags``: interpreter flags allowed before the script (only ``UNBUFFERED``, which a
+    warm rank sets on its own streams)."""
+    if not warm_on():
         return False
+    command = [command[0], *_strip_flags(list(command[1:]), flags)] if command else []
     if len(command) < 2:
         return False
     exe = command[0]
@@ -73,6 +95,38 @@ def warm_command(command: Sequence[str]) -> bool:
     return not command[1].startswith("-") and command[1].endswith(".py")
 
 
+def _strip_flags(args: list[str], flags: Sequence[str]) -> list[str]:
+    if set(flags) - {UNBUFFERED}:
+        raise ValueError(f"a warm rank can have only the {UNBUFFERED} flag, not {list(flags)}")
+    while args and args[0] in flags:
+        args = args[1:]
+    return args
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def pristine(threads: int = 1) -> str | None:
+    """None when this process may be a zygote: it never ran a rank's code; else why not.
+    ``threads``: how many it had after its imports (``import torch`` starts a native one)."""
+    if any(m == _PACKAGE or m.startswith(_PACKAGE + ".") for m in sys.modules):
+        return f"it imported {_PACKAGE}, where a training step runs"
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return "it holds a process group"
+    import __main__
+
+    if os.path.abspath(getattr(__main__, "__file__", None) or "") != os.path.abspath(__file__):
+        return "a script of its own ran as __main__"
+    if threading.active_count() != 1 or _threads() > threads:
+        return f"it runs {_threads()} threads, {threads} after its imports"
+    return None
+
+
 def _which(name: str) -> str:
     import shutil
 
@@ -80,6 +134,16 @@ def _which(name: str) -> str:
     if found is None:
         raise OSError(name)
     return found
+
+
+def _parent_death(signum: int) -> Any:
+    """A ``preexec_fn`` that sets the child's parent-death signal, ``prctl`` resolved here:
+    between fork and exec a child of a threaded launcher must not load anything."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signum)
 
 
 def _die_with_parent(signum: int = signal.SIGTERM) -> None:
@@ -92,7 +156,13 @@ def _die_with_parent(signum: int = signal.SIGTERM) -> None:
 class Zygote:
     """The launcher's side: the zygote process and the ranks it forked."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], *, preload: Sequence[str] = PRELOAD,
+                 ignore: Sequence[int] = (), death_signal: int = signal.SIGTERM) -> None:
+        """``env``: the zygote's environment (the launch's); ``preload``: what it imports;
+        ``ignore``: signals it ignores (those SLURM may send to every process of a step);
+        ``death_signal``: what it gets when the thread that starts it ends (start it on the
+        launcher's main thread)."""
+        self.refused: str | None = None     # why the zygote stopped forking, once it did
         self._lock = threading.Condition()
         self._pids: list[int] = []          # answers to requests, in order
         self.codes: dict[int, int] = {}     # pid -> returncode, once reaped
@@ -103,9 +173,11 @@ class Zygote:
         # Run as a file, not ``-m``: importing this package in the zygote would leave its
         # import-time state (the start-up signal recorder, ...) in every rank.
         # A session of its own: a terminal's Ctrl+C is the launcher's to pass on, rank by rank.
+        options = json.dumps({"preload": list(preload), "ignore": [int(s) for s in ignore]})
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(req_r), str(ans_w)], env=env,
-            pass_fds=(req_r, ans_w), preexec_fn=_die_with_parent, start_new_session=True)
+            [sys.executable, os.path.abspath(__file__), str(req_r), str(ans_w), options],
+            env=env, pass_fds=(req_r, ans_w), start_new_session=True,
+            preexec_fn=_parent_death(death_signal))
         os.close(req_r)
         os.close(ans_w)
         self._req = os.fdopen(req_w, "w", buffering=1)
@@ -123,30 +195,38 @@ class Zygote:
                     self._pids.append(int(msg["pid"]))
                 elif "exit" in msg:
                     self.codes[int(msg["exit"])] = int(msg["code"])
+                elif "refused" in msg:
+                    self.refused = str(msg["refused"])
                 self._lock.notify_all()
         with self._lock:
             self._dead = True
             self._lock.notify_all()
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None,
-              stdout: str | None, stderr: str | None) -> "WarmProcess":
-        """A rank forked from the zygote; raises OSError when the zygote cannot give one."""
+              stdout: str | None, stderr: str | None,
+              death_signal: int = signal.SIGTERM) -> "WarmProcess":
+        """A rank forked from the zygote; raises OSError when the zygote cannot give one.
+        ``death_signal``: what the rank gets when the zygote dies (with its launcher)."""
         with self._lock:
             if not self._lock.wait_for(lambda: self._ready or self._dead, _READY_S) \
                     or self._dead:
-                raise OSError("the warm-start process is gone")
+                raise OSError(f"the warm-start process {self._gone()}")
             asked = len(self._pids)
         try:
             self._req.write(json.dumps({"argv": list(argv), "env": env, "cwd": cwd,
-                                        "stdout": stdout, "stderr": stderr}) + "\n")
+                                        "stdout": stdout, "stderr": stderr,
+                                        "death_signal": int(death_signal)}) + "\n")
             self._req.flush()
         except (OSError, ValueError) as e:
             raise OSError(f"the warm-start process is gone ({e})") from None
         with self._lock:
             if not self._lock.wait_for(lambda: len(self._pids) > asked or self._dead, 30.0) \
                     or len(self._pids) <= asked:
-                raise OSError("the warm-start process did not fork")
+                raise OSError(f"the warm-start process did not fork ({self._gone()})")
             return WarmProcess(self._pids[asked], self)
+
+    def _gone(self) -> str:
+        return f"refused to fork: {self.refused}" if self.refused else "is gone"
 
     def close(self) -> None:
         """End the zygote (its ranks are the launcher's to end first); bounded."""
@@ -199,18 +279,20 @@ class WarmProcess:
 
 # ------------------------------------------------------------------ the zygote process
 
-def _serve(req_fd: int, ans_fd: int) -> dict[str, Any] | None:
+def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] | None:
     """The zygote's loop; returns the request in a forked child (which becomes the rank),
-    None when the launcher closed the pipe."""
-    # Only the launcher ends the zygote (closing the pipe), or its death (PDEATHSIG's SIGTERM).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for name in PRELOAD:
+    None when the launcher closed the pipe or the zygote is not ``pristine`` any more."""
+    # Only the launcher ends the zygote (closing the pipe), or its death (PDEATHSIG).
+    for signum in (signal.SIGINT, *options.get("ignore", ())):
+        signal.signal(signum, signal.SIG_IGN)
+    for name in options.get("preload", PRELOAD):
         __import__(name)
     # What the imports made is never freed and, frozen, never scanned by a child's collector:
     # without this, a rank's garbage collections (its exit's above all: 2.4 s here) touch
     # every inherited object and copy each page it lives on.
     gc.collect()
     gc.freeze()
+    threads = _threads()
     ans = os.fdopen(ans_fd, "w", buffering=1)
     req = os.fdopen(req_fd, "r")
     ans.write(json.dumps({"ready": True}) + "\n")
@@ -227,6 +309,11 @@ def _serve(req_fd: int, ans_fd: int) -> dict[str, Any] | None:
             while "\n" in buf:
                 line, buf = buf.split("\n", 1)
                 msg = json.loads(line)
+                why = pristine(threads)
+                if why is not None:
+                    # Never the parent of a rank: its children would inherit what it ran.
+                    ans.write(json.dumps({"refused": why}) + "\n")
+                    return None
                 pid = os.fork()
                 if pid == 0:
                     req.close()
@@ -256,7 +343,7 @@ def _serve(req_fd: int, ans_fd: int) -> dict[str, Any] | None:
 def _become(msg: dict[str, Any]) -> None:
     """In the forked child: become the rank ``msg`` describes, as a cold start would be."""
     os.setsid()
-    _die_with_parent()
+    _die_with_parent(int(msg.get("death_signal", signal.SIGTERM)))
     opened: dict[str, int] = {}         # stdout and stderr into one log: one open file
     for fd, where in ((1, msg.get("stdout")), (2, msg.get("stderr"))):
         if where:
@@ -288,6 +375,9 @@ def _run(argv: list[str]) -> None:
     over the first of them (``main`` took this file's folder out already)."""
     import runpy
 
+    if argv[1:2] == [UNBUFFERED]:
+        argv = [argv[0], *_strip_flags(argv[1:], (UNBUFFERED,))]
+        _unbuffered()
     # Inserted, not set: main() took the zygote's own folder off already, so sys.path[0] is
     # PYTHONPATH's first folder now, which a cold start keeps.
     if argv[1] == "-m":
@@ -301,10 +391,23 @@ def _run(argv: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
+def _unbuffered() -> None:
+    """``python -u``: stdout and stderr written through to their files, as the flag makes
+    them (the zygote's streams were made before the rank's were put on their descriptors)."""
+    import io
+
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        setattr(sys, name, io.TextIOWrapper(
+            io.FileIO(fd, "w", closefd=False), encoding=old.encoding, errors=old.errors,
+            write_through=True))
+
+
 def main() -> None:
-    _die_with_parent()
+    # Its parent-death signal was set before the exec (``Zygote``), and the exec keeps it.
     del sys.path[0]     # this file's folder: the package's inside, not a place to import from
-    msg = _serve(int(sys.argv[1]), int(sys.argv[2]))
+    options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    msg = _serve(int(sys.argv[1]), int(sys.argv[2]), options)
     if msg is None:
         return
     _become(msg)

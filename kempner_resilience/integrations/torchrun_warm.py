@@ -1,0 +1,145 @@
+"""Warm workers for the torchrun agents: each worker forked from the agent's zygote.
+
+A relaunched torchrun worker pays Python's start-up, ``import torch``, DCP and the first
+optimizer again: seconds of CPU, most of the time from a node's death to the next step. With
+``$KEMPNER_RESILIENCE_WARM=1`` each agent starts one zygote (``warm.Zygote``) when it is built,
+on its main thread, before the rendezvous, and every worker of every group is a fresh fork of
+it. Nothing of an old incarnation reaches the next (its communicators, store, RNG, hooks,
+lease): the zygote never runs a worker's code, and refuses to fork once it could have
+(``warm.pristine``), so a hung worker or one whose collective timed out is never reused.
+
+How torch is extended: the process context builds each worker's handler with the module-level
+``get_subprocess_handler``; for the time of a group's start (as ``torchrun_agent.starting``
+does with ``Popen``) it builds a subclass of torch's ``SubprocessHandler`` whose ``_popen``
+asks the zygote. The worker is then what a cold one is to the agent (``Agent`` tracks it, its
+signals, its exit code, its session), with the same parent-death signal, from the zygote: the
+zygote dies with the agent (SIGKILL) and ignores the signals SLURM may send to every process
+of a step. A command the zygote cannot run (not ``<this python> [-u] script.py`` or ``-m
+module``, a NUMA wrapper) and a zygote that is gone start the worker cold, logged once.
+
+Why opt-in, as for the local launcher (``warm.py``): a warm worker is the zygote's child, not
+the agent's, its ``/proc/<pid>/environ`` shows the agent's environment at the zygote's start,
+and a library that reads an environment variable at import reads the agent's. The torchrun
+template turns it on (``templates/multi_node_torchrun.sbatch``): there the agent and its
+workers share one environment, and the relaunch's start-up is the time to the next step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from kempner_resilience.core import torch_private
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
+from kempner_resilience.integrations.warm import UNBUFFERED, WarmProcess, Zygote, warm_command
+from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
+
+__all__ = ["WarmWorkers", "warm_starting"]
+
+log = get_logger("kempner_resilience.integrations.torchrun")
+
+# What SLURM may send to every process of a step, and torchrun's own: the zygote ignores them
+# (its workers are told by the agent, or by SLURM itself).
+_STEP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+class WarmWorkers:
+    """One agent's zygote and the starting of its workers from it (``for_spec``)."""
+
+    def __init__(self, tracked: Agent, zygote: Zygote, names: dict[str, Any]) -> None:
+        self.tracked = tracked
+        self.zygote = zygote
+        self.names = names
+        self.cold_why: str | None = None     # set once the workers start cold for good
+        self.handler = _warm_handler(self)
+
+    @classmethod
+    def for_spec(cls, spec: Any, tracked: Agent) -> "WarmWorkers | None":
+        """The agent's warm workers for torch's ``WorkerSpec`` ``spec``, with its zygote
+        started; None when ``$KEMPNER_RESILIENCE_WARM`` is off, the workers are no
+        ``<this python> [-u] script.py`` (or ``-m module``), or this torch lacks the names.
+        Call it on the agent's main thread: the zygote dies when the thread that started it
+        ends."""
+        if not isinstance(spec.entrypoint, str) \
+                or not warm_command([spec.entrypoint, *map(str, spec.args)], (UNBUFFERED,)):
+            return None
+        names = torch_private.elastic("warm")
+        if names is None:
+            return None
+        names = dict(names)
+        names["SubprocessHandler"] = importlib.import_module(
+            torch_private.SUBPROCESS_HANDLER_MODULE).SubprocessHandler
+        handled = {*_STEP_SIGNALS, *tracked.config.signals.handled()}
+        ignore = sorted(int(getattr(signal, n)) for n in handled if hasattr(signal, n))
+        zygote = Zygote(dict(os.environ), ignore=ignore, death_signal=signal.SIGKILL)
+        log.info("%s: workers start warm, forked from pid %d (%s=1)", AGENT_NAME,
+                 zygote.proc.pid, "KEMPNER_RESILIENCE_WARM")
+        return cls(tracked, zygote, names)
+
+    def popen(self, handler: Any, args: tuple, env: dict[str, str]) -> WarmProcess | None:
+        """The worker ``handler`` starts, forked from the zygote and tracked as ``starting``'s
+        ``Popen`` tracks a cold one; None: start it cold."""
+        argv = [str(a) for a in args]
+        if self.cold_why is not None or not warm_command(argv, (UNBUFFERED,)):
+            return None
+        if torch_private.instance_missing("warm", handler):
+            self.cold_why = "torch's handler has no log files to give the worker"
+            return None
+        env = {**env, PARENT_DEATH_ENV: str(PARENT_DEATH_SIGNAL)}
+        out, err = handler._stdout, handler._stderr
+        try:
+            proc = self.zygote.spawn(argv, env, os.getcwd(), out.name if out else None,
+                                     err.name if err else None,
+                                     death_signal=PARENT_DEATH_SIGNAL)
+        except OSError as e:
+            self.cold_why = str(e)
+            log.warning("%s: warm start unavailable (%s): the workers start cold from now on",
+                        AGENT_NAME, e)
+            return None
+        self.tracked.add_worker(proc)  # type: ignore[arg-type]  # Popen's interface
+        return proc
+
+    def close(self) -> None:
+        """End the zygote once the agent's workers are gone (bounded)."""
+        self.zygote.close()
+
+
+def _warm_handler(warm: WarmWorkers) -> type:
+    """torch's ``SubprocessHandler`` whose ``_popen`` forks the worker from ``warm``'s zygote
+    (torch's own ``_popen`` when it cannot)."""
+    base = warm.names["SubprocessHandler"]
+
+    class WarmSubprocessHandler(base):  # type: ignore[misc, valid-type]
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+            proc = warm.popen(self, args, env)
+            return proc if proc is not None else super()._popen(args, env)
+
+        def close(self, death_sig: signal.Signals | None = None) -> None:
+            try:
+                super().close(death_sig)
+            except ProcessLookupError:
+                # Forked a moment ago, not yet in a session of its own: the process alone.
+                self.proc.send_signal(death_sig or signal.SIGTERM)
+
+    return WarmSubprocessHandler
+
+
+@contextmanager
+def warm_starting(warm: WarmWorkers | None) -> Iterator[None]:
+    """For the time of one worker group's start: torch's process context builds the warm
+    handler (nothing when ``warm`` is None)."""
+    if warm is None:
+        yield
+        return
+    api = importlib.import_module(torch_private.MP_API_MODULE)
+    stock = warm.names["get_subprocess_handler"]
+    handler = warm.handler
+    api.get_subprocess_handler = lambda *a, **kw: handler(*a, **kw)
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = stock
