@@ -126,3 +126,30 @@ def test_a_rescue_of_a_plain_sgd_without_state_does_not_count_its_own_state_buil
     assert info.step == 3 and boundary.generation == generation
     assert boundary.why_inconsistent() is None
     layout.verify_entry(layout.scan_one(info.path))
+
+
+def test_the_snapshot_gives_back_a_state_dicts_tensors_bitwise_and_a_later_change_cannot_reach_it(
+) -> None:
+    from kempner_resilience.rescue.boundary import decode, encode
+
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.arange(6.0)
+    sd = {"generator": gen.get_state(), "bf16": torch.randn(3, 2).to(torch.bfloat16),
+          "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3),
+          "strided": torch.arange(10.0)[2:8:2], "flags": torch.tensor([True, False]),
+          "param": nn.Parameter(torch.ones(2)), "twice": [shared, shared], "step": 7}
+
+    class Entry:
+        def state_dict(self) -> dict:
+            return sd
+
+    payload = encode(4, {"data": Entry()})
+    shared.add_(1)                       # after the snapshot: not in it
+    back = decode(payload)["objects"]["data"]
+
+    shared.sub_(1)
+    for key in ("generator", "bf16", "scalar", "empty", "strided", "flags", "param"):
+        assert type(back[key]) is type(sd[key]) and back[key].dtype == sd[key].dtype
+        assert back[key].shape == sd[key].shape and torch.equal(back[key], sd[key]), key
+    assert torch.equal(back["twice"][0], shared) and back["twice"][0] is back["twice"][1]
+    assert back["step"] == 7

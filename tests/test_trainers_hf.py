@@ -94,3 +94,39 @@ def test_a_resume_from_the_trainers_own_checkpoint_is_refused_and_nothing_is_wri
     with pytest.raises(ValueError, match="resumes from the run's own checkpoint"):
         run.train(resume_from_checkpoint=True)
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("step_*"))
+
+
+def test_the_trainer_state_in_each_step_snapshot_is_the_json_the_trainers_checkpoint_holds_as_the_log_grows(
+        tmp_path):
+    import copy
+    import json
+    from dataclasses import asdict
+
+    from transformers.trainer_callback import ExportableState
+
+    from kempner_resilience.trainers.hf import TrainerProgress
+
+    trainer = _tiny_trainer(tmp_path, logging_steps=1, logging_strategy="steps")
+    trainer.train()
+
+    def trainers_own() -> str:       # what the Trainer's own checkpoint writes
+        state = copy.deepcopy(trainer.state)
+        for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+            if isinstance(cb, ExportableState):
+                state.stateful_callbacks[cb.__class__.__name__] = cb.state()
+        return json.dumps(asdict(state), sort_keys=True)
+
+    progress = TrainerProgress(trainer)
+    history = trainer.state.log_history
+    assert len(history) >= 2
+    for entry in ({"loss": 0.5, "step": 3}, {"eval_loss": 0.25, "note": 'a "log_history": []'},
+                  None):
+        before = trainers_own()
+        assert progress.state_dict()["json"] == before
+        assert trainer.state.log_history is history and trainers_own() == before   # untouched
+        if entry is not None:
+            history.append(entry)
+    history[-1]["epoch"] = 9.0               # the newest line changed after it was written
+    assert progress.state_dict()["json"] == trainers_own()
+    trainer.state.log_history = history[:1]  # a new list: written whole
+    assert progress.state_dict()["json"] == trainers_own()

@@ -161,3 +161,57 @@ def test_a_checkpoint_at_an_epoch_s_last_batch_resumes_at_the_next_epoch_s_first
     resumed = fit(tmp_path / "resumed")
     for k in straight:
         assert torch.equal(straight[k], resumed[k]), k
+
+
+def test_the_loop_state_in_each_step_snapshot_is_lightnings_own_fit_loop_state(tmp_path):
+    import pytorch_lightning as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from kempner_resilience.trainers.lightning import LoaderPosition, _Loops
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    seen: list[tuple[dict, dict]] = []
+
+    class Compare(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trainer.fit_loop.setup_data()
+            LoaderPosition(trainer.fit_loop._combined_loader.flattened[0], trainer)
+            iter(trainer.fit_loop._data_fetcher)
+            self.loops = _Loops(trainer)
+
+        def on_train_batch_end(self, trainer, *args):
+            seen.append((self.loops.state_dict(), trainer.fit_loop.state_dict()))
+
+    loader = DataLoader(TensorDataset(torch.randn(24, 4), torch.randn(24, 1)), batch_size=4,
+                        shuffle=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=9, callbacks=[Compare()],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(Tiny(), loader)
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k])
+                                                                        for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+        return type(a) is type(b) and a == b
+
+    assert len(seen) == 9                    # over an epoch's end (6 batches an epoch)
+    assert all(same(ours, lightnings) for ours, lightnings in seen)
+    assert any(ours["state_dict"].get("combined_loader") for ours, _ in seen)   # the position

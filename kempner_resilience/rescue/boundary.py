@@ -11,7 +11,8 @@ cheaply, so the boundary's state can be rebuilt after a failure in the middle of
 * every RNG stream (python ``random``, numpy, torch CPU, CUDA) and the ``state_dict()`` of the
   other objects of the state (data position, scheduler, scaler), pickled into one small byte
   string (``encode``; about 12 KB, tens of microseconds; ``decode`` gives the per-rank blob a
-  checkpoint holds, see ``checkpoint.state``);
+  checkpoint holds, see ``checkpoint.state``). A small CPU tensor in a ``state_dict()`` (a
+  generator's state) goes in as its raw bytes: torch's own pickling of one costs ~60 us;
 * each optimizer's param-group settings (lr, momentum, ...: all but the parameters): a script
   may set the next step's values before its optimizer step (nanoGPT's ``get_lr``, ``lr *=
   0.99``), and a checkpoint of the boundary holds the values the last step used;
@@ -34,6 +35,7 @@ from __future__ import annotations
 import array
 import copy
 import ctypes
+import io
 import pickle
 import random
 import threading
@@ -113,7 +115,32 @@ def encode(step: int, others: Mapping[str, Any]) -> bytes:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
     objects = {name: obj.state_dict() for name, obj in others.items()}
-    return pickle.dumps((_VERSION, step, rng, objects), protocol=pickle.HIGHEST_PROTOCOL)
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump((_VERSION, step, rng, objects))
+    return out.getvalue()
+
+
+class _Pickler(pickle.Pickler):
+    """A plain dense CPU tensor as its dtype, shape and bytes (copied now, so a later change to
+    the tensor cannot reach the snapshot); anything else as ``pickle`` does. Pickle asks this
+    only for objects that are not plain numbers, strings or containers, and memoizes the
+    result (a tensor found twice is one tensor again when loaded)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is not torch.Tensor or obj.device.type != "cpu" \
+                or obj.layout is not torch.strided or obj.requires_grad or obj.is_conj() \
+                or obj.is_neg() or obj.is_quantized or not obj.is_contiguous():
+            return NotImplemented
+        try:
+            raw = obj.reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b""
+        except (RuntimeError, TypeError):     # a kind of tensor without plain bytes
+            return NotImplemented
+        return _tensor_from, (obj.dtype, tuple(obj.shape), raw)
+
+
+def _tensor_from(dtype: torch.dtype, shape: tuple[int, ...], raw: bytes) -> torch.Tensor:
+    """The tensor ``_Pickler`` wrote."""
+    return _tensor(raw).view(dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
 
 
 def _tensor(raw: bytes) -> torch.Tensor:

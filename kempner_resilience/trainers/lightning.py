@@ -36,6 +36,7 @@ What the callback does, on Lightning's hooks (the run's engine does the rest, as
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Iterator, Mapping
 
@@ -44,9 +45,13 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 try:
     import pytorch_lightning as pl
+    from pytorch_lightning.loops.loop import _Loop
+    from pytorch_lightning.loops.progress import _BaseProgress
     from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 except ImportError:        # the unified package only
     import lightning.pytorch as pl  # type: ignore[no-redef]
+    from lightning.pytorch.loops.loop import _Loop  # type: ignore[no-redef]
+    from lightning.pytorch.loops.progress import _BaseProgress  # type: ignore[no-redef]
     from lightning.pytorch.trainer.connectors.signal_connector import (  # type: ignore[no-redef]
         _SignalConnector)
 
@@ -171,16 +176,73 @@ class LoaderPosition:
 
 class _Loops:
     """Lightning's fit loop (epoch, batch and optimizer-step counters, the loader position) as
-    a state entry; its ``load_state_dict`` marks it restarting, as Lightning's own resume."""
+    a state entry; its ``load_state_dict`` marks it restarting, as Lightning's own resume.
+
+    ``state_dict`` runs at every step boundary (the rescue's snapshot). It walks the loops as
+    Lightning's ``_Loop.state_dict`` does, with each progress counter read field by field
+    instead of through ``dataclasses.asdict`` (most of the ~80 us that call takes). The first
+    call compares it with Lightning's own; another Lightning that differs gets its own from
+    then on."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
+        self._fast: bool | None = None      # None: not compared with Lightning's yet
 
     def state_dict(self) -> dict[str, Any]:
-        return self.trainer.fit_loop.state_dict()
+        loop = self.trainer.fit_loop
+        if self._fast is False:
+            return loop.state_dict()
+        sd = _loop_state(loop, {}, "")
+        if self._fast is None:
+            theirs = loop.state_dict()
+            self._fast = sd.keys() == theirs.keys() and all(
+                sd[k] == theirs[k] for k in sd if not k.endswith("state_dict"))
+            if not self._fast:
+                log.debug("Lightning's loop state differs from the one read field by field: "
+                          "its own state_dict() is used")
+                return theirs
+        return sd
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.trainer.fit_loop.load_state_dict(dict(sd))
+
+
+_ATOMS = (int, float, bool, str, type(None))
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_KINDS: dict[type, int] = {}           # a type found in a loop: 1 progress, 2 loop, 0 other
+
+
+def _loop_state(loop: Any, out: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``loop.state_dict()`` as Lightning's ``_Loop`` writes it, its progress faster."""
+    out[prefix + "state_dict"] = loop.on_save_checkpoint()
+    for k, v in loop.__dict__.items():
+        kind = _KINDS.get(type(v))
+        if kind is None:
+            kind = _KINDS[type(v)] = 1 if isinstance(v, _BaseProgress) else \
+                2 if isinstance(v, _Loop) else 0
+        if kind == 1:
+            out[prefix + k] = _progress(v)
+        elif kind == 2:
+            _loop_state(v, out, f"{prefix}{k}.")
+    return out
+
+
+def _progress(obj: Any) -> dict[str, Any]:
+    """``dataclasses.asdict(obj)`` for a progress counter: numbers and nested counters read
+    field by field (the same dict); anything else through ``asdict`` itself."""
+    names = _FIELDS.get(type(obj))
+    if names is None:
+        names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    out = {}
+    for name in names:
+        v = getattr(obj, name)
+        if type(v) in _ATOMS:
+            out[name] = v
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            out[name] = _progress(v)
+        else:
+            return dataclasses.asdict(obj)
+    return out
 
 
 class _Precision:
