@@ -58,7 +58,7 @@ SYS_MODULES_ALLOWED = {
                            "not import torch (seconds) while the deadline runs",
     ("stop.teardown", "torch.distributed"): "no process group to destroy unless torch.distributed "
                                        "is loaded",
-    ("integrations.submitit", "torch"): "no tensor can be in a submission unless torch is "
+    ("supervise.submitit.jobs", "torch"): "no tensor can be in a submission unless torch is "
                                         "loaded; the check must not import torch",
 }
 # The run.py rewrite (issue 12, shutdown/) removes run.py's "pytest"/"ipykernel" checks; until
@@ -284,7 +284,7 @@ def test_no_module_is_over_600_lines():
 # only its own module sets (issue 22). Class -> why it is a record.
 # None is left: the run's parts are frozen and returned by its set-up (runstate/parts.py), its
 # progress is a part of its own with a narrow API (runstate/progress.py), the shutdown steps
-# return frozen results (shutdown/steps.py), and the exit table's Facts are built whole.
+# return frozen results (shutdown/stages.py), and the exit table's Facts are built whole.
 RECORDS: dict[str, str] = {}
 
 

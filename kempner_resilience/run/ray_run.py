@@ -43,8 +43,8 @@ from kempner_resilience.config import ExitMode
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.ray_driver import clear_ray_handlers, driver_forces
-from kempner_resilience.integrations.ray_group import GroupLost, WorkerGroup
+from kempner_resilience.supervise.ray.driver import clear_ray_handlers, driver_forces
+from kempner_resilience.supervise.ray.group import GroupLost, WorkerGroup
 from kempner_resilience.run.resilient import ResilientRun
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.policy import Action, Commits, Evidence, RankEnd, decide

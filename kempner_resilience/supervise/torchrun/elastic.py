@@ -44,12 +44,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent, starting
-from kempner_resilience.integrations.torchrun_spares import InPlace, restart_decision
+from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent, starting
+from kempner_resilience.supervise.torchrun.spares import InPlace, restart_decision
 
 __all__ = ["ElasticAgent", "SpareHandler", "spare_handler"]
 
-log = get_logger("kempner_resilience.integrations.torchrun")
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 
 class ElasticAgent(LocalElasticAgent):

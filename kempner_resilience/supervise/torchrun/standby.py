@@ -9,7 +9,7 @@ the rendezvous state, kept in torch's store on the rendezvous host; rank 0 reads
 it decides between leaving the relaunch to the agents and requeueing the job (no standby left:
 the fallback is today's requeue).
 
-The agent (``integrations/torchrun_spares.py``) tells its workers where the rendezvous is and
+The agent (``supervise/torchrun/spares.py``) tells its workers where the rendezvous is and
 how many in-job restarts it has left in its own supervisor channel (``Channel.offer_rendezvous``,
 ``Relaunch``'s fields); rank 0 reads it with ``offered_relaunch``.
 """

@@ -81,11 +81,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.submitit_client import interrupt, make_executor, wait
-from kempner_resilience.integrations.submitit_env import (preempt_when_controller_dies,
+from kempner_resilience.supervise.submitit.client import interrupt, make_executor, wait
+from kempner_resilience.supervise.submitit.env import (preempt_when_controller_dies,
                                                           setup_local_env, setup_rank_env,
                                                           write_config_file)
-from kempner_resilience.integrations.submitit_signals import (SignalTakeover, in_local_task,
+from kempner_resilience.supervise.submitit.signals import (SignalTakeover, in_local_task,
                                                               in_submitit_job, preempt_signal)
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
@@ -396,7 +396,7 @@ def _resilient_executor(folder: str | os.PathLike[str] | None, executor: Any,
         executor = make_executor(folder, **dict(slurm or {}))
     elif slurm:
         executor.update_parameters(**dict(slurm))
-    from kempner_resilience.integrations.submitit_local import (ResilientLocalExecutor,
+    from kempner_resilience.supervise.submitit.local import (ResilientLocalExecutor,
                                                                 is_local_executor)
 
     if is_local_executor(executor):
@@ -404,7 +404,7 @@ def _resilient_executor(folder: str | os.PathLike[str] | None, executor: Any,
         # submitit's reruns them only on its requeue code; and our job's _interrupt() reaches
         # the tasks (see submitit_local.py).
         return ResilientLocalExecutor.adopt(executor)
-    from kempner_resilience.integrations.submitit_slurm import (ResilientSlurmExecutor,
+    from kempner_resilience.supervise.submitit.slurm import (ResilientSlurmExecutor,
                                                                 is_slurm_executor)
 
     if is_slurm_executor(executor):

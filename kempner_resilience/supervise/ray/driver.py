@@ -38,8 +38,8 @@ from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, l
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
-from kempner_resilience.integrations.ray_actor import ActorEnding, actor_died, actor_ends
-from kempner_resilience.integrations.ray_board import create_board
+from kempner_resilience.supervise.ray.actor import ActorEnding, actor_died, actor_ends
+from kempner_resilience.supervise.ray.board import create_board
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import REQUESTED, requeue_run
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
@@ -195,7 +195,7 @@ class RayDriver:
         (``SystemExit``). ``cancel``: calls that live as long as the training (rollouts)."""
         import ray
 
-        from kempner_resilience.integrations.ray_supervise import supervise
+        from kempner_resilience.supervise.ray.relaunch import supervise
 
         if hasattr(actor_cls, "remote"):
             make = actor_cls.options(**options) if options else actor_cls

@@ -70,7 +70,7 @@ async def supervise_tasks(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any
 async def supervise(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
     """Deprecated name of ``supervise_tasks`` (``ray_supervise.supervise`` is the group's
     supervisor: one public name, one function)."""
-    warnings.warn("kempner_resilience.integrations.ray_aio.supervise is now supervise_tasks "
+    warnings.warn("kempner_resilience.supervise.ray.aio.supervise is now supervise_tasks "
                   "(also kempner_resilience.ray.supervise_tasks)", DeprecationWarning,
                   stacklevel=2)
     return await supervise_tasks(coros)

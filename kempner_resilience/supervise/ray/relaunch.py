@@ -37,8 +37,8 @@ from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.ray_actor import actor_died as _actor_died
-from kempner_resilience.integrations.ray_actor import actor_ends
+from kempner_resilience.supervise.ray.actor import actor_died as _actor_died
+from kempner_resilience.supervise.ray.actor import actor_ends
 from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.endings import endings_since

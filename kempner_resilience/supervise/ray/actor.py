@@ -40,7 +40,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.ray_board import BoardWatcher
+from kempner_resilience.supervise.ray.board import BoardWatcher
 from kempner_resilience.supervise.endings import RankEnding
 from kempner_resilience.supervise.policy import RankEnd
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger, set_role
-from kempner_resilience.integrations.ray_actor import _free_port, actor_died, init_group
+from kempner_resilience.supervise.ray.actor import _free_port, actor_died, init_group
 
 __all__ = ["WorkerGroup", "Worker", "GroupLost"]
 
