@@ -222,7 +222,7 @@ def test_a_torchrun_rendezvous_set_by_hand_in_the_old_variable_is_offered_with_o
         tmp_path):
     offer = {"endpoint": "h:29400", "run_id": "r", "restarts_left": 2, "stale_s": 6.0}
     code = ("from kempner_resilience.core.log import configure\n"
-            "from kempner_resilience.supervise.torchrun.standby import offered_relaunch\n"
+            "from kempner_resilience.supervise.rank import offered_relaunch\n"
             "configure('INFO')\n"
             "print(offered_relaunch())\n"
             "print(offered_relaunch())\n")

@@ -371,7 +371,8 @@ def _script_agent(work: Path, i: int, port: int, rdzv_id: str, script: Path,
 # relaunched group both finish.
 _LEARNER = """
 import json, os, signal, sys, time
-from kempner_resilience.supervise.torchrun.standby import live_standbys, offered_relaunch
+from kempner_resilience.supervise.rank import offered_relaunch
+from kempner_resilience.supervise.torchrun.standby import live_standbys
 from kempner_resilience.supervise import legacy_env
 from kempner_resilience.supervise.channel import Channel, launch_name, relaunched
 

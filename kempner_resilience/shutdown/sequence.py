@@ -35,9 +35,10 @@ from kempner_resilience.shutdown import exit as leaving
 from kempner_resilience.shutdown import outcome, stages
 from kempner_resilience.shutdown.outcome import Ending, Facts, Saved, Verdict, exit_code
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
-from kempner_resilience.shutdown.stages import TornDown, local_restart_count
+from kempner_resilience.shutdown.stages import TornDown
 from kempner_resilience.stop.agreement import StopDecision
-from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.rank import (local_restart_count, offered_relaunch,
+                                               supervisor_decides)
 
 __all__ = ["stop", "fail", "hang", "give_up", "lease_lost", "complete",
            "requeue_after_failure", "rescued", "record", "local_restart_count"]
@@ -226,8 +227,7 @@ def requeue_after_failure(state: RunState, why: str) -> Verdict | None:
         log.warning("%s: not requeued: another run holds %s now (this run lost its lease)",
                     why, RunPaths.from_config(parts.config))
         return None
-    channel = Channel.from_env()
-    if channel is not None and channel.supervised:
+    if supervisor_decides():
         # `kempner-resilience srun` (spare nodes) started this step: it relaunches the
         # training on a spare, or requeues the job itself, once every survivor has left. (A
         # torchrun agent's private channel is no such supervisor: below.)
@@ -256,7 +256,7 @@ def _relaunch_in_place(why: str) -> bool:
     nodes, ``supervise/torchrun/standby.py``), the agents restart the training on the survivors plus the
     spare from the checkpoint just committed: no requeue (it would end the allocation). Without
     a standby, the requeue as before."""
-    from kempner_resilience.supervise.torchrun.standby import live_standbys, offered_relaunch
+    from kempner_resilience.supervise.torchrun.standby import live_standbys
 
     relaunch = offered_relaunch()
     if relaunch is None:

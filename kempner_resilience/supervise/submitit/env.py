@@ -53,7 +53,7 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     Returns what was set."""
     from kempner_resilience.slurm.env import master_port
 
-    from kempner_resilience.supervise.channel import Channel
+    from kempner_resilience.supervise.rank import restarts_said
 
     env: Any = os.environ if environ is None else environ
     for key in OUTER_JOB_VARS:
@@ -62,8 +62,7 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     rank = env.get("SUBMITIT_LOCAL_GLOBALID", "0")
     world = env.get("SUBMITIT_LOCAL_NTASKS", "1")
     # Our controller says the count in its channel; under submitit's own, the task counts.
-    channel = Channel.from_env(env)
-    said = channel.restarts() if channel is not None else None
+    said = restarts_said(env)
     values = {"RANK": rank, "WORLD_SIZE": world,
               "LOCAL_RANK": env.get("SUBMITIT_LOCAL_LOCALID", rank), "LOCAL_WORLD_SIZE": world,
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port(job_id)),
