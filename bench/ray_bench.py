@@ -163,7 +163,7 @@ def _step(model, optim, step: int, sleep_s: float) -> None:
 
 
 def _kr_trainer():
-    from kempner_resilience.integrations.ray_actor import TrainingActor
+    from kempner_resilience.supervise.ray.actor import TrainingActor
 
     class KrTrainer(TrainingActor):
         """The same loop inside the package: stop_context, ResilientRun, run.steps."""
@@ -189,7 +189,7 @@ def steps_round(kind: str, remote: object, root: Path, steps: int, sleep_s: floa
     import ray
 
     import kempner_resilience as kr
-    from kempner_resilience.integrations.ray_driver import RayDriver
+    from kempner_resilience.supervise.ray.driver import RayDriver
 
     ckpt = str(root / f"ckpt-{uuid.uuid4().hex[:6]}")
     actors = [remote.remote() for _ in range(2)]

@@ -1,6 +1,6 @@
 """A rank SIGKILLed under ``kempner-resilience launch``: the time from the kill to the first step
 of the relaunched run, with the ranks started cold and forked warm (``launch --warm``,
-``integrations/warm.py``), in the same run of the bench (compare the two, not the numbers with
+``supervise/local/warm.py``), in the same run of the bench (compare the two, not the numbers with
 another machine's).
 
 Each round runs the rescue job (tests/checkpoint_helpers/rescue_job.py: a DDP MLP, 2 gloo ranks,

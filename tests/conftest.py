@@ -10,7 +10,7 @@ import os  # noqa: E402
 import pytest  # noqa: E402
 
 # The local launcher's ranks fork from a process that imported torch once
-# (integrations/warm.py): the suite launches hundreds of ranks, each of which would pay Python's
+# (supervise/local/warm.py): the suite launches hundreds of ranks, each of which would pay Python's
 # and torch's start-up again (half the CPU of the non-SLURM shard). Tests of the cold path, the
 # default for users, set it to 0 themselves.
 os.environ.setdefault("KEMPNER_RESILIENCE_WARM", "1")

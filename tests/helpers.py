@@ -165,11 +165,11 @@ def child_pids(pid: int) -> list[int]:
 
 def worker_pids(agent: int) -> list[int]:
     """A torchrun agent's live workers, sorted: its children, or, started warm, its zygote's
-    (``integrations/warm.py``, the agent's one child then)."""
+    (``supervise/local/warm.py``, the agent's one child then)."""
     workers = []
     for pid in child_pids(agent):
         try:
-            zygote = "integrations/warm.py" in Path(f"/proc/{pid}/cmdline").read_text()
+            zygote = "supervise/local/warm.py" in Path(f"/proc/{pid}/cmdline").read_text()
         except OSError:
             continue
         workers += child_pids(pid) if zygote else [pid]

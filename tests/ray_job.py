@@ -33,9 +33,9 @@ from pathlib import Path
 
 import kempner_resilience as kr
 import kempner_resilience.ray as krr
-from kempner_resilience.integrations.ray_actor import TrainingActor
-from kempner_resilience.integrations.ray_aio import AsyncActor, supervise_tasks
-from kempner_resilience.integrations.ray_driver import RayDriver
+from kempner_resilience.supervise.ray.actor import TrainingActor
+from kempner_resilience.supervise.ray.aio import AsyncActor, supervise_tasks
+from kempner_resilience.supervise.ray.driver import RayDriver
 
 
 def _loop(run, model, optim, work: str, steps: int, sleep_s: float, out: str,

@@ -58,11 +58,11 @@ SYS_MODULES_ALLOWED = {
                            "not import torch (seconds) while the deadline runs",
     ("stop.teardown", "torch.distributed"): "no process group to destroy unless torch.distributed "
                                        "is loaded",
-    ("integrations.submitit", "torch"): "no tensor can be in a submission unless torch is "
+    ("supervise.submitit.jobs", "torch"): "no tensor can be in a submission unless torch is "
                                         "loaded; the check must not import torch",
-    ("integrations.warm", "."): "the zygote's own check that it never loaded the package, "
+    ("supervise.local.warm", "."): "the zygote's own check that it never loaded the package, "
                                 "where a step runs (what it loaded is the point)",
-    ("integrations.warm", "torch.distributed"): "the zygote's own check that it holds no "
+    ("supervise.local.warm", "torch.distributed"): "the zygote's own check that it holds no "
                                                 "process group; a zygote may preload no torch",
 }
 # The run.py rewrite (issue 12, shutdown/) removes run.py's "pytest"/"ipykernel" checks; until
@@ -288,7 +288,7 @@ def test_no_module_is_over_600_lines():
 # only its own module sets (issue 22). Class -> why it is a record.
 # None is left: the run's parts are frozen and returned by its set-up (runstate/parts.py), its
 # progress is a part of its own with a narrow API (runstate/progress.py), the shutdown steps
-# return frozen results (shutdown/steps.py), and the exit table's Facts are built whole.
+# return frozen results (shutdown/stages.py), and the exit table's Facts are built whole.
 RECORDS: dict[str, str] = {}
 
 
@@ -517,3 +517,70 @@ def test_no_module_but_the_policy_keeps_a_decision_type_of_its_own():
              and n.name in DECISION_TYPES and (name, n.name) not in DECISION_TYPES_ALLOWED]
     assert found == [], "one decision type (supervise/policy.Decision), one verdict type " \
                         "(exitcodes.Verdict)"
+
+
+# ----- the launch side's house (supervise/)
+
+# The supervisors of ranks: one sub-package of supervise/ for each backend.
+BACKENDS = ("srun", "torchrun", "local", "submitit", "ray")
+CHANNEL = "supervise.channel"
+RANK_SIDE = "supervise.rank"
+# Modules besides the rank's side that read a channel from their environment -> why.
+CHANNEL_READERS_ALLOWED = {
+    "supervise.torchrun.wrapper": "a torchrun agent under the srun step loop: the channel of the "
+                                  "supervisor above it, to give its workers one of their own",
+}
+
+
+# Documented import paths of launch code that moved into supervise/: each only re-exports.
+PUBLIC_REEXPORTS = {"integrations.submitit": "supervise.submitit.jobs",
+                    "integrations.ray_driver": "supervise.ray.driver",
+                    "integrations.ray_actor": "supervise.ray.actor",
+                    "integrations.ray_aio": "supervise.ray.aio",
+                    "integrations.ray_board": "supervise.ray.board",
+                    "integrations.ray_group": "supervise.ray.group",
+                    "integrations.ray_supervise": "supervise.ray.relaunch"}
+
+
+def test_every_launcher_of_ranks_lives_in_a_backend_of_supervise():
+    backends = {p.name for p in (PKG / "supervise").iterdir() if (p / "__init__.py").is_file()}
+    assert backends == set(BACKENDS)
+    assert sorted(n for n in MODULES if n.split(".")[0] == "integrations"
+                  and re.search(r"torchrun|submitit|ray_|local|warm|launch", n)
+                  and n not in PUBLIC_REEXPORTS) == []
+    assert {n: IMPORTS[n] for n in PUBLIC_REEXPORTS} == {n: {m} for n, m in
+                                                          PUBLIC_REEXPORTS.items()}
+    assert [n for n in PUBLIC_REEXPORTS if len(MODULES[n].read_text().splitlines()) > 15] == []
+
+
+def test_slurm_imports_nothing_from_the_supervisors():
+    # slurm/ is what SLURM itself is (environment, scontrol, clock, templates, preflight, bad
+    # nodes, the scheduler's requeue); the supervisors build on it, never the other way. Of
+    # supervise/ it asks only the pure policy, which decides the requeue as it decides the rest.
+    found = [f"{name} imports {dep}" for name in MODULES if name.split(".")[0] == "slurm"
+             for dep in sorted(IMPORTS[name]) if dep.split(".")[0] == "supervise" and dep != POLICY]
+    assert found == [], "move it to its backend in supervise/, or ask the policy"
+
+
+def test_a_rank_reads_its_supervisors_channel_through_one_module():
+    # What a rank runs (the run layer) asks supervise/rank.py; the channel's format
+    # (supervise/channel.py) is the supervisors' and the rank side's alone.
+    found = [f"{name or '__init__'} imports {CHANNEL}" for name in MODULES
+             if _layer(name) == "run" and CHANNEL in IMPORTS[name]]
+    assert found == [], f"ask {RANK_SIDE}"
+
+
+def _channel_reads(name: str) -> list[int]:
+    """Lines of ``name`` that read a channel from the environment (``Channel.from_env``)."""
+    return [n.lineno for n in ast.walk(_tree(name)) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute) and n.func.attr == "from_env"
+            and isinstance(n.func.value, ast.Name) and n.func.value.id == "Channel"]
+
+
+def test_only_the_rank_side_reads_the_channel_from_the_environment():
+    found = [f"{name}:{line}" for name in MODULES
+             if name not in (CHANNEL, RANK_SIDE, *CHANNEL_READERS_ALLOWED)
+             for line in _channel_reads(name)]
+    assert found == [], f"a rank asks {RANK_SIDE}"
+    stale = [k for k in CHANNEL_READERS_ALLOWED if k not in MODULES or not _channel_reads(k)]
+    assert stale == [], "remove these allowances: nothing reads a channel there any more"

@@ -4,11 +4,11 @@ same job code on each.
 
 A row is one failure and, per backend, its NATIVE form: what that backend really sees.
 
-- ``srun``: the step loop on spare nodes (``slurm/relaunch.py``): srun's stderr lines (a node
+- ``srun``: the step loop on spare nodes (``supervise/srun/relaunch.py``): srun's stderr lines (a node
   with no line is silent), whether the loop had to end the step itself (srun waits for a task
   that has not ended), the ranks' hang marks in the supervisor channel, the loop's budget and
   SLURM's; run through ``Relauncher._after_step`` with a constructed ``StepResult``.
-- ``local``: the local launcher (``integrations/local.py``): each rank's ``Popen.returncode``
+- ``local``: the local launcher (``supervise/local/launcher.py``): each rank's ``Popen.returncode``
   (negative: killed by that signal), the ranks it killed after the grace, the launch's index;
   run through ``launch_evidence`` and the policy, as ``LocalLauncher.run`` does.
 
@@ -16,11 +16,11 @@ Every row but the no-progress one commits a newer checkpoint during the failed l
 survivors' rescue), so the no-progress guard (``requeue.max_no_progress`` 2, as rank 0 said)
 stays out of the way; the budget and the spares are the rows' own.
 
-- ``submitit``: submitit's local controller, ours (``integrations/submitit_local.py``): each
+- ``submitit``: submitit's local controller, ours (``supervise/submitit/local.py``): each
   task's ``Popen.returncode`` (144: submitit's requeue code), the tasks it killed after the
   grace, its restarts so far; the run's budget as rank 0 said it in the channel's run.json; run
-  through ``Supervision`` (``integrations/submitit_policy.py``), as the controller does.
-- ``torchrun``: one torchrun agent (``integrations/torchrun_policy.py``): its own node's
+  through ``Supervision`` (``supervise/submitit/evidence.py``), as the controller does.
+- ``torchrun``: one torchrun agent (``supervise/torchrun/evidence.py``): its own node's
   workers' return codes, whether it was signalled, torch's restarts left, the standbys waiting;
   run through ``observe`` and the policy, as the agent's monitor does.
 
@@ -31,7 +31,7 @@ stays out of the way; the budget and the spares are the rows' own.
   ``shutdown/sequence.fail`` does. Its only way to run again is ``scontrol requeue``: the
   policy's RELAUNCH and REQUEUE alike.
 
-- ``ray``: the Ray driver (``integrations/ray_supervise.py``) after one incarnation of a
+- ``ray``: the Ray driver (``supervise/ray/relaunch.py``) after one incarnation of a
   training group: each training call's outcome as ``ray.get`` gives it (the actor's
   ``ActorEnding``; Ray's ``ActorDiedError`` for an actor whose process is gone, its message as
   Ray 2.60 writes it; ``RayTaskError`` for a call that raised), the ranks the driver killed after
@@ -42,7 +42,7 @@ stays out of the way; the budget and the spares are the rows' own.
   Ray's exceptions are built without a running Ray (``import ray`` only).
 
 submitit under SLURM has no column of its own: its batch script runs the srun step loop
-(``integrations/submitit_slurm.py``), whose column is ``srun``; the slurm tests in
+(``supervise/submitit/slurm.py``), whose column is ``srun``; the slurm tests in
 tests/test_submitit.py run two rows (an exception, a SIGKILL) on the real cluster.
 
 Adding a backend (Ray next): write its native form's dataclass and a runner
@@ -63,14 +63,14 @@ from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.config import load_config
-from kempner_resilience.integrations.local import launch_evidence
-from kempner_resilience.integrations.ray_actor import ActorEnding
-from kempner_resilience.integrations.ray_supervise import (actor_ends, group_decision,
+from kempner_resilience.supervise.local.launcher import launch_evidence
+from kempner_resilience.supervise.ray.actor import ActorEnding
+from kempner_resilience.supervise.ray.relaunch import (actor_ends, group_decision,
                                                            lost_nodes)
-from kempner_resilience.integrations.submitit_policy import Supervision
-from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
-from kempner_resilience.slurm.relaunch import Relauncher, StepResult
-from kempner_resilience.slurm.steps import StepReport, parse_srun_line
+from kempner_resilience.supervise.submitit.evidence import Supervision
+from kempner_resilience.supervise.torchrun.evidence import implicated_here, observe
+from kempner_resilience.supervise.srun.relaunch import Relauncher, StepResult
+from kempner_resilience.supervise.srun.taskends import StepReport, parse_srun_line
 from kempner_resilience.supervise.channel import Channel, RunReport, newest_commit
 from kempner_resilience.config.schema import RequeueConfig
 from kempner_resilience.slurm.env import SlurmJob

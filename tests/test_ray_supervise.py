@@ -11,8 +11,8 @@ from __future__ import annotations
 from kempner_resilience.config import load_config
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.ray_actor import ActorEnding
-from kempner_resilience.integrations.ray_supervise import (actor_ends, group_decision,
+from kempner_resilience.supervise.ray.actor import ActorEnding
+from kempner_resilience.supervise.ray.relaunch import (actor_ends, group_decision,
                                                            group_evidence, lost_nodes, recreates)
 from kempner_resilience.supervise.endings import RankEnding, endings_since, note_ending
 from kempner_resilience.supervise.policy import Action, Commits, Guard, decide
@@ -140,7 +140,7 @@ def test_the_earlier_shapes_init_group_still_forms_the_group_and_warns(monkeypat
     import torch.distributed as dist
 
     from kempner_resilience.core.log import set_role
-    from kempner_resilience.integrations.ray_actor import TrainingActor
+    from kempner_resilience.supervise.ray.actor import TrainingActor
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with socket.socket() as s:

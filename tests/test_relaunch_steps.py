@@ -1,4 +1,4 @@
-"""The pure part of the relaunch in place (``slurm/steps.py``): what srun's own messages say
+"""The pure part of the relaunch in place (``supervise/srun/taskends.py``): what srun's own messages say
 about a failed step and which nodes to keep out, and the ``multi_node`` script that
 ``kempner-resilience sbatch --spares K`` writes. The real relaunch, with a node killed on the
 multi-node cluster, is in tests/test_slurm_spares.py."""
@@ -9,7 +9,7 @@ import shlex
 import subprocess
 import sys
 
-from kempner_resilience.slurm.steps import StepReport, choose_nodes, parse_srun_line
+from kempner_resilience.supervise.srun.taskends import StepReport, choose_nodes, parse_srun_line
 from kempner_resilience.core.runpaths import RunPaths
 
 
@@ -107,7 +107,7 @@ def test_when_every_rank_ends_with_hang_the_node_of_the_rank_that_never_said_so_
 
 def _loop(tmp_path, nodelist: str, job_id: str = "7", restart: int = 0):
     from kempner_resilience.config import load_config
-    from kempner_resilience.slurm.relaunch import Relauncher
+    from kempner_resilience.supervise.srun.relaunch import Relauncher
 
     cfg = load_config(None, [f"checkpoint.dir={tmp_path}"])
     return Relauncher(["true"], 1, cfg, environ={"SLURM_JOB_ID": job_id,
@@ -130,10 +130,10 @@ def test_a_job_requeued_with_its_spare_given_up_trains_on_as_many_nodes_as_befor
 
 
 # ------------------------------------------------------------------------ a step as evidence
-# slurm/evidence.py: what srun said, and how the step ended, as each task's ending.
+# supervise/srun/evidence.py: what srun said, and how the step ended, as each task's ending.
 
 def _ends(nodes, ntasks, lines, *, ended_by_loop=False, srun_code=0, tasks_per_node=1):
-    from kempner_resilience.slurm.evidence import task_ends
+    from kempner_resilience.supervise.srun.evidence import task_ends
 
     return task_ends(_report(nodes, ntasks, lines), srun_code=srun_code,
                      ended_by_loop=ended_by_loop, tasks_per_node=tasks_per_node)
@@ -181,7 +181,7 @@ def test_a_step_srun_could_not_launch_ends_every_task_with_srun_s_status():
 
 
 def test_the_evidence_carries_the_loop_s_budget_commits_spares_and_slurm_behind_it():
-    from kempner_resilience.slurm.evidence import LoopState, step_evidence
+    from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
     from kempner_resilience.supervise.policy import Commits
 
     report = _report(["n1", "n2"], 2, ["srun: error: n2: task 1: Exited with exit code 42",
@@ -210,7 +210,7 @@ def _supervising(tmp_path, *, nodelist="n[1-3]", in_job_restarts=1, restart_coun
                  requeue=None):
     """A loop on 2 nodes + 1 spare whose rank 0 reported the run in tmp_path/run."""
     from kempner_resilience.config import load_config
-    from kempner_resilience.slurm.relaunch import Relauncher
+    from kempner_resilience.supervise.srun.relaunch import Relauncher
     from kempner_resilience.supervise.channel import RunReport
 
     loop = Relauncher(["python", "train.py"], 1, load_config(None, []), in_job_restarts,
@@ -222,7 +222,7 @@ def _supervising(tmp_path, *, nodelist="n[1-3]", in_job_restarts=1, restart_coun
 
 
 def _step(lines, *, nodes=("n1", "n2"), code=0, ended_by_loop=False):
-    from kempner_resilience.slurm.relaunch import StepResult
+    from kempner_resilience.supervise.srun.relaunch import StepResult
 
     return StepResult(code, _report(list(nodes), len(nodes), lines), ended_by_us=ended_by_loop)
 

@@ -11,7 +11,7 @@ import kempner_resilience as kr
 from kempner_resilience.config import ExitMode
 from kempner_resilience.exitcodes import Ending, Facts
 from kempner_resilience.runstate import Progress, RunParts, RunState
-from kempner_resilience.shutdown import steps
+from kempner_resilience.shutdown import stages
 from kempner_resilience.stop.signals import ShutdownHandler
 from kempner_resilience.stop.teardown import TeardownStack
 from kempner_resilience.stop.watchdog import HangWatchdog
@@ -48,7 +48,7 @@ def test_the_teardown_step_returns_what_it_did_and_writes_nothing_into_the_state
     state = _state()
     ran = []
     state.parts.teardown.add(lambda: ran.append("mine"), name="mine")
-    done = steps.teardown(state, peers_alive=True)
+    done = stages.teardown(state, peers_alive=True)
     assert ran == ["mine"]
     assert [r.name for r in done.results][0] == "mine" and all(r.ok for r in done.results)
     assert done.seconds >= 0 and done.left_behind == ()

@@ -17,7 +17,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from kempner_resilience.slurm.standby import Relaunch, live_standbys
+from kempner_resilience.supervise.torchrun.standby import Relaunch, live_standbys
 
 TRAINING, LEAVING, STANDBY = (_NodeDesc(host, 1, 0) for host in ("node0", "node1", "node2"))
 

@@ -13,7 +13,7 @@ import pytest
 
 import kempner_resilience as kr
 from kempner_resilience.config import Action
-from kempner_resilience.shutdown.steps import stop_action
+from kempner_resilience.shutdown.stages import stop_action
 from kempner_resilience.stop.agreement import StopAgreement
 from kempner_resilience.stop.reason import StopKind, StopReason
 

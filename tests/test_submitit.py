@@ -20,7 +20,7 @@ from helpers import REPO, env
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.demo.submitit_job import train_demo
-from kempner_resilience.integrations import submitit as krs
+from kempner_resilience.supervise.submitit import jobs as krs
 
 submitit = pytest.importorskip("submitit")
 
@@ -104,7 +104,7 @@ def submitit_handler(signum, frame):
 signal.signal(signal.SIGUSR2, submitit_handler)
 
 import kempner_resilience as kr
-from kempner_resilience.integrations.submitit import ResilientJob
+from kempner_resilience.supervise.submitit.jobs import ResilientJob
 
 def train(config):
     if mode == "before":   # the signal comes while the function is still building
@@ -271,7 +271,7 @@ def test_a_frozen_local_task_is_killed_after_the_grace_and_the_job_runs_again(tm
     """Rank 0 exits 42 (HANG), rank 1 froze (SIGSTOP): submitit's controller would wait for it
     until the job's time limit; ours kills it after the grace, counts it as hung, and starts
     the tasks again, which then finish."""
-    from kempner_resilience.integrations.submitit_local import ResilientLocalExecutor
+    from kempner_resilience.supervise.submitit.local import ResilientLocalExecutor
 
     monkeypatch.setenv("PYTHONPATH", f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     executor = ResilientLocalExecutor.adopt(_local_executor(tmp_path / "logs"), grace_s=2.0)
@@ -442,7 +442,7 @@ def test_a_slurm_job_s_batch_script_runs_the_step_loop_around_submitit_s_command
     import shutil
 
     from slurm_fixtures import in_ci
-    from kempner_resilience.integrations.submitit_slurm import ResilientSlurmExecutor
+    from kempner_resilience.supervise.submitit.slurm import ResilientSlurmExecutor
 
     if shutil.which("srun") is None and not in_ci():
         pytest.skip("submitit's SLURM executor needs srun on PATH")

@@ -93,7 +93,7 @@ def test_a_report_without_a_committed_step_reads_back_as_written(tmp_path):
 def test_the_step_loop_follows_the_directory_rank_0_reported_not_its_own_config(tmp_path,
                                                                                    monkeypatch):
     from kempner_resilience.config import load_config
-    from kempner_resilience.slurm.relaunch import Relauncher
+    from kempner_resilience.supervise.srun.relaunch import Relauncher
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("KEMPNER_RESILIENCE_CONFIG", raising=False)
@@ -114,7 +114,7 @@ def test_a_jobs_first_attempt_never_reads_what_an_earlier_job_with_its_id_left(t
     # channel behind. The new job 9 must not take that run's bad nodes and commits for its own;
     # its own requeue (restart 1) must find what its first attempt said.
     from kempner_resilience.config import load_config
-    from kempner_resilience.slurm.relaunch import Relauncher
+    from kempner_resilience.supervise.srun.relaunch import Relauncher
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("KEMPNER_RESILIENCE_CONFIG", raising=False)
@@ -130,7 +130,7 @@ def test_a_jobs_first_attempt_never_reads_what_an_earlier_job_with_its_id_left(t
 
 
 def test_a_finish_said_in_an_earlier_launch_does_not_end_the_next_one(tmp_path):
-    from kempner_resilience.slurm.srunstep import FinishWatch
+    from kempner_resilience.supervise.srun.step import FinishWatch
 
     channel = Channel.for_job("7", {}, cwd=tmp_path)
     channel.report(RunReport("/x", "r", 4, 0, {}, "h", 1, 1.0))
@@ -222,7 +222,7 @@ def test_a_torchrun_rendezvous_set_by_hand_in_the_old_variable_is_offered_with_o
         tmp_path):
     offer = {"endpoint": "h:29400", "run_id": "r", "restarts_left": 2, "stale_s": 6.0}
     code = ("from kempner_resilience.core.log import configure\n"
-            "from kempner_resilience.slurm.standby import offered_relaunch\n"
+            "from kempner_resilience.supervise.rank import offered_relaunch\n"
             "configure('INFO')\n"
             "print(offered_relaunch())\n"
             "print(offered_relaunch())\n")
@@ -247,7 +247,7 @@ def test_the_step_loop_tells_each_step_which_relaunch_it_is_through_the_channel(
     # srun stands in as a script that runs the command on this machine: what a step's task
     # learns is what the loop said in the channel before it launched the step.
     from kempner_resilience.config import load_config
-    from kempner_resilience.slurm.relaunch import Relauncher
+    from kempner_resilience.supervise.srun.relaunch import Relauncher
 
     srun = tmp_path / "srun"
     srun.write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\nexec "$@"\n')
@@ -279,7 +279,7 @@ def test_a_read_only_submit_directory_moves_the_channel_to_this_node_and_the_ran
     # `kempner-resilience srun` submitted from a read-only directory: the step loop starts, its
     # channel in a job-scoped directory of this node, and a step's task reports to it there.
     from kempner_resilience.config import load_config
-    from kempner_resilience.slurm.relaunch import Relauncher
+    from kempner_resilience.supervise.srun.relaunch import Relauncher
 
     submit = mount_tmpfs("submit", "size=1m,ro")
     local = tmp_path / "node-tmp"

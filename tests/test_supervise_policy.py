@@ -108,8 +108,9 @@ def test_relaunches_without_a_newer_committed_step_are_counted_and_progress_rese
 
 
 def test_every_backend_takes_its_restartable_endings_from_the_one_definition():
-    from kempner_resilience.integrations import local, torchrun_spares
-    from kempner_resilience.slurm import steps
+    from kempner_resilience.supervise.local import launcher as local
+    from kempner_resilience.supervise.srun import taskends as steps
+    from kempner_resilience.supervise.torchrun import spares as torchrun_spares
 
     rescued = {int(c) for c in RESCUED}
     assert set(steps.FAILURE_CODES) == set(torchrun_spares._RESCUED) == rescued

@@ -35,7 +35,7 @@ def test_the_torchrun_glue_extends_torch_elastic_without_changing_torchs_classes
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    from kempner_resilience.integrations.torchrun_elastic import ElasticAgent, SpareHandler
+    from kempner_resilience.supervise.torchrun.elastic import ElasticAgent, SpareHandler
 
     before = {cls: dict(vars(cls)) for cls in (LocalElasticAgent, dr.DynamicRendezvousHandler)}
     assert issubclass(ElasticAgent, LocalElasticAgent)

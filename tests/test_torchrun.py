@@ -25,7 +25,7 @@ from helpers import env, free_port, wait_for_file, worker_pids, write_script
 from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.cli.torchrun import separate
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.torchrun import agent_exit_code, forward_signals
+from kempner_resilience.supervise.torchrun.wrapper import agent_exit_code, forward_signals
 from kempner_resilience.core.ledger import read_ledger
 
 # Each rank is a single-process run (no process group, no torch): it only has to hear the
@@ -207,7 +207,7 @@ def test_a_sigterm_before_the_workers_start_ends_the_agent_with_143_without_star
 
 def test_a_worker_still_running_at_the_agents_deadline_is_killed_with_its_children(tmp_path):
     from kempner_resilience.config import ResilienceConfig
-    from kempner_resilience.integrations.torchrun import _Agent
+    from kempner_resilience.supervise.torchrun.wrapper import _Agent
 
     # A worker that ignores the signal, with a child of its own (a DataLoader worker, say).
     stuck = subprocess.Popen([sys.executable, "-c", (

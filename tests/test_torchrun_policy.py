@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.torchrun_policy import (PEER, agent_exit_code,
+from kempner_resilience.supervise.torchrun.evidence import (PEER, agent_exit_code,
                                                              implicated_here, observe)
 from kempner_resilience.supervise.policy import Action, decide
 

@@ -290,9 +290,9 @@ def test_under_a_supervisor_the_agent_keeps_its_memory_in_the_run_rank_0_reporte
     # The README's usage: the script sets checkpoint.dir in code, so the agent's own config
     # names ./checkpoints. Rank 0 reported the real directory in the supervisor's channel.
     from kempner_resilience.config import ResilienceConfig
-    from kempner_resilience.integrations.torchrun_agent import Agent
-    from kempner_resilience.integrations.torchrun_spares import InPlace
-    from kempner_resilience.slurm.standby import Relaunch
+    from kempner_resilience.supervise.torchrun.agent import Agent
+    from kempner_resilience.supervise.torchrun.spares import InPlace
+    from kempner_resilience.supervise.torchrun.standby import Relaunch
     from kempner_resilience.supervise.channel import Channel, report_now
 
     settings = Relaunch(endpoint="127.0.0.1:1", run_id="x", restarts_left=1, stale_s=1.0)
@@ -317,9 +317,9 @@ def test_under_a_supervisor_relaunches_in_place_without_a_newer_commit_end_the_j
     # a group that failed without committing anything newer than when it started counts
     # toward the run's requeue.max_no_progress, as under srun and the local launcher.
     from kempner_resilience.config import ResilienceConfig
-    from kempner_resilience.integrations.torchrun_agent import Agent
-    from kempner_resilience.integrations.torchrun_spares import InPlace
-    from kempner_resilience.slurm.standby import Relaunch
+    from kempner_resilience.supervise.torchrun.agent import Agent
+    from kempner_resilience.supervise.torchrun.spares import InPlace
+    from kempner_resilience.supervise.torchrun.standby import Relaunch
     from kempner_resilience.supervise.channel import Channel, report_now
 
     run = tmp_path / "run"
@@ -371,7 +371,8 @@ def _script_agent(work: Path, i: int, port: int, rdzv_id: str, script: Path,
 # relaunched group both finish.
 _LEARNER = """
 import json, os, signal, sys, time
-from kempner_resilience.slurm.standby import live_standbys, offered_relaunch
+from kempner_resilience.supervise.rank import offered_relaunch
+from kempner_resilience.supervise.torchrun.standby import live_standbys
 from kempner_resilience.supervise import legacy_env
 from kempner_resilience.supervise.channel import Channel, launch_name, relaunched
 
@@ -463,7 +464,7 @@ def test_an_agent_that_trained_then_stood_by_exits_0_when_the_run_is_over(tmp_pa
     # connection) or outlives the agents (the standby sees the rendezvous closed).
     from torch.distributed import TCPStore
 
-    from kempner_resilience.slurm.standby import Relaunch, live_standbys
+    from kempner_resilience.supervise.torchrun.standby import Relaunch, live_standbys
 
     script = write_script(tmp_path, _WAITER, "waiter.py")
     port = free_port()
@@ -524,7 +525,7 @@ def test_an_agent_kept_out_of_a_round_after_training_ends_on_a_signal_as_a_stand
     # job's, and a signal (scancel, a time limit) ends it at once with 128+N as it ends a
     # standby that never trained, instead of leaving it waiting in the rendezvous.
     from kempner_resilience.config import ResilienceConfig
-    from kempner_resilience.integrations.torchrun_agent import Agent, Interrupted
+    from kempner_resilience.supervise.torchrun.agent import Agent, Interrupted
 
     agent = Agent(ResilienceConfig(), forward=True)
     worker = subprocess.Popen([sys.executable, "-c", "raise SystemExit(81)"])

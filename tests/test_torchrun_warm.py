@@ -1,4 +1,4 @@
-"""Warm torchrun workers (``integrations/torchrun_warm.py``): with ``KEMPNER_RESILIENCE_WARM=1``
+"""Warm torchrun workers (``supervise/torchrun/warm.py``): with ``KEMPNER_RESILIENCE_WARM=1``
 each agent forks its workers from one zygote that imported torch once.
 
 A real agent (``kempner-resilience torchrun --standalone``, 2 gloo demo workers,
@@ -21,7 +21,7 @@ import pytest
 from helpers import child_pids, env, node_pids, wait_for_file, worker_pids, write_script
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import run_reference
-from kempner_resilience.integrations.warm import PRELOAD, Zygote, pristine
+from kempner_resilience.supervise.local.warm import PRELOAD, Zygote, pristine
 
 STEPS, EVERY = 60, 20
 

@@ -72,9 +72,9 @@ def test_ctrl_c_with_a_reward_thread_pool_exits_130_within_the_grace_leaving_no_
 
 
 def test_cpu_with_several_processes_starts_that_many_gloo_ranks_not_one():
-    from kempner_resilience.integrations.accelerate_launch import parse
+    from kempner_resilience.supervise.torchrun.accelerate import parse
 
-    probe = ("import os; from kempner_resilience.integrations.accelerate_launch import parse;"
+    probe = ("import os; from kempner_resilience.supervise.torchrun.accelerate import parse;"
              "a = parse(['launch', '--cpu', '--num_processes', '2', 'train.py']);"
              "print(a.cpu, a.multi_gpu, os.environ['ACCELERATE_USE_CPU'])")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

@@ -1,6 +1,6 @@
 """`kempner-resilience check-resume` on the adopted trainer scripts (tests/trainer_scripts/).
 
-check-resume starts the ranks itself (``integrations/local.py``: RANK, WORLD_SIZE, LOCAL_RANK,
+check-resume starts the ranks itself (``supervise/local/launcher.py``: RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR/PORT, as torchrun sets them), so a script is given as ``python train.py``, not
 under its library's launcher: the HF Trainer and Lightning take that environment as torchrun's;
 Accelerate takes it too, and on a machine without CUDA it needs ``ACCELERATE_USE_CPU=1`` (what

@@ -1,4 +1,4 @@
-"""Warm ranks (``integrations/warm.py``): the local launcher forks each launch's ranks from one
+"""Warm ranks (``supervise/local/warm.py``): the local launcher forks each launch's ranks from one
 process that imported torch once. A warm rank is the rank a cold start gives (its environment,
 arguments, working directory, streams, exit code, signals), a relaunch forked warm ends bitwise
 equal to one started cold, and nothing of one incarnation reaches the next: each rank is a fresh
@@ -16,7 +16,7 @@ import pytest
 
 from helpers import assert_bitwise_equal, run_rescue_job, write_script
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.warm import Zygote, warm_command
+from kempner_resilience.supervise.local.warm import Zygote, warm_command
 
 PROBE = """
 import os, sys, signal, json

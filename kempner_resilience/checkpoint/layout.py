@@ -224,6 +224,19 @@ def scan(paths: RunPaths) -> list[Entry]:
     return out
 
 
+def newest_committed(paths: RunPaths | None) -> int | None:
+    """The newest committed step in the run's directory ``paths`` (None: none, or unknown).
+    A supervisor reads it from the directory, not from rank 0's report: a rescue that
+    survivors committed after rank 0 died is there too."""
+    if paths is None:
+        return None
+    try:
+        steps = [e.step for e in scan(paths) if e.committed]
+    except OSError:
+        return None
+    return max(steps) if steps else None
+
+
 def find_roots(top: Path, max_depth: int = 3, max_dirs: int = 2000) -> tuple[list[Path], bool]:
     """Checkpoint roots (directories holding step directories) at or below ``top``, at most
     ``max_depth`` levels down, looking at no more than ``max_dirs`` directories; and whether the

@@ -50,7 +50,7 @@ __all__ = ["likely_causes", "restart_count_readers", "restart_count_cause", "own
            "CARRIED", "ACCUMULATED", "SCHEDULER", "NONDETERMINISTIC", "RESTART_COUNT_VAR",
            "RUN_SAID", "across_event_cause"]
 
-#: What the launcher sets to each launch's number (``integrations/local.py``).
+#: What the launcher sets to each launch's number (``supervise/local/launcher.py``).
 RESTART_COUNT_VAR = "KEMPNER_RESTART_COUNT"
 # A script's directory is searched for the name: bounded, a large tree is not walked.
 _MAX_FILES, _MAX_BYTES = 200, 4 << 20

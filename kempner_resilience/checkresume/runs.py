@@ -2,7 +2,7 @@
 planned stops, relaunched after each as ``kempner-resilience launch`` would, bounded in time.
 
 The script is run as the user would run it (same command, same working directory) under the
-local launcher (``integrations/local.py``). What reaches it is only the package's own
+local launcher (``supervise/local/launcher.py``). What reaches it is only the package's own
 environment: ``$KEMPNER_RESILIENCE_CONFIG`` names a config made for this run (the user's
 ``--config``/``--set`` with the checkpoint directory replaced by a fresh one, a commit at every
 step, nothing deleted), ``$KEMPNER_RESILIENCE_REHEARSAL`` plans the stops
@@ -31,7 +31,7 @@ from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.integrations.local import Launch, LocalLauncher
+from kempner_resilience.supervise.local.launcher import Launch, LocalLauncher
 from kempner_resilience.core.ledger import REPORT_ENV
 from kempner_resilience.stop.rehearsal import (CHECK_DIR_ENV, EVENTS_ENV, REHEARSAL_ENV,
                                                PlannedStop, encode)

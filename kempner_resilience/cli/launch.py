@@ -2,7 +2,7 @@
 
     kempner-resilience launch --ranks 2 [--max-restarts 20] -- python train.py [args]
 
-The loop SLURM runs for a requeueable job, on one machine (``integrations/local.py``): every
+The loop SLURM runs for a requeueable job, on one machine (``supervise/local/launcher.py``): every
 rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT and ``KEMPNER_RESTART_COUNT``; a
 launch whose ranks ended in a way worth running again (75 REQUEUE, 42 HANG, 81 PEER_LOST, a rank
 killed) is started again from the newest checkpoint, within the restart budget: the launch-side
@@ -65,7 +65,7 @@ def _setup(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kempner_resilience.integrations.local import LocalLauncher, Launch
+    from kempner_resilience.supervise.local.launcher import LocalLauncher, Launch
 
     command = list(args.command)
     if command[:1] == ["--"]:

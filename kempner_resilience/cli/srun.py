@@ -1,5 +1,5 @@
 """`kempner-resilience srun`: the training as srun steps that are relaunched in place, on a
-spare node, after a node or rank failure (``slurm/relaunch.py``).
+spare node, after a node or rank failure (``supervise/srun/relaunch.py``).
 
     kempner-resilience srun --spares 1 [--config F] [--set K=V] -- python train.py ...
 
@@ -48,7 +48,7 @@ def _setup(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kempner_resilience.slurm.relaunch import run_in_place
+    from kempner_resilience.supervise.srun.relaunch import run_in_place
 
     command = training_command(args.command)
     if not command:

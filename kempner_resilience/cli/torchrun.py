@@ -6,8 +6,8 @@
         launch --multi_gpu --num_processes 4 ... train.py [args]
 
 Our options come first; everything from the first other argument on (or after ``--``) is
-torchrun's (accelerate's) command line, passed on unchanged. See ``integrations/torchrun.py``
-and ``integrations/accelerate_launch.py``.
+torchrun's (accelerate's) command line, passed on unchanged. See ``supervise/torchrun/wrapper.py``
+and ``supervise/torchrun/accelerate.py``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _setup(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kempner_resilience.integrations.torchrun import run
+    from kempner_resilience.supervise.torchrun.wrapper import run
 
     argv = list(args.torchrun_args)
     if argv[:1] == ["--"]:
@@ -95,7 +95,7 @@ def _setup_accelerate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_accelerate(args: argparse.Namespace) -> int:
-    from kempner_resilience.integrations.accelerate_launch import AccelerateArgsError, run
+    from kempner_resilience.supervise.torchrun.accelerate import AccelerateArgsError, run
 
     argv = list(args.accelerate_args)
     if argv[:1] == ["--"]:

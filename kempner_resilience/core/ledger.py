@@ -45,8 +45,8 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   ``start.t0`` is the relaunch (when the supervisor launched it, as its channel says:
   ``supervise/channel.relaunched``; else its processes' start), not the job's start. The
   glue writes it with ``slurm.restart_event.record_restart`` (the srun loop,
-  ``slurm/relaunch.py``; under torchrun the new group's rank-0 agent,
-  ``integrations/torchrun_memory.py``). Fields:
+  ``supervise/srun/relaunch.py``; under torchrun the new group's rank-0 agent,
+  ``supervise/torchrun/memory.py``). Fields:
   ``relaunch``; ``reason`` (what failed, e.g. "rank 3 on krnode2 died"); ``bad_nodes`` (the
   nodes kept out from now on, comma-separated or a list); ``spare`` (the spare node taken
   in, absent: none); ``step`` (the committed step the new attempt resumes from);

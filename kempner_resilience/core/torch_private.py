@@ -34,7 +34,7 @@ Optional (looked up where used; without them a feature is off and says so in the
   torchrun glue (``elastic(group)``: the agent process only, so a training rank never imports
   the elastic agent), each with what a torch without it loses, logged once:
 
-  * ``shutdown`` (``integrations/torchrun_elastic.py``): ``LocalElasticAgent._start_workers``,
+  * ``shutdown`` (``supervise/torchrun/elastic.py``): ``LocalElasticAgent._start_workers``,
     which our agent subclass extends (worker tracking), its ``_pcontext`` and ``PContext.close``
     (the started context becomes a subclass of its class whose close first waits until the
     deadline: torch closes every worker at the first failure from inside its poll), and two module-level names torch looks up while it starts the workers, replaced
@@ -44,19 +44,19 @@ Optional (looked up where used; without them a feature is off and says so in the
   * ``restarts``: ``LocalElasticAgent._monitor_workers``, ``SimpleElasticAgent.
     _initialize_workers`` and the agent's ``_remaining_restarts`` (``remaining_restarts``):
     the policy's restart decision. Without them torch restarts after any failure;
-  * ``spares`` (``integrations/torchrun_elastic.py``, ``torchrun_memory.py``,
-    ``slurm/standby.py``): ``_DistributedRendezvousOpExecutor`` (subclassed: a standby is
+  * ``spares`` (``supervise/torchrun/elastic.py``, ``torchrun_memory.py``,
+    ``supervise/torchrun/standby.py``): ``_DistributedRendezvousOpExecutor`` (subclassed: a standby is
     noticed), ``DynamicRendezvousHandler``'s ``_op_executor``, ``_this_node``, ``_state_holder``,
     ``_settings`` and ``_stop_heartbeats``, ``_RendezvousExitOp`` (a node that leaves without
     closing the rendezvous) and ``_RendezvousState``'s fields (``rendezvous_state``: the round,
     the participants, the standbys and their heartbeats). Without them: no relaunch in place
     (a failure requeues);
-  * ``notice`` (``integrations/torchrun_elastic.py``): the state holder's ``_sanitize``,
+  * ``notice`` (``supervise/torchrun/elastic.py``): the state holder's ``_sanitize``,
     ``_state`` and ``_settings``: the holder becomes a subclass of its class whose sanitize,
     once this node's workers lost a peer, also drops a finished round's participant whose
     heartbeat is two keep-alive intervals old. Without them the dead node leaves when
     torch's keep-alive window expires.
-  * ``warm`` (``integrations/torchrun_warm.py``): ``SubprocessHandler._popen`` and
+  * ``warm`` (``supervise/torchrun/warm.py``): ``SubprocessHandler._popen`` and
     ``_stdout``/``_stderr`` (a subclass of torch's handler forks the worker from the agent's
     zygote instead), and ``multiprocessing.api.get_subprocess_handler``, the module-level
     name the process context builds its handlers with, replaced for the time of a worker

@@ -1,6 +1,6 @@
-"""The demo's use of the local launcher (``integrations/local.py``): the trainer's command line.
+"""The demo's use of the local launcher (``supervise/local/launcher.py``): the trainer's command line.
 
-``LocalLauncher``, ``Launch`` and ``free_port`` live in ``kempner_resilience.integrations.local``
+``LocalLauncher``, ``Launch`` and ``free_port`` live in ``kempner_resilience.supervise.local.launcher``
 (``kempner-resilience launch`` runs a user's script with them); they are importable from here
 as well, as before.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kempner_resilience.integrations.local import (RELAUNCH_CODES, Launch, LocalLauncher,
+from kempner_resilience.supervise.local.launcher import (RELAUNCH_CODES, Launch, LocalLauncher,
                                                    free_port)
 
 __all__ = ["Launch", "LocalLauncher", "free_port", "train_command", "RELAUNCH_CODES"]

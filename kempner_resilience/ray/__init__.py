@@ -43,11 +43,11 @@ from __future__ import annotations
 
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.ray_actor import ActorEnding, stop_context
-from kempner_resilience.integrations.ray_aio import AsyncActor, supervise_tasks
-from kempner_resilience.integrations.ray_driver import RayDriver
-from kempner_resilience.integrations.ray_group import GroupLost, Worker, WorkerGroup
-from kempner_resilience.integrations.ray_supervise import supervise
+from kempner_resilience.supervise.ray.actor import ActorEnding, stop_context
+from kempner_resilience.supervise.ray.aio import AsyncActor, supervise_tasks
+from kempner_resilience.supervise.ray.driver import RayDriver
+from kempner_resilience.supervise.ray.group import GroupLost, Worker, WorkerGroup
+from kempner_resilience.supervise.ray.relaunch import supervise
 from kempner_resilience.run.ray_actor_run import TrainingActor
 from kempner_resilience.run.ray_run import RayRun, supervise_loop
 

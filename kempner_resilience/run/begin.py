@@ -35,7 +35,7 @@ from kempner_resilience.integrations.trackers import Trackers
 from kempner_resilience.slurm.clock import END_TIME_ENV, RunClock, job_end_time
 from kempner_resilience.slurm.badnodes import check_allocation
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist
-from kempner_resilience.supervise.channel import Channel, relaunched
+from kempner_resilience.supervise.rank import relaunched, supervisor
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -69,7 +69,7 @@ def begin(base: RunParts, progress: Progress, state: Mapping[str, Any] | None,
             if state is not None:   # identity, lease, ledger, resume, rescue
                 parts = _checkpoints(parts, progress, state, run_id, latest)
                 if parts.rank == 0:                 # the supervisor learns which run this is
-                    parts = latest[0] = replace(parts, supervisor=Channel.from_env())
+                    parts = latest[0] = replace(parts, supervisor=supervisor())
                     RunState(parts, progress).tell_supervisor()
             _preflight(parts)
         if parts.run_id is None:                                # no checkpoints

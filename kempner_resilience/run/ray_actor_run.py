@@ -15,7 +15,7 @@ with krr.RayDriver(cfg) as driver:
 ```
 
 The driver forms the group and hands each actor its config and stop board
-(``integrations/ray_actor.py``: ``kr_setup``); ``resilient_run`` builds the run from them,
+(``supervise/ray/actor.py``: ``kr_setup``); ``resilient_run`` builds the run from them,
 inside the stop context (the driver's stop, Ray's SIGTERM, the run's ``SystemExit`` caught),
 so the user ships neither. It lives in the run layer because it builds a ResilientRun; the
 rest of the actor's side is the library's.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Mapping
 
-from kempner_resilience.integrations import ray_actor
+from kempner_resilience.supervise.ray import actor as ray_actor
 from kempner_resilience.run.resilient import ResilientRun
 
 __all__ = ["TrainingActor"]

@@ -39,14 +39,14 @@ import os
 import signal
 from typing import Any, Callable, Mapping, TypeVar
 
+from kempner_resilience.checkpoint.layout import newest_committed
 from kempner_resilience.config import ExitMode
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.integrations.ray_driver import clear_ray_handlers, driver_forces
-from kempner_resilience.integrations.ray_group import GroupLost, WorkerGroup
+from kempner_resilience.supervise.ray.driver import clear_ray_handlers, driver_forces
+from kempner_resilience.supervise.ray.group import GroupLost, WorkerGroup
 from kempner_resilience.run.resilient import ResilientRun
-from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.policy import Action, Commits, Evidence, RankEnd, decide
 
 __all__ = ["RayRun", "supervise_loop"]
@@ -123,7 +123,7 @@ class RayRun(ResilientRun):
 
     def _redo(self) -> tuple[int | None, int]:
         """The newest committed step, and how many steps of this run are to be redone."""
-        committed = newest_commit(RunPaths.from_config(self.config))
+        committed = newest_committed(RunPaths.from_config(self.config))
         return committed, self.step - (committed or 0)
 
     def _stop_groups(self) -> None:

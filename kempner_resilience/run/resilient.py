@@ -41,7 +41,7 @@ from kempner_resilience.stop import rehearsal
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.stop.teardown import CleanupResult, TeardownStack
 from kempner_resilience.stop.watchdog import HangWatchdog
-from kempner_resilience.supervise.channel import Channel, launch_name
+from kempner_resilience.supervise.rank import note_hang_seen
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo
@@ -391,9 +391,7 @@ class ResilientRun:
         # Under a supervisor (`kempner-resilience srun`, spare nodes): this rank's watchdog ran
         # in Python, so it is not the rank hung with the GIL held; the supervisor keeps the
         # silent one's node out of the relaunch.
-        channel = Channel.from_env()
-        if channel is not None:
-            channel.note_hang_seen(launch_name(), parts.rank)
+        note_hang_seen(parts.rank)
 
     def _on_hang(self) -> int:
         """Runs in the hang watchdog's thread before the HANG exit, the main thread stuck or

@@ -21,7 +21,7 @@ from kempner_resilience.stop.agreement import StopAgreement
 from kempner_resilience.stop.signals import ShutdownHandler
 from kempner_resilience.stop.teardown import TeardownStack
 from kempner_resilience.stop.watchdog import HangWatchdog
-from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.rank import Channel
 
 if TYPE_CHECKING:
     from kempner_resilience.checkpoint.info import CheckpointInfo

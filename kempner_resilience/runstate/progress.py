@@ -3,7 +3,7 @@
 The loop moves the step, every commit is noted (the step a requeue comes back to), the shutdown
 sequence notes how long each of its steps took, what the teardown did, and how the run ended.
 Nothing else is written after the set-up: the parts are frozen (``parts.py``), and the shutdown
-steps return what they did for their caller to note here (``shutdown/steps.py``).
+steps return what they did for their caller to note here (``shutdown/stages.py``).
 
 Threads: the main thread writes it, and, once it decided, the hang watchdog's thread (the hang
 ending) or the signal thread (a forced exit); each write is one assignment under the GIL.

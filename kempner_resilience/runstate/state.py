@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kempner_resilience.exitcodes import Ending, ExitCode
 from kempner_resilience.runstate.parts import RunParts
 from kempner_resilience.runstate.progress import Progress
-from kempner_resilience.supervise.channel import Channel, report_now
+from kempner_resilience.supervise.rank import has_supervisor, report_now
 from kempner_resilience.supervise.endings import RankEnding, note_ending
 
 _LEASE_LOST = Ending.LEASE_LOST.value
@@ -74,7 +74,7 @@ class RunState:
         # A rank that left run.steps early says so under a supervisor too: its exit code (0)
         # tells the supervisor, but only this word tells its peers which rank and step.
         if parts.ckpt is None or parts.attempt_token is None \
-                or (Channel.from_env() is not None and kind != _LEFT_EARLY):
+                or (has_supervisor() and kind != _LEFT_EARLY):
             return
         # A run another run took checkpoint.dir over from writes nothing there any more (its
         # lease says so on rank 0; every rank's code says so): the directory is the new

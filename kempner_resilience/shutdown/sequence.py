@@ -10,7 +10,7 @@ allocation's end, ``stop/reason.py``):
 one of the hang watchdog's thread, ``give_up`` the one of periodic saves that keep failing,
 ``lease_lost`` the one of a run another run took ``checkpoint.dir`` over from (nothing saved,
 nothing written there, never requeued), ``complete`` the normal end. Each step is a function of
-``steps.py`` with its own time budget: the shutdown deadline armed by the first signal (or
+``stages.py`` with its own time budget: the shutdown deadline armed by the first signal (or
 here, for ranks that only agreed to someone else's), per-cleanup limits inside it, and
 ``watchdog.exit_timeout_s`` for the interpreter's exit after it. A step returns what it did;
 the path notes it in the run's progress (its timings, its commit, its teardown) and builds the
@@ -32,12 +32,13 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.runstate import RunState
 from kempner_resilience.shutdown import exit as leaving
-from kempner_resilience.shutdown import outcome, steps
+from kempner_resilience.shutdown import outcome, stages
 from kempner_resilience.shutdown.outcome import Ending, Facts, Saved, Verdict, exit_code
 from kempner_resilience.shutdown.rescue import close_rescue, rescue
-from kempner_resilience.shutdown.steps import TornDown, local_restart_count
+from kempner_resilience.shutdown.stages import TornDown
 from kempner_resilience.stop.agreement import StopDecision
-from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.rank import (local_restart_count, offered_relaunch,
+                                               supervisor_decides)
 
 __all__ = ["stop", "fail", "hang", "give_up", "lease_lost", "complete",
            "requeue_after_failure", "rescued", "record", "local_restart_count"]
@@ -54,16 +55,16 @@ def stop(state: RunState, decision: StopDecision) -> NoReturn:
     if decision.lease_lost:
         lease_lost(state, step)
     close_rescue(state)
-    action, signum = steps.stop_action(parts.config, reason)
+    action, signum = stages.stop_action(parts.config, reason)
     log.warning("stopping at step %d (%s, action %s)", step, reason.word, action.value)
     req = parts.handler.request
     if req is not None:     # signal → every rank agreed on the step (this rank's signal)
         progress.took("agree_s", time.monotonic() - req.received_at)
     parts.ledger.event("stop", step=step, signal=reason.word,
                        signal_t=req.received_wall if req is not None else None)
-    steps.start_deadline(state, reason)
+    stages.start_deadline(state, reason)
     t0 = time.monotonic()
-    save = steps.emergency_save(state, step)
+    save = stages.emergency_save(state, step)
     if save.lease_lost:
         lease_lost(state, step)
     if save.info is not None:
@@ -74,14 +75,14 @@ def stop(state: RunState, decision: StopDecision) -> NoReturn:
     facts = Facts(Ending.SIGNAL, step, signum, save.saved)
     if action is Action.REQUEUE and save.saved is not Saved.FAILED:
         t0 = time.monotonic()   # the whole step: decision, scontrol, every rank told
-        requeued = steps.requeue(state, state.committed_step())
+        requeued = stages.requeue(state, state.committed_step())
         _note_scontrol(state, requeued)
         progress.took("requeue_s", time.monotonic() - t0)
         facts = replace(facts, requeue=requeued.verdict)
         parts.ledger.event("requeue", verdict=requeued.verdict.value,
                            code=int(exit_code(facts)),
                            seconds=round(progress.timings["requeue_s"], 4))
-    facts = replace(facts, peer_forced_code=steps.peer_forced_code(state))
+    facts = replace(facts, peer_forced_code=stages.peer_forced_code(state))
     # A rank forced out mid-shutdown is gone: tearing the group down would wait for it.
     done = _teardown(state, peers_alive=facts.peer_forced_code is None and not save.lost_peer)
     _leave(state, facts, done)
@@ -103,12 +104,12 @@ def fail(state: RunState, exc: BaseException) -> None:
     # Said first, before the rescue and the teardown: rank 0, when it lost this rank, may be
     # deciding now whether to requeue (no supervisor: supervise/endings.py).
     state.note_ending((Ending.PEER_LOST if lost else Ending.ERROR).value, code)
-    forced = steps.peer_forced_code(state)
+    forced = stages.peer_forced_code(state)
     lost = lost or forced is not None
     facts = Facts(Ending.PEER_LOST if lost else Ending.ERROR, state.step,
                   peer_forced_code=forced)
     if lost:
-        left = steps.peers_left(state) if forced is None else {}
+        left = stages.peers_left(state) if forced is None else {}
         if left:
             log.error("%s; leaving at step %d", "; ".join(
                 f"rank {r} left run.steps at step {s}" for r, s in sorted(left.items())),
@@ -126,7 +127,7 @@ def fail(state: RunState, exc: BaseException) -> None:
             parts.handler.deadline.expect_exit(code, parts.config.signals.grace_s,
                                                f"exit after {type(exc).__name__}")
         if forced is None:   # no supervisor: a peer's own ending ends the job
-            facts = replace(facts, peer_code=steps.peers_code(state))
+            facts = replace(facts, peer_code=stages.peers_code(state))
         if facts.peer_code is None:
             requeue_after_failure(state, "peer lost")
     close_rescue(state, clean=False)       # its sockets and thread must not outlive the run
@@ -147,7 +148,7 @@ def hang(state: RunState) -> int:
     # Said first: rank 0, hung in the same collective, reads it before it decides.
     state.note_ending(Ending.HANG.value, int(exitcodes.ExitCode.HANG))
     rescued(state, "hang")
-    peer = steps.peers_code(state, own=exitcodes.ExitCode.HANG)
+    peer = stages.peers_code(state, own=exitcodes.ExitCode.HANG)
     verdict = requeue_after_failure(state, "hang") if peer is None else None
     return record(state, Facts(Ending.HANG, state.step, requeue=verdict, peer_code=peer))
 
@@ -184,7 +185,7 @@ def complete(state: RunState, step: int, *, left_early: bool = False) -> None:
     cleanups, drain saves, report; the caller's code goes on."""
     if left_early:
         # Said first, before this rank's sockets close: a peer still in the loop then names
-        # this rank and its step instead of "a peer is gone" (steps.peers_left).
+        # this rank and its step instead of "a peer is gone" (stages.peers_left).
         state.note_ending(Ending.LEFT_EARLY.value, 0)
         log.info("left run.steps at step %d without a stop: ranks still in the loop will lose "
                  "this rank", step)
@@ -226,8 +227,7 @@ def requeue_after_failure(state: RunState, why: str) -> Verdict | None:
         log.warning("%s: not requeued: another run holds %s now (this run lost its lease)",
                     why, RunPaths.from_config(parts.config))
         return None
-    channel = Channel.from_env()
-    if channel is not None and channel.supervised:
+    if supervisor_decides():
         # `kempner-resilience srun` (spare nodes) started this step: it relaunches the
         # training on a spare, or requeues the job itself, once every survivor has left. (A
         # torchrun agent's private channel is no such supervisor: below.)
@@ -238,7 +238,7 @@ def requeue_after_failure(state: RunState, why: str) -> Verdict | None:
     own = exitcodes.ExitCode.HANG if why == "hang" else exitcodes.ExitCode.PEER_LOST
     try:
         # The policy weighs no requeue without a committed checkpoint to come back to.
-        requeued = steps.requeue_decision(state, state.committed_step(), int(own))
+        requeued = stages.requeue_decision(state, state.committed_step(), int(own))
     except Exception as e:      # never let the requeue attempt stop the exit
         log.error("%s: requeue failed: %s", why, e)
         return None
@@ -253,10 +253,10 @@ def requeue_after_failure(state: RunState, why: str) -> Verdict | None:
 
 def _relaunch_in_place(why: str) -> bool:
     """Under a torchrun agent with in-job restarts left and a standby agent waiting (spare
-    nodes, ``slurm/standby.py``), the agents restart the training on the survivors plus the
+    nodes, ``supervise/torchrun/standby.py``), the agents restart the training on the survivors plus the
     spare from the checkpoint just committed: no requeue (it would end the allocation). Without
     a standby, the requeue as before."""
-    from kempner_resilience.slurm.standby import live_standbys, offered_relaunch
+    from kempner_resilience.supervise.torchrun.standby import live_standbys
 
     relaunch = offered_relaunch()
     if relaunch is None:
@@ -274,13 +274,13 @@ def _relaunch_in_place(why: str) -> bool:
 
 # ------------------------------------------------------------------------------ composing
 
-def _note_scontrol(state: RunState, requeued: steps.Requeued) -> None:
+def _note_scontrol(state: RunState, requeued: stages.Requeued) -> None:
     if requeued.scontrol_s is not None:
         state.progress.took("scontrol_requeue_s", requeued.scontrol_s)
 
 
 def _teardown(state: RunState, *, peers_alive: bool) -> TornDown:
-    done = steps.teardown(state, peers_alive=peers_alive)
+    done = stages.teardown(state, peers_alive=peers_alive)
     state.progress.tore_down(done.results)
     state.progress.took("teardown_s", done.seconds)
     return done

@@ -197,7 +197,7 @@ def render_sbatch(config: ResilienceConfig | None = None, *, template: str = "si
     ``spares`` (``multi_node_torchrun``): ask for ``nodes + spares`` nodes with ``--no-kill``
     and train on ``nodes``; a standby takes a failed node's place in the job, at most
     ``in_job_restarts`` times (default: ``spares``). In ``multi_node`` the launch line becomes
-    ``kempner-resilience srun --spares K ...`` (``slurm/relaunch.py``): srun steps on the
+    ``kempner-resilience srun --spares K ...`` (``supervise/srun/relaunch.py``): srun steps on the
     healthy nodes, a new one on the survivors plus a spare after a failure; ``overrides``
     (``--set KEY=VALUE``) go on that line, so that it finds the training's checkpoint.dir.
     """

@@ -3,7 +3,7 @@
 A stop is agreed through the process group's store (``agreement.py``) and carried to the
 shutdown sequence as one of these, never as a signal number standing in for something else:
 the time-limit stop is no signal, and the ledger's ``stop`` event says ``time-limit``, not the
-signal whose action it takes (``shutdown/steps.py`` decides that action, in one place).
+signal whose action it takes (``shutdown/stages.py`` decides that action, in one place).
 
 The reason crosses processes twice: as text in the store (``encode``/``decode``) and as one
 integer in ``should_stop``'s all-reduce (``order``/``from_order``), where the largest wins on

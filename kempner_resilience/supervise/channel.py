@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from kempner_resilience.checkpoint.layout import newest_committed as newest_commit
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
@@ -469,21 +470,6 @@ def launch_name(environ: Mapping[str, str] | None = None) -> str:
     """This launch of the ranks within the job: ``<requeues>.<relaunches in place>``."""
     env = os.environ if environ is None else environ
     return f"{env.get('SLURM_RESTART_COUNT') or 0}.{relaunched(environ).index}"
-
-
-def newest_commit(paths: RunPaths | None) -> int | None:
-    """The newest committed step in the run's directory ``paths`` (None: none, or unknown).
-    Read from the directory, not from rank 0's report: a rescue that survivors committed after
-    rank 0 died is there too."""
-    from kempner_resilience.checkpoint import layout
-
-    if paths is None:
-        return None
-    try:
-        steps = [e.step for e in layout.scan(paths) if e.committed]
-    except OSError:
-        return None
-    return max(steps) if steps else None
 
 
 def report_now(channel: Channel, run_dir: str | os.PathLike[str], *, run_id: str | None,

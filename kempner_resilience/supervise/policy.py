@@ -85,7 +85,7 @@ ENDS_THE_JOB: frozenset[int] = frozenset(int(c) for c in (
     ExitCode.ERROR, ExitCode.USAGE, ExitCode.CONFIG, ExitCode.NO_REQUEUE,
     ExitCode.REQUEUE_FAILED, ExitCode.CHECKPOINT_FAILED, ExitCode.SIGINT, ExitCode.LEASE_LOST,
     ExitCode.STOPPED, ExitCode.DEADLINE))
-# What a step of srun on spares never relaunches in place (``slurm/steps.py``): the job ends as
+# What a step of srun on spares never relaunches in place (``supervise/srun/taskends.py``): the job ends as
 # it is, or is already on its way back to the queue (REQUEUE: rank 0 requeued it).
 NOT_IN_PLACE: frozenset[int] = (ENDS_THE_JOB - {int(ExitCode.STOPPED), int(ExitCode.DEADLINE),
                                                 int(ExitCode.USAGE)}) | {int(ExitCode.REQUEUE)}

@@ -29,7 +29,7 @@ from kempner_resilience.core.log import get_logger
 
 __all__ = ["run", "parse", "AccelerateArgsError"]
 
-log = get_logger("kempner_resilience.integrations.torchrun")
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 _USE_CPU = "ACCELERATE_USE_CPU"
 
@@ -67,7 +67,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         forward: bool | None = None) -> int:
     """Run ``accelerate launch ...`` (``argv`` starts with ``launch``) with our agent; returns
     the exit code for the batch script, as ``kempner-resilience torchrun`` does."""
-    from kempner_resilience.integrations import torchrun
+    from kempner_resilience.supervise.torchrun import wrapper as torchrun
 
     args = parse(argv)
 

@@ -12,7 +12,7 @@ With spares, every relaunch in place takes a standby's place in the next rendezv
 node of the failed worker when it is this one (it leaves), else a peer's, unknown here (its
 agent died with it, or it leaves): so the evidence implicates one node, this one or ``PEER``,
 and a relaunch needs one spare, as rank 0's own check of the standbys does
-(``slurm/standby.py``).
+(``supervise/torchrun/standby.py``).
 """
 
 from __future__ import annotations

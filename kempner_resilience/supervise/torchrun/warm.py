@@ -34,13 +34,13 @@ from typing import Any, Iterator
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
-from kempner_resilience.integrations.warm import UNBUFFERED, WarmProcess, Zygote, warm_command
+from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent
+from kempner_resilience.supervise.local.warm import UNBUFFERED, WarmProcess, Zygote, warm_command
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 
 __all__ = ["WarmWorkers", "warm_starting"]
 
-log = get_logger("kempner_resilience.integrations.torchrun")
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 # What SLURM may send to every process of a step, and torchrun's own: the zygote ignores them
 # (its workers are told by the agent, or by SLURM itself).

@@ -1,5 +1,5 @@
 """The client side of a submitit job once it is built: the executor, preempting it, waiting for
-its result through any number of requeues (see ``integrations/submitit.py``)."""
+its result through any number of requeues (see ``supervise/submitit/jobs.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kempner_resilience.core.log import get_logger
 __all__ = ["make_executor", "interrupt", "wait", "is_local_job"]
 
 # One logger for the whole integration, as before the split: users filter their logs on it.
-log = get_logger("kempner_resilience.integrations.submitit")
+log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
 
 def make_executor(folder: str | os.PathLike[str], *, timeout_min: int = 60,
@@ -54,7 +54,7 @@ def interrupt(job: Any) -> None:
     if not is_local_job(job):
         job._interrupt()
         return
-    from kempner_resilience.integrations.submitit_local import interrupt_tasks
+    from kempner_resilience.supervise.submitit.local import interrupt_tasks
 
     interrupt_tasks(job)
 

@@ -10,7 +10,7 @@ runs again (rank 0's in-run requeue does, from its peers' recorded endings:
         --error <folder>/%j_%t_log.err' -- <python> -u -m submitit.core._submit <folder>
 
 with submitit's own ``use_srun=False`` (the batch script runs the command itself): our loop
-(``slurm/relaunch.py``) launches srun, so a submitit job gets what a ``kempner-resilience
+(``supervise/srun/relaunch.py``) launches srun, so a submitit job gets what a ``kempner-resilience
 sbatch`` job gets: one supervisor on the one policy after every step (a rank's exception
 leaves with 1, a rescued failure relaunches from the newest committed checkpoint, the
 no-progress guard, the restart budget, the loop's requeue with bad nodes kept out), the channel

@@ -26,7 +26,7 @@ rendezvous subclasses ask it):
 * *The workers know.* Each agent gives its workers a supervisor channel of its own
   (``Channel.for_agent``: inside the job's channel when the step loop started the agents, else
   a private one), and says there the rendezvous and the restarts left (rank 0 then leaves the
-  relaunch to the agents instead of requeueing: ``slurm/standby.py``, ``shutdown/sequence.py``)
+  relaunch to the agents instead of requeueing: ``supervise/torchrun/standby.py``, ``shutdown/sequence.py``)
   and, before each group, which relaunch in place it is (the rendezvous round).
 * *The run remembers* (``torchrun_memory.py``): the node that leaves records itself in
   ``bad-nodes.json`` (so a requeue keeps it off too), the new group's rank-0 agent writes the
@@ -59,17 +59,17 @@ from typing import Any, Mapping, Sequence
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
-from kempner_resilience.integrations.torchrun_memory import (node_name, record_agent_restart,
+from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent
+from kempner_resilience.supervise.torchrun.memory import (node_name, record_agent_restart,
                                                              record_left, rendezvous_round)
-from kempner_resilience.integrations.torchrun_policy import implicated_here, observe
-from kempner_resilience.slurm.standby import Relaunch, live_standbys
+from kempner_resilience.supervise.torchrun.evidence import implicated_here, observe
+from kempner_resilience.supervise.torchrun.standby import Relaunch, live_standbys
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, launch_name, newest_commit
 from kempner_resilience.supervise.policy import RESCUED_CODES, Action, Commits, Guard, decide
 
 __all__ = ["InPlace", "in_place_settings", "restart_decision"]
 
-log = get_logger("kempner_resilience.integrations.torchrun")
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 # The endings a relaunch is for, as the policy defines them (its decision is what the agent
 # asks; the name stays for tests/test_supervise_policy.py's check of every backend).

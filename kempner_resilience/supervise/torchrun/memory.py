@@ -1,6 +1,6 @@
 """The torchrun spares glue's memory: the bad-node record and the ledger's ``restart`` event.
 
-The srun glue (``slurm/relaunch.py``) records the nodes implicated in a failure
+The srun glue (``supervise/srun/relaunch.py``) records the nodes implicated in a failure
 (``slurm/badnodes.record_bad_nodes``) and writes one ``restart`` event per in-job restart
 (``slurm/restart_event.record_restart``). Under torchrun no single process sees the whole
 failure, so the agents share the work, each with what it alone knows:
@@ -39,7 +39,7 @@ from kempner_resilience.slurm.restart_event import record_restart
 
 __all__ = ["node_name", "record_left", "record_agent_restart", "rendezvous_round"]
 
-log = get_logger("kempner_resilience.integrations.torchrun")
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 
 def node_name() -> str:

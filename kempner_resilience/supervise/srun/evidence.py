@@ -1,12 +1,12 @@
 """A finished srun step as the one policy's evidence: the srun step loop's side of
 ``supervise/policy.py``.
 
-The step loop on spare nodes (``slurm/relaunch.py``) runs the training as srun steps. Once a
+The step loop on spare nodes (``supervise/srun/relaunch.py``) runs the training as srun steps. Once a
 step is over, what follows (relaunch in place on a spare, requeue, leave with a code) is the
 policy's ``decide``, as for every other supervisor of ranks; this module only turns what the
 loop knows into ``Evidence``, with no I/O:
 
-- each task's ending, from srun's stderr (``slurm/steps.py``'s ``StepReport``). A task srun
+- each task's ending, from srun's stderr (``supervise/srun/taskends.py``'s ``StepReport``). A task srun
   reported ended with that code (killed by that signal when srun says "Killed",
   "Terminated", ...). srun reports bad endings only, so a task it never reported exited 0,
   unless the loop had to end the step itself (srun ends by itself once every task has ended;
@@ -31,7 +31,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from kempner_resilience.slurm.steps import StepReport
+from kempner_resilience.supervise.srun.taskends import StepReport
 from kempner_resilience.supervise.policy import Commits, Evidence, RankEnd
 
 __all__ = ["LoopState", "task_ends", "step_evidence"]

@@ -33,7 +33,7 @@ of this package (where steps run), no process group, no ``__main__`` but its own
 A zygote that fails the check answers ``{"refused": why}`` and exits; the launcher starts its
 ranks cold from then on. So a rank whose state cannot be trusted (a hang, a timed-out
 collective) is never the parent of the next incarnation: each incarnation is a fresh fork.
-The torchrun agents use it too (``torchrun_warm.py``): their zygote ignores the signals SLURM
+The torchrun agents use it too (``supervise/torchrun/warm.py``): their zygote ignores the signals SLURM
 may send to every process of a step, and dies with the agent (SIGKILL, then its workers get
 their own parent-death signal).
 """

@@ -55,7 +55,7 @@ from typing import Callable, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.strays import clock_ticks_now, end_strays
-from kempner_resilience.integrations.warm import WarmProcess, Zygote, warm_command
+from kempner_resilience.supervise.local.warm import WarmProcess, Zygote, warm_command
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, newest_commit
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,

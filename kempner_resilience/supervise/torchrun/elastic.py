@@ -11,7 +11,7 @@ before they are used; a torch that lacks one keeps torch's behaviour for that pa
   policy's answer (``_monitor_workers``: ``torchrun_spares.InPlace`` with spares, else
   ``restart_decision``); with spares it also gives each group its relaunch environment and the
   rank-0 agent writes the restart event (``_initialize_workers``, ``_start_workers``); with
-  ``$KEMPNER_RESILIENCE_WARM=1`` its workers fork from its zygote (``torchrun_warm.py``).
+  ``$KEMPNER_RESILIENCE_WARM=1`` its workers fork from its zygote (``supervise/torchrun/warm.py``).
 * ``SpareHandler`` (a ``DynamicRendezvousHandler``): a node standing by is noticed (its op
   executor, a subclass of torch's, reports the redundancy list), a waiting node is hidden from
   the monitor while the survivors rescue (``num_nodes_waiting``), a node that leaves only
@@ -45,13 +45,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent, starting
-from kempner_resilience.integrations.torchrun_spares import InPlace, restart_decision
-from kempner_resilience.integrations.torchrun_warm import WarmWorkers, warm_starting
+from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent, starting
+from kempner_resilience.supervise.torchrun.spares import InPlace, restart_decision
+from kempner_resilience.supervise.torchrun.warm import WarmWorkers, warm_starting
 
 __all__ = ["ElasticAgent", "SpareHandler", "spare_handler"]
 
-log = get_logger("kempner_resilience.integrations.torchrun")
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 
 class ElasticAgent(LocalElasticAgent):

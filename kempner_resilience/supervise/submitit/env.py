@@ -5,7 +5,7 @@ In a task of submitit's local executor they come from its ``SUBMITIT_LOCAL_*`` v
 rendezvous port and ``KEMPNER_RESTART_COUNT`` (the controller restarts the tasks after a requeue
 without saying so), and the task asks for the preemption signal when the controller dies. The
 resolved configuration is written to a file that ``$KEMPNER_RESILIENCE_CONFIG`` names. See
-``integrations/submitit.py`` for the whole hand-over.
+``supervise/submitit/jobs.py`` for the whole hand-over.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any, Mapping
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.fileio import write_atomic
-from kempner_resilience.integrations.submitit_signals import preempt_signal
+from kempner_resilience.supervise.submitit.signals import preempt_signal
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["setup_rank_env", "setup_local_env", "preempt_when_controller_dies", "count_start",
            "write_config_file", "OUTER_JOB_VARS"]
 
 # One logger for the whole integration, as before the split: users filter their logs on it.
-log = get_logger("kempner_resilience.integrations.submitit")
+log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
 
 def setup_rank_env() -> None:
@@ -53,7 +53,7 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     Returns what was set."""
     from kempner_resilience.slurm.env import master_port
 
-    from kempner_resilience.supervise.channel import Channel
+    from kempner_resilience.supervise.rank import restarts_said
 
     env: Any = os.environ if environ is None else environ
     for key in OUTER_JOB_VARS:
@@ -62,8 +62,7 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     rank = env.get("SUBMITIT_LOCAL_GLOBALID", "0")
     world = env.get("SUBMITIT_LOCAL_NTASKS", "1")
     # Our controller says the count in its channel; under submitit's own, the task counts.
-    channel = Channel.from_env(env)
-    said = channel.restarts() if channel is not None else None
+    said = restarts_said(env)
     values = {"RANK": rank, "WORLD_SIZE": world,
               "LOCAL_RANK": env.get("SUBMITIT_LOCAL_LOCALID", rank), "LOCAL_WORLD_SIZE": world,
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port(job_id)),

@@ -9,9 +9,9 @@ the rendezvous state, kept in torch's store on the rendezvous host; rank 0 reads
 it decides between leaving the relaunch to the agents and requeueing the job (no standby left:
 the fallback is today's requeue).
 
-The agent (``integrations/torchrun_spares.py``) tells its workers where the rendezvous is and
+The agent (``supervise/torchrun/spares.py``) tells its workers where the rendezvous is and
 how many in-job restarts it has left in its own supervisor channel (``Channel.offer_rendezvous``,
-``Relaunch``'s fields); rank 0 reads it with ``offered_relaunch``.
+``Relaunch``'s fields); rank 0 reads it with ``supervise/rank.offered_relaunch``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import pickle
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Mapping
+from typing import Any
 
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["Relaunch", "offered_relaunch", "live_standbys", "standbys_in"]
+__all__ = ["Relaunch", "live_standbys", "standbys_in"]
 
 log = get_logger(__name__)
 
@@ -41,27 +41,6 @@ class Relaunch:
     def fields(self) -> dict[str, Any]:
         """What the agent's channel keeps of it (``Channel.offer_rendezvous``)."""
         return asdict(self)
-
-
-def offered_relaunch(environ: Mapping[str, str] | None = None) -> Relaunch | None:
-    """The relaunch this worker's torchrun agent offers, as its channel says (set by hand
-    without one: the deprecated variable); None: not under such an agent, or no restart
-    left."""
-    from kempner_resilience.supervise.channel import Channel
-    from kempner_resilience.supervise.legacy_env import rendezvous_by_hand
-
-    channel = Channel.from_env(environ)
-    data = channel.rendezvous() if channel is not None else None
-    if data is None:
-        data = rendezvous_by_hand(environ)
-    if data is None:
-        return None
-    try:
-        r = Relaunch(**data)
-    except TypeError as e:
-        log.warning("ignoring the offered relaunch %r (%s): failures requeue the job", data, e)
-        return None
-    return r if isinstance(r.restarts_left, int) and r.restarts_left > 0 else None
 
 
 def standbys_in(state: Any, stale_s: float, now: datetime | None = None) -> list[str]:

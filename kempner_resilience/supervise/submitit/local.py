@@ -15,10 +15,10 @@
 * **The job** (``ResilientLocalJob``): submitit's ``LocalJob._interrupt()`` sends the
   preemption signal to the controller, which has no handler for it and dies; its tasks never
   hear of it and nothing is checkpointed. This ``_interrupt()`` signals the tasks, as SLURM does
-  (see ``integrations/submitit.py``).
+  (see ``supervise/submitit/jobs.py``).
 
 Imports submitit: loaded only for a local job. Run as a module, it is the controller:
-``python -m kempner_resilience.integrations.submitit_local FOLDER [--grace S]``.
+``python -m kempner_resilience.supervise.submitit.local FOLDER [--grace S]``.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from typing import Any
 from submitit.local.local import Controller, LocalExecutor, LocalJob, LocalJobEnvironment
 
 from kempner_resilience.core.log import get_logger, set_role
-from kempner_resilience.integrations.submitit_policy import Supervision
+from kempner_resilience.supervise.submitit.evidence import Supervision
 from kempner_resilience.supervise.channel import Channel
 from kempner_resilience.supervise.policy import Action
 
 __all__ = ["ResilientLocalJob", "ResilientLocalExecutor", "ResilientController",
            "interrupt_tasks", "local_task_pids", "is_local_executor", "DEFAULT_GRACE_S"]
 
-log = get_logger("kempner_resilience.integrations.submitit")
+log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
 #: After a task's end, the others' time to end before the controller kills them: above the
 #: hang watchdog's timeout plus the rescue's budget, so that a survivor that sees its lost

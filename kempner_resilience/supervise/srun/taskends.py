@@ -1,5 +1,5 @@
 """What one srun step of a job with spare nodes did, read from srun's own messages: the pure
-part of the relaunch in place (``slurm/relaunch.py`` runs the steps).
+part of the relaunch in place (``supervise/srun/relaunch.py`` runs the steps).
 
 srun reports every task that ends badly on its stderr, one line per node and code
 (``srun: error: krnode1: tasks 0-1: Exited with exit code 81``, ``... task 3: Killed``), and a
@@ -129,7 +129,7 @@ class StepReport:
         that can still report have (``relaunch.Relauncher.run_step``): a rank lost or hung, a
         rank killed by a signal other than the shutdown's own (SIGTERM/SIGINT), or a node
         declared dead; and nothing that ends the job as it is (a bug, a requeue already under
-        way). Whether the job then runs again is the policy's (``slurm/evidence.py``)."""
+        way). Whether the job then runs again is the policy's (``supervise/srun/evidence.py``)."""
         if self.codes & _FINAL_CODES:
             return False
         killed = {c for c in self.codes if c > 128 and c not in (int(ExitCode.SIGTERM),

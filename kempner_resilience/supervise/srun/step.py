@@ -1,4 +1,4 @@
-"""One srun step of the relaunch loop (``slurm/relaunch.py``): start it, read srun's reports of
+"""One srun step of the relaunch loop (``supervise/srun/relaunch.py``): start it, read srun's reports of
 its tasks' ends as they come (passed on to the job's log), and end it early when waiting longer
 only waits for a dead node: after a failure once the nodes that can still report have, or once
 rank 0 said in the supervisor's channel that the run finished.
@@ -19,13 +19,13 @@ from typing import Callable, Mapping, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.slurm.steps import StepReport, parse_srun_line
+from kempner_resilience.supervise.srun.taskends import StepReport, parse_srun_line
 from kempner_resilience.supervise.channel import Channel
 
 __all__ = ["SrunStep", "StepResult", "FinishWatch", "SETTLE_S", "SETTLE_MAX_S", "END_STEP_S",
            "FINISHED_GRACE_S"]
 
-_log = get_logger("kempner_resilience.slurm.relaunch")
+_log = get_logger("kempner_resilience.supervise.srun.relaunch")
 
 # After a failure ending, once every node that reported has reported all its tasks, this long
 # without news and the step is over on every node that can still report: the silent ones are

@@ -6,13 +6,13 @@ this loop:
 
 1. start ``srun`` on N nodes of the allocation, not the recorded bad ones (``badnodes``), with
    ``MASTER_ADDR`` the first of them (rank 0's: SLURM places tasks in its node order);
-2. read srun's stderr (passed on to the job's log) for task ends (``slurm/steps.py``);
+2. read srun's stderr (passed on to the job's log) for task ends (``supervise/srun/taskends.py``);
 3. a failure ending (PEER_LOST, HANG, a killed rank, a node failure): wait until the survivors
    have finished (their rescue runs before they exit) and ``settle_s`` passed without news,
    then end the old step (srun killed, ``scancel JOB.STEP``) without waiting for SLURM to
    notice the dead node (``SlurmdTimeout``, 300 s in production);
 4. whatever the ending, ask the one policy what follows (``supervise/policy.py``'s
-   ``decide``, on the step's evidence: ``slurm/evidence.py``): RELAUNCH: record the
+   ``decide``, on the step's evidence: ``supervise/srun/evidence.py``): RELAUNCH: record the
    implicated nodes as bad (with the run) and start the next step on the healthy nodes plus a
    spare, from the newest committed checkpoint (from scratch when nothing was ever committed):
    same job, no requeue, ``SLURM_RESTART_COUNT`` unchanged; REQUEUE: requeue the job (below);
@@ -55,9 +55,9 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
-from kempner_resilience.slurm.evidence import LoopState, step_evidence
-from kempner_resilience.slurm.steps import StepReport, choose_nodes
-from kempner_resilience.slurm.srunstep import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
+from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
+from kempner_resilience.supervise.srun.taskends import StepReport, choose_nodes
+from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
                                                StepResult)
 from kempner_resilience.supervise.channel import Channel, newest_commit
 from kempner_resilience.supervise.policy import (Action, Decision, Evidence, Guard, Kind, RankEnd,
@@ -233,7 +233,7 @@ class Relauncher:
     def _after_step(self, res: StepResult, index: int,
                     committed_before: int | None) -> tuple[Evidence, Decision]:
         """What follows step ``index``: the policy's decision (``supervise/policy.py``) on the
-        step's evidence (``slurm/evidence.py``): its srun report, the hang marks in the
+        step's evidence (``supervise/srun/evidence.py``): its srun report, the hang marks in the
         channel, the run's commits before (``committed_before``) and now, the budget, the
         spares. Reads the run's directory and the channel; acts on nothing."""
         cfg = self.requeue_config()
@@ -375,7 +375,7 @@ class Relauncher:
         return env
 
     def run_step(self, nodes: Sequence[str], index: int) -> StepResult:
-        """Step ``index`` on ``nodes`` (``slurm/srunstep.py``), until it ends or is ended."""
+        """Step ``index`` on ``nodes`` (``supervise/srun/step.py``), until it ends or is ended."""
         cmd = self.step_command(nodes, index)
         _log.info("step %d: %s", index, " ".join(cmd))
         # Which relaunch in place this step is, said in the channel before its ranks start: a

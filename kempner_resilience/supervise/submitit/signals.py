@@ -3,7 +3,7 @@
 submitit installs, in the job process, a handler for its preemption signal (``SIGUSR2``) that
 checkpoints and requeues at once from inside the handler, mid-step, and ignores SIGTERM.
 ``SignalTakeover`` replaces both before the submitted function runs (see
-``integrations/submitit.py`` for the whole hand-over).
+``supervise/submitit/jobs.py`` for the whole hand-over).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kempner_resilience.core.startup import record_early_signal
 __all__ = ["SignalTakeover", "in_submitit_job", "in_local_task", "preempt_signal"]
 
 # One logger for the whole integration, as before the split: users filter their logs on it.
-log = get_logger("kempner_resilience.integrations.submitit")
+log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
 
 def preempt_signal() -> int:

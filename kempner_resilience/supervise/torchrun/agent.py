@@ -30,7 +30,7 @@ from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNA
 __all__ = ["Agent", "Interrupted", "starting", "pdeathsig", "MARGIN_S", "AGENT_NAME"]
 
 # One logger for the whole integration, as before the split: users filter their logs on it.
-log = get_logger("kempner_resilience.integrations.torchrun")
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 #: Added to a worker's own deadline (grace + exit timeout) before the agent kills it: the
 #: worker's deadline watchdog must always get the first word.

@@ -50,11 +50,11 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig, load_config
-from kempner_resilience.integrations.torchrun_agent import (AGENT_NAME, MARGIN_S, Agent,
+from kempner_resilience.supervise.torchrun.agent import (AGENT_NAME, MARGIN_S, Agent,
                                                             Interrupted)
-from kempner_resilience.integrations.torchrun_policy import agent_exit_code
-from kempner_resilience.integrations.torchrun_report import RunReport, what_the_workers_did
-from kempner_resilience.integrations.torchrun_spares import InPlace, in_place_settings
+from kempner_resilience.supervise.torchrun.evidence import agent_exit_code
+from kempner_resilience.supervise.torchrun.report import RunReport, what_the_workers_did
+from kempner_resilience.supervise.torchrun.spares import InPlace, in_place_settings
 from kempner_resilience.supervise.channel import Channel
 from kempner_resilience.core.ledger import AGENT_START_ENV, process_start_time
 from kempner_resilience.core.log import get_logger, set_role
@@ -62,7 +62,7 @@ from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
 __all__ = ["run", "forward_signals", "agent_exit_code", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
 
-log = get_logger("kempner_resilience.integrations.torchrun")  # also as __main__
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")  # also as __main__
 
 #: ``yes``: the agent forwards every signal to its workers; ``no``: never (SLURM delivers them
 #: to every process of the step); ``auto`` (default): decided from SLURM's ProctrackType.
@@ -156,7 +156,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         from torch.distributed.run import main as torchrun_main
 
         from kempner_resilience.core import torch_private
-        from kempner_resilience.integrations.torchrun_launch import launch
+        from kempner_resilience.supervise.torchrun.launch import launch
 
         os.environ[AGENT_ENV] = str(os.getpid())
         # The workers' ledger counts the attempt from here: the agent's imports and rendezvous
@@ -242,7 +242,7 @@ def _restore(handlers: Mapping[int, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kempner_resilience.integrations.torchrun [torchrun args] script [args]``
+    """``python -m kempner_resilience.supervise.torchrun.wrapper [torchrun args] script [args]``
     (config from ``$KEMPNER_RESILIENCE_CONFIG``)."""
     from kempner_resilience.core.log import configure
 

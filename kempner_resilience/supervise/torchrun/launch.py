@@ -24,15 +24,15 @@ import uuid
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.integrations.torchrun_agent import AGENT_NAME, Agent
-from kempner_resilience.integrations.torchrun_spares import InPlace
+from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent
+from kempner_resilience.supervise.torchrun.spares import InPlace
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = ["launch"]
 
-log = get_logger("kempner_resilience.integrations.torchrun")
+log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 
 def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent, inplace: InPlace | None,
@@ -120,7 +120,7 @@ def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracke
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry
 
-    from kempner_resilience.integrations.torchrun_elastic import ElasticAgent, spare_handler
+    from kempner_resilience.supervise.torchrun.elastic import ElasticAgent, spare_handler
 
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kempner_resilience.config import Action, ResilienceConfig
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel
+from kempner_resilience.supervise.rank import has_supervisor, local_restart_count
 from kempner_resilience.exitcodes import Ending, ExitCode, Saved, Verdict
 from kempner_resilience.runstate import RunState
 from kempner_resilience.stop.reason import StopKind, StopReason
@@ -137,7 +137,7 @@ def peers_code(state: RunState, own: int = ExitCode.PEER_LOST) -> int | None:
     from kempner_resilience.supervise.policy import Action, RankEnd
 
     parts = state.parts
-    if parts.ckpt is None or parts.attempt_token is None or os.environ.get(CHANNEL_ENV):
+    if parts.ckpt is None or parts.attempt_token is None or has_supervisor():
         return None
     paths, token = parts.ckpt.paths, parts.attempt_token
     # Within the exit's deadline, with room left for the requeue after it.
@@ -320,28 +320,3 @@ def teardown(state: RunState, *, peers_alive: bool) -> TornDown:
 
 def _name(signum: int | None) -> str:
     return signal.Signals(signum).name if signum else "?"
-
-
-#: The restart count's old carrier, before the supervisor channel said it (``launch.json``).
-RESTART_COUNT_ENV = "KEMPNER_RESTART_COUNT"
-_warned_restart_env: list[bool] = []
-
-
-def local_restart_count() -> int | None:
-    """Restarts so far when a local supervisor (``kempner-resilience launch``, submitit's local
-    controller) relaunches us: as its channel says (``Channel.restarts``); None if unknown.
-    ``KEMPNER_RESTART_COUNT`` without a channel saying it (set by hand, or an old launcher) is
-    still read, with a deprecation warning, once."""
-    channel = Channel.from_env()
-    said = channel.restarts() if channel is not None else None
-    if said is not None:
-        return said
-    value = os.environ.get(RESTART_COUNT_ENV)
-    if not (value and value.isdigit()):
-        return None
-    if not _warned_restart_env:
-        _warned_restart_env.append(True)
-        log.warning("$%s=%s read as this run's restart count: deprecated, a supervisor tells its "
-                    "ranks through its channel ($%s) now", RESTART_COUNT_ENV, value,
-                    CHANNEL_ENV)
-    return int(value)

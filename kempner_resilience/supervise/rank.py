@@ -1,0 +1,100 @@
+"""A rank's side of its supervisor's channel: every read a training process makes of it, and
+rank 0's word to it, in one module.
+
+The channel itself (``channel.py``) is the format both sides share; its supervisor side is the
+backends'. A rank asks here whether a supervisor is above it, which launch it is (restarts,
+relaunch in place), whether a torchrun agent offers a relaunch in place, and tells it its run
+(``report_now``) and a hang it saw. Every question reads the environment when asked: a torchrun
+agent sets its channel before each restart of its workers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.supervise.channel import (CHANNEL_ENV, Channel, launch_name, relaunched,
+                                                  report_now)
+from kempner_resilience.supervise.legacy_env import rendezvous_by_hand
+from kempner_resilience.supervise.torchrun.standby import Relaunch
+
+__all__ = ["Channel", "supervisor", "has_supervisor", "supervisor_decides", "local_restart_count",
+           "offered_relaunch", "restarts_said", "note_hang_seen", "launch_name", "relaunched", "report_now",
+           "RESTART_COUNT_ENV", "CHANNEL_ENV"]
+
+log = get_logger(__name__)
+
+#: The restart count's old carrier, before the supervisor channel said it (``launch.json``).
+RESTART_COUNT_ENV = "KEMPNER_RESTART_COUNT"
+_warned_restart_env: list[bool] = []
+
+
+def supervisor(environ: Mapping[str, str] | None = None) -> Channel | None:
+    """The channel this rank's launcher gave it; None: no supervisor above the ranks."""
+    return Channel.from_env(environ)
+
+
+def has_supervisor(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a launcher gave this rank a channel (a supervisor, or a torchrun agent)."""
+    return bool((os.environ if environ is None else environ).get(CHANNEL_ENV))
+
+
+def supervisor_decides(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a supervisor above the ranks decides whether the job runs again (a torchrun
+    agent's private channel does not: rank 0 requeues the job itself)."""
+    channel = Channel.from_env(environ)
+    return channel is not None and channel.supervised
+
+
+def restarts_said(environ: Mapping[str, str] | None = None) -> int | None:
+    """How often the supervisor started the ranks before this launch, as its channel says;
+    None: no channel, or it says nothing."""
+    channel = Channel.from_env(environ)
+    return channel.restarts() if channel is not None else None
+
+
+def local_restart_count(environ: Mapping[str, str] | None = None) -> int | None:
+    """Restarts so far when a local supervisor (``kempner-resilience launch``, submitit's local
+    controller) relaunches us: as its channel says (``Channel.restarts``); None if unknown.
+    ``KEMPNER_RESTART_COUNT`` without a channel saying it (set by hand, or an old launcher) is
+    still read, with a deprecation warning, once."""
+    env = os.environ if environ is None else environ
+    said = restarts_said(env)
+    if said is not None:
+        return said
+    value = env.get(RESTART_COUNT_ENV)
+    if not (value and value.isdigit()):
+        return None
+    if not _warned_restart_env:
+        _warned_restart_env.append(True)
+        log.warning("$%s=%s read as this run's restart count: deprecated, a supervisor tells its "
+                    "ranks through its channel ($%s) now", RESTART_COUNT_ENV, value,
+                    CHANNEL_ENV)
+    return int(value)
+
+
+def offered_relaunch(environ: Mapping[str, str] | None = None) -> Relaunch | None:
+    """The relaunch this worker's torchrun agent offers, as its channel says (set by hand
+    without one: the deprecated variable); None: not under such an agent, or no restart
+    left."""
+    channel = Channel.from_env(environ)
+    data = channel.rendezvous() if channel is not None else None
+    if data is None:
+        data = rendezvous_by_hand(environ)
+    if data is None:
+        return None
+    try:
+        r = Relaunch(**data)
+    except TypeError as e:
+        log.warning("ignoring the offered relaunch %r (%s): failures requeue the job", data, e)
+        return None
+    return r if isinstance(r.restarts_left, int) and r.restarts_left > 0 else None
+
+
+def note_hang_seen(rank: int) -> None:
+    """Tell the supervisor that this rank's hang watchdog ran (a rank hung with the GIL held
+    cannot, which singles its node out); nothing without a supervisor."""
+    channel = Channel.from_env()
+    if channel is not None:
+        channel.note_hang_seen(launch_name(), rank)

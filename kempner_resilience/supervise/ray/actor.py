@@ -1,0 +1,256 @@
+"""A training actor's side: its torch.distributed group, the driver's stop, Ray's SIGTERM.
+
+The actors of one training group are the ranks of one ResilientRun: each runs
+``with kr.ResilientRun(cfg, state=...)`` over a gloo/NCCL group formed among them, so they get
+what ranks get (the step agreement, the hang watchdog, the emergency save, the teardown that
+destroys the group). What Ray changes, and this module handles:
+
+* ranks come from the driver, not from the environment: the driver forms the group
+  (``RayDriver.run_group``, ``ray_supervise``) through ``kr_address`` (rank 0's address and a
+  free port) and ``kr_setup``, which joins the group and hands over the driver's config and
+  stop board; no address, port or ``init_group`` in the user's code;
+* the driver's stop arrives through the stop board (``ray_board``), turned into the same signal
+  sent to this process (``stop_context``);
+* Ray's workers block SIGINT: ``stop_context`` unblocks it on the main thread while it lasts;
+* Ray's own SIGTERM handler in a worker raises ``SystemExit`` wherever the main thread is, so a
+  node drain or a Kubernetes eviction would kill the actor mid-step with no checkpoint and a live
+  process group. ``stop_context`` sets SIGTERM to its default before the run is entered, so the
+  run's handler is the only one (it chains a callable predecessor, and Ray's would raise); a
+  SIGTERM then stops at the boundary, saves within its grace, tears down and the actor exits;
+* the run ends with a ``SystemExit`` (``raise`` exit mode: an actor is not a launched rank):
+  ``stop_context`` catches it and its ``ending`` says what happened, for the method to return;
+  a run that lost a peer (after its rescue) re-raises the collective's error in that mode,
+  which becomes ``ending.code`` 81 ``PEER_LOST`` (``ray_supervise`` relaunches the group).
+
+Sync actor methods run on the worker's main thread (a ResilientRun needs it): keep training
+actors single-threaded (no ``max_concurrency``, no concurrency groups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.core.log import get_logger, set_role
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.supervise.ray.board import BoardWatcher
+from kempner_resilience.supervise.endings import RankEnding
+from kempner_resilience.supervise.policy import RankEnd
+
+__all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group", "actor_ends",
+           "actor_died"]
+
+log = get_logger(__name__)
+
+_SIGKILL_END = RankEnd(128 + 9, signaled=True)
+
+
+@dataclass
+class ActorEnding:
+    """How an actor's run ended: ``code`` (0 completed, else the run's exit code), the signal
+    that stopped it (``signum``, None if none) and whether that came from the driver."""
+
+    code: int = 0
+    signum: int | None = None
+    from_driver: bool = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.code != 0
+
+
+def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
+               recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
+    """Each training call's outcome (an ``ActorEnding``, or the exception it raised) as the
+    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) ended as
+    it recorded before it went (``recorded``, ``supervise/endings.py``: the hang watchdog's
+    42, whose ``os._exit`` Ray reports only as a closed connection, with no exit code), else it
+    is a rank killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a
+    call that raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM
+    that the driver did not send was stopped by Ray or its node (a kill, a drain, an
+    eviction): as a scheduler requeues a job that its preemption's SIGTERM stopped, that group
+    asks to run again (75 REQUEUE), with its emergency checkpoint."""
+    ends = []
+    for rank, out in enumerate(outcomes):
+        ending = out.get("ending") if isinstance(out, dict) else out
+        if rank in killed:
+            ends.append(RankEnd(int(ExitCode.HANG), by_supervisor=True))
+        elif isinstance(ending, ActorEnding):
+            code = ending.code
+            if code == int(ExitCode.SIGTERM) and not ending.from_driver \
+                    and not driver_stopping:
+                code = int(ExitCode.REQUEUE)
+            ends.append(RankEnd(code))
+        elif actor_died(out):
+            ends.append(recorded[rank].end() if recorded and rank in recorded
+                        else _SIGKILL_END)
+        else:   # the training raised an error of its own (Ray's RayTaskError): a bug
+            ends.append(RankEnd(int(ExitCode.ERROR)))
+    return tuple(ends)
+
+
+def actor_died(error: Any) -> bool:
+    """Whether ``error`` (a call's outcome) says that the actor's process is gone."""
+    # By the class's name: Ray is imported lazily, and RayActorError is its API for "the
+    # actor's process is gone" (ActorDiedError, ActorUnavailableError derive from it).
+    return any(c.__name__ == "RayActorError" for c in type(error).__mro__)
+
+
+def init_group(rank: int, world_size: int, addr: str, port: int, *,
+               backend: str = "gloo", timeout_s: float = 120.0) -> None:
+    """Join the actors' torch.distributed group as ``rank`` of ``world_size`` (rank 0 hosts the
+    store at ``addr:port``). Sets RANK/WORLD_SIZE-free state only: the run reads the group;
+    this process's log lines say ``[rank N]`` from here on (RANK, which they read otherwise, is
+    not set: it would make a run inside an actor pick the ``exit`` mode)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    set_role(f"rank {rank}")
+    # What a launched rank has: the rescue's buddy link finds this host's address on the route
+    # to it (rescue/link.py), which without it is 127.0.0.1, unreachable from another node.
+    os.environ["MASTER_ADDR"] = addr
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def stop_context(board: Any) -> Iterator[ActorEnding]:
+    """Around a training actor's ``with ResilientRun(...)``: the driver's stop reaches the run,
+    Ray's SIGTERM handler is out of the way, and the run's ``SystemExit`` becomes ``ending``.
+
+    Must be entered on the main thread (a sync actor's method). After a stop that this process
+    received itself (a SIGTERM from Ray or its node, not the driver's), the actor exits once the
+    method returns: Ray asked for the process to go.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("stop_context needs the actor's main thread: a sync actor without "
+                           "max_concurrency or concurrency groups")
+    ending = ActorEnding()
+    previous = signal.getsignal(signal.SIGTERM)
+    # Ray's handler raises SystemExit mid-step; the run's handler would chain it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ray's workers block SIGINT in every thread: the driver's Ctrl+C, passed on as SIGINT,
+    # would stay pending for good. Unblocked here, on the main thread only, while the run lives.
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    watcher = BoardWatcher(board).start() if board is not None else None
+    try:
+        yield ending
+    except SystemExit as e:
+        ending.code = int(e.code) if isinstance(e.code, int) else 1
+        ending.signum = watcher.signum if watcher and watcher.delivered else None
+        ending.from_driver = ending.signum is not None
+        log.warning("the run ended with %d%s", ending.code,
+                    " (the driver's stop)" if ending.from_driver else "")
+    except Exception as e:
+        # In `raise` mode a run that lost a peer re-raises the collective's error (after its
+        # rescue): the actor's ending is PEER_LOST, for the supervisor to relaunch. Any other
+        # exception is the training's own error and stays one.
+        from kempner_resilience.core.faults import first_line, is_peer_failure
+
+        if not is_peer_failure(e):
+            raise
+        ending.code = int(ExitCode.PEER_LOST)
+        log.warning("the run lost a peer (%s): ending %d", first_line(e), ending.code)
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if ending.stopped and not ending.from_driver and ending.code == 143:
+        _exit_after_return(ending.code)
+
+
+def _exit_after_return(code: int) -> None:
+    """Ray sent SIGTERM: leave once this method's result is on its way (``exit_actor`` from a
+    thread would race the return; a short delay then a plain exit is enough and bounded)."""
+    def leave() -> None:
+        import time
+
+        time.sleep(1.0)
+        os._exit(code)
+
+    threading.Thread(target=leave, name="kempner-ray-exit", daemon=True).start()
+
+
+class TrainingActor:
+    """Mixin for a Ray training actor class: the driver forms its group and calls its methods.
+
+    The driver (``RayDriver.run_group``, or ``ray_supervise.supervise``) creates the actors,
+    joins them into one process group (``kr_setup``) and hands each the run's config
+    (``kr_config``) and its stop board (``kr_board``); ``kempner_resilience.ray.TrainingActor``
+    adds ``resilient_run``, the ResilientRun built from them. ``kr_call`` is how the driver
+    calls a method: its result and how the run ended (``kr_ending``) come back together.
+
+    The names of the earlier shape (``address``, ``init_group``, ``stop_context(board)``) keep
+    working; the first two warn (the driver forms the group now).
+    """
+
+    kr_config: ResilienceConfig | None = None
+    kr_board: Any = None
+    kr_rank: int = 0
+    kr_world_size: int = 1
+    kr_ending: ActorEnding | None = None    # how the run of the current call ended
+
+    def kr_address(self) -> tuple[str, int]:
+        """This actor's node address and a free port on it: rank 0's, for the group."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def kr_setup(self, rank: int, world_size: int, addr: str, port: int,
+                 config: ResilienceConfig | None = None, board: Any = None,
+                 backend: str = "gloo") -> None:
+        """Join the group as ``rank`` (rank 0 hosts the store at ``addr:port``) and keep the
+        driver's config and stop board for the run."""
+        init_group(rank, world_size, addr, port, backend=backend)
+        self.kr_config, self.kr_board = config, board
+        self.kr_rank, self.kr_world_size = rank, world_size
+
+    def kr_call(self, method: str, args: Sequence[Any] = (),
+                kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Run ``method`` for the driver: ``{"result": what it returned, "ending": how its run
+        ended}`` (an ``ActorEnding``; code 0 when no run stopped in it)."""
+        self.kr_ending = ActorEnding()
+        result = getattr(self, method)(*args, **dict(kwargs or {}))
+        return {"result": result, "ending": self.kr_ending}
+
+    def address(self) -> tuple[str, int]:
+        """Deprecated: the driver forms the group (``RayDriver.run_group``)."""
+        warnings.warn("TrainingActor.address is deprecated: RayDriver.run_group forms the "
+                      "group", DeprecationWarning, stacklevel=2)
+        return self.kr_address()
+
+    def init_group(self, rank: int, world_size: int, addr: str, port: int,
+                   backend: str = "gloo") -> None:
+        """Deprecated: the driver forms the group (``RayDriver.run_group``)."""
+        warnings.warn("TrainingActor.init_group is deprecated: RayDriver.run_group forms the "
+                      "group", DeprecationWarning, stacklevel=2)
+        self.kr_setup(rank, world_size, addr, port, backend=backend)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (the supervisor's bad-node memory reads it)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    @staticmethod
+    def stop_context(board: Any) -> contextlib.AbstractContextManager[ActorEnding]:
+        return stop_context(board)

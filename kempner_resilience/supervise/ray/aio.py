@@ -1,0 +1,168 @@
+"""An asyncio Ray actor's work: one main task whose stop cancels everything under it.
+
+``kempner_resilience.run.aio.run`` covers a plain asyncio script, whose main thread owns the
+loop. In a Ray asyncio actor Ray owns the loop, in a thread of its own, and the method calls are
+the tasks; what goes wrong there (SkyRL's leaked sandboxes) is the same two things:
+
+* a stop that is not a cancellation: the work must end by ``CancelledError`` travelling down
+  through every task, so each resource's ``finally`` runs. The driver's
+  ``ray.cancel(ref, force=False)`` cancels the method's task; ``AsyncActor.stop()`` does the
+  same from another call;
+* ``asyncio.gather`` leaves the siblings of a failed task running (and their resources held)
+  after the caller is gone. ``supervise_tasks`` runs the work as one ``asyncio.TaskGroup``: the first
+  failure cancels the siblings, waits for their ``finally``, then raises.
+
+* a SIGTERM sent to the actor's own process (Ray's kill, a node drain, an eviction). Ray's
+  SIGTERM handler runs on the worker's main thread (Ray's core worker calls the pending Python
+  handlers from its task loop every few ms), not the loop's, and no code of an asyncio actor ever
+  runs on that thread (``__init__`` too runs on the loop's), so the actor cannot install a
+  handler of its own. Ray's handler raises ``SystemExit`` through
+  ``ray._private.worker.raise_sys_exit_with_custom_error_message``, after which Ray waits for
+  the in-flight tasks to end on their own (a rollout never does: the process hangs, then is
+  killed with its resources held). ``main()`` wraps that one function of Ray's worker module
+  (only Ray's SIGTERM handler calls it there): on the main thread, it first cancels every main
+  task of every ``AsyncActor`` of the process on its loop and waits for their ``finally``, up to
+  SIGTERM's grace (``signals.grace_per_signal_s``) less 5 s, then lets Ray's exit go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import warnings
+import weakref
+from typing import Any, Awaitable, Coroutine, Iterable
+
+from kempner_resilience.core.log import get_logger, label, set_role
+
+__all__ = ["supervise_tasks", "supervise", "AsyncActor"]
+
+log = get_logger(__name__)
+
+# The AsyncActors of this process that ran a main task: a SIGTERM stops them all.
+_ACTORS: "weakref.WeakSet[AsyncActor]" = weakref.WeakSet()
+_MARGIN_S = 5.0
+
+
+async def supervise_tasks(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Run ``coros`` as one task group and return their results in order.
+
+    One that raises cancels the others; a cancellation of the caller cancels them all; either
+    way every ``finally`` has run when this returns or raises (an ``ExceptionGroup`` for
+    failures, as ``asyncio.TaskGroup``).
+    """
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            for coro in coros:
+                tasks.append(group.create_task(coro))
+    except asyncio.CancelledError:
+        log.warning("cancelled: %d tasks cancelled and cleaned up", len(tasks))
+        raise
+    except BaseExceptionGroup as eg:
+        log.error("%d of %d tasks failed; the others were cancelled and cleaned up",
+                  len(eg.exceptions), len(tasks))
+        raise
+    return [t.result() for t in tasks]
+
+
+async def supervise(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Deprecated name of ``supervise_tasks`` (``ray_supervise.supervise`` is the group's
+    supervisor: one public name, one function)."""
+    warnings.warn("kempner_resilience.supervise.ray.aio.supervise is now supervise_tasks "
+                  "(also kempner_resilience.ray.supervise_tasks)", DeprecationWarning,
+                  stacklevel=2)
+    return await supervise_tasks(coros)
+
+
+class AsyncActor:
+    """Mixin for a Ray asyncio actor: ``main(aw)`` runs a method's work as a stoppable main
+    task, ``stop()`` (another call) cancels every running main task and waits for their
+    cleanup. ``ray.cancel(ref, force=False)`` on the method's ref has the same effect.
+
+    >>> @ray.remote
+    ... class Rollout(AsyncActor):
+    ...     async def run(self, n):
+    ...         return await self.main(supervise_tasks(episode(i) for i in range(n)))
+    """
+
+    _mains: "set[asyncio.Task[Any]]"
+    _loop: asyncio.AbstractEventLoop
+
+    async def main(self, aw: Awaitable[Any]) -> Any:
+        """Await ``aw`` as a task of its own that ``stop()`` or a SIGTERM to this process
+        cancels."""
+        if not hasattr(self, "_mains"):
+            self._mains = set()
+            if label().startswith("rank "):    # not a rank: its lines say what it is
+                set_role(f"{type(self).__name__} actor")
+        self._loop = asyncio.get_running_loop()
+        _ACTORS.add(self)
+        _hook_ray_sigterm()
+        task = asyncio.ensure_future(aw)
+        self._mains.add(task)
+        try:
+            return await task
+        finally:
+            # This method cancelled (ray.cancel) while ``task`` lives: cancel it and wait, so no
+            # work outlives the call that owned it.
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self._mains.discard(task)
+
+    async def stop(self) -> int:
+        """Cancel every running main task and wait for their ``finally``; how many there were."""
+        tasks = [t for t in getattr(self, "_mains", ()) if not t.done()]
+        for t in tasks:
+            t.cancel(msg="stopped by the driver")
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
+
+
+def _hook_ray_sigterm() -> None:
+    """Make Ray's SIGTERM exit of this worker cancel the main tasks first (module docstring)."""
+    try:
+        import ray._private.worker as ray_worker
+    except ImportError:    # not in a Ray worker: nothing to hook
+        return
+    original = getattr(ray_worker, "raise_sys_exit_with_custom_error_message", None)
+    if original is None:
+        log.warning("this Ray has no raise_sys_exit_with_custom_error_message: a SIGTERM to "
+                    "this asyncio actor will not cancel its tasks")
+        return
+    if getattr(original, "_kr_stops_first", False):
+        return
+
+    def stop_then_exit(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            _stop_all_actors()
+        return original(*args, **kwargs)
+
+    stop_then_exit._kr_stops_first = True  # type: ignore[attr-defined]
+    ray_worker.raise_sys_exit_with_custom_error_message = stop_then_exit
+
+
+def _stop_all_actors() -> None:
+    """From the main thread: cancel every actor's main tasks on its loop and wait, bounded."""
+    from kempner_resilience.config import load_config
+
+    bound = max(1.0, load_config().signals.grace_for("SIGTERM") - _MARGIN_S)
+    futures = []
+    for actor in list(_ACTORS):
+        loop = getattr(actor, "_loop", None)
+        if loop is not None and not loop.is_closed():
+            futures.append(asyncio.run_coroutine_threadsafe(actor.stop(), loop))
+    if not futures:
+        return
+    log.warning("SIGTERM: cancelling the asyncio actor's main tasks (up to %.0f s for their "
+                "cleanup)", bound)
+    done, pending = concurrent.futures.wait(futures, timeout=bound)
+    stopped = sum(f.result() for f in done if f.exception() is None)
+    if pending:
+        log.error("SIGTERM: %d actor(s) still cleaning up after %.0f s; exiting anyway",
+                  len(pending), bound)
+    else:
+        log.warning("SIGTERM: %d main task(s) cancelled and cleaned up", stopped)

@@ -1,0 +1,498 @@
+"""RayDriver: a Ray driver whose signals are always seen, and whose stop is every actor's stop.
+
+What Ray does to a driver, and what this context does about it:
+
+* ``ray.init`` installs its own SIGTERM handler (it raises ``SystemExit`` wherever the main
+  thread is), Ray may set SIGINT to SIG_IGN, and ``ray.get`` blocks in C. On entry (after
+  ``ray.init``) the configured signals get the package's ShutdownHandler, whose signal thread
+  sees a signal at once; the driver waits with ``ray.wait(..., timeout=)`` in a loop on the main
+  thread (``get``), never in one blocking ``ray.get``.
+* A stop (Ctrl+C, SIGTERM, SLURM's USR1, an actor task that failed) is one sequence: the stop
+  board tells every training actor (``ray_board``: each stops at the same step boundary through
+  its ResilientRun, commits the emergency checkpoint and tears its group down); the other
+  in-flight tasks are cancelled without force (``ray.cancel(force=False)``: an asyncio actor's
+  task gets ``CancelledError``, so its ``finally`` blocks run); the driver waits for all of them
+  up to a bound (``stop_timeout_s``, by default the signal's grace less a margin), shuts Ray
+  down and exits with the code from the one table (``exitcodes``: 130 after Ctrl+C, 143 after
+  SIGTERM). Under SLURM, a signal whose action is ``requeue`` (USR1) requeues the job once
+  every actor committed (``_requeue``: the restart budget, then ``scontrol requeue``), exit 75;
+  the ``ray`` sbatch template runs the driver so that SLURM's signal reaches it.
+* A second SIGINT (or a second SIGTERM; never a SIGINT after a first SIGTERM) forces: the tracked actors are killed (``ray.kill``),
+  then every process this driver started (the local Ray node: GCS, raylet, agents, workers),
+  and the driver leaves with 130/143 at once. A SIGTERM during a stop begun by SIGINT (``uv
+  run`` and other parents send it when they die on the same Ctrl+C) is part of that stop: it only
+  tightens the deadline, as everywhere in the package (``stop/signals.py``).
+
+Ray is imported lazily: ``import kempner_resilience`` works without it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, load_config
+from kempner_resilience.core.log import get_logger, set_role
+from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
+from kempner_resilience.supervise.ray.actor import ActorEnding, actor_died, actor_ends
+from kempner_resilience.supervise.ray.board import create_board
+from kempner_resilience.slurm.env import SlurmJob
+from kempner_resilience.slurm.requeue import REQUESTED, requeue_run
+from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
+from kempner_resilience.supervise.channel import newest_commit
+from kempner_resilience.supervise.policy import Action as Next
+from kempner_resilience.supervise.policy import Evidence, Guard, RankEnd, decide
+
+__all__ = ["RayDriver", "driver_forces", "clear_ray_handlers"]
+
+log = get_logger(__name__)
+
+#: Seconds of the signal's grace kept for Ray's own shutdown after the actors are done.
+_MARGIN_S = 5.0
+
+
+class RayDriver:
+    """The driver's context, entered after ``ray.init`` on the main thread.
+
+    >>> ray.init()
+    >>> with RayDriver(cfg) as driver:
+    ...     rollout = driver.track(Rollout.remote())[0]
+    ...     out = driver.run_group(Trainer, 2, "train", 100, cancel=[rollout.run.remote(50)])
+
+    ``run_group`` forms the training group, hands it the config and re-forms it when an actor
+    is lost. ``get`` returns the results of ``refs`` when every training call completed; after a
+    stop, or when a call ended otherwise (an actor stopped by Ray's SIGTERM, killed, or a
+    rollout actor lost), it raises ``SystemExit`` with the job's code (the ``with`` block's
+    code after it does not run): never a stopped job that looks done.
+    """
+
+    def __init__(self, config: ResilienceConfig | SignalsConfig | None = None, *,
+                 stop_timeout_s: float | None = None, poll_s: float = 0.2) -> None:
+        if config is None:
+            config = load_config()
+        self.signals = config.signals if isinstance(config, ResilienceConfig) else config
+        # The whole config (checkpoint.dir, requeue.*): what a requeue under SLURM needs.
+        self.config = config if isinstance(config, ResilienceConfig) else None
+        self.signals.validate()
+        self.stop_timeout_s = stop_timeout_s
+        self.poll_s = poll_s
+        self.board: Any = None
+        self.actors: list[Any] = []
+        self.results: list[Any] = []      # what the refs returned in the stop, in order
+        self._handler = ShutdownHandler(self.signals, forces=driver_forces)
+        self._stop = threading.Event()
+        self._stopping = False
+        self._role: str | None = None     # this process's log label before the driver's
+
+    # ------------------------------------------------------------------ context
+
+    def __enter__(self) -> "RayDriver":
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("RayDriver is entered after ray.init()")
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("RayDriver must be entered on the main thread (Python only "
+                               "delivers signals there)")
+        clear_ray_handlers(self._handler.signals)
+        self._role = set_role("ray driver")     # not a rank, whatever RANK says
+        self._handler.install()
+        self._handler.add_listener(lambda req: self._stop.set())
+        self._handler.add_forced_exit_hook(self._force)
+        self.board = create_board()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            req = self._handler.request
+            if exc_type is None and req is not None and not self._stopping:
+                # A signal after the last get(): the stop still happens, with nothing to wait on.
+                self._stop_all(req.signum, [], [])
+        finally:
+            self._handler.uninstall()
+            set_role(self._role)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def request(self) -> ShutdownRequest | None:
+        """The first shutdown signal the driver received, or None."""
+        return self._handler.request
+
+    def track(self, *actors: Any) -> list[Any]:
+        """Actors a forced stop kills (``ray.kill``); returns them as a list."""
+        self.actors.extend(actors)
+        return list(actors)
+
+    def get(self, refs: Sequence[Any], *, cancel: Sequence[Any] = ()) -> list[Any]:
+        """Wait for ``refs`` (the training actors' calls) and return their results.
+
+        ``cancel``: other in-flight calls that live as long as the training (rollouts, reward
+        workers). A stop cancels them without force and waits for them; so does the end of
+        the training. A signal, or a call raising an error of its own, stops everything (the
+        sequence above); that error is raised again after the stop. A call of ``cancel``
+        whose actor was stopped or died (an eviction) also stops everything, to run again
+        (75). A training actor that Ray stopped or lost ends its group as ranks end (the
+        survivors rescue and stop); ``get`` then leaves with the job's code from the one
+        policy, requeueing under SLURM when the job is to run again.
+        """
+        import ray
+
+        refs, cancel = list(refs), list(cancel)
+        pending = refs + cancel
+        until: float | None = None      # a training actor is lost: the others' rescue bound
+        bound = self._rescue_bound()
+        while not self._stop.is_set() and any(r in pending for r in refs):
+            if until is not None and time.monotonic() > until:
+                break
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            for ref in done:
+                err = _error_of(ref)
+                if err is None:
+                    continue
+                if ref in cancel and _lost(err):
+                    self._helper_lost(err, refs, cancel)
+                if ref in refs and actor_died(err):
+                    if until is None:
+                        log.error("a training actor is gone (%s): waiting up to %.0f s for "
+                                  "the others' rescue", type(err).__name__, bound)
+                        until = time.monotonic() + bound
+                    continue
+                log.error("a task failed (%s): stopping every actor", type(err).__name__)
+                self._stop_all(signal.SIGTERM, refs, cancel, error=err)
+        if self._stop.is_set():
+            req = self._handler.request
+            assert req is not None
+            self._stop_all(req.signum, refs, cancel)
+        killed = [r for r, ref in enumerate(refs) if ref in pending]
+        if killed:
+            log.error("rank(s) %s did not end %.0f s after the loss: killing every actor",
+                      killed, bound)
+            self._kill_actors()
+        self._cancel_and_wait(cancel, self._bound(signal.SIGTERM))
+        results = [_result_of(r) for r in refs]
+        ends = actor_ends([_outcome(r) for r in results], killed, driver_stopping=False)
+        if any(e.code != 0 for e in ends):
+            self._leave_after(ends)
+        return results
+
+    def run_group(self, actor_cls: Any, world_size: int, method: str, *args: Any,
+                  cancel: Sequence[Any] = (), backend: str = "gloo",
+                  options: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+        """The training group's work, formed and re-formed by the library: what
+        ``method(*args, **kwargs)`` returned on each rank, in rank order.
+
+        ``actor_cls`` is a ``TrainingActor`` class (plain, or made by ``ray.remote``; a plain
+        one gets 1 CPU, ``options`` go to Ray's ``.options``). ``world_size`` actors are
+        created and joined into one process group (``backend``), each given this driver's
+        config and stop board, and ``method`` is called on each. When an actor is lost the one
+        policy decides (``ray_supervise``): a new group of new actors runs ``method`` again,
+        resuming from the newest commit, or the driver leaves with the policy's code
+        (``SystemExit``). ``cancel``: calls that live as long as the training (rollouts)."""
+        import ray
+
+        from kempner_resilience.supervise.ray.relaunch import supervise
+
+        if hasattr(actor_cls, "remote"):
+            make = actor_cls.options(**options) if options else actor_cls
+        else:
+            make = ray.remote(actor_cls).options(**{"num_cpus": 1, **(options or {})})
+        config = self.config if self.config is not None else load_config()
+        outcomes = supervise(self, make.remote, world_size,
+                             lambda actor, rank: actor.kr_call.remote(method, args, kwargs),
+                             config, cancel=cancel, backend=backend)
+        return [o["result"] if isinstance(o, dict) and "result" in o else o for o in outcomes]
+
+    def untrack(self, *actors: Any) -> None:
+        """Actors no longer to kill on a forced stop (a supervisor killed them already)."""
+        self.actors = [a for a in self.actors if all(a is not b for b in actors)]
+
+    def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,
+                   cancel: Sequence[Any] = (), bound: float = 150.0
+                   ) -> tuple[list[Any], list[int]]:
+        """Wait for one incarnation of a training group (``refs[r]``: ``actors[r]``'s call):
+        what each call returned or raised, and the ranks whose actors were killed because
+        they had not ended ``bound`` seconds after the first call failed.
+
+        Unlike ``get``, a failed call does not stop everything: its actor is lost, and the
+        survivors rescue and end on their own (``ray_supervise`` decides what follows). A
+        signal to the driver is its stop, as in ``get`` (``cancel`` included); so is a call of
+        ``cancel`` that ends on its own (a rollout actor evicted: to run again)."""
+        import ray
+
+        refs, cancel = list(refs), list(cancel)
+        pending = refs + cancel
+        until: float | None = None
+        while any(r in pending for r in refs) and not self._stop.is_set():
+            if until is not None and time.monotonic() > until:
+                break
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            for ref in (r for r in done if r in cancel):
+                err = _error_of(ref)
+                if err is not None and _lost(err):
+                    self._helper_lost(err, refs, cancel)
+                if err is not None:
+                    log.error("a task failed (%s): stopping every actor", type(err).__name__)
+                    self._stop_all(signal.SIGTERM, refs, cancel, error=err)
+            done = [r for r in done if r in refs]
+            if until is None and any(_error_of(r) is not None for r in done):
+                log.error("a training actor is lost: waiting up to %.0f s for the others' "
+                          "rescue", bound)
+                until = time.monotonic() + bound
+        if self._stop.is_set():
+            req = self._handler.request
+            assert req is not None
+            self._stop_all(req.signum, refs, cancel)
+        killed = [r for r, ref in enumerate(refs) if ref in pending]
+        for r in killed:
+            log.error("rank %d did not end %.0f s after the loss: killing its actor", r, bound)
+            try:
+                ray.kill(actors[r], no_restart=True)
+            except Exception as e:
+                log.debug("ray.kill: %s", e)
+        return [_result_of(r) for r in refs], killed
+
+    def finish(self, cancel: Sequence[Any]) -> None:
+        """The training is over: cancel ``cancel`` without force and wait for it (bounded)."""
+        self._cancel_and_wait(list(cancel), self._bound(signal.SIGTERM))
+
+    # ------------------------------------------------------------------ the stop
+
+    def _helper_lost(self, err: BaseException, refs: list[Any], cancel: list[Any]) -> None:
+        """A call that lives as long as the training (a rollout) ended without being asked:
+        its actor was stopped (Ray's SIGTERM: a drain, an eviction) or died. The training
+        cannot go on without it: every actor stops with its checkpoint, to run again."""
+        why = "was stopped (its tasks cancelled)" if _cancelled(err) else "is gone"
+        log.error("a rollout or helper actor %s (%s): stopping the training to run again",
+                  why, type(err).__name__)
+        self._stop_all(signal.SIGTERM, refs, cancel, run_again=f"a helper actor {why}")
+
+    def _leave_after(self, ends: Sequence[RankEnd]) -> None:
+        """The training calls ended, not all of them completed (the group stopped by Ray's
+        SIGTERM, an actor lost): the job's code from the one policy, the job requeued under
+        SLURM when it is to run again, Ray shut down, ``SystemExit``."""
+        import ray
+
+        decision = decide(Evidence(tuple(ends)))
+        code = decision.code
+        if decision.action is not Next.LEAVE:
+            verdict = self.requeue(decision.why, ends=tuple(ends))
+            if verdict is not None and verdict is not Verdict.REQUEUED:
+                code = int(exit_code(Facts(Ending.SIGNAL, signum=signal.SIGTERM,
+                                           saved=Saved.COMMITTED, requeue=verdict)))
+        log.warning("the training group ended %s before its last step: %s; exit %d",
+                    [e.code for e in ends], decision.why, code)
+        ray.shutdown()
+        raise SystemExit(code)
+
+    def _rescue_bound(self) -> float:
+        """How long the survivors of a lost training actor get to rescue and end."""
+        return (self.config.rescue.budget_s if self.config is not None else 120.0) + 30.0
+
+    def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
+                  error: BaseException | None = None, run_again: str | None = None) -> None:
+        """Stop every actor, wait for them within the bound, shut Ray down, leave.
+        ``run_again``: why the job is to run again although no signal asked (a lost helper
+        actor): requeued under SLURM once every actor committed, else exit 75."""
+        import ray
+
+        self._stopping = True
+        started = time.monotonic()
+        name = signal.Signals(signum).name
+        log.warning("%s: stopping every actor (%d training calls, %d to cancel)",
+                    "a task failed" if error else name, len(refs), len(cancel))
+        self.board.set.remote(signum)
+        pending = self._cancel_and_wait(cancel, self._bound(signum), also=refs)
+        self.results = [_result_of(r) for r in refs]
+        if pending:
+            log.error("%d calls not done %.0f s after the stop: killing their actors",
+                      len(pending), time.monotonic() - started)
+            self._kill_actors()
+            code = int(ExitCode.DEADLINE)
+        elif error is not None:
+            code = int(ExitCode.ERROR)
+        elif run_again is not None:
+            saved = _saved(self.results)
+            verdict = self.requeue(run_again) if saved is Saved.COMMITTED else None
+            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
+                                       requeue=verdict or Verdict.REQUEUED)))
+        else:
+            saved = _saved(self.results)
+            if signal.SIGINT in self._handler.deliveries:
+                signum = signal.SIGINT   # the parent's SIGTERM may have come first: a Ctrl+C
+            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
+                                       requeue=self._requeue(signum, saved))))
+        log.warning("every actor done %.1f s after the stop; shutting Ray down, exit %d",
+                    time.monotonic() - started, code)
+        ray.shutdown()
+        if error is not None:
+            raise error
+        raise SystemExit(code)
+
+    def requeue(self, why: str, *, exclude: Iterable[str] = (),
+                ends: tuple[RankEnd, ...] = REQUESTED) -> Verdict | None:
+        """Under SLURM, the job back to the queue as rank 0 does it for ranks
+        (``slurm/requeue.py``): when the one policy says so for the group's ``ends`` (a stop
+        that asked to run again, by default): a committed checkpoint to come back to, the
+        restart budget and the no-progress guard (the ledger in ``checkpoint.dir``), keeping
+        ``exclude`` and the run's recorded bad nodes out of the requeued job. The driver is the
+        job's one SLURM process: its actors see no SLURM job (the ``ray`` template starts Ray
+        without the job's variables), so none of them requeues it as well. None when no requeue
+        was tried (no SLURM, no full config, nothing committed)."""
+        job = SlurmJob.from_env()
+        if job is None or self.config is None:
+            return None
+        paths = RunPaths.from_config(self.config)
+        decision, result = requeue_run(job, paths, self.config.requeue, newest_commit(paths),
+                                       ends=ends, exclude=exclude, min_nodes=job.nnodes)
+        if decision.guard is Guard.NOTHING_COMMITTED:
+            log.warning("%s: not requeued, nothing committed to come back to", why)
+            return None
+        if result is None:
+            return decision.verdict
+        log.warning("%s: %s", why, result.message)
+        return result.verdict
+
+    def _requeue(self, signum: int, saved: Saved) -> Verdict | None:
+        """A stop by a signal whose action is ``requeue`` (USR1), once every actor committed."""
+        name = signal.Signals(signum).name
+        if saved is not Saved.COMMITTED or self.signals.handled().get(name) is not Action.REQUEUE:
+            return None
+        return self.requeue(name)
+
+    def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
+                         also: Sequence[Any] = ()) -> list[Any]:
+        """Cancel ``cancel`` without force, wait for it and ``also`` up to ``bound`` seconds;
+        what is still not done."""
+        import ray
+
+        for ref in cancel:
+            try:
+                ray.cancel(ref, force=False)
+            except Exception as e:  # already done, or its actor gone
+                log.debug("cancel %s: %s", ref, e)
+        until = time.monotonic() + bound
+        pending = list(also) + list(cancel)
+        while pending and time.monotonic() < until:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+        return pending
+
+    def _bound(self, signum: int) -> float:
+        if self.stop_timeout_s is not None:
+            return self.stop_timeout_s
+        req = self._handler.request
+        if req is not None:   # the deadline counts from the first signal, SIGTERM may tighten it
+            return max(1.0, req.deadline - time.monotonic() - _MARGIN_S)
+        return max(1.0, self.signals.grace_for(signal.Signals(signum).name) - _MARGIN_S)
+
+    def _kill_actors(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:
+                log.debug("ray.kill: %s", e)
+
+    def _force(self, code: int) -> None:
+        """A second Ctrl+C: the actors killed, then every process this driver started (the
+        local Ray node and its workers, which a bare ``os._exit`` would leave behind)."""
+        log.error("forced: killing %d actors and the local Ray node", len(self.actors))
+        self._kill_actors()
+        _kill_descendants(os.getpid())
+
+
+def driver_forces(signum: int, earlier: list[int]) -> bool:
+    """Only a second SIGINT, or a second SIGTERM, forces the driver out. A dying parent's
+    SIGTERM can reach the driver's signal thread before the Ctrl+C's own SIGINT (Ray's threads
+    block SIGINT, so only the main thread takes it, while any thread takes the SIGTERM): that
+    SIGINT is the first one, part of the stop under way."""
+    return signum in (signal.SIGINT, signal.SIGTERM) and signum in earlier
+
+
+def clear_ray_handlers(signums: Sequence[int]) -> None:
+    """Ray's handlers (``SystemExit`` at an arbitrary point) must not be chained by ours."""
+    for signum in signums:
+        prev = signal.getsignal(signum)
+        if callable(prev) and (getattr(prev, "__module__", "") or "").startswith("ray"):
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def _saved(results: Sequence[Any]) -> Saved:
+    """The stop's checkpoint as the training calls returned it (an ``ActorEnding`` each, or a
+    dict holding one under ``"ending"``)."""
+    for r in results:
+        ending = r.get("ending") if isinstance(r, dict) else r
+        if isinstance(ending, ActorEnding) and ending.code == ExitCode.CHECKPOINT_FAILED:
+            return Saved.FAILED
+    return Saved.COMMITTED
+
+
+def _outcome(result: Any) -> Any:
+    """A call's result as ``actor_ends`` reads it: an ``ActorEnding`` (alone or under a
+    dict's ``"ending"``) or an exception as they are; any other value is a call that completed
+    (``get`` also waits for plain calls: an address, a group's set-up)."""
+    ending = result.get("ending") if isinstance(result, dict) else result
+    if isinstance(ending, (ActorEnding, BaseException)):
+        return result
+    return ActorEnding(0)
+
+
+def _cancelled(err: BaseException) -> bool:
+    return any(c.__name__ == "TaskCancelledError" for c in type(err).__mro__)
+
+
+def _lost(err: BaseException) -> bool:
+    """A call that ended because its actor was stopped or died, not by an error of its own:
+    nobody but the actor's own SIGTERM handling cancels a call the driver did not cancel."""
+    return _cancelled(err) or actor_died(err)
+
+
+def _error_of(ref: Any) -> BaseException | None:
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
+            ray.exceptions.TaskCancelledError) as e:
+        return e
+    return None
+
+
+def _result_of(ref: Any) -> Any:
+    import ray
+
+    try:
+        return ray.get(ref, timeout=0)
+    except Exception as e:   # cancelled, failed or not done: the exception is the result
+        return e
+
+
+def _kill_descendants(root: int) -> None:
+    """SIGKILL every process below ``root`` (read from /proc), the deepest first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    order: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            order.append(child)
+            todo.append(child)
+    for pid in reversed(order):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass

@@ -1,0 +1,246 @@
+"""A worker group: passive Ray actors (a policy, a critic, a reference model) that a driver's
+loop calls, as SkyRL's ``PPORayActorGroup``, verl's and OpenRLHF's groups are.
+
+The library forms the group: it creates the actors, asks rank 0 for an address and a free
+port and joins every actor into one torch.distributed group (gloo, or NCCL on GPUs), with the
+run's config in hand (``Worker.kr_config``). Nobody else calls ``init_group``.
+
+The group is an entry of the driver's run state (``checkpoint/delegated.py``): at a save the
+driver makes ``<step>/<name>/`` and each actor writes its state there over the group's own
+process group (``checkpoint/partsave.py``), returning its file table, which the driver merges
+into the one manifest it commits; at resume each actor loads from the committed step.
+
+Every call the driver waits on is bounded: ``call`` waits in short ``ray.wait`` slices (the
+driver's signal handlers run between them) for at most ``watchdog.hang_timeout_s``. An actor
+that died (killed, evicted, its node lost) or did not answer raises ``GroupLost``, a lost peer
+to the run (``core/faults.py``): the driver's run leaves with PEER_LOST and its policy recreates
+the group (``run/ray_run.py``). An error the actor's own code raised is raised as it is.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.core.faults import first_line, is_peer_failure
+from kempner_resilience.core.log import get_logger, set_role
+from kempner_resilience.supervise.ray.actor import _free_port, actor_died, init_group
+
+__all__ = ["WorkerGroup", "Worker", "GroupLost"]
+
+log = get_logger(__name__)
+
+_POLL_S = 0.1
+# How long a rank whose collective failed waits for the peer that caused it to be seen gone.
+_CAUSE_WAIT_S = 5.0
+
+
+class GroupLost(RuntimeError):
+    """An actor of a worker group is gone or silent: the group cannot go on."""
+
+    # A lost peer to the run that waits on it (core/faults.is_peer_failure), not a bug.
+    peer_failure = True
+
+    def __init__(self, group: str, rank: int, why: str) -> None:
+        super().__init__(f"{group} rank {rank} {why}")
+        self.group = group
+        self.rank = rank
+        self.why = why
+
+
+class Worker:
+    """Mixin for a worker group's actor class: the library forms its group and saves it.
+
+    >>> class PolicyWorker(Worker):
+    ...     def __init__(self):
+    ...         self.model = ...; self.optim = ...
+    ...     def checkpoint_state(self):
+    ...         return {"model": self.model, "optim": self.optim}
+    ...     def train_step(self, batch): ...
+
+    ``kr_config`` is the driver's run config; ``kr_rank``, ``kr_world_size`` this actor's
+    place in its group (``torch.distributed`` is initialized over it before any call).
+    """
+
+    kr_config: ResilienceConfig | None = None
+    kr_rank: int = 0
+    kr_world_size: int = 1
+
+    def checkpoint_state(self) -> Mapping[str, Any]:
+        """What this actor's part of a checkpoint holds: modules, optimizers, objects with
+        ``state_dict()``/``load_state_dict()``, as a run's ``state=``."""
+        raise NotImplementedError(f"{type(self).__name__}.checkpoint_state(): return the "
+                                  "actor's state, e.g. {'model': self.model, 'optim': self.optim}")
+
+    def kr_address(self) -> tuple[str, int]:
+        """This actor's node address and a free port there: rank 0's, for the group."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def kr_setup(self, name: str, rank: int, world_size: int, addr: str, port: int,
+                 config: ResilienceConfig, backend: str) -> None:
+        """Join the group as ``rank``; this process's log lines say ``[<name> rank N]``."""
+        init_group(rank, world_size, addr, port, backend=backend)
+        set_role(f"{name} rank {rank}")
+        self.kr_config, self.kr_rank, self.kr_world_size = config, rank, world_size
+
+    def _kr_state(self) -> Any:
+        from kempner_resilience.checkpoint.state import TrainState
+
+        state = self.__dict__.get("_kr_train_state")
+        if state is None:
+            state = TrainState(self.checkpoint_state())
+            self.__dict__["_kr_train_state"] = state
+        return state
+
+    def kr_save(self, directory: str, step: int) -> dict[str, Any]:
+        """Write this actor's state of ``step`` into ``directory`` (collective over the group);
+        the file table for the driver's manifest."""
+        from kempner_resilience.checkpoint.partsave import save_part
+
+        return save_part(self._kr_state(), Path(directory), step, self.kr_rank)
+
+    def kr_load(self, directory: str, manifest: dict[str, Any]) -> int | None:
+        """Load this actor's state from ``directory`` (collective over the group)."""
+        from kempner_resilience.checkpoint.partsave import load_part
+
+        return load_part(self._kr_state(), Path(directory), manifest, self.kr_rank,
+                         self.kr_world_size)
+
+
+class WorkerGroup:
+    """``world_size`` actors of ``actor_cls`` (a ``Worker``; a class, or one ``ray.remote``
+    made) in one process group, formed and re-formed by the run that holds it in its state.
+
+    ``args``/``kwargs`` go to each actor's constructor; ``options`` to Ray's ``.options``
+    (``num_cpus``, ``num_gpus``, ...); ``backend``: ``"gloo"``, or ``"nccl"`` on GPUs.
+    """
+
+    def __init__(self, actor_cls: Any, world_size: int, *args: Any, backend: str = "gloo",
+                 options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.actor_cls = actor_cls
+        self.world_size = world_size
+        self.args, self.kwargs = args, kwargs
+        self.backend = backend
+        self.options = dict(options or {})
+        self.name = "group"
+        self.actors: list[Any] = []
+        self.bound_s = 600.0
+
+    # ------------------------------------------------------------------ the group's life
+
+    def start(self, name: str, config: ResilienceConfig) -> None:
+        """Create the actors and form their group (the run does, on entry); the calls wait at
+        most ``watchdog.hang_timeout_s``. A group already started is stopped first: its
+        actors are new processes, whatever the old ones held."""
+        import ray
+
+        self.stop()
+        self.name = name
+        self.bound_s = float(config.watchdog.hang_timeout_s)
+        cls = self.actor_cls if hasattr(self.actor_cls, "remote") else \
+            ray.remote(self.actor_cls)
+        opts = {"num_cpus": 1, **self.options}
+        self.actors = [cls.options(**opts).remote(*self.args, **self.kwargs)
+                       for _ in range(self.world_size)]
+        addr, port = self._wait([self.actors[0].kr_address.remote()], ranks=[0])[0]
+        self._wait([a.kr_setup.remote(name, r, self.world_size, addr, port, config,
+                                      self.backend) for r, a in enumerate(self.actors)])
+        log.info("%s group formed: %d actors (%s)", name, self.world_size, self.backend)
+
+    def stop(self) -> None:
+        """Kill every actor of the group (their processes go; a new ``start`` makes new ones)."""
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:   # already gone
+                log.debug("ray.kill: %s", e)
+        self.actors = []
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every actor and return their results in rank order; bounded
+        (``GroupLost`` when an actor is gone or silent)."""
+        return self._wait([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def call_each(self, method: str, per_rank: Sequence[Any]) -> list[Any]:
+        """Call ``method`` on actor ``r`` with ``per_rank[r]`` (its shard of a batch)."""
+        if len(per_rank) != self.world_size:
+            raise ValueError(f"{self.name}: {len(per_rank)} shards for {self.world_size} actors")
+        return self._wait([getattr(a, method).remote(x) for a, x in zip(self.actors, per_rank)])
+
+    def _wait(self, refs: list[Any], ranks: Sequence[int] | None = None) -> list[Any]:
+        """Every ref's result, in order, waiting in short slices up to the bound."""
+        import ray
+
+        ranks = list(ranks if ranks is not None else range(len(refs)))
+        if not refs:
+            raise GroupLost(self.name, 0, "has no actors (the group was not started)")
+        until = time.monotonic() + self.bound_s
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+            for ref in done:
+                self._raise_if_failed(ref, ranks[refs.index(ref)], refs, ranks)
+            if pending and time.monotonic() > until:
+                rank = ranks[refs.index(pending[0])]
+                raise GroupLost(self.name, rank, f"did not answer within {self.bound_s:.0f} s "
+                                "(watchdog.hang_timeout_s)")
+        return [ray.get(r) for r in refs]
+
+    def _raise_if_failed(self, ref: Any, rank: int, refs: list[Any],
+                         ranks: list[int]) -> None:
+        import ray
+
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayTaskError as e:     # the actor's own code raised: its error
+            if actor_died(e):
+                raise GroupLost(self.name, rank, f"is gone ({first_line(e)})") from None
+            if is_peer_failure(e):
+                # A survivor's collective failed because a peer went: the group is lost, and
+                # the peer that went is named when Ray reports it within a few seconds.
+                raise self._gone_peer(refs, ranks) or GroupLost(
+                    self.name, rank, f"lost a peer ({first_line(e)})") from None
+            raise
+        except (ray.exceptions.RayActorError, ray.exceptions.TaskCancelledError) as e:
+            # Killed (SIGKILL, the OOM killer), evicted (SIGTERM: Ray's handler exits the
+            # actor), or its node lost: the process is gone.
+            raise GroupLost(self.name, rank, f"is gone ({type(e).__name__})") from None
+
+    def _gone_peer(self, refs: list[Any], ranks: list[int]) -> GroupLost | None:
+        """The ``GroupLost`` of an actor of ``refs`` whose process is gone, waited for up to
+        ``_CAUSE_WAIT_S``; None if every actor is alive."""
+        import ray
+
+        ray.wait(refs, num_returns=len(refs), timeout=_CAUSE_WAIT_S)
+        for ref, rank in zip(refs, ranks):
+            try:
+                ray.get(ref, timeout=0)
+            except (ray.exceptions.RayActorError, ray.exceptions.TaskCancelledError) as e:
+                return GroupLost(self.name, rank, f"is gone ({type(e).__name__})")
+            except Exception as e:   # done with an error of its own, or still running
+                if actor_died(e):
+                    return GroupLost(self.name, rank, f"is gone ({first_line(e)})")
+        return None
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_into(self, directory: Path, step: int) -> dict[str, Any]:
+        """Each actor writes its state into ``directory``; their file tables, merged."""
+        files: dict[str, Any] = {}
+        for table in self._wait([a.kr_save.remote(str(directory), step) for a in self.actors]):
+            files.update(table)
+        return files
+
+    def load_from(self, directory: Path, manifest: Mapping[str, Any]) -> None:
+        """Each actor loads its state from ``directory`` (a committed step's part)."""
+        self._wait([a.kr_load.remote(str(directory), dict(manifest)) for a in self.actors])

@@ -1,0 +1,220 @@
+"""The Ray backend of the one supervisor: a training group whose actor died comes back.
+
+The actors of one training group are the ranks of one ResilientRun (``ray_actor``). When one
+of them is lost, the group ends as ranks end: an actor SIGKILLed (the OOM killer, a node gone)
+leaves its call failed with Ray's ``RayActorError`` (so does an actor whose hang watchdog
+exited 42: Ray reports no exit code, and the driver reads the ending the rank recorded before
+it went, ``supervise/endings.py``), and the survivors, whose collective failed,
+rescue the last step boundary (``rescue/``) and end with 81 ``PEER_LOST``; an actor that Ray or
+its node sent SIGTERM (``ray.kill`` without force, a drain, an eviction) stops the whole group
+at one step boundary with the emergency checkpoint, and every actor ends with 143.
+
+``supervise`` turns those endings into the policy's ``Evidence`` and acts on ``decide``, as
+the local launcher and the srun step loop do with their ranks: RELAUNCH (and a REQUEUE that
+the actors asked for, see ``actor_ends``): the old actors are killed (a fresh process for every
+rank: no communicator, CUDA context or frozen rescue boundary of the old incarnation survives),
+new ones are created, form a new group and train again from the newest committed checkpoint,
+inside the same driver and allocation; LEAVE ends the driver with the decision's code; a
+REQUEUE that needs another allocation (a node died and no live node is left beside the group's)
+requeues the SLURM job without the dead nodes (``RayDriver.requeue``), then ends the driver
+with the decision's code. The budget is the config's ``requeue.max_restarts``, the no-progress
+guard ``requeue.max_no_progress`` over the committed steps in ``checkpoint.dir``, and the
+bad-node memory the Ray nodes that died under an actor: implicated in the evidence, recorded by
+host name in the run's ``bad-nodes.json`` (``slurm/badnodes.py``), which every requeue keeps out
+of the job; Ray itself never places an actor on a dead node.
+
+A signal to the driver (Ctrl+C, SLURM's USR1) is still the driver's stop (``RayDriver``):
+every actor stops and commits, the driver exits with the stop's code; nothing is recreated.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, Callable, Collection, Sequence
+
+from kempner_resilience.config import ResilienceConfig
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.supervise.ray.actor import actor_died as _actor_died
+from kempner_resilience.supervise.ray.actor import actor_ends
+from kempner_resilience.slurm.badnodes import record_bad_nodes
+from kempner_resilience.supervise.channel import newest_commit
+from kempner_resilience.supervise.endings import endings_since
+from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
+                                                 RankEnd, decide)
+
+__all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evidence",
+           "recreates"]
+
+log = get_logger(__name__)
+
+# How long a lost actor's silent node may take to be declared dead by Ray (its health check:
+# by default 5 failures 3 s apart, each with a 10 s timeout, after a 5 s initial delay).
+_NODE_DEATH_WAIT_S = 90.0
+_POLL_S = 1.0
+
+
+def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
+              train: Callable[[Any, int], Any], config: ResilienceConfig, *,
+              cancel: Sequence[Any] = (), on_group: Callable[[int, list[Any]], None] | None = None,
+              backend: str = "gloo") -> list[Any]:
+    """Run the training group until the policy says leave; the last incarnation's results.
+
+    ``driver`` is the ``RayDriver`` whose context this runs in (``RayDriver.run_group`` calls
+    this with the user's actor class and method). ``make_actor()`` creates one training actor
+    (a ``TrainingActor``); the group is formed here, each actor given ``config`` and the
+    driver's stop board (``kr_setup``, over ``backend``). ``train(actor, rank)``
+    starts its training call (returning the ``ActorEnding`` of its ``stop_context``, or a
+    dict holding it under ``"ending"``). ``cancel``: calls that live as long as the
+    training (rollouts), cancelled at the end. ``on_group(incarnation, actors)`` is called once
+    each new group is formed. Raises ``SystemExit`` with the job's code when the job does not
+    complete (the driver's stop, the policy's LEAVE).
+    """
+    import ray
+
+    paths = RunPaths.from_config(config)
+    restarts, stalled = 0, 0
+    bad_nodes: set[str] = set()
+    while True:
+        actors = [make_actor() for _ in range(world_size)]
+        driver.track(*actors)
+        addr, port = driver.get([actors[0].kr_address.remote()])[0]
+        driver.get([a.kr_setup.remote(r, world_size, addr, port, config, driver.board, backend)
+                    for r, a in enumerate(actors)])
+        nodes = driver.get([a.node_id.remote() for a in actors])
+        if on_group is not None:
+            on_group(restarts, actors)
+        before, known = newest_commit(paths), set(paths.all_endings())
+        outcomes, killed = driver.wait_group([train(a, r) for r, a in enumerate(actors)],
+                                             actors, cancel=cancel,
+                                             bound=config.rescue.budget_s + 30.0)
+        ends = actor_ends(outcomes, killed, driver_stopping=driver.request is not None,
+                          recorded=endings_since(paths, known, range(world_size)))
+        lost = lost_nodes(outcomes, killed, nodes)
+        decision, dead = group_decision(ends, config, nodes=nodes, lost=lost,
+                                        alive=_alive_nodes(ray, lost), bad=bad_nodes,
+                                        restarts=restarts, stalled=stalled,
+                                        commits=Commits(before, newest_commit(paths)))
+        bad_nodes |= dead
+        log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
+                    [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,
+                    decision.code, decision.why)
+        if dead:
+            _remember(paths, _hostnames(ray, dead))
+        if not recreates(decision):
+            if decision.action is Action.REQUEUE:   # another allocation, without the dead nodes
+                driver.requeue(decision.why, exclude=_hostnames(ray, bad_nodes))
+            driver.finish(cancel)
+            if decision.code != 0:
+                raise SystemExit(decision.code)
+            return outcomes
+        driver.untrack(*actors)
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as e:   # already gone
+                log.debug("ray.kill: %s", e)
+        restarts, stalled = restarts + 1, decision.stalled
+
+
+def _describe(outcome: Any, end: RankEnd) -> str:
+    """A rank's ending for the log: its code, and the error when its call raised."""
+    if isinstance(outcome, BaseException):
+        return f"{end.code} ({type(outcome).__name__})"
+    return str(end.code)
+
+
+def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, restarts: int,
+                   stalled: int, commits: Commits, dead: frozenset[str] = frozenset(),
+                   spares: int | None = None) -> Evidence:
+    """The policy's evidence after one incarnation of the group: its actors' endings, the
+    budget (``requeue.max_restarts``) and the no-progress guard (``requeue.max_no_progress``)
+    of the config, the committed steps before and after, the Ray nodes that died under an actor
+    (implicated) and the live nodes beside the group's (``spares``; None when no node died:
+    the group comes back where Ray places it)."""
+    return Evidence(ends, restarts=restarts, max_restarts=config.requeue.restart_limit,
+                    commits=commits, stalled=stalled,
+                    max_no_progress=config.requeue.max_no_progress, implicated=dead,
+                    spares=spares)
+
+
+def lost_nodes(outcomes: Sequence[Any], killed: Sequence[int],
+               nodes: Sequence[str]) -> frozenset[str]:
+    """The Ray nodes of the actors whose process is gone (Ray's ``RayActorError``; not those
+    the driver killed): the nodes a failure may have taken, whatever the rank recorded before
+    it went (its node may have died after)."""
+    return frozenset(nodes[r] for r, out in enumerate(outcomes)
+                     if r not in killed and _actor_died(out))
+
+
+def group_decision(ends: tuple[RankEnd, ...], config: ResilienceConfig, *,
+                   nodes: Sequence[str], lost: Collection[str], alive: Collection[str],
+                   bad: Collection[str] = frozenset(), restarts: int, stalled: int,
+                   commits: Commits) -> tuple[Decision, frozenset[str]]:
+    """The policy's answer after one incarnation, and the Ray nodes newly found dead under it.
+
+    ``nodes[r]``: the Ray node of rank ``r``'s actor; ``lost``: the nodes of the actors that
+    are gone (``lost_nodes``); ``alive``: the nodes Ray holds alive once those that are silent
+    were waited on (``_alive_nodes``); ``bad``: the nodes that died under an earlier
+    incarnation. A lost actor's node is dead when Ray no longer holds it alive; the spares are
+    then the live nodes beside the group's."""
+    dead = frozenset(lost - set(alive) - set(bad))
+    spares = len(set(alive) - set(nodes) - set(bad) - dead) if dead else None
+    return decide(group_evidence(ends, config, restarts=restarts, stalled=stalled,
+                                 commits=commits, dead=dead, spares=spares)), dead
+
+
+def recreates(d: Decision) -> bool:
+    """A new group in this driver: a relaunch, or a requeue the actors asked for (Ray is the
+    scheduler that places them again); a requeue for want of a spare node needs another
+    allocation, which only the driver's own scheduler (SLURM) can give."""
+    return d.action is Action.RELAUNCH or (d.action is Action.REQUEUE
+                                           and d.kind is Kind.REQUESTED)
+
+
+def _alive_nodes(ray: Any, lost: Collection[str]) -> set[str]:
+    """The Ray nodes alive once the nodes of the actors that died have settled.
+
+    A node that just died is first only "unavailable" to Ray (its health check has not failed
+    enough yet) and Ray would place a new actor there. A lost actor's node whose raylet no
+    longer answers is waited on until Ray marks it dead, at most ``_NODE_DEATH_WAIT_S``; a
+    node that answers is alive (the actor's process died alone: the OOM killer, a SIGKILL)."""
+    until = time.monotonic() + _NODE_DEATH_WAIT_S
+    while True:
+        info = {n["NodeID"]: n for n in ray.nodes()}
+        dead = {n for n in lost if not info.get(n, {}).get("Alive")}
+        silent = [n for n in set(lost) - dead if not _answers(info[n])]
+        if not silent or time.monotonic() > until:
+            return {n for n, node in info.items() if node.get("Alive")}
+        log.warning("%d node(s) of lost actors do not answer: waiting for Ray to mark them "
+                    "dead before a new group is placed", len(silent))
+        time.sleep(_POLL_S)
+
+
+def _answers(node: dict[str, Any]) -> bool:
+    """Whether the node's raylet accepts a connection (a dead node's does not)."""
+    try:
+        with socket.create_connection((node["NodeManagerAddress"],
+                                       int(node["NodeManagerPort"])), timeout=2.0):
+            return True
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def _hostnames(ray: Any, node_ids: set[str]) -> set[str]:
+    """The host names of Ray nodes (SLURM's node names: short host names)."""
+    return {str(n.get("NodeManagerHostname", "")).split(".")[0] for n in ray.nodes()
+            if n.get("NodeID") in node_ids} - {""}
+
+
+def _remember(paths: RunPaths, hosts: set[str]) -> None:
+    """The run's bad-node record (``slurm/badnodes.py``): a requeue keeps them out."""
+    import os
+
+    try:
+        record_bad_nodes(paths, hosts, reason="a Ray node died under a training actor",
+                         job_id=os.environ.get("SLURM_JOB_ID"))
+    except OSError as e:    # the memory is lost, never the checkpoint
+        log.warning("could not record bad nodes %s: %s", sorted(hosts), e)
