@@ -21,10 +21,12 @@ from pathlib import Path
 
 from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
-from kempner_resilience.checkresume.coverage import Plan, cover, covers, merge, read_events
+from kempner_resilience.checkresume.coverage import (Plan, cover, covers, merge, met_after,
+                                                      read_events)
 from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, RUN_SAID,
-                                                      across_event_cause, likely_causes,
-                                                      own_dir_line, restart_count_readers)
+                                                      across_event_cause, after_event_cause,
+                                                      likely_causes, own_dir_line,
+                                                      restart_count_readers)
 from kempner_resilience.checkresume.options import CheckOptions
 from kempner_resilience.checkresume.runs import RunResult, run_script
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
@@ -245,7 +247,7 @@ def _check(opts: CheckOptions, work: Path) -> Verdict:
         events = ", ".join(e.words() for e in plan.crosses)
         other = _compare(cmp, across, work, across_stops,
                          f"{_how(opts, across_stops, plan.stops)} (across {events})",
-                         killed=killed, readers=readers)
+                         killed=killed, readers=readers, across=True)
         if other.outcome is Outcome.INEXACT and other.after_stop in across_stops:
             said = [c for c in other.causes if c.startswith("the run said: ")]
             other = replace(other, causes=tuple(said + [across_event_cause(events)] + [
@@ -337,10 +339,11 @@ class _Comparer:
 
 
 def _compare(cmp: _Comparer, got: RunResult, work: Path, stops: tuple[int, ...], how: str, *,
-             killed: bool, readers: list[str]) -> Verdict:
+             killed: bool, readers: list[str], across: bool = False) -> Verdict:
     """The two runs' checkpoints of every common step, in order, up to the first that differs;
     then the last one; then the likely cause (``readers``: the script's files that read
-    KEMPNER_RESTART_COUNT)."""
+    KEMPNER_RESTART_COUNT; ``across``: the run stopped across events, whose cause the caller
+    names)."""
     ref, cache = cmp.ref, cmp.cache
     walk = cmp.walk(got)
     compared = walk.compared
@@ -364,6 +367,12 @@ def _compare(cmp: _Comparer, got: RunResult, work: Path, stops: tuple[int, ...],
         has_scheduler = any(k is Kind.SCHEDULER
                             for k in _snapshots(ref, cache, step).kinds.values())
         causes = likely_causes(diffs, step, after_stop, has_scheduler, readers, said)
+        # An event the resumed process met again before the difference (an eval it left
+        # best_val_loss out of state at, an epoch end): what the first one set shows there.
+        met = met_after([ref.events_file, got.events_file], after_stop, step) \
+            if after_stop is not None and not across else []
+        if met:
+            causes = [after_event_cause(", ".join(met), after_stop, step)] + list(causes)
     # What the resumed run measured itself comes first: its own warnings name the cause exactly.
     causes = [f"the run said: {m}" for m in said] + list(causes)
     return Verdict(Outcome.INEXACT, work, None, stops, tuple(compared), step, tuple(diffs),

@@ -9,8 +9,9 @@ stopped at each --interrupt-at step and relaunched from its checkpoint, and comp
 runs' checkpoints step by step. Exit 0: exact; 3 (RESUME_INEXACT): what differs, from which
 step, and the likely cause; 4 (RESUME_UNCHECKED): the script failed, timed out or committed
 nothing; 5 (RESUME_NONDETERMINISTIC): two uninterrupted runs already differ; 6
-(RESUME_NOT_COVERED): exact, but the stops did not cross an epoch end or a scheduler milestone
-the script shows, within --max-steps (by default a run stops across the first one).
+(RESUME_NOT_COVERED): exact, but the stops did not cross an epoch end, a scheduler milestone or
+an eval (``run.event("eval")``) the script shows, within --max-steps (by default a run stops
+across the first one).
 --config/--set are the settings the script's ResilientRun gets (its checkpoint.dir and cadence
 are check-resume's own).
 """
@@ -63,7 +64,7 @@ def _setup(p: argparse.ArgumentParser) -> None:
                 "the first step that differs and the likely cause; 4 RESUME_UNCHECKED: the "
                 "script failed, timed out or committed no checkpoint; 5 "
                 "RESUME_NONDETERMINISTIC: two uninterrupted runs of it already differ; 6 "
-                "RESUME_NOT_COVERED: exact, but no stop crossed an epoch end or milestone "
+                "RESUME_NOT_COVERED: exact, but no stop crossed an epoch end, milestone or eval "
                 "within --max-steps (the report names it).")
 
 
