@@ -8,6 +8,8 @@ checkpoint each time, as SLURM's requeue would, to the same step. Both end with 
 A resume is exact when every checkpoint of the interrupted run equals the reference's of the
 same step, entry by entry and bitwise (``compare.py``). The first step that differs, what
 differs there and how long after which stop, gives the likely cause (``diagnose.py``).
+On 2+ ranks with the rescue on, one more run SIGKILLs the last rank at the first interrupt
+and resumes from the survivors' rescue checkpoint (``_rescued``): the path a lost node takes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import signal
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
@@ -34,6 +37,9 @@ from kempner_resilience.exitcodes import ExitCode, for_signal_stop
 from kempner_resilience.stop.rehearsal import OWN_DIR_REFUSED, PlannedStop, min_gap
 
 __all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
+
+#: How a NOT COVERED entry for the rescue begins (the others name an event).
+RESCUE_NOT_COVERED = "a resume from the rescue"
 
 # The stop that ends both runs at ``steps``: SIGTERM, whose action the run's config makes `stop`.
 _FINAL = signal.SIGTERM
@@ -163,12 +169,19 @@ def _interrupted(opts: CheckOptions, common: dict, name: str, at: tuple[int, ...
         problem = (f"the {name} run was never interrupted: it ended at step "
                    f"{max(got.committed)} before step {at[0]}; lower "
                    "--interrupt-at and --steps to fit the script's steps")
-    if problem is None and kill and stops != at[:len(stops)]:
+    # The survivors' own words say why when they tried (a peer that died inside a
+    # gradient-accumulation window: the survivor stepped ahead to the window's all-reduce),
+    # and the relaunch, with no rescue to resume from, met the same kill again.
+    skipped = got.said(["rescue skipped:"])[:1] if kill else []
+    missed = stops != at[:len(stops)] or problem is not None
+    if kill and missed and (skipped or problem is None):
+        why = (f"the run said: {skipped[0]}" if skipped else "rescue.enabled off, or a rank's "
+               "state held by that rank alone, as with FSDP")
         problem = (f"after rank {opts.kill_rank} was killed at steps "
                    f"{', '.join(map(str, at))} the relaunches resumed from steps "
                    f"{', '.join(map(str, stops)) or 'none'}: the survivors wrote no rescue "
-                   "checkpoint (rescue.enabled off, or a rank's state held by that rank alone, "
-                   "as with FSDP); a lost rank then costs the steps since the last checkpoint")
+                   f"checkpoint ({why}); a lost rank then costs the steps since the last "
+                   "checkpoint")
     return got, stops, problem
 
 
@@ -257,9 +270,12 @@ def _check(opts: CheckOptions, work: Path) -> Verdict:
                                                            set(other.compared))),
             unseeded=tuple(sorted(set(verdict.unseeded) | set(other.unseeded))),
             layouts=tuple(sorted(set(verdict.layouts) | set(other.layouts))))
+    missed: list[str] = []
+    if verdict.outcome is Outcome.EXACT and _rescues(opts):
+        verdict, missed = _rescued(opts, common, cmp, verdict, end, readers)
     if verdict.outcome is Outcome.EXACT:
         return _coverage(verdict, ref, [(got, stops, end), (across, across_stops, across_end)],
-                         plan)
+                         plan, missed)
     if verdict.outcome is not Outcome.INEXACT:
         return verdict
     # Does the script repeat itself? A second straight run says whether the difference is the
@@ -272,10 +288,41 @@ def _check(opts: CheckOptions, work: Path) -> Verdict:
     return _repeats(cmp, again, verdict)
 
 
+def _rescues(opts: CheckOptions) -> bool:
+    """Whether the default check also resumes from a rescue: 2+ ranks, the rescue on in the
+    user's config, and no --kill-rank (whose run is that check already)."""
+    rescue = opts.config.get("rescue") or {}
+    return opts.ranks > 1 and opts.kill_rank is None and bool(rescue.get("enabled", True))
+
+
+def _rescued(opts: CheckOptions, common: dict, cmp: _Comparer, verdict: Verdict, end: int,
+             readers: list[str]) -> tuple[Verdict, list[str]]:
+    """The run whose last rank is SIGKILLed at the first interrupt: the survivors write the
+    rescue checkpoint, the relaunch resumes from it and trains to ``end`` (a step the
+    uninterrupted run committed). Run only after an exact verdict (an inexact one is the
+    answer already); its own verdict when it differs, or ``verdict`` with it noted; and what
+    it could not cover (no rescue checkpoint written), for the NOT COVERED list."""
+    killing = replace(opts, kill_rank=opts.ranks - 1)
+    at = opts.interrupt_at[:1]
+    got, stops, problem = _interrupted(killing, common, "rescued", at, end, 1)
+    if problem is not None:
+        return verdict, [f"{RESCUE_NOT_COVERED}, {_how(killing, at, at)}: {problem}"]
+    how = _how(killing, stops, at)
+    other = _compare(cmp, got, verdict.workdir, stops, how, killed=True, readers=readers)
+    if other.outcome is not Outcome.EXACT:
+        return other, []
+    how += " and resumed from the survivors' rescue checkpoint"
+    also = f"{verdict.also}, and the run {how}" if verdict.also else how
+    return replace(verdict, also=also, compared=tuple(sorted(set(verdict.compared) |
+                                                           set(other.compared)))), []
+
+
 def _coverage(verdict: Verdict, ref: RunResult,
-              runs: list[tuple[RunResult | None, tuple[int, ...], int]], plan: Plan) -> Verdict:
+              runs: list[tuple[RunResult | None, tuple[int, ...], int]], plan: Plan,
+              missed_too: Sequence[str] = ()) -> Verdict:
     """An exact ``verdict`` with the events its runs crossed, or NOT_COVERED naming those no
-    run crossed: what the uninterrupted run saw first, then what the others saw or foresaw."""
+    run crossed (and ``missed_too``: a rescue not written): what the uninterrupted run saw
+    first, then what the others saw or foresaw."""
     events = merge(read_events([ref.events_file]),
                    read_events([r.events_file for r, _, _ in runs if r is not None]))
     why = {e.kind: reason for e, reason in plan.beyond}
@@ -287,6 +334,7 @@ def _coverage(verdict: Verdict, ref: RunResult,
             missed.append(f"{e.words()}: " + why.get(e.kind, (
                 f"no stop fell between it and its next occurrence"
                 + (f" at step {e.second}" if e.second is not None else ""))))
+    missed += list(missed_too)
     verdict = replace(verdict, crossed=tuple(crossed), not_covered=tuple(missed))
     return replace(verdict, outcome=Outcome.NOT_COVERED) if missed else verdict
 
