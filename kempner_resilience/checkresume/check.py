@@ -77,6 +77,7 @@ class Verdict:
     also: str = ""                             # the run stopped across events, if one ran
     crossed: tuple[str, ...] = ()              # the events a stop crossed
     not_covered: tuple[str, ...] = ()          # NOT_COVERED: the events none crossed, and why
+    notes: tuple[str, ...] = ()                # what an exact verdict still tells the user
 
     @property
     def code(self) -> int:
@@ -305,6 +306,16 @@ def _rescued(opts: CheckOptions, common: dict, cmp: _Comparer, verdict: Verdict,
     killing = replace(opts, kill_rank=opts.ranks - 1)
     at = opts.interrupt_at[:1]
     got, stops, problem = _interrupted(killing, common, "rescued", at, end, 1)
+    skipped = got.said(["rescue skipped:"])[:1]
+    if problem is not None and skipped:
+        # The survivors declined on purpose (a peer lost inside a gradient-accumulation
+        # window, or inside Lightning's optimizer.step(closure)): a real lost rank then resumes
+        # from the last committed checkpoint, the path the signal stops already proved exact.
+        # The script is not at fault, so the verdict stays exact and says what a loss costs.
+        note = (f"a lost rank is not rescued in this script: it costs the steps since the last "
+                f"checkpoint (rank {killing.kill_rank} SIGKILLed at step {at[0]}; the run said: "
+                f"{skipped[0]})")
+        return replace(verdict, notes=verdict.notes + (note,)), []
     if problem is not None:
         return verdict, [f"{RESCUE_NOT_COVERED}, {_how(killing, at, at)}: {problem}"]
     how = _how(killing, stops, at)

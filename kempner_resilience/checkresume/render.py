@@ -66,6 +66,8 @@ def _report(v: Verdict) -> str:
                              "gradient-bucket layout, which a resumed process records later; "
                              "what it determines, the gradients' sum, is in the model and "
                              "optimizer, compared)", "  ")
+    for n in v.notes:
+        note += "\n" + _wrap(f"({n})", "  ")
     if v.outcome is Outcome.NONDETERMINISTIC:
         lines = [f"check-resume: NOT DETERMINISTIC (unchecked). The run {v.how} differs from "
                  "the uninterrupted run, but so does a second uninterrupted run: the two "
