@@ -57,6 +57,13 @@ CASES = {
         cases.PERSISTENT_EVAL_LOADER, "inexact from the second eval after a resume", []),
     "mnist-shaped, persistent workers, loader's own generator (6-step epoch)": (
         cases.PERSISTENT_SEEDED_LOADER, "exact", ["--steps", "6", "--interrupt-at", "3"]),
+    "quickstart DDP, 2 ranks, rescue off (no rescued run)": (
+        None, "exact", ["--ranks", "2", "--steps", "6", "--interrupt-at", "3",
+                        "--set", "rescue.enabled=false"]),
+    "eval every 5 steps, best_val_loss left out, defaults": (
+        cases.EVAL_BEST_LEFT_OUT, "inexact from the second eval after a resume", []),
+    "eval every 5 steps, best_val_loss in state, defaults": (
+        cases.EVAL_BEST_IN_STATE, "exact", []),
     "noise from a torch.Generator left out of state": (
         cases.NOISE_GENERATOR_LEFT_OUT, "inexact (the generator)",
         ["--steps", "6", "--interrupt-at", "3"]),

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.utils.data import DataLoader, TensorDataset
@@ -413,7 +414,7 @@ def test_a_stop_deferred_past_the_last_step_to_a_windows_end_is_found_and_the_ch
     # trains as far; DDP's bucket record, written later by a resumed process, is not a diff.
     script = write_script(tmp_path, DDP_ACCUMULATION, "train.py")
     proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at",
-                        "3", timeout="60")
+                        "3", "--set", "rescue.enabled=false", timeout="60")
     assert proc.returncode == ExitCode.OK, verdict(proc)
     out = proc.stdout.replace("\n    ", " ")
     assert "stopped by SIGUSR1 at step(s) 8 (planned at 3: a stop inside a gradient-" \
@@ -715,3 +716,149 @@ def test_a_generator_a_state_object_saves_is_compared_as_an_rng_stream_and_named
     assert cause.startswith("a torch.Generator (or RNG stream) the script draws from is not in "
                             "state, or is drawn from outside the steps: the torch.Generator of "
                             "state['noise'] (rank0:objects.noise.generator) differs"), cause
+
+
+# nanoGPT's eval (`if iter_num % eval_interval == 0: estimate_loss()`), every 5 steps, said to
+# the run with run.event("eval"); word_language_model's plateau rule: an eval no better than
+# the best so far anneals the lr. best_val_loss is a variable, not in state: a process resumed
+# between two evals starts it again, and its next eval keeps the lr the straight run annealed.
+EVAL_EVERY_5_STEPS = """
+import kempner_resilience as kr
+import torch
+
+torch.manual_seed(0)
+xs, ys = torch.randn(64, 8), torch.randn(64, 1)
+val_x, val_y = xs, -3 * ys          # its loss rises as the model trains: each later eval anneals
+model = torch.nn.Linear(8, 1)
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+BEST
+with kr.ResilientRun(state={"model": model, "optim": optim, STATE}) as run:
+    for step in run.steps(10_000):
+        if step % 5 == 0:
+            run.event("eval")
+            with torch.no_grad():
+                val_loss = torch.nn.functional.mse_loss(model(val_x), val_y).item()
+            if best.loss is None or val_loss < best.loss:
+                best.loss = val_loss
+            else:
+                for group in optim.param_groups:
+                    group["lr"] /= 4
+        i = 8 * step % 64
+        optim.zero_grad()
+        torch.nn.functional.mse_loss(model(xs[i:i + 8]), ys[i:i + 8]).backward()
+        optim.step()
+"""
+
+_BEST_IN_STATE = """class Best:
+    def __init__(self):
+        self.loss = None
+
+    def state_dict(self):
+        return {"loss": self.loss}
+
+    def load_state_dict(self, sd):
+        self.loss = sd["loss"]
+
+
+best = Best()"""
+EVAL_BEST_LEFT_OUT = EVAL_EVERY_5_STEPS.replace(
+    "BEST", "class Best:\n    loss = None\n\n\nbest = Best()").replace(", STATE", "")
+EVAL_BEST_IN_STATE = EVAL_EVERY_5_STEPS.replace("BEST", _BEST_IN_STATE).replace(
+    "STATE", '"best": best')
+
+
+def test_an_eval_every_5_steps_whose_best_val_loss_is_left_out_is_inexact_naming_the_eval(
+        tmp_path):
+    script = write_script(tmp_path, EVAL_BEST_LEFT_OUT, "train.py")
+    proc = check_resume(tmp_path, script)
+    assert proc.returncode == ExitCode.RESUME_INEXACT, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ")
+    # The process resumed at step 3 went through the eval of step 5 (its checkpoint, step 6)
+    # with no best_val_loss, so it kept the lr the straight run annealed there.
+    assert "from step 6 on (3 step(s) after the stop at step 3)" in out, verdict(proc)
+    assert "optim.param_groups.0.lr: 0.025 vs 0.1" in out, verdict(proc)
+    causes = out.split("Likely cause:", 1)[1]
+    assert causes.lstrip().startswith("- what the eval at step 6 changes is not in state"), \
+        verdict(proc)
+    assert "best_val_loss" in causes, verdict(proc)
+
+
+def test_an_eval_every_5_steps_with_best_val_loss_in_state_resumes_exactly_across_it(tmp_path):
+    script = write_script(tmp_path, EVAL_BEST_IN_STATE, "train.py")
+    proc = check_resume(tmp_path, script)
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert "Its stops crossed the eval at steps 1 and 6." in proc.stdout, verdict(proc)
+
+
+def test_the_steps_an_eval_falls_at_are_written_and_its_next_two_foreseen(tmp_path,
+                                                                           monkeypatch):
+    from kempner_resilience.checkresume.coverage import read_events
+    from kempner_resilience.run import events
+
+    path = tmp_path / "events.jsonl"
+    monkeypatch.setenv(events.EVENTS_ENV, str(path))
+    watch = events.watch({}, rank=0)
+    for step in range(1, 12):
+        if step in (5, 10):          # the eval ran in steps 4 and 9: before checkpoints 5, 10
+            watch.named(events.event_kind("eval"))
+        watch.at(step)
+    assert events.watch({}, rank=1) is None          # rank 0 alone writes
+    lines = path.read_text().splitlines()
+    assert lines[-1] == '{"kind": "the eval", "next": [15, 20]}'
+    [event] = read_events([path])
+    assert (event.kind, event.first, event.second, event.recurs) == ("the eval", 5, 10, True)
+
+
+def test_an_eval_seen_once_is_not_covered_by_a_stop_after_it_and_the_reason_says_so():
+    from kempner_resilience.checkresume.coverage import Event, cover, covers
+
+    once = Event("the eval", 1, None, recurs=True)
+    assert not covers(once, [3, 7], 10)
+    plan = cover([once], [3, 7], 10, gap=1, max_steps=300, step_s=0.01, timeout_s=120)
+    assert plan.stops == ()
+    [(event, why)] = plan.beyond
+    assert event is once and "raise --steps past it" in why
+
+
+def test_run_event_without_a_name_is_refused_naming_the_fix():
+    from kempner_resilience.run import events
+
+    with pytest.raises(ValueError, match=r"run.event\(''\): give the event a name"):
+        events.event_kind("")
+
+
+def test_the_default_check_on_two_ranks_also_resumes_from_a_killed_ranks_rescue(tmp_path):
+    script = write_script(tmp_path, DECAYS_LR_BEFORE_ITS_STEP, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at",
+                        "3")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    out = proc.stdout.replace("\n  ", " ")
+    assert ("and the run with rank 1 SIGKILLed at step(s) 3 and resumed from the survivors' "
+            "rescue checkpoint, equals the uninterrupted run") in out, verdict(proc)
+    log = (tmp_path / "check" / "rescued" / "logs" / "rank0.0.log").read_text()
+    assert "rescue: committed step 3" in log
+
+
+def test_the_default_check_with_the_rescue_off_runs_no_rescue(tmp_path):
+    script = write_script(tmp_path, DECAYS_LR_BEFORE_ITS_STEP, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at",
+                        "3", "--set", "rescue.enabled=false")
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert "SIGKILL" not in proc.stdout, verdict(proc)
+    assert not (tmp_path / "check" / "rescued").exists()
+
+
+def test_a_rank_killed_inside_an_accumulation_window_is_exact_and_says_a_lost_rank_is_not_rescued(
+        tmp_path):
+    # Rank 1 dies at step 3, inside a window of 8 no_sync steps: rank 0 trains on alone to the
+    # window's all-reduce at step 8, a boundary rank 1 never reached, so no rescue can hold
+    # one step of both. The script resumes exactly from its checkpoints (the signal stops
+    # proved it); the report says what a lost rank costs there.
+    script = write_script(tmp_path, DDP_ACCUMULATION, "train.py")
+    proc = check_resume(tmp_path, script, "--ranks", "2", "--steps", "6", "--interrupt-at",
+                        "3", timeout="60")
+    assert proc.returncode == 0, verdict(proc)
+    out = proc.stdout.replace("\n    ", " ").replace("\n  ", " ")
+    assert "a lost rank is not rescued in this script: it costs the steps since the last " \
+           "checkpoint (rank 1 SIGKILLed at step 3; the run said: rescue skipped:" in out, \
+        verdict(proc)

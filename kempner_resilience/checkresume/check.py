@@ -8,6 +8,8 @@ checkpoint each time, as SLURM's requeue would, to the same step. Both end with 
 A resume is exact when every checkpoint of the interrupted run equals the reference's of the
 same step, entry by entry and bitwise (``compare.py``). The first step that differs, what
 differs there and how long after which stop, gives the likely cause (``diagnose.py``).
+On 2+ ranks with the rescue on, one more run SIGKILLs the last rank at the first interrupt
+and resumes from the survivors' rescue checkpoint (``_rescued``): the path a lost node takes.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ import signal
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Sequence
 
 from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.checkresume.compare import EntryDiff, diff_snapshots, equal_values
-from kempner_resilience.checkresume.coverage import Plan, cover, covers, merge, read_events
+from kempner_resilience.checkresume.coverage import (Plan, cover, covers, merge, met_after,
+                                                      read_events)
 from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, RUN_SAID,
-                                                      across_event_cause, likely_causes,
-                                                      own_dir_line, restart_count_readers)
+                                                      across_event_cause, after_event_cause,
+                                                      likely_causes, own_dir_line,
+                                                      restart_count_readers)
 from kempner_resilience.checkresume.options import CheckOptions
 from kempner_resilience.checkresume.runs import RunResult, run_script
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
@@ -32,6 +37,9 @@ from kempner_resilience.exitcodes import ExitCode, for_signal_stop
 from kempner_resilience.stop.rehearsal import OWN_DIR_REFUSED, PlannedStop, min_gap
 
 __all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
+
+#: How a NOT COVERED entry for the rescue begins (the others name an event).
+RESCUE_NOT_COVERED = "a resume from the rescue"
 
 # The stop that ends both runs at ``steps``: SIGTERM, whose action the run's config makes `stop`.
 _FINAL = signal.SIGTERM
@@ -69,6 +77,7 @@ class Verdict:
     also: str = ""                             # the run stopped across events, if one ran
     crossed: tuple[str, ...] = ()              # the events a stop crossed
     not_covered: tuple[str, ...] = ()          # NOT_COVERED: the events none crossed, and why
+    notes: tuple[str, ...] = ()                # what an exact verdict still tells the user
 
     @property
     def code(self) -> int:
@@ -161,12 +170,19 @@ def _interrupted(opts: CheckOptions, common: dict, name: str, at: tuple[int, ...
         problem = (f"the {name} run was never interrupted: it ended at step "
                    f"{max(got.committed)} before step {at[0]}; lower "
                    "--interrupt-at and --steps to fit the script's steps")
-    if problem is None and kill and stops != at[:len(stops)]:
+    # The survivors' own words say why when they tried (a peer that died inside a
+    # gradient-accumulation window: the survivor stepped ahead to the window's all-reduce),
+    # and the relaunch, with no rescue to resume from, met the same kill again.
+    skipped = got.said(["rescue skipped:"])[:1] if kill else []
+    missed = stops != at[:len(stops)] or problem is not None
+    if kill and missed and (skipped or problem is None):
+        why = (f"the run said: {skipped[0]}" if skipped else "rescue.enabled off, or a rank's "
+               "state held by that rank alone, as with FSDP")
         problem = (f"after rank {opts.kill_rank} was killed at steps "
                    f"{', '.join(map(str, at))} the relaunches resumed from steps "
                    f"{', '.join(map(str, stops)) or 'none'}: the survivors wrote no rescue "
-                   "checkpoint (rescue.enabled off, or a rank's state held by that rank alone, "
-                   "as with FSDP); a lost rank then costs the steps since the last checkpoint")
+                   f"checkpoint ({why}); a lost rank then costs the steps since the last "
+                   "checkpoint")
     return got, stops, problem
 
 
@@ -245,7 +261,7 @@ def _check(opts: CheckOptions, work: Path) -> Verdict:
         events = ", ".join(e.words() for e in plan.crosses)
         other = _compare(cmp, across, work, across_stops,
                          f"{_how(opts, across_stops, plan.stops)} (across {events})",
-                         killed=killed, readers=readers)
+                         killed=killed, readers=readers, across=True)
         if other.outcome is Outcome.INEXACT and other.after_stop in across_stops:
             said = [c for c in other.causes if c.startswith("the run said: ")]
             other = replace(other, causes=tuple(said + [across_event_cause(events)] + [
@@ -255,9 +271,12 @@ def _check(opts: CheckOptions, work: Path) -> Verdict:
                                                            set(other.compared))),
             unseeded=tuple(sorted(set(verdict.unseeded) | set(other.unseeded))),
             layouts=tuple(sorted(set(verdict.layouts) | set(other.layouts))))
+    missed: list[str] = []
+    if verdict.outcome is Outcome.EXACT and _rescues(opts):
+        verdict, missed = _rescued(opts, common, cmp, verdict, end, readers)
     if verdict.outcome is Outcome.EXACT:
         return _coverage(verdict, ref, [(got, stops, end), (across, across_stops, across_end)],
-                         plan)
+                         plan, missed)
     if verdict.outcome is not Outcome.INEXACT:
         return verdict
     # Does the script repeat itself? A second straight run says whether the difference is the
@@ -270,10 +289,51 @@ def _check(opts: CheckOptions, work: Path) -> Verdict:
     return _repeats(cmp, again, verdict)
 
 
+def _rescues(opts: CheckOptions) -> bool:
+    """Whether the default check also resumes from a rescue: 2+ ranks, the rescue on in the
+    user's config, and no --kill-rank (whose run is that check already)."""
+    rescue = opts.config.get("rescue") or {}
+    return opts.ranks > 1 and opts.kill_rank is None and bool(rescue.get("enabled", True))
+
+
+def _rescued(opts: CheckOptions, common: dict, cmp: _Comparer, verdict: Verdict, end: int,
+             readers: list[str]) -> tuple[Verdict, list[str]]:
+    """The run whose last rank is SIGKILLed at the first interrupt: the survivors write the
+    rescue checkpoint, the relaunch resumes from it and trains to ``end`` (a step the
+    uninterrupted run committed). Run only after an exact verdict (an inexact one is the
+    answer already); its own verdict when it differs, or ``verdict`` with it noted; and what
+    it could not cover (no rescue checkpoint written), for the NOT COVERED list."""
+    killing = replace(opts, kill_rank=opts.ranks - 1)
+    at = opts.interrupt_at[:1]
+    got, stops, problem = _interrupted(killing, common, "rescued", at, end, 1)
+    skipped = got.said(["rescue skipped:"])[:1]
+    if problem is not None and skipped:
+        # The survivors declined on purpose (a peer lost inside a gradient-accumulation
+        # window, or inside Lightning's optimizer.step(closure)): a real lost rank then resumes
+        # from the last committed checkpoint, the path the signal stops already proved exact.
+        # The script is not at fault, so the verdict stays exact and says what a loss costs.
+        note = (f"a lost rank is not rescued in this script: it costs the steps since the last "
+                f"checkpoint (rank {killing.kill_rank} SIGKILLed at step {at[0]}; the run said: "
+                f"{skipped[0]})")
+        return replace(verdict, notes=verdict.notes + (note,)), []
+    if problem is not None:
+        return verdict, [f"{RESCUE_NOT_COVERED}, {_how(killing, at, at)}: {problem}"]
+    how = _how(killing, stops, at)
+    other = _compare(cmp, got, verdict.workdir, stops, how, killed=True, readers=readers)
+    if other.outcome is not Outcome.EXACT:
+        return other, []
+    how += " and resumed from the survivors' rescue checkpoint"
+    also = f"{verdict.also}, and the run {how}" if verdict.also else how
+    return replace(verdict, also=also, compared=tuple(sorted(set(verdict.compared) |
+                                                           set(other.compared)))), []
+
+
 def _coverage(verdict: Verdict, ref: RunResult,
-              runs: list[tuple[RunResult | None, tuple[int, ...], int]], plan: Plan) -> Verdict:
+              runs: list[tuple[RunResult | None, tuple[int, ...], int]], plan: Plan,
+              missed_too: Sequence[str] = ()) -> Verdict:
     """An exact ``verdict`` with the events its runs crossed, or NOT_COVERED naming those no
-    run crossed: what the uninterrupted run saw first, then what the others saw or foresaw."""
+    run crossed (and ``missed_too``: a rescue not written): what the uninterrupted run saw
+    first, then what the others saw or foresaw."""
     events = merge(read_events([ref.events_file]),
                    read_events([r.events_file for r, _, _ in runs if r is not None]))
     why = {e.kind: reason for e, reason in plan.beyond}
@@ -285,6 +345,7 @@ def _coverage(verdict: Verdict, ref: RunResult,
             missed.append(f"{e.words()}: " + why.get(e.kind, (
                 f"no stop fell between it and its next occurrence"
                 + (f" at step {e.second}" if e.second is not None else ""))))
+    missed += list(missed_too)
     verdict = replace(verdict, crossed=tuple(crossed), not_covered=tuple(missed))
     return replace(verdict, outcome=Outcome.NOT_COVERED) if missed else verdict
 
@@ -337,10 +398,11 @@ class _Comparer:
 
 
 def _compare(cmp: _Comparer, got: RunResult, work: Path, stops: tuple[int, ...], how: str, *,
-             killed: bool, readers: list[str]) -> Verdict:
+             killed: bool, readers: list[str], across: bool = False) -> Verdict:
     """The two runs' checkpoints of every common step, in order, up to the first that differs;
     then the last one; then the likely cause (``readers``: the script's files that read
-    KEMPNER_RESTART_COUNT)."""
+    KEMPNER_RESTART_COUNT; ``across``: the run stopped across events, whose cause the caller
+    names)."""
     ref, cache = cmp.ref, cmp.cache
     walk = cmp.walk(got)
     compared = walk.compared
@@ -364,6 +426,12 @@ def _compare(cmp: _Comparer, got: RunResult, work: Path, stops: tuple[int, ...],
         has_scheduler = any(k is Kind.SCHEDULER
                             for k in _snapshots(ref, cache, step).kinds.values())
         causes = likely_causes(diffs, step, after_stop, has_scheduler, readers, said)
+        # An event the resumed process met again before the difference (an eval it left
+        # best_val_loss out of state at, an epoch end): what the first one set shows there.
+        met = met_after([ref.events_file, got.events_file], after_stop, step) \
+            if after_stop is not None and not across else []
+        if met:
+            causes = [after_event_cause(", ".join(met), after_stop, step)] + list(causes)
     # What the resumed run measured itself comes first: its own warnings name the cause exactly.
     causes = [f"the run said: {m}" for m in said] + list(causes)
     return Verdict(Outcome.INEXACT, work, None, stops, tuple(compared), step, tuple(diffs),

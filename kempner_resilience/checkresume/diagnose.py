@@ -48,7 +48,7 @@ from kempner_resilience.checkresume.snapshot import Kind
 
 __all__ = ["likely_causes", "restart_count_readers", "restart_count_cause", "own_dir_line",
            "CARRIED", "ACCUMULATED", "SCHEDULER", "NONDETERMINISTIC", "RESTART_COUNT_VAR",
-           "RUN_SAID", "across_event_cause"]
+           "RUN_SAID", "across_event_cause", "after_event_cause"]
 
 #: What the launcher sets to each launch's number (``supervise/local/launcher.py``).
 RESTART_COUNT_VAR = "KEMPNER_RESTART_COUNT"
@@ -156,17 +156,29 @@ RUN_SAID = ("before the checkpoint was restored", "batches taken before the firs
             "starts the resumed epoch from its first batch", UNSAVED_GENERATOR)
 
 
+_EVENT_STATE = ("A value the loop changes there and carries in a variable (a learning rate "
+                "annealed at an epoch end or on a plateau, best_val_loss, a patience counter) "
+                "restarts from its first value in the resumed process; an eval loader with "
+                "persistent workers and no generator of its own draws its workers' seed from "
+                "the global RNG at its first pass only, so the resumed process draws once more. "
+                "Put such values in state (an object with state_dict() and load_state_dict()); "
+                "give the eval loader generator=torch.Generator()")
+
+
 def across_event_cause(events: str) -> str:
     """The cause when only the run stopped across ``events`` (an epoch end, a milestone)
     differs: the run stopped at the default steps, inside the epoch, resumed exactly."""
     return (f"state that changes at {events} is not in state: the run stopped at the chosen "
-            "steps resumed exactly, the one stopped after that event did not. A value the loop "
-            "changes there and carries in a variable (a learning rate annealed at an epoch end, "
-            "best_val_loss, a patience counter) restarts from its first value in the resumed "
-            "process; an eval loader with persistent workers and no generator of its own draws "
-            "its workers' seed from the global RNG at its first pass only, so the resumed "
-            "process draws once more. Put such values in state (an object with state_dict() and "
-            "load_state_dict()); give the eval loader generator=torch.Generator()")
+            f"steps resumed exactly, the one stopped after that event did not. {_EVENT_STATE}")
+
+
+def after_event_cause(events: str, stop: int, step: int) -> str:
+    """The cause when the first difference, at ``step``, follows the first occurrence of
+    ``events`` (an eval the script named, an epoch end) in the process resumed at ``stop``,
+    and the uninterrupted run had met it before ``stop`` too."""
+    return (f"what {events} changes is not in state: the process resumed at step {stop} met "
+            f"it again (it also came before the stop), and differs from step {step} on. "
+            f"{_EVENT_STATE}")
 
 
 def _rng_cause(keys: Iterable[str]) -> str:

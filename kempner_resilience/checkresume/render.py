@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from collections import defaultdict
 
-from kempner_resilience.checkresume.check import Outcome, Verdict
+from kempner_resilience.checkresume.check import RESCUE_NOT_COVERED, Outcome, Verdict
 from kempner_resilience.checkresume.compare import EntryDiff
 
 __all__ = ["render"]
@@ -66,6 +66,8 @@ def _report(v: Verdict) -> str:
                              "gradient-bucket layout, which a resumed process records later; "
                              "what it determines, the gradients' sum, is in the model and "
                              "optimizer, compared)", "  ")
+    for n in v.notes:
+        note += "\n" + _wrap(f"({n})", "  ")
     if v.outcome is Outcome.NONDETERMINISTIC:
         lines = [f"check-resume: NOT DETERMINISTIC (unchecked). The run {v.how} differs from "
                  "the uninterrupted run, but so does a second uninterrupted run: the two "
@@ -86,12 +88,13 @@ def _report(v: Verdict) -> str:
             return f"check-resume: exact. {exact}{note}"
         lines = [f"check-resume: NOT COVERED: exact for steps {v.compared[0]}-{v.compared[-1]}; "
                  f"not covered: {'; '.join(e.split(':', 1)[0] for e in v.not_covered)}.", exact,
-                 "Not covered (no stop crossed it):"]
+                 "Not covered:"]
         lines += [_wrap(f"- {e}") for e in v.not_covered]
-        lines.append(_wrap("A resume across it may still differ (a value changed there and "
-                           "carried outside state, an eval loader's workers): raise --max-steps "
-                           "and --timeout to cross it, or shorten the script's epochs for the "
-                           "check.", "  "))
+        if any(not e.startswith(RESCUE_NOT_COVERED) for e in v.not_covered):
+            lines.append(_wrap("A resume across it may still differ (a value changed there "
+                               "and carried outside state, an eval loader's workers): raise "
+                               "--max-steps and --timeout to cross it, or shorten the script's "
+                               "epochs for the check.", "  "))
         return "\n".join(lines) + note
     lines = [f"check-resume: INEXACT. The run {v.how} and resumed differs "
              f"from the uninterrupted run from step {v.first_step} on"

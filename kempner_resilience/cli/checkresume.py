@@ -9,8 +9,10 @@ stopped at each --interrupt-at step and relaunched from its checkpoint, and comp
 runs' checkpoints step by step. Exit 0: exact; 3 (RESUME_INEXACT): what differs, from which
 step, and the likely cause; 4 (RESUME_UNCHECKED): the script failed, timed out or committed
 nothing; 5 (RESUME_NONDETERMINISTIC): two uninterrupted runs already differ; 6
-(RESUME_NOT_COVERED): exact, but the stops did not cross an epoch end or a scheduler milestone
-the script shows, within --max-steps (by default a run stops across the first one).
+(RESUME_NOT_COVERED): exact, but the stops did not cross an epoch end, a scheduler milestone or
+an eval (``run.event("eval")``) the script shows, within --max-steps (by default a run stops
+across the first one), or, on 2+ ranks with the rescue on, no rescue checkpoint was written
+after the last rank was SIGKILLed (by default a run checks a resume from it).
 --config/--set are the settings the script's ResilientRun gets (its checkpoint.dir and cadence
 are check-resume's own).
 """
@@ -47,7 +49,9 @@ def _setup(p: argparse.ArgumentParser) -> None:
                    help="the interrupting signal (USR1: requeue, TERM/INT: stop); default USR1")
     p.add_argument("--kill-rank", type=int, default=None, metavar="R",
                    help="SIGKILL rank R at the interrupts instead (2+ ranks: the survivors' "
-                        "rescue and the relaunch after 81)")
+                        "rescue and the relaunch after 81); without it, 2+ ranks with the "
+                        "rescue on get one run more whose last rank is SIGKILLed at the first "
+                        "interrupt")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds each run may take before its ranks are stopped; default 120")
     p.add_argument("--max-steps", type=int, default=300, metavar="M",
@@ -63,7 +67,7 @@ def _setup(p: argparse.ArgumentParser) -> None:
                 "the first step that differs and the likely cause; 4 RESUME_UNCHECKED: the "
                 "script failed, timed out or committed no checkpoint; 5 "
                 "RESUME_NONDETERMINISTIC: two uninterrupted runs of it already differ; 6 "
-                "RESUME_NOT_COVERED: exact, but no stop crossed an epoch end or milestone "
+                "RESUME_NOT_COVERED: exact, but no stop crossed an epoch end, milestone or eval "
                 "within --max-steps (the report names it).")
 
 

@@ -12,10 +12,15 @@ What it can see, and foresee from the rate it measured since the launch began:
 - a ``ResumableLoader``'s epoch end: its epoch and batch count the batches taken, ``len()`` the
   batches per pass;
 - an LR scheduler's milestone: a ``StepLR``'s ``step_size``, a ``MultiStepLR``'s milestones,
-  against its ``last_epoch`` (a scheduler stepped once an epoch is foreseen once it moved).
+  against its ``last_epoch`` (a scheduler stepped once an epoch is foreseen once it moved);
+- an event the script names with ``run.event("eval")`` (an eval every N steps, as nanoGPT's
+  ``iter_num % eval_interval == 0``): nothing in ``state`` shows it, so the script says so.
+  Its next occurrences are foreseen from the last two: an eval recurs, and a value it left out
+  of state (``best_val_loss``, an lr annealed on a plateau) shows only at the next one.
 
 Each line of the file is JSON: ``{"kind": K, "seen": E}`` when the event ``K`` happened before
-the checkpoint of step ``E``; ``{"kind": K, "next": [E1, E2]}`` for its next two occurrences as
+the checkpoint of step ``E`` (with ``"recurs": true`` for a named event: a first occurrence
+alone does not cover it); ``{"kind": K, "next": [E1, E2]}`` for its next two occurrences as
 foreseen at that boundary (the last such line counts).
 """
 
@@ -29,7 +34,7 @@ from typing import Any, Callable, Mapping
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.rehearsal import EVENTS_ENV
 
-__all__ = ["EventWatch", "watch"]
+__all__ = ["EventWatch", "event_kind", "watch"]
 
 log = get_logger(__name__)
 
@@ -101,17 +106,35 @@ class _Counter:
         return happened, [first, first + max(1, math.ceil(1 / rate - 1e-9))]
 
 
+def event_kind(name: str) -> str:
+    """How the report names an event the script named: ``"eval"`` -> ``"the eval"``."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"run.event({name!r}): give the event a name, e.g. run.event('eval')")
+    return f"the {' '.join(name.split())}"
+
+
 class EventWatch:
-    """Rank 0's watcher of the objects in ``state`` (see the module docstring)."""
+    """Rank 0's watcher of the objects in ``state`` and of the events the script names (see
+    the module docstring)."""
 
     def __init__(self, counters: list[_Counter], path: str) -> None:
         self._counters = counters
         self._path = path
         self._foreseen: dict[str, list[int]] = {}
+        self._named: list[str] = []                  # named in the step now running
+        self._last: dict[str, list[int]] = {}        # a named event's last two occurrences
+        self._broken = False
+
+    def named(self, kind: str) -> None:
+        """The script said ``kind`` happened in the step now running (``run.event``)."""
+        if kind not in self._named:
+            self._named.append(kind)
 
     def at(self, step: int) -> None:
         """The boundary of ``step``: write what happened and what is foreseen, when it changed."""
-        lines = []
+        if self._broken:
+            return
+        lines: list[dict] = []
         for c in self._counters:
             happened, ahead = c.at(step)
             if happened:
@@ -119,6 +142,14 @@ class EventWatch:
             if ahead and ahead != self._foreseen.get(c.kind):
                 self._foreseen[c.kind] = ahead
                 lines.append({"kind": c.kind, "next": ahead})
+        for kind in self._named:
+            lines.append({"kind": kind, "seen": step, "recurs": True})
+            last = self._last.setdefault(kind, [])
+            last[:] = (last + [step])[-2:]
+            if len(last) == 2 and last[1] > last[0]:    # an eval every N steps: the next two
+                period = last[1] - last[0]
+                lines.append({"kind": kind, "next": [step + period, step + 2 * period]})
+        self._named = []
         if not lines:
             return
         try:
@@ -126,12 +157,12 @@ class EventWatch:
                 f.write("".join(json.dumps(line) + "\n" for line in lines))
         except OSError as e:       # check-resume then says it could not see the events
             log.warning("check-resume: cannot write the events file %s: %s", self._path, e)
-            self._counters = []
+            self._broken = True
 
 
 def watch(objects: Mapping[str, Any], rank: int) -> EventWatch | None:
-    """The watcher for ``objects`` (state's non-tensor entries), on rank 0 under check-resume
-    only; None otherwise (a real job, another rank, nothing to watch)."""
+    """The watcher for ``objects`` (state's non-tensor entries) and the events the script
+    names, on rank 0 under check-resume only; None otherwise (a real job, another rank)."""
     path = os.environ.get(EVENTS_ENV)
     if not path or rank != 0:
         return None
@@ -144,4 +175,4 @@ def watch(objects: Mapping[str, Any], rank: int) -> EventWatch | None:
         sched = _milestones(obj)
         if sched is not None:
             counters.append(_Counter(f"a milestone of scheduler {name!r}", sched))
-    return EventWatch(counters, path) if counters else None
+    return EventWatch(counters, path)

@@ -99,6 +99,10 @@ class ResilientRun:
         self._done = False
         self._looped = False
         self._recorded: CheckpointInfo | None = None   # the newest commit the ledger recorded
+        # check-resume's watcher of events (run/events.py), built at the loop; the events the
+        # script named before it. None and unused in a real job.
+        self._events: events.EventWatch | None = None
+        self._named: list[str] = []
 
     # ------------------------------------------------------------------ context
 
@@ -225,6 +229,21 @@ class ResilientRun:
         """
         return self._state.parts.agreement.any_requested(self._stop_reason(time.monotonic()))
 
+    def event(self, name: str = "eval") -> None:
+        """Say that ``name`` (an eval, by default) happened in the step now running.
+
+        Call it where the loop evaluates (``if step % eval_interval == 0: run.event("eval")``),
+        on any rank. A real job does nothing with it. Under ``kempner-resilience check-resume``
+        the run writes where these events fall, and the check stops a run between two of them:
+        a value the eval changes and the loop carries outside ``state`` (``best_val_loss``, an
+        lr annealed on a plateau, a patience counter) then shows as a difference.
+        """
+        kind = events.event_kind(name)
+        if self._events is not None:
+            self._events.named(kind)
+        elif not self._looped and kind not in self._named:
+            self._named.append(kind)     # before the loop: told to the watcher when it starts
+
     def steps(self, total: int) -> Iterator[int]:
         """Yield step indices from the resume point up to ``total - 1``.
 
@@ -250,9 +269,14 @@ class ResilientRun:
         if rescue is not None:
             rescue.mark(progress.step)
         plan = rehearsal.planned()      # check-resume's stops (stop/rehearsal.py); () otherwise
-        # check-resume's watcher of epoch ends and milestones (run/events.py); None otherwise.
-        seen = events.watch(parts.ckpt.state.others, parts.rank) \
+        # check-resume's watcher of epoch ends, milestones and named events (run/events.py);
+        # None otherwise.
+        seen = self._events = events.watch(parts.ckpt.state.others, parts.rank) \
             if plan and parts.ckpt is not None else None
+        if seen is not None:
+            for kind in self._named:
+                seen.named(kind)
+        self._named = []
         while progress.step < total:
             if plan:
                 if seen is not None:
