@@ -132,3 +132,21 @@ def test_a_rank_killed_and_relaunched_warm_ends_bitwise_equal_to_the_same_job_st
                                                     [0, 0]]
         ends[mode] = weights
     assert_bitwise_equal(ends["0"], ends["1"])
+
+
+def test_a_warm_rank_runs_torch_with_the_thread_count_its_own_environment_names(tmp_path):
+    # A cold start reads OMP_NUM_THREADS at `import torch`; the zygote imported torch with the
+    # launch's environment, so the rank's own count must still reach torch.
+    import json
+
+    script = write_script(tmp_path, "import json, torch\n"
+                                    "print(json.dumps(torch.get_num_threads()))\n", "t.py")
+    z = Zygote({**os.environ, "OMP_NUM_THREADS": "2"})
+    try:
+        out = tmp_path / "out"
+        p = z.spawn([sys.executable, str(script)], {**os.environ, "OMP_NUM_THREADS": "1"},
+                    str(tmp_path), str(out), str(out))
+        assert p.wait(timeout=60) == 0, out.read_text()
+        assert json.loads(out.read_text().strip().splitlines()[-1]) == 1
+    finally:
+        z.close()

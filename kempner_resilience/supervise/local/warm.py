@@ -361,12 +361,27 @@ def _become(msg: dict[str, Any]) -> None:
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    _threads_from_env()
     try:    # NumPy's global RNG (torch imported NumPy in the zygote): seeded from the OS at
         import numpy    # its import in a cold start, so afresh in each rank here
 
         numpy.random.seed()
     except ImportError:
         pass
+
+
+def _threads_from_env() -> None:
+    """The rank's ``OMP_NUM_THREADS``, as a cold start reads it at ``import torch``: the
+    zygote imported torch with the launch's environment (torchrun sets 1 per worker, a rank
+    may be given its own), and no parallel region ran there, so the count still takes."""
+    import torch
+
+    try:
+        wanted = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return
+    if wanted > 0 and torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
 
 
 def _run(argv: list[str]) -> None:
