@@ -212,6 +212,19 @@ def test_a_stop_inside_a_gradient_accumulation_window_is_exact(tmp_path):
     assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
 
 
+def test_a_relative_workdir_is_the_check_s_own_directory_and_the_verdict_exact(tmp_path):
+    script = write_script(tmp_path, GRAD_ACCUMULATION, "train.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kempner_resilience.cli", "check-resume", "--workdir", "check",
+         "--timeout", "100", "--steps", "10", "--interrupt-at", "6", "--", sys.executable,
+         str(script)],
+        cwd=tmp_path, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=400)
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
+    assert list((tmp_path / "check").rglob("step_*")), "the runs wrote nothing under ./check"
+
+
 def test_an_lr_scheduler_left_out_of_state_is_reported_inexact_naming_the_scheduler(tmp_path):
     script = write_script(tmp_path, SCHEDULER_LEFT_OUT, "train.py")
     proc = check_resume(tmp_path, script, "--steps", "6", "--interrupt-at", "3")

@@ -87,7 +87,8 @@ def _run(args: argparse.Namespace) -> int:
                             interrupt_at=args.interrupt_at, signal_name=args.signal,
                             kill_rank=args.kill_rank, timeout_s=args.timeout,
                             max_steps=args.max_steps,
-                            workdir=args.workdir, config=cfg.to_dict())
+                            workdir=args.workdir.resolve() if args.workdir else None,
+                            config=cfg.to_dict())
     except ValueError as e:
         raise CliError(str(e), int(ExitCode.USAGE)) from None
     from kempner_resilience.checkresume.check import check_resume, cleanup   # loads torch
