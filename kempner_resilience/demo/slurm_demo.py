@@ -329,6 +329,10 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
         mark += 'exec "$@"'
     command = ["bash", "-c", mark, "_", "env",
                *(f"{k}={v}" for k, v in _demo_env().items()), *train]
+    if torchrun and not rank_files:
+        # The worker is the trainer itself, so each agent can fork it warm: the trainer
+        # does the shell line's bookkeeping, and torchrun gives each worker one thread.
+        command = [*train, "--run-files", str(work), *(["--named-launches"] if spares else [])]
     all_extra: dict[str, object | None] = {"cpus-per-task": 1}
     if partition:
         all_extra["partition"] = partition

@@ -166,12 +166,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hsdp", type=int, default=0, metavar="S",
                    help="shard the model with fully_shard (FSDP2) over S ranks per replica "
                         "group (HSDP) instead of DDP")
+    p.add_argument("--run-files", metavar="DIR",
+                   help="the demo job's bookkeeping: rank 0's run report goes to "
+                        "DIR/report.<launch>.json and rank 0 writes '# run <launch>' to "
+                        "--progress before this launch's steps; <launch> is SLURM's restart "
+                        "count, or with --named-launches <requeues>.<relaunches in place>")
+    p.add_argument("--named-launches", action="store_true")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
 
 
+def _mark_launch(args: argparse.Namespace) -> None:
+    """What the demo job's shell line did before the trainer started, done here so a worker
+    can be this module run by Python directly (a torchrun agent forks such a worker warm)."""
+    from kempner_resilience.supervise.channel import launch_name
+
+    launch = launch_name() if args.named_launches else \
+        (os.environ.get("SLURM_RESTART_COUNT") or "0")
+    os.environ["KEMPNER_RESILIENCE_REPORT"] = os.path.join(args.run_files,
+                                                           f"report.{launch}.json")
+    if args.progress and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        with open(args.progress, "a") as f:
+            f.write(f"# run {launch}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.run_files:
+        _mark_launch(args)
     configure("WARNING" if args.quiet else "INFO")
     rank, world = _init_distributed()
     cfg = kr.load_config(args.config, args.overrides)
