@@ -121,3 +121,12 @@ def test_accelerate_ranks_without_cuda_or_accelerate_use_cpu_are_refused_naming_
     assert proc.returncode == int(ExitCode.RESUME_UNCHECKED), said(proc)
     assert "the Accelerator runs as 1 process" in proc.stdout, said(proc)
     assert "set ACCELERATE_USE_CPU=1" in proc.stdout, said(proc)
+
+
+def test_the_trainers_evals_are_events_a_stop_crosses_and_the_resume_is_exact(tmp_path):
+    # The adapter tells the run of each eval (on_evaluate): with an eval every 3 steps the
+    # stops cross one, and what the Trainer carries across it (TrainerState) resumes exactly.
+    proc = check_resume(tmp_path, "hf", "--eval-every", "3", ranks=1, steps="9", at="4")
+    assert proc.returncode == int(ExitCode.OK), said(proc)
+    out = proc.stdout.replace("\n  ", " ")
+    assert "Its stops crossed" in out and "the eval" in out, said(proc)

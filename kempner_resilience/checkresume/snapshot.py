@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import io
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,30 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+#: What a log records of the wall clock (the Trainer's ``eval_runtime``,
+#: ``train_samples_per_second``): two runs never agree on it, and no training step reads it.
+_CLOCK_SUFFIXES = ("_runtime", "_per_second")
+
+
+def _json_opened(flat: dict[str, Any]) -> dict[str, Any]:
+    """An object that keeps its state as JSON text (the Trainer's ``TrainerState``) compared
+    field by field, so a difference names its field, with the wall-clock fields left out."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        if not (k.endswith(".json") and isinstance(v, str)):
+            out[k] = v
+            continue
+        try:
+            parsed = json.loads(v)
+        except ValueError:
+            out[k] = v
+            continue
+        fields: dict[str, Any] = {}
+        _flatten(k, parsed, fields)
+        out.update((f, x) for f, x in fields.items() if not f.endswith(_CLOCK_SUFFIXES))
+    return out
+
+
 def _is_generator(key: str) -> bool:
     """A generator's state inside an object's (``objects.noise.generator``, a loader's
     ``objects.data.generators.0``): an RNG stream, whatever the object it belongs to."""
@@ -114,7 +139,7 @@ def _blob(key: str, value: Any, entries: dict[str, Any], kinds: dict[str, Kind])
                 kind = _object_kind(state)
                 one: dict[str, Any] = {}
                 _flatten(f"objects.{name}", state, one)
-                for k, v in one.items():
+                for k, v in _json_opened(one).items():
                     entries[f"{rank}:{k}"] = v
                     kinds[f"{rank}:{k}"] = Kind.RNG if _is_generator(k) else kind
             continue

@@ -134,6 +134,11 @@ def _boundary_callback(run: "ResilientTrainer") -> Any:
             if run._boundary():        # all steps ran: the Trainer ends by itself
                 control.should_training_stop = True
 
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            # An eval changes what the Trainer carries (best_metric, early stopping's
+            # patience): check-resume stops across one (run.event; a real job ignores it).
+            run.event("eval")
+
     return RunBoundary()
 
 

@@ -327,6 +327,13 @@ class ResilientCallback(pl.Callback):
             self._seen = trainer.global_step
             self._boundary()
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A validation changes what callbacks carry (ModelCheckpoint's best, EarlyStopping's
+        # patience): check-resume stops across one (run.event; a real job ignores it). The
+        # sanity check before the first step is no eval of the training.
+        if self.run is not None and not trainer.sanity_checking:
+            self.run.event("eval")
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(None)
 

@@ -26,6 +26,7 @@ ap.add_argument("--ignore-data-skip", action="store_true",
                 help="TrainingArguments(ignore_data_skip): a resumed epoch starts again")
 ap.add_argument("--plain", action="store_true", help="without the package: trainer.train()")
 ap.add_argument("--times", help="rank 0 appends each step's end (time.perf_counter) here")
+ap.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps")
 args = ap.parse_args()
 
 
@@ -60,8 +61,11 @@ targs = TrainingArguments(output_dir="hf_out", max_steps=args.steps, per_device_
                           disable_tqdm=True, use_cpu=True, seed=0,
                           ddp_find_unused_parameters=False,
                           enable_jit_checkpoint=args.jit,
-                          ignore_data_skip=args.ignore_data_skip)
-trainer = Trainer(model, args=targs, train_dataset=Tokens(), callbacks=[Progress()])
+                          ignore_data_skip=args.ignore_data_skip,
+                          eval_strategy="steps" if args.eval_every else "no",
+                          eval_steps=args.eval_every or None)
+trainer = Trainer(model, args=targs, train_dataset=Tokens(), callbacks=[Progress()],
+                  eval_dataset=Tokens() if args.eval_every else None)
 if PLAIN:
     trainer.train()
 else:
