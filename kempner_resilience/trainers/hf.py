@@ -127,17 +127,57 @@ def _boundary_callback(run: "ResilientTrainer") -> Any:
     from transformers import TrainerCallback
 
     class RunBoundary(TrainerCallback):
+        # The Trainer logs, evaluates and saves a step's results after its on_step_end. The
+        # step's boundary (a stop's checkpoint, the rescue's mark) waits until they are done,
+        # or a resume from it would skip them: an eval draws the loader's seed from the global
+        # RNG and appends to log_history, so the resumed run would train on a different RNG.
+        pending = False
+
         def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             run._loop_begins(state)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if control.should_log or control.should_evaluate or control.should_save:
+                self.pending = True
+            else:
+                self._boundary(control)
+
+        def _boundary(self, control: Any) -> None:
+            self.pending = False
             if run._boundary():        # all steps ran: the Trainer ends by itself
                 control.should_training_stop = True
+
+        def _after(self, control: Any) -> None:
+            # The CallbackHandler clears each flag before its event: none left, all done.
+            if self.pending and not (control.should_log or control.should_evaluate
+                                     or control.should_save):
+                self._boundary(control)
+
+        def on_log(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._after(control)
 
         def on_evaluate(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             # An eval changes what the Trainer carries (best_metric, early stopping's
             # patience): check-resume stops across one (run.event; a real job ignores it).
             run.event("eval")
+            self._after(control)
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self._after(control)
+
+        # A flag the Trainer left set without acting on it (a log with nothing new): the
+        # boundary is taken at the next event of the loop at the latest.
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.pending:
+                self._boundary(control)
+
+        def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.pending:
+                self._boundary(control)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.pending:
+                self._boundary(control)
 
     return RunBoundary()
 
