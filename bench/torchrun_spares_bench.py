@@ -39,20 +39,13 @@ from spares_bench import SCRIPT, cluster_env  # noqa: E402  (bench/ is this scri
 STEPS, EVERY = 130, 50
 
 
-def _workers_on(node: str, workdir: Path) -> bool:
+def _workers_on(node: str, job) -> bool:
+    """Whether one of the job's workers runs on ``node`` (by the pids the workers wrote: a warm
+    worker's /proc shows its zygote's command line)."""
     pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True,
                           text=True).stdout.split()
-    for pid in pids:
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        # A worker, not an agent (whose command line names the workers' command too).
-        if b"kempner_resilience.demo.train" in argv and str(workdir).encode() in argv \
-                and any(v.startswith(b"RANK=") for v in environ):
-            return True
-    return False
+    ranks = job.worker_ranks()
+    return any(int(p) in ranks for p in pids if p.isdigit())
 
 
 def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
@@ -67,7 +60,7 @@ def one_kill(env: dict[str, str], work: Path) -> dict[str, float]:
     try:
         job.wait_step(5, timeout=300)
         nodes = job.hosts()
-        victim = [n for n in nodes[1:] if _workers_on(n, job.workdir)][-1]
+        victim = [n for n in nodes[1:] if _workers_on(n, job)][-1]
         job.wait_step(random.randint(EVERY + 3, 2 * EVERY - 5), timeout=300)
         killed = time.time()
         subprocess.run(["bash", str(SCRIPT), "kill-node", victim[len("krnode"):]], check=True,

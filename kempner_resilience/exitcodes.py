@@ -87,7 +87,8 @@ TABLE: dict[ExitCode, str] = {
                                       "(CLI only)",
     ExitCode.RESUME_NOT_COVERED: "`check-resume`: exact for the steps it compared, but its "
                                  "stops did not cross an event that changes state outside a "
-                                 "step (an epoch end, a scheduler's milestone) within "
+                                 "step (an epoch end, a scheduler's milestone, an eval the "
+                                 "script names with `run.event(\"eval\")`) within "
                                  "--max-steps or --timeout; the report names the event and its "
                                  "step, and the steps found exact (CLI only)",
     ExitCode.HANG: "hang watchdog: no step finished within watchdog.hang_timeout_s; stacks were "

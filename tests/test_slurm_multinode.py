@@ -150,22 +150,11 @@ def test_usr1_to_4_ranks_on_2_nodes_checkpoints_requeues_resumes_bitwise_equal(
 
 
 def _torchrun_workers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, str]:
-    """This job's torchrun workers on ``nodes``: {RANK: node}."""
-    found = {}
-    for node in nodes:
-        for pid in cluster.node_pids(node):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes()
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"kempner_resilience.demo.train" not in argv or \
-                    str(job.workdir).encode() not in argv:
-                continue
-            for var in environ:
-                if var.startswith(b"RANK="):
-                    found[int(var.split(b"=", 1)[1])] = node
-    return found
+    """This job's torchrun workers on ``nodes``: {RANK: node}, from the pids the workers wrote
+    (a warm worker's /proc shows its zygote's command line and environment)."""
+    ranks = job.worker_ranks()
+    return {ranks[pid]: node for node in nodes for pid in cluster.node_pids(node)
+            if pid in ranks}
 
 
 def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_resumes_bitwise(
@@ -178,8 +167,8 @@ def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_res
     job = write_job(tmp_path / "job", ranks=RANKS, nodes=NODES, steps=STEPS, step_time=0.1,
                     train_args=TRAIN_ARGS, env=env, torchrun=True)
     multinode_jobs[0].append(job)
-    assert ('kempner-resilience srun --agents -- "${TORCHRUN[@]}" bash -c'
-            in job.script.read_text())
+    assert ('kempner-resilience srun --agents -- "${TORCHRUN[@]}" ' + sys.executable +
+            " -u -m kempner_resilience.demo.train") in job.script.read_text()
     job.submit()
     job.wait_step(12, timeout=180)
     nodes = job.hosts()

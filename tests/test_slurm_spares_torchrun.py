@@ -40,22 +40,11 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _workers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, str]:
-    """This job's torchrun workers on ``nodes``: {RANK: node}."""
-    found = {}
-    for node in nodes:
-        for pid in cluster.node_pids(node):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes()
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"kempner_resilience.demo.train" not in argv or \
-                    str(job.workdir).encode() not in argv:
-                continue
-            for var in environ:
-                if var.startswith(b"RANK="):
-                    found[int(var.split(b"=", 1)[1])] = node
-    return found
+    """This job's torchrun workers on ``nodes``: {RANK: node}, from the pids the workers wrote
+    (a warm worker's /proc shows its zygote's command line and environment)."""
+    ranks = job.worker_ranks()
+    return {ranks[pid]: node for node in nodes for pid in cluster.node_pids(node)
+            if pid in ranks}
 
 
 def _steps_completed(job: DemoJob, run: str) -> int:

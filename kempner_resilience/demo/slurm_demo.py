@@ -140,6 +140,18 @@ class DemoJob:
     def progress(self) -> Path:
         return self.workdir / "progress.txt"
 
+    def worker_ranks(self) -> dict[int, int]:
+        """The torchrun workers' pids and ranks, as each wrote them at its start ({pid: rank},
+        every launch's): a warm worker's ``/proc`` shows its zygote's command and environment,
+        so neither names the rank."""
+        found: dict[int, int] = {}
+        for f in self.workdir.glob("worker.*"):
+            try:
+                found[int(f.read_text().strip())] = int(f.name.rsplit(".", 1)[1])
+            except (OSError, ValueError):
+                continue
+        return found
+
     def submit(self, *args: str) -> str:
         self.job_id = submit(self.script, *args, cwd=self.submit_dir or self.workdir,
                              env=self.env)

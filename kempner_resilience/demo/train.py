@@ -168,8 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "group (HSDP) instead of DDP")
     p.add_argument("--run-files", metavar="DIR",
                    help="the demo job's bookkeeping: rank 0's run report goes to "
-                        "DIR/report.<launch>.json and rank 0 writes '# run <launch>' to "
-                        "--progress before this launch's steps; <launch> is SLURM's restart "
+                        "DIR/report.<launch>.json, rank 0 writes '# run <launch>' to "
+                        "--progress before this launch's steps, and each rank its pid to "
+                        "DIR/worker.<launch>.<rank>; <launch> is SLURM's restart "
                         "count, or with --named-launches <requeues>.<relaunches in place>")
     p.add_argument("--named-launches", action="store_true")
     p.add_argument("--quiet", action="store_true")
@@ -185,7 +186,10 @@ def _mark_launch(args: argparse.Namespace) -> None:
         (os.environ.get("SLURM_RESTART_COUNT") or "0")
     os.environ["KEMPNER_RESILIENCE_REPORT"] = os.path.join(args.run_files,
                                                            f"report.{launch}.json")
-    if args.progress and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    with open(os.path.join(args.run_files, f"worker.{launch}.{rank}"), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    if args.progress and rank == "0":
         with open(args.progress, "a") as f:
             f.write(f"# run {launch}\n")
 
