@@ -206,7 +206,7 @@ def test_the_agents_lines_are_labelled_agent_not_rank_0(under_our_agent):
     # The agent ran with SLURM_PROCID=0 in its environment, as srun's first task does.
     proc = under_our_agent
     assert proc.returncode == 0, proc.stderr
-    agent = re.findall(r" kempner_resilience\.integrations\.torchrun\S* \[([^\]]+)\]",
+    agent = re.findall(r" kempner_resilience\.supervise\.torchrun\S* \[([^\]]+)\]",
                        proc.stderr)
     assert len(agent) >= 2 and set(agent) == {"agent"}, proc.stderr
 
