@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -181,6 +182,16 @@ def node_pids(agent: int) -> list[int]:
     this order, no worker hears its parent-death signal before its own SIGKILL."""
     workers = worker_pids(agent)
     return [*workers, *(p for p in child_pids(agent) if p not in workers), agent]
+
+
+def kill_node(agent: int) -> None:
+    """SIGKILL a torchrun agent's whole tree (``node_pids``' order), as a node's death would;
+    a process already gone is skipped."""
+    for pid in node_pids(agent):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def fill_disk(root: Path, leave: int = 8192) -> None:

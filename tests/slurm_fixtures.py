@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 import pytest
 
@@ -92,6 +92,14 @@ class MultiNodeCluster:
         """The pids of every process in ``node``'s network namespace (``ip netns pids``)."""
         res = _run(["ip", "netns", "pids", node], 15)
         return [int(p) for p in res.stdout.split() if p.isdigit()]
+
+    def torchrun_workers(self, job: Any, nodes: list[str]) -> dict[int, str]:
+        """A torchrun job's workers on ``nodes``: {RANK: node}, from the pids the workers wrote
+        (``DemoJob.worker_ranks``: a warm worker's /proc shows its zygote's command line and
+        environment)."""
+        ranks = job.worker_ranks()
+        return {ranks[pid]: node for node in nodes for pid in self.node_pids(node)
+                if pid in ranks}
 
     def trainers(self, workdir: Path, nodes: list[str]) -> dict[int, tuple[str, int]]:
         """The python processes on ``nodes`` whose command line names ``workdir`` (a job's

@@ -149,14 +149,6 @@ def test_usr1_to_4_ranks_on_2_nodes_checkpoints_requeues_resumes_bitwise_equal(
     assert len(set(job.hosts())) == NODES
 
 
-def _torchrun_workers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, str]:
-    """This job's torchrun workers on ``nodes``: {RANK: node}, from the pids the workers wrote
-    (a warm worker's /proc shows its zygote's command line and environment)."""
-    ranks = job.worker_ranks()
-    return {ranks[pid]: node for node in nodes for pid in cluster.node_pids(node)
-            if pid in ranks}
-
-
 def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_resumes_bitwise(
         multinode_cluster, tmp_path, reference, multinode_jobs):
     # multi_node_torchrun: one `kempner-resilience torchrun` agent per node (the srun task), 2
@@ -173,7 +165,7 @@ def test_torchrun_template_usr1_to_4_workers_on_2_nodes_checkpoints_requeues_res
     job.wait_step(12, timeout=180)
     nodes = job.hosts()
     assert len(set(nodes)) == NODES, nodes
-    placed = _torchrun_workers(multinode_cluster, job, nodes)
+    placed = multinode_cluster.torchrun_workers(job, nodes)
     assert sorted(placed) == list(range(RANKS)), placed
     assert sorted(placed.values()) == sorted(nodes * (RANKS // NODES)), placed
     first = _usr1_stops_every_rank_at_one_committed_step(job)

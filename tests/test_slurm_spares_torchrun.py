@@ -39,14 +39,6 @@ def reference(tmp_path_factory) -> Path:
     return run_reference(tmp_path_factory.mktemp("spares-reference"), ranks=RANKS, steps=STEPS)
 
 
-def _workers(cluster, job: DemoJob, nodes: list[str]) -> dict[int, str]:
-    """This job's torchrun workers on ``nodes``: {RANK: node}, from the pids the workers wrote
-    (a warm worker's /proc shows its zygote's command line and environment)."""
-    ranks = job.worker_ranks()
-    return {ranks[pid]: node for node in nodes for pid in cluster.node_pids(node)
-            if pid in ranks}
-
-
 def _steps_completed(job: DemoJob, run: str) -> int:
     """Steps the furthest rank completed in ``run`` (``0.0``: the first worker group)."""
     text = job.progress.read_text().split(f"# run {run}\n", 1)[1].split("# run ")[0]
@@ -87,7 +79,7 @@ def _kill_a_training_node_and_finish(multinode_cluster, tmp_path, reference, mul
     job.wait_step(5, timeout=240)
     nodes = job.hosts()
     assert len(nodes) == NODES + SPARES, nodes
-    training = sorted(set(_workers(multinode_cluster, job, nodes).values()))
+    training = sorted(set(multinode_cluster.torchrun_workers(job, nodes).values()))
     assert len(training) == NODES, training
     [spare] = set(nodes) - set(training)
     # Not the first node: it hosts torch's rendezvous store (its death falls back to a requeue).

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import env, free_port, node_pids, wait_for_file, worker_pids, write_script
+from helpers import env, free_port, kill_node, node_pids, wait_for_file, worker_pids, write_script
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.core.ledger import read_ledger
@@ -84,11 +84,7 @@ def _finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[int | 
     finally:
         for a in agents:
             if a.poll() is None:
-                for pid in node_pids(a.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_node(a.pid)
 
 
 @pytest.fixture(scope="module")

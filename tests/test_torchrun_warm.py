@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child_pids, env, node_pids, wait_for_file, worker_pids, write_script
+from helpers import child_pids, env, kill_node, wait_for_file, worker_pids, write_script
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import run_reference
 from kempner_resilience.supervise.local.warm import PRELOAD, Zygote, pristine
@@ -60,11 +60,7 @@ def _finish(agent: subprocess.Popen, timeout: float = 150) -> int | None:
         return None
     finally:
         if agent.poll() is None:
-            for pid in node_pids(agent.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_node(agent.pid)
 
 
 def _footprint(agent: subprocess.Popen) -> dict[str, tuple[int, int]]:
