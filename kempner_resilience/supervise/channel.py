@@ -1,55 +1,33 @@
 """The one channel between a supervisor and its ranks: a job-scoped directory named in the
 environment, where rank 0 says which run it is and the supervisor keeps its own memory.
 
-A supervisor of ranks (``kempner-resilience srun``'s step loop; the torchrun template runs its
-agents under it too) must know the run it supervises: its checkpoint directory (to see what was
-committed, to keep the bad nodes with the run), its run id, its requeue settings. Reading the
-user's config cannot tell: a script that sets ``checkpoint.dir`` in code (the README's usage)
-gives the supervisor nothing to read, and guessing ``./checkpoints`` loses the relaunch and
-mixes the memory of unrelated runs started from the same directory. So the ranks tell:
+A supervisor must know the run it supervises: its checkpoint directory, run id and requeue
+settings. The user's config cannot tell (a script may set ``checkpoint.dir`` in code), and a
+guess mixes unrelated runs. So the ranks tell it, here:
 
-- the supervisor creates one directory per job (``Channel.for_job``: ``.kempner-resilience/
-  job-<id>`` in the directory the job was submitted from, which every node of a SLURM cluster
-  shares) and names it in the ranks' environment (``CHANNEL_ENV``, ``$KEMPNER_RESILIENCE_
-  SUPERVISOR``): a rank that finds it knows that a supervisor decides whether the job runs
-  again, and leaves the requeue after a failure to it;
-- rank 0 writes ``run.json`` there (``RunReport``): when the run has set up (the resolved
-  ``checkpoint.dir``, run id, requeue settings), after each commit, and once more with its exit
-  code when it ends. Atomic replaces, never fsynced: a reader sees a whole report or the one
-  before; a crash of the machine ends the supervisor that reads it too;
-- the ranks of one launch say there that their hang watchdog ran (``hang_seen``: a rank hung
-  with the GIL held cannot, which singles its node out);
-- the supervisor says there, before each launch, how often it started the ranks before
-  (``begin_launch``, ``launch.json``): the run's restart budget and ledger count attempts from
-  it (``restarts``). ``KEMPNER_RESTART_COUNT`` is still set for the user's script (as
-  ``SLURM_RESTART_COUNT`` is); the library reads it only set by hand, deprecated;
-- the supervisor says there which relaunch in place a launch is (``begin_relaunch``,
-  ``relaunch.json``: 1, 2, ... and its launch time): the ledger's attempt (``relaunched``) and
-  the hang marks' launch (``launch_name``);
-- a torchrun agent (one per node, each restarting its own workers) gives its workers a channel
-  of its own (``Channel.for_agent``): ``agents/<node>-<pid>`` in the job's, or a private one
-  without a supervisor above the agents (``supervised`` false: rank 0 still requeues). Its
-  ``agent.json`` names the job's channel and the agent's ``rendezvous`` (rank 0's standby check);
-- the supervisor keeps its per-job memory there (``train_nodes``); what belongs to the run and
-  outlives the job (bad nodes, restart events) goes to the run's directory that rank 0 named.
+- the supervisor creates one directory per job (``Channel.for_job``:
+  ``.kempner-resilience/job-<id>`` in the submit directory, which every node shares) and names
+  it in the ranks' environment (``CHANNEL_ENV``). A rank that finds it leaves the requeue after
+  a failure to the supervisor;
+- rank 0 writes ``run.json`` (``RunReport``) at set-up, after each commit and with its exit
+  code. Atomic replaces, never fsynced: a reader sees a whole report or the one before;
+- ranks mark that their hang watchdog ran (``hang_seen``: a rank hung with the GIL held cannot,
+  which singles its node out);
+- before each launch the supervisor says how often it started the ranks (``begin_launch``) and
+  which relaunch in place this is (``begin_relaunch``): the restart budget and the ledger's
+  attempt read them;
+- a torchrun agent gives its workers a channel of its own (``Channel.for_agent``), whose
+  ``agent.json`` names the job's channel and the agent's rendezvous;
+- the supervisor's per-job memory (``train_nodes``) lives here; what outlives the job (bad
+  nodes, restart events) goes to the run's directory.
 
-Where the submit directory cannot hold it (read-only, full, not a directory), the job's channel
-falls back to a job-scoped directory of this node (``$TMPDIR``, ``/dev/shm``, the system's
-temporary directory: ``.kempner-resilience-<uid>/job-<id>``), said in one log line: the ranks
-find it through the environment as before, but only those on the supervisor's node can write
-to it, and a requeue onto another node starts without it. With no writable place at all, the
-supervisor stops with 78 (CONFIG), naming the path and the fix, before any rank starts.
-
-A local controller's job (submitit's local executor) is named by its host, its pid and a random
-token (``Channel.for_controller``): two controllers on two hosts sharing a folder can have the
-same pid, and neither may clear or remove the other's live channel.
-
-``KEMPNER_RESILIENCE_SUPERVISOR`` is the contract's only variable; the ones it replaced are read
-when set by hand, with a deprecation warning (``supervise/legacy_env.py``).
-
-The directory lives as long as the job: a requeued job keeps its id and finds its run again
-before its ranks have said anything; the supervisor removes it when the job ends for good
-(``Channel.remove``).
+Where the submit directory cannot hold it, the channel falls back to this node's
+``$TMPDIR``, ``/dev/shm`` or the temporary directory (one log line): only ranks on this node
+reach it. With no writable place the supervisor stops with 78 (CONFIG) before any rank starts.
+A local controller's channel is named by host, pid and a random token
+(``Channel.for_controller``), so no controller clears another's. The directory lives as long
+as the job (a requeue keeps the id) and goes when it ends for good (``Channel.remove``).
+Variables it replaced are still read when set by hand (``legacy_env.py``).
 """
 
 from __future__ import annotations
@@ -225,17 +203,9 @@ class Channel:
     def for_job(cls, job_id: str, environ: Mapping[str, str] | None = None,
                 cwd: str | os.PathLike[str] | None = None, *, fresh: bool = False) -> "Channel":
         """The channel of job ``job_id``: ``.kempner-resilience/job-<id>`` under
-        ``SLURM_SUBMIT_DIR`` (or ``cwd``), which every node of the job sees; created. Only a
-        supervisor sets ``CHANNEL_ENV``: a rank that finds it leaves the run-again decision to
-        that supervisor, so a value inherited from outside is never reused.
-
-        ``fresh``: the job's first attempt (SLURM's restart count 0, a new local controller).
-        Whatever is there then belongs to another job that had the same id and ended without
-        removing it (cancelled): SLURM numbers jobs from its first id again when its state is
-        reset, and pids are reused. Read, its report names another run: a submitit job took its
-        bad nodes and its committed step for its own and requeued itself before it trained
-        (CI, a cluster restarted between two runs of the suite in one directory). It is
-        cleared."""
+        ``SLURM_SUBMIT_DIR`` (or ``cwd``), created. ``fresh``: the job's first attempt; what is
+        there then is a cancelled job's with the same id (SLURM reuses ids after a reset, pids
+        are reused), whose report would name another run: it is cleared."""
         env = os.environ if environ is None else environ
         base = Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd())
         name = f"job-{job_id}"
@@ -265,12 +235,9 @@ class Channel:
     @classmethod
     def for_controller(cls, pid: str, folder: str | os.PathLike[str],
                        host: str | None = None) -> "Channel":
-        """The channel of a local controller's job (submitit's local executor): ``job-<pid>.
-        <host>.<token>`` in ``folder``, created. Hosts sharing a folder reuse each other's
-        pids (so do containers on one host), and a job id alone made a second controller clear
-        the first's live channel as an earlier job's leftover: with the host and a random
-        token in its name, a controller's channel is its own, never there before, and the
-        only one it removes."""
+        """The channel of a local controller's job: ``job-<pid>.<host>.<token>`` in
+        ``folder``, created. Hosts sharing a folder reuse pids: with the host and a random
+        token, no controller clears another's live channel."""
         host = (host or socket.gethostname() or "host").replace("/", "_")
         return cls.for_job(f"{pid}.{host}.{secrets.token_hex(4)}", environ={}, cwd=folder)
 

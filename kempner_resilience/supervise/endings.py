@@ -1,43 +1,24 @@
 """The ranks' endings when no supervisor watches them: rank 0 decides from them, by the policy.
 
-Under a supervisor (``kempner-resilience srun``'s step loop, ``launch``, our torchrun agents,
-submitit's local controller, the Ray driver) the ranks' exit codes reach one process outside
-them, which asks ``supervise.policy.decide``. With a plain ``srun python train.py`` in a batch
-script (submitit's SLURM executor is one) nothing outside the ranks decides: rank 0 requeues
-after a rescued failure itself. It saw only "a peer is gone"; a deterministic exception on rank
-1 (codes [81, 1]) was requeued again and again until the restart budget. So each rank writes,
-before its process dies, how it ended (``RankEnding``: rank, kind, code, step) into the run's
-directory (``RunPaths.rank_ending``, shared by every node), and rank 0, about to requeue after
-a peer loss, reads its peers' endings (``read_endings``: a bounded wait for those it has not
-seen) and asks the one policy with them (``peer_decision``):
+With a plain ``srun python train.py`` (submitit's SLURM executor too) nothing outside the ranks
+decides: rank 0 requeues after a rescued failure. It sees only "a peer is gone", so an
+exception on rank 1 ([81, 1]) was requeued until the budget ran out. So each rank records how
+it ended (``RankEnding``) in the run's directory before it dies, and rank 0, before a requeue
+after a peer loss, reads its peers' endings (a bounded wait) and asks the policy
+(``peer_decision``): a peer with no ending was killed (restartable); a peer's own final code
+leaves with that code.
 
-- a peer with no recorded ending was killed (SIGKILL: the OOM killer, a node gone), a
-  restartable ending; so is a peer that only lost a peer too (81);
-- a peer's own ending that ends the job (an exception: 1, a config error: 78, any unknown
-  code) leaves with that code, no requeue; peers that exited 0 while rank 0 lost them left
-  ``run.steps`` early: leave with 1 (``policy.job_code``'s row 3).
-
-srun's status is the highest of its tasks' codes, so the job's code is 1 only if no survivor
-exits 81: rank 0 writes its decision (``note_verdict``, ``RunPaths.job_verdict``) and the other
-survivors of the same loss, once they see that rank 0 is deciding (its own ending is there),
-wait for it (``read_verdict``) and leave with its code too.
-
-The attempt's token (new in every attempt, shared by rank 0 at set-up) names the directory, so
-an earlier attempt's endings are never read, and no rank looked the name up before it was
-written (an NFS client caches a name's absence). Writes are whole-file replaces, not fsynced:
-a reader sees a whole ending or none; a machine that crashes loses the rank with it, which then
-reads as killed, as it was.
-
-The Ray driver is a supervisor that still reads them (``endings_since``): its actors run as
-ranks without a supervisor (they record their endings), and Ray reports an actor whose process
-exited (the hang watchdog's 42) only as gone, like a SIGKILLed one; what the rank recorded
-before its exit says which it was.
+srun's status is the highest task code, so the job's code is 1 only if no survivor exits 81:
+rank 0 writes its decision (``note_verdict``) and the other survivors leave with it
+(``read_verdict``). The attempt's token names the directory, so an earlier attempt's endings
+are never read. Writes are whole-file replaces, not fsynced: a crashed machine's rank reads as
+killed, as it was. The Ray driver reads them too (``endings_since``): Ray reports an actor that
+exited 42 only as gone.
 """
 
 from __future__ import annotations
 
 import json
-import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,7 +27,7 @@ from typing import Collection, Iterable
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.supervise.policy import Action, Decision, Evidence, RankEnd, decide
+from kempner_resilience.supervise.policy import KILLED, Action, Decision, Evidence, RankEnd, decide
 
 __all__ = ["RankEnding", "note_ending", "read_endings", "endings_since", "peer_ends",
            "peer_decision",
@@ -65,8 +46,6 @@ PEER_WAIT_S = 2.0
 #: wait for the endings, and its rescue beside this rank's.
 VERDICT_WAIT_S = PEER_WAIT_S + 5.0
 _POLL_S = 0.2
-# What a rank without a recorded ending counts as: killed, as a node's death or the OOM killer.
-_KILLED = 128 + int(signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -160,7 +139,7 @@ def peer_ends(own: RankEnd, rank: int, world_size: int,
     """Every rank's ending for the policy: this rank's ``own``, each peer's recorded one, and
     SIGKILL for a peer that recorded none (its process died before it could: killed)."""
     return tuple(own if r == rank else seen[r].end() if r in seen
-                 else RankEnd(_KILLED, signaled=True) for r in range(world_size))
+                 else KILLED for r in range(world_size))
 
 
 def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_size: int,

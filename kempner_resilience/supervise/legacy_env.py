@@ -1,19 +1,11 @@
 """The variables the supervisor channel replaced, still read when set by hand (deprecated).
 
-Before the one environment contract (``supervise/channel.py``: ``$KEMPNER_RESILIENCE_
-SUPERVISOR`` names a directory, and everything else is said there), the launchers told the
-ranks three more things in variables of their own:
-
-- ``KEMPNER_RESILIENCE_IN_JOB_RESTART``: the relaunch in place's index (1, 2, ...), set by the
-  srun step loop and by every torchrun agent; now ``relaunch.json`` in the channel;
-- ``KEMPNER_RESILIENCE_RELAUNCH_START``: when that relaunch was launched (epoch seconds); now
-  in ``relaunch.json`` too;
-- ``KEMPNER_RESILIENCE_RELAUNCH``: a torchrun agent's rendezvous (JSON), for rank 0's check of
-  the standby nodes; now ``agent.json`` in the agent's own channel.
-
-A user's own glue may still set them (docs/goodput.md documented the first two for that). So
-that nothing such a script set breaks, they are read here when no channel says otherwise, with
-one deprecation warning per variable and process. Nothing in the library sets them any more.
+``KEMPNER_RESILIENCE_IN_JOB_RESTART`` (the relaunch in place's index) and
+``KEMPNER_RESILIENCE_RELAUNCH_START`` (its launch time) are now ``relaunch.json``;
+``KEMPNER_RESILIENCE_RELAUNCH`` (a torchrun agent's rendezvous, JSON) is now ``agent.json``.
+A user's glue may still set them (docs/goodput.md documented the first two): they are read
+when no channel says otherwise, with one warning per variable and process. Nothing in the
+library sets them.
 """
 
 from __future__ import annotations

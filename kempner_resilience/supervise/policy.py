@@ -1,14 +1,12 @@
 """The one launch-side policy: from how a job's ranks ended, run it again or not, and its code.
 
-Every supervisor of ranks (the local launcher, the srun steps on spare nodes, torchrun's agents
-on spares) faces the same question once a launch of the ranks is over: relaunch it in place,
-hand it back to the scheduler, or leave, and with which exit code. This module answers it from
-the evidence alone (``Evidence``: each rank's ending, the committed step, the restart budget,
-the no-progress count, the implicated nodes and the spares): no I/O, no process, no clock, so
-that one table test (``tests/test_supervise_policy.py``) pins every row of the answer.
+Every supervisor of ranks asks it once a launch is over: relaunch in place, hand the job to the
+scheduler, or leave, and with which code. It decides from ``Evidence`` alone (no I/O, no
+process, no clock), so one table test (``tests/test_supervise_policy.py``) pins every row.
+Each backend only turns its native endings into evidence (``ends_of`` for return codes).
 
-The job's code, one rule (``job_code``); the first row that matches decides, and within a row the
-lowest rank's code:
+The job's code (``job_code``): the first row that matches decides, within a row the lowest
+rank's code.
 
 =====  =======================================================  ===========  ==============
 row    the ranks' endings                                       job code     kind
@@ -26,40 +24,27 @@ row    the ranks' endings                                       job code     kin
 7      ranks stopped by SIGTERM (143), nothing else             143          STOPPED
 =====  =======================================================  ===========  ==============
 
-Why: PEER_LOST says only "someone else failed"; the rank that failed on its own says why, so
-[81, 1] (a deterministic exception on rank 1, which rank 0 sees as a lost peer) is 1, a bug,
-never relaunched. A rank SIGKILLed beside survivors that rescued and said 81 is 81 (row 5): the
-survivors' code says what the job is (a rescued failure, to run again); 137 would only say that
-one process was killed. A rank that a supervisor itself killed after the grace
-(``RankEnd.by_supervisor``) is evidence of a hang, never of its own ending: its code is the
-supervisor's signal, so it counts like a HANG in rows 3 and 5 (and HANG when nothing else is
-known).
+Why: PEER_LOST only says "someone else failed"; the rank that failed says why. So [81, 1] (an
+exception on rank 1) is 1, a bug, never relaunched. A rank SIGKILLed beside survivors that
+rescued and said 81 is 81: the survivors' code says what the job is. A rank the supervisor
+killed after the grace (``RankEnd.by_supervisor``) is evidence of a hang, never of its own
+ending: it counts as HANG.
 
-The decision (``decide``), in order: a completed job, a signal to the supervisor (Ctrl+C), and
-rows 2, 3 and 7 leave with their code. Rows 4-6 run again unless the restart budget is spent
-(leave with the job's code, as a scheduler that stops requeueing does; row 4's 75 says "run it
-again", so it leaves with 77 NO_REQUEUE, as a rank whose own budget is spent does) or the
-committed step did not advance over ``max_no_progress`` relaunches in a row (leave with 77
-NO_REQUEUE). A relaunch
-resumes from the newest committed checkpoint; when nothing was ever committed it starts fresh:
-that loses nothing a requeue or a hand restart would not, and a job that never commits makes
-no progress, so the guard bounds it. A failure that implicates nodes relaunches in place only
-onto spares; with none left the job is handed to the scheduler (REQUEUE), which can give it
-other nodes. A REQUEUE ending (row 4) is always the scheduler's. A supervisor with a scheduler
-behind it (``Evidence.scheduler_left``: the srun step loop inside a SLURM job, whose budget is
-of relaunches in place) hands the job to that scheduler once its own budget is spent, instead
-of leaving: the scheduler's budget, checked when it requeues, is the job's.
+The decision (``decide``): a completed job, a signal to the supervisor, and rows 2, 3 and 7
+leave with their code. Rows 4-6 run again unless the restart budget is spent (leave with the
+job's code; 77 NO_REQUEUE for row 4, whose 75 says "run it again") or the committed step did
+not advance over ``max_no_progress`` relaunches in a row (77). A relaunch resumes from the
+newest commit, or starts fresh when nothing was committed (the no-progress guard bounds a job
+that never commits). A failure that implicates nodes relaunches in place only onto spares;
+without one it is the scheduler's (REQUEUE). Row 4 is always the scheduler's. A supervisor
+with a scheduler behind it (``Evidence.scheduler_left``: the srun step loop) hands the job to
+it once its own budget is spent.
 
-The scheduler's requeue is asked here too (``Evidence.by_requeue``: rank 0 without a
-supervisor, the step loop's hand-off to SLURM, the Ray driver under SLURM). Its evidence
-(``requeue_evidence``) is the run's requeue settings and the restart record: SLURM's restart
-count against ``requeue.max_restarts``, and the committed step at each earlier requeue
-decision of the job, folded into the same no-progress count as a relaunch's. The order then:
-nothing committed to come back to (NOTHING_COMMITTED: no requeue is tried; the failure keeps its
-code), ``requeue.enabled`` false (DISABLED), the budget, no progress; else REQUEUE. A requeue's
-words name the settings (``requeue.max_restarts=3``), as the job's log has always said them.
-With the caller's own ``relaunch_codes`` (``LocalLauncher``, the demo's) those codes run again
-within the budget, and every other code leaves.
+The scheduler's own requeue (``Evidence.by_requeue``, built by ``requeue_evidence``) is
+weighed in this order: nothing committed (NOTHING_COMMITTED: not tried, the failure keeps its
+code), ``requeue.enabled`` false (DISABLED), the budget (SLURM's restart count against
+``requeue.max_restarts``), no progress over the restart record; else REQUEUE. With the
+caller's ``relaunch_codes`` those codes run again within the budget, every other code leaves.
 """
 
 from __future__ import annotations
@@ -67,14 +52,14 @@ from __future__ import annotations
 import enum
 import signal
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Collection, Mapping, Sequence
 
 from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode, Verdict
 
 __all__ = ["Action", "Kind", "Guard", "RankEnd", "Commits", "Evidence", "Decision", "job_code",
-           "decide", "requeue_evidence", "RESCUED", "RUN_AGAIN", "ENDS_THE_JOB", "NOT_IN_PLACE",
-           "RESCUED_CODES"]
+           "decide", "requeue_evidence", "ends_of", "KILLED", "RESCUED", "RUN_AGAIN", "ENDS_THE_JOB",
+           "NOT_IN_PLACE", "RESCUED_CODES"]
 
 RESCUED_CODES: frozenset[int] = frozenset(int(c) for c in RESCUED)
 # The codes a rank chooses that end the job as it is, whatever its peers say: a relaunch would
@@ -143,6 +128,26 @@ class RankEnd:
         """Killed by a signal that was not a stop and not the supervisor's: the rank's own
         death (the OOM killer, a GPU fault, a node gone, a stray ``kill -9``)."""
         return self.signaled and not self.by_supervisor and self.code - 128 not in _STOP_SIGNALS
+
+
+#: A rank killed by SIGKILL on its own (the OOM killer, a node gone, a process that vanished).
+KILLED = RankEnd(128 + int(signal.SIGKILL), signaled=True)
+
+
+def ends_of(codes: Sequence[int | None], killed: Collection[int] = (),
+            aliases: Mapping[int, int] | None = None) -> tuple[RankEnd, ...]:
+    """Rank r's ending from ``codes[r]``, a ``Popen.returncode`` (negative: killed by that
+    signal; None: still running when the supervisor gave up, as good as killed by it).
+    ``killed``: ranks the supervisor ended after the grace; ``aliases``: a backend's own codes
+    read as the policy's (submitit's 144 as 75)."""
+    ends = []
+    for r, c in enumerate(codes):
+        if c is None:
+            ends.append(replace(KILLED, by_supervisor=True))
+        else:
+            c = (aliases or {}).get(c, c)
+            ends.append(RankEnd.from_returncode(c, by_supervisor=r in killed))
+    return tuple(ends)
 
 
 @dataclass(frozen=True)

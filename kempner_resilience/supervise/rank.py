@@ -1,11 +1,9 @@
-"""A rank's side of its supervisor's channel: every read a training process makes of it, and
-rank 0's word to it, in one module.
+"""A rank's side of its supervisor's channel: every read a training process makes of it.
 
-The channel itself (``channel.py``) is the format both sides share; its supervisor side is the
-backends'. A rank asks here whether a supervisor is above it, which launch it is (restarts,
-relaunch in place), whether a torchrun agent offers a relaunch in place, and tells it its run
-(``report_now``) and a hang it saw. Every question reads the environment when asked: a torchrun
-agent sets its channel before each restart of its workers.
+``channel.py`` is the format both sides share. A rank asks here whether a supervisor is above
+it, which launch it is, whether a torchrun agent offers a relaunch in place, and tells it its
+run (``report_now``) and a hang it saw. Each question reads the environment when asked: a
+torchrun agent sets its channel before each restart of its workers.
 """
 
 from __future__ import annotations

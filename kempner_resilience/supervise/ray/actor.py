@@ -1,28 +1,20 @@
 """A training actor's side: its torch.distributed group, the driver's stop, Ray's SIGTERM.
 
-The actors of one training group are the ranks of one ResilientRun: each runs
-``with kr.ResilientRun(cfg, state=...)`` over a gloo/NCCL group formed among them, so they get
-what ranks get (the step agreement, the hang watchdog, the emergency save, the teardown that
-destroys the group). What Ray changes, and this module handles:
+The actors of one group are the ranks of one ResilientRun, over a gloo/NCCL group formed among
+them. What Ray changes:
 
-* ranks come from the driver, not from the environment: the driver forms the group
-  (``RayDriver.run_group``, ``ray_supervise``) through ``kr_address`` (rank 0's address and a
-  free port) and ``kr_setup``, which joins the group and hands over the driver's config and
-  stop board; no address, port or ``init_group`` in the user's code;
-* the driver's stop arrives through the stop board (``ray_board``), turned into the same signal
-  sent to this process (``stop_context``);
-* Ray's workers block SIGINT: ``stop_context`` unblocks it on the main thread while it lasts;
-* Ray's own SIGTERM handler in a worker raises ``SystemExit`` wherever the main thread is, so a
-  node drain or a Kubernetes eviction would kill the actor mid-step with no checkpoint and a live
-  process group. ``stop_context`` sets SIGTERM to its default before the run is entered, so the
-  run's handler is the only one (it chains a callable predecessor, and Ray's would raise); a
-  SIGTERM then stops at the boundary, saves within its grace, tears down and the actor exits;
-* the run ends with a ``SystemExit`` (``raise`` exit mode: an actor is not a launched rank):
-  ``stop_context`` catches it and its ``ending`` says what happened, for the method to return;
-  a run that lost a peer (after its rescue) re-raises the collective's error in that mode,
-  which becomes ``ending.code`` 81 ``PEER_LOST`` (``ray_supervise`` relaunches the group).
+* ranks come from the driver: it forms the group through ``kr_address`` and ``kr_setup``,
+  which also hand over the config and the stop board;
+* the driver's stop arrives through the board (``board.py``), turned into the same signal sent
+  to this process (``stop_context``), and Ray's workers block SIGINT, which ``stop_context``
+  unblocks on the main thread;
+* Ray's SIGTERM handler raises ``SystemExit`` mid-step (a drain, an eviction would kill the
+  actor without a checkpoint): ``stop_context`` restores the default first, so the run's
+  handler is the only one;
+* the run ends with ``SystemExit`` (``raise`` mode): ``stop_context`` turns it into ``ending``;
+  a peer lost after the rescue becomes 81.
 
-Sync actor methods run on the worker's main thread (a ResilientRun needs it): keep training
+Sync actor methods run on the worker's main thread, which a ResilientRun needs: keep training
 actors single-threaded (no ``max_concurrency``, no concurrency groups).
 """
 
@@ -42,14 +34,12 @@ from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.ray.board import BoardWatcher
 from kempner_resilience.supervise.endings import RankEnding
-from kempner_resilience.supervise.policy import RankEnd
+from kempner_resilience.supervise.policy import KILLED, RankEnd
 
 __all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group", "actor_ends",
            "actor_died"]
 
 log = get_logger(__name__)
-
-_SIGKILL_END = RankEnd(128 + 9, signaled=True)
 
 
 @dataclass
@@ -90,7 +80,7 @@ def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stoppin
             ends.append(RankEnd(code))
         elif actor_died(out):
             ends.append(recorded[rank].end() if recorded and rank in recorded
-                        else _SIGKILL_END)
+                        else KILLED)
         else:   # the training raised an error of its own (Ray's RayTaskError): a bug
             ends.append(RankEnd(int(ExitCode.ERROR)))
     return tuple(ends)

@@ -1,28 +1,19 @@
 """An asyncio Ray actor's work: one main task whose stop cancels everything under it.
 
-``kempner_resilience.run.aio.run`` covers a plain asyncio script, whose main thread owns the
-loop. In a Ray asyncio actor Ray owns the loop, in a thread of its own, and the method calls are
-the tasks; what goes wrong there (SkyRL's leaked sandboxes) is the same two things:
+In a Ray asyncio actor Ray owns the loop, in a thread of its own (``run.aio.run`` covers a
+plain script). What goes wrong there (SkyRL's leaked sandboxes):
 
-* a stop that is not a cancellation: the work must end by ``CancelledError`` travelling down
-  through every task, so each resource's ``finally`` runs. The driver's
-  ``ray.cancel(ref, force=False)`` cancels the method's task; ``AsyncActor.stop()`` does the
-  same from another call;
-* ``asyncio.gather`` leaves the siblings of a failed task running (and their resources held)
-  after the caller is gone. ``supervise_tasks`` runs the work as one ``asyncio.TaskGroup``: the first
-  failure cancels the siblings, waits for their ``finally``, then raises.
-
-* a SIGTERM sent to the actor's own process (Ray's kill, a node drain, an eviction). Ray's
-  SIGTERM handler runs on the worker's main thread (Ray's core worker calls the pending Python
-  handlers from its task loop every few ms), not the loop's, and no code of an asyncio actor ever
-  runs on that thread (``__init__`` too runs on the loop's), so the actor cannot install a
-  handler of its own. Ray's handler raises ``SystemExit`` through
-  ``ray._private.worker.raise_sys_exit_with_custom_error_message``, after which Ray waits for
-  the in-flight tasks to end on their own (a rollout never does: the process hangs, then is
-  killed with its resources held). ``main()`` wraps that one function of Ray's worker module
-  (only Ray's SIGTERM handler calls it there): on the main thread, it first cancels every main
-  task of every ``AsyncActor`` of the process on its loop and waits for their ``finally``, up to
-  SIGTERM's grace (``signals.grace_per_signal_s``) less 5 s, then lets Ray's exit go on.
+* a stop that is not a cancellation: the work must end by ``CancelledError`` through every
+  task, so each ``finally`` runs. ``ray.cancel(ref, force=False)`` and ``AsyncActor.stop()``
+  cancel the method's task;
+* ``asyncio.gather`` leaves a failed task's siblings running: ``supervise_tasks`` runs the
+  work as one ``asyncio.TaskGroup``, which cancels them and waits for their ``finally``;
+* a SIGTERM to the actor's process (Ray's kill, a drain, an eviction). Ray's handler runs on
+  the worker's main thread, where no code of an asyncio actor runs, so the actor cannot
+  install its own. It raises ``SystemExit`` through ``ray._private.worker.
+  raise_sys_exit_with_custom_error_message``, then Ray waits for in-flight tasks that never
+  end. ``main()`` wraps that one function: it first cancels every ``AsyncActor``'s main task
+  and waits for their ``finally``, up to SIGTERM's grace less 5 s, then lets Ray exit.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The stop board: how a Ray driver's stop reaches every actor, on any node.
 
-A Ray actor lives in a process of its own (its own process group, on any node of the cluster),
-so the driver's Ctrl+C or SLURM signal never reaches it, and a running actor task cannot be
-interrupted through Ray without force. The board is a tiny asyncio actor the driver creates:
-``set(signum)`` once, and every ``wait()`` returns that number. Each training actor has a
-watcher thread blocked on ``wait()`` that turns the number into the same signal sent to its own
-process, so its ResilientRun sees an ordinary signal and stops through the usual machinery (the
-agreement on one step boundary, the emergency checkpoint, the teardown), even while its main
-thread waits inside a gloo collective.
-
-Ray is imported lazily, in the functions that need it: the package imports without Ray.
+A driver's signal never reaches its actors (processes of their own, anywhere), and Ray cannot
+interrupt a running task without force. The board is a tiny asyncio actor: ``set(signum)``
+once, and every ``wait()`` returns it. A watcher thread in each training actor, blocked on
+``wait()``, sends that signal to its own process, so its ResilientRun stops as usual, even
+while its main thread waits in a collective. Ray is imported lazily.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """RayDriver: a Ray driver whose signals are always seen, and whose stop is every actor's stop.
 
-What Ray does to a driver, and what this context does about it:
-
-* ``ray.init`` installs its own SIGTERM handler (it raises ``SystemExit`` wherever the main
-  thread is), Ray may set SIGINT to SIG_IGN, and ``ray.get`` blocks in C. On entry (after
-  ``ray.init``) the configured signals get the package's ShutdownHandler, whose signal thread
-  sees a signal at once; the driver waits with ``ray.wait(..., timeout=)`` in a loop on the main
-  thread (``get``), never in one blocking ``ray.get``.
-* A stop (Ctrl+C, SIGTERM, SLURM's USR1, an actor task that failed) is one sequence: the stop
-  board tells every training actor (``ray_board``: each stops at the same step boundary through
-  its ResilientRun, commits the emergency checkpoint and tears its group down); the other
-  in-flight tasks are cancelled without force (``ray.cancel(force=False)``: an asyncio actor's
-  task gets ``CancelledError``, so its ``finally`` blocks run); the driver waits for all of them
-  up to a bound (``stop_timeout_s``, by default the signal's grace less a margin), shuts Ray
-  down and exits with the code from the one table (``exitcodes``: 130 after Ctrl+C, 143 after
-  SIGTERM). Under SLURM, a signal whose action is ``requeue`` (USR1) requeues the job once
-  every actor committed (``_requeue``: the restart budget, then ``scontrol requeue``), exit 75;
-  the ``ray`` sbatch template runs the driver so that SLURM's signal reaches it.
-* A second SIGINT (or a second SIGTERM; never a SIGINT after a first SIGTERM) forces: the tracked actors are killed (``ray.kill``),
-  then every process this driver started (the local Ray node: GCS, raylet, agents, workers),
-  and the driver leaves with 130/143 at once. A SIGTERM during a stop begun by SIGINT (``uv
-  run`` and other parents send it when they die on the same Ctrl+C) is part of that stop: it only
-  tightens the deadline, as everywhere in the package (``stop/signals.py``).
+* ``ray.init`` installs a SIGTERM handler that raises ``SystemExit`` anywhere, Ray may ignore
+  SIGINT, and ``ray.get`` blocks in C. After ``ray.init`` the driver installs the package's
+  ShutdownHandler and waits with ``ray.wait(timeout=)`` in a loop, never one blocking get.
+* A stop (a signal, or an actor task that failed) is one sequence: the stop board tells every
+  training actor (each stops at one boundary, commits, tears its group down); other calls are
+  cancelled without force (their ``finally`` runs); the driver waits, bounded by the signal's
+  grace less a margin, shuts Ray down and exits with the table's code. Under SLURM a signal
+  whose action is ``requeue`` requeues the job once every actor committed (exit 75).
+* A second SIGINT (or SIGTERM) forces: the actors, then every process the driver started, are
+  killed. A SIGTERM during a stop begun by SIGINT (``uv run`` sends it on the same Ctrl+C) is
+  part of that stop (``driver_forces``).
 
 Ray is imported lazily: ``import kempner_resilience`` works without it.
 """
@@ -63,11 +52,9 @@ class RayDriver:
     ...     rollout = driver.track(Rollout.remote())[0]
     ...     out = driver.run_group(Trainer, 2, "train", 100, cancel=[rollout.run.remote(50)])
 
-    ``run_group`` forms the training group, hands it the config and re-forms it when an actor
-    is lost. ``get`` returns the results of ``refs`` when every training call completed; after a
-    stop, or when a call ended otherwise (an actor stopped by Ray's SIGTERM, killed, or a
-    rollout actor lost), it raises ``SystemExit`` with the job's code (the ``with`` block's
-    code after it does not run): never a stopped job that looks done.
+    ``run_group`` forms the training group and re-forms it when an actor is lost. ``get``
+    returns the results when every training call completed, else raises ``SystemExit`` with
+    the job's code: never a stopped job that looks done.
     """
 
     def __init__(self, config: ResilienceConfig | SignalsConfig | None = None, *,
@@ -129,16 +116,13 @@ class RayDriver:
         return list(actors)
 
     def get(self, refs: Sequence[Any], *, cancel: Sequence[Any] = ()) -> list[Any]:
-        """Wait for ``refs`` (the training actors' calls) and return their results.
+        """Wait for ``refs`` (the training calls) and return their results.
 
-        ``cancel``: other in-flight calls that live as long as the training (rollouts, reward
-        workers). A stop cancels them without force and waits for them; so does the end of
-        the training. A signal, or a call raising an error of its own, stops everything (the
-        sequence above); that error is raised again after the stop. A call of ``cancel``
-        whose actor was stopped or died (an eviction) also stops everything, to run again
-        (75). A training actor that Ray stopped or lost ends its group as ranks end (the
-        survivors rescue and stop); ``get`` then leaves with the job's code from the one
-        policy, requeueing under SLURM when the job is to run again.
+        ``cancel``: calls that live as long as the training (rollouts), cancelled without
+        force at its end. A signal or a call's own error stops everything (the error is raised
+        after the stop); so does a ``cancel`` call whose actor was stopped or died, to run
+        again (75). A lost training actor ends its group as ranks end; ``get`` then leaves
+        with the policy's code, requeueing under SLURM when the job is to run again.
         """
         import ray
 
@@ -183,16 +167,11 @@ class RayDriver:
     def run_group(self, actor_cls: Any, world_size: int, method: str, *args: Any,
                   cancel: Sequence[Any] = (), backend: str = "gloo",
                   options: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
-        """The training group's work, formed and re-formed by the library: what
-        ``method(*args, **kwargs)`` returned on each rank, in rank order.
-
-        ``actor_cls`` is a ``TrainingActor`` class (plain, or made by ``ray.remote``; a plain
-        one gets 1 CPU, ``options`` go to Ray's ``.options``). ``world_size`` actors are
-        created and joined into one process group (``backend``), each given this driver's
-        config and stop board, and ``method`` is called on each. When an actor is lost the one
-        policy decides (``ray_supervise``): a new group of new actors runs ``method`` again,
-        resuming from the newest commit, or the driver leaves with the policy's code
-        (``SystemExit``). ``cancel``: calls that live as long as the training (rollouts)."""
+        """What ``method(*args, **kwargs)`` returned on each rank of a training group of
+        ``world_size`` ``actor_cls`` actors (a ``TrainingActor``, plain or ``ray.remote``; a
+        plain one gets 1 CPU; ``options`` go to Ray). When an actor is lost the one policy
+        decides (``relaunch.supervise``): a new group resumes from the newest commit, or the
+        driver leaves with its code (``SystemExit``). ``cancel`` as for ``get``."""
         import ray
 
         from kempner_resilience.supervise.ray.relaunch import supervise
@@ -214,14 +193,10 @@ class RayDriver:
     def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,
                    cancel: Sequence[Any] = (), bound: float = 150.0
                    ) -> tuple[list[Any], list[int]]:
-        """Wait for one incarnation of a training group (``refs[r]``: ``actors[r]``'s call):
-        what each call returned or raised, and the ranks whose actors were killed because
-        they had not ended ``bound`` seconds after the first call failed.
-
-        Unlike ``get``, a failed call does not stop everything: its actor is lost, and the
-        survivors rescue and end on their own (``ray_supervise`` decides what follows). A
-        signal to the driver is its stop, as in ``get`` (``cancel`` included); so is a call of
-        ``cancel`` that ends on its own (a rollout actor evicted: to run again)."""
+        """Wait for one incarnation of a group (``refs[r]``: ``actors[r]``'s call): what
+        each call returned or raised, and the ranks killed for not ending ``bound`` seconds
+        after the first call failed. Unlike ``get``, a failed call stops nothing: the
+        survivors rescue and end on their own. Signals and ``cancel`` as in ``get``."""
         import ray
 
         refs, cancel = list(refs), list(cancel)
@@ -335,14 +310,10 @@ class RayDriver:
 
     def requeue(self, why: str, *, exclude: Iterable[str] = (),
                 ends: tuple[RankEnd, ...] = REQUESTED) -> Verdict | None:
-        """Under SLURM, the job back to the queue as rank 0 does it for ranks
-        (``slurm/requeue.py``): when the one policy says so for the group's ``ends`` (a stop
-        that asked to run again, by default): a committed checkpoint to come back to, the
-        restart budget and the no-progress guard (the ledger in ``checkpoint.dir``), keeping
-        ``exclude`` and the run's recorded bad nodes out of the requeued job. The driver is the
-        job's one SLURM process: its actors see no SLURM job (the ``ray`` template starts Ray
-        without the job's variables), so none of them requeues it as well. None when no requeue
-        was tried (no SLURM, no full config, nothing committed)."""
+        """Under SLURM, the job requeued as rank 0 requeues it (``slurm/requeue.py``) when the
+        policy says so for ``ends``, ``exclude`` and the recorded bad nodes kept out. The
+        driver is the job's one SLURM process (its actors see no SLURM job). None when no
+        requeue was tried (no SLURM, no full config, nothing committed)."""
         job = SlurmJob.from_env()
         if job is None or self.config is None:
             return None

@@ -1,20 +1,15 @@
 """A worker group: passive Ray actors (a policy, a critic, a reference model) that a driver's
-loop calls, as SkyRL's ``PPORayActorGroup``, verl's and OpenRLHF's groups are.
+loop calls, as SkyRL's, verl's and OpenRLHF's groups are.
 
-The library forms the group: it creates the actors, asks rank 0 for an address and a free
-port and joins every actor into one torch.distributed group (gloo, or NCCL on GPUs), with the
-run's config in hand (``Worker.kr_config``). Nobody else calls ``init_group``.
+The library forms the group: it creates the actors and joins them into one torch.distributed
+group with the run's config in hand. The group is an entry of the driver's run state
+(``checkpoint/delegated.py``): each actor saves into ``<step>/<name>/`` over its own group and
+returns its file table, which the driver merges into the manifest it commits.
 
-The group is an entry of the driver's run state (``checkpoint/delegated.py``): at a save the
-driver makes ``<step>/<name>/`` and each actor writes its state there over the group's own
-process group (``checkpoint/partsave.py``), returning its file table, which the driver merges
-into the one manifest it commits; at resume each actor loads from the committed step.
-
-Every call the driver waits on is bounded: ``call`` waits in short ``ray.wait`` slices (the
-driver's signal handlers run between them) for at most ``watchdog.hang_timeout_s``. An actor
-that died (killed, evicted, its node lost) or did not answer raises ``GroupLost``, a lost peer
-to the run (``core/faults.py``): the driver's run leaves with PEER_LOST and its policy recreates
-the group (``run/ray_run.py``). An error the actor's own code raised is raised as it is.
+Every call is bounded: ``call`` waits in short ``ray.wait`` slices (the driver's handlers run
+between them) for at most ``watchdog.hang_timeout_s``. An actor gone or silent raises
+``GroupLost``, a lost peer to the run (``core/faults.py``), whose policy recreates the group
+(``run/ray_run.py``). An error of the actor's own code is raised as it is.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """The Ray backend of the one supervisor: a training group whose actor died comes back.
 
-The actors of one training group are the ranks of one ResilientRun (``ray_actor``). When one
-of them is lost, the group ends as ranks end: an actor SIGKILLed (the OOM killer, a node gone)
-leaves its call failed with Ray's ``RayActorError`` (so does an actor whose hang watchdog
-exited 42: Ray reports no exit code, and the driver reads the ending the rank recorded before
-it went, ``supervise/endings.py``), and the survivors, whose collective failed,
-rescue the last step boundary (``rescue/``) and end with 81 ``PEER_LOST``; an actor that Ray or
-its node sent SIGTERM (``ray.kill`` without force, a drain, an eviction) stops the whole group
-at one step boundary with the emergency checkpoint, and every actor ends with 143.
+The actors of a group are the ranks of one ResilientRun (``actor.py``) and end as ranks end:
+a SIGKILLed actor's call fails with ``RayActorError`` (so does one whose hang watchdog exited
+42: Ray gives no code, the driver reads the ending it recorded, ``supervise/endings.py``); the
+survivors rescue and end with 81. A SIGTERM from Ray or its node stops the whole group at one
+boundary with a checkpoint (143 each).
 
-``supervise`` turns those endings into the policy's ``Evidence`` and acts on ``decide``, as
-the local launcher and the srun step loop do with their ranks: RELAUNCH (and a REQUEUE that
-the actors asked for, see ``actor_ends``): the old actors are killed (a fresh process for every
-rank: no communicator, CUDA context or frozen rescue boundary of the old incarnation survives),
-new ones are created, form a new group and train again from the newest committed checkpoint,
-inside the same driver and allocation; LEAVE ends the driver with the decision's code; a
-REQUEUE that needs another allocation (a node died and no live node is left beside the group's)
-requeues the SLURM job without the dead nodes (``RayDriver.requeue``), then ends the driver
-with the decision's code. The budget is the config's ``requeue.max_restarts``, the no-progress
-guard ``requeue.max_no_progress`` over the committed steps in ``checkpoint.dir``, and the
-bad-node memory the Ray nodes that died under an actor: implicated in the evidence, recorded by
-host name in the run's ``bad-nodes.json`` (``slurm/badnodes.py``), which every requeue keeps out
-of the job; Ray itself never places an actor on a dead node.
-
-A signal to the driver (Ctrl+C, SLURM's USR1) is still the driver's stop (``RayDriver``):
-every actor stops and commits, the driver exits with the stop's code; nothing is recreated.
+``supervise`` turns those endings into ``Evidence`` and acts on ``decide``: RELAUNCH (and a
+REQUEUE the actors asked for) kills the old actors and creates new ones, which resume from the
+newest commit in the same driver; LEAVE ends the driver with the code; a REQUEUE for want of a
+live node requeues the SLURM job without the dead nodes. The budget and guard are the
+config's ``requeue`` section. Ray nodes that died under an actor are implicated and recorded
+in the run's ``bad-nodes.json`` by host name. A signal to the driver stays its stop
+(``RayDriver``): nothing is recreated.
 """
 
 from __future__ import annotations

@@ -1,44 +1,23 @@
-"""A finished srun step as the one policy's evidence: the srun step loop's side of
-``supervise/policy.py``.
+"""A finished srun step as the one policy's evidence, with no I/O.
 
-The step loop on spare nodes (``supervise/srun/relaunch.py``) runs the training as srun steps. Once a
-step is over, what follows (relaunch in place on a spare, requeue, leave with a code) is the
-policy's ``decide``, as for every other supervisor of ranks; this module only turns what the
-loop knows into ``Evidence``, with no I/O:
-
-- each task's ending, from srun's stderr (``supervise/srun/taskends.py``'s ``StepReport``). A task srun
-  reported ended with that code (killed by that signal when srun says "Killed",
-  "Terminated", ...). srun reports bad endings only, so a task it never reported exited 0,
-  unless the loop had to end the step itself (srun ends by itself once every task has ended;
-  it waits for a task that has not). Then a task on a node that said nothing at all, or that
-  SLURM declared dead, died with its node (SIGKILL, its own death: the node is gone), and a
-  task on a node that reported its other tasks was frozen or stuck and ended by the loop after
-  the settle time (``RankEnd.by_supervisor``: a hang, never its own ending). A step whose srun
-  failed before any task reported (a launch error: a non-zero status, no task named) ends every
-  task with srun's status;
-- the loop's state (``LoopState``): its relaunches in place so far and ``--in-job-restarts``
-  (the budget), whether SLURM would still requeue the job (a scheduler behind the loop), the
-  run's committed step when the step started and now, the no-progress count and guard, the
-  spare nodes left, and whether the job is being stopped;
-- the nodes the failure implicates (``StepReport.implicated``, with the ranks' hang marks).
-
-Nothing here runs a process, reads a file or needs SLURM: ``tests/test_relaunch_steps.py`` and
-the failure matrix (``tests/test_failure_matrix.py``) pin it.
+- Each task's ending, from srun's stderr (``taskends.StepReport``). srun reports bad endings
+  only, so an unreported task exited 0, unless the loop ended the step itself. Then a task on
+  a silent or dead node died with it (SIGKILL, its own death), and a task on a node that
+  reported its other tasks was stuck and ended by the loop (``by_supervisor``: a hang). If srun
+  failed before any task reported (a launch error), every task ends with srun's status.
+- The loop's state (``LoopState``): relaunches so far and ``--in-job-restarts``, whether SLURM
+  would still requeue, the commits, the no-progress count, the spares, a stop.
+- The implicated nodes (``StepReport.implicated``, with the ranks' hang marks).
 """
 
 from __future__ import annotations
 
-import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kempner_resilience.supervise.srun.taskends import StepReport
-from kempner_resilience.supervise.policy import Commits, Evidence, RankEnd
+from kempner_resilience.supervise.policy import KILLED, Commits, Evidence, RankEnd
 
 __all__ = ["LoopState", "task_ends", "step_evidence"]
-
-# A task that died with its node, or that the loop ended: SIGKILL is what it got (srun killed,
-# the step cancelled) or what a node's death amounts to.
-_KILLED = 128 + int(signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -90,9 +69,9 @@ def task_ends(report: StepReport, *, srun_code: int, ended_by_loop: bool,
         if t in ends:
             out.append(ends[t])
         elif _node_of(t, report, tasks_per_node) in dead:
-            out.append(RankEnd(_KILLED, signaled=True))
+            out.append(KILLED)
         elif ended_by_loop:
-            out.append(RankEnd(_KILLED, signaled=True, by_supervisor=True))
+            out.append(replace(KILLED, by_supervisor=True))
         else:
             out.append(RankEnd(0))
     return tuple(out)

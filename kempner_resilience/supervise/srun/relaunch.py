@@ -1,38 +1,21 @@
 """Relaunch in place: the training as srun steps inside one allocation with spare nodes.
 
-The batch script of a job with spares (``kempner-resilience sbatch --spares K``: N + K nodes,
-``#SBATCH --no-kill``) runs ``kempner-resilience srun --spares K -- python train.py``, which is
-this loop:
+``kempner-resilience srun --spares K -- python train.py`` (the batch script of a
+``kempner-resilience sbatch --spares K`` job: N + K nodes, ``--no-kill``) is this loop:
 
-1. start ``srun`` on N nodes of the allocation, not the recorded bad ones (``badnodes``), with
-   ``MASTER_ADDR`` the first of them (rank 0's: SLURM places tasks in its node order);
-2. read srun's stderr (passed on to the job's log) for task ends (``supervise/srun/taskends.py``);
-3. a failure ending (PEER_LOST, HANG, a killed rank, a node failure): wait until the survivors
-   have finished (their rescue runs before they exit) and ``settle_s`` passed without news,
-   then end the old step (srun killed, ``scancel JOB.STEP``) without waiting for SLURM to
-   notice the dead node (``SlurmdTimeout``, 300 s in production);
-4. whatever the ending, ask the one policy what follows (``supervise/policy.py``'s
-   ``decide``, on the step's evidence: ``supervise/srun/evidence.py``): RELAUNCH: record the
-   implicated nodes as bad (with the run) and start the next step on the healthy nodes plus a
-   spare, from the newest committed checkpoint (from scratch when nothing was ever committed):
-   same job, no requeue, ``SLURM_RESTART_COUNT`` unchanged; REQUEUE: requeue the job (below);
-   LEAVE: the job ends with the decision's code (done, a bug, a stop, the budget spent, no
-   progress over ``requeue.max_no_progress`` relaunches: 77).
+1. start srun on N nodes not recorded bad, ``MASTER_ADDR`` the first (rank 0's);
+2. read srun's task-end reports (``step.py``); after a failure, once the survivors have ended
+   and nothing new came for ``settle_s``, end the step without waiting for SLURM to notice a
+   dead node (``SlurmdTimeout``, 300 s in production);
+3. ask the one policy (``evidence.py``): RELAUNCH on the healthy nodes plus a spare, the
+   implicated nodes recorded bad, from the newest commit, same job; REQUEUE; or LEAVE.
 
-The policy requeues when no spare is left for the implicated nodes or when
-``--in-job-restarts`` are spent while SLURM would still requeue the job (its requeue budget
-left). The loop then requeues the job as rank 0 would have (the policy's requeue,
-``requeue_run``: a committed checkpoint to come back to, the restart budget, the bad nodes
-excluded): the ranks leave the requeue after a failure to the loop (``IN_JOB_ENV``), since
-rank 0 may be the dead one. The ranks that asked to run again (75, a signal) requeued the job
-themselves, as without spares. A dead batch node ends this loop too: SLURM's own node-failure
-requeue takes over there.
-
-A requeue that keeps the bad nodes out may leave the job fewer nodes than N + K: it then asks
-for fewer (``badnodes``: ``NumNodes`` lowered, the spares given up), and the requeued job runs
-this loop again with the same ``--spares K`` on, say, N nodes. So the loop records the N it
-trains on (``TRAIN_NODES_NAME``, by job id) before that requeue, and the requeued job trains on
-N again, with the spares it has left (none), instead of on N - K.
+The loop requeues (``requeue_run``, bad nodes kept out) when no spare is left or
+``--in-job-restarts`` are spent while SLURM's budget lasts: the ranks leave the requeue after
+a failure to the loop (``IN_JOB_ENV``), since rank 0 may be the dead one. Ranks that asked to
+run again (75) requeued the job themselves. A requeue that kept bad nodes out may shrink the
+job below N + K; the loop records its N (``train_nodes``) so the requeued job trains on N
+again, not on N - K.
 """
 
 from __future__ import annotations

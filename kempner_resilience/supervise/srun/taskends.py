@@ -1,15 +1,10 @@
-"""What one srun step of a job with spare nodes did, read from srun's own messages: the pure
-part of the relaunch in place (``supervise/srun/relaunch.py`` runs the steps).
+"""What one srun step did, read from srun's own messages (pure: no process, no SLURM).
 
-srun reports every task that ends badly on its stderr, one line per node and code
-(``srun: error: krnode1: tasks 0-1: Exited with exit code 81``, ``... task 3: Killed``), and a
-node that SLURM declared dead (``srun: error: Node failure on krnode2``). A node that died
-says nothing at all: its slurmd and slurmstepd died with it, and SLURM notices only after
-``SlurmdTimeout`` (300 s in production). So the node that stays silent while the others report
-their tasks' ends is the dead one; the survivors' codes say what kind of ending it was
-(``PEER_LOST``/``HANG``: a failure the rescue may have saved, worth a relaunch on a spare).
-
-Nothing here runs a process or needs SLURM.
+srun reports each task that ends badly on its stderr (``srun: error: krnode1: tasks 0-1:
+Exited with exit code 81``, ``... task 3: Killed``) and a node SLURM declared dead (``srun:
+error: Node failure on krnode2``). A node that died says nothing: its slurmd died with it, and
+SLURM notices only after ``SlurmdTimeout``. So a node silent while the others report is the
+dead one; the survivors' codes say what kind of ending it was.
 """
 
 from __future__ import annotations

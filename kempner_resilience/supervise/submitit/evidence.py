@@ -1,20 +1,13 @@
 """submitit's local controller as a supervisor on the one policy (``supervise/policy.py``).
 
-submitit's own controller reruns a job's tasks only when one exits 144 (its requeue code,
-``LOCAL_REQUEUE_RETURN_CODE``): a rank that rescued a lost peer and exited 81 (PEER_LOST), or a
-rank killed beside it, ended the job without its result. ``ResilientController``
-(``submitit_local.py``) asks this module instead, after each launch of the tasks: the evidence
-is what a controller sees (each task's ``Popen.returncode``, negative for a death by a signal,
-and the tasks it ended itself after the grace), plus what the ranks said in the supervisor
-channel (``supervise/channel.py``): the run's directory, and so its committed step, and the
-run's own restart budget and no-progress guard (``requeue.max_restarts``,
-``requeue.max_no_progress``). Pure apart from reading the channel and the run's directory; no
-submitit import, so the failure matrix (``tests/test_failure_matrix.py``) runs it as is.
-
-In submitit's words: 144 is the ranks' request to run again (``ResilientJob`` turns a
-``REQUEUE`` exit into it, submitit's own checkpoint handler exits with it), the policy's
-``REQUEUE`` (75). One machine: no node is implicated, no spare is needed; the controller is
-the scheduler, so a REQUEUE and a RELAUNCH both start the tasks again.
+submitit's own controller reruns a job's tasks only when one exits 144 (its requeue code): a
+rank that rescued a lost peer and exited 81, or a rank killed beside it, ended the job without
+its result. ``ResilientController`` (``local.py``) asks the policy instead after each launch.
+Its evidence: each task's ``Popen.returncode``, the tasks it ended after the grace, and what
+the ranks said in the channel (the run's directory, so its committed step, and its
+``requeue.max_restarts`` and ``requeue.max_no_progress``). No submitit import: the failure
+matrix runs it as is. One machine: no node is implicated, no spare needed; the controller is
+the scheduler, so REQUEUE and RELAUNCH both start the tasks again.
 """
 
 from __future__ import annotations
@@ -24,7 +17,8 @@ from typing import Sequence
 
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.channel import Channel, newest_commit
-from kempner_resilience.supervise.policy import Action, Commits, Decision, Evidence, RankEnd, decide
+from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, RankEnd,
+                                                 decide, ends_of)
 
 __all__ = ["LOCAL_REQUEUE_CODE", "DEFAULT_MAX_RESTARTS", "task_ends", "Supervision"]
 
@@ -36,17 +30,9 @@ DEFAULT_MAX_RESTARTS = 5
 
 
 def task_ends(codes: Sequence[int | None], killed: Sequence[int] = ()) -> tuple[RankEnd, ...]:
-    """The policy's endings of the tasks' ``Popen.returncode`` (None: still running when the
-    controller gave up, as good as killed by it); ``killed``: tasks the controller ended itself
-    after the grace (a hang, never an ending of their own). 144 reads as REQUEUE."""
-    ends = []
-    for r, c in enumerate(codes):
-        if c is None:
-            ends.append(RankEnd(128 + 9, signaled=True, by_supervisor=True))
-            continue
-        c = int(ExitCode.REQUEUE) if c == LOCAL_REQUEUE_CODE else c
-        ends.append(RankEnd.from_returncode(c, by_supervisor=r in killed))
-    return tuple(ends)
+    """The policy's endings of the tasks' ``Popen.returncode`` (``policy.ends_of``), 144
+    read as REQUEUE."""
+    return ends_of(codes, killed, {LOCAL_REQUEUE_CODE: int(ExitCode.REQUEUE)})
 
 
 @dataclass

@@ -1,69 +1,27 @@
 """submitit integration: resilient training jobs submitted from Python or a notebook.
 
-```python
-from kempner_resilience.integrations import submitit as krs
+Usage is in ``docs/submitit.md``. The submitted function trains under ``ResilientRun`` as any
+script would; this module is the hand-over between submitit and the run:
 
-job = krs.submit("my_pkg.train:main", folder="runs/%j", config="resilience.yaml",
-                 overrides=["checkpoint.dir=/scratch/me/ckpt"],
-                 slurm={"timeout_min": 240, "tasks_per_node": 4, "slurm_partition": "gpu"},
-                 steps=10_000)                      # keyword arguments for main()
-print(krs.wait(job).result())                      # or job.result()
-```
+* Signals. submitit's handler for its preemption signal (``SIGUSR2``) checkpoints and requeues
+  from inside the handler, mid-step, before any checkpoint of ours exists; it also ignores
+  SIGTERM. ``ResilientJob.__call__`` replaces both (``signals.SignalTakeover``) before the
+  function runs. The run then stops every rank at one boundary, commits, and rank 0 requeues.
+  A signal before the run started is replayed by the run; one after the function returned is
+  ignored.
+* Resubmission. A requeued job reruns submitit's unchanged ``*_submitted.pkl``: a small
+  ``ResilientJob`` (a function or import path, config, overrides, keyword arguments; never
+  model state, which ``check_small`` refuses), which resumes from the newest commit.
+* Result. ``wait(job)`` polls the scheduler (``client.py``): without accounting
+  ``job.result()`` would wait forever for a job that died.
+* Supervision. ``submit`` adopts a SLURM executor into ``ResilientSlurmExecutor`` (``slurm.py``:
+  our srun step loop) and a local one into ``ResilientLocalExecutor`` (``local.py``: our
+  controller). Both ask the one policy whether the tasks run again; submitit's own reruns them
+  only on 144.
 
-The submitted function builds its model and trains under ``ResilientRun`` as any script would.
-What this module adds is the hand-over between submitit and ``ResilientRun``:
-
-* **Signals.** In the job process submitit installs its own handler for its preemption signal
-  (``SIGUSR2``, ``$SUBMITIT_PREEMPT_SIGNAL``) that calls ``checkpoint()`` and ``scontrol
-  requeue`` at once, from inside the Python signal handler, in the middle of a training step and
-  before any checkpoint of ours exists; it also ignores SIGTERM. ``ResilientJob.__call__``
-  replaces those handlers (``submitit_signals.SignalTakeover``) before the training function
-  runs, so the ``ShutdownHandler`` of the function's ``ResilientRun`` chains to ours (which does
-  nothing while a run is active), never to submitit's. The run then stops every rank at the same step boundary, commits the emergency
-  DCP checkpoint, and only then rank 0 requeues (``scontrol requeue``, with the restart budget)
-  and every rank exits with ``REQUEUE`` (75).
-* **Signals outside a run.** A preemption signal that arrives before the function has entered
-  ``ResilientRun`` (imports, building the model) is kept and replayed by the run as soon as
-  a run is active, so it is handled at the first step boundary; one that arrives after the
-  function finished is logged and ignored (the result is about to be written).
-* **Resubmission.** The requeued job keeps its id and reruns submitit's unchanged
-  ``*_submitted.pkl``: the same small ``ResilientJob`` (a function reference or import path,
-  a config path, overrides, keyword arguments; never model state), whose function resumes from
-  the newest committed checkpoint. ``checkpoint()`` (used only if submitit's own handler ever
-  runs) returns a fresh instance with the same small arguments. ``ResilientJob`` refuses to be
-  created with tensors or modules among its arguments.
-* **Result.** The resumed run writes submitit's result pickle, so ``job.result()`` on the client
-  returns the final result of the resumed run. Without SLURM accounting ``job.state`` reads
-  UNKNOWN and ``job.result()`` would wait forever for a job that failed; ``wait(job)`` polls
-  ``scontrol show job`` and raises with the log's tail instead.
-
-Under SLURM ``submit`` runs the job under ``ResilientSlurmExecutor`` (``submitit_slurm.py``):
-submitit's batch script runs ``kempner-resilience srun``'s step loop, which launches the srun
-tasks and, after each step, asks the one policy whether the job runs again (relaunch in place,
-requeue, or leave: a rank's exception leaves with 1), as for ``kempner-resilience sbatch`` jobs.
-
-Without SLURM (submitit's local executor: ``AutoExecutor(folder, cluster="local")`` or
-``LocalExecutor``, how a notebook user tries things first) the same flow works on this machine:
-each task gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from submitit's
-``SUBMITIT_LOCAL_*`` variables and ``KEMPNER_RESTART_COUNT`` (its earlier starts); ``submit``
-runs the job under our controller (``submitit_local.py``), which asks the one policy whether the
-tasks run again after each launch (a requeue, a rescued failure, never a rank's own error),
-where submitit's reruns them only when one exits 144 (a requeue exits with 144 under it);
-``interrupt(job)`` (and ``job._interrupt()`` on a job from ``submit``) sends the
-preemption signal to the tasks, where submitit's own ``_interrupt()`` sends it to the local
-controller, which dies of it; and ``wait`` sees at once that the controller has ended.
-
-SIGTERM: submitit ignores it (its preemption signal is USR2; ``job._interrupt()`` sends TERM,
-then USR2). ``sigterm="ignore"`` (default) keeps that contract, so ``_interrupt()`` and real
-preemption with ``preempt_send_user_signal`` checkpoint and requeue. ``sigterm="stop"`` makes
-SIGTERM checkpoint and stop for good (exit 143): right for sites that preempt with SIGTERM only
-and requeue by themselves (``PreemptMode=REQUEUE``), and for ``scancel``; but then
-``_interrupt()`` stops the job instead of requeueing it.
-
-This module is the job adapter (``ResilientJob``) and ``submit``. A task's environment is set up
-in ``submitit_env.py``, submitit's signals are taken over in ``submitit_signals.py``, a job is
-interrupted and waited for in ``submitit_client.py``, and a local job's ``_interrupt()`` reaches
-its tasks through ``submitit_local.py``; the names users need are re-exported here.
+SIGTERM: ``sigterm="ignore"`` (default) keeps submitit's contract, so ``job._interrupt()``
+(TERM, then USR2) checkpoints and requeues. ``sigterm="stop"`` makes SIGTERM checkpoint and
+stop for good (143): right for sites that preempt with SIGTERM only, and for ``scancel``.
 """
 
 from __future__ import annotations
@@ -90,6 +48,7 @@ from kempner_resilience.supervise.submitit.signals import (SignalTakeover, in_lo
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.channel import CHANNEL_ENV
+from kempner_resilience.supervise.submitit.evidence import LOCAL_REQUEUE_CODE
 
 __all__ = ["ResilientJob", "submit", "submit_array", "make_executor", "wait", "interrupt",
            "preempt_signal",
@@ -103,9 +62,6 @@ MAX_PICKLE_BYTES = 1 << 20
 
 _SIGTERM_MODES = ("ignore", "stop")
 
-# submitit.local.local.LOCAL_REQUEUE_RETURN_CODE: the local controller starts the tasks again
-# when one exits with it (up to 6 times), and on no other code.
-LOCAL_REQUEUE_CODE = 144
 
 
 # ------------------------------------------------------------------------- the job object
@@ -122,20 +78,12 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
     """A submitit-submittable callable that runs ``fn(*args, **kwargs)`` under our signal
     handling; ``fn`` trains with ``ResilientRun`` and resumes from its checkpoints.
 
-    Args:
-        fn: a picklable top-level function, or its import path ``"pkg.module:function"``
-            (``"pkg.module.function"`` works too). Resolved in the job process.
-        config: a YAML config path (read in the job), a ``ResilienceConfig`` or a plain dict
-            (both stored as a small dict), or None for the defaults/``$KEMPNER_RESILIENCE_CONFIG``.
-        overrides: ``"section.key=value"`` strings applied on top of ``config``.
-        sigterm: ``"ignore"`` (submitit's contract, default) or ``"stop"``; see the module doc.
-        *args, **kwargs: passed to ``fn``; keep them small (numbers, strings, paths).
-
-    In the job, ``fn`` gets the resolved ``ResilienceConfig`` as ``config=`` when its signature
-    has a ``config`` parameter (or ``**kwargs``); the same configuration is also written to a
-    YAML file that ``$KEMPNER_RESILIENCE_CONFIG`` names, so ``load_config()`` without a path
-    inside ``fn`` sees it. Our defaults for a submitit job are put first: the preemption signal
-    requeues, SIGTERM per ``sigterm``; a signal action set in ``overrides`` wins over them.
+    ``fn``: a picklable top-level function or its import path (``"pkg.module:function"``),
+    resolved in the job. ``config``: a YAML path (read in the job), a ``ResilienceConfig`` or a
+    dict, or None for the defaults. ``overrides`` (``"section.key=value"``) apply on top, after
+    our signal defaults (the preemption signal requeues, SIGTERM per ``sigterm``). Keep
+    ``args``/``kwargs`` small. In the job, ``fn`` gets the resolved config as ``config=`` when
+    it takes one; ``$KEMPNER_RESILIENCE_CONFIG`` names a copy for ``load_config()``.
     """
 
     def __init__(self, fn: Callable[..., Any] | str, *args: Any,
@@ -180,11 +128,8 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """What submitit pickles for the requeued job: a fresh instance, never live state.
-
-        Our own flow never calls this (the requeued job reruns the original pickle, which is
-        the same thing); submitit's handler does when its signal lands in the instant between
-        submitit installing its handlers and ``__call__`` replacing them.
-        """
+        Only submitit's own handler calls it, when its signal lands before ``__call__``
+        replaced it."""
         from submitit.helpers import DelayedSubmission
 
         log.warning("submitit checkpoint() called: resubmitting %r; the training resumes from "
@@ -307,11 +252,8 @@ def _refuse_model_state(obj: Any) -> None:
 
 def check_small(obj: Any, limit: int = MAX_PICKLE_BYTES) -> int:
     """Raise TypeError if ``obj`` would pickle tensors/modules/optimizers, ValueError if its
-    pickle exceeds ``limit`` bytes; returns the pickle's size.
-
-    Uses cloudpickle (what submitit uses), so functions defined in a notebook are pickled by
-    value, with whatever globals they reference.
-    """
+    pickle exceeds ``limit`` bytes; returns the pickle's size. Pickles with cloudpickle, as
+    submitit does (a notebook's function goes by value, with its globals)."""
     try:
         from cloudpickle import Pickler
     except ImportError:  # pragma: no cover
@@ -340,11 +282,8 @@ def submit(fn: Callable[..., Any] | str, *args: Any,
            overrides: Iterable[str] = (), sigterm: str = "ignore",
            slurm: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
     """Submit ``fn(*args, **kwargs)`` as a resilient submitit job; returns the ``submitit.Job``.
-
-    Either ``folder`` (logs and pickles; ``%j`` is the job id) with ``slurm`` executor
-    parameters (see ``make_executor``), or a ready ``executor``. ``config``/``overrides``/
-    ``sigterm`` as for ``ResilientJob``; ``kwargs`` go to ``fn``.
-    """
+    Either ``folder`` (``%j``: the job id) with ``slurm`` parameters (``make_executor``), or a
+    ready ``executor``; the rest as for ``ResilientJob``."""
     job = ResilientJob(fn, *args, config=config, overrides=overrides, sigterm=sigterm, **kwargs)
     return _resilient_executor(folder, executor, slurm).submit(job)
 
@@ -352,21 +291,10 @@ def submit(fn: Callable[..., Any] | str, *args: Any,
 def submit_array(jobs: Iterable[ResilientJob], *,
                  folder: str | os.PathLike[str] | None = None, executor: Any = None,
                  slurm: Mapping[str, Any] | None = None) -> list[Any]:
-    """Submit several ``ResilientJob``s (a sweep) as one job array; returns their jobs, in order.
-
-    ```python
-    jobs = krs.submit_array(
-        [krs.ResilientJob(train, lr=lr, overrides=[f"checkpoint.dir=/scratch/me/lr{lr}"])
-         for lr in (1e-3, 3e-4)],
-        folder="runs/%j", slurm={"timeout_min": 240, "tasks_per_node": 4})
-    ```
-
-    Under SLURM one ``sbatch --array`` (``slurm={"slurm_array_parallelism": n}`` caps how many
-    run at once); each array task is a job of its own with its own step loop, so each is
-    preempted, requeued and resumed alone. Locally, one job per entry. Every job needs a
-    ``checkpoint.dir`` of its own: two runs in one directory would resume from each other's
-    checkpoints, so a shared one is refused here, before anything is queued.
-    """
+    """Submit several ``ResilientJob``s (a sweep) as one job array; their jobs, in order.
+    Under SLURM one ``sbatch --array``, each task a job of its own (preempted, requeued and
+    resumed alone); locally, one job per entry. A ``checkpoint.dir`` shared by two jobs is
+    refused before anything is queued: each would resume from the other's checkpoints."""
     jobs = list(jobs)
     if not jobs:
         raise ValueError("submit_array: no jobs given")
@@ -400,15 +328,10 @@ def _resilient_executor(folder: str | os.PathLike[str] | None, executor: Any,
                                                                 is_local_executor)
 
     if is_local_executor(executor):
-        # Our controller decides whether the tasks run again (the one policy), where
-        # submitit's reruns them only on its requeue code; and our job's _interrupt() reaches
-        # the tasks (see submitit_local.py).
         return ResilientLocalExecutor.adopt(executor)
     from kempner_resilience.supervise.submitit.slurm import (ResilientSlurmExecutor,
                                                                 is_slurm_executor)
 
     if is_slurm_executor(executor):
-        # The batch script runs our srun step loop, which launches the tasks: one
-        # supervisor on the one policy, as `kempner-resilience sbatch` jobs have it.
         return ResilientSlurmExecutor.adopt(executor)
     return executor

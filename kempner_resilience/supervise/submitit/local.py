@@ -1,24 +1,16 @@
 """submitit's local executor, supervised: its executor, controller and job, subclassed.
 
-* **The controller** (``ResilientController``, a ``submitit.local.local.Controller``) is the
-  job's supervisor, as ``kempner-resilience launch`` is for a script: it gives the tasks the
-  supervisor channel (``supervise/channel.py``; rank 0 names its run there), starts them, and
-  after each launch asks the one policy whether to start them again (``submitit_policy.py``):
-  a rescued failure (a rank exiting 81 PEER_LOST or 42 HANG, a rank killed beside them) is run
-  again from the committed step, within the run's restart budget and no-progress guard, where
-  submitit's own controller reruns only on its requeue code 144 and would end the job without
-  its result. A launch is bounded: once a task has ended, the others get ``grace_s`` to end,
-  then are killed (and count as hung). submitit's time limit and its signal before it stay.
-* **The executor** (``ResilientLocalExecutor``) starts that controller instead of submitit's;
-  ``submit`` adopts any local executor (``AutoExecutor(cluster="local")``, ``LocalExecutor``)
-  into it, with the same folder and parameters.
-* **The job** (``ResilientLocalJob``): submitit's ``LocalJob._interrupt()`` sends the
-  preemption signal to the controller, which has no handler for it and dies; its tasks never
-  hear of it and nothing is checkpointed. This ``_interrupt()`` signals the tasks, as SLURM does
-  (see ``supervise/submitit/jobs.py``).
+* ``ResilientController`` is the job's supervisor, as ``kempner-resilience launch`` is for a
+  script: it gives the tasks the channel, starts them, and after each launch asks the one
+  policy (``evidence.py``) whether to start them again. submitit's own reruns only on 144 and
+  ends a rescued failure (81, 42) without its result. Once a task has ended, the others get
+  ``grace_s``, then are killed (and count as hung).
+* ``ResilientLocalExecutor`` starts that controller; ``submit`` adopts any local executor.
+* ``ResilientLocalJob._interrupt()`` signals the tasks, as SLURM does; submitit's signals the
+  controller, which dies of it, and nothing is checkpointed.
 
-Imports submitit: loaded only for a local job. Run as a module, it is the controller:
-``python -m kempner_resilience.supervise.submitit.local FOLDER [--grace S]``.
+Run as a module it is the controller: ``python -m kempner_resilience.supervise.submitit.local
+FOLDER [--grace S]``.
 """
 
 from __future__ import annotations

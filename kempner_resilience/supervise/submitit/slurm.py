@@ -1,33 +1,17 @@
 """submitit's SLURM executor, supervised: its batch script runs our srun step loop.
 
-submitit's own batch script runs ``srun ... python -u -m submitit.core._submit <folder>``: the
-tasks are srun tasks of submitit's script, and no process outside them decides whether the job
-runs again (rank 0's in-run requeue does, from its peers' recorded endings:
-``supervise/endings.py``). ``ResilientSlurmExecutor`` (a subclass of submitit's
-``SlurmExecutor``, which ``krs.submit`` adopts a SLURM executor into) writes instead
+submitit's script runs ``srun ... python -m submitit.core._submit <folder>``: nothing outside
+the tasks decides whether the job runs again. ``ResilientSlurmExecutor`` (``krs.submit`` adopts
+a SLURM executor into it) writes instead
 
     <python> -m kempner_resilience.cli srun --srun-args '--unbuffered --output <folder>/%j_%t_log.out
         --error <folder>/%j_%t_log.err' -- <python> -u -m submitit.core._submit <folder>
 
-with submitit's own ``use_srun=False`` (the batch script runs the command itself): our loop
-(``supervise/srun/relaunch.py``) launches srun, so a submitit job gets what a ``kempner-resilience
-sbatch`` job gets: one supervisor on the one policy after every step (a rank's exception
-leaves with 1, a rescued failure relaunches from the newest committed checkpoint, the
-no-progress guard, the restart budget, the loop's requeue with bad nodes kept out), the channel
-the ranks report their run to, and ``spares`` (nodes of the allocation kept out of the
-training, taken after a node failure). submitit's per-task logs stay where ``job.stdout()``
-reads them (srun writes them, as in submitit's script); srun's own lines (a task's end) go to
-the batch script's log, ``<folder>/%j_0_log.err``, where the loop passes them on.
-
-A job's result pickles, its resubmission pickle, ``job._interrupt()`` (TERM then USR2 to the
-job's steps: the loop, in the batch step, is not signalled) and ``krs.wait`` are submitit's and
-ours as before.
-
-Arrays (``krs.submit_array``, or ``ResilientJob``s under ``with executor.batch():``) are submitit's
-one ``sbatch --array``. Each array task is a SLURM job of its own (its own id, restart count,
-requeue, bad nodes), so each runs its own step loop, with its own channel and its own
-``scontrol requeue <its id>``; only the per-task log names differ (``%A_%a`` where a single job
-has ``%j``, as submitit's script names them, so ``job.stdout()`` finds them).
+with ``use_srun=False``, so a submitit job gets what a ``kempner-resilience sbatch`` job gets
+(``supervise/srun/relaunch.py``): the one policy after every step, the channel, and
+``spares``. The per-task logs stay where ``job.stdout()`` reads them; srun's own lines go to
+the batch log. An array is one ``sbatch --array``: each task is a job of its own with its own
+loop; only its log names differ (``%A_%a`` for ``%j``, as submitit names them).
 """
 
 from __future__ import annotations
