@@ -72,6 +72,27 @@ class ChannelUnwritable(OSError, StartupError):
     before any rank starts; the message names the paths tried and the fix."""
 
 
+def tell(path: Path, data: Any, what: str, *, durable: bool = False, mkdir: bool = False
+         ) -> bool:
+    """Replace ``path`` with ``data`` as JSON, whole; a failure is logged ("cannot tell
+    ``what``"), never raised: neither side of the channel stops for it."""
+    try:
+        if mkdir:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(data), durable=durable)
+        return True
+    except (OSError, TypeError, ValueError) as e:
+        _log.warning("cannot tell %s in %s: %s", what, path.parent, e)
+        return False
+
+
+def count(value: Any, low: int | None = 0) -> int | None:
+    """``value`` when it is an integer (not a bool) >= ``low`` (None: any), else None."""
+    ok = isinstance(value, int) and not isinstance(value, bool) \
+        and (low is None or value >= low)
+    return value if ok else None
+
+
 def _writable_dir(path: Path) -> str | None:
     """Create ``path`` (parents included); None when it is a writable directory, else why."""
     try:
@@ -260,12 +281,8 @@ class Channel:
 
     def report(self, report: RunReport) -> None:
         """Replace ``run.json`` with ``report``; never raises (a rank never stops for it)."""
-        data = asdict(report)
-        data["requeue"] = dict(report.requeue)
-        try:
-            write_atomic(self.root / REPORT_NAME, json.dumps(data), durable=False)
-        except (OSError, TypeError, ValueError) as e:
-            _log.warning("cannot tell the supervisor about the run in %s: %s", self.root, e)
+        tell(self.root / REPORT_NAME, {**asdict(report), "requeue": dict(report.requeue)},
+             "the supervisor about the run")
 
     def read(self) -> RunReport | None:
         """Rank 0's latest report; None when there is none yet or it cannot be read (logged)."""
@@ -287,53 +304,43 @@ class Channel:
         """The run's ``requeue.<key>`` (an integer >= 0) as rank 0 reported it, else
         ``default``: the supervisor applies the run's own budget and guard, not a guess."""
         report = self.read()
-        value = None if report is None else report.requeue.get(key)
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        return value if ok else default     # type: ignore[return-value]
+        value = None if report is None else count(report.requeue.get(key))
+        return default if value is None else value
 
     def restart_limit(self, default: int | None) -> int | None:
         """The run's restart budget (``requeue.max_restarts``) as rank 0 reported it: None for
         ``unlimited`` (-1), 0 for no restart; ``default`` when the run said nothing."""
         report = self.read()
-        value = None if report is None else report.requeue.get("max_restarts")
-        if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-            return default
-        return None if value == -1 else value
+        value = None if report is None else count(report.requeue.get("max_restarts"), -1)
+        return default if value is None else None if value == -1 else value
 
     # ------------------------------------------------------------------ the launch
 
     def begin_launch(self, restarts: int) -> None:
         """Before a launch of the ranks: they were started ``restarts`` times before (by this
         supervisor: relaunches and requeues it played itself). Whole, never fsynced."""
-        try:
-            write_atomic(self.root / _LAUNCH,
-                         json.dumps({"restarts": int(restarts), "t": time.time()}),
-                         durable=False)
-        except OSError as e:
-            _log.error("cannot tell the ranks their restart count in %s: %s", self.root, e)
+        tell(self.root / _LAUNCH, {"restarts": int(restarts), "t": time.time()},
+             "the ranks their restart count")
 
     def restarts(self) -> int | None:
         """How often the supervisor started the ranks before this launch (None: not said)."""
         data = self._load(self.root / _LAUNCH)
-        value = data.get("restarts") if isinstance(data, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) \
-            and value >= 0 else None
+        return count(data.get("restarts")) if isinstance(data, dict) else None
 
     def begin_relaunch(self, index: int, t: float | None = None) -> None:
         """Before a launch of the ranks: it is relaunch in place ``index`` (0: the job's first
         launch), launched at ``t`` (default now). In the agent's directory for a torchrun
         agent's channel. Whole, never fsynced; never raises."""
-        data = {"index": int(index), "t": time.time() if t is None else float(t)}
-        try:
-            write_atomic(self._own / _RELAUNCH, json.dumps(data), durable=False)
-        except OSError as e:
-            _log.error("cannot tell the ranks their relaunch in %s: %s", self._own, e)
+        tell(self._own / _RELAUNCH, {"index": int(index),
+                                     "t": time.time() if t is None else float(t)},
+             "the ranks their relaunch")
 
     def relaunched(self) -> Relaunched | None:
         """Which relaunch in place the supervisor said this launch is (None: not said)."""
         data = self._load(self._own / _RELAUNCH)
-        index, t = (data.get("index"), data.get("t")) if isinstance(data, dict) else (None, None)
-        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        index, t = (count(data.get("index")), data.get("t")) if isinstance(data, dict) \
+            else (None, None)
+        if index is None:
             return None
         ok = isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e11
         return Relaunched(index, float(t) if ok else None)
@@ -345,12 +352,9 @@ class Channel:
         agent = self.agent
         if agent is None:
             raise ValueError("only a torchrun agent's channel offers a rendezvous")
-        data = {"job": None if agent == self.root else str(self.root),
-                "rendezvous": None if rendezvous is None else dict(rendezvous)}
-        try:
-            write_atomic(agent / _AGENT, json.dumps(data), durable=False)
-        except (OSError, TypeError, ValueError) as e:
-            _log.error("cannot tell the workers the rendezvous in %s: %s", agent, e)
+        tell(agent / _AGENT, {"job": None if agent == self.root else str(self.root),
+                              "rendezvous": None if rendezvous is None else dict(rendezvous)},
+             "the workers the rendezvous")
 
     def rendezvous(self) -> dict[str, Any] | None:
         """The rendezvous this process's torchrun agent offers (None: not under one)."""
@@ -398,16 +402,12 @@ class Channel:
 
     def train_nodes(self) -> int | None:
         """The nodes the training of this job ran on before a requeue (None: not recorded)."""
-        value = self._load(self.root / _TRAIN_NODES)
-        return value if isinstance(value, int) and not isinstance(value, bool) \
-            and value >= 1 else None
+        return count(self._load(self.root / _TRAIN_NODES), 1)
 
     def record_train_nodes(self, nodes: int) -> None:
         """Remember that this job trains on ``nodes`` nodes (for its requeued self)."""
-        try:
-            write_atomic(self.root / _TRAIN_NODES, json.dumps(int(nodes)))
-        except OSError as e:
-            _log.error("cannot record the training's %d nodes in %s: %s", nodes, self.root, e)
+        tell(self.root / _TRAIN_NODES, int(nodes), "the requeued job its nodes",
+             durable=True)
 
     def remove(self) -> None:
         """The job is over for good: its channel goes (bounded: a local directory walk)."""

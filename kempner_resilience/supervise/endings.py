@@ -18,15 +18,15 @@ exited 42 only as gone.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Collection, Iterable
 
-from kempner_resilience.core.fileio import load_json_bounded, write_atomic
+from kempner_resilience.core.fileio import load_json_bounded
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.supervise.channel import count, tell
 from kempner_resilience.supervise.policy import KILLED, Action, Decision, Evidence, RankEnd, decide
 
 __all__ = ["RankEnding", "note_ending", "read_endings", "endings_since", "peer_ends",
@@ -68,8 +68,7 @@ class RankEnding:
             kind = data["kind"]
         except KeyError as e:
             raise ValueError(f"a rank's ending without {e}") from None
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, code, step)) \
-                or not isinstance(kind, str):
+        if any(count(v, None) is None for v in (rank, code, step)) or not isinstance(kind, str):
             raise ValueError(f"a rank's ending with a wrong type: {data!r}")
         return cls(rank, kind, code, step)
 
@@ -82,13 +81,8 @@ class RankEnding:
 def note_ending(paths: RunPaths, token: str, ending: RankEnding) -> None:
     """Write ``ending`` as this rank's, replacing an earlier word of this attempt (a survivor
     says 81 at once, then its final code). Never raises: a rank's exit never waits for it."""
-    path = paths.rank_ending(token, ending.rank)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(asdict(ending)), durable=False)
-    except OSError as e:
-        _log.warning("cannot record this rank's ending in %s: %s (rank 0 will count it as "
-                     "killed)", path.parent, e)
+    tell(paths.rank_ending(token, ending.rank), asdict(ending),
+         "rank 0 this rank's ending (it will count it as killed)", mkdir=True)
 
 
 def _read_one(path: object) -> RankEnding | None:
@@ -155,13 +149,9 @@ def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_si
 def note_verdict(paths: RunPaths, token: str, decision: Decision) -> None:
     """Rank 0's decision from the endings, for the other survivors: the job's code, and
     whether it leaves (no requeue). Never raises."""
-    path = paths.job_verdict(token)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"leave": decision.action is Action.LEAVE,
-                                       "code": int(decision.code)}), durable=False)
-    except OSError as e:
-        _log.warning("cannot tell the other ranks the job's code in %s: %s", path.parent, e)
+    tell(paths.job_verdict(token), {"leave": decision.action is Action.LEAVE,
+                                    "code": int(decision.code)}, "the other ranks the job's code",
+         mkdir=True)
 
 
 def read_verdict(paths: RunPaths, token: str, seen_s: float = 2.0,
@@ -182,10 +172,7 @@ def read_verdict(paths: RunPaths, token: str, seen_s: float = 2.0,
             _log.warning("rank 0's decision %s is unreadable (%s)", path, e)
             return None
         if isinstance(data, dict):
-            code = data.get("code")
-            ok = data.get("leave") is True and isinstance(code, int) \
-                and not isinstance(code, bool)
-            return code if ok else None
+            return count(data.get("code"), None) if data.get("leave") is True else None
         if time.monotonic() >= end:
             return None
         time.sleep(_POLL_S)

@@ -58,8 +58,8 @@ from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode, Verdict
 
 __all__ = ["Action", "Kind", "Guard", "RankEnd", "Commits", "Evidence", "Decision", "job_code",
-           "decide", "requeue_evidence", "ends_of", "KILLED", "RESCUED", "RUN_AGAIN", "ENDS_THE_JOB",
-           "NOT_IN_PLACE", "RESCUED_CODES"]
+           "decide", "requeue_evidence", "ends_of", "KILLED", "RESCUED", "RUN_AGAIN",
+           "ENDS_THE_JOB", "NOT_IN_PLACE", "RESCUED_CODES"]
 
 RESCUED_CODES: frozenset[int] = frozenset(int(c) for c in RESCUED)
 # The codes a rank chooses that end the job as it is, whatever its peers say: a relaunch would
@@ -70,8 +70,8 @@ ENDS_THE_JOB: frozenset[int] = frozenset(int(c) for c in (
     ExitCode.ERROR, ExitCode.USAGE, ExitCode.CONFIG, ExitCode.NO_REQUEUE,
     ExitCode.REQUEUE_FAILED, ExitCode.CHECKPOINT_FAILED, ExitCode.SIGINT, ExitCode.LEASE_LOST,
     ExitCode.STOPPED, ExitCode.DEADLINE))
-# What a step of srun on spares never relaunches in place (``supervise/srun/taskends.py``): the job ends as
-# it is, or is already on its way back to the queue (REQUEUE: rank 0 requeued it).
+# What srun's step loop never relaunches in place: the job ends as it is, or is already on its
+# way back to the queue (REQUEUE: rank 0 requeued it).
 NOT_IN_PLACE: frozenset[int] = (ENDS_THE_JOB - {int(ExitCode.STOPPED), int(ExitCode.DEADLINE),
                                                 int(ExitCode.USAGE)}) | {int(ExitCode.REQUEUE)}
 # The stop signals: a rank that ends by one (or exits 128 + it) was stopped, not broken.

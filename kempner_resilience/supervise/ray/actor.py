@@ -27,7 +27,7 @@ import socket
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger, set_role
@@ -58,15 +58,11 @@ class ActorEnding:
 
 def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
                recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
-    """Each training call's outcome (an ``ActorEnding``, or the exception it raised) as the
-    ending of the rank it was. An actor whose process died (Ray's ``RayActorError``) ended as
-    it recorded before it went (``recorded``, ``supervise/endings.py``: the hang watchdog's
-    42, whose ``os._exit`` Ray reports only as a closed connection, with no exit code), else it
-    is a rank killed by a signal of its own (Ray does not say which; SIGKILL stands for it); a
-    call that raised (``RayTaskError``) is the rank's own error, 1. A group stopped by SIGTERM
-    that the driver did not send was stopped by Ray or its node (a kill, a drain, an
-    eviction): as a scheduler requeues a job that its preemption's SIGTERM stopped, that group
-    asks to run again (75 REQUEUE), with its emergency checkpoint."""
+    """Each training call's outcome (an ``ActorEnding``, or its exception) as its rank's
+    ending. An actor whose process died ended as it ``recorded`` (the hang watchdog's 42, which
+    Ray reports with no code), else as killed (SIGKILL); a call that raised is the rank's own
+    error, 1. A SIGTERM the driver did not send came from Ray or its node (a drain, an
+    eviction): like a scheduler's preemption, it asks to run again (75)."""
     ends = []
     for rank, out in enumerate(outcomes):
         ending = out.get("ending") if isinstance(out, dict) else out
@@ -91,6 +87,17 @@ def actor_died(error: Any) -> bool:
     # By the class's name: Ray is imported lazily, and RayActorError is its API for "the
     # actor's process is gone" (ActorDiedError, ActorUnavailableError derive from it).
     return any(c.__name__ == "RayActorError" for c in type(error).__mro__)
+
+
+def kill_actors(actors: Iterable[Any]) -> None:
+    """``ray.kill`` each actor for good; one already gone is skipped."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as e:   # already gone
+            log.debug("ray.kill: %s", e)
 
 
 def init_group(rank: int, world_size: int, addr: str, port: int, *,
@@ -180,14 +187,10 @@ def _exit_after_return(code: int) -> None:
 class TrainingActor:
     """Mixin for a Ray training actor class: the driver forms its group and calls its methods.
 
-    The driver (``RayDriver.run_group``, or ``ray_supervise.supervise``) creates the actors,
-    joins them into one process group (``kr_setup``) and hands each the run's config
-    (``kr_config``) and its stop board (``kr_board``); ``kempner_resilience.ray.TrainingActor``
-    adds ``resilient_run``, the ResilientRun built from them. ``kr_call`` is how the driver
-    calls a method: its result and how the run ended (``kr_ending``) come back together.
-
-    The names of the earlier shape (``address``, ``init_group``, ``stop_context(board)``) keep
-    working; the first two warn (the driver forms the group now).
+    The driver joins the actors into one group (``kr_setup``) with the run's config
+    (``kr_config``) and stop board (``kr_board``); ``kempner_resilience.ray.TrainingActor`` adds
+    ``resilient_run``. ``kr_call`` returns a method's result with how its run ended. The
+    earlier names (``address``, ``init_group``, ``stop_context``) still work; the first two warn.
     """
 
     kr_config: ResilienceConfig | None = None

@@ -27,7 +27,8 @@ from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, l
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
-from kempner_resilience.supervise.ray.actor import ActorEnding, actor_died, actor_ends
+from kempner_resilience.supervise.ray.actor import (ActorEnding, actor_died, actor_ends,
+                                                    kill_actors)
 from kempner_resilience.supervise.ray.board import create_board
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import REQUESTED, requeue_run
@@ -124,35 +125,9 @@ class RayDriver:
         again (75). A lost training actor ends its group as ranks end; ``get`` then leaves
         with the policy's code, requeueing under SLURM when the job is to run again.
         """
-        import ray
-
         refs, cancel = list(refs), list(cancel)
-        pending = refs + cancel
-        until: float | None = None      # a training actor is lost: the others' rescue bound
         bound = self._rescue_bound()
-        while not self._stop.is_set() and any(r in pending for r in refs):
-            if until is not None and time.monotonic() > until:
-                break
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
-            for ref in done:
-                err = _error_of(ref)
-                if err is None:
-                    continue
-                if ref in cancel and _lost(err):
-                    self._helper_lost(err, refs, cancel)
-                if ref in refs and actor_died(err):
-                    if until is None:
-                        log.error("a training actor is gone (%s): waiting up to %.0f s for "
-                                  "the others' rescue", type(err).__name__, bound)
-                        until = time.monotonic() + bound
-                    continue
-                log.error("a task failed (%s): stopping every actor", type(err).__name__)
-                self._stop_all(signal.SIGTERM, refs, cancel, error=err)
-        if self._stop.is_set():
-            req = self._handler.request
-            assert req is not None
-            self._stop_all(req.signum, refs, cancel)
-        killed = [r for r, ref in enumerate(refs) if ref in pending]
+        killed = self._wait_training(refs, cancel, bound, stop_on_error=True)
         if killed:
             log.error("rank(s) %s did not end %.0f s after the loss: killing every actor",
                       killed, bound)
@@ -197,39 +172,46 @@ class RayDriver:
         each call returned or raised, and the ranks killed for not ending ``bound`` seconds
         after the first call failed. Unlike ``get``, a failed call stops nothing: the
         survivors rescue and end on their own. Signals and ``cancel`` as in ``get``."""
+        refs, cancel = list(refs), list(cancel)
+        killed = self._wait_training(refs, cancel, bound, stop_on_error=False)
+        for r in killed:
+            log.error("rank %d did not end %.0f s after the loss: killing its actor", r, bound)
+        kill_actors([actors[r] for r in killed])
+        return [_result_of(r) for r in refs], killed
+
+    def _wait_training(self, refs: list[Any], cancel: list[Any], bound: float, *,
+                       stop_on_error: bool) -> list[int]:
+        """Wait for the training calls ``refs``; the ranks not ended ``bound`` seconds after
+        the first was lost. A lost actor starts that wait (the survivors rescue); so does any
+        failed call unless ``stop_on_error``, where a call's own error stops everything. A
+        ``cancel`` call whose actor was lost, a failed one, and a signal stop everything."""
         import ray
 
-        refs, cancel = list(refs), list(cancel)
         pending = refs + cancel
         until: float | None = None
-        while any(r in pending for r in refs) and not self._stop.is_set():
+        while not self._stop.is_set() and any(r in pending for r in refs):
             if until is not None and time.monotonic() > until:
                 break
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
-            for ref in (r for r in done if r in cancel):
+            for ref in done:
                 err = _error_of(ref)
-                if err is not None and _lost(err):
+                if err is None:
+                    continue
+                if ref in cancel and _lost(err):
                     self._helper_lost(err, refs, cancel)
-                if err is not None:
-                    log.error("a task failed (%s): stopping every actor", type(err).__name__)
-                    self._stop_all(signal.SIGTERM, refs, cancel, error=err)
-            done = [r for r in done if r in refs]
-            if until is None and any(_error_of(r) is not None for r in done):
-                log.error("a training actor is lost: waiting up to %.0f s for the others' "
-                          "rescue", bound)
-                until = time.monotonic() + bound
+                if ref in refs and (actor_died(err) or not stop_on_error):
+                    if until is None:
+                        log.error("a training actor is lost (%s): waiting up to %.0f s for the "
+                                  "others' rescue", type(err).__name__, bound)
+                        until = time.monotonic() + bound
+                    continue
+                log.error("a task failed (%s): stopping every actor", type(err).__name__)
+                self._stop_all(signal.SIGTERM, refs, cancel, error=err)
         if self._stop.is_set():
             req = self._handler.request
             assert req is not None
             self._stop_all(req.signum, refs, cancel)
-        killed = [r for r, ref in enumerate(refs) if ref in pending]
-        for r in killed:
-            log.error("rank %d did not end %.0f s after the loss: killing its actor", r, bound)
-            try:
-                ray.kill(actors[r], no_restart=True)
-            except Exception as e:
-                log.debug("ray.kill: %s", e)
-        return [_result_of(r) for r in refs], killed
+        return [r for r, ref in enumerate(refs) if ref in pending]
 
     def finish(self, cancel: Sequence[Any]) -> None:
         """The training is over: cancel ``cancel`` without force and wait for it (bounded)."""
@@ -361,13 +343,7 @@ class RayDriver:
         return max(1.0, self.signals.grace_for(signal.Signals(signum).name) - _MARGIN_S)
 
     def _kill_actors(self) -> None:
-        import ray
-
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception as e:
-                log.debug("ray.kill: %s", e)
+        kill_actors(self.actors)
 
     def _force(self, code: int) -> None:
         """A second Ctrl+C: the actors killed, then every process this driver started (the

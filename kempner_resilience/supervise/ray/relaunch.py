@@ -26,7 +26,7 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.ray.actor import actor_died as _actor_died
-from kempner_resilience.supervise.ray.actor import actor_ends
+from kempner_resilience.supervise.ray.actor import actor_ends, kill_actors
 from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.endings import endings_since
@@ -48,18 +48,11 @@ def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
               train: Callable[[Any, int], Any], config: ResilienceConfig, *,
               cancel: Sequence[Any] = (), on_group: Callable[[int, list[Any]], None] | None = None,
               backend: str = "gloo") -> list[Any]:
-    """Run the training group until the policy says leave; the last incarnation's results.
-
-    ``driver`` is the ``RayDriver`` whose context this runs in (``RayDriver.run_group`` calls
-    this with the user's actor class and method). ``make_actor()`` creates one training actor
-    (a ``TrainingActor``); the group is formed here, each actor given ``config`` and the
-    driver's stop board (``kr_setup``, over ``backend``). ``train(actor, rank)``
-    starts its training call (returning the ``ActorEnding`` of its ``stop_context``, or a
-    dict holding it under ``"ending"``). ``cancel``: calls that live as long as the
-    training (rollouts), cancelled at the end. ``on_group(incarnation, actors)`` is called once
-    each new group is formed. Raises ``SystemExit`` with the job's code when the job does not
-    complete (the driver's stop, the policy's LEAVE).
-    """
+    """Run the training group in ``driver`` until the policy says leave; the last
+    incarnation's results. ``make_actor()`` creates one ``TrainingActor``; ``train(actor,
+    rank)`` starts its call (returning an ``ActorEnding``, alone or under ``"ending"``);
+    ``on_group(incarnation, actors)`` sees each new group. Raises ``SystemExit`` with the
+    job's code when the job does not complete."""
     import ray
 
     paths = RunPaths.from_config(config)
@@ -99,11 +92,7 @@ def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
                 raise SystemExit(decision.code)
             return outcomes
         driver.untrack(*actors)
-        for actor in actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception as e:   # already gone
-                log.debug("ray.kill: %s", e)
+        kill_actors(actors)
         restarts, stalled = restarts + 1, decision.stalled
 
 

@@ -21,22 +21,12 @@ from kempner_resilience.supervise.policy import NOT_IN_PLACE, RESCUED_CODES
 __all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES",
            "IN_JOB_ENV"]
 
-# Set by the relaunch loop in every task's environment: the supervisor's channel
-# (``supervise/channel.py``). The loop owns what follows a failure (a relaunch on a spare, or
-# the requeue), so rank 0 must not requeue the job itself.
+# Older names of the channel's variable and of the policy's rescued codes.
 IN_JOB_ENV = CHANNEL_ENV
-
-# Codes after which the job is worth running again from its newest checkpoint in the same
-# allocation: a rank is gone or hung (the survivors rescued or fell back), or a rank was killed.
-# The one definition is the policy's (``supervise/policy.py``, from ``exitcodes.RESCUED``).
 FAILURE_CODES = RESCUED_CODES
 # What the survivors of someone else's failure end with; any other bad ending points at the
 # task's own node (HANG: the hung rank's kernel timer; a signal: the rank was killed).
 _SURVIVOR_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.SIGTERM), 0})
-# Codes that end the job as they are: a relaunch would not help (a bug, a bad config) or the
-# job is already on its way back to the queue (REQUEUE) or asked not to be (NO_REQUEUE,
-# LEASE_LOST: another run holds the checkpoint directory now, a relaunch would fight it).
-_FINAL_CODES = NOT_IN_PLACE
 
 _TASKS = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.*)$")
 _NODE_FAIL = re.compile(r"^srun: error: Node failure on (\S+)")
@@ -125,7 +115,7 @@ class StepReport:
         rank killed by a signal other than the shutdown's own (SIGTERM/SIGINT), or a node
         declared dead; and nothing that ends the job as it is (a bug, a requeue already under
         way). Whether the job then runs again is the policy's (``supervise/srun/evidence.py``)."""
-        if self.codes & _FINAL_CODES:
+        if self.codes & NOT_IN_PLACE:
             return False
         killed = {c for c in self.codes if c > 128 and c not in (int(ExitCode.SIGTERM),
                                                                  int(ExitCode.SIGINT))}

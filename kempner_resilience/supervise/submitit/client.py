@@ -19,14 +19,8 @@ log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
 def make_executor(folder: str | os.PathLike[str], *, timeout_min: int = 60,
                   **params: Any) -> Any:
-    """A submitit ``AutoExecutor`` for SLURM with our defaults.
-
-    ``params`` are ``AutoExecutor.update_parameters`` names (``tasks_per_node``, ``nodes``,
-    ``cpus_per_task``, ``gpus_per_node``, ``slurm_partition``, ``slurm_additional_parameters``,
-    ``slurm_signal_delay_s``, ``name``, ...). ``timeout_min`` > 10: with 10 or less,
-    submitit's own accounting calls every interrupt a time-out. submitit's script already
-    asks for ``--signal=USR2@90`` and ``--open-mode=append`` (both runs in one log).
-    """
+    """A submitit ``AutoExecutor`` for SLURM; ``params`` go to its ``update_parameters``.
+    ``timeout_min`` > 10: with 10 or less submitit calls every interrupt a time-out."""
     import submitit
 
     if timeout_min <= 10:
@@ -69,13 +63,10 @@ def _job_ids(job: Any) -> tuple[str, list[Any]]:
 
 
 def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
-    """Wait until ``job`` (a ``submitit.Job``) has written its result, through any number of
-    requeues; returns the job. Raises ``RuntimeError`` (with the log's tail) when SLURM says the
-    job ended without a result, ``TimeoutError`` after ``timeout`` seconds.
-
-    Needed because without accounting ``job.state`` is UNKNOWN and ``job.result()`` would wait
-    forever for a job that died; afterwards ``job.result()`` returns at once.
-    """
+    """Wait until ``job`` has written its result, through any number of requeues; returns
+    it. Raises ``RuntimeError`` (with the log's tail) when the job ended without a result,
+    ``TimeoutError`` after ``timeout`` seconds. Without accounting ``job.result()`` alone
+    would wait forever for a job that died."""
     from kempner_resilience.slurm import show_job
 
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -44,13 +44,10 @@ OUTER_JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
 
 
 def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """A task of submitit's local executor: the rank variables from its ``SUBMITIT_LOCAL_*``
-    ones (the controller's, which are authoritative: they replace inherited values), a
-    rendezvous port derived from the local job id (every task computes the same one), and
-    ``KEMPNER_RESTART_COUNT``: how often this task was started before, for the user's function
-    (our controller says it in its channel; submitit's restarts the tasks without saying so,
-    and the count is then kept in a file next to the logs).
-    Returns what was set."""
+    """A task of submitit's local executor: the rank variables from ``SUBMITIT_LOCAL_*``
+    (replacing inherited ones), a port from the local job id (the same in every task), and
+    ``KEMPNER_RESTART_COUNT`` (from our controller's channel, else counted in a file next to
+    the logs: submitit's controller does not say it). Returns what was set."""
     from kempner_resilience.slurm.env import master_port
 
     from kempner_resilience.supervise.rank import restarts_said

@@ -53,16 +53,10 @@ def _run_active() -> bool:
 class SignalTakeover:
     """Replaces submitit's job-process handlers for the preemption signal and SIGTERM.
 
-    * inside a ``ResilientRun``: its ShutdownHandler was installed on top of ours and chains to
-      us; we do nothing, the run checkpoints and requeues.
-    * before a run (the function is still importing/building): the signal is kept with the
-      start-up recorder's (``core/startup``), which the run's ShutdownHandler replays when it
-      is installed, so the run handles it at its first boundary.
-    * after the function returned: logged and ignored (the result is about to be written).
-
-    SIGTERM with ``sigterm="ignore"`` is logged and ignored, as submitit does (ResilientRun is
-    configured with ``SIGTERM=off``); with ``"stop"`` it gets the default action outside a run
-    and ResilientRun's STOP inside one.
+    The preemption signal: inside a ``ResilientRun`` its handler chains to ours, which does
+    nothing; before a run it is kept for the run to replay (``core/startup``); after the
+    function returned it is ignored. SIGTERM with ``sigterm="ignore"`` is ignored, as submitit
+    does; with ``"stop"`` it gets the default action outside a run, the run's STOP inside one.
     """
 
     def __init__(self, preempt_signum: int, sigterm: str = "ignore") -> None:
