@@ -19,6 +19,9 @@ mixes the memory of unrelated runs started from the same directory. So the ranks
   before; a crash of the machine ends the supervisor that reads it too;
 - the ranks of one launch say there that their hang watchdog ran (``hang_seen``: a rank hung
   with the GIL held cannot, which singles its node out);
+- the survivors of a lost peer say there which ranks died without a word (``ranks_died``: their
+  rescue link ended with neither a goodbye nor a wake), so a torchrun agent drops exactly those
+  ranks' node from its rendezvous instead of waiting for its heartbeat to age;
 - the supervisor says there, before each launch, how often it started the ranks before
   (``begin_launch``, ``launch.json``): the run's restart budget and ledger count attempts from
   it (``restarts``). ``KEMPNER_RESTART_COUNT`` is still set for the user's script (as
@@ -63,7 +66,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from kempner_resilience.checkpoint.layout import newest_committed as newest_commit
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
@@ -82,6 +85,7 @@ CHANNEL_ENV = "KEMPNER_RESILIENCE_SUPERVISOR"
 REPORT_NAME = "run.json"
 _JOBS_DIR = ".kempner-resilience"
 _HANG_SEEN = "hang-seen"
+_DIED = "ranks-died"
 _LAUNCH = "launch.json"
 _TRAIN_NODES = "train-nodes.json"
 _RELAUNCH = "relaunch.json"
@@ -423,6 +427,25 @@ class Channel:
         """The ranks of launch ``launch`` whose hang watchdog said so."""
         try:
             names = [p.name for p in self.hang_seen_dir(launch).iterdir()]
+        except OSError:
+            return set()
+        return {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()}
+
+    def note_ranks_died(self, launch: str, ranks: Iterable[int]) -> None:
+        """Ranks of launch ``launch`` that this rank saw die without a word (see the module
+        docstring). One empty file per rank; never raises."""
+        try:
+            d = self.root / _DIED / launch
+            d.mkdir(parents=True, exist_ok=True)
+            for rank in ranks:
+                (d / f"rank-{int(rank)}").touch()
+        except (OSError, ValueError):
+            pass
+
+    def ranks_died(self, launch: str) -> set[int]:
+        """The ranks of launch ``launch`` that a survivor saw die without a word."""
+        try:
+            names = [p.name for p in (self.root / _DIED / launch).iterdir()]
         except OSError:
             return set()
         return {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()}
