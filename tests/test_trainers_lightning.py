@@ -169,6 +169,7 @@ def test_the_loop_state_in_each_step_snapshot_is_lightnings_own_fit_loop_state(t
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    from kempner_resilience.rescue.boundary import decode, encode
     from kempner_resilience.trainers.lightning import LoaderPosition, _Loops
 
     class Tiny(pl.LightningModule):
@@ -193,7 +194,10 @@ def test_the_loop_state_in_each_step_snapshot_is_lightnings_own_fit_loop_state(t
             self.loops = _Loops(trainer)
 
         def on_train_batch_end(self, trainer, *args):
-            seen.append((self.loops.state_dict(), trainer.fit_loop.state_dict()))
+            snapshot = decode(encode(0, {"loops": self.loops}))["objects"]["loops"]
+            lightnings = trainer.fit_loop.state_dict()
+            seen.append((self.loops.state_dict(), lightnings))
+            seen.append((snapshot, lightnings))         # what the rescue writes
 
     loader = DataLoader(TensorDataset(torch.randn(24, 4), torch.randn(24, 1)), batch_size=4,
                         shuffle=True)
@@ -212,6 +216,6 @@ def test_the_loop_state_in_each_step_snapshot_is_lightnings_own_fit_loop_state(t
             return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
         return type(a) is type(b) and a == b
 
-    assert len(seen) == 9                    # over an epoch's end (6 batches an epoch)
+    assert len(seen) == 2 * 9                # over an epoch's end (6 batches an epoch)
     assert all(same(ours, lightnings) for ours, lightnings in seen)
     assert any(ours["state_dict"].get("combined_loader") for ours, _ in seen)   # the position
