@@ -282,6 +282,17 @@ def test_interrupts_too_close_for_the_ranks_agreement_are_a_usage_error(tmp_path
     assert not (tmp_path / "check").exists()
 
 
+def test_a_wrong_command_line_is_answered_without_loading_torch(tmp_path):
+    # torch's import costs seconds: a usage error comes before it.
+    code = ("import sys\nfrom kempner_resilience.cli import main\n"
+            "code = main(['check-resume', '--ranks', '2', '--steps', '6', '--interrupt-at', "
+            "'3,4', '--', sys.executable, 'train.py'])\n"
+            "print(code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == [str(int(ExitCode.USAGE)), "False"], verdict(proc)
+
+
 # A script that starts processes of its own and never ends them: a child (in the rank's
 # session) and, through a shell, a grandchild that left the session with setsid.
 STARTS_CHILDREN = """
