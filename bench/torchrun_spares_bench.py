@@ -11,7 +11,8 @@ step between two periodic saves, and reads the parts from the run ledger:
 * ``rescue``: kill -> the survivors' rescue committed (detection included: their collective
   fails at once when the node's sockets close);
 * ``relaunch``: -> the relaunched workers' ``start`` event (the workers exit, the agents'
-  decision, the dead agent's heartbeat going stale (``keep_alive`` 2 s x 5), the new
+  decision, the dead agent dropped from the rendezvous (at once, its ranks named by the
+  survivors' workers; else once its heartbeat is two ``keep_alive`` intervals old), the new
   rendezvous round with the standby, process start, Python and torch imports);
 * ``load``: -> the checkpoint loaded (``resume``); ``first_step``: -> the training loop runs.
 

@@ -199,3 +199,20 @@ def fill_disk(root: Path, leave: int = 8192) -> None:
     save, so the next one fails with a full disk."""
     st = os.statvfs(root)
     (root / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - leave))
+
+
+def buddy_ring_of_two(woken: list[str]):
+    """Ranks 0 and 1's rescue buddy links, connected over real sockets on this host; each
+    link's wake reasons go to ``woken``."""
+    import threading
+
+    from kempner_resilience.rescue.link import BuddyLink
+
+    a, b = BuddyLink(0, woken.append), BuddyLink(1, woken.append)
+    addr_a, addr_b = a.listen("127.0.0.1"), b.listen("127.0.0.1")
+    token = b"t" * 16
+    t = threading.Thread(target=b.connect, args=(0, 0, addr_a, token, 30.0))
+    t.start()
+    a.connect(1, 1, addr_b, token, 30.0)
+    t.join()
+    return a, b

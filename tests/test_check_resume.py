@@ -201,18 +201,11 @@ def test_a_nanogpt_shaped_adoption_carrying_a_prefetched_batch_is_reported_inexa
         in out.replace("\n    ", " "), verdict(proc)
 
 
-def test_a_stop_inside_a_gradient_accumulation_window_is_exact(tmp_path):
-    # The stop at step 6 cuts the window of steps 4-7. Before issue 31's run-time fix the
-    # accumulated gradients were lost and the window's optimizer step (at step 8) used two
-    # micro-batches of four (check-resume said so: "gradient-accumulation window cut by the
-    # stop"). Now the checkpoint keeps them (one rank), and the verdict is exact.
-    script = write_script(tmp_path, GRAD_ACCUMULATION, "train.py")
-    proc = check_resume(tmp_path, script, "--steps", "10", "--interrupt-at", "6")
-    assert proc.returncode == ExitCode.OK, verdict(proc)
-    assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
-
-
-def test_a_relative_workdir_is_the_check_s_own_directory_and_the_verdict_exact(tmp_path):
+@pytest.fixture(scope="module")
+def accumulation_check(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The check of GRAD_ACCUMULATION stopped at step 6, run once for the tests below, with a
+    relative --workdir (./check) as a user types it: its folder and the verb's answer."""
+    tmp_path = tmp_path_factory.mktemp("accumulation")
     script = write_script(tmp_path, GRAD_ACCUMULATION, "train.py")
     proc = subprocess.run(
         [sys.executable, "-m", "kempner_resilience.cli", "check-resume", "--workdir", "check",
@@ -220,6 +213,22 @@ def test_a_relative_workdir_is_the_check_s_own_directory_and_the_verdict_exact(t
          str(script)],
         cwd=tmp_path, env=env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
         timeout=400)
+    return tmp_path, proc
+
+
+def test_a_stop_inside_a_gradient_accumulation_window_is_exact(accumulation_check):
+    # The stop at step 6 cuts the window of steps 4-7. Before issue 31's run-time fix the
+    # accumulated gradients were lost and the window's optimizer step (at step 8) used two
+    # micro-batches of four (check-resume said so: "gradient-accumulation window cut by the
+    # stop"). Now the checkpoint keeps them (one rank), and the verdict is exact.
+    _, proc = accumulation_check
+    assert proc.returncode == ExitCode.OK, verdict(proc)
+    assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
+
+
+def test_a_relative_workdir_is_the_check_s_own_directory_and_the_verdict_exact(
+        accumulation_check):
+    tmp_path, proc = accumulation_check
     assert proc.returncode == ExitCode.OK, verdict(proc)
     assert proc.stdout.startswith("check-resume: exact."), verdict(proc)
     assert list((tmp_path / "check").rglob("step_*")), "the runs wrote nothing under ./check"
@@ -280,6 +289,17 @@ def test_interrupts_too_close_for_the_ranks_agreement_are_a_usage_error(tmp_path
     assert proc.returncode == ExitCode.USAGE, verdict(proc)
     assert "at least 3 apart" in proc.stderr
     assert not (tmp_path / "check").exists()
+
+
+def test_a_wrong_command_line_is_answered_without_loading_torch(tmp_path):
+    # torch's import costs seconds: a usage error comes before it.
+    code = ("import sys\nfrom kempner_resilience.cli import main\n"
+            "code = main(['check-resume', '--ranks', '2', '--steps', '6', '--interrupt-at', "
+            "'3,4', '--', sys.executable, 'train.py'])\n"
+            "print(code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == [str(int(ExitCode.USAGE)), "False"], verdict(proc)
 
 
 # A script that starts processes of its own and never ends them: a child (in the rank's

@@ -352,3 +352,42 @@ def test_a_requeue_that_fails_ends_the_job_with_79_and_the_job_is_not_taken_for_
     from kempner_resilience.exitcodes import ExitCode
 
     assert loop._requeue(no_spare) == (int(ExitCode.REQUEUE_FAILED), False)
+
+
+def _dead_node_step(died: list[int]):
+    """A step of 2 nodes x 2 tasks whose srun reported node n1's tasks (rescued, exit 81) and
+    then waits, as srun does for a dead node SLURM has not noticed yet (a stand-in process
+    printing srun's own lines: the real one is in tests/test_slurm_spares.py)."""
+    from kempner_resilience.supervise.channel import Channel
+    from kempner_resilience.supervise.srun.step import SrunStep
+
+    channel = Channel.private("kr-test-step-")
+    channel.note_ranks_died("0.1", died)
+    fake_srun = [sys.executable, "-c",
+                 "import sys, time; "
+                 "sys.stderr.write('srun: error: n1: tasks 0-1: Exited with exit code 81\\n'); "
+                 "sys.stderr.flush(); time.sleep(60)"]
+    return SrunStep(fake_srun, {"PATH": "/nonexistent"}, ["n1", "n2"], 2, "1", 1, channel,
+                    settle_s=60.0, launch="0.1")
+
+
+def test_a_step_whose_missing_tasks_the_survivors_named_dead_ends_without_the_settle():
+    import time
+
+    from kempner_resilience.exitcodes import ExitCode
+
+    began = time.monotonic()
+    res = _dead_node_step([2, 3]).run()
+    # The settle (60 s here) and SLURM's SETTLE_MAX_S (45 s) never came: the names did.
+    assert res.ended_by_us and res.code == int(ExitCode.PEER_LOST)
+    assert time.monotonic() - began < 30
+
+
+def test_a_step_with_a_silent_rank_nobody_named_dead_is_not_over_by_the_names():
+    import threading
+
+    step = _dead_node_step([2])          # rank 3 may still be rescuing
+    report = _report(["n1", "n2"], 4, ["srun: error: n1: tasks 0-1: Exited with exit code 81"])
+    assert not step._only_the_dead_left(report, threading.Lock())
+    step.channel.note_ranks_died("0.1", [3])
+    assert step._only_the_dead_left(report, threading.Lock())

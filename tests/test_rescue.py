@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_bitwise_equal, committed_manifests, rank_logs, run_rescue_job
+from helpers import (assert_bitwise_equal, buddy_ring_of_two, committed_manifests, rank_logs,
+                     run_rescue_job)
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.core.goodput import analyze_dir
@@ -180,3 +181,34 @@ def test_a_rescue_written_when_rank_0_died_is_in_the_ledger_and_its_step_counts_
     assert attempts[0].kept_steps == FAIL_AT and second.report["resumed_from"] == FAIL_AT
     assert cli_main(["report", str(tmp_path / "ckpt")]) == 0
     assert f"killed? rescue@{FAIL_AT} kept" in capsys.readouterr().out
+
+
+def _woken_by(a, woken: list[str]) -> None:
+    end = time.monotonic() + 30
+    while not woken and time.monotonic() < end:
+        time.sleep(0.01)
+    assert woken, "the predecessor's end never woke the rescue"
+
+
+def test_a_rank_that_dies_without_a_word_is_named_by_its_buddy_and_one_that_leaves_is_not():
+    # The survivors tell their launcher which peers died (a torchrun agent drops their node
+    # from its rendezvous at once): a rank whose link just ends died (SIGKILL closes its
+    # sockets, nothing more); one that leaves on a failure wakes its buddy first.
+    woken: list[str] = []
+    a, b = buddy_ring_of_two(woken)
+    try:
+        b._out.close()             # noqa: SLF001 - what the kernel does for a killed process
+        _woken_by(a, woken)
+        assert a.pred_died
+    finally:
+        a.close(clean=False)
+        b.close(clean=False)
+    woken = []
+    a, b = buddy_ring_of_two(woken)
+    try:
+        b.close(clean=False)       # rank 1 leaves after its rescue, or on its own error
+        _woken_by(a, woken)
+        a._thread.join(10)         # noqa: SLF001 - the link's end, read after the wake
+        assert not a.pred_died
+    finally:
+        a.close(clean=False)

@@ -107,6 +107,30 @@ def test_the_snapshot_holds_numpys_exact_state_also_when_only_a_cached_gaussian_
     assert same(snapped(), np.random.get_state())
 
 
+def test_the_snapshot_holds_pythons_exact_rng_state_after_draws_a_cached_gaussian_and_a_seed(
+) -> None:
+    import random
+
+    from kempner_resilience.rescue.boundary import decode, encode
+
+    def snapped() -> tuple:
+        return decode(encode(0, {}))["rng"]["python"]
+
+    random.seed(11)
+    assert snapped() == random.getstate()
+    random.random()
+    assert snapped() == random.getstate()
+    random.gauss(0.0, 1.0)                   # draws a pair, caches the second
+    assert random.getstate()[2] is not None and snapped() == random.getstate()
+    random.gauss(0.0, 1.0)                   # uses the cached one: the words unchanged
+    assert random.getstate()[2] is None and snapped() == random.getstate()
+    snap = snapped()
+    expected = random.random()
+    random.random()
+    random.setstate(snap)                    # what a resume from the snapshot restores
+    assert random.random() == expected
+
+
 def test_a_rescue_of_a_plain_sgd_without_state_does_not_count_its_own_state_building_as_a_step(
         tmp_path: Path) -> None:
     # DCP gives an optimizer without state (SGD, no momentum) one at a step with lr 0; the

@@ -172,16 +172,19 @@ def test_a_node_whose_worker_is_killed_leaves_and_the_standby_takes_its_place_bi
     assert f"kept out: node{victim}; spare: " in out and (" + rescue " in out) == rescued, out
 
 
-def test_a_node_killed_whole_leaves_the_rendezvous_once_the_survivor_lost_it_not_after_torch_s_window(
+def test_a_node_killed_whole_leaves_the_rendezvous_as_soon_as_the_survivor_names_its_rank_bitwise(
         tmp_path, reference):
     # Agent and worker SIGKILLed together (a power loss, a kernel panic). torch alone keeps
     # the dead agent in the finished round until its heartbeat is older than the keep-alive
-    # window (1 s x 30 here), and the next round cannot open before. The survivor's worker
-    # lost its peer and rescued: its agent drops the dead node once its heartbeat is 2 s old.
+    # window (5 s x 30 here), and the next round cannot open before; a heartbeat two intervals
+    # old (10 s) is the fallback. The survivor's worker saw its peer's rescue link end without
+    # a word and named its rank: its agent drops that node at once.
     work = tmp_path / "job"
     agents: list[subprocess.Popen] = []
     try:
-        victim, standby = _three_agents(work, agents, rdzv_conf=",keep_alive_max_attempt=30")
+        victim, standby = _three_agents(
+            work, agents, rdzv_conf=",keep_alive_interval=5,keep_alive_max_attempt=30")
+        killed = time.time()
         for pid in node_pids(agents[victim].pid):
             os.kill(pid, signal.SIGKILL)
         codes = _finish([agents[0], agents[standby]])
@@ -189,8 +192,12 @@ def test_a_node_killed_whole_leaves_the_rendezvous_once_the_survivor_lost_it_not
         _finish(agents, timeout=0)
     err = (work / "agent.0.err").read_text()
     assert codes == [0, 0], (codes, err[-3000:])
-    assert "is gone (its heartbeat is" in err and "not after torch's 30 s" in err, err[-3000:]
-    assert "relaunching in place" in err, err[-3000:]
+    assert "the survivors' workers saw its rank(s) 1 die" in err and "not after torch's 150 s" \
+        in err, err[-3000:]
+    # The new round opened well within one interval of the kill: the dead node's last
+    # heartbeat was at most 5 s old then, so the heartbeat rule could not drop it before 5 s.
+    [restart] = [e for e in read_ledger(work / "ckpt" / "ledger.jsonl") if e["ev"] == "restart"]
+    assert restart["t"] - killed < 5.0, (restart["t"] - killed, err[-3000:])
     _resume_point(work, err)
     assert f"step {STEPS - 1}\n" in (work / f"progress.{standby}").read_text()
     same, total, diff = compare_weights(reference, work / "weights.pt")
@@ -344,6 +351,97 @@ def test_under_a_supervisor_relaunches_in_place_without_a_newer_commit_end_the_j
     finally:
         inplace.close()
         blind.close()
+
+
+# ------------------------------------------------- the survivors' notice, in one process
+
+@pytest.fixture
+def finished_round(tmp_path):
+    """A survivor's real rendezvous handler (a ``SpareHandler`` hosting torch's c10d store on
+    this machine, keep-alive 5 s x 30: torch drops a dead node after 150 s) whose finished
+    round 0 has three participants: this node (group rank 0, global ranks 0-1) and two peers
+    whose last heartbeat was 3 s ago (group ranks 1 and 2: ranks 2-3 and 4-5). Each agent
+    published its ranks in a real store. Yields (handler, its InPlace, that store, {group
+    rank: node})."""
+    from datetime import datetime, timedelta, timezone
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    from kempner_resilience.config import ResilienceConfig
+    from kempner_resilience.core import torch_private
+    from kempner_resilience.supervise.torchrun.agent import Agent
+    from kempner_resilience.supervise.torchrun.elastic import spare_handler
+    from kempner_resilience.supervise.torchrun.spares import InPlace
+    from kempner_resilience.supervise.torchrun.standby import Relaunch
+
+    port = free_port()
+    inplace = InPlace(Agent(ResilienceConfig(), forward=True),
+                      Relaunch(f"127.0.0.1:{port}", "notice", 1, 155.0))
+    handler = spare_handler(RendezvousParameters(
+        "c10d", f"127.0.0.1:{port}", "notice", 3, 3, keep_alive_interval=5,
+        keep_alive_max_attempt=30), inplace)
+    me = torch_private.this_node(handler)
+    nodes = {0: me, 1: _NodeDesc("peer1", 101, 0), 2: _NodeDesc("peer2", 102, 0)}
+    holder = handler._state_holder
+    state = holder.state
+    state.complete, state.round = True, 0
+    state.participants = {node: g for g, node in nodes.items()}
+    beat = datetime.now(timezone.utc) - timedelta(seconds=3)
+    state.last_heartbeats = {node: beat for node in nodes.values()}
+    holder.mark_dirty()
+    holder.sync()                                    # the round, in torch's store
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for g in nodes:
+        inplace.publish_ranks(store, g, [2 * g, 2 * g + 1])
+    try:
+        yield handler, inplace, store, nodes
+    finally:
+        inplace.close()
+
+
+def _synced(handler) -> set:
+    """The participants after the survivor's next sync of the state (any op it runs)."""
+    from kempner_resilience.core import torch_private
+
+    handler._state_holder.mark_dirty()
+    handler._state_holder.sync()
+    return set(torch_private.rendezvous_state(handler).participants)
+
+
+def test_a_participant_whose_ranks_the_survivors_saw_die_leaves_the_rendezvous_at_once(
+        finished_round, caplog):
+    handler, inplace, store, nodes = finished_round
+    # The workers' marks: ranks 2-3 (all of peer 1's) and 5 (one of peer 2's); this node's
+    # own ranks, named by mistake, never drop it.
+    inplace.channel.note_ranks_died(inplace.launch, [0, 1, 2, 3, 5])
+    handler.notice_lost_peer(inplace.ranks_died(), inplace.node_ranks(store, 3))
+    # Peer 1's heartbeat is 3 s old, under two intervals (10 s): it leaves for its ranks.
+    assert _synced(handler) == {nodes[0], nodes[2]}
+    assert "saw its rank(s) 2-3 die" in caplog.text, caplog.text
+
+
+def test_with_no_rank_named_a_participant_leaves_once_its_heartbeat_is_two_intervals_old(
+        finished_round):
+    from datetime import datetime, timedelta, timezone
+
+    handler, inplace, store, nodes = finished_round
+    handler.notice_lost_peer(inplace.ranks_died(), inplace.node_ranks(store, 3))
+    assert _synced(handler) == set(nodes.values())       # 3 s old: both stay
+    state = handler._state_holder.state
+    state.last_heartbeats[nodes[2]] = datetime.now(timezone.utc) - timedelta(seconds=11)
+    assert _synced(handler) == {nodes[0], nodes[1]}      # 11 s > 2 x 5 s: it leaves
+
+
+def test_ranks_named_in_the_finished_round_never_drop_a_participant_of_a_later_one(
+        finished_round):
+    handler, inplace, store, nodes = finished_round
+    inplace.channel.note_ranks_died(inplace.launch, [2, 3])
+    handler.notice_lost_peer(inplace.ranks_died(), inplace.node_ranks(store, 3))
+    state = handler._state_holder.state
+    state.round = 1                 # the next round completed: group rank 1 is another node
+    assert _synced(handler) == set(nodes.values())
 
 
 def _script_agent(work: Path, i: int, port: int, rdzv_id: str, script: Path,

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import require
 from trainers_helpers import (SCRIPTS, assert_same_final, committed_steps, interrupt,
-                              last_steps, run_to_end, signal)
+                              kill_held, last_steps, run_to_end, signal)
 from kempner_resilience.exitcodes import ExitCode
 
 require("transformers")
@@ -55,6 +55,23 @@ def test_sigterm_ctrl_c_and_usr1_each_stop_every_rank_at_one_step_with_its_code_
     assert "resumed from" in out
     assert_same_final(reference, tmp_path / "final.pt")
 
+
+def test_a_rank_sigkilled_mid_run_is_rescued_at_the_last_step_boundary_and_the_relaunch_ends_bitwise(
+        tmp_path, reference):
+    (tmp_path / "resilience.yaml").write_text(
+        f"checkpoint:\n  dir: {tmp_path / 'ckpt'}\n  every_steps: 5\nwatchdog:\n"
+        "  hang_timeout_s: 0\n")
+    cmd = _launch(tmp_path, "--step-s", "0")        # the hold, not the step time, times the kill
+    # Rank 1 dies as step 12 begins, before its forward pass; rank 0's gradient all-reduce
+    # then fails, outside an optimizer step: its state is still the boundary of step 12.
+    code, out = kill_held(tmp_path, cmd, 12)
+    assert code == int(ExitCode.PEER_LOST), out[-4000:]
+    assert "rescue: committed step 12" in out, out[-4000:]
+    assert committed_steps(tmp_path)[-1] == 12                 # newer than the periodic 10
+    code, out = run_to_end(tmp_path, cmd)
+    assert code == 0, out[-4000:]
+    assert "(step 12, reason rescue)" in out, out[-4000:]
+    assert_same_final(reference, tmp_path / "final.pt")
 
 
 def _tiny_trainer(tmp_path, **args):

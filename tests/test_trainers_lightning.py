@@ -14,7 +14,7 @@ import pytest
 
 from helpers import require
 from trainers_helpers import (SCRIPTS, assert_same_final, committed_steps, interrupt,
-                              last_steps, run_to_end, signal)
+                              kill_held, last_steps, run_to_end, signal)
 from kempner_resilience.exitcodes import ExitCode
 
 require("pytorch_lightning")
@@ -54,6 +54,31 @@ def test_sigterm_ctrl_c_and_usr1_each_stop_every_rank_at_one_step_with_its_code_
     assert code == 0, out[-4000:]
     assert "resumed from" in out
     assert "not resumable" not in out     # Lightning sees a loader that resumes mid-epoch
+    assert_same_final(reference, tmp_path / "final.pt")
+
+
+def test_a_rank_sigkilled_inside_a_step_is_not_rescued_and_the_relaunch_resumes_the_last_commit_bitwise(
+        tmp_path, reference):
+    from kempner_resilience.checkpoint import layout
+    from kempner_resilience.core.runpaths import RunPaths
+
+    (tmp_path / "resilience.yaml").write_text(
+        f"checkpoint:\n  dir: {tmp_path / 'ckpt'}\n  every_steps: 5\nwatchdog:\n"
+        "  hang_timeout_s: 0\n")
+    cmd = _launch(tmp_path, "--step-s", "0")        # the hold, not the step time, times the kill
+    # Rank 1 dies in training_step 12. Lightning runs it inside optimizer.step(closure), so
+    # rank 0's gradient all-reduce fails inside an optimizer step: the rescue, which writes
+    # only a boundary's state, declines (docs/trainers.md), and nothing is written for it.
+    code, out = kill_held(tmp_path, cmd, 12)
+    assert code == int(ExitCode.PEER_LOST), out[-4000:]
+    assert "rescue skipped: an optimizer step was in progress" in out, out[-4000:]
+    [*_, newest] = [e for e in layout.scan(RunPaths(tmp_path / "ckpt")) if e.committed]
+    assert newest.step == 10
+    layout.verify_entry(newest)                  # the resume point, whole, byte for byte
+    assert not (tmp_path / "ckpt" / "step_000000012").exists()
+    code, out = run_to_end(tmp_path, cmd)
+    assert code == 0, out[-4000:]
+    assert "(step 10, reason periodic)" in out, out[-4000:]
     assert_same_final(reference, tmp_path / "final.pt")
 
 
@@ -169,6 +194,7 @@ def test_the_loop_state_in_each_step_snapshot_is_lightnings_own_fit_loop_state(t
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
+    from kempner_resilience.rescue.boundary import decode, encode
     from kempner_resilience.trainers.lightning import LoaderPosition, _Loops
 
     class Tiny(pl.LightningModule):
@@ -193,7 +219,10 @@ def test_the_loop_state_in_each_step_snapshot_is_lightnings_own_fit_loop_state(t
             self.loops = _Loops(trainer)
 
         def on_train_batch_end(self, trainer, *args):
-            seen.append((self.loops.state_dict(), trainer.fit_loop.state_dict()))
+            snapshot = decode(encode(0, {"loops": self.loops}))["objects"]["loops"]
+            lightnings = trainer.fit_loop.state_dict()
+            seen.append((self.loops.state_dict(), lightnings))
+            seen.append((snapshot, lightnings))         # what the rescue writes
 
     loader = DataLoader(TensorDataset(torch.randn(24, 4), torch.randn(24, 1)), batch_size=4,
                         shuffle=True)
@@ -212,6 +241,6 @@ def test_the_loop_state_in_each_step_snapshot_is_lightnings_own_fit_loop_state(t
             return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
         return type(a) is type(b) and a == b
 
-    assert len(seen) == 9                    # over an epoch's end (6 batches an epoch)
+    assert len(seen) == 2 * 9                # over an epoch's end (6 batches an epoch)
     assert all(same(ours, lightnings) for ours, lightnings in seen)
     assert any(ours["state_dict"].get("combined_loader") for ours, _ in seen)   # the position

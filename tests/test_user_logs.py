@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, RESCUE_JOB, env, write_script
+from helpers import REPO, RESCUE_JOB, buddy_ring_of_two, env, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 CLI = [sys.executable, "-m", "kempner_resilience.cli"]
@@ -106,22 +106,6 @@ def test_gloos_message_is_not_embedded_in_the_lost_peer_line(survivors):
         assert ".cc:" not in lost[0] and "GLHF" not in lost[0] and "typically" not in lost[0]
 
 
-def _ring_of_two(woken: list[str]):
-    """Ranks 0 and 1's buddy links, connected over real sockets on this host."""
-    import threading
-
-    from kempner_resilience.rescue.link import BuddyLink
-
-    a, b = BuddyLink(0, woken.append), BuddyLink(1, woken.append)
-    addr_a, addr_b = a.listen("127.0.0.1"), b.listen("127.0.0.1")
-    token = b"t" * 16
-    t = threading.Thread(target=b.connect, args=(0, 0, addr_a, token, 30.0))
-    t.start()
-    a.connect(1, 1, addr_b, token, 30.0)
-    t.join()
-    return a, b
-
-
 def _link_lost(a, b, caplog) -> None:
     """Rank 1 gone without a goodbye; rank 0 passes the rescue's wake on until its send fails."""
     import time
@@ -140,7 +124,7 @@ LACKS = "will lack its per-rank state"
 
 def test_a_link_lost_with_its_buddy_says_nothing_while_the_rescue_runs(caplog):
     woken: list[str] = []
-    a, b = _ring_of_two(woken)
+    a, b = buddy_ring_of_two(woken)
     try:
         _link_lost(a, b, caplog)
         assert woken, "the gone buddy woke the rescue"
@@ -150,7 +134,7 @@ def test_a_link_lost_with_its_buddy_says_nothing_while_the_rescue_runs(caplog):
 
 
 def test_a_rank_that_trains_on_without_its_link_is_told_once(caplog):
-    a, b = _ring_of_two([])
+    a, b = buddy_ring_of_two([])
     try:
         _link_lost(a, b, caplog)
         for step in range(20):              # the next boundaries' snapshots

@@ -76,6 +76,29 @@ def interrupt(work: Path, cmd: Sequence[str], at_step: int, signum: int,
     return finish(proc), (work / f"{name}.out").read_text()
 
 
+def kill_held(work: Path, cmd: Sequence[str], at_step: int, rank: int = 1) -> tuple[int, str]:
+    """Run ``cmd`` (a script of tests/trainer_scripts/) holding every rank at step ``at_step``
+    (``--hold``); once both hold, SIGKILL ``rank`` and let the other go on: its exit code and
+    output."""
+    name = f"launch{len(list(work.glob('launch*.out')))}"
+    hold = work / "hold"
+    hold.touch()
+    proc = start(work, [*cmd, "--hold", str(hold), "--hold-at", str(at_step)], name)
+    try:
+        for r in (0, 1):
+            wait_for_file(work / "progress", timeout=180, contains=f"rank {r} holds at {at_step} ")
+        held = re.search(rf"^rank {rank} holds at {at_step} pid (\d+)$",
+                         (work / "progress").read_text(), re.M)
+        assert held is not None
+        os.kill(int(held.group(1)), signal.SIGKILL)
+    except BaseException:
+        finish(proc, 0.1)
+        raise
+    finally:
+        hold.unlink()
+    return finish(proc), (work / f"{name}.out").read_text()
+
+
 def run_to_end(work: Path, cmd: Sequence[str]) -> tuple[int, str]:
     name = f"launch{len(list(work.glob('launch*.out')))}"
     code = finish(start(work, cmd, name))
@@ -88,4 +111,4 @@ def assert_same_final(a: Path, b: Path) -> None:
 
 
 __all__ = ["SCRIPTS", "start", "finish", "last_steps", "committed_steps", "interrupt",
-           "run_to_end", "assert_same_final", "signal"]
+           "kill_held", "run_to_end", "assert_same_final", "signal"]

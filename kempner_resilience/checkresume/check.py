@@ -31,10 +31,11 @@ from kempner_resilience.checkresume.diagnose import (NONDETERMINISTIC, RUN_SAID,
                                                       likely_causes, own_dir_line,
                                                       restart_count_readers)
 from kempner_resilience.checkresume.options import CheckOptions
-from kempner_resilience.checkresume.runs import RunResult, run_script
+from kempner_resilience.checkresume.runs import RunResult, run_script, warm_ranks
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
 from kempner_resilience.exitcodes import ExitCode, for_signal_stop
 from kempner_resilience.stop.rehearsal import OWN_DIR_REFUSED, PlannedStop, min_gap
+from kempner_resilience.supervise.local.warm import Zygote
 
 __all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
 
@@ -129,12 +130,19 @@ def _snapshots(run: RunResult, cache: dict[tuple[str, int], Snapshot], step: int
     return cache[key]
 
 
-def check_resume(opts: CheckOptions) -> Verdict:
+def check_resume(opts: CheckOptions, zygote: Zygote | None = None) -> Verdict:
     """Run both runs and compare them (main thread only: the launcher handles signals); the
-    verdict says how much disk the runs used."""
+    verdict says how much disk the runs used. ``zygote``: the warm-start process every run
+    forks its ranks from (``runs.warm_ranks``, started by a caller that has not imported torch
+    yet, so both imports run at once); None: one of the check's own, when the command can
+    start warm."""
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="kempner-check-resume-"))
     work.mkdir(parents=True, exist_ok=True)
-    verdict = _check(opts, work)
+    if zygote is not None:
+        verdict = _check(opts, work, zygote)
+    else:
+        with warm_ranks(opts.command, opts.ranks) as own:
+            verdict = _check(opts, work, own)
     return replace(verdict, disk_bytes=_disk_use(work))
 
 
@@ -215,7 +223,7 @@ def _pace(run: RunResult, end: int) -> tuple[float, float]:
     return step_s, max(0.0, run.wall_s - step_s * end) / max(1, len(run.launches))
 
 
-def _check(opts: CheckOptions, work: Path) -> Verdict:
+def _check(opts: CheckOptions, work: Path, zygote: Zygote | None = None) -> Verdict:
     """The runs and their comparison, in ``work``.
 
     The interrupted run goes first: a stop can land later than planned (one inside a
@@ -223,7 +231,8 @@ def _check(opts: CheckOptions, work: Path) -> Verdict:
     trains to where the interrupted one really ended, so every resume is compared. The
     events it saw or foresaw (an epoch end, a milestone: ``coverage.py``) that its stops did
     not cross get a second interrupted run, stopped across them, when the budget allows."""
-    common = dict(work=work, ranks=opts.ranks, config=opts.config, timeout_s=opts.timeout_s)
+    common = dict(work=work, ranks=opts.ranks, config=opts.config, timeout_s=opts.timeout_s,
+                  zygote=zygote)
     got, stops, problem = _interrupted(opts, common, "interrupted", opts.interrupt_at,
                                        opts.steps, 1)
     if problem:

@@ -18,6 +18,7 @@ rank (a checkpoint, 143), and ranks still alive after ``stop_timeout_s`` are kil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,18 +26,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.supervise.local.launcher import Launch, LocalLauncher
+from kempner_resilience.supervise.local.launcher import Launch, LocalLauncher, warm_parent
+from kempner_resilience.supervise.local.warm import Zygote
 from kempner_resilience.core.ledger import REPORT_ENV
 from kempner_resilience.stop.rehearsal import (CHECK_DIR_ENV, EVENTS_ENV, REHEARSAL_ENV,
                                                PlannedStop, encode)
 
-__all__ = ["LaunchSummary", "RunResult", "run_script", "run_config"]
+__all__ = ["LaunchSummary", "RunResult", "run_script", "run_config", "warm_ranks"]
 
 log = get_logger(__name__)
 
@@ -170,14 +172,29 @@ class _Deadline:
         signal.signal(signal.SIGTERM, self._previous)
 
 
+@contextlib.contextmanager
+def warm_ranks(command: Sequence[str], ranks: int) -> Iterator[Zygote | None]:
+    """The warm-start process every run of one check forks its ranks from (None: the command
+    starts cold, ``supervise/local/warm.py``): torch's import is paid once per check, not
+    once per run; ended when the check is."""
+    zygote = warm_parent(command, ranks)
+    try:
+        yield zygote
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
 def run_script(command: list[str], *, name: str, work: Path, ranks: int,
                stops: list[PlannedStop], relaunches: int, config: Mapping[str, Any],
                timeout_s: float, stop_timeout_s: float = 20.0,
-               relaunch_codes: frozenset[int] = frozenset(), every_steps: int = 1) -> RunResult:
+               relaunch_codes: frozenset[int] = frozenset(), every_steps: int = 1,
+               zygote: Zygote | None = None) -> RunResult:
     """Run ``command`` on ``ranks`` local ranks in ``work/name`` with the planned ``stops``,
     relaunching at most ``relaunches`` times (after a code in ``relaunch_codes`` or the
-    launch-side policy's run-again codes), within ``timeout_s``. Must run on the main thread
-    (the launcher takes SIGINT/SIGTERM there)."""
+    launch-side policy's run-again codes), within ``timeout_s``; warm ranks fork from
+    ``zygote`` (``warm_ranks``) when given. Must run on the main thread (the launcher takes
+    SIGINT/SIGTERM there)."""
     base = work / name
     root, logs = base / "checkpoints", base / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -212,7 +229,7 @@ def run_script(command: list[str], *, name: str, work: Path, ranks: int,
     launcher = LocalLauncher(list(command), ranks=ranks, workdir=None,
                              max_launches=relaunches + 1, on_launch=told,
                              relaunch_codes=again, stop_timeout_s=stop_timeout_s,
-                             log_dir=logs, env=env)
+                             log_dir=logs, env=env, zygote=zygote)
     holder.append(launcher)
     began = time.monotonic()
     with _Deadline(timeout_s) as deadline:

@@ -91,15 +91,20 @@ def _run(args: argparse.Namespace) -> int:
                             config=cfg.to_dict())
     except ValueError as e:
         raise CliError(str(e), int(ExitCode.USAGE)) from None
-    from kempner_resilience.checkresume.check import check_resume, cleanup   # loads torch
-    from kempner_resilience.checkresume.render import render
+    from kempner_resilience.checkresume.runs import warm_ranks
 
-    try:
-        verdict = check_resume(opts)
-    except OSError as e:    # the work directory (or the temporary one) cannot be written
-        where = e.filename or args.workdir or "the temporary directory"
-        raise CliError(f"cannot write {where}: {e.strerror or e}; give --workdir a writable "
-                       "directory (or set TMPDIR to one)", int(ExitCode.CONFIG)) from None
+    # The ranks' warm parent imports torch in its own process while this one does.
+    with warm_ranks(opts.command, opts.ranks) as zygote:
+        from kempner_resilience.checkresume.check import check_resume, cleanup   # loads torch
+        from kempner_resilience.checkresume.render import render
+
+        try:
+            verdict = check_resume(opts, zygote)
+        except OSError as e:    # the work directory (or the temporary one) cannot be written
+            where = e.filename or args.workdir or "the temporary directory"
+            raise CliError(f"cannot write {where}: {e.strerror or e}; give --workdir a "
+                           "writable directory (or set TMPDIR to one)",
+                           int(ExitCode.CONFIG)) from None
     print(render(verdict))
     sys.stdout.flush()
     cleanup(verdict, keep=args.workdir is not None)

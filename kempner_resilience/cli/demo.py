@@ -15,6 +15,8 @@ from pathlib import Path
 from kempner_resilience.cli.common import CliError, Verb
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.launcher import LocalLauncher, Launch, train_command
+from kempner_resilience.supervise.local.launcher import warm_parent
+from kempner_resilience.supervise.local.warm import Zygote
 from kempner_resilience.exitcodes import ExitCode, describe
 
 # Codes after which the job may run again: the launcher's scheduler role. 130/143/STOPPED are
@@ -118,6 +120,18 @@ def run(args: argparse.Namespace) -> int:
          + (f", hang at step {args.hang_at}" if args.hang_at >= 0 else "")
          + f"; workdir {work}")
 
+    # One warm parent for both runs' ranks (with warm starts on): torch is imported once.
+    zygote = warm_parent(train_command(args.steps, step_time=0.0, out=work, overrides=[]),
+                         args.ranks)
+    try:
+        return _local(args, work, zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def _local(args: argparse.Namespace, work: Path, zygote: Zygote | None) -> int:
+    """The reference run, then the resilient one, their ranks forked from ``zygote``."""
     base = ["watchdog.hang_timeout_s=" + ("5" if args.hang_at >= 0 else "120"),
             "signals.grace_s=60"]
     t0 = time.monotonic()
@@ -125,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         train_command(args.steps, step_time=0.0, out=work / "reference" / "weights.pt",
                       overrides=base + [f"checkpoint.dir={work / 'reference' / 'checkpoints'}",
                                         "checkpoint.every_steps=0"]),
-        ranks=args.ranks, workdir=work / "reference", max_launches=1)
+        ranks=args.ranks, workdir=work / "reference", max_launches=1, zygote=zygote)
     ref_launch = ref.run()[-1]
     if ref_launch.interrupted:
         return _interrupted(ref_launch, work / "reference")
@@ -145,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                              on_progress=_progress("resilient", args.steps),
                              on_launch=lambda l: _say(("\n" if sys.stdout.isatty() else "")
                                                       + "  " + _describe_launch(l, args.steps)),
-                             relaunch_codes=RERUN)
+                             relaunch_codes=RERUN, zygote=zygote)
     launches = launcher.run()
     final = launches[-1]
     if final.interrupted:

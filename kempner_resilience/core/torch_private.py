@@ -53,9 +53,9 @@ Optional (looked up where used; without them a feature is off and says so in the
     (a failure requeues);
   * ``notice`` (``supervise/torchrun/elastic.py``): the state holder's ``_sanitize``,
     ``_state`` and ``_settings``: the holder becomes a subclass of its class whose sanitize,
-    once this node's workers lost a peer, also drops a finished round's participant whose
-    heartbeat is two keep-alive intervals old. Without them the dead node leaves when
-    torch's keep-alive window expires.
+    once this node's workers lost a peer, also drops a finished round's participant all of
+    whose ranks the workers saw die, or (none named) whose heartbeat is two keep-alive
+    intervals old. Without them the dead node leaves when torch's keep-alive window expires.
   * ``warm`` (``supervise/torchrun/warm.py``): ``SubprocessHandler._popen`` and
     ``_stdout``/``_stderr`` (a subclass of torch's handler forks the worker from the agent's
     zygote instead), and ``multiprocessing.api.get_subprocess_handler``, the module-level

@@ -10,7 +10,10 @@ daemon thread receives (blocked in ``recv`` without the GIL) and keeps the last 
 Frames: ``kind, length, step`` then ``length`` bytes. ``SNAP`` carries a snapshot, ``WAKE``
 says "a rescue started: contribute" (passed on around the ring, so ranks stuck in a collective
 with live peers learn of it too), ``BYE`` ends a link on purpose. A link that ends without
-``BYE`` means its sender is gone: that wakes the receiver like ``WAKE``. The connection is
+``BYE`` means its sender is gone: that wakes the receiver like ``WAKE``. A rank that leaves on
+a failure sends ``WAKE`` before it closes (it rescued, or left on its own error), so a link that
+ends with neither frame is a sender that died without a word (``pred_died``): killed, or its
+node gone. The survivors tell their launcher which ranks those were. The connection is
 authenticated with a token agreed over the process group at start, and the received bytes are
 only unpickled by this package's rescue writer.
 """
@@ -75,6 +78,7 @@ class BuddyLink:
         self._closing = False
         self._lost: str | None = None     # why the link to the buddy was given up
         self._lost_said = False
+        self.pred_died = False            # the predecessor's link ended without BYE or WAKE
         self._thread: threading.Thread | None = None
 
     def listen(self, host: str) -> tuple[str, int]:
@@ -176,7 +180,8 @@ class BuddyLink:
         self._pending.clear()
 
     def close(self, clean: bool = True) -> None:
-        """End both connections; ``clean`` says goodbye first, so the buddy is not woken."""
+        """End both connections; ``clean`` says goodbye first, so the buddy is not woken;
+        otherwise the buddy is woken (``WAKE``): this rank leaves on a failure, it did not die."""
         with self._lock:
             self._closing = True
             out = self._out
@@ -187,6 +192,11 @@ class BuddyLink:
                     if self._pending:
                         out.sendall(self._pending)
                     out.sendall(_HEADER.pack(BYE, 0, -1))
+                except OSError:
+                    pass
+            elif out is not None and not self._pending:
+                try:            # never blocks: a failure ending must not wait on its buddy
+                    out.send(_HEADER.pack(WAKE, 0, -1))
                 except OSError:
                     pass
             if out is not None:
@@ -209,6 +219,7 @@ class BuddyLink:
         conn = self._in
         assert conn is not None
         why = f"rank {self.pred}'s link closed without a goodbye (the rank is gone)"
+        woken = died = False
         try:
             while True:
                 kind, length, step = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
@@ -219,14 +230,18 @@ class BuddyLink:
                 if kind == SNAP:
                     self._held = (self._held[-1:] + ((step, payload),))
                 elif kind == WAKE:
+                    woken = True
                     self.on_wake(f"a rescue started (passed on by rank {self.pred})")
                 elif kind == BYE:
                     return
         except (OSError, ConnectionError):
-            pass
+            died = True
         finally:
             conn.close()
         if not self._closing:
+            # A live rank wakes its buddy before it leaves on a failure (its rescue, or
+            # ``close(clean=False)``): one that ended with neither a goodbye nor a wake died.
+            self.pred_died = died and not woken
             self.on_wake(why)
 
 

@@ -160,6 +160,12 @@ class Rescuer:
         than the caller), for good: the hang path calls it as soon as it decided."""
         return self.boundary.freeze(FREEZE_WAIT_S)
 
+    def died(self) -> set[int]:
+        """The ranks this rank knows died without a word (killed, or their node gone): its
+        predecessor, when its link ended with neither a goodbye nor a wake. A rank that left
+        on a failure, or a hung one, is never in it."""
+        return {self.link.pred} if self.link.pred_died and self.link.pred >= 0 else set()
+
     def close(self, clean: bool = True) -> None:
         """The loop ended (or the run stops on purpose): no rescue from here on."""
         self.boundary.detach("the training loop has ended")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kempner_resilience.runstate import RunState
+from kempner_resilience.supervise.rank import note_ranks_died
 
 if TYPE_CHECKING:
     from kempner_resilience.rescue.rescuer import RescueResult
@@ -24,6 +25,9 @@ def rescue(state: RunState, why: str) -> RescueResult | None:
     if r is None:
         return None
     result = r.rescue(why, state.committed_step())
+    # After the rescue, which gave the link time to see its end: the ranks that died without a
+    # word, for a torchrun agent that drops their node from its rendezvous at once.
+    note_ranks_died(r.died())
     committed = result.info is not None
     if (committed and result.writer == state.rank) or (state.rank == 0 and not committed):
         # A committed rescue is recorded by its writer (rank 0 may be the rank that died),

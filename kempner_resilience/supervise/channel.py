@@ -12,7 +12,8 @@ guess mixes unrelated runs. So the ranks tell it, here:
 - rank 0 writes ``run.json`` (``RunReport``) at set-up, after each commit and with its exit
   code. Atomic replaces, never fsynced: a reader sees a whole report or the one before;
 - ranks mark that their hang watchdog ran (``hang_seen``: a rank hung with the GIL held cannot,
-  which singles its node out);
+  which singles its node out), and the survivors of a lost peer which ranks died without a word
+  (``ranks_died``), so a torchrun agent drops their node from its rendezvous at once;
 - before each launch the supervisor says how often it started the ranks (``begin_launch``) and
   which relaunch in place this is (``begin_relaunch``): the restart budget and the ledger's
   attempt read them;
@@ -41,7 +42,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from kempner_resilience.checkpoint.layout import newest_committed as newest_commit
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
@@ -60,6 +61,7 @@ CHANNEL_ENV = "KEMPNER_RESILIENCE_SUPERVISOR"
 REPORT_NAME = "run.json"
 _JOBS_DIR = ".kempner-resilience"
 _HANG_SEEN = "hang-seen"
+_DIED = "ranks-died"
 _LAUNCH = "launch.json"
 _TRAIN_NODES = "train-nodes.json"
 _RELAUNCH = "relaunch.json"
@@ -91,6 +93,25 @@ def count(value: Any, low: int | None = 0) -> int | None:
     ok = isinstance(value, int) and not isinstance(value, bool) \
         and (low is None or value >= low)
     return value if ok else None
+
+
+def _mark(directory: Path, ranks: Iterable[int]) -> None:
+    """One empty file per rank in ``directory`` (a mark needs no content); never raises."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for rank in ranks:
+            (directory / f"rank-{int(rank)}").touch()
+    except (OSError, ValueError):
+        pass
+
+
+def _marked(directory: Path) -> set[int]:
+    """The ranks marked in ``directory`` (``_mark``)."""
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return set()
+    return {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()}
 
 
 def _writable_dir(path: Path) -> str | None:
@@ -381,22 +402,20 @@ class Channel:
         return self.root / _HANG_SEEN / launch
 
     def note_hang_seen(self, launch: str, rank: int) -> None:
-        """This rank's hang watchdog ran in Python (it is not hung with the GIL held). One empty
-        file per rank; never raises."""
-        try:
-            d = self.hang_seen_dir(launch)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"rank-{int(rank)}").touch()
-        except (OSError, ValueError):
-            pass
+        """This rank's hang watchdog ran in Python (it is not hung with the GIL held)."""
+        _mark(self.hang_seen_dir(launch), (rank,))
 
     def hang_seen(self, launch: str) -> set[int]:
         """The ranks of launch ``launch`` whose hang watchdog said so."""
-        try:
-            names = [p.name for p in self.hang_seen_dir(launch).iterdir()]
-        except OSError:
-            return set()
-        return {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()}
+        return _marked(self.hang_seen_dir(launch))
+
+    def note_ranks_died(self, launch: str, ranks: Iterable[int]) -> None:
+        """Ranks of launch ``launch`` that this rank saw die without a word."""
+        _mark(self.root / _DIED / launch, ranks)
+
+    def ranks_died(self, launch: str) -> set[int]:
+        """The ranks of launch ``launch`` that a survivor saw die without a word."""
+        return _marked(self.root / _DIED / launch)
 
     # ------------------------------------------------------------------ the supervisor's memory
 

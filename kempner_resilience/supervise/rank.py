@@ -2,14 +2,14 @@
 
 ``channel.py`` is the format both sides share. A rank asks here whether a supervisor is above
 it, which launch it is, whether a torchrun agent offers a relaunch in place, and tells it its
-run (``report_now``) and a hang it saw. Each question reads the environment when asked: a
-torchrun agent sets its channel before each restart of its workers.
+run (``report_now``), a hang it saw and the peers it saw die. Each question reads the
+environment when asked: a torchrun agent sets its channel before each restart of its workers.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.channel import (CHANNEL_ENV, Channel, launch_name, relaunched,
@@ -18,8 +18,8 @@ from kempner_resilience.supervise.legacy_env import rendezvous_by_hand
 from kempner_resilience.supervise.torchrun.standby import Relaunch
 
 __all__ = ["Channel", "supervisor", "has_supervisor", "supervisor_decides", "local_restart_count",
-           "offered_relaunch", "restarts_said", "note_hang_seen", "launch_name", "relaunched", "report_now",
-           "RESTART_COUNT_ENV", "CHANNEL_ENV"]
+           "offered_relaunch", "restarts_said", "note_hang_seen", "note_ranks_died", "launch_name",
+           "relaunched", "report_now", "RESTART_COUNT_ENV", "CHANNEL_ENV"]
 
 log = get_logger(__name__)
 
@@ -96,3 +96,12 @@ def note_hang_seen(rank: int) -> None:
     channel = Channel.from_env()
     if channel is not None:
         channel.note_hang_seen(launch_name(), rank)
+
+
+def note_ranks_died(ranks: Iterable[int]) -> None:
+    """Tell the supervisor which peer ranks this rank saw die without a word (a torchrun agent
+    drops their node from its rendezvous at once); nothing without a supervisor or ranks."""
+    ranks = sorted(set(ranks))
+    channel = Channel.from_env() if ranks else None
+    if channel is not None:
+        channel.note_ranks_died(launch_name(), ranks)

@@ -37,23 +37,30 @@ What the callback does, on Lightning's hooks (the run's engine does the rest, as
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import os
-from typing import Any, Iterator, Mapping
+import pickle
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 try:
     import pytorch_lightning as pl
+    from pytorch_lightning.loops.fit_loop import _FitLoop
     from pytorch_lightning.loops.loop import _Loop
     from pytorch_lightning.loops.progress import _BaseProgress
     from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
+    from pytorch_lightning.utilities.combined_loader import _Stateful
 except ImportError:        # the unified package only
     import lightning.pytorch as pl  # type: ignore[no-redef]
+    from lightning.pytorch.loops.fit_loop import _FitLoop  # type: ignore[no-redef]
     from lightning.pytorch.loops.loop import _Loop  # type: ignore[no-redef]
     from lightning.pytorch.loops.progress import _BaseProgress  # type: ignore[no-redef]
     from lightning.pytorch.trainer.connectors.signal_connector import (  # type: ignore[no-redef]
         _SignalConnector)
+    from lightning.pytorch.utilities.combined_loader import _Stateful  # type: ignore[no-redef]
 
 from kempner_resilience.checkpoint.data import sampler_chain, seeded_generator
 from kempner_resilience.config import ExitMode, ResilienceConfig
@@ -178,53 +185,179 @@ class _Loops:
     """Lightning's fit loop (epoch, batch and optimizer-step counters, the loader position) as
     a state entry; its ``load_state_dict`` marks it restarting, as Lightning's own resume.
 
-    ``state_dict`` runs at every step boundary (the rescue's snapshot). It walks the loops as
-    Lightning's ``_Loop.state_dict`` does, with each progress counter read field by field
-    instead of through ``dataclasses.asdict`` (most of the ~80 us that call takes). The first
-    call compares it with Lightning's own; another Lightning that differs gets its own from
-    then on."""
+    The rescue snapshots it at every step boundary (``snapshot_state``): the counters' values
+    read into one flat tuple from a map of the loop tree made once (``_LoopMap``), which
+    pickles with the map's key structure as one prepared byte string and unpickles to what
+    ``state_dict`` gives. Lightning's own ``fit_loop.state_dict()`` costs ~80 us a step here
+    (most of it ``dataclasses.asdict``), and pickling its ~150 keys and numbers as much again.
+    The first read is compared with Lightning's own; another Lightning that differs gets its
+    own from then on."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
         self._fast: bool | None = None      # None: not compared with Lightning's yet
+        self._map: _LoopMap | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        loop = self.trainer.fit_loop
-        if self._fast is False:
-            return loop.state_dict()
-        sd = _loop_state(loop, {}, "")
-        if self._fast is None:
-            theirs = loop.state_dict()
-            self._fast = sd.keys() == theirs.keys() and all(
-                sd[k] == theirs[k] for k in sd if not k.endswith("state_dict"))
-            if not self._fast:
-                log.debug("Lightning's loop state differs from the one read field by field: "
-                          "its own state_dict() is used")
-                return theirs
-        return sd
+        flat = self._read()
+        return self.trainer.fit_loop.state_dict() if flat is None else flat.state()
+
+    def snapshot_state(self) -> Any:
+        """What ``state_dict`` gives, in the form that pickles fast (``rescue.boundary``)."""
+        flat = self._read()
+        return self.trainer.fit_loop.state_dict() if flat is None else flat
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.trainer.fit_loop.load_state_dict(dict(sd))
 
+    def _read(self) -> _FlatLoops | None:
+        loop = self.trainer.fit_loop
+        if self._fast is False:
+            return None
+        found = self._map
+        if found is None or not found.holds(loop):
+            found = self._map = _LoopMap(loop)
+        flat = found.read()
+        if self._fast is None:
+            self._fast = _same(flat.state(), loop.state_dict())
+            if not self._fast:
+                log.debug("Lightning's loop state differs from the one read field by field: "
+                          "its own state_dict() is used")
+                return None
+        return flat
+
+
+class _FlatLoops:
+    """The loop state as the map read it: its key structure (pickled once), the counters'
+    values, and each loop's ``on_save_checkpoint``. Pickles to, and ``state()`` gives, the
+    dict ``_Loop.state_dict`` gives."""
+
+    __slots__ = ("skeleton", "values", "saves")
+
+    def __init__(self, skeleton: bytes, values: tuple[Any, ...], saves: tuple[Any, ...]) -> None:
+        self.skeleton, self.values, self.saves = skeleton, values, saves
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _loops_from, (self.skeleton, self.values, self.saves)
+
+    def state(self) -> dict[str, Any]:
+        return _loops_from(self.skeleton, self.values, self.saves)
+
+
+def _loops_from(skeleton: bytes, values: tuple[Any, ...], saves: tuple[Any, ...]
+                ) -> dict[str, Any]:
+    """The loop state dict from a ``_FlatLoops``: a key's entry is a loop's saved dict
+    (``saves[i]``) or a counter's, whose leaves index ``values``."""
+    return {key: saves[at] if kind == "save" else _fill(at, values)
+            for key, kind, at in pickle.loads(skeleton)}
+
+
+def _as_tuple(get: Callable[[Any], Any], obj: Any) -> tuple[Any]:
+    return (get(obj),)
+
+
+def _fill(template: dict[str, Any], values: tuple[Any, ...]) -> dict[str, Any]:
+    return {k: values[v] if type(v) is int else _fill(v, values) for k, v in template.items()}
+
+
+class _LoopMap:
+    """Where the fit loop's state is, found once: each loop's ``on_save_checkpoint`` and each
+    progress counter, under the key ``_Loop.state_dict`` gives it, in its order; each counter's
+    fields (numbers, or nested counters) read by one ``attrgetter``.
+
+    ``holds`` checks at every read that the same loops and counters are still in the same
+    places (one identity test each, ~2 us): Lightning resets and loads its counters in place.
+    The fit loop's own ``on_save_checkpoint`` (the loaders' states) is read without its
+    per-call ``isinstance`` test against a runtime protocol (~10 us): which loaders have a
+    state is found once per list of loaders."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.links: list[tuple[Any, str, Any]] = []       # (owner, attribute, loop/counter)
+        self.skeleton: list[tuple[str, str, Any]] = []    # (key, "save"/"counter", where)
+        self.saves: list[Callable[[], Any]] = []
+        self.getters: list[tuple[Callable[[Any], Any], Any]] = []    # (attrgetter, counter)
+        self.count = 0                                    # values read per call
+        self._loaders: list[Any] | None = None
+        self._stateful: list[Any] = []
+        self._walk(root, "")
+        self.pickled = pickle.dumps(self.skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _walk(self, loop: Any, prefix: str) -> None:
+        save = loop.on_save_checkpoint
+        if type(loop).on_save_checkpoint is _FitLoop.on_save_checkpoint \
+                and _FitLoop.__mro__[1].on_save_checkpoint is _Loop.on_save_checkpoint:
+            save = functools.partial(self._fit_loop_save, loop)
+        self._save(prefix + "state_dict", save)
+        for k, v in loop.__dict__.items():
+            if isinstance(v, _BaseProgress):
+                self.links.append((loop, k, v))
+                self._counter(prefix + k, v)
+            elif isinstance(v, _Loop):
+                self.links.append((loop, k, v))
+                self._walk(v, f"{prefix}{k}.")
+
+    def _save(self, key: str, get: Callable[[], Any]) -> None:
+        self.skeleton.append((key, "save", len(self.saves)))
+        self.saves.append(get)
+
+    def _counter(self, key: str, obj: Any) -> None:
+        paths: list[str] = []
+        template = self._template(obj, "", paths)
+        if template is None:       # a field that is no number nor counter: read it whole
+            self._save(key, functools.partial(_progress, obj))
+            return
+        self.skeleton.append((key, "counter", template))
+        get = operator.attrgetter(*paths)
+        if len(paths) == 1:         # attrgetter of one name gives the value, not a tuple
+            get = functools.partial(_as_tuple, get)
+        self.getters.append((get, obj))
+        self.count += len(paths)
+
+    def _template(self, obj: Any, prefix: str, paths: list[str]) -> dict[str, Any] | None:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if type(v) in _ATOMS:
+                out[f.name] = self.count + len(paths)
+                paths.append(prefix + f.name)
+            elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+                self.links.append((obj, f.name, v))
+                inner = self._template(v, f"{prefix}{f.name}.", paths)
+                if inner is None:
+                    return None
+                out[f.name] = inner
+            else:
+                return None
+        return out
+
+    def holds(self, root: Any) -> bool:
+        return root is self.root and all(owner.__dict__.get(k) is v
+                                         for owner, k, v in self.links)
+
+    def read(self) -> _FlatLoops:
+        values: tuple[Any, ...] = ()
+        for get, obj in self.getters:
+            values += get(obj)
+        return _FlatLoops(self.pickled, values, tuple(get() for get in self.saves))
+
+    def _fit_loop_save(self, loop: Any) -> dict[str, Any]:
+        """``_FitLoop.on_save_checkpoint``."""
+        out: dict[str, Any] = {}          # _Loop.on_save_checkpoint's
+        combined = loop._combined_loader
+        if combined is not None:
+            loaders = combined.flattened
+            if loaders is not self._loaders:
+                self._loaders = loaders
+                self._stateful = [dl for dl in loaders if isinstance(dl, _Stateful)]
+            states = [dl.state_dict() for dl in self._stateful]
+            if states:
+                out["combined_loader"] = states
+        return out
+
 
 _ATOMS = (int, float, bool, str, type(None))
-_FIELDS: dict[type, tuple[str, ...]] = {}
-_KINDS: dict[type, int] = {}           # a type found in a loop: 1 progress, 2 loop, 0 other
-
-
-def _loop_state(loop: Any, out: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """``loop.state_dict()`` as Lightning's ``_Loop`` writes it, its progress faster."""
-    out[prefix + "state_dict"] = loop.on_save_checkpoint()
-    for k, v in loop.__dict__.items():
-        kind = _KINDS.get(type(v))
-        if kind is None:
-            kind = _KINDS[type(v)] = 1 if isinstance(v, _BaseProgress) else \
-                2 if isinstance(v, _Loop) else 0
-        if kind == 1:
-            out[prefix + k] = _progress(v)
-        elif kind == 2:
-            _loop_state(v, out, f"{prefix}{k}.")
-    return out
+_FIELDS: dict[type, tuple[str, ...]] = {}      # a progress type's field names, once seen
 
 
 def _progress(obj: Any) -> dict[str, Any]:
@@ -238,11 +371,23 @@ def _progress(obj: Any) -> dict[str, Any]:
         v = getattr(obj, name)
         if type(v) in _ATOMS:
             out[name] = v
-        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+        elif type(v) in _FIELDS or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
             out[name] = _progress(v)
         else:
             return dataclasses.asdict(obj)
     return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, tensors by value (a loader position holds generator states)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k])
+                                                                    for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
 
 
 class _Precision:

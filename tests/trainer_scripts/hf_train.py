@@ -5,6 +5,7 @@ scheduler, RNG and loop position to --out; each step is a line in --progress
 (``rank R step S``). Config: $KEMPNER_RESILIENCE_CONFIG."""
 
 import argparse
+import os
 import sys
 import time
 
@@ -27,6 +28,9 @@ ap.add_argument("--ignore-data-skip", action="store_true",
 ap.add_argument("--plain", action="store_true", help="without the package: trainer.train()")
 ap.add_argument("--times", help="rank 0 appends each step's end (time.perf_counter) here")
 ap.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps")
+ap.add_argument("--hold", help="as step --hold-at begins, wait while this file exists (at most "
+                "300 s): after the boundary of the steps before, before the step's collectives")
+ap.add_argument("--hold-at", type=int, default=8)
 args = ap.parse_args()
 
 
@@ -42,6 +46,16 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Progress(TrainerCallback):
+    def on_step_begin(self, targs, state, control, **kw):
+        if args.hold and state.global_step == args.hold_at:
+            if args.progress:
+                with open(args.progress, "a") as f:
+                    f.write(f"rank {targs.process_index} holds at {state.global_step} "
+                            f"pid {os.getpid()}\n")
+            deadline = time.monotonic() + 300
+            while os.path.exists(args.hold) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
     def on_step_end(self, targs, state, control, **kw):
         time.sleep(args.step_s)
         if args.progress:

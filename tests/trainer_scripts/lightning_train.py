@@ -45,6 +45,9 @@ class Tiny(pl.LightningModule):
         if self.progress:
             self.progress.write(f"rank {self.global_rank} step {self.global_step}\n")
         if args.hold and self.global_step == args.hold_at:
+            if self.progress:
+                self.progress.write(f"rank {self.global_rank} holds at {self.global_step} "
+                                    f"pid {os.getpid()}\n")
             deadline = time.monotonic() + 300
             while os.path.exists(args.hold) and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -62,7 +62,7 @@ from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Dec
                                                  RankEnd, decide, job_code)
 
 __all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "launch_evidence",
-           "RELAUNCH_CODES",
+           "warm_parent", "RELAUNCH_CODES",
            "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
 
 _log = get_logger(__name__)
@@ -183,6 +183,9 @@ class LocalLauncher:
     ``log_dir`` (without ``workdir``): each rank's stdout and stderr go to
     ``log_dir/rank<r>.<launch>.log`` instead of this process's (check-resume keeps its own
     output readable); the command and the working directory stay the user's.
+    ``zygote``: a warm-start process the caller owns (``warm_parent``), shared by its
+    launchers of one command, so only the first pays torch's import; None: the launcher
+    starts its own when the command can start warm, and ends it with its run.
     """
 
     def __init__(self, command: list[str], *, ranks: int, workdir: Path | None,
@@ -192,7 +195,8 @@ class LocalLauncher:
                  on_launch: Callable[[Launch], None] | None = None,
                  relaunch_codes: set[int] | frozenset[int] | None = None,
                  stop_timeout_s: float = 60.0, run_paths: RunPaths | None = None,
-                 max_no_progress: int = 2, log_dir: Path | None = None) -> None:
+                 max_no_progress: int = 2, log_dir: Path | None = None,
+                 zygote: Zygote | None = None) -> None:
         if workdir is None and interrupts:
             raise ValueError("interrupts need a workdir (rank 0's progress file is read there)")
         self.command = list(command)
@@ -211,6 +215,7 @@ class LocalLauncher:
         self.launches: list[Launch] = []
         self.channel: Channel | None = None   # the ranks' word, while run() runs
         self._zygote: Zygote | None = None     # the warm ranks' parent, while run() runs
+        self._shared = zygote                  # the caller's, never ended here
         self._received: list[int] = []     # signals to forward, appended by the handler
 
     def run(self) -> list[Launch]:
@@ -223,7 +228,9 @@ class LocalLauncher:
         self.channel = Channel.private("kempner-resilience-launch-")
         # Ranks forked from a process that imported torch once (warm.py): a relaunch costs
         # a fork, not Python's and torch's start-up; any other command starts cold.
-        self._zygote = Zygote(self._zygote_env()) if warm_command(self.command) else None
+        warm = warm_command(self.command)
+        own = warm and self._shared is None
+        self._zygote = Zygote(self._zygote_env()) if own else self._shared if warm else None
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
             if main else {}
@@ -251,7 +258,7 @@ class LocalLauncher:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            if self._zygote is not None:
+            if own and self._zygote is not None:
                 self._zygote.close()
             self.channel.remove()
         return self.launches
@@ -448,6 +455,17 @@ class LocalLauncher:
                     p.send_signal(signum)
                 except ProcessLookupError:
                     pass
+
+
+def warm_parent(command: Sequence[str], ranks: int) -> Zygote | None:
+    """One warm-start process for several launchers of ``command`` on ``ranks`` ranks (their
+    ``zygote``), or None when the command starts cold; the caller closes it after their runs.
+    Its environment is a launch's less what differs between launches and launchers (the rank's
+    variables, the channel, the launcher's ``env``: the package's own settings): a warm rank's
+    environment replaces it whole, and the zygote's imports read none of those."""
+    if not warm_command(command):
+        return None
+    return Zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env())
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:

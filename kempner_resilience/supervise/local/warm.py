@@ -9,7 +9,7 @@ itself into the rank before the user's script runs: its own session, the rank's 
 (``os.environ`` replaced whole), working directory, standard streams, default signal
 dispositions and mask, ``sys.argv`` and ``sys.path[0]`` as ``python script.py`` sets them,
 fresh seeds for the RNGs a cold start seeds from the OS (``random`` reseeds itself at fork;
-NumPy's global one is reseeded here); then the script runs as ``__main__`` and the interpreter
+torch's default generator and NumPy's global one are reseeded here); then the script runs as ``__main__`` and the interpreter
 exits as after a cold start (threads joined, ``atexit``, an uncaught exception's traceback and
 code, KeyboardInterrupt's 130).
 
@@ -192,6 +192,10 @@ class Zygote:
                 if "ready" in msg:
                     self._ready = True
                 elif "pid" in msg:
+                    # A pid the kernel gave again (a zygote serves several launches, even
+                    # several launchers): the earlier child's code, reported before this fork
+                    # could reuse its pid, must not end the new rank at once.
+                    self.codes.pop(int(msg["pid"]), None)
                     self._pids.append(int(msg["pid"]))
                 elif "exit" in msg:
                     self.codes[int(msg["exit"])] = int(msg["code"])
@@ -362,6 +366,12 @@ def _become(msg: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     _threads_from_env()
+    # torch's default CPU generator, seeded from the OS at `import torch` in a cold start: each
+    # rank draws a seed of its own here, or every rank of every launch forked from one zygote
+    # would start an unseeded script from the same weights.
+    import torch
+
+    torch.default_generator.seed()
     try:    # NumPy's global RNG (torch imported NumPy in the zygote): seeded from the OS at
         import numpy    # its import in a cold start, so afresh in each rank here
 

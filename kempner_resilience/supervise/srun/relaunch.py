@@ -367,7 +367,8 @@ class Relauncher:
         res = SrunStep(cmd, self.step_env(nodes, index), list(nodes), self.tasks_per_node,
                        self.job.job_id, index, self.channel, settle_s=self.settle_s,
                        finished_grace_s=self.finished_grace_s, agents=self.agents,
-                       stopping=lambda: self.stopping).run()
+                       stopping=lambda: self.stopping,
+                       launch=f"{self.job.restart_count}.{index}").run()
         if res.finished:
             # The tasks that had not ended are on nodes that no longer answer (or are slow to
             # leave); which ones srun does not say: all but the batch node go back.

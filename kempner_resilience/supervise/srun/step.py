@@ -70,6 +70,7 @@ class SrunStep:
     agents: bool = False                 # the tasks restart their own workers: a failure is
                                          # theirs, the step is never ended for it
     stopping: Callable[[], bool] = field(default=lambda: False)   # the job is being stopped
+    launch: str | None = None            # the ranks' launch name in the channel (ranks_died)
 
     def run(self) -> StepResult:
         report = StepReport(list(self.nodes), len(self.nodes) * self.tasks_per_node)
@@ -102,6 +103,8 @@ class SrunStep:
                 quiet = time.monotonic() - last_news[0]
                 done = report.complete or (quiet >= self.settle_s and
                                            report.heard_complete(self.tasks_per_node))
+            if failed and not done:
+                done = self._only_the_dead_left(report, lock)
             if failed and (done or quiet >= SETTLE_MAX_S):
                 # The tasks that can still report have; the silent ones are on a dead node,
                 # which SLURM may take SlurmdTimeout to notice. End the step now.
@@ -123,6 +126,20 @@ class SrunStep:
         elif res.ended_by_us:
             res.code = int(ExitCode.PEER_LOST)
         return res
+
+    def _only_the_dead_left(self, report: StepReport, lock: threading.Lock) -> bool:
+        """Every task has reported its end but those of the ranks the survivors saw die
+        without a word (their rescue links, ``Channel.ranks_died``): nothing is left to hear
+        from, so the step ends without the settle (the survivors name the dead once their
+        rescue is over, and exit after it)."""
+        if self.launch is None:
+            return False
+        died = self.channel.ranks_died(self.launch)
+        if not died:
+            return False
+        with lock:
+            heard = report.reported_tasks
+        return len(heard | died) >= report.ntasks
 
     def _end(self, proc: subprocess.Popen[str]) -> None:
         """srun killed, then the step cancelled, each bounded by END_STEP_S."""

@@ -21,11 +21,17 @@ before they are used; a torch that lacks one keeps torch's behaviour for that pa
 Why the last one: after a node's death the next round opens only once every participant of
 the finished one has left it, and a dead node leaves only when torch finds its heartbeat
 older than the keep-alive window (``keep_alive_interval`` x ``keep_alive_max_attempt``: 10 s
-with the template's values, 15 s with torch's). The survivors know sooner: their workers
-lost a peer and rescued. From then on, their state holder (a subclass of torch's, its
-``_sanitize`` extended) treats a participant of the finished round whose heartbeat is two
-intervals old as dead. A live participant beats every interval from its own thread until it
-leaves the round itself, so only a dead or frozen agent is that late.
+with the template's values, 15 s with torch's). The survivors know sooner, and know which
+node: their workers lost a peer, rescued, and said which ranks died without a word (their
+rescue link ended with neither a goodbye nor a wake: ``Channel.ranks_died``). Each agent
+publishes its workers' global ranks in the round's store at start (torch counts them by the
+agents' own local world sizes), so a survivor maps those ranks to the finished round's
+participants, by their group rank. From then on, its state holder (a subclass of torch's, its
+``_sanitize`` extended) drops at once a participant all of whose ranks were named. When no
+rank is named (a frozen node, no rescue, or not this node's workers that saw it), the
+fallback: a participant whose heartbeat is two intervals old is dead. A live participant
+beats every interval from its own thread until it leaves the round itself, so only a dead or
+frozen agent is that late. Neither rule ever drops this node itself.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable, Collection, Mapping
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -97,6 +103,9 @@ class ElasticAgent(LocalElasticAgent):
             # becomes an instance of a subclass of its own class; torch's class is untouched.
             pcontext.__class__ = _waiting(type(pcontext), self.tracked)
         ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        if self.inplace is not None:       # for the survivors of this node's death
+            self.inplace.publish_ranks(worker_group.store, worker_group.group_rank,
+                                       sorted(ranks.values()))
         self.tracked.name_ranks({int(pid): int(ranks[lr]) for lr, pid in pids.items()
                                  if lr in ranks})
         return pids
@@ -123,7 +132,10 @@ class ElasticAgent(LocalElasticAgent):
                 self.inplace.restarting()
                 handler = worker_group.spec.rdzv_handler
                 if isinstance(handler, SpareHandler):
-                    handler.notice_lost_peer()
+                    handler.notice_lost_peer(
+                        self.inplace.ranks_died(),
+                        self.inplace.node_ranks(worker_group.store,
+                                                worker_group.group_world_size))
             log.warning("%s: workers failed with %s: relaunching in place (%s)", AGENT_NAME,
                         codes, why)
         else:
@@ -154,20 +166,29 @@ class SpareHandler(DynamicRendezvousHandler):
                 # own class (see the module doc); torch's class is untouched.
                 holder.__class__ = _noticing_holder(type(holder))
 
-    def notice_lost_peer(self) -> None:
+    def notice_lost_peer(self, died: Callable[[], Collection[int]] | None = None,
+                         node_ranks: Mapping[int, Collection[int]] | None = None) -> None:
         """This node's workers lost a peer and the group relaunches in place: from now until
         the keep-alive window has passed once more, a participant of the finished round
-        whose heartbeat is two intervals old leaves the rendezvous (see the module doc)."""
+        leaves the rendezvous at once when every one of its ranks (``node_ranks``: the
+        round's global ranks by group rank) is among those the survivors saw die (``died``,
+        read when the state is synced), else once its heartbeat is two intervals old (see
+        the module doc)."""
         holder = getattr(self, "_state_holder", None)
         settings = getattr(self, "_settings", None)
         if not hasattr(holder, "kr_notice") or settings is None:
             return
         interval = settings.keep_alive_interval
         window = interval * settings.keep_alive_max_attempt
-        if 2 * interval >= window:
-            return                  # torch's own window is as short
-        holder.kr_notice = _Notice(self._this_node, 2 * interval, window,
-                                   time.monotonic() + window.total_seconds() + 60.0)
+        stale = 2 * interval if 2 * interval < window else None   # else torch's is as short
+        known = {int(g): frozenset(int(r) for r in ranks)
+                 for g, ranks in (node_ranks or {}).items() if ranks}
+        round_ = getattr(torch_private.rendezvous_state(self), "round", None)
+        if stale is None and (died is None or not known or round_ is None):
+            return
+        holder.kr_notice = _Notice(self._this_node, stale, window,
+                                   time.monotonic() + window.total_seconds() + 60.0,
+                                   round_, known, died)
 
     def standing_by(self) -> None:
         """torch put this node in the round's redundancy list: it waits as a spare."""
@@ -234,32 +255,69 @@ _LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)
 @dataclass
 class _Notice:
     """What a survivor's state holder knows after its workers lost a peer: its own node, how
-    old a heartbeat is dead now (``stale``), torch's window, and until when this holds."""
+    old a heartbeat is dead now (``stale``; None: torch's window is as short), torch's window,
+    until when this holds, and the finished round (``round``): its global ranks by group rank
+    (``node_ranks``) and the ranks the survivors saw die (``died``, read when asked)."""
 
     node: Any
-    stale: timedelta
+    stale: timedelta | None
     window: timedelta
     until: float
+    round: int | None = None
+    node_ranks: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    died: Callable[[], Collection[int]] | None = None
     said: set[Any] = field(default_factory=set)
 
     def expire(self, state: Any) -> None:
-        """Mark a finished round's participant with a heartbeat older than ``stale`` as dead
-        (its heartbeat set long past): torch's sanitize, which runs next, removes it."""
+        """Mark a finished round's participant as dead (its heartbeat set long past) when the
+        survivors named all its ranks, or its heartbeat is older than ``stale``: torch's
+        sanitize, which runs next, removes it. Never this node."""
         if not getattr(state, "complete", False):
             return
         now = datetime.now(timezone.utc)
         beats = getattr(state, "last_heartbeats", {})
-        for node in list(getattr(state, "participants", {})):
+        named: set[int] | None = None
+        # The ranks name the finished round's participants only: a later round's group
+        # ranks are other nodes.
+        finished = self.died is not None and getattr(state, "round", None) == self.round
+        for node, group in list(getattr(state, "participants", {}).items()):
             beat = beats.get(node)
-            if node == self.node or beat is None or now - beat <= self.stale:
+            if node == self.node or beat is None:
                 continue
-            beats[node] = _LONG_AGO
-            if node not in self.said:
-                self.said.add(node)
-                log.warning("%s: rendezvous node %s is gone (its heartbeat is %.1f s old and "
-                            "this node's workers lost a peer): it leaves the rendezvous now, "
-                            "not after torch's %.0f s", AGENT_NAME, node,
-                            (now - beat).total_seconds(), self.window.total_seconds())
+            ranks = self.node_ranks.get(group) if finished else None
+            if ranks:
+                if named is None:
+                    named = self._named()
+                if ranks <= named:
+                    self._drop(beats, node, f"the survivors' workers saw its rank(s) "
+                               f"{_span(ranks)} die")
+                    continue
+            if self.stale is not None and now - beat > self.stale:
+                self._drop(beats, node, f"its heartbeat is {(now - beat).total_seconds():.1f} "
+                           "s old and this node's workers lost a peer")
+
+    def _named(self) -> set[int]:
+        try:
+            return {int(r) for r in self.died()}        # type: ignore[misc]
+        except Exception as e:   # an unreadable channel: the heartbeat rule alone
+            log.warning("%s: cannot read the ranks the workers saw die (%s)", AGENT_NAME, e)
+            return set()
+
+    def _drop(self, beats: dict[Any, datetime], node: Any, why: str) -> None:
+        beats[node] = _LONG_AGO
+        if node not in self.said:
+            self.said.add(node)
+            log.warning("%s: rendezvous node %s is gone (%s): it leaves the rendezvous now, "
+                        "not after torch's %.0f s", AGENT_NAME, node, why,
+                        self.window.total_seconds())
+
+
+def _span(ranks: Collection[int]) -> str:
+    """``[2, 3]`` as ``2-3``, ``[5]`` as ``5``, other sets as a list."""
+    r = sorted(ranks)
+    if len(r) > 1 and r == list(range(r[0], r[-1] + 1)):
+        return f"{r[0]}-{r[-1]}"
+    return ", ".join(map(str, r))
 
 
 @functools.lru_cache(maxsize=None)

@@ -54,7 +54,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
@@ -76,6 +76,8 @@ log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 _RESCUED = RESCUED_CODES
 # torch's defaults (dynamic_rendezvous.RendezvousTimeout / create_handler).
 _KEEP_ALIVE_S, _KEEP_ALIVE_ATTEMPTS = 5.0, 3
+# Where each agent publishes its workers' global ranks in the round's store (``publish_ranks``).
+_RANKS_KEY = "kempner_resilience/ranks/"
 _SIGNAL_ENDING = "a signal ending (time limit, preemption, Ctrl+C): save, requeue, exit"
 
 
@@ -269,6 +271,39 @@ class InPlace:
             own = getattr(torch_private.this_node(rdzv_handler), "addr", None)
             return None if own is None else str(own)
         return ",".join(sorted(members & set(self.spares_seen))) or None
+
+    def publish_ranks(self, store: Any, group_rank: int, ranks: Sequence[int]) -> None:
+        """A worker group starts: this agent's global ranks, in the round's store (``store``,
+        torch's prefix store of the round) under its group rank, for its peers to read
+        (``node_ranks``). Never raises: without it the peers keep the heartbeat rule."""
+        try:
+            store.set(f"{_RANKS_KEY}{int(group_rank)}", ",".join(str(int(r)) for r in ranks))
+        except Exception as e:   # the store's host died: no relaunch follows anyway
+            log.warning("%s: could not publish this node's ranks in the rendezvous store (%s)",
+                        AGENT_NAME, e)
+
+    def node_ranks(self, store: Any, group_world_size: int) -> dict[int, frozenset[int]]:
+        """The global ranks of each agent of the round, by its group rank, as each published
+        them (``publish_ranks``); empty when one is missing or the store cannot say. torch
+        counts global ranks by the agents' own local world sizes, which may differ: read,
+        not computed."""
+        keys = [f"{_RANKS_KEY}{g}" for g in range(int(group_world_size))]
+        try:
+            if not keys or not store.check(keys):
+                return {}
+            values = store.multi_get(keys)
+            return {g: frozenset(int(r) for r in bytes(v).decode().split(",") if r)
+                    for g, v in enumerate(values)}
+        except Exception as e:   # the store's host died, a malformed value: the heartbeat rule
+            log.warning("%s: could not read the nodes' ranks from the rendezvous store (%s)",
+                        AGENT_NAME, e)
+            return {}
+
+    def ranks_died(self) -> Callable[[], set[int]]:
+        """Reads, when called, the ranks of this group's launch that the survivors saw die
+        without a word (their workers' marks in the channel, ``Channel.ranks_died``)."""
+        channel, launch = self.channel, self.launch
+        return lambda: channel.ranks_died(launch)
 
     def offer(self, restarts_left: int) -> Relaunch:
         """The relaunch this agent offers its workers with ``restarts_left`` restarts left."""
