@@ -1,17 +1,14 @@
 """The torchrun agent's side of a shutdown: its workers tracked, signals sent once, no escalation.
 
-``Agent`` is what our elastic agent (``torchrun_elastic.py``) knows of its workers: the
-processes (each gets ``signals.PARENT_DEATH_SIGNAL`` from the kernel when the agent dies), the
-signals it got (``Agent.on_signal``: recorded, sent once to every worker unless SLURM delivers
-it) and the deadline (``Agent.wait_for_workers``, before torch closes the workers: every worker
-may exit on its own until the shutdown deadline; only workers still alive then are SIGKILLed).
-``starting`` is the one place torch's module-level names are replaced, for the time of a
-worker group's start only (see there why no subclass can do it).
+``Agent`` knows the workers' processes, the signals the agent got (``on_signal``: recorded,
+sent once to every worker unless SLURM delivers them) and the deadline
+(``wait_for_workers``: every worker may exit on its own until the shutdown deadline; only
+those still alive then are SIGKILLed). ``starting`` is the one place torch's module-level
+names are replaced, for the time of a group's start only (see there why).
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import os
 import signal
@@ -26,6 +23,7 @@ from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
+from kempner_resilience.supervise.local.warm import parent_death
 
 __all__ = ["Agent", "Interrupted", "starting", "pdeathsig", "MARGIN_S", "AGENT_NAME"]
 
@@ -179,18 +177,10 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def pdeathsig() -> Callable[[], None] | None:
     """The workers' ``preexec_fn``: ``PARENT_DEATH_SIGNAL`` when the agent dies (None: this
     platform has no ``prctl``)."""
-    # Resolved here, in the agent: between fork and exec the child must not dlopen anything.
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
+    return parent_death(PARENT_DEATH_SIGNAL)
 
 
 @contextmanager
