@@ -84,10 +84,8 @@ def free_port() -> int:
 
 
 def job_exit_code(codes: Sequence[int], killed: Sequence[int] = ()) -> int:
-    """One code for a launch from its ranks' exit statuses (``Popen.returncode``: negative for a
-    rank killed by a signal) and the ranks the launcher itself killed: the policy's one rule
-    (``supervise.policy.job_code``). [81, 1] is 1 (rank 1's error, which rank 0 saw as a lost
-    peer); a rank SIGKILLed beside survivors that said 81 is 81."""
+    """A launch's code from its ranks' ``Popen.returncode`` and the ranks the launcher killed:
+    ``policy.job_code``'s rule ([81, 1] is 1; a SIGKILL beside survivors' 81 is 81)."""
     return job_code(_ends(codes, killed))[0]
 
 
@@ -100,13 +98,9 @@ def launch_evidence(codes: Sequence[int], killed: Sequence[int] = (), *, index: 
                     max_launches: int = 10, commits: Commits | None = None, stalled: int = 0,
                     max_no_progress: int = 2, interrupted: bool = False,
                     relaunch_codes: frozenset[int] | None = None) -> Evidence:
-    """The policy's evidence after launch ``index`` (0: the first): the ranks' exit statuses
-    (``Popen.returncode``, negative for a signal), the ranks the launcher killed after the
-    grace, the budget (``max_launches``: the first launch and the relaunches together), the
-    commits (None: the launcher does not know the checkpoint directory), the no-progress count
-    and guard, whether a signal to the launcher stopped it, and the caller's relaunch codes
-    (None: the policy's rule). One machine: no nodes to implicate, no spares; the launcher is
-    the scheduler, nothing stands behind it."""
+    """The policy's evidence after launch ``index`` (0: the first). ``max_launches`` counts
+    the first launch too; ``commits`` None: the checkpoint directory is unknown. One machine:
+    no nodes to implicate, no spares, no scheduler behind the launcher."""
     return Evidence(_ends(codes, killed), restarts=index, max_restarts=max_launches - 1,
                     commits=commits, stalled=stalled, max_no_progress=max_no_progress,
                     stopping=interrupted, relaunch_codes=relaunch_codes)
@@ -140,25 +134,17 @@ class Launch:
 class LocalLauncher:
     """Runs ``command`` as ``ranks`` processes until it completes or stops asking to rerun.
 
-    ``workdir``: where each launch's rank logs (``rank<r>.<launch>.log``, stdout dropped),
-    progress file and run report go, the ranks' working directory; the command then gets
-    ``--progress FILE`` appended (the demo trainer's option). None: the ranks write to this
-    process's stdout/stderr and run in its working directory, the command unchanged (a user's
-    script). ``interrupts`` (work directory only) maps a training step to the signal delivered
-    when rank 0 reaches it (each is delivered once over the whole job). ``on_progress(launch,
-    step)`` is called as steps complete, ``on_launch(launch)`` after each launch.
-    ``max_launches``: the first launch and the relaunches together. ``run_paths``: the run's
-    directory, when the caller knows it: the policy's no-progress guard
-    (``max_no_progress`` relaunches in a row without a newer committed step) then applies.
-    ``relaunch_codes``: None, the policy decides; a set, relaunch exactly when the job's code is
-    in it (a caller that plays a scheduler of its own, as the demo does with its own signals).
-    ``stop_timeout_s``: the grace after a signal to the launcher and after the first rank's end.
-    ``log_dir`` (without ``workdir``): each rank's stdout and stderr go to
-    ``log_dir/rank<r>.<launch>.log`` instead of this process's (check-resume keeps its own
-    output readable); the command and the working directory stay the user's.
-    ``zygote``: a warm-start process the caller owns (``warm_parent``), shared by its
-    launchers of one command, so only the first pays torch's import; None: the launcher
-    starts its own when the command can start warm, and ends it with its run.
+    ``workdir``: the ranks' working directory, where each launch's rank logs
+    (``rank<r>.<launch>.log``, stdout dropped), progress file and run report go; the command
+    gets ``--progress FILE`` (the demo trainer's). None: the user's script, unchanged, on this
+    process's streams. ``interrupts`` (workdir only): step -> the signal sent once when rank 0
+    reaches it. ``max_launches`` counts the first launch. ``run_paths``: the run's directory,
+    when known, for the no-progress guard. ``relaunch_codes``: None, the policy decides; a
+    set, relaunch exactly those codes (a caller that plays a scheduler, as the demo does).
+    ``stop_timeout_s``: the grace after a signal and after the first rank's end. ``log_dir``
+    (without workdir): each rank's streams to ``log_dir/rank<r>.<launch>.log``. ``zygote``: a
+    warm-start process the caller owns and shares (``warm_parent``); None: the launcher
+    starts its own when the command can start warm.
     """
 
     def __init__(self, command: list[str], *, ranks: int, workdir: Path | None,
@@ -196,11 +182,7 @@ class LocalLauncher:
         (then the last launch has ``interrupted`` set). SIGINT and SIGTERM are taken over while
         this runs (main thread only: elsewhere Ctrl+C keeps raising KeyboardInterrupt, which is
         handled the same way)."""
-        # The ranks tell the launcher which run this is (supervise/channel.py): its directory
-        # (whatever way the script sets checkpoint.dir) and its no-progress setting.
         self.channel = Channel.private("kempner-resilience-launch-")
-        # Ranks forked from a process that imported torch once (warm.py): a relaunch costs
-        # a fork, not Python's and torch's start-up; any other command starts cold.
         warm = warm_command(self.command)
         own = warm and self._shared is None
         self._zygote = Zygote(self._zygote_env()) if own else self._shared if warm else None
@@ -411,11 +393,9 @@ class LocalLauncher:
 
 
 def warm_parent(command: Sequence[str], ranks: int) -> Zygote | None:
-    """One warm-start process for several launchers of ``command`` on ``ranks`` ranks (their
-    ``zygote``), or None when the command starts cold; the caller closes it after their runs.
-    Its environment is a launch's less what differs between launches and launchers (the rank's
-    variables, the channel, the launcher's ``env``: the package's own settings): a warm rank's
-    environment replaces it whole, and the zygote's imports read none of those."""
+    """One warm-start process shared by several launchers of ``command`` (their ``zygote``),
+    or None when the command starts cold; the caller closes it. Its environment is a launch's
+    less what differs between launches and launchers (a warm rank's replaces it whole)."""
     if not warm_command(command):
         return None
     return Zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env())

@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +73,9 @@ def warm_command(command: Sequence[str], flags: Sequence[str] = ()) -> bool:
         return False
     exe = command[0]
     try:
-        same = os.path.samefile(exe if os.sep in exe else _which(exe), sys.executable)
+        # Not on the PATH: samefile("") raises FileNotFoundError.
+        same = os.path.samefile(exe if os.sep in exe else shutil.which(exe) or "",
+                                sys.executable)
     except (OSError, TypeError):
         return False
     if not same:
@@ -112,15 +115,6 @@ def pristine(threads: int = 1) -> str | None:
     if threading.active_count() != 1 or _threads() > threads:
         return f"it runs {_threads()} threads, {threads} after its imports"
     return None
-
-
-def _which(name: str) -> str:
-    import shutil
-
-    found = shutil.which(name)
-    if found is None:
-        raise OSError(name)
-    return found
 
 
 def parent_death(signum: int) -> Callable[[], Any] | None:

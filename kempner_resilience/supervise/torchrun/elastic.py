@@ -49,11 +49,8 @@ log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 
 class ElasticAgent(LocalElasticAgent):
-    """torchrun's agent with our shutdown, and the policy's restart decision.
-
-    ``tracked``: what the agent knows of its workers and signals; ``inplace``: its part in
-    relaunches on spares (None: none); ``shutdown_names``: ``torch_private.elastic("shutdown")``;
-    ``decides``: the policy decides restarts (False: this torch lacks the names, torch does)."""
+    """torchrun's agent with our shutdown (``tracked``), the policy's restart decision
+    (``decides``: False when this torch lacks the names), and spares (``inplace``)."""
 
     def __init__(self, spec: Any, logs_specs: Any, *, tracked: Agent, inplace: InPlace | None,
                  shutdown_names: dict[str, Any], decides: bool, **kwargs: Any) -> None:

@@ -65,14 +65,11 @@ def observe(codes: Mapping[int, int], *, signalled: bool, restarts_left: int,
             max_no_progress: int = 0) -> Evidence:
     """The policy's evidence from one agent's view of a failed worker group.
 
-    ``codes``: its workers that ended, ``{global rank: return code}``; ``signalled``: a signal
-    reached the agent (a time limit, a preemption, Ctrl+C); ``restarts_left``/``max_restarts``:
-    torch's in-place restart budget; ``standbys``: standby agents waiting (None: no spares, the
-    group restarts where it ran); ``node``: this node when it is implicated
-    (``implicated_here``), else a peer's node is; ``killed``: ranks the agent killed itself;
-    ``commits``: the run's committed step when the group started and now (None: the agent
-    does not know the run: no report in the supervisor channel), with ``stalled`` and
-    ``max_no_progress`` the policy's no-progress guard, as for srun and the local launcher."""
+    ``signalled``: a signal reached the agent; ``standbys``: standby agents waiting (None: no
+    spares, the group restarts where it ran); ``node``: this node when it is implicated
+    (``implicated_here``), else a peer's is; ``killed``: ranks the agent killed itself;
+    ``commits`` (None: no run reported in the channel), ``stalled``, ``max_no_progress``: the
+    no-progress guard, as for the other backends."""
     implicated: frozenset[str] = frozenset()
     if standbys is not None:
         implicated = frozenset({node or PEER})

@@ -32,12 +32,9 @@ log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent, inplace: InPlace | None,
            shutdown_names: dict[str, Any], decides: bool) -> Any:
-    """Run torchrun's command line ``argv`` with our agent; the workers' return values (none
-    for an agent that ended as a standby: the rendezvous closed while it waited). Raises
-    torch's ``ChildFailedError`` when the workers failed, after torch's own report of it
-    (``record``), as torchrun's ``main`` does. ``argv`` may also be torchrun's arguments
-    already parsed (what another launcher, ``accelerate launch``, hands to
-    ``torch.distributed.run.run``)."""
+    """Run torchrun's ``argv`` (or its parsed arguments, from ``accelerate launch``) with our
+    agent; the workers' return values (none for a standby). Raises ``ChildFailedError`` after
+    torch's own report of it, as torchrun's ``main`` does."""
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import config_from_args, parse_args
 

@@ -199,11 +199,9 @@ class InPlace:
         return True, f"standby node(s) waiting: {', '.join(spares)}"
 
     def progress(self) -> dict[str, Any]:
-        """The no-progress guard's evidence (``observe``'s ``commits``, ``stalled``,
-        ``max_no_progress``): the run's commits when this agent's group started and now, read
-        from the directory rank 0 named in the supervisor channel, and the run's own
-        ``requeue.max_no_progress``. Without a report the agent does not know the run: the
-        guard stays off, as for every backend that cannot see the commits."""
+        """The no-progress guard's evidence for ``observe``: the run's commits when the group
+        started and now, and its ``requeue.max_no_progress``. Without a run reported in the
+        job's channel the guard stays off, as for every backend that cannot see the commits."""
         paths = self._shared_run()
         if paths is None:
             return {}

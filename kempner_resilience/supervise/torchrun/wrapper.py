@@ -101,14 +101,13 @@ def _signals(config: ResilienceConfig) -> list[int]:
 
 def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         forward: bool | None = None, *, front: Front | None = None) -> int:
-    """Run ``torchrun argv`` (its own arguments, then the script's) in this process as a
-    well-behaved srun task; returns the exit code for the batch script (see ``agent_exit_code``).
+    """Run ``torchrun argv`` in this process as a well-behaved srun task; returns the exit
+    code for the batch script (``agent_exit_code``).
 
-    ``config``: the package config the workers use (their grace and exit timeout bound the
-    agent's wait); default ``load_config()``. ``forward``: None decides with
-    ``forward_signals()``. ``front``: another launcher's command line that runs torchrun in
-    this process (``accelerate launch``): called with the function to run in the place of
-    ``torch.distributed.run.run``; ``argv`` is then unused (no spare nodes).
+    ``config``: the workers' (their grace and exit timeout bound the agent's wait); default
+    ``load_config()``. ``forward``: None decides with ``forward_signals()``. ``front``:
+    another launcher (``accelerate launch``) that runs torchrun here, called with the function
+    to run in the place of ``torch.distributed.run.run``; ``argv`` is then unused.
     """
     set_role("agent")     # not a rank: its SLURM_PROCID under srun is its node's index
     config = config or load_config()
@@ -135,13 +134,9 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         # The workers' ledger counts the attempt from here: the agent's imports and rendezvous
         # are the job's time, not time in the queue (goodput.py).
         os.environ[AGENT_START_ENV] = repr(process_start_time())
-        # The workers' own store, not the agent's: recent torch (c10d rendezvous) lets
-        # the workers share the agent's TCPStore by default, and the stop agreement, the
-        # checkpoint's commit and the shared exit code all go through that store. An agent that
-        # dies (OOM-killed, SIGKILLed) would take it along and turn the workers' graceful stop
-        # into a lost peer. With torch's own opt-out, worker rank 0 serves it, as under srun.
-        # (The static rendezvous always shares the agent's store: there node 0's agent dying
-        # still leaves only the rescue.)
+        # The workers' own store, served by worker rank 0 as under srun: the stop agreement,
+        # the commit and the exit code go through it, and an agent that dies (OOM, SIGKILL)
+        # would take a shared one along, turning a graceful stop into a lost peer.
         os.environ.setdefault(_OWN_STORE_ENV, "1")
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
