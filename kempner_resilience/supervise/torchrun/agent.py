@@ -185,16 +185,13 @@ def pdeathsig() -> Callable[[], None] | None:
 
 @contextmanager
 def starting(agent: Agent, names: dict[str, Any]) -> Iterator[None]:
-    """For the time of one worker group's start (torch's ``_start_workers``, on the agent's
-    main thread): torch's workers' ``Popen`` and its signal handler replaced by ours.
+    """For the time of one worker group's start: torch's workers' ``Popen`` and its signal
+    handler replaced by ours (``names``: ``torch_private.elastic("shutdown")``).
 
-    No subclass can do this: ``start_processes`` (a module function) builds the process
-    context, ``PContext.start`` installs the module function ``_terminate_process_handler``
-    for the signals torch handles, and the subprocess handler calls its module's ``Popen``.
-    Re-installing our handler after the start would leave a window in which a signal raises
-    torch's ``SignalException`` (every worker SIGTERMed, then SIGKILLed 30 s later). So these
-    two module attributes are swapped while the group starts and put back right after;
-    ``names`` is ``torch_private.elastic("shutdown")``."""
+    No subclass can do this: module functions build the process context, install torch's
+    ``_terminate_process_handler`` and call the module's ``Popen``. Our handler installed
+    after the start would leave a window in which a signal raises torch's
+    ``SignalException`` (every worker SIGTERMed, SIGKILLed 30 s later)."""
     popen_module = importlib.import_module(torch_private.SUBPROCESS_HANDLER_MODULE)
     api_module = importlib.import_module(torch_private.MP_API_MODULE)
     stock_popen = names["Popen"]

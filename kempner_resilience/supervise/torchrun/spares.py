@@ -28,7 +28,6 @@ What torch lacks, and ``InPlace`` decides (``elastic.py``'s subclasses ask it):
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -114,12 +113,10 @@ class InPlace:
         self.own_paths = RunPaths.from_config(agent.config)  # the run's without a channel
         self.spares_seen: list[str] = []  # the standbys waiting when this agent restarted
         self.why: str | None = None       # this agent's view of the last failure
-        self.starts = 0                   # worker groups this agent started
         self.launch = launch_name()       # the launch its workers mark their hangs under
         self.committed_before: int | None = None   # the run's commit when the group started
         self.stalled = 0                  # relaunches in a row without a newer commit
         self.final_code: int | None = None  # the policy's code when its guard ended the job
-        self._lock = threading.Lock()
         self._waiting_since: float | None = None  # a node waits while the workers run
         rescue, hang = agent.config.rescue, agent.config.watchdog.hang_timeout_s
         # How long a healthy group may take to see the loss (a hang: its hang timeout) and
@@ -141,8 +138,7 @@ class InPlace:
         self.restarts += 1
 
     def waiting_as_spare(self) -> bool:
-        """This agent waits as a spare now: torch kept it out of a round and it has started
-        no worker since (whether or not it trained before)."""
+        """torch kept this agent out of a round and it has started no worker since."""
         return self.standby and not self.agent.workers
 
     def run_paths(self) -> RunPaths:
@@ -159,9 +155,8 @@ class InPlace:
 
     def decide(self, codes: Mapping[int, int], restarts_left: int = 1,
                max_restarts: int = 1) -> tuple[bool, str]:
-        """Whether the failed worker group restarts in place, and why (or why not): the
-        policy's decision over this agent's view. ``codes``: this node's ended workers,
-        {global rank: return code (-N: signal N)}."""
+        """Whether the failed worker group restarts in place, and why: the policy's decision
+        over this node's ended workers ``codes`` ({global rank: return code})."""
         signalled = bool(self.agent.signals)
         progress = self.progress()
         first = decide(observe(codes, signalled=signalled, restarts_left=restarts_left,
@@ -306,7 +301,6 @@ class InPlace:
             # One agent per round writes it, before its workers (global rank 0's) start.
             record_agent_restart(self.run_paths(), round_, spare=self.spare(rdzv_handler),
                                  why=self.why)
-        self.starts += 1
 
     def close(self) -> None:
         """The run is over: the workers' channel goes, and the environment is as before."""
