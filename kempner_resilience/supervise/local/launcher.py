@@ -1,46 +1,29 @@
 """A local launcher that plays the scheduler when no SLURM is present.
 
-It does what SLURM does for a requeueable job, on one machine: start one process per rank
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT set; gloo or NCCL, a
-fresh port per launch), and start the job again when the launch-side policy says so
-(``supervise/policy.py``: a REQUEUE, or a rescued failure, HANG/PEER_LOST or a rank killed, as a
-site's requeue-on-failure would; never after a rank's own error, whatever its peers said), up to
-a restart budget, and with the policy's no-progress guard over the run's commits: rank 0 names
-its run's directory in the launcher's channel (``supervise/channel.py``), whatever way the
-script sets ``checkpoint.dir``.
-The channel tells the ranks how often they were restarted (``Channel.begin_launch``): the
-run's restart budget (``requeue.max_restarts``), its no-progress guard and its ledger count
-the attempts from it. ``KEMPNER_RESTART_COUNT`` says the same to the user's script, as
-``SLURM_RESTART_COUNT`` does. ``kempner-resilience launch`` runs a
-user's script with it; ``kempner-resilience demo`` runs the demo trainer, with a work directory
-for the ranks' logs and a progress file that lets it deliver a signal at a chosen step (as
-``--signal=USR1@T`` would).
+It does what SLURM does for a requeueable job, on one machine: one process per rank (the
+``RANK``/``WORLD_SIZE``/``MASTER_*`` variables, a fresh port per launch), started again while
+the one policy says so (``supervise/policy.py``), within a restart budget and its no-progress
+guard. Rank 0 names its run's directory in the launcher's channel (``supervise/channel.py``),
+whatever way the script sets ``checkpoint.dir``. The channel gives the ranks their restart
+count; ``KEMPNER_RESTART_COUNT`` says it to the script, as ``SLURM_RESTART_COUNT`` does.
 
 Ctrl+C works as with torchrun: the ranks run in sessions of their own, so a terminal's SIGINT
-(sent to the launcher's whole process group) reaches only the launcher, which forwards exactly
-one SIGINT to every rank: they agree on a step, commit the checkpoint and exit 130. A second
-Ctrl+C forwards a second SIGINT, which forces every rank out at once. A SIGTERM to the launcher
-(``kill``) is forwarded the same way (checkpoint, 143). Every wait after such a signal is
-bounded (``stop_timeout_s``); ranks still alive then are killed, so none is ever left behind,
-and ranks whose launcher dies get SIGTERM from the kernel (a graceful stop).
+reaches only the launcher, which forwards one SIGINT to every rank (checkpoint, 130). A second
+Ctrl+C forwards a second one, which forces them out. A SIGTERM is forwarded the same way
+(143). Ranks whose launcher dies get SIGTERM from the kernel.
 
-A launch is bounded too: once the first rank has ended, whatever its code, the others get
-``stop_timeout_s`` (the same grace) to end as well; a rank still there then (frozen by SIGSTOP,
-stuck in a collective its lost peer will never join) gets SIGTERM, and SIGKILL
-``KILL_AFTER_TERM_S`` later. Such a rank counts as hung for the policy, never as an ending of its
-own (``RankEnd.by_supervisor``). Survivors that detect a lost peer only through their hang
-watchdog need a grace above ``watchdog.hang_timeout_s`` + ``rescue.budget_s`` to commit their
-rescue before they are killed.
+Every wait is bounded by ``stop_timeout_s``: after a signal, and after the first rank's end
+(a rank frozen by SIGSTOP, or stuck in a collective its lost peer never joins). A rank still
+there then gets SIGTERM, and SIGKILL ``KILL_AFTER_TERM_S`` later. It counts as hung for the
+policy (``RankEnd.by_supervisor``). Survivors that see a lost peer only through their hang
+watchdog need a grace above ``watchdog.hang_timeout_s`` + ``rescue.budget_s``.
 
-When a launch is over, whatever the ranks started and left running is killed too, as SLURM kills
-a step's processes (``core/strays.py``): the ranks' sessions, and processes that left them
-(``setsid``) but carry the launch's channel in their environment. A relaunch never runs beside
-the last launch's data servers or stray children.
+When a launch is over, whatever the ranks left running is killed, as SLURM kills a step's
+processes (``core/strays.py``). A relaunch never runs beside the last launch's stray children.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
@@ -55,7 +38,7 @@ from typing import Callable, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.strays import clock_ticks_now, end_strays
-from kempner_resilience.supervise.local.warm import WarmProcess, Zygote, warm_command
+from kempner_resilience.supervise.local.warm import Zygote, parent_death, warm_command
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, newest_commit
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
@@ -79,16 +62,6 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # an sbatch script), a rank that saw them would `scontrol requeue` the allocation itself; here
 # the launcher is the ranks' scheduler, so they are not passed on.
 _SCHEDULER_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_launcher() -> None:
-    # Runs in the child between fork and exec. Ranks live in their own session (no terminal
-    # SIGINT), so without this a launcher killed with SIGKILL would leave them running.
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
 
 
 def free_port() -> int:
@@ -111,10 +84,8 @@ def free_port() -> int:
 
 
 def job_exit_code(codes: Sequence[int], killed: Sequence[int] = ()) -> int:
-    """One code for a launch from its ranks' exit statuses (``Popen.returncode``: negative for a
-    rank killed by a signal) and the ranks the launcher itself killed: the policy's one rule
-    (``supervise.policy.job_code``). [81, 1] is 1 (rank 1's error, which rank 0 saw as a lost
-    peer); a rank SIGKILLed beside survivors that said 81 is 81."""
+    """A launch's code from its ranks' ``Popen.returncode`` and the ranks the launcher killed:
+    ``policy.job_code``'s rule ([81, 1] is 1; a SIGKILL beside survivors' 81 is 81)."""
     return job_code(_ends(codes, killed))[0]
 
 
@@ -127,13 +98,9 @@ def launch_evidence(codes: Sequence[int], killed: Sequence[int] = (), *, index: 
                     max_launches: int = 10, commits: Commits | None = None, stalled: int = 0,
                     max_no_progress: int = 2, interrupted: bool = False,
                     relaunch_codes: frozenset[int] | None = None) -> Evidence:
-    """The policy's evidence after launch ``index`` (0: the first): the ranks' exit statuses
-    (``Popen.returncode``, negative for a signal), the ranks the launcher killed after the
-    grace, the budget (``max_launches``: the first launch and the relaunches together), the
-    commits (None: the launcher does not know the checkpoint directory), the no-progress count
-    and guard, whether a signal to the launcher stopped it, and the caller's relaunch codes
-    (None: the policy's rule). One machine: no nodes to implicate, no spares; the launcher is
-    the scheduler, nothing stands behind it."""
+    """The policy's evidence after launch ``index`` (0: the first). ``max_launches`` counts
+    the first launch too; ``commits`` None: the checkpoint directory is unknown. One machine:
+    no nodes to implicate, no spares, no scheduler behind the launcher."""
     return Evidence(_ends(codes, killed), restarts=index, max_restarts=max_launches - 1,
                     commits=commits, stalled=stalled, max_no_progress=max_no_progress,
                     stopping=interrupted, relaunch_codes=relaunch_codes)
@@ -167,25 +134,17 @@ class Launch:
 class LocalLauncher:
     """Runs ``command`` as ``ranks`` processes until it completes or stops asking to rerun.
 
-    ``workdir``: where each launch's rank logs (``rank<r>.<launch>.log``, stdout dropped),
-    progress file and run report go, the ranks' working directory; the command then gets
-    ``--progress FILE`` appended (the demo trainer's option). None: the ranks write to this
-    process's stdout/stderr and run in its working directory, the command unchanged (a user's
-    script). ``interrupts`` (work directory only) maps a training step to the signal delivered
-    when rank 0 reaches it (each is delivered once over the whole job). ``on_progress(launch,
-    step)`` is called as steps complete, ``on_launch(launch)`` after each launch.
-    ``max_launches``: the first launch and the relaunches together. ``run_paths``: the run's
-    directory, when the caller knows it: the policy's no-progress guard
-    (``max_no_progress`` relaunches in a row without a newer committed step) then applies.
-    ``relaunch_codes``: None, the policy decides; a set, relaunch exactly when the job's code is
-    in it (a caller that plays a scheduler of its own, as the demo does with its own signals).
-    ``stop_timeout_s``: the grace after a signal to the launcher and after the first rank's end.
-    ``log_dir`` (without ``workdir``): each rank's stdout and stderr go to
-    ``log_dir/rank<r>.<launch>.log`` instead of this process's (check-resume keeps its own
-    output readable); the command and the working directory stay the user's.
-    ``zygote``: a warm-start process the caller owns (``warm_parent``), shared by its
-    launchers of one command, so only the first pays torch's import; None: the launcher
-    starts its own when the command can start warm, and ends it with its run.
+    ``workdir``: the ranks' working directory, where each launch's rank logs
+    (``rank<r>.<launch>.log``, stdout dropped), progress file and run report go; the command
+    gets ``--progress FILE`` (the demo trainer's). None: the user's script, unchanged, on this
+    process's streams. ``interrupts`` (workdir only): step -> the signal sent once when rank 0
+    reaches it. ``max_launches`` counts the first launch. ``run_paths``: the run's directory,
+    when known, for the no-progress guard. ``relaunch_codes``: None, the policy decides; a
+    set, relaunch exactly those codes (a caller that plays a scheduler, as the demo does).
+    ``stop_timeout_s``: the grace after a signal and after the first rank's end. ``log_dir``
+    (without workdir): each rank's streams to ``log_dir/rank<r>.<launch>.log``. ``zygote``: a
+    warm-start process the caller owns and shares (``warm_parent``); None: the launcher
+    starts its own when the command can start warm.
     """
 
     def __init__(self, command: list[str], *, ranks: int, workdir: Path | None,
@@ -223,11 +182,7 @@ class LocalLauncher:
         (then the last launch has ``interrupted`` set). SIGINT and SIGTERM are taken over while
         this runs (main thread only: elsewhere Ctrl+C keeps raising KeyboardInterrupt, which is
         handled the same way)."""
-        # The ranks tell the launcher which run this is (supervise/channel.py): its directory
-        # (whatever way the script sets checkpoint.dir) and its no-progress setting.
         self.channel = Channel.private("kempner-resilience-launch-")
-        # Ranks forked from a process that imported torch once (warm.py): a relaunch costs
-        # a fork, not Python's and torch's start-up; any other command starts cold.
         warm = warm_command(self.command)
         own = warm and self._shared is None
         self._zygote = Zygote(self._zygote_env()) if own else self._shared if warm else None
@@ -316,33 +271,27 @@ class LocalLauncher:
         procs = []
         t0 = time.monotonic()
         since = clock_ticks_now()       # what the ranks start from now on is this launch's
+        cwd = None if self.workdir is None else str(self.workdir)
         for rank in range(self.ranks):
             env = self.rank_env(rank, port, index)
+            out = err = None
+            if self.workdir is not None:
+                env["KEMPNER_RESILIENCE_REPORT"] = str(report)
+                out, err = os.devnull, str(self.workdir / f"rank{rank}.{index}.log")
+            elif self.log_dir is not None:
+                out = err = str(self.log_dir / f"rank{rank}.{index}.log")
             if self._zygote is not None:
                 try:
-                    procs.append(self._warm(command, env, rank, index, report))
+                    procs.append(self._zygote.spawn(command, env, cwd, out, err))
                     continue
                 except OSError as e:
                     _log.warning("warm start unavailable (%s): starting the ranks cold", e)
                     self._zygote = None
-            err = out = None
-            if self.workdir is not None:
-                env["KEMPNER_RESILIENCE_REPORT"] = str(report)
-                err = open(self.workdir / f"rank{rank}.{index}.log", "w")
-                out = subprocess.DEVNULL
-            elif self.log_dir is not None:
-                err = out = open(self.log_dir / f"rank{rank}.{index}.log", "w")
             try:
-                procs.append(subprocess.Popen(
-                    command, env=env, cwd=self.workdir, start_new_session=True,
-                    stdout=out, stderr=err,
-                    preexec_fn=_die_with_launcher))
+                procs.append(_start_cold(command, env, cwd, out, err))
             except BaseException:
                 self._signal_all(procs, signal.SIGKILL)  # no rank outlives a failed start
                 raise
-            finally:
-                if err is not None:
-                    err.close()         # the rank holds its own copy
         launch = Launch(index, [], None, 0.0)
         sent_at = None
         seen = 0
@@ -416,20 +365,6 @@ class LocalLauncher:
             launch.stderr_tail = log0.splitlines()[-15:]
         return launch
 
-    def _warm(self, command: list[str], env: dict[str, str], rank: int, index: int,
-              report: Path | None) -> WarmProcess:
-        """Rank ``rank`` of launch ``index`` forked from the zygote, with the streams and the
-        working directory a cold start gets."""
-        assert self._zygote is not None
-        out = err = None
-        if self.workdir is not None:
-            env["KEMPNER_RESILIENCE_REPORT"] = str(report)
-            out, err = os.devnull, str(self.workdir / f"rank{rank}.{index}.log")
-        elif self.log_dir is not None:
-            out = err = str(self.log_dir / f"rank{rank}.{index}.log")
-        return self._zygote.spawn(command, env, None if self.workdir is None
-                                  else str(self.workdir), out, err)
-
     def _end_strays(self, index: int, procs: list[subprocess.Popen],
                     since: int | None) -> None:
         """End what the ranks of launch ``index`` started and left running, as SLURM ends a
@@ -458,14 +393,26 @@ class LocalLauncher:
 
 
 def warm_parent(command: Sequence[str], ranks: int) -> Zygote | None:
-    """One warm-start process for several launchers of ``command`` on ``ranks`` ranks (their
-    ``zygote``), or None when the command starts cold; the caller closes it after their runs.
-    Its environment is a launch's less what differs between launches and launchers (the rank's
-    variables, the channel, the launcher's ``env``: the package's own settings): a warm rank's
-    environment replaces it whole, and the zygote's imports read none of those."""
+    """One warm-start process shared by several launchers of ``command`` (their ``zygote``),
+    or None when the command starts cold; the caller closes it. Its environment is a launch's
+    less what differs between launches and launchers (a warm rank's replaces it whole)."""
     if not warm_command(command):
         return None
     return Zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env())
+
+
+def _start_cold(command: list[str], env: dict[str, str], cwd: str | None, out: str | None,
+                err: str | None) -> subprocess.Popen:
+    """A rank started cold, in a session of its own: a terminal's Ctrl+C is the launcher's to
+    pass on, and the kernel SIGTERMs it if the launcher dies (none is left running)."""
+    files = {p: open(p, "w") for p in {out, err} - {None, os.devnull}}
+    try:
+        return subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True,
+                                stdout=subprocess.DEVNULL if out == os.devnull else files.get(out),
+                                stderr=files.get(err), preexec_fn=parent_death(signal.SIGTERM))
+    finally:
+        for f in files.values():
+            f.close()           # the rank holds its own copy
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:

@@ -1,41 +1,28 @@
-"""Warm ranks for the local launcher: rank processes forked from a parent that has imported
-torch, so a launch or a relaunch does not pay Python's and torch's start-up again.
+"""Warm ranks: rank processes forked from a parent that imported torch, so a launch or a
+relaunch does not pay Python's and torch's start-up again (seconds of CPU per rank).
 
-A rank's fixed cost before its first step on a small machine is seconds of CPU (``import
-torch`` 1-2 s, DCP 0.7 s, ``torch._dynamo`` on the first optimizer 1-1.5 s). ``Zygote`` starts
-one process per launcher that imports those once, single-threaded in Python and never touching
-CUDA (``import torch`` does not initialise it), then forks a rank per request. The child turns
-itself into the rank before the user's script runs: its own session, the rank's environment
-(``os.environ`` replaced whole), working directory, standard streams, default signal
-dispositions and mask, ``sys.argv`` and ``sys.path[0]`` as ``python script.py`` sets them,
-fresh seeds for the RNGs a cold start seeds from the OS (``random`` reseeds itself at fork;
-torch's default generator and NumPy's global one are reseeded here); then the script runs as ``__main__`` and the interpreter
-exits as after a cold start (threads joined, ``atexit``, an uncaught exception's traceback and
-code, KeyboardInterrupt's 130).
+``Zygote`` is one process that imports torch once, single-threaded and never touching CUDA,
+then forks a rank per request. The child turns itself into the rank before the script runs:
+its own session, the rank's environment (replaced whole), working directory, streams, default
+signals, ``sys.argv`` and ``sys.path[0]`` as ``python script.py`` sets them, and fresh RNG
+seeds (torch's and NumPy's global ones, which a cold start seeds from the OS). It then runs
+the script as ``__main__`` and exits as a cold start would.
 
-What a child cannot have that a cold start has: another interpreter, other ``-X``/``-u``
-flags, or a library that read an environment variable at import (OpenMP's thread count): the
-zygote runs with the launch's own environment (the ranks differ from it only by their rank's
-variables: ``RANK``, ``LOCAL_RANK``, the port, the restart count, the channel), and a command
-that is not ``<this python> script.py ...`` or ``<this python> -m module ...`` starts cold.
-Two things a tool may see differ from a cold start: a warm rank is the zygote's child, not the
-launcher's, and its ``/proc/<pid>/environ`` shows the zygote's environment (the rank's own is
-in ``os.environ``). So warm starts are opt-in: ``KEMPNER_RESILIENCE_WARM=1`` (``launch
---warm``).
+Why opt-in (``KEMPNER_RESILIENCE_WARM=1``, ``launch --warm``): a child cannot have another
+interpreter or other flags, and a library that read an environment variable at import read
+the zygote's. A warm rank is the zygote's child, not the launcher's, and its
+``/proc/<pid>/environ`` shows the zygote's environment. A command that is not ``<this python>
+script.py`` or ``-m module`` starts cold.
 
-The protocol, one JSON line each way over a pipe pair: the launcher asks ``{"argv", "env",
-"cwd", "stdout", "stderr"}``; the zygote answers ``{"pid"}`` for a fork, and ``{"exit": pid,
-"code": returncode}`` (negative for a signal, as ``Popen``) when it reaps one. ``WarmProcess``
-is the launcher's ``Popen``-like handle on such a rank.
+The protocol is one JSON line each way over a pipe pair: the launcher asks ``{"argv", "env",
+"cwd", "stdout", "stderr"}``; the zygote answers ``{"pid"}`` for a fork and ``{"exit": pid,
+"code": returncode}`` when it reaps one. ``WarmProcess`` is the launcher's ``Popen``-like
+handle on such a rank.
 
-The zygote never runs a rank's code, and checks it before every fork (``pristine``): no module
-of this package (where steps run), no process group, no ``__main__`` but its own, one thread.
-A zygote that fails the check answers ``{"refused": why}`` and exits; the launcher starts its
-ranks cold from then on. So a rank whose state cannot be trusted (a hang, a timed-out
-collective) is never the parent of the next incarnation: each incarnation is a fresh fork.
-The torchrun agents use it too (``supervise/torchrun/warm.py``): their zygote ignores the signals SLURM
-may send to every process of a step, and dies with the agent (SIGKILL, then its workers get
-their own parent-death signal).
+The zygote never runs a rank's code, and checks it before every fork (``pristine``). A zygote
+that fails the check answers ``{"refused": why}`` and exits; the ranks start cold from then
+on. So a rank whose state cannot be trusted (a hang, a timed-out collective) is never the
+parent of the next incarnation. The torchrun agents use it too (``supervise/torchrun/warm.py``).
 """
 
 from __future__ import annotations
@@ -45,16 +32,17 @@ import gc
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["Zygote", "WarmProcess", "warm_command", "warm_on", "pristine", "WARM_ENV",
-           "PRELOAD", "UNBUFFERED"]
+__all__ = ["Zygote", "WarmProcess", "warm_command", "warm_on", "pristine", "parent_death",
+           "WARM_ENV", "PRELOAD", "UNBUFFERED"]
 
 WARM_ENV = "KEMPNER_RESILIENCE_WARM"
 #: What the zygote imports before it forks: what every rank of ours imports anyway.
@@ -85,7 +73,9 @@ def warm_command(command: Sequence[str], flags: Sequence[str] = ()) -> bool:
         return False
     exe = command[0]
     try:
-        same = os.path.samefile(exe if os.sep in exe else _which(exe), sys.executable)
+        # Not on the PATH: samefile("") raises FileNotFoundError.
+        same = os.path.samefile(exe if os.sep in exe else shutil.which(exe) or "",
+                                sys.executable)
     except (OSError, TypeError):
         return False
     if not same:
@@ -127,30 +117,15 @@ def pristine(threads: int = 1) -> str | None:
     return None
 
 
-def _which(name: str) -> str:
-    import shutil
-
-    found = shutil.which(name)
-    if found is None:
-        raise OSError(name)
-    return found
-
-
-def _parent_death(signum: int) -> Any:
-    """A ``preexec_fn`` that sets the child's parent-death signal, ``prctl`` resolved here:
-    between fork and exec a child of a threaded launcher must not load anything."""
+def parent_death(signum: int) -> Callable[[], Any] | None:
+    """A ``preexec_fn`` that gives the child ``signum`` when its parent dies (None: no
+    ``prctl`` here). ``prctl`` is resolved now: between fork and exec a child of a threaded
+    parent must not load anything."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
     return lambda: prctl(_PR_SET_PDEATHSIG, signum)
-
-
-def _die_with_parent(signum: int = signal.SIGTERM) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
-    except (OSError, AttributeError):
-        pass
 
 
 class Zygote:
@@ -177,7 +152,7 @@ class Zygote:
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(req_r), str(ans_w), options],
             env=env, pass_fds=(req_r, ans_w), start_new_session=True,
-            preexec_fn=_parent_death(death_signal))
+            preexec_fn=parent_death(death_signal))
         os.close(req_r)
         os.close(ans_w)
         self._req = os.fdopen(req_w, "w", buffering=1)
@@ -347,7 +322,9 @@ def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] 
 def _become(msg: dict[str, Any]) -> None:
     """In the forked child: become the rank ``msg`` describes, as a cold start would be."""
     os.setsid()
-    _die_with_parent(int(msg.get("death_signal", signal.SIGTERM)))
+    die = parent_death(int(msg.get("death_signal", signal.SIGTERM)))
+    if die is not None:
+        die()
     opened: dict[str, int] = {}         # stdout and stderr into one log: one open file
     for fd, where in ((1, msg.get("stdout")), (2, msg.get("stderr"))):
         if where:

@@ -1,21 +1,14 @@
 """`accelerate launch` with our torchrun agent: one word in front of the user's command line.
 
-``accelerate launch --multi_gpu --num_processes 2 train.py`` runs torch's elastic launcher in
-its own process (``multi_gpu_launcher`` calls ``torch.distributed.run.run(args)``): it is
-torchrun, with stock torchrun's signal behaviour (a USR1 at the launcher kills it and the ranks
-train on unsupervised; a Ctrl+C SIGKILLs them 30 s later, whatever they are doing).
-``kempner-resilience accelerate launch ...`` parses the same command line with accelerate's own
-parser (its config file, its defaults) and runs accelerate's ``launch_command`` with our agent
-(``torchrun.run`` and its ``front``) in the place of torch's ``run``: nothing else of
-accelerate's changes, so the user keeps their launcher and their config files.
+``accelerate launch --multi_gpu ...`` runs torch's elastic launcher in its own process: stock
+torchrun, with its signal behaviour. ``kempner-resilience accelerate launch ...`` parses the
+same command line with accelerate's own parser and runs its ``launch_command`` with our agent
+in the place of torch's ``run``: the user keeps their launcher and their config files.
 
-Several ranks on CPU: ``accelerate launch --cpu --num_processes 2`` starts ONE process
-(``--cpu`` takes accelerate's simple launcher, which ignores ``--num_processes``), and
-``--multi_gpu --num_processes 2`` on a machine without GPUs starts two ranks that each believe
-they train alone (``DistributedType.NO``, one process each, no gradient exchange). Stock
-accelerate needs ``ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2``. This
-wrapper reads ``--cpu`` (or ``--multi_gpu`` where no GPU is visible) with several processes as
-what the user asked for, N gloo ranks on CPU, and launches that, said in one line.
+Several ranks on CPU: stock ``--cpu --num_processes 2`` starts ONE process, and
+``--multi_gpu`` without GPUs starts ranks that each train alone. This wrapper reads either,
+with several processes, as N gloo ranks on CPU (``ACCELERATE_USE_CPU=1 --multi_gpu``), and
+says so in one line.
 """
 
 from __future__ import annotations

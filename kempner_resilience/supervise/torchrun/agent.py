@@ -1,17 +1,14 @@
 """The torchrun agent's side of a shutdown: its workers tracked, signals sent once, no escalation.
 
-``Agent`` is what our elastic agent (``torchrun_elastic.py``) knows of its workers: the
-processes (each gets ``signals.PARENT_DEATH_SIGNAL`` from the kernel when the agent dies), the
-signals it got (``Agent.on_signal``: recorded, sent once to every worker unless SLURM delivers
-it) and the deadline (``Agent.wait_for_workers``, before torch closes the workers: every worker
-may exit on its own until the shutdown deadline; only workers still alive then are SIGKILLed).
-``starting`` is the one place torch's module-level names are replaced, for the time of a
-worker group's start only (see there why no subclass can do it).
+``Agent`` knows the workers' processes, the signals the agent got (``on_signal``: recorded,
+sent once to every worker unless SLURM delivers them) and the deadline
+(``wait_for_workers``: every worker may exit on its own until the shutdown deadline; only
+those still alive then are SIGKILLed). ``starting`` is the one place torch's module-level
+names are replaced, for the time of a group's start only (see there why).
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import os
 import signal
@@ -26,6 +23,7 @@ from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
+from kempner_resilience.supervise.local.warm import parent_death
 
 __all__ = ["Agent", "Interrupted", "starting", "pdeathsig", "MARGIN_S", "AGENT_NAME"]
 
@@ -179,32 +177,21 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def pdeathsig() -> Callable[[], None] | None:
     """The workers' ``preexec_fn``: ``PARENT_DEATH_SIGNAL`` when the agent dies (None: this
     platform has no ``prctl``)."""
-    # Resolved here, in the agent: between fork and exec the child must not dlopen anything.
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
+    return parent_death(PARENT_DEATH_SIGNAL)
 
 
 @contextmanager
 def starting(agent: Agent, names: dict[str, Any]) -> Iterator[None]:
-    """For the time of one worker group's start (torch's ``_start_workers``, on the agent's
-    main thread): torch's workers' ``Popen`` and its signal handler replaced by ours.
+    """For the time of one worker group's start: torch's workers' ``Popen`` and its signal
+    handler replaced by ours (``names``: ``torch_private.elastic("shutdown")``).
 
-    No subclass can do this: ``start_processes`` (a module function) builds the process
-    context, ``PContext.start`` installs the module function ``_terminate_process_handler``
-    for the signals torch handles, and the subprocess handler calls its module's ``Popen``.
-    Re-installing our handler after the start would leave a window in which a signal raises
-    torch's ``SignalException`` (every worker SIGTERMed, then SIGKILLed 30 s later). So these
-    two module attributes are swapped while the group starts and put back right after;
-    ``names`` is ``torch_private.elastic("shutdown")``."""
+    No subclass can do this: module functions build the process context, install torch's
+    ``_terminate_process_handler`` and call the module's ``Popen``. Our handler installed
+    after the start would leave a window in which a signal raises torch's
+    ``SignalException`` (every worker SIGTERMed, SIGKILLed 30 s later)."""
     popen_module = importlib.import_module(torch_private.SUBPROCESS_HANDLER_MODULE)
     api_module = importlib.import_module(torch_private.MP_API_MODULE)
     stock_popen = names["Popen"]

@@ -1,37 +1,25 @@
 """Our torch elastic classes: the agent torchrun runs, and its rendezvous handler with spares.
 
-torch elastic is extended here by subclassing, as NVIDIA's resiliency launcher does, never by
-replacing attributes of torch's classes: ``torchrun_launch.py`` builds these instead of torch's
-own. Every private name they rely on is checked in ``core/torch_private.py`` (``ELASTIC``)
-before they are used; a torch that lacks one keeps torch's behaviour for that part, logged.
+torch elastic is extended by subclassing, never by replacing attributes of torch's classes:
+``launch.py`` builds these instead of torch's. Every private name they use is checked in
+``core/torch_private.py`` first; a torch that lacks one keeps torch's behaviour, logged.
 
-* ``ElasticAgent`` (a ``LocalElasticAgent``): its workers are tracked (``torchrun_agent.Agent``:
-  signals sent once, the parent-death signal, the deadline), torch's process context waits for
-  them to exit on their own before it closes them (a subclass of its class, ``_waiting``), and whether a failed group restarts is the
-  policy's answer (``_monitor_workers``: ``torchrun_spares.InPlace`` with spares, else
-  ``restart_decision``); with spares it also gives each group its relaunch environment and the
-  rank-0 agent writes the restart event (``_initialize_workers``, ``_start_workers``); with
-  ``$KEMPNER_RESILIENCE_WARM=1`` its workers fork from its zygote (``supervise/torchrun/warm.py``).
-* ``SpareHandler`` (a ``DynamicRendezvousHandler``): a node standing by is noticed (its op
-  executor, a subclass of torch's, reports the redundancy list), a waiting node is hidden from
-  the monitor while the survivors rescue (``num_nodes_waiting``), a node that leaves only
-  takes itself out of the rendezvous instead of closing it for the job (``shutdown``), and a
-  dead node is dropped from the rendezvous as soon as the survivors know (``notice_lost_peer``).
+* ``ElasticAgent``: its workers tracked (``agent.Agent``), torch's process context waiting for
+  them to exit on their own (``_waiting``), the policy's restart decision
+  (``_monitor_workers``), the relaunch environment with spares, and warm workers
+  (``warm.py``).
+* ``SpareHandler``: a standby is noticed, a waiting node is hidden while the survivors rescue
+  (``num_nodes_waiting``), a node that leaves takes only itself out (``shutdown``), and a dead
+  node is dropped as soon as the survivors know (``notice_lost_peer``).
 
-Why the last one: after a node's death the next round opens only once every participant of
-the finished one has left it, and a dead node leaves only when torch finds its heartbeat
-older than the keep-alive window (``keep_alive_interval`` x ``keep_alive_max_attempt``: 10 s
-with the template's values, 15 s with torch's). The survivors know sooner, and know which
-node: their workers lost a peer, rescued, and said which ranks died without a word (their
-rescue link ended with neither a goodbye nor a wake: ``Channel.ranks_died``). Each agent
-publishes its workers' global ranks in the round's store at start (torch counts them by the
-agents' own local world sizes), so a survivor maps those ranks to the finished round's
-participants, by their group rank. From then on, its state holder (a subclass of torch's, its
-``_sanitize`` extended) drops at once a participant all of whose ranks were named. When no
-rank is named (a frozen node, no rescue, or not this node's workers that saw it), the
-fallback: a participant whose heartbeat is two intervals old is dead. A live participant
-beats every interval from its own thread until it leaves the round itself, so only a dead or
-frozen agent is that late. Neither rule ever drops this node itself.
+Why the last one: the next round opens only once every participant of the finished one left
+it, and torch drops a dead node only when its heartbeat is older than the keep-alive window
+(10-15 s). The survivors know sooner, and which node: their workers name the ranks that died
+without a word (``Channel.ranks_died``). Each agent publishes its workers' global ranks in the
+round's store, so a survivor maps those ranks to participants. Its state holder then drops a
+participant all of whose ranks were named. When none is named, a participant whose heartbeat
+is two intervals old is dead: a live one beats every interval until it leaves. Neither rule
+ever drops this node.
 """
 
 from __future__ import annotations
@@ -61,11 +49,8 @@ log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 
 class ElasticAgent(LocalElasticAgent):
-    """torchrun's agent with our shutdown, and the policy's restart decision.
-
-    ``tracked``: what the agent knows of its workers and signals; ``inplace``: its part in
-    relaunches on spares (None: none); ``shutdown_names``: ``torch_private.elastic("shutdown")``;
-    ``decides``: the policy decides restarts (False: this torch lacks the names, torch does)."""
+    """torchrun's agent with our shutdown (``tracked``), the policy's restart decision
+    (``decides``: False when this torch lacks the names), and spares (``inplace``)."""
 
     def __init__(self, spec: Any, logs_specs: Any, *, tracked: Agent, inplace: InPlace | None,
                  shutdown_names: dict[str, Any], decides: bool, **kwargs: Any) -> None:

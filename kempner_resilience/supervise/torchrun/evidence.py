@@ -1,18 +1,13 @@
 """The torchrun agent's observation as the one policy's evidence (``supervise/policy.py``).
 
-A torchrun agent sees only its own node: its workers' return codes (``{global rank: code}``,
--N for a death by signal N, as ``Popen`` and torch's ``ProcessFailure`` report them), whether
-it was signalled itself, the in-place restarts torch has left, and, with spares, the standby
-agents waiting in the rendezvous. ``observe`` turns exactly that into ``policy.Evidence``, so
-the failure matrix feeds the same rows to this backend as to the srun loop and the local
-launcher; ``agent_exit_code`` is the policy's job code over the same endings. Pure: no torch,
-no I/O (the glue gathers, ``torchrun_spares.py`` and ``torchrun_elastic.py`` act).
+An agent sees only its own node: its workers' return codes (``{global rank: code}``, -N for a
+death by signal N), whether it was signalled, torch's restarts left, and the standbys.
+``observe`` turns exactly that into ``Evidence``, so the failure matrix feeds this backend the
+same rows as the others. Pure: no torch, no I/O.
 
-With spares, every relaunch in place takes a standby's place in the next rendezvous round: the
-node of the failed worker when it is this one (it leaves), else a peer's, unknown here (its
-agent died with it, or it leaves): so the evidence implicates one node, this one or ``PEER``,
-and a relaunch needs one spare, as rank 0's own check of the standbys does
-(``supervise/torchrun/standby.py``).
+With spares, a relaunch takes a standby's place: the failed worker's node if it is this one,
+else a peer's (``PEER``, its name unknown here). So the evidence implicates one node and a
+relaunch needs one spare.
 """
 
 from __future__ import annotations
@@ -70,14 +65,11 @@ def observe(codes: Mapping[int, int], *, signalled: bool, restarts_left: int,
             max_no_progress: int = 0) -> Evidence:
     """The policy's evidence from one agent's view of a failed worker group.
 
-    ``codes``: its workers that ended, ``{global rank: return code}``; ``signalled``: a signal
-    reached the agent (a time limit, a preemption, Ctrl+C); ``restarts_left``/``max_restarts``:
-    torch's in-place restart budget; ``standbys``: standby agents waiting (None: no spares, the
-    group restarts where it ran); ``node``: this node when it is implicated
-    (``implicated_here``), else a peer's node is; ``killed``: ranks the agent killed itself;
-    ``commits``: the run's committed step when the group started and now (None: the agent
-    does not know the run: no report in the supervisor channel), with ``stalled`` and
-    ``max_no_progress`` the policy's no-progress guard, as for srun and the local launcher."""
+    ``signalled``: a signal reached the agent; ``standbys``: standby agents waiting (None: no
+    spares, the group restarts where it ran); ``node``: this node when it is implicated
+    (``implicated_here``), else a peer's is; ``killed``: ranks the agent killed itself;
+    ``commits`` (None: no run reported in the channel), ``stalled``, ``max_no_progress``: the
+    no-progress guard, as for the other backends."""
     implicated: frozenset[str] = frozenset()
     if standbys is not None:
         implicated = frozenset({node or PEER})

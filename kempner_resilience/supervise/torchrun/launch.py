@@ -1,16 +1,11 @@
 """torchrun's launch with our agent: torch's ``launch_agent``, building our classes.
 
-``torch.distributed.run.main`` parses torchrun's arguments, turns them into a ``LaunchConfig``
-and hands it to ``launcher.api.launch_agent``, which builds the rendezvous handler, the
-``WorkerSpec`` and a ``LocalElasticAgent`` and runs it. ``launch`` does the same with the same
-public pieces (``parse_args``, ``config_from_args``, ``WorkerSpec``, ``record``), as NVIDIA's
-resiliency launcher (``ft_launcher``) does, but runs ``torchrun_elastic.ElasticAgent`` and,
-with spares, the rendezvous through ``torchrun_elastic.SpareHandler``: nothing of torch's is
-replaced for the run. Left out of torch's: the health-check server started before the
-rendezvous (Meta's internal switch, off by default) and the agent thread's name.
-
-Arguments and fields that a torch release lacks (``LaunchConfig``, ``WorkerSpec`` and the
-agent's constructor grew over 2.11-2.13) are passed only where that torch has them.
+``torch.distributed.run.main`` parses torchrun's arguments into a ``LaunchConfig`` and hands
+it to ``launcher.api.launch_agent``. ``launch`` does the same with the same public pieces, as
+NVIDIA's resiliency launcher (``ft_launcher``) does, but runs ``elastic.ElasticAgent`` and,
+with spares, ``elastic.SpareHandler``: nothing of torch's is replaced. Left out: torch's
+health-check server (off by default) and the agent thread's name. Arguments and fields that a
+torch release lacks (2.11-2.13) are passed only where it has them.
 """
 
 from __future__ import annotations
@@ -37,12 +32,9 @@ log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent, inplace: InPlace | None,
            shutdown_names: dict[str, Any], decides: bool) -> Any:
-    """Run torchrun's command line ``argv`` with our agent; the workers' return values (none
-    for an agent that ended as a standby: the rendezvous closed while it waited). Raises
-    torch's ``ChildFailedError`` when the workers failed, after torch's own report of it
-    (``record``), as torchrun's ``main`` does. ``argv`` may also be torchrun's arguments
-    already parsed (what another launcher, ``accelerate launch``, hands to
-    ``torch.distributed.run.run``)."""
+    """Run torchrun's ``argv`` (or its parsed arguments, from ``accelerate launch``) with our
+    agent; the workers' return values (none for a standby). Raises ``ChildFailedError`` after
+    torch's own report of it, as torchrun's ``main`` does."""
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.run import config_from_args, parse_args
 

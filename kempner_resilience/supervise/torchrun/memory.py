@@ -1,25 +1,16 @@
 """The torchrun spares glue's memory: the bad-node record and the ledger's ``restart`` event.
 
-The srun glue (``supervise/srun/relaunch.py``) records the nodes implicated in a failure
-(``slurm/badnodes.record_bad_nodes``) and writes one ``restart`` event per in-job restart
-(``slurm/restart_event.record_restart``). Under torchrun no single process sees the whole
-failure, so the agents share the work, each with what it alone knows:
+Under torchrun no single process sees the whole failure, so the agents share the work:
 
-* *The node that leaves* (its own worker was killed) records its own host as bad before it
-  leaves the rendezvous (``record_left``). The survivors' next round cannot complete before it
-  has left, so the record is on disk before the restart is written and before the relaunched
-  workers start; a later requeue keeps it off too (``badnodes.exclude_for_requeue``).
-* *The new group's rank-0 agent* (exactly one per round, and the one that starts global rank 0,
-  which writes the new attempt's ``start``) writes the ``restart`` event before it starts its
-  workers (``record_agent_restart``): the reason and nodes from the bad-node record, the
-  parts of the recovery from the record's time and the survivors' ``rescue`` event.
-* *Every agent* starting workers in a later round tells them the in-job restart count and the
-  launch time in its own channel (``Channel.begin_relaunch``, ``torchrun_spares.InPlace``: the
-  rendezvous round, the same on every node, unlike torch's ``TORCHELASTIC_RESTART_COUNT``,
-  which is 0 on a standby's first start), so the relaunched workers' events are an attempt of
-  their own.
+* *The node that leaves* records its own host as bad before it leaves the rendezvous
+  (``record_left``). The survivors' next round cannot complete before it left, so the record
+  is on disk before the restart event, and a later requeue keeps the node off too.
+* *The new group's rank-0 agent* (one per round) writes the ``restart`` event before its
+  workers start (``record_agent_restart``).
+* *Every agent* of a later round tells its workers the rendezvous round as the in-job restart
+  count (``Channel.begin_relaunch``): the same on every node, unlike torch's
+  ``TORCHELASTIC_RESTART_COUNT``, which is 0 on a standby's first start.
 
-Node names: ``$SLURMD_NODENAME`` (SLURM's name, what ``--exclude`` takes), else the host name.
 All of it is best effort: a record that cannot be written is logged, never raised into torch.
 """
 

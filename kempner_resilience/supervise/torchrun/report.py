@@ -1,6 +1,6 @@
-"""What the torchrun agent says at the end: a last line on its exit code and on the checkpoint,
-taken from rank 0's run report (never more than that report says). The code itself is the
-policy's (``torchrun_policy.agent_exit_code``)."""
+"""What the torchrun agent says at the end: its exit code, and only what rank 0's run report
+says about the checkpoint. The code itself is the policy's (``evidence.agent_exit_code``).
+"""
 
 from __future__ import annotations
 

@@ -1,58 +1,35 @@
 """The torchrun agent's glue for spare nodes: relaunch in place after a rescued failure.
 
-torch elastic already does the hard part. With ``--nnodes=N`` (min = max = N) and N + K agents
-(one per node of an allocation with K spares), the first N complete the c10d rendezvous and
-train; torch puts the others in the round's *redundancy list*, where they wait without a
-timeout. When a node dies, the survivors' workers rescue the last step boundary and exit
-(PEER_LOST, or HANG when their hang watchdog came first); with ``--max-restarts`` > 0 their
-agents stop the group and join a new round, which opens once the dead agent's heartbeat has
-expired (``keep_alive_interval`` x ``keep_alive_max_attempt``: seconds, set in the template,
-never SLURM's ``SlurmdTimeout``). A standby agent takes the free place, and the new workers
-resume from the newest commit: same job, same allocation, no requeue.
+torch elastic does the hard part. With ``--nnodes=N`` and N + K agents, the first N complete
+the c10d rendezvous and train; the others wait in the round's *redundancy list*. When a node
+dies, the survivors' workers rescue and exit; with ``--max-restarts`` > 0 their agents join a
+new round once the dead agent's heartbeat expired, a standby takes the free place, and the new
+workers resume from the newest commit: same job, no requeue.
 
-What torch lacks, and this module decides (``InPlace``; ``torchrun_elastic.py``'s agent and
-rendezvous subclasses ask it):
+What torch lacks, and ``InPlace`` decides (``elastic.py``'s subclasses ask it):
 
-* *Which endings restart*: the one policy's answer (``supervise/policy.py``, through
-  ``torchrun_policy.observe``): a rescued failure (PEER_LOST, HANG) or a worker killed by a
-  signal of its own restarts; a rank's own code ([81, 1]: rank 1's exception), a requeue (75)
-  or a signal at the agent (a time limit or a preemption saves, requeues and exits; a spare
-  does not help there) never does; and only while a standby agent waits (else rank 0 requeues,
-  as before, and the agents leave with the workers' code).
-* *A node implicated in the failure does not rejoin.* An agent whose own worker was killed
-  (the OOM killer, a GPU fault), or whose worker hung with the GIL held (it ended with HANG
-  without the mark its peers' hang watchdogs left in the supervisor's channel), leaves instead
-  of restarting, so the spare takes its place.
-* *The workers know.* Each agent gives its workers a supervisor channel of its own
-  (``Channel.for_agent``: inside the job's channel when the step loop started the agents, else
-  a private one), and says there the rendezvous and the restarts left (rank 0 then leaves the
-  relaunch to the agents instead of requeueing: ``supervise/torchrun/standby.py``, ``shutdown/sequence.py``)
-  and, before each group, which relaunch in place it is (the rendezvous round).
-* *The run remembers* (``torchrun_memory.py``): the node that leaves records itself in
-  ``bad-nodes.json`` (so a requeue keeps it off too), the new group's rank-0 agent writes the
-  ledger's ``restart`` event, and every relaunched worker gets the in-job restart count (the
-  rendezvous round), so that ``report`` shows the relaunch as an attempt of its own. The run's
-  directory is the one rank 0 reported in the channel (``$KEMPNER_RESILIENCE_SUPERVISOR``)
-  once it has, else the agent's ``checkpoint.dir``.
-* *The survivors rescue before torch restarts them.* Once the dead node's heartbeat expires,
-  the standby moves to the round's wait list and torch restarts a *healthy* worker group at
-  once (its scale-up path): under load, before the survivors' workers have seen the loss, or
-  while they are still writing the rescue, which then never commits. With a fixed node count
-  (``--nnodes=N``, as the template sets) a node waits only after a participant died or froze,
-  so a waiting node is hidden from that check for the workers' own bound (hang timeout +
-  rescue budget): they fail with PEER_LOST or HANG within it and the relaunch above takes
-  over; past it torch's restart stands. An elastic range (``--nnodes=A:B``) keeps torch's
-  scale-up as it is.
-* *A standby* (never needed, or kept out of a later round after it trained) ends with 0 when
-  the run is over (the rendezvous host's agent closes the store on its way out), not with
-  torch's connection error: the job's code is the training group's.
+* *Which endings restart*: the one policy's answer (``evidence.observe``), and only while a
+  standby waits; else rank 0 requeues and the agents leave with the workers' code.
+* *An implicated node does not rejoin.* An agent whose worker was killed, or hung with the GIL
+  held (HANG without the hang mark its peers left in the channel), leaves to a spare.
+* *The workers know.* Each agent gives its workers a channel of its own
+  (``Channel.for_agent``) with the rendezvous and the restarts left, so rank 0 leaves the
+  relaunch to the agents instead of requeueing (``standby.py``).
+* *The run remembers* (``memory.py``): the bad node, the ``restart`` event, and the in-job
+  restart count (the rendezvous round) for the relaunched workers' ledger.
+* *The survivors rescue before torch restarts them.* Once the dead heartbeat expires, torch
+  would restart the *healthy* group at once (its scale-up path), before the rescue commits.
+  With a fixed node count a waiting node is hidden from that check for the workers' own bound
+  (hang timeout + rescue budget: ``nodes_waiting``). An elastic range keeps torch's scale-up.
+* *A standby* that is not needed ends with 0 when the run is over, not with torch's
+  connection error: the job's code is the training group's.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -136,12 +113,10 @@ class InPlace:
         self.own_paths = RunPaths.from_config(agent.config)  # the run's without a channel
         self.spares_seen: list[str] = []  # the standbys waiting when this agent restarted
         self.why: str | None = None       # this agent's view of the last failure
-        self.starts = 0                   # worker groups this agent started
         self.launch = launch_name()       # the launch its workers mark their hangs under
         self.committed_before: int | None = None   # the run's commit when the group started
         self.stalled = 0                  # relaunches in a row without a newer commit
         self.final_code: int | None = None  # the policy's code when its guard ended the job
-        self._lock = threading.Lock()
         self._waiting_since: float | None = None  # a node waits while the workers run
         rescue, hang = agent.config.rescue, agent.config.watchdog.hang_timeout_s
         # How long a healthy group may take to see the loss (a hang: its hang timeout) and
@@ -163,8 +138,7 @@ class InPlace:
         self.restarts += 1
 
     def waiting_as_spare(self) -> bool:
-        """This agent waits as a spare now: torch kept it out of a round and it has started
-        no worker since (whether or not it trained before)."""
+        """torch kept this agent out of a round and it has started no worker since."""
         return self.standby and not self.agent.workers
 
     def run_paths(self) -> RunPaths:
@@ -181,9 +155,8 @@ class InPlace:
 
     def decide(self, codes: Mapping[int, int], restarts_left: int = 1,
                max_restarts: int = 1) -> tuple[bool, str]:
-        """Whether the failed worker group restarts in place, and why (or why not): the
-        policy's decision over this agent's view. ``codes``: this node's ended workers,
-        {global rank: return code (-N: signal N)}."""
+        """Whether the failed worker group restarts in place, and why: the policy's decision
+        over this node's ended workers ``codes`` ({global rank: return code})."""
         signalled = bool(self.agent.signals)
         progress = self.progress()
         first = decide(observe(codes, signalled=signalled, restarts_left=restarts_left,
@@ -221,11 +194,9 @@ class InPlace:
         return True, f"standby node(s) waiting: {', '.join(spares)}"
 
     def progress(self) -> dict[str, Any]:
-        """The no-progress guard's evidence (``observe``'s ``commits``, ``stalled``,
-        ``max_no_progress``): the run's commits when this agent's group started and now, read
-        from the directory rank 0 named in the supervisor channel, and the run's own
-        ``requeue.max_no_progress``. Without a report the agent does not know the run: the
-        guard stays off, as for every backend that cannot see the commits."""
+        """The no-progress guard's evidence for ``observe``: the run's commits when the group
+        started and now, and its ``requeue.max_no_progress``. Without a run reported in the
+        job's channel the guard stays off, as for every backend that cannot see the commits."""
         paths = self._shared_run()
         if paths is None:
             return {}
@@ -307,9 +278,7 @@ class InPlace:
 
     def offer(self, restarts_left: int) -> Relaunch:
         """The relaunch this agent offers its workers with ``restarts_left`` restarts left."""
-        s = self.settings
-        return Relaunch(endpoint=s.endpoint, run_id=s.run_id, restarts_left=restarts_left,
-                        stale_s=s.stale_s)
+        return replace(self.settings, restarts_left=restarts_left)
 
     def before_initialize(self, restarts_left: int) -> None:
         """Before torch's rendezvous for a worker group: the rendezvous goes to this agent's
@@ -332,7 +301,6 @@ class InPlace:
             # One agent per round writes it, before its workers (global rank 0's) start.
             record_agent_restart(self.run_paths(), round_, spare=self.spare(rdzv_handler),
                                  why=self.why)
-        self.starts += 1
 
     def close(self) -> None:
         """The run is over: the workers' channel goes, and the environment is as before."""

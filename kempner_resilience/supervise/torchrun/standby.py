@@ -1,17 +1,13 @@
 """Relaunch in place under torchrun: is there a standby agent to take a failed node's place?
 
-With spare nodes (``kempner-resilience sbatch --template multi_node_torchrun --spares K``) every
-node of the allocation runs a torchrun agent; the first N complete torch's c10d rendezvous and
-train, the others wait in its *redundancy list* (standby). After a failure ending whose rescue
-(or periodic save) committed, the survivors' agents restart their workers in a new rendezvous
-round, which a standby agent joins: same job, no requeue. Whether that can happen is a fact of
-the rendezvous state, kept in torch's store on the rendezvous host; rank 0 reads it here before
-it decides between leaving the relaunch to the agents and requeueing the job (no standby left:
-the fallback is today's requeue).
+With spare nodes every node runs a torchrun agent; the first N train, the others wait in the
+c10d rendezvous's *redundancy list*. After a committed rescue, the survivors' agents restart
+their workers in a new round that a standby joins: no requeue. Whether a standby waits is a
+fact of torch's rendezvous state, in its store. Rank 0 reads it here before it chooses
+between leaving the relaunch to the agents and requeueing the job.
 
-The agent (``supervise/torchrun/spares.py``) tells its workers where the rendezvous is and
-how many in-job restarts it has left in its own supervisor channel (``Channel.offer_rendezvous``,
-``Relaunch``'s fields); rank 0 reads it with ``supervise/rank.offered_relaunch``.
+The agent offers the rendezvous and its restarts left in its channel
+(``Channel.offer_rendezvous``); rank 0 reads them with ``supervise/rank.offered_relaunch``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Warm workers for the torchrun agents: each worker forked from the agent's zygote.
 
-A relaunched torchrun worker pays Python's start-up, ``import torch``, DCP and the first
-optimizer again: seconds of CPU, most of the time from a node's death to the next step. With
-``$KEMPNER_RESILIENCE_WARM=1`` each agent starts one zygote (``warm.Zygote``) when it is built,
-on its main thread, before the rendezvous, and every worker of every group is a fresh fork of
-it. Nothing of an old incarnation reaches the next (its communicators, store, RNG, hooks,
-lease): the zygote never runs a worker's code, and refuses to fork once it could have
-(``warm.pristine``), so a hung worker or one whose collective timed out is never reused.
+A relaunched worker pays Python's start-up, ``import torch``, DCP and the first optimizer
+again: most of the time from a node's death to the next step. With
+``$KEMPNER_RESILIENCE_WARM=1`` each agent starts one zygote (``local/warm.py``) on its main
+thread, before the rendezvous, and every worker is a fresh fork of it. The zygote never runs a
+worker's code, so nothing of an old incarnation reaches the next.
 
-How torch is extended: the process context builds each worker's handler with the module-level
-``get_subprocess_handler``; for the time of a group's start (as ``torchrun_agent.starting``
-does with ``Popen``) it builds a subclass of torch's ``SubprocessHandler`` whose ``_popen``
-asks the zygote. The worker is then what a cold one is to the agent (``Agent`` tracks it, its
-signals, its exit code, its session), with the same parent-death signal, from the zygote: the
-zygote dies with the agent (SIGKILL) and ignores the signals SLURM may send to every process
-of a step. A command the zygote cannot run (not ``<this python> [-u] script.py`` or ``-m
-module``, a NUMA wrapper) and a zygote that is gone start the worker cold, logged once.
-
-Why opt-in, as for the local launcher (``warm.py``): a warm worker is the zygote's child, not
-the agent's, its ``/proc/<pid>/environ`` shows the agent's environment at the zygote's start,
-and a library that reads an environment variable at import reads the agent's. The torchrun
-template turns it on (``templates/multi_node_torchrun.sbatch``): there the agent and its
-workers share one environment, and the relaunch's start-up is the time to the next step.
+For the time of a group's start (as ``agent.starting`` swaps ``Popen``), torch's
+``get_subprocess_handler`` builds a subclass of its ``SubprocessHandler`` whose ``_popen`` asks
+the zygote. The zygote dies with the agent (SIGKILL) and ignores the signals SLURM may send to
+every process of a step. A command the zygote cannot run, or a zygote that is gone, starts the
+worker cold, logged once. Opt-in for ``local/warm.py``'s reasons; the torchrun template turns
+it on.
 """
 
 from __future__ import annotations

@@ -1,44 +1,17 @@
 """torchrun under srun: one elastic agent per node whose workers shut down like srun ranks.
 
 Stock torchrun is unsafe as an srun task. A SIGUSR1 (SLURM's time-limit warning) kills its
-agent (the default action), the task ends and SLURM kills the workers mid-save. On SIGTERM the
-agent forwards it and SIGKILLs the workers 30 s later, whatever they are doing. And when one
-worker exits first it SIGTERMs the others: a second SIGTERM forces a worker out at once, so a
-slower rank 0 that was still finishing its shutdown loses it.
+agent, and SLURM then kills the workers mid-save. On SIGTERM it SIGKILLs the workers 30 s
+after forwarding it. When one worker exits first it SIGTERMs the others: a second SIGTERM
+forces a slower rank 0 out of its shutdown.
 
-``run`` runs torchrun in this process as torch's ``launch_agent`` would, with our elastic
-agent (``torchrun_launch.py``, ``torchrun_elastic.py``: subclasses of torch's, each private name
-checked in ``core/torch_private.py``; a torch without them runs stock torchrun, logged):
-
-* its signal handler: a signal at the agent is recorded and sent once to every worker, unless
-  SLURM delivers it to the workers itself (``forward_signals``). The workers decide what it
-  means (a second SIGTERM/SIGINT forces them out, anything else tightens their deadline), so
-  the agent never escalates on its own.
-* its shutdown: once a signal came or a worker exited, the agent waits for every worker to
-  exit on its own, until the package's shutdown deadline (the signal's grace +
-  ``watchdog.exit_timeout_s`` + ``MARGIN_S``); only workers still alive then are SIGKILLed.
-* the workers' ``Popen``: the agent keeps the processes, and each worker gets a signal from
-  the kernel when the agent dies (``PR_SET_PDEATHSIG``): torch starts them in sessions of their
-  own, where neither proctrack/pgid nor a terminal reaches them. Not SIGTERM: the agent has
-  threads, and Linux sends the parent-death signal as each of them exits, so one death would
-  reach a worker as two or more SIGTERMs within milliseconds, and a second SIGTERM forces it out
-  without its checkpoint. The workers get ``signals.PARENT_DEATH_SIGNAL``, named in their
-  ``$KEMPNER_RESILIENCE_PARENT_DEATH_SIGNAL``: their ShutdownHandler counts its repeats once and
-  stops as for SIGTERM (checkpoint, 143).
-* whether a failed worker group restarts (``--max-restarts`` > 0): the one policy's answer
-  (``supervise/policy.py``), with spare nodes through ``torchrun_spares.py``.
-
-The agent's exit code is the policy's job code over its workers' (``agent_exit_code``): 75 when
-rank 0 requeued the job, 81 when a worker was killed beside survivors that rescued. Its
-last line says what it knows about the checkpoint, from rank 0's run report (the agent points
-``$KEMPNER_RESILIENCE_REPORT`` at a file of its own): the newest checkpoint the run committed,
-or none; without a report (rank 0 forced out or killed, or started by another node's agent) it
-claims nothing. On a requeue (75) it also says that torch's ``failed (exitcode: 75)`` just
-before is the requeue, not an error.
-
-This module is the wrapper's sequence (``run``) and the forwarding decision; the agent's side of
-a shutdown (the deadline, the reaper) is ``torchrun_agent.py``, its exit code
-``torchrun_policy.py``, its last line ``torchrun_report.py``.
+``run`` runs torchrun in this process with our agent (``launch.py``, ``elastic.py``). A torch
+without the private names they need (``core/torch_private.py``) runs stock torchrun, logged.
+The agent sends each signal once and never escalates; its workers get a parent-death signal
+(``agent.py``; why not SIGTERM: ``stop/signals.py``). Whether a failed group restarts is the
+one policy's answer (``spares.py``). The exit code is the policy's job code over the workers'
+(``agent_exit_code``). The last line says only what rank 0's run report says about the
+checkpoint (``report.py``).
 """
 
 from __future__ import annotations
@@ -128,14 +101,13 @@ def _signals(config: ResilienceConfig) -> list[int]:
 
 def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         forward: bool | None = None, *, front: Front | None = None) -> int:
-    """Run ``torchrun argv`` (its own arguments, then the script's) in this process as a
-    well-behaved srun task; returns the exit code for the batch script (see ``agent_exit_code``).
+    """Run ``torchrun argv`` in this process as a well-behaved srun task; returns the exit
+    code for the batch script (``agent_exit_code``).
 
-    ``config``: the package config the workers use (their grace and exit timeout bound the
-    agent's wait); default ``load_config()``. ``forward``: None decides with
-    ``forward_signals()``. ``front``: another launcher's command line that runs torchrun in
-    this process (``accelerate launch``): called with the function to run in the place of
-    ``torch.distributed.run.run``; ``argv`` is then unused (no spare nodes).
+    ``config``: the workers' (their grace and exit timeout bound the agent's wait); default
+    ``load_config()``. ``forward``: None decides with ``forward_signals()``. ``front``:
+    another launcher (``accelerate launch``) that runs torchrun here, called with the function
+    to run in the place of ``torch.distributed.run.run``; ``argv`` is then unused.
     """
     set_role("agent")     # not a rank: its SLURM_PROCID under srun is its node's index
     config = config or load_config()
@@ -162,13 +134,9 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         # The workers' ledger counts the attempt from here: the agent's imports and rendezvous
         # are the job's time, not time in the queue (goodput.py).
         os.environ[AGENT_START_ENV] = repr(process_start_time())
-        # The workers' own store, not the agent's: recent torch (c10d rendezvous) lets
-        # the workers share the agent's TCPStore by default, and the stop agreement, the
-        # checkpoint's commit and the shared exit code all go through that store. An agent that
-        # dies (OOM-killed, SIGKILLed) would take it along and turn the workers' graceful stop
-        # into a lost peer. With torch's own opt-out, worker rank 0 serves it, as under srun.
-        # (The static rendezvous always shares the agent's store: there node 0's agent dying
-        # still leaves only the rescue.)
+        # The workers' own store, served by worker rank 0 as under srun: the stop agreement,
+        # the commit and the exit code go through it, and an agent that dies (OOM, SIGKILL)
+        # would take a shared one along, turning a graceful stop into a lost peer.
         os.environ.setdefault(_OWN_STORE_ENV, "1")
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
