@@ -13,7 +13,7 @@ import pytest
 
 from helpers import require
 from trainers_helpers import (SCRIPTS, assert_same_final, committed_steps, interrupt,
-                              kill_held, last_steps, run_to_end, signal)
+                              kill_held, last_steps, run_to_end, signal, write_config)
 from kempner_resilience.exitcodes import ExitCode
 
 require("transformers")
@@ -58,9 +58,7 @@ def test_sigterm_ctrl_c_and_usr1_each_stop_every_rank_at_one_step_with_its_code_
 
 def test_a_rank_sigkilled_mid_run_is_rescued_at_the_last_step_boundary_and_the_relaunch_ends_bitwise(
         tmp_path, reference):
-    (tmp_path / "resilience.yaml").write_text(
-        f"checkpoint:\n  dir: {tmp_path / 'ckpt'}\n  every_steps: 5\nwatchdog:\n"
-        "  hang_timeout_s: 0\n")
+    write_config(tmp_path, every_steps=5)
     cmd = _launch(tmp_path, "--step-s", "0")        # the hold, not the step time, times the kill
     # Rank 1 dies as step 12 begins, before its forward pass; rank 0's gradient all-reduce
     # then fails, outside an optimizer step: its state is still the boundary of step 12.

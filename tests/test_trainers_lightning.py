@@ -14,7 +14,7 @@ import pytest
 
 from helpers import require
 from trainers_helpers import (SCRIPTS, assert_same_final, committed_steps, interrupt,
-                              kill_held, last_steps, run_to_end, signal)
+                              kill_held, last_steps, run_to_end, signal, write_config)
 from kempner_resilience.exitcodes import ExitCode
 
 require("pytorch_lightning")
@@ -62,9 +62,7 @@ def test_a_rank_sigkilled_inside_a_step_is_not_rescued_and_the_relaunch_resumes_
     from kempner_resilience.checkpoint import layout
     from kempner_resilience.core.runpaths import RunPaths
 
-    (tmp_path / "resilience.yaml").write_text(
-        f"checkpoint:\n  dir: {tmp_path / 'ckpt'}\n  every_steps: 5\nwatchdog:\n"
-        "  hang_timeout_s: 0\n")
+    write_config(tmp_path, every_steps=5)
     cmd = _launch(tmp_path, "--step-s", "0")        # the hold, not the step time, times the kill
     # Rank 1 dies in training_step 12. Lightning runs it inside optimizer.step(closure), so
     # rank 0's gradient all-reduce fails inside an optimizer step: the rescue, which writes

@@ -28,12 +28,18 @@ def start(work: Path, cmd: Sequence[str], name: str) -> subprocess.Popen:
                 OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
 
 
+def write_config(work: Path, every_steps: int = 0) -> Path:
+    """The run's config in ``work`` (checkpoint.dir ``work/ckpt``, no hang watchdog), with a
+    periodic save every ``every_steps`` (0: none); ``start`` keeps one written before it."""
+    path = work / "resilience.yaml"
+    path.write_text(f"checkpoint:\n  dir: {work / 'ckpt'}\n  every_steps: {every_steps}\n"
+                    "watchdog:\n  hang_timeout_s: 0\n")
+    return path
+
+
 def _config(work: Path) -> Path:
     path = work / "resilience.yaml"
-    if not path.exists():
-        path.write_text(f"checkpoint:\n  dir: {work / 'ckpt'}\n  every_steps: 0\n"
-                        "watchdog:\n  hang_timeout_s: 0\n")
-    return path
+    return path if path.exists() else write_config(work)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> int:
