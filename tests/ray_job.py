@@ -76,12 +76,16 @@ def _started(work: str) -> tuple:
     return rank, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def _ended(work: str, rank: int) -> None:
+def _ended(work: str, rank: int, run=None) -> None:
     import torch.distributed as dist
 
     group = "group live" if dist.is_initialized() else "group destroyed"
     Path(work, f"finally.trainer{rank}").write_text(group)
     Path(work, "pids", f"r{rank}.{os.getpid()}").write_text(group)
+    if run is not None:   # where this actor's run ended, read by the tests from the disk: Ray
+        # forwards an actor's last log lines late, or not at all once the driver shuts Ray down
+        Path(work, "steps").mkdir(exist_ok=True)
+        Path(work, "steps", f"r{rank}.{os.getpid()}").write_text(str(run.step))
 
 
 class Trainer(TrainingActor):
@@ -113,7 +117,7 @@ class GroupTrainer(krr.TrainingActor):
                 _loop(run, model, optim, work, steps, sleep_s, out, post_step)
             return {"rank": rank, "step": run.step if run else None}
         finally:
-            _ended(work, rank)
+            _ended(work, rank, run)
 
 
 class Rollout(AsyncActor):
