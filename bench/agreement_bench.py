@@ -6,7 +6,7 @@ Two measurements, each against a baseline run in the same process:
    TCPStore lookup per step).
 2. fake training: 2 gloo ranks, each step a ~50 ms "compute" (sleep) plus an all_reduce, run
    alternately with and without run.steps(); the overhead as a percentage of the step.
-Targets (issue 4): 2-rank overhead <= 0.5 % of a 50 ms step; single process <= 20 us/step.
+Targets: 2-rank overhead <= 0.5 % of a 50 ms step; single process <= 20 us/step.
 
     python bench/agreement_bench.py [--steps 200] [--step-ms 50]
 """

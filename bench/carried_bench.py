@@ -2,7 +2,7 @@
 post-step hook ``PendingGrads`` puts on every optimizer of the state, against the same
 optimizer step without it (bare), in the same process; and the check a save (or a stop) runs.
 
-The hook runs at every training step. Before (issue 32 follow-up) it noted every gradient's
+The hook runs at every training step. Before, it noted every gradient's
 tensor and version, O(parameter tensors); now it notes ``carried.SENTINELS`` gradients, O(1).
 The old hook is reproduced here (``EveryGradient``) so that one run shows both:
 

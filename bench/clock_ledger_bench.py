@@ -5,7 +5,7 @@
    threshold and measures the step), against a plain ``range`` loop; microseconds per step.
 2. One ledger event (one ``write()`` of one JSON line with ``O_APPEND``), microseconds: the
    ledger writes only at events (start, resume, saves, stop, exit), never per step.
-Target (issue 15): no measurable change to the guard overhead, <= 20 us per step.
+Target: no measurable change to the guard overhead, <= 20 us per step.
 
     python bench/clock_ledger_bench.py [--steps 200000] [--rounds 5]
 """

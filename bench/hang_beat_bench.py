@@ -3,7 +3,7 @@
 ``HangWatchdog.beat()`` runs at every step boundary. Most beats only store a timestamp; one
 every ``rearm_every_s`` (0.5 s) moves the deadline of the Python thread and of the GIL-free
 backstop. Measured: the plain beat (a tight loop: almost all beats take the cheap path), and the
-forced beat (``beat(force=True)``, what ``busy()`` and every re-arm pay). Target (issue 20): the
+forced beat (``beat(force=True)``, what ``busy()`` and every re-arm pay). Target: the
 backstop's re-arm stays about 1 us.
 
     python bench/hang_beat_bench.py [--beats 200000] [--rounds 5]

@@ -1,4 +1,4 @@
-"""Ray (issue 30): Ctrl+C → every process of the job gone, and the package's per-step cost.
+"""Ray: Ctrl+C → every process of the job gone, and the package's per-step cost.
 
     .venv/bin/python bench/ray_bench.py [--rounds 3] [--steps 200] [--dir /tmp/raybench]
     .venv/bin/python bench/ray_bench.py --only ctrl-c       # or: --only steps

@@ -3,7 +3,7 @@
 1. Per-step bookkeeping (``Rescuer.mark`` at every step boundary: the RNG/object snapshot, the
    persistent-buffer copies, the non-blocking send to the buddy rank), microseconds per step,
    for the demo's state (DDP MLP, Adam, StepLR, data iterator) and for a model with 100
-   BatchNorm layers (300 buffers to copy). Target (issue 16): <= 250 us, 0.5 % of a 50 ms step.
+   BatchNorm layers (300 buffers to copy). Target: <= 250 us, 0.5 % of a 50 ms step.
    The snapshot's parts are timed alone too (``encode``: RNG streams + state_dict()s, pickled).
    ``--sharded``: the same for sharded state, 4 ranks of HSDP (``fully_shard`` on a 2 x 2
    ``("replicate", "shard")`` mesh): the demo's model, and 100 Linear + BatchNorm layers each

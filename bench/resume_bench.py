@@ -15,7 +15,7 @@ by ``dcp.save``, and a ``dd`` file of the same byte count; then ``--rounds`` int
 
 Prints each round and the medians of the ratios to ``dd``, and the CPU seconds per GiB each
 reader spent (this process's threads, or ``dd``'s): on a busy 2-core machine a reader that
-needs more CPU per byte than ``dd`` loses to it however well it overlaps. Target (issue 32 item 5): ours >= 0.9x.
+needs more CPU per byte than ``dd`` loses to it however well it overlaps. Target: ours >= 0.9x.
 Everything is written under ``--dir``, which is removed at the end.
 """
 
@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=4, help="checkpoint.io_threads")
     ap.add_argument("--dir", default="/tmp/resumebench")
     ap.add_argument("--before", action="store_true",
-                    help="also ours with zlib's CRC (as before issue 32 item 5)")
+                    help="also ours with zlib's CRC (as before the CRC change)")
     args = ap.parse_args()
     meds = [one_size(args, float(s)) for s in args.sizes_gib.split(",")]
     return 0 if all(m >= 0.9 for m in meds) else 1

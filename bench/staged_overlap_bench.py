@@ -1,4 +1,4 @@
-"""Issue 32 item 3 on CPU: a staged save, its device copy a throttled stand-in, against the
+"""On CPU: a staged save, its device copy a throttled stand-in, against the
 unstaged save of the same bytes, interleaved.
 
     .venv/bin/python bench/staged_overlap_bench.py [--size-gib 1.0] [--rounds 5] [--dir /tmp/ovbench]

@@ -1,6 +1,6 @@
 """A node's death with a spare node, template ``multi_node_torchrun``: the time from the kill to
-the first step of the training relaunched in the same job, split into its parts. Issue 23's
-target: at most 60 s on the 2-core test machines.
+the first step of the training relaunched in the same job, split into its parts.
+Target: at most 60 s on the 2-core test machines.
 
 On the namespace SLURM cluster (``tests/cluster/multinode_cluster.sh``, needs root; started when
 not running; hold ``/tmp/kr-slurm.lock``): 3 nodes, 2 training (2 gloo DDP workers each under a

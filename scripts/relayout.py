@@ -1,4 +1,4 @@
-"""Issue 22's folder layout: move the loose root modules into folders that show the layers
+"""The folder layout of the package: move the loose root modules into folders that show the layers
 (docs/design.md, ## Architecture) and rewrite every reference to them by one table.
 
     python scripts/relayout.py            # move what is still at its old place, rewrite, report
@@ -52,7 +52,7 @@ TABLE: dict[str, str] = {
     # run/: the object a training script uses, and its set-up
     "run": "run.resilient",
     "begin": "run.begin",
-    # (the old runstate.py is at home again as the runstate/ folder, issue 29: no rewrite)
+    # (the old runstate.py is at home again as the runstate/ folder: no rewrite)
     "aio": "run.aio",
     # integrations/: trackers are another tool the run talks to (integrations.wandb)
     "shutdown.trackers": "integrations.trackers",

@@ -3,7 +3,7 @@
 Why: a buffered write copies every byte into page-cache pages the kernel takes from free memory
 at that moment, then the fsync writes them out. On a VM whose freed memory the host takes back
 (these machines; many clouds), each such page costs a host fault on first touch, and several
-writer threads doing it at once on a small node fight over the same lock: in issue 32's setting
+writer threads doing it at once on a small node fight over the same lock: in the shutdown-vs-dd bench's setting
 (0.94 GiB of Adam state, 2 cores) the buffered save took 1.6-5 s where one thread writing
 ``O_DIRECT`` from warm buffers took 0.7-0.9 s. Here each writer thread copies its records into
 two page-aligned buffers allocated and touched when the run was set up (``DirectPool.reserve``),
@@ -47,7 +47,7 @@ log = get_logger(__name__)
 
 ENV_DIRECT_IO = "KEMPNER_RESILIENCE_DIRECT_IO"
 """Overrides ``checkpoint.direct_io``: 0 or off, 1 or on, auto (the A/B of
-``bench/issue32_bench.py`` sets 0: the files written through the page cache)."""
+``bench/shutdown_vs_dd_bench.py`` sets 0: the files written through the page cache)."""
 
 _ENV_VALUES = {"0": DirectIOMode.OFF, "off": DirectIOMode.OFF, "false": DirectIOMode.OFF,
                "1": DirectIOMode.ON, "on": DirectIOMode.ON, "true": DirectIOMode.ON,

@@ -2,7 +2,7 @@
 
 The first diverging checkpoint says the most: later ones differ everywhere, because a different
 update spreads through every weight. What differs there, and how many steps after the stop,
-points at the usual traps (issue 31):
+points at the usual traps:
 
 - only the optimizer's learning rate, and no scheduler in the checkpoint: an LR scheduler not
   in ``state`` restarted at the resume (the optimizer's restored lr is right for one step, then

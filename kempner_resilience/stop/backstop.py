@@ -5,7 +5,7 @@ interpreter. A kernel timer (``ctimer.py``) would do, but every kernel timer tha
 a process sleeps in a deadlock (CLOCK_MONOTONIC, REALTIME, BOOTTIME) also runs while the process
 is stopped: ``scontrol suspend``, ``PreemptMode=SUSPEND`` and a cgroup freeze stop every task
 and continue it later, and the timer's signal, pending since the stop, is delivered on SIGCONT
-before any Python code runs: a suspended job died as hung (issue 20). CPU-time clocks never fire
+before any Python code runs: a suspended job died as hung. CPU-time clocks never fire
 for a deadlock (no CPU is used). So the countdown lives in a separate process that can see
 stops:
 

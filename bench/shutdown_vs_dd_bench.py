@@ -1,7 +1,7 @@
-"""Issue 32 item 7: the CPU shutdown in the issue's independent setting, against ``dd`` and
+"""The CPU shutdown in an independent setting, against ``dd`` and
 ``torch.save`` of the same bytes, interleaved, with no warm-up of any kind.
 
-    .venv/bin/python bench/issue32_bench.py [--rounds 5] [--dir /tmp/i32bench]
+    .venv/bin/python bench/shutdown_vs_dd_bench.py [--rounds 5] [--dir /tmp/kr-shutdown-dd]
 
 The state: 20 ``Linear(2048, 2048)`` layers with Adam, stepped once so the moments exist
 (40 parameters and 80 moments, 0.94 GiB). A real rank process (``RANK`` set: exit mode, gloo
@@ -128,7 +128,7 @@ def torch_save_round(root: Path, model, opt) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--dir", default="/tmp/i32bench")
+    ap.add_argument("--dir", default="/tmp/kr-shutdown-dd")
     ap.add_argument("--child", metavar="CKDIR", help=argparse.SUPPRESS)
     ap.add_argument("--env", action="append", default=[],
                     help="KEY=VALUE for the rank process (A/B of library switches)")
@@ -148,7 +148,7 @@ def main() -> None:
     src.write_bytes(os.urandom(1 << 20) * (nbytes >> 20))
     src.read_bytes()                       # page-cached, as the issue's dd source was
     extra = dict(kv.split("=", 1) for kv in args.env)
-    print(f"issue 32 setting: {nbytes / GIB:.2f} GiB (20 x Linear(2048, 2048) + Adam), "
+    print(f"setting: {nbytes / GIB:.2f} GiB (20 x Linear(2048, 2048) + Adam), "
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, no warm-up"
           f"{', env ' + str(extra) if extra else ''}")
     r_dd, r_ts = [], []
