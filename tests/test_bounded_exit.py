@@ -75,3 +75,33 @@ def test_an_exception_in_the_loop_exits_1_with_its_traceback_despite_executors(t
         proc.kill()
     assert proc.returncode == ExitCode.ERROR
     assert "ValueError: a bug in the training step" in err and "Traceback" in err
+
+
+GLOO_WORKER_AT_EXIT = """
+import ctypes, sys, threading, time
+import kempner_resilience
+import torch.distributed
+
+def worker():
+    # Named as torch names gloo's workers; busy past the script's end, as a worker that still
+    # drops a finished collective is. A thread that needs the GIL once finalisation began
+    # never gets it: without the wait, "dropped" is never written.
+    ctypes.CDLL(None).prctl(15, b"pt_gloo_runloop", 0, 0, 0)
+    end = time.monotonic() + 0.2
+    while time.monotonic() < end:
+        pass
+    open(sys.argv[1], "w").write("dropped")
+    time.sleep(3600)
+
+threading.Thread(target=worker, daemon=True).start()
+time.sleep(0.05)
+"""
+
+
+def test_the_interpreter_exit_waits_for_a_busy_gloo_worker_to_finish_what_it_holds(tmp_path):
+    script = tmp_path / "gloo_worker.py"
+    script.write_text(GLOO_WORKER_AT_EXIT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "dropped")], env=env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "dropped").read_text() == "dropped"

@@ -57,6 +57,60 @@ class RunExit(SystemExit):
     """
 
 
+# torch's gloo worker threads (named by torch) and how long the exit waits for them.
+_GLOO_WORKER = "pt_gloo_runloop"
+_SETTLE_S = 0.5
+
+
+def gloo_workers_busy() -> list[int]:
+    """The thread ids of this process's gloo worker threads that are running or waiting for a
+    core (state R in ``/proc``): one that just finished a collective and has yet to drop it."""
+    busy = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return busy
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.find(b"(") + 1:stat.rfind(b")")]
+        if name.startswith(_GLOO_WORKER.encode()) and stat[stat.rfind(b")") + 2:][:1] == b"R":
+            busy.append(int(tid))
+    return busy
+
+
+def settle_gloo_workers(timeout_s: float = _SETTLE_S) -> bool:
+    """Wait, at most ``timeout_s``, until no gloo worker thread is running; True once idle.
+
+    Why: a gloo worker drops a finished collective after the waiting rank was told it is done.
+    The collective holds its tensors, and dropping a tensor that Python knew takes the GIL. A
+    rank that ends right after its last collective (rank 1 after a full state dict gathered
+    for rank 0) may reach the interpreter's finalisation first; under load the worker is then
+    still to run. On Python 3.11 a thread that takes the GIL during finalisation exits at once
+    (``pthread_exit``) from inside torch's C++: ``terminate called without an active
+    exception``, SIGABRT, exit 134 for a run that completed. Waiting here, before finalisation
+    and with the GIL released by each sleep, lets the worker finish its drop."""
+    deadline = time.monotonic() + timeout_s
+    idle = 0
+    while idle < 2:                  # two looks in a row: one may fall between two steps
+        idle = idle + 1 if not gloo_workers_busy() else 0
+        if time.monotonic() >= deadline:
+            return False
+        if idle < 2:
+            time.sleep(0.002)        # the GIL released: a worker that waits for it runs
+    return True
+
+
+def _at_exit() -> None:
+    """The last atexit handler (registered at import): after a run that left in ``exit``
+    mode, the finalisation skipped; else gloo's workers settled before it begins."""
+    _fast_exit()
+    settle_gloo_workers()    # without gloo, one look at this process's threads: microseconds
+
+
 def _fast_exit() -> None:
     if not _fast_exit_code:
         return
@@ -69,7 +123,7 @@ def _fast_exit() -> None:
     os._exit(_fast_exit_code[0])
 
 
-atexit.register(_fast_exit)
+atexit.register(_at_exit)
 
 
 def _in_ipython() -> bool:
