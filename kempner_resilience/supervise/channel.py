@@ -49,8 +49,9 @@ from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.startup import StartupError
+from kempner_resilience.supervise.policy import Commits, Decision
 
-__all__ = ["CHANNEL_ENV", "Channel", "ChannelUnwritable", "Relaunched", "RunReport",
+__all__ = ["CHANNEL_ENV", "Channel", "ChannelUnwritable", "Progress", "Relaunched", "RunReport",
            "REPORT_NAME", "report_now", "launch_name", "relaunched", "newest_commit"]
 
 _log = get_logger(__name__)
@@ -316,10 +317,10 @@ class Channel:
             _log.warning("the ranks' report %s is unreadable (%s): the run is unknown", path, e)
             return None
 
-    def run_paths(self) -> RunPaths | None:
-        """The run's directory as rank 0 reported it (None: no report yet)."""
+    def run_paths(self, default: RunPaths | None = None) -> RunPaths | None:
+        """The run's directory as rank 0 reported it, else ``default`` (no report yet)."""
         report = self.read()
-        return None if report is None else RunPaths(Path(report.run_dir))
+        return default if report is None else RunPaths(Path(report.run_dir))
 
     def requeue_setting(self, key: str, default: int) -> int:
         """The run's ``requeue.<key>`` (an integer >= 0) as rank 0 reported it, else
@@ -437,6 +438,42 @@ class Channel:
             self.root.parent.rmdir()      # .kempner-resilience(-<uid>)/, after its last job
         except OSError:
             pass
+
+
+@dataclass
+class Progress:
+    """The no-progress guard's evidence over a supervisor's launches, one reader for every
+    backend: the run's newest commit when a launch started (``starting``) and now, its
+    ``requeue.max_no_progress``, and the count the last decision carried (``carry``).
+    ``channel`` None, or no run reported and no ``fallback``: the run is unknown, no guard."""
+
+    channel: Channel | None
+    fallback: RunPaths | None = None     # the run's directory before rank 0 reports one
+    max_no_progress: int = 2             # until the run says its own
+    before: int | None = None            # the newest commit when this launch started
+    stalled: int = 0                     # the policy's ``Decision.stalled``, carried
+
+    def run_paths(self) -> RunPaths | None:
+        """The run's directory: as rank 0 reported it, else ``fallback``."""
+        return self.fallback if self.channel is None else self.channel.run_paths(self.fallback)
+
+    def starting(self) -> None:
+        """A launch starts: the run's newest commit is the guard's baseline."""
+        self.before = newest_commit(self.run_paths())
+
+    def guard(self) -> dict[str, Any]:
+        """``Evidence``'s ``commits``, ``stalled`` and ``max_no_progress`` (empty: unknown)."""
+        paths = self.run_paths()
+        if paths is None or self.channel is None:
+            return {}
+        return {"commits": Commits(self.before, newest_commit(paths)), "stalled": self.stalled,
+                "max_no_progress": self.channel.requeue_setting("max_no_progress",
+                                                                self.max_no_progress)}
+
+    def carry(self, decision: Decision) -> Decision:
+        """Carry ``decision``'s count to the next launch; returns it."""
+        self.stalled = decision.stalled
+        return decision
 
 
 def relaunched(environ: Mapping[str, str] | None = None) -> Relaunched:

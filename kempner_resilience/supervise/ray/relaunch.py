@@ -24,10 +24,10 @@ from typing import Any, Callable, Collection, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.ray.actor import actor_died as _actor_died
 from kempner_resilience.supervise.ray.actor import actor_ends, kill_actors
 from kempner_resilience.slurm.badnodes import record_bad_nodes
+from kempner_resilience.slurm.env import short_host
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.endings import endings_since
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
@@ -182,7 +182,7 @@ def _answers(node: dict[str, Any]) -> bool:
 
 def _hostnames(ray: Any, node_ids: set[str]) -> set[str]:
     """The host names of Ray nodes (SLURM's node names: short host names)."""
-    return {str(n.get("NodeManagerHostname", "")).split(".")[0] for n in ray.nodes()
+    return {short_host(str(n.get("NodeManagerHostname", ""))) for n in ray.nodes()
             if n.get("NodeID") in node_ids} - {""}
 
 

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
@@ -37,7 +35,7 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
-from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
+from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port, node_name
 from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
 from kempner_resilience.supervise.srun.taskends import StepReport, choose_nodes
 from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
@@ -108,9 +106,7 @@ class Relauncher:
     def run_paths(self) -> RunPaths:
         """The run's directory as rank 0 reported it; before any report, the checkpoint.dir
         of ``--config``/``--set`` (a script that sets it in code has not said it yet)."""
-        report = self.channel.read()
-        return RunPaths(Path(report.run_dir)) if report is not None \
-            else RunPaths.from_config(self.config)
+        return self.channel.run_paths(RunPaths.from_config(self.config))
 
     def requeue_config(self) -> RequeueConfig:
         """The run's requeue settings as rank 0 reported them, else ``--config``/``--set``'s."""
@@ -140,7 +136,7 @@ class Relauncher:
         A job may shrink itself (``scontrol update JobId= NodeList=``); the batch node stays.
         scontrol writes its resize scripts into its working directory: the channel, removed
         next. Bounded; a failure is only logged."""
-        batch = self.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        batch = node_name(self.environ)
         keep = [n for n in self.nodes if n not in dead or n == batch]
         if not dead - {batch} or batch not in self.nodes:
             return

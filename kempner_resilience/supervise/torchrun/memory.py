@@ -17,7 +17,6 @@ All of it is best effort: a record that cannot be written is logged, never raise
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any, Iterable
 
@@ -26,16 +25,12 @@ from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_node_records, record_bad_nodes
+from kempner_resilience.slurm.env import node_name
 from kempner_resilience.slurm.restart_event import record_restart
 
 __all__ = ["node_name", "record_left", "record_agent_restart", "rendezvous_round"]
 
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
-
-
-def node_name() -> str:
-    """This node's name as SLURM knows it (``$SLURMD_NODENAME``), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def rendezvous_round(rdzv_handler: Any) -> int | None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from kempner_resilience.core import torch_private
@@ -41,8 +40,8 @@ from kempner_resilience.supervise.torchrun.memory import (node_name, record_agen
                                                              record_left, rendezvous_round)
 from kempner_resilience.supervise.torchrun.evidence import implicated_here, observe
 from kempner_resilience.supervise.torchrun.standby import Relaunch, live_standbys
-from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, launch_name, newest_commit
-from kempner_resilience.supervise.policy import RESCUED_CODES, Action, Commits, Guard, decide
+from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, Progress, launch_name
+from kempner_resilience.supervise.policy import RESCUED_CODES, Action, Guard, decide
 
 __all__ = ["InPlace", "in_place_settings", "restart_decision"]
 
@@ -114,8 +113,10 @@ class InPlace:
         self.spares_seen: list[str] = []  # the standbys waiting when this agent restarted
         self.why: str | None = None       # this agent's view of the last failure
         self.launch = launch_name()       # the launch its workers mark their hangs under
-        self.committed_before: int | None = None   # the run's commit when the group started
-        self.stalled = 0                  # relaunches in a row without a newer commit
+        # The no-progress guard reads the run rank 0 reported in the job's channel, which
+        # every agent reads; an agent's private channel hears rank 0 only on its node, and the
+        # agents must decide alike: no guard there.
+        self._progress = Progress(self.channel if self.channel.supervised else None)
         self.final_code: int | None = None  # the policy's code when its guard ended the job
         self._waiting_since: float | None = None  # a node waits while the workers run
         rescue, hang = agent.config.rescue, agent.config.watchdog.hang_timeout_s
@@ -144,9 +145,9 @@ class InPlace:
     def run_paths(self) -> RunPaths:
         """Where the run's memory lives: the directory rank 0 reported to the supervisor's
         channel (whatever way the script set ``checkpoint.dir``), else the agent's own."""
-        report = self.channel.read()
-        if report is not None:
-            return RunPaths(Path(report.run_dir))
+        said = self.channel.run_paths()
+        if said is not None:
+            return said
         if self.channel.supervised:     # a private channel hears rank 0 only on its node
             log.warning("%s: no run reported in the supervisor's channel %s yet: using the "
                         "agent's checkpoint.dir %s", AGENT_NAME, self.channel.root,
@@ -171,10 +172,9 @@ class InPlace:
         seen = self.channel.hang_seen(self.launch)
         mine = implicated_here(codes, seen)
         spares = live_standbys(self.settings)
-        d = decide(observe(codes, signalled=False, restarts_left=restarts_left,
-                           max_restarts=max_restarts, standbys=len(spares or ()),
-                           node=node_name() if mine else None, **progress))
-        self.stalled = d.stalled
+        d = self._progress.carry(decide(observe(
+            codes, signalled=False, restarts_left=restarts_left, max_restarts=max_restarts,
+            standbys=len(spares or ()), node=node_name() if mine else None, **progress)))
         if d.action is not Action.RELAUNCH:
             return False, ("no standby node waits" if spares is not None
                            else "the rendezvous store is unreachable") + ": the job requeues"
@@ -194,25 +194,12 @@ class InPlace:
         return True, f"standby node(s) waiting: {', '.join(spares)}"
 
     def progress(self) -> dict[str, Any]:
-        """The no-progress guard's evidence for ``observe``: the run's commits when the group
-        started and now, and its ``requeue.max_no_progress``. Without a run reported in the
-        job's channel the guard stays off, as for every backend that cannot see the commits."""
-        paths = self._shared_run()
-        if paths is None:
-            return {}
-        return {"commits": Commits(self.committed_before, newest_commit(paths)),
-                "stalled": self.stalled,
-                "max_no_progress": self.channel.requeue_setting("max_no_progress", 2)}
+        """The no-progress guard's evidence for ``observe`` (``channel.Progress``)."""
+        return self._progress.guard()
 
     def group_started(self) -> None:
         """A worker group starts: the no-progress guard's baseline, the run's newest commit."""
-        self.committed_before = newest_commit(self._shared_run())
-
-    def _shared_run(self) -> RunPaths | None:
-        """The run rank 0 reported in the job's channel, which every agent reads (None: not
-        reported yet, or the channel is this agent's private one: there only rank 0's agent
-        would know the run, and the agents must decide alike)."""
-        return self.channel.run_paths() if self.channel.supervised else None
+        self._progress.starting()
 
     def nodes_waiting(self, waiting: int) -> int:
         """What torch's monitor loop is told of ``waiting`` nodes while the workers run.
