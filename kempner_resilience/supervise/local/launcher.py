@@ -1,25 +1,15 @@
 """A local launcher that plays the scheduler when no SLURM is present.
 
-It does what SLURM does for a requeueable job, on one machine: one process per rank (the
-``RANK``/``WORLD_SIZE``/``MASTER_*`` variables, a fresh port per launch), started again while
-the one policy says so (``supervise/policy.py``), within a restart budget and its no-progress
-guard. Rank 0 names its run's directory in the launcher's channel (``supervise/channel.py``),
-whatever way the script sets ``checkpoint.dir``. The channel gives the ranks their restart
-count; ``KEMPNER_RESTART_COUNT`` says it to the script, as ``SLURM_RESTART_COUNT`` does.
+One process per rank on this machine (``RANK``/``WORLD_SIZE``/``MASTER_*``, a fresh port per
+launch), started again while the one policy says so. Rank 0 names its run in the launcher's
+channel, whatever way the script sets ``checkpoint.dir``.
 
-Ctrl+C works as with torchrun: the ranks run in sessions of their own, so a terminal's SIGINT
-reaches only the launcher, which forwards one SIGINT to every rank (checkpoint, 130). A second
-Ctrl+C forwards a second one, which forces them out. A SIGTERM is forwarded the same way
-(143). Ranks whose launcher dies get SIGTERM from the kernel.
-
-Every wait is bounded by ``stop_timeout_s``: after a signal, and after the first rank's end
-(a rank frozen by SIGSTOP, or stuck in a collective its lost peer never joins). A rank still
-there then gets SIGTERM, and SIGKILL ``KILL_AFTER_TERM_S`` later. It counts as hung for the
-policy (``RankEnd.by_supervisor``). Survivors that see a lost peer only through their hang
-watchdog need a grace above ``watchdog.hang_timeout_s`` + ``rescue.budget_s``.
-
-When a launch is over, whatever the ranks left running is killed, as SLURM kills a step's
-processes (``core/strays.py``). A relaunch never runs beside the last launch's stray children.
+The ranks run in sessions of their own: a terminal's Ctrl+C reaches only the launcher, which
+forwards one SIGINT (or SIGTERM) to every rank per signal it gets. Every wait is bounded by
+``stop_timeout_s``, after a signal and after the first rank's end: a rank still there then
+gets SIGTERM, SIGKILL ``KILL_AFTER_TERM_S`` later, and counts as hung for the policy. When a
+launch is over, what the ranks left running is killed, as SLURM ends a step's processes
+(``core/strays.py``): a relaunch never runs beside them.
 """
 
 from __future__ import annotations

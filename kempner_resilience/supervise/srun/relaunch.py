@@ -1,21 +1,14 @@
 """Relaunch in place: the training as srun steps inside one allocation with spare nodes.
 
-``kempner-resilience srun --spares K -- python train.py`` (the batch script of a
-``kempner-resilience sbatch --spares K`` job: N + K nodes, ``--no-kill``) is this loop:
+``kempner-resilience srun --spares K -- python train.py`` (N + K nodes, ``--no-kill``) runs
+srun on N nodes not recorded bad, reads its task-end reports (``step.py``), ends a failed step
+without waiting for SLURM to notice a dead node (``SlurmdTimeout``), and asks the one policy
+(``evidence.py``): RELAUNCH on the healthy nodes plus a spare, REQUEUE, or LEAVE.
 
-1. start srun on N nodes not recorded bad, ``MASTER_ADDR`` the first (rank 0's);
-2. read srun's task-end reports (``step.py``); after a failure, once the survivors have ended
-   and nothing new came for ``settle_s``, end the step without waiting for SLURM to notice a
-   dead node (``SlurmdTimeout``, 300 s in production);
-3. ask the one policy (``evidence.py``): RELAUNCH on the healthy nodes plus a spare, the
-   implicated nodes recorded bad, from the newest commit, same job; REQUEUE; or LEAVE.
-
-The loop requeues (``requeue_run``, bad nodes kept out) when no spare is left or
-``--in-job-restarts`` are spent while SLURM's budget lasts: the ranks leave the requeue after
-a failure to the loop (``IN_JOB_ENV``), since rank 0 may be the dead one. Ranks that asked to
-run again (75) requeued the job themselves. A requeue that kept bad nodes out may shrink the
-job below N + K; the loop records its N (``train_nodes``) so the requeued job trains on N
-again, not on N - K.
+The ranks leave the requeue after a failure to the loop (rank 0 may be the dead one); it
+requeues when no spare is left or ``--in-job-restarts`` are spent. A requeue that kept bad
+nodes out may shrink the job below N + K: the loop records N (``train_nodes``) so the
+requeued job trains on N again.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The torchrun spares glue's memory: the bad-node record and the ledger's ``restart`` event.
 
-Under torchrun no single process sees the whole failure, so the agents share the work:
-
-* *The node that leaves* records its own host as bad before it leaves the rendezvous
-  (``record_left``). The survivors' next round cannot complete before it left, so the record
-  is on disk before the restart event, and a later requeue keeps the node off too.
-* *The new group's rank-0 agent* (one per round) writes the ``restart`` event before its
-  workers start (``record_agent_restart``).
-* *Every agent* of a later round tells its workers the rendezvous round as the in-job restart
-  count (``Channel.begin_relaunch``): the same on every node, unlike torch's
-  ``TORCHELASTIC_RESTART_COUNT``, which is 0 on a standby's first start.
-
-All of it is best effort: a record that cannot be written is logged, never raised into torch.
+No single agent sees the whole failure. The node that leaves records itself bad before it
+leaves the rendezvous (``record_left``): the survivors' next round completes only after, so
+the record is on disk before the restart event. The new group's rank-0 agent writes the
+``restart`` event before its workers start (``record_agent_restart``). Best effort: a record
+that cannot be written is logged, never raised into torch.
 """
 
 from __future__ import annotations

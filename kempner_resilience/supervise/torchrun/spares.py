@@ -1,28 +1,18 @@
 """The torchrun agent's glue for spare nodes: relaunch in place after a rescued failure.
 
-torch elastic does the hard part. With ``--nnodes=N`` and N + K agents, the first N complete
-the c10d rendezvous and train; the others wait in the round's *redundancy list*. When a node
-dies, the survivors' workers rescue and exit; with ``--max-restarts`` > 0 their agents join a
-new round once the dead agent's heartbeat expired, a standby takes the free place, and the new
-workers resume from the newest commit: same job, no requeue.
+torch elastic does the hard part: with ``--nnodes=N`` and N + K agents, the others wait in the
+round's redundancy list, and after a failure a standby takes the free place in a new round.
+What torch lacks, ``InPlace`` decides (``elastic.py``'s subclasses ask it):
 
-What torch lacks, and ``InPlace`` decides (``elastic.py``'s subclasses ask it):
-
-* *Which endings restart*: the one policy's answer (``evidence.observe``), and only while a
-  standby waits; else rank 0 requeues and the agents leave with the workers' code.
-* *An implicated node does not rejoin.* An agent whose worker was killed, or hung with the GIL
-  held (HANG without the hang mark its peers left in the channel), leaves to a spare.
-* *The workers know.* Each agent gives its workers a channel of its own
-  (``Channel.for_agent``) with the rendezvous and the restarts left, so rank 0 leaves the
-  relaunch to the agents instead of requeueing (``standby.py``).
-* *The run remembers* (``memory.py``): the bad node, the ``restart`` event, and the in-job
-  restart count (the rendezvous round) for the relaunched workers' ledger.
-* *The survivors rescue before torch restarts them.* Once the dead heartbeat expires, torch
-  would restart the *healthy* group at once (its scale-up path), before the rescue commits.
-  With a fixed node count a waiting node is hidden from that check for the workers' own bound
-  (hang timeout + rescue budget: ``nodes_waiting``). An elastic range keeps torch's scale-up.
-* *A standby* that is not needed ends with 0 when the run is over, not with torch's
-  connection error: the job's code is the training group's.
+* which endings restart: the one policy's answer (``evidence.observe``), only while a standby
+  waits; else rank 0 requeues and the agents leave with the workers' code;
+* an implicated node (a worker killed, or hung with the GIL held) leaves to a spare;
+* the workers learn the rendezvous through their agent's channel (``standby.py``), and the
+  run remembers the bad node and the restart (``memory.py``);
+* the survivors rescue before torch restarts them: with a fixed node count a waiting node is
+  hidden for the workers' own bound (``nodes_waiting``), else torch's scale-up would restart
+  the healthy group before the rescue commits;
+* a standby that is not needed ends with 0, not with torch's connection error.
 """
 
 from __future__ import annotations
