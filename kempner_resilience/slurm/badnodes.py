@@ -30,7 +30,6 @@ import errno
 import fcntl
 import json
 import os
-import socket
 import subprocess
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -38,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.slurm.env import expand_hostlist
+from kempner_resilience.slurm.env import expand_hostlist, node_name
 from kempner_resilience.slurm.scontrol import (ScontrolResult, find_scontrol, parse_show_job,
                                                run_scontrol)
 
@@ -191,7 +190,7 @@ def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.
         return None
     args = _plan(job_id, wanted, _shielded_scontrol, timeout, None, min_nodes)
     update = [] if isinstance(args, ScontrolResult) else args
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host = node_name()
     # requeuehold, update, release: a job requeued plainly is pending at once, and the
     # scheduler may start it before the update lands, on the very node it must leave (seen on
     # the test cluster when the dead node came back IDLE within that moment). Held, it waits

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal as _signal
+import socket
 import zlib
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
@@ -18,7 +19,7 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.scontrol import parse_slurm_time, run_scontrol, show_job
 
 __all__ = ["SlurmJob", "SignalSpec", "parse_signal_spec", "expand_hostlist", "first_host",
-           "master_port", "tasks_per_node", "setup_torch_env"]
+           "master_port", "tasks_per_node", "setup_torch_env", "node_name", "short_host"]
 
 _log = get_logger(__name__)
 
@@ -262,6 +263,17 @@ def first_host(nodelist: str, timeout: float = 10.0) -> str:
     if not hosts:
         raise ValueError(f"empty node list {nodelist!r}")
     return hosts[0]
+
+
+def node_name(environ: Mapping[str, str] | None = None) -> str:
+    """This node's name as SLURM knows it (``$SLURMD_NODENAME``), else the host name."""
+    return (os.environ if environ is None else environ).get("SLURMD_NODENAME") \
+        or socket.gethostname()
+
+
+def short_host(host: str) -> str:
+    """A host name as SLURM names nodes: up to its first dot."""
+    return host.split(".")[0]
 
 
 def master_port(job_id: str | int) -> int:

@@ -1,34 +1,18 @@
 """The one channel between a supervisor and its ranks: a job-scoped directory named in the
-environment, where rank 0 says which run it is and the supervisor keeps its own memory.
+environment (``CHANNEL_ENV``), where rank 0 says which run it is and the supervisor keeps its
+own memory.
 
-A supervisor must know the run it supervises: its checkpoint directory, run id and requeue
-settings. The user's config cannot tell (a script may set ``checkpoint.dir`` in code), and a
-guess mixes unrelated runs. So the ranks tell it, here:
+Why: the user's config cannot tell a supervisor its run (a script may set ``checkpoint.dir`` in
+code), and a guess mixes unrelated runs. So rank 0 writes ``run.json`` (``RunReport``) at
+set-up, after each commit and with its exit code. The ranks mark the hangs they saw and the
+peers they saw die; the supervisor says each launch's restart count and relaunch index. Every
+write is an atomic replace, never fsynced: a reader sees a whole file or the one before.
 
-- the supervisor creates one directory per job (``Channel.for_job``:
-  ``.kempner-resilience/job-<id>`` in the submit directory, which every node shares) and names
-  it in the ranks' environment (``CHANNEL_ENV``). A rank that finds it leaves the requeue after
-  a failure to the supervisor;
-- rank 0 writes ``run.json`` (``RunReport``) at set-up, after each commit and with its exit
-  code. Atomic replaces, never fsynced: a reader sees a whole report or the one before;
-- ranks mark that their hang watchdog ran (``hang_seen``: a rank hung with the GIL held cannot,
-  which singles its node out), and the survivors of a lost peer which ranks died without a word
-  (``ranks_died``), so a torchrun agent drops their node from its rendezvous at once;
-- before each launch the supervisor says how often it started the ranks (``begin_launch``) and
-  which relaunch in place this is (``begin_relaunch``): the restart budget and the ledger's
-  attempt read them;
-- a torchrun agent gives its workers a channel of its own (``Channel.for_agent``), whose
-  ``agent.json`` names the job's channel and the agent's rendezvous;
-- the supervisor's per-job memory (``train_nodes``) lives here; what outlives the job (bad
-  nodes, restart events) goes to the run's directory.
-
-Where the submit directory cannot hold it, the channel falls back to this node's
-``$TMPDIR``, ``/dev/shm`` or the temporary directory (one log line): only ranks on this node
-reach it. With no writable place the supervisor stops with 78 (CONFIG) before any rank starts.
-A local controller's channel is named by host, pid and a random token
-(``Channel.for_controller``), so no controller clears another's. The directory lives as long
-as the job (a requeue keeps the id) and goes when it ends for good (``Channel.remove``).
-Variables it replaced are still read when set by hand (``legacy_env.py``).
+The job's directory is ``.kempner-resilience/job-<id>`` in the submit directory, which every
+node shares; where it cannot be written, this node's ``$TMPDIR``, ``/dev/shm`` or temporary
+directory (logged: only ranks on this node reach it), else 78 (CONFIG) before any rank starts.
+It lives as long as the job (a requeue keeps the id). A torchrun agent gives its workers a
+channel of its own inside it (``Channel.for_agent``).
 """
 
 from __future__ import annotations
@@ -49,8 +33,9 @@ from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.startup import StartupError
+from kempner_resilience.supervise.policy import Commits, Decision
 
-__all__ = ["CHANNEL_ENV", "Channel", "ChannelUnwritable", "Relaunched", "RunReport",
+__all__ = ["CHANNEL_ENV", "Channel", "ChannelUnwritable", "Progress", "Relaunched", "RunReport",
            "REPORT_NAME", "report_now", "launch_name", "relaunched", "newest_commit"]
 
 _log = get_logger(__name__)
@@ -76,8 +61,7 @@ class ChannelUnwritable(OSError, StartupError):
 
 def tell(path: Path, data: Any, what: str, *, durable: bool = False, mkdir: bool = False
          ) -> bool:
-    """Replace ``path`` with ``data`` as JSON, whole; a failure is logged ("cannot tell
-    ``what``"), never raised: neither side of the channel stops for it."""
+    """Replace ``path`` with ``data`` as JSON, whole; a failure is logged, never raised."""
     try:
         if mkdir:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +99,7 @@ def _marked(directory: Path) -> set[int]:
 
 
 def _writable_dir(path: Path) -> str | None:
-    """Create ``path`` (parents included); None when it is a writable directory, else why."""
+    """Create ``path``; None when it is a writable directory, else why."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -126,8 +110,7 @@ def _writable_dir(path: Path) -> str | None:
 
 
 def _local_places(environ: Mapping[str, str]) -> list[Path]:
-    """This node's job-scoped places for a channel, in order: $TMPDIR, /dev/shm, the system's
-    temporary directory."""
+    """This node's places for a channel, in order: $TMPDIR, /dev/shm, the temporary directory."""
     found = [Path(p) for p in (environ.get("TMPDIR"), "/dev/shm") if p]
     try:
         found.append(Path(tempfile.gettempdir()))
@@ -204,9 +187,9 @@ class Channel:
 
     @classmethod
     def for_agent(cls, job: "Channel | None", node: str) -> "Channel":
-        """A torchrun agent's own channel for its workers, created: ``agents/<node>-<pid>``
-        in ``job``'s directory, else a private one (``supervised`` false). One agent per node
-        restarts its own workers: their relaunch cannot be one file of the job's."""
+        """A torchrun agent's own channel for its workers: ``agents/<node>-<pid>`` in ``job``'s
+        directory, else a private one. Each agent restarts its own workers: their relaunch
+        cannot be one file of the job's."""
         if job is not None:
             path = job.root / _AGENTS_DIR / f"{node}-{os.getpid()}"
             path.mkdir(parents=True, exist_ok=True)
@@ -218,9 +201,8 @@ class Channel:
 
     @classmethod
     def private(cls, prefix: str) -> "Channel":
-        """A channel of this process's own, for ranks on this node (the local launcher): a
-        fresh temporary directory, in ``/dev/shm`` when the temporary directories cannot take
-        one; ``ChannelUnwritable`` (78) when none can."""
+        """A fresh channel of this process's own, for ranks on this node (the local launcher);
+        ``ChannelUnwritable`` (78) when no local place can take one."""
         tried = []
         for place in [None, *_local_places(os.environ)]:
             try:
@@ -244,10 +226,9 @@ class Channel:
     @classmethod
     def for_job(cls, job_id: str, environ: Mapping[str, str] | None = None,
                 cwd: str | os.PathLike[str] | None = None, *, fresh: bool = False) -> "Channel":
-        """The channel of job ``job_id``: ``.kempner-resilience/job-<id>`` under
-        ``SLURM_SUBMIT_DIR`` (or ``cwd``), created. ``fresh``: the job's first attempt; what is
-        there then is a cancelled job's with the same id (SLURM reuses ids after a reset, pids
-        are reused), whose report would name another run: it is cleared."""
+        """The channel of job ``job_id`` under ``SLURM_SUBMIT_DIR`` (or ``cwd``), created.
+        ``fresh``: the job's first attempt; what is there is a cancelled job's with the same
+        id (ids and pids are reused), whose report would name another run: it is cleared."""
         env = os.environ if environ is None else environ
         base = Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd())
         name = f"job-{job_id}"
@@ -277,9 +258,8 @@ class Channel:
     @classmethod
     def for_controller(cls, pid: str, folder: str | os.PathLike[str],
                        host: str | None = None) -> "Channel":
-        """The channel of a local controller's job: ``job-<pid>.<host>.<token>`` in
-        ``folder``, created. Hosts sharing a folder reuse pids: with the host and a random
-        token, no controller clears another's live channel."""
+        """A local controller's channel, ``job-<pid>.<host>.<token>`` in ``folder``: hosts
+        sharing a folder reuse pids, so no controller clears another's."""
         host = (host or socket.gethostname() or "host").replace("/", "_")
         return cls.for_job(f"{pid}.{host}.{secrets.token_hex(4)}", environ={}, cwd=folder)
 
@@ -316,10 +296,10 @@ class Channel:
             _log.warning("the ranks' report %s is unreadable (%s): the run is unknown", path, e)
             return None
 
-    def run_paths(self) -> RunPaths | None:
-        """The run's directory as rank 0 reported it (None: no report yet)."""
+    def run_paths(self, default: RunPaths | None = None) -> RunPaths | None:
+        """The run's directory as rank 0 reported it, else ``default`` (no report yet)."""
         report = self.read()
-        return None if report is None else RunPaths(Path(report.run_dir))
+        return default if report is None else RunPaths(Path(report.run_dir))
 
     def requeue_setting(self, key: str, default: int) -> int:
         """The run's ``requeue.<key>`` (an integer >= 0) as rank 0 reported it, else
@@ -338,8 +318,7 @@ class Channel:
     # ------------------------------------------------------------------ the launch
 
     def begin_launch(self, restarts: int) -> None:
-        """Before a launch of the ranks: they were started ``restarts`` times before (by this
-        supervisor: relaunches and requeues it played itself). Whole, never fsynced."""
+        """Before a launch: this supervisor started the ranks ``restarts`` times before."""
         tell(self.root / _LAUNCH, {"restarts": int(restarts), "t": time.time()},
              "the ranks their restart count")
 
@@ -349,9 +328,8 @@ class Channel:
         return count(data.get("restarts")) if isinstance(data, dict) else None
 
     def begin_relaunch(self, index: int, t: float | None = None) -> None:
-        """Before a launch of the ranks: it is relaunch in place ``index`` (0: the job's first
-        launch), launched at ``t`` (default now). In the agent's directory for a torchrun
-        agent's channel. Whole, never fsynced; never raises."""
+        """Before a launch: it is relaunch in place ``index`` (0: the job's first), launched at
+        ``t`` (default now). In the agent's directory for a torchrun agent's channel."""
         tell(self._own / _RELAUNCH, {"index": int(index),
                                      "t": time.time() if t is None else float(t)},
              "the ranks their relaunch")
@@ -367,9 +345,8 @@ class Channel:
         return Relaunched(index, float(t) if ok else None)
 
     def offer_rendezvous(self, rendezvous: Mapping[str, Any] | None) -> None:
-        """A torchrun agent's channel: the rendezvous its agents would relaunch the workers in
-        (``slurm/standby.Relaunch``'s fields; None: none), with the job's channel it belongs
-        to. Whole, never fsynced; a failed write is logged, not raised."""
+        """A torchrun agent's channel: the rendezvous it would relaunch its workers in
+        (``standby.Relaunch``'s fields; None: none), and the job's channel it belongs to."""
         agent = self.agent
         if agent is None:
             raise ValueError("only a torchrun agent's channel offers a rendezvous")
@@ -429,7 +406,7 @@ class Channel:
              durable=True)
 
     def remove(self) -> None:
-        """The job is over for good: its channel goes (bounded: a local directory walk)."""
+        """The job is over for good: its channel goes."""
         shutil.rmtree(self.root, ignore_errors=True)
         if not self.root.parent.name.startswith(_JOBS_DIR):
             return
@@ -439,9 +416,45 @@ class Channel:
             pass
 
 
+@dataclass
+class Progress:
+    """The no-progress guard's evidence over a supervisor's launches, one reader for every
+    backend: the run's newest commit when a launch started (``starting``) and now, its
+    ``requeue.max_no_progress``, and the count the last decision carried (``carry``).
+    ``channel`` None, or no run reported and no ``fallback``: the run is unknown, no guard."""
+
+    channel: Channel | None
+    fallback: RunPaths | None = None     # the run's directory before rank 0 reports one
+    max_no_progress: int = 2             # until the run says its own
+    before: int | None = None            # the newest commit when this launch started
+    stalled: int = 0                     # the policy's ``Decision.stalled``, carried
+
+    def run_paths(self) -> RunPaths | None:
+        """The run's directory: as rank 0 reported it, else ``fallback``."""
+        return self.fallback if self.channel is None else self.channel.run_paths(self.fallback)
+
+    def starting(self) -> None:
+        """A launch starts: the run's newest commit is the guard's baseline."""
+        self.before = newest_commit(self.run_paths())
+
+    def guard(self) -> dict[str, Any]:
+        """``Evidence``'s ``commits``, ``stalled`` and ``max_no_progress`` (empty: unknown)."""
+        paths = self.run_paths()
+        if paths is None or self.channel is None:
+            return {}
+        return {"commits": Commits(self.before, newest_commit(paths)), "stalled": self.stalled,
+                "max_no_progress": self.channel.requeue_setting("max_no_progress",
+                                                                self.max_no_progress)}
+
+    def carry(self, decision: Decision) -> Decision:
+        """Carry ``decision``'s count to the next launch; returns it."""
+        self.stalled = decision.stalled
+        return decision
+
+
 def relaunched(environ: Mapping[str, str] | None = None) -> Relaunched:
-    """Which relaunch in place this process's launch is: as its channel says, else (set by
-    hand, or an older launcher) the deprecated variables, else the first launch."""
+    """Which relaunch in place this process's launch is: as its channel says, else the
+    deprecated variables (``legacy_env.py``), else the first launch."""
     from kempner_resilience.supervise.legacy_env import relaunch_by_hand
 
     channel = Channel.from_env(environ)

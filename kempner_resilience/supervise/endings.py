@@ -1,19 +1,12 @@
 """The ranks' endings when no supervisor watches them: rank 0 decides from them, by the policy.
 
-With a plain ``srun python train.py`` (submitit's SLURM executor too) nothing outside the ranks
-decides: rank 0 requeues after a rescued failure. It sees only "a peer is gone", so an
-exception on rank 1 ([81, 1]) was requeued until the budget ran out. So each rank records how
-it ended (``RankEnding``) in the run's directory before it dies, and rank 0, before a requeue
-after a peer loss, reads its peers' endings (a bounded wait) and asks the policy
-(``peer_decision``): a peer with no ending was killed (restartable); a peer's own final code
-leaves with that code.
-
-srun's status is the highest task code, so the job's code is 1 only if no survivor exits 81:
-rank 0 writes its decision (``note_verdict``) and the other survivors leave with it
-(``read_verdict``). The attempt's token names the directory, so an earlier attempt's endings
-are never read. Writes are whole-file replaces, not fsynced: a crashed machine's rank reads as
-killed, as it was. The Ray driver reads them too (``endings_since``): Ray reports an actor that
-exited 42 only as gone.
+Under a plain ``srun`` rank 0 sees only "a peer is gone": an exception on rank 1 ([81, 1])
+was requeued until the budget ran out. So each rank records how it ended (``RankEnding``)
+before it dies, and rank 0 reads its peers' endings (a bounded wait) and asks the policy
+(``peer_decision``): a peer with no ending was killed. srun's status is the highest task code,
+so rank 0 writes its decision (``note_verdict``) and the other survivors leave with it
+(``read_verdict``). The attempt's token names the directory: an earlier attempt's endings
+are never read. The Ray driver reads them too (``endings_since``).
 """
 
 from __future__ import annotations

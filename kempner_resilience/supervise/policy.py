@@ -134,20 +134,17 @@ class RankEnd:
 KILLED = RankEnd(128 + int(signal.SIGKILL), signaled=True)
 
 
-def ends_of(codes: Sequence[int | None], killed: Collection[int] = (),
+def ends_of(codes: Sequence[int | None] | Mapping[int, int | None], killed: Collection[int] = (),
             aliases: Mapping[int, int] | None = None) -> tuple[RankEnd, ...]:
-    """Rank r's ending from ``codes[r]``, a ``Popen.returncode`` (negative: killed by that
-    signal; None: still running when the supervisor gave up, as good as killed by it).
-    ``killed``: ranks the supervisor ended after the grace; ``aliases``: a backend's own codes
-    read as the policy's (submitit's 144 as 75)."""
-    ends = []
-    for r, c in enumerate(codes):
-        if c is None:
-            ends.append(replace(KILLED, by_supervisor=True))
-        else:
-            c = (aliases or {}).get(c, c)
-            ends.append(RankEnd.from_returncode(c, by_supervisor=r in killed))
-    return tuple(ends)
+    """Each rank's ending, lowest rank first, from its ``Popen.returncode``: ``codes[r]`` of
+    a list, or ``{global rank: code}`` (negative: killed by that signal; None: still running
+    when the supervisor gave up, as good as killed by it). ``killed``: the ranks the
+    supervisor ended after the grace; ``aliases``: a backend's own codes read as the policy's
+    (submitit's 144 as 75)."""
+    killed = set(killed)
+    by_rank = sorted(codes.items()) if isinstance(codes, Mapping) else enumerate(codes)
+    return tuple(replace(KILLED, by_supervisor=True) if c is None else RankEnd.from_returncode(
+        (aliases or {}).get(int(c), int(c)), by_supervisor=r in killed) for r, c in by_rank)
 
 
 @dataclass(frozen=True)

@@ -1,25 +1,15 @@
 """A local launcher that plays the scheduler when no SLURM is present.
 
-It does what SLURM does for a requeueable job, on one machine: one process per rank (the
-``RANK``/``WORLD_SIZE``/``MASTER_*`` variables, a fresh port per launch), started again while
-the one policy says so (``supervise/policy.py``), within a restart budget and its no-progress
-guard. Rank 0 names its run's directory in the launcher's channel (``supervise/channel.py``),
-whatever way the script sets ``checkpoint.dir``. The channel gives the ranks their restart
-count; ``KEMPNER_RESTART_COUNT`` says it to the script, as ``SLURM_RESTART_COUNT`` does.
+One process per rank on this machine (``RANK``/``WORLD_SIZE``/``MASTER_*``, a fresh port per
+launch), started again while the one policy says so. Rank 0 names its run in the launcher's
+channel, whatever way the script sets ``checkpoint.dir``.
 
-Ctrl+C works as with torchrun: the ranks run in sessions of their own, so a terminal's SIGINT
-reaches only the launcher, which forwards one SIGINT to every rank (checkpoint, 130). A second
-Ctrl+C forwards a second one, which forces them out. A SIGTERM is forwarded the same way
-(143). Ranks whose launcher dies get SIGTERM from the kernel.
-
-Every wait is bounded by ``stop_timeout_s``: after a signal, and after the first rank's end
-(a rank frozen by SIGSTOP, or stuck in a collective its lost peer never joins). A rank still
-there then gets SIGTERM, and SIGKILL ``KILL_AFTER_TERM_S`` later. It counts as hung for the
-policy (``RankEnd.by_supervisor``). Survivors that see a lost peer only through their hang
-watchdog need a grace above ``watchdog.hang_timeout_s`` + ``rescue.budget_s``.
-
-When a launch is over, whatever the ranks left running is killed, as SLURM kills a step's
-processes (``core/strays.py``). A relaunch never runs beside the last launch's stray children.
+The ranks run in sessions of their own: a terminal's Ctrl+C reaches only the launcher, which
+forwards one SIGINT (or SIGTERM) to every rank per signal it gets. Every wait is bounded by
+``stop_timeout_s``, after a signal and after the first rank's end: a rank still there then
+gets SIGTERM, SIGKILL ``KILL_AFTER_TERM_S`` later, and counts as hung for the policy. When a
+launch is over, what the ranks left running is killed, as SLURM ends a step's processes
+(``core/strays.py``): a relaunch never runs beside them.
 """
 
 from __future__ import annotations
@@ -39,10 +29,10 @@ from typing import Callable, Sequence
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.strays import clock_ticks_now, end_strays
 from kempner_resilience.supervise.local.warm import Zygote, parent_death, warm_command
-from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, newest_commit
+from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, Progress
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
-                                                 RankEnd, decide, job_code)
+                                                 decide, ends_of, job_code)
 
 __all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "launch_evidence",
            "warm_parent", "RELAUNCH_CODES",
@@ -86,12 +76,7 @@ def free_port() -> int:
 def job_exit_code(codes: Sequence[int], killed: Sequence[int] = ()) -> int:
     """A launch's code from its ranks' ``Popen.returncode`` and the ranks the launcher killed:
     ``policy.job_code``'s rule ([81, 1] is 1; a SIGKILL beside survivors' 81 is 81)."""
-    return job_code(_ends(codes, killed))[0]
-
-
-def _ends(codes: Sequence[int], killed: Sequence[int]) -> tuple[RankEnd, ...]:
-    return tuple(RankEnd.from_returncode(c, by_supervisor=r in killed)
-                 for r, c in enumerate(codes))
+    return job_code(ends_of(codes, killed))[0]
 
 
 def launch_evidence(codes: Sequence[int], killed: Sequence[int] = (), *, index: int = 0,
@@ -101,7 +86,7 @@ def launch_evidence(codes: Sequence[int], killed: Sequence[int] = (), *, index: 
     """The policy's evidence after launch ``index`` (0: the first). ``max_launches`` counts
     the first launch too; ``commits`` None: the checkpoint directory is unknown. One machine:
     no nodes to implicate, no spares, no scheduler behind the launcher."""
-    return Evidence(_ends(codes, killed), restarts=index, max_restarts=max_launches - 1,
+    return Evidence(ends_of(codes, killed), restarts=index, max_restarts=max_launches - 1,
                     commits=commits, stalled=stalled, max_no_progress=max_no_progress,
                     stopping=interrupted, relaunch_codes=relaunch_codes)
 
@@ -189,22 +174,18 @@ class LocalLauncher:
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
             if main else {}
+        progress = Progress(self.channel, self.run_paths, self.max_no_progress)
         try:
-            stalled = 0
             for index in range(self.max_launches):
-                before = self._committed_step()
+                progress.starting()
                 launch = self._launch(index)
                 if self._received:      # a signal after the ranks had exited: no relaunch
                     launch.interrupted = True
                     del self._received[:]
-                commits = None if self._run_paths() is None else Commits(before,
-                                                                       self._committed_step())
-                launch.decision = decide(launch_evidence(
+                launch.decision = progress.carry(decide(launch_evidence(
                     launch.exit_codes, launch.killed, index=index,
-                    max_launches=self.max_launches, commits=commits, stalled=stalled,
-                    max_no_progress=self._max_no_progress(), interrupted=launch.interrupted,
-                    relaunch_codes=self.relaunch_codes))
-                stalled = launch.decision.stalled
+                    max_launches=self.max_launches, interrupted=launch.interrupted,
+                    relaunch_codes=self.relaunch_codes, **progress.guard())))
                 self.launches.append(launch)
                 if self.on_launch:
                     self.on_launch(launch)
@@ -226,20 +207,6 @@ class LocalLauncher:
                     *(self.channel.env() if self.channel is not None else {})):
             env.pop(key, None)
         return env
-
-    def _run_paths(self) -> RunPaths | None:
-        """The run's directory: as rank 0 reported it, else the caller's ``run_paths``."""
-        said = self.channel.run_paths() if self.channel is not None else None
-        return said if said is not None else self.run_paths
-
-    def _max_no_progress(self) -> int:
-        """The run's requeue.max_no_progress as rank 0 reported it, else the caller's."""
-        if self.channel is None:
-            return self.max_no_progress
-        return self.channel.requeue_setting("max_no_progress", self.max_no_progress)
-
-    def _committed_step(self) -> int | None:
-        return newest_commit(self._run_paths())
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._received.append(signum)       # only record: the wait loop forwards it

@@ -121,9 +121,8 @@ class RayDriver:
 
         ``cancel``: calls that live as long as the training (rollouts), cancelled without
         force at its end. A signal or a call's own error stops everything (the error is raised
-        after the stop); so does a ``cancel`` call whose actor was stopped or died, to run
-        again (75). A lost training actor ends its group as ranks end; ``get`` then leaves
-        with the policy's code, requeueing under SLURM when the job is to run again.
+        after the stop); so does a lost ``cancel`` call, to run again (75). A lost training
+        actor ends its group as ranks end; ``get`` then leaves with the policy's code.
         """
         refs, cancel = list(refs), list(cancel)
         bound = self._rescue_bound()
@@ -144,9 +143,8 @@ class RayDriver:
                   options: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
         """What ``method(*args, **kwargs)`` returned on each rank of a training group of
         ``world_size`` ``actor_cls`` actors (a ``TrainingActor``, plain or ``ray.remote``; a
-        plain one gets 1 CPU; ``options`` go to Ray). When an actor is lost the one policy
-        decides (``relaunch.supervise``): a new group resumes from the newest commit, or the
-        driver leaves with its code (``SystemExit``). ``cancel`` as for ``get``."""
+        plain one gets 1 CPU; ``options`` go to Ray). A lost actor's group comes back while
+        the policy says so (``relaunch.supervise``), else ``SystemExit`` with its code."""
         import ray
 
         from kempner_resilience.supervise.ray.relaunch import supervise
@@ -168,10 +166,10 @@ class RayDriver:
     def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,
                    cancel: Sequence[Any] = (), bound: float = 150.0
                    ) -> tuple[list[Any], list[int]]:
-        """Wait for one incarnation of a group (``refs[r]``: ``actors[r]``'s call): what
-        each call returned or raised, and the ranks killed for not ending ``bound`` seconds
-        after the first call failed. Unlike ``get``, a failed call stops nothing: the
-        survivors rescue and end on their own. Signals and ``cancel`` as in ``get``."""
+        """Wait for one incarnation of a group (``refs[r]``: ``actors[r]``'s call): what each
+        call returned or raised, and the ranks killed for not ending ``bound`` seconds after
+        the first call failed. Unlike ``get``, a failed call stops nothing: the survivors
+        rescue and end on their own."""
         refs, cancel = list(refs), list(cancel)
         killed = self._wait_training(refs, cancel, bound, stop_on_error=False)
         for r in killed:
@@ -182,9 +180,8 @@ class RayDriver:
     def _wait_training(self, refs: list[Any], cancel: list[Any], bound: float, *,
                        stop_on_error: bool) -> list[int]:
         """Wait for the training calls ``refs``; the ranks not ended ``bound`` seconds after
-        the first was lost. A lost actor starts that wait (the survivors rescue); so does any
-        failed call unless ``stop_on_error``, where a call's own error stops everything. A
-        ``cancel`` call whose actor was lost, a failed one, and a signal stop everything."""
+        the first was lost (the survivors rescue meanwhile). With ``stop_on_error`` a call's
+        own error stops everything, as a lost ``cancel`` call and a signal do."""
         import ray
 
         pending = refs + cancel
@@ -220,18 +217,16 @@ class RayDriver:
     # ------------------------------------------------------------------ the stop
 
     def _helper_lost(self, err: BaseException, refs: list[Any], cancel: list[Any]) -> None:
-        """A call that lives as long as the training (a rollout) ended without being asked:
-        its actor was stopped (Ray's SIGTERM: a drain, an eviction) or died. The training
-        cannot go on without it: every actor stops with its checkpoint, to run again."""
+        """A rollout's call ended unasked (its actor stopped by Ray, or dead): the training
+        cannot go on without it, every actor stops with its checkpoint, to run again."""
         why = "was stopped (its tasks cancelled)" if _cancelled(err) else "is gone"
         log.error("a rollout or helper actor %s (%s): stopping the training to run again",
                   why, type(err).__name__)
         self._stop_all(signal.SIGTERM, refs, cancel, run_again=f"a helper actor {why}")
 
     def _leave_after(self, ends: Sequence[RankEnd]) -> None:
-        """The training calls ended, not all of them completed (the group stopped by Ray's
-        SIGTERM, an actor lost): the job's code from the one policy, the job requeued under
-        SLURM when it is to run again, Ray shut down, ``SystemExit``."""
+        """Not every training call completed: the policy's code, a requeue under SLURM when
+        the job is to run again, Ray shut down, ``SystemExit``."""
         import ray
 
         decision = decide(Evidence(tuple(ends)))
@@ -253,8 +248,7 @@ class RayDriver:
     def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
                   error: BaseException | None = None, run_again: str | None = None) -> None:
         """Stop every actor, wait for them within the bound, shut Ray down, leave.
-        ``run_again``: why the job is to run again although no signal asked (a lost helper
-        actor): requeued under SLURM once every actor committed, else exit 75."""
+        ``run_again``: why the job runs again though no signal asked (a lost helper actor)."""
         import ray
 
         self._stopping = True
@@ -293,9 +287,8 @@ class RayDriver:
     def requeue(self, why: str, *, exclude: Iterable[str] = (),
                 ends: tuple[RankEnd, ...] = REQUESTED) -> Verdict | None:
         """Under SLURM, the job requeued as rank 0 requeues it (``slurm/requeue.py``) when the
-        policy says so for ``ends``, ``exclude`` and the recorded bad nodes kept out. The
-        driver is the job's one SLURM process (its actors see no SLURM job). None when no
-        requeue was tried (no SLURM, no full config, nothing committed)."""
+        policy says so for ``ends``, ``exclude`` and the bad nodes kept out: the driver is the
+        job's one SLURM process. None when no requeue was tried."""
         job = SlurmJob.from_env()
         if job is None or self.config is None:
             return None
@@ -319,8 +312,8 @@ class RayDriver:
 
     def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
                          also: Sequence[Any] = ()) -> list[Any]:
-        """Cancel ``cancel`` without force, wait for it and ``also`` up to ``bound`` seconds;
-        what is still not done."""
+        """Cancel ``cancel`` without force, wait for it and ``also`` up to ``bound`` s; what
+        is still not done."""
         import ray
 
         for ref in cancel:
@@ -354,10 +347,9 @@ class RayDriver:
 
 
 def driver_forces(signum: int, earlier: list[int]) -> bool:
-    """Only a second SIGINT, or a second SIGTERM, forces the driver out. A dying parent's
-    SIGTERM can reach the driver's signal thread before the Ctrl+C's own SIGINT (Ray's threads
-    block SIGINT, so only the main thread takes it, while any thread takes the SIGTERM): that
-    SIGINT is the first one, part of the stop under way."""
+    """Only a second SIGINT, or a second SIGTERM, forces the driver out: a dying parent's
+    SIGTERM may come before the Ctrl+C's own SIGINT (only the main thread takes SIGINT), and
+    that SIGINT is part of the stop under way."""
     return signum in (signal.SIGINT, signal.SIGTERM) and signum in earlier
 
 
@@ -381,8 +373,7 @@ def _saved(results: Sequence[Any]) -> Saved:
 
 def _outcome(result: Any) -> Any:
     """A call's result as ``actor_ends`` reads it: an ``ActorEnding`` (alone or under a
-    dict's ``"ending"``) or an exception as they are; any other value is a call that completed
-    (``get`` also waits for plain calls: an address, a group's set-up)."""
+    dict's ``"ending"``) or an exception as they are; any other value completed."""
     ending = result.get("ending") if isinstance(result, dict) else result
     if isinstance(ending, (ActorEnding, BaseException)):
         return result
@@ -394,8 +385,7 @@ def _cancelled(err: BaseException) -> bool:
 
 
 def _lost(err: BaseException) -> bool:
-    """A call that ended because its actor was stopped or died, not by an error of its own:
-    nobody but the actor's own SIGTERM handling cancels a call the driver did not cancel."""
+    """A call ended by its actor's stop or death, not by an error of its own."""
     return _cancelled(err) or actor_died(err)
 
 

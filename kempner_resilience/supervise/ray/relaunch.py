@@ -1,18 +1,11 @@
 """The Ray backend of the one supervisor: a training group whose actor died comes back.
 
-The actors of a group are the ranks of one ResilientRun (``actor.py``) and end as ranks end:
-a SIGKILLed actor's call fails with ``RayActorError`` (so does one whose hang watchdog exited
-42: Ray gives no code, the driver reads the ending it recorded, ``supervise/endings.py``); the
-survivors rescue and end with 81. A SIGTERM from Ray or its node stops the whole group at one
-boundary with a checkpoint (143 each).
-
-``supervise`` turns those endings into ``Evidence`` and acts on ``decide``: RELAUNCH (and a
-REQUEUE the actors asked for) kills the old actors and creates new ones, which resume from the
-newest commit in the same driver; LEAVE ends the driver with the code; a REQUEUE for want of a
-live node requeues the SLURM job without the dead nodes. The budget and guard are the
-config's ``requeue`` section. Ray nodes that died under an actor are implicated and recorded
-in the run's ``bad-nodes.json`` by host name. A signal to the driver stays its stop
-(``RayDriver``): nothing is recreated.
+The actors of a group end as ranks end: a dead actor's call fails with ``RayActorError`` (Ray
+gives no code, so the driver reads the ending the rank recorded, ``supervise/endings.py``);
+the survivors rescue and end with 81. ``supervise`` turns those endings into ``Evidence`` and
+acts on ``decide``: a new group in the same driver from the newest commit, a requeue of the
+SLURM job without the dead nodes, or leave with the code. Nodes that died under an actor are
+recorded in the run's ``bad-nodes.json``.
 """
 
 from __future__ import annotations
@@ -24,10 +17,10 @@ from typing import Any, Callable, Collection, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.ray.actor import actor_died as _actor_died
 from kempner_resilience.supervise.ray.actor import actor_ends, kill_actors
 from kempner_resilience.slurm.badnodes import record_bad_nodes
+from kempner_resilience.slurm.env import short_host
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.endings import endings_since
 from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
@@ -182,7 +175,7 @@ def _answers(node: dict[str, Any]) -> bool:
 
 def _hostnames(ray: Any, node_ids: set[str]) -> set[str]:
     """The host names of Ray nodes (SLURM's node names: short host names)."""
-    return {str(n.get("NodeManagerHostname", "")).split(".")[0] for n in ray.nodes()
+    return {short_host(str(n.get("NodeManagerHostname", ""))) for n in ray.nodes()
             if n.get("NodeID") in node_ids} - {""}
 
 

@@ -1,32 +1,23 @@
 """Relaunch in place: the training as srun steps inside one allocation with spare nodes.
 
-``kempner-resilience srun --spares K -- python train.py`` (the batch script of a
-``kempner-resilience sbatch --spares K`` job: N + K nodes, ``--no-kill``) is this loop:
+``kempner-resilience srun --spares K -- python train.py`` (N + K nodes, ``--no-kill``) runs
+srun on N nodes not recorded bad, reads its task-end reports (``step.py``), ends a failed step
+without waiting for SLURM to notice a dead node (``SlurmdTimeout``), and asks the one policy
+(``evidence.py``): RELAUNCH on the healthy nodes plus a spare, REQUEUE, or LEAVE.
 
-1. start srun on N nodes not recorded bad, ``MASTER_ADDR`` the first (rank 0's);
-2. read srun's task-end reports (``step.py``); after a failure, once the survivors have ended
-   and nothing new came for ``settle_s``, end the step without waiting for SLURM to notice a
-   dead node (``SlurmdTimeout``, 300 s in production);
-3. ask the one policy (``evidence.py``): RELAUNCH on the healthy nodes plus a spare, the
-   implicated nodes recorded bad, from the newest commit, same job; REQUEUE; or LEAVE.
-
-The loop requeues (``requeue_run``, bad nodes kept out) when no spare is left or
-``--in-job-restarts`` are spent while SLURM's budget lasts: the ranks leave the requeue after
-a failure to the loop (``IN_JOB_ENV``), since rank 0 may be the dead one. Ranks that asked to
-run again (75) requeued the job themselves. A requeue that kept bad nodes out may shrink the
-job below N + K; the loop records its N (``train_nodes``) so the requeued job trains on N
-again, not on N - K.
+The ranks leave the requeue after a failure to the loop (rank 0 may be the dead one); it
+requeues when no spare is left or ``--in-job-restarts`` are spent. A requeue that kept bad
+nodes out may shrink the job below N + K: the loop records N (``train_nodes``) so the
+requeued job trains on N again.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
@@ -37,7 +28,7 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
-from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port
+from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port, node_name
 from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
 from kempner_resilience.supervise.srun.taskends import StepReport, choose_nodes
 from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
@@ -108,9 +99,7 @@ class Relauncher:
     def run_paths(self) -> RunPaths:
         """The run's directory as rank 0 reported it; before any report, the checkpoint.dir
         of ``--config``/``--set`` (a script that sets it in code has not said it yet)."""
-        report = self.channel.read()
-        return RunPaths(Path(report.run_dir)) if report is not None \
-            else RunPaths.from_config(self.config)
+        return self.channel.run_paths(RunPaths.from_config(self.config))
 
     def requeue_config(self) -> RequeueConfig:
         """The run's requeue settings as rank 0 reported them, else ``--config``/``--set``'s."""
@@ -140,7 +129,7 @@ class Relauncher:
         A job may shrink itself (``scontrol update JobId= NodeList=``); the batch node stays.
         scontrol writes its resize scripts into its working directory: the channel, removed
         next. Bounded; a failure is only logged."""
-        batch = self.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        batch = node_name(self.environ)
         keep = [n for n in self.nodes if n not in dead or n == batch]
         if not dead - {batch} or batch not in self.nodes:
             return

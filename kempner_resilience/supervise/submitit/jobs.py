@@ -12,12 +12,8 @@ script would; this module is the hand-over between submitit and the run:
 * Resubmission. A requeued job reruns submitit's unchanged ``*_submitted.pkl``: a small
   ``ResilientJob`` (a function or import path, config, overrides, keyword arguments; never
   model state, which ``check_small`` refuses), which resumes from the newest commit.
-* Result. ``wait(job)`` polls the scheduler (``client.py``): without accounting
-  ``job.result()`` would wait forever for a job that died.
-* Supervision. ``submit`` adopts a SLURM executor into ``ResilientSlurmExecutor`` (``slurm.py``:
-  our srun step loop) and a local one into ``ResilientLocalExecutor`` (``local.py``: our
-  controller). Both ask the one policy whether the tasks run again; submitit's own reruns them
-  only on 144.
+* Supervision. ``submit`` adopts a SLURM executor into ``slurm.py``'s (our srun step loop)
+  and a local one into ``local.py``'s (our controller): both ask the one policy.
 
 SIGTERM: ``sigterm="ignore"`` (default) keeps submitit's contract, so ``job._interrupt()``
 (TERM, then USR2) checkpoints and requeues. ``sigterm="stop"`` makes SIGTERM checkpoint and

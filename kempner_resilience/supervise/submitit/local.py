@@ -1,10 +1,8 @@
 """submitit's local executor, supervised: its executor, controller and job, subclassed.
 
 * ``ResilientController`` is the job's supervisor, as ``kempner-resilience launch`` is for a
-  script: it gives the tasks the channel, starts them, and after each launch asks the one
-  policy (``evidence.py``) whether to start them again. submitit's own reruns only on 144 and
-  ends a rescued failure (81, 42) without its result. Once a task has ended, the others get
-  ``grace_s``, then are killed (and count as hung).
+  script: it asks the one policy after each launch (``evidence.py``). Once a task has ended,
+  the others get ``grace_s``, then are killed (and count as hung).
 * ``ResilientLocalExecutor`` starts that controller; ``submit`` adopts any local executor.
 * ``ResilientLocalJob._interrupt()`` signals the tasks, as SLURM does; submitit's signals the
   controller, which dies of it, and nothing is checkpointed.

@@ -4,22 +4,18 @@ torch elastic is extended by subclassing, never by replacing attributes of torch
 ``launch.py`` builds these instead of torch's. Every private name they use is checked in
 ``core/torch_private.py`` first; a torch that lacks one keeps torch's behaviour, logged.
 
-* ``ElasticAgent``: its workers tracked (``agent.Agent``), torch's process context waiting for
-  them to exit on their own (``_waiting``), the policy's restart decision
-  (``_monitor_workers``), the relaunch environment with spares, and warm workers
-  (``warm.py``).
+* ``ElasticAgent``: its workers tracked (``agent.Agent``) and left to exit on their own
+  (``_waiting``), the policy's restart decision (``_monitor_workers``), spares, warm workers.
 * ``SpareHandler``: a standby is noticed, a waiting node is hidden while the survivors rescue
   (``num_nodes_waiting``), a node that leaves takes only itself out (``shutdown``), and a dead
   node is dropped as soon as the survivors know (``notice_lost_peer``).
 
-Why the last one: the next round opens only once every participant of the finished one left
-it, and torch drops a dead node only when its heartbeat is older than the keep-alive window
-(10-15 s). The survivors know sooner, and which node: their workers name the ranks that died
-without a word (``Channel.ranks_died``). Each agent publishes its workers' global ranks in the
-round's store, so a survivor maps those ranks to participants. Its state holder then drops a
-participant all of whose ranks were named. When none is named, a participant whose heartbeat
-is two intervals old is dead: a live one beats every interval until it leaves. Neither rule
-ever drops this node.
+Why the last one: the next round opens only once every participant of the finished one left,
+and torch drops a dead node only when its heartbeat is older than the keep-alive window
+(10-15 s). The survivors' workers name the ranks that died without a word
+(``Channel.ranks_died``), and each agent publishes its workers' ranks in the round's store:
+a participant all of whose ranks were named is dropped. Else one whose heartbeat is two
+intervals old is (a live one beats every interval). Neither rule drops this node.
 """
 
 from __future__ import annotations

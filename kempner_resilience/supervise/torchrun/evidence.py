@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.supervise.policy import Commits, Evidence, RankEnd, job_code
+from kempner_resilience.supervise.policy import Commits, Evidence, ends_of, job_code
 
 __all__ = ["PEER", "rank_ends", "observe", "agent_exit_code", "implicated_here"]
 
@@ -23,21 +23,14 @@ __all__ = ["PEER", "rank_ends", "observe", "agent_exit_code", "implicated_here"]
 PEER = "a peer node"
 
 
-def rank_ends(codes: Mapping[int, int], killed: Iterable[int] = ()) -> tuple[RankEnd, ...]:
-    """The endings of ``codes`` (``{global rank: return code}``), lowest rank first; ``killed``:
-    the ranks the agent itself killed at its deadline (they had not ended: a hang)."""
-    by_agent = set(killed)
-    return tuple(RankEnd.from_returncode(int(codes[r]), by_supervisor=r in by_agent)
-                 for r in sorted(codes))
+#: The endings of ``{global rank: return code}``, lowest rank first (``policy.ends_of``).
+rank_ends = ends_of
 
 
 def agent_exit_code(codes: Mapping[int, int], killed: Iterable[int] = ()) -> int:
     """The agent's exit code from its workers' ``{global rank: return code}``: the policy's job
-    code (``policy.job_code``), e.g. {0: 81, 1: -SIGKILL} -> 81 (a rescued failure), [81, 1] ->
-    1 (rank 1's own exception), 0 when all are 0."""
-    if not codes:
-        return 0
-    return job_code(rank_ends(codes, killed))[0]
+    code, e.g. {0: 81, 1: -SIGKILL} -> 81, {0: 81, 1: 1} -> 1; 0 when there are none."""
+    return job_code(ends_of(codes, killed))[0] if codes else 0
 
 
 def implicated_here(codes: Mapping[int, int], hang_seen: Iterable[int] = ()) -> str | None:
@@ -46,7 +39,7 @@ def implicated_here(codes: Mapping[int, int], hang_seen: Iterable[int] = ()) -> 
     supervisor channel's marks). A worker killed by a signal of its own (the OOM killer, a GPU
     fault) implicates its node; so does a worker that ended with HANG without a mark while
     others marked: it was hung with the GIL held (its backstop ended it), its peers were not."""
-    ends = dict(zip(sorted(codes), rank_ends(codes)))
+    ends = dict(zip(sorted(codes), ends_of(codes)))
     killed = sorted({e.code for e in ends.values() if e.own_death})
     if killed:
         return f"a worker on this node was killed (exit {killed})"
@@ -63,17 +56,13 @@ def observe(codes: Mapping[int, int], *, signalled: bool, restarts_left: int,
             max_restarts: int, standbys: int | None = None, node: str | None = None,
             killed: Iterable[int] = (), commits: Commits | None = None, stalled: int = 0,
             max_no_progress: int = 0) -> Evidence:
-    """The policy's evidence from one agent's view of a failed worker group.
-
-    ``signalled``: a signal reached the agent; ``standbys``: standby agents waiting (None: no
-    spares, the group restarts where it ran); ``node``: this node when it is implicated
-    (``implicated_here``), else a peer's is; ``killed``: ranks the agent killed itself;
-    ``commits`` (None: no run reported in the channel), ``stalled``, ``max_no_progress``: the
-    no-progress guard, as for the other backends."""
+    """The policy's evidence from one agent's view of a failed worker group. ``standbys``:
+    standby agents waiting (None: no spares, the group restarts where it ran); ``node``: this
+    node when it is implicated (``implicated_here``), else a peer's is."""
     implicated: frozenset[str] = frozenset()
     if standbys is not None:
         implicated = frozenset({node or PEER})
-    return Evidence(ends=rank_ends(codes, killed), restarts=max(0, max_restarts - restarts_left),
+    return Evidence(ends=ends_of(codes, killed), restarts=max(0, max_restarts - restarts_left),
                     max_restarts=max_restarts, implicated=implicated, spares=standbys,
                     stopping=signalled, commits=commits, stalled=stalled,
                     max_no_progress=max_no_progress)

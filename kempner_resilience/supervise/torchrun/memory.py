@@ -1,23 +1,15 @@
 """The torchrun spares glue's memory: the bad-node record and the ledger's ``restart`` event.
 
-Under torchrun no single process sees the whole failure, so the agents share the work:
-
-* *The node that leaves* records its own host as bad before it leaves the rendezvous
-  (``record_left``). The survivors' next round cannot complete before it left, so the record
-  is on disk before the restart event, and a later requeue keeps the node off too.
-* *The new group's rank-0 agent* (one per round) writes the ``restart`` event before its
-  workers start (``record_agent_restart``).
-* *Every agent* of a later round tells its workers the rendezvous round as the in-job restart
-  count (``Channel.begin_relaunch``): the same on every node, unlike torch's
-  ``TORCHELASTIC_RESTART_COUNT``, which is 0 on a standby's first start.
-
-All of it is best effort: a record that cannot be written is logged, never raised into torch.
+No single agent sees the whole failure. The node that leaves records itself bad before it
+leaves the rendezvous (``record_left``): the survivors' next round completes only after, so
+the record is on disk before the restart event. The new group's rank-0 agent writes the
+``restart`` event before its workers start (``record_agent_restart``). Best effort: a record
+that cannot be written is logged, never raised into torch.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any, Iterable
 
@@ -26,16 +18,12 @@ from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_node_records, record_bad_nodes
+from kempner_resilience.slurm.env import node_name
 from kempner_resilience.slurm.restart_event import record_restart
 
 __all__ = ["node_name", "record_left", "record_agent_restart", "rendezvous_round"]
 
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
-
-
-def node_name() -> str:
-    """This node's name as SLURM knows it (``$SLURMD_NODENAME``), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def rendezvous_round(rdzv_handler: Any) -> int | None:

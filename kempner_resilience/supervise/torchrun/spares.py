@@ -1,28 +1,18 @@
 """The torchrun agent's glue for spare nodes: relaunch in place after a rescued failure.
 
-torch elastic does the hard part. With ``--nnodes=N`` and N + K agents, the first N complete
-the c10d rendezvous and train; the others wait in the round's *redundancy list*. When a node
-dies, the survivors' workers rescue and exit; with ``--max-restarts`` > 0 their agents join a
-new round once the dead agent's heartbeat expired, a standby takes the free place, and the new
-workers resume from the newest commit: same job, no requeue.
+torch elastic does the hard part: with ``--nnodes=N`` and N + K agents, the others wait in the
+round's redundancy list, and after a failure a standby takes the free place in a new round.
+What torch lacks, ``InPlace`` decides (``elastic.py``'s subclasses ask it):
 
-What torch lacks, and ``InPlace`` decides (``elastic.py``'s subclasses ask it):
-
-* *Which endings restart*: the one policy's answer (``evidence.observe``), and only while a
-  standby waits; else rank 0 requeues and the agents leave with the workers' code.
-* *An implicated node does not rejoin.* An agent whose worker was killed, or hung with the GIL
-  held (HANG without the hang mark its peers left in the channel), leaves to a spare.
-* *The workers know.* Each agent gives its workers a channel of its own
-  (``Channel.for_agent``) with the rendezvous and the restarts left, so rank 0 leaves the
-  relaunch to the agents instead of requeueing (``standby.py``).
-* *The run remembers* (``memory.py``): the bad node, the ``restart`` event, and the in-job
-  restart count (the rendezvous round) for the relaunched workers' ledger.
-* *The survivors rescue before torch restarts them.* Once the dead heartbeat expires, torch
-  would restart the *healthy* group at once (its scale-up path), before the rescue commits.
-  With a fixed node count a waiting node is hidden from that check for the workers' own bound
-  (hang timeout + rescue budget: ``nodes_waiting``). An elastic range keeps torch's scale-up.
-* *A standby* that is not needed ends with 0 when the run is over, not with torch's
-  connection error: the job's code is the training group's.
+* which endings restart: the one policy's answer (``evidence.observe``), only while a standby
+  waits; else rank 0 requeues and the agents leave with the workers' code;
+* an implicated node (a worker killed, or hung with the GIL held) leaves to a spare;
+* the workers learn the rendezvous through their agent's channel (``standby.py``), and the
+  run remembers the bad node and the restart (``memory.py``);
+* the survivors rescue before torch restarts them: with a fixed node count a waiting node is
+  hidden for the workers' own bound (``nodes_waiting``), else torch's scale-up would restart
+  the healthy group before the rescue commits;
+* a standby that is not needed ends with 0, not with torch's connection error.
 """
 
 from __future__ import annotations
@@ -30,7 +20,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from kempner_resilience.core import torch_private
@@ -41,8 +30,8 @@ from kempner_resilience.supervise.torchrun.memory import (node_name, record_agen
                                                              record_left, rendezvous_round)
 from kempner_resilience.supervise.torchrun.evidence import implicated_here, observe
 from kempner_resilience.supervise.torchrun.standby import Relaunch, live_standbys
-from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, launch_name, newest_commit
-from kempner_resilience.supervise.policy import RESCUED_CODES, Action, Commits, Guard, decide
+from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, Progress, launch_name
+from kempner_resilience.supervise.policy import RESCUED_CODES, Action, Guard, decide
 
 __all__ = ["InPlace", "in_place_settings", "restart_decision"]
 
@@ -114,8 +103,10 @@ class InPlace:
         self.spares_seen: list[str] = []  # the standbys waiting when this agent restarted
         self.why: str | None = None       # this agent's view of the last failure
         self.launch = launch_name()       # the launch its workers mark their hangs under
-        self.committed_before: int | None = None   # the run's commit when the group started
-        self.stalled = 0                  # relaunches in a row without a newer commit
+        # The no-progress guard reads the run rank 0 reported in the job's channel, which
+        # every agent reads; an agent's private channel hears rank 0 only on its node, and the
+        # agents must decide alike: no guard there.
+        self._progress = Progress(self.channel if self.channel.supervised else None)
         self.final_code: int | None = None  # the policy's code when its guard ended the job
         self._waiting_since: float | None = None  # a node waits while the workers run
         rescue, hang = agent.config.rescue, agent.config.watchdog.hang_timeout_s
@@ -144,9 +135,9 @@ class InPlace:
     def run_paths(self) -> RunPaths:
         """Where the run's memory lives: the directory rank 0 reported to the supervisor's
         channel (whatever way the script set ``checkpoint.dir``), else the agent's own."""
-        report = self.channel.read()
-        if report is not None:
-            return RunPaths(Path(report.run_dir))
+        said = self.channel.run_paths()
+        if said is not None:
+            return said
         if self.channel.supervised:     # a private channel hears rank 0 only on its node
             log.warning("%s: no run reported in the supervisor's channel %s yet: using the "
                         "agent's checkpoint.dir %s", AGENT_NAME, self.channel.root,
@@ -171,10 +162,9 @@ class InPlace:
         seen = self.channel.hang_seen(self.launch)
         mine = implicated_here(codes, seen)
         spares = live_standbys(self.settings)
-        d = decide(observe(codes, signalled=False, restarts_left=restarts_left,
-                           max_restarts=max_restarts, standbys=len(spares or ()),
-                           node=node_name() if mine else None, **progress))
-        self.stalled = d.stalled
+        d = self._progress.carry(decide(observe(
+            codes, signalled=False, restarts_left=restarts_left, max_restarts=max_restarts,
+            standbys=len(spares or ()), node=node_name() if mine else None, **progress)))
         if d.action is not Action.RELAUNCH:
             return False, ("no standby node waits" if spares is not None
                            else "the rendezvous store is unreachable") + ": the job requeues"
@@ -194,25 +184,12 @@ class InPlace:
         return True, f"standby node(s) waiting: {', '.join(spares)}"
 
     def progress(self) -> dict[str, Any]:
-        """The no-progress guard's evidence for ``observe``: the run's commits when the group
-        started and now, and its ``requeue.max_no_progress``. Without a run reported in the
-        job's channel the guard stays off, as for every backend that cannot see the commits."""
-        paths = self._shared_run()
-        if paths is None:
-            return {}
-        return {"commits": Commits(self.committed_before, newest_commit(paths)),
-                "stalled": self.stalled,
-                "max_no_progress": self.channel.requeue_setting("max_no_progress", 2)}
+        """The no-progress guard's evidence for ``observe`` (``channel.Progress``)."""
+        return self._progress.guard()
 
     def group_started(self) -> None:
         """A worker group starts: the no-progress guard's baseline, the run's newest commit."""
-        self.committed_before = newest_commit(self._shared_run())
-
-    def _shared_run(self) -> RunPaths | None:
-        """The run rank 0 reported in the job's channel, which every agent reads (None: not
-        reported yet, or the channel is this agent's private one: there only rank 0's agent
-        would know the run, and the agents must decide alike)."""
-        return self.channel.run_paths() if self.channel.supervised else None
+        self._progress.starting()
 
     def nodes_waiting(self, waiting: int) -> int:
         """What torch's monitor loop is told of ``waiting`` nodes while the workers run.
