@@ -1,18 +1,9 @@
 """The one channel between a supervisor and its ranks: a job-scoped directory named in the
 environment (``CHANNEL_ENV``), where rank 0 says which run it is and the supervisor keeps its
-own memory.
+own memory. Why and where: docs/design.md ("The ranks tell the supervisor").
 
-Why: the user's config cannot tell a supervisor its run (a script may set ``checkpoint.dir`` in
-code), and a guess mixes unrelated runs. So rank 0 writes ``run.json`` (``RunReport``) at
-set-up, after each commit and with its exit code. The ranks mark the hangs they saw and the
-peers they saw die; the supervisor says each launch's restart count and relaunch index. Every
-write is an atomic replace, never fsynced: a reader sees a whole file or the one before.
-
-The job's directory is ``.kempner-resilience/job-<id>`` in the submit directory, which every
-node shares; where it cannot be written, this node's ``$TMPDIR``, ``/dev/shm`` or temporary
-directory (logged: only ranks on this node reach it), else 78 (CONFIG) before any rank starts.
-It lives as long as the job (a requeue keeps the id). A torchrun agent gives its workers a
-channel of its own inside it (``Channel.for_agent``).
+Every write is an atomic replace, never fsynced: a reader sees a whole file or the one before.
+The directory lives as long as the job (a requeue keeps the id).
 """
 
 from __future__ import annotations
@@ -55,8 +46,7 @@ _AGENTS_DIR = "agents"
 
 
 class ChannelUnwritable(OSError, StartupError):
-    """No directory can hold the supervisor's channel: the launcher stops with 78 (CONFIG)
-    before any rank starts; the message names the paths tried and the fix."""
+    """No directory can hold the supervisor's channel: 78 (CONFIG) before any rank starts."""
 
 
 def tell(path: Path, data: Any, what: str, *, durable: bool = False, mkdir: bool = False
@@ -121,8 +111,7 @@ def _local_places(environ: Mapping[str, str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class Relaunched:
-    """Which relaunch in place a launch is: ``index`` 0 for the job's first, then 1, 2, ...;
-    ``t`` when the supervisor launched it (epoch seconds; None: unknown)."""
+    """Which relaunch in place a launch is (0: the job's first) and when it was launched."""
 
     index: int = 0
     t: float | None = None
@@ -187,9 +176,8 @@ class Channel:
 
     @classmethod
     def for_agent(cls, job: "Channel | None", node: str) -> "Channel":
-        """A torchrun agent's own channel for its workers: ``agents/<node>-<pid>`` in ``job``'s
-        directory, else a private one. Each agent restarts its own workers: their relaunch
-        cannot be one file of the job's."""
+        """A torchrun agent's own channel, ``agents/<node>-<pid>`` in ``job``'s (else private):
+        each agent restarts its own workers, so their relaunch cannot be one file of the job's."""
         if job is not None:
             path = job.root / _AGENTS_DIR / f"{node}-{os.getpid()}"
             path.mkdir(parents=True, exist_ok=True)
@@ -201,8 +189,7 @@ class Channel:
 
     @classmethod
     def private(cls, prefix: str) -> "Channel":
-        """A fresh channel of this process's own, for ranks on this node (the local launcher);
-        ``ChannelUnwritable`` (78) when no local place can take one."""
+        """A fresh channel of this process's own, for ranks on this node (the local launcher)."""
         tried = []
         for place in [None, *_local_places(os.environ)]:
             try:
@@ -214,9 +201,8 @@ class Channel:
 
     @property
     def supervised(self) -> bool:
-        """Whether a supervisor above the ranks decides whether the job runs again (the srun
-        step loop, ``launch``, submitit's controller): false only for a torchrun agent's
-        private channel, where rank 0 still requeues the job itself."""
+        """Whether a supervisor above the ranks decides whether the job runs again: false only
+        for a torchrun agent's private channel, where rank 0 still requeues the job itself."""
         return self.agent is None or self.agent != self.root
 
     @property
@@ -226,9 +212,9 @@ class Channel:
     @classmethod
     def for_job(cls, job_id: str, environ: Mapping[str, str] | None = None,
                 cwd: str | os.PathLike[str] | None = None, *, fresh: bool = False) -> "Channel":
-        """The channel of job ``job_id`` under ``SLURM_SUBMIT_DIR`` (or ``cwd``), created.
-        ``fresh``: the job's first attempt; what is there is a cancelled job's with the same
-        id (ids and pids are reused), whose report would name another run: it is cleared."""
+        """The channel of job ``job_id`` under ``SLURM_SUBMIT_DIR`` (or ``cwd``), created, else
+        on this node. ``fresh``: the job's first attempt, so what is there is a cancelled job's
+        with the same id (ids are reused), whose report would name another run: cleared."""
         env = os.environ if environ is None else environ
         base = Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd())
         name = f"job-{job_id}"
@@ -302,8 +288,7 @@ class Channel:
         return default if report is None else RunPaths(Path(report.run_dir))
 
     def requeue_setting(self, key: str, default: int) -> int:
-        """The run's ``requeue.<key>`` (an integer >= 0) as rank 0 reported it, else
-        ``default``: the supervisor applies the run's own budget and guard, not a guess."""
+        """The run's ``requeue.<key>`` (an integer >= 0) as rank 0 reported it, else ``default``."""
         report = self.read()
         value = None if report is None else count(report.requeue.get(key))
         return default if value is None else value
@@ -328,8 +313,7 @@ class Channel:
         return count(data.get("restarts")) if isinstance(data, dict) else None
 
     def begin_relaunch(self, index: int, t: float | None = None) -> None:
-        """Before a launch: it is relaunch in place ``index`` (0: the job's first), launched at
-        ``t`` (default now). In the agent's directory for a torchrun agent's channel."""
+        """Before a launch: it is relaunch in place ``index``, launched at ``t`` (default now)."""
         tell(self._own / _RELAUNCH, {"index": int(index),
                                      "t": time.time() if t is None else float(t)},
              "the ranks their relaunch")
@@ -346,7 +330,7 @@ class Channel:
 
     def offer_rendezvous(self, rendezvous: Mapping[str, Any] | None) -> None:
         """A torchrun agent's channel: the rendezvous it would relaunch its workers in
-        (``standby.Relaunch``'s fields; None: none), and the job's channel it belongs to."""
+        (``standby.Relaunch``'s fields) and the job's channel it belongs to."""
         agent = self.agent
         if agent is None:
             raise ValueError("only a torchrun agent's channel offers a rendezvous")
@@ -418,10 +402,8 @@ class Channel:
 
 @dataclass
 class Progress:
-    """The no-progress guard's evidence over a supervisor's launches, one reader for every
-    backend: the run's newest commit when a launch started (``starting``) and now, its
-    ``requeue.max_no_progress``, and the count the last decision carried (``carry``).
-    ``channel`` None, or no run reported and no ``fallback``: the run is unknown, no guard."""
+    """The no-progress guard's evidence over a supervisor's launches, for every backend: the
+    newest commit at a launch's start and now. With no run known there is no guard."""
 
     channel: Channel | None
     fallback: RunPaths | None = None     # the run's directory before rank 0 reports one

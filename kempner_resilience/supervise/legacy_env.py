@@ -1,11 +1,7 @@
 """The variables the supervisor channel replaced, still read when set by hand (deprecated).
 
-``KEMPNER_RESILIENCE_IN_JOB_RESTART`` (the relaunch in place's index) and
-``KEMPNER_RESILIENCE_RELAUNCH_START`` (its launch time) are now ``relaunch.json``;
-``KEMPNER_RESILIENCE_RELAUNCH`` (a torchrun agent's rendezvous, JSON) is now ``agent.json``.
-A user's glue may still set them (docs/goodput.md documented the first two): they are read
-when no channel says otherwise, with one warning per variable and process. Nothing in the
-library sets them.
+A user's glue may still set them (docs/goodput.md documented two): they are read when no
+channel says otherwise, with one warning per variable and process. The library sets none.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def _warn_once(name: str, value: str, replacement: str) -> None:
 
 def relaunch_by_hand(environ: Mapping[str, str] | None = None
                      ) -> tuple[int, float | None] | None:
-    """``(index, launched at)`` from the deprecated variables, or None when the index is not
-    set (or not a count). The start without the index means nothing and is not read."""
+    """``(index, launched at)`` from the deprecated variables; None without a valid index."""
     env = os.environ if environ is None else environ
     raw = env.get(IN_JOB_RESTART_ENV, "")
     if not (raw.isdigit() and len(raw) < 10):

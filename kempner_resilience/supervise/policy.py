@@ -3,48 +3,12 @@
 Every supervisor of ranks asks it once a launch is over: relaunch in place, hand the job to the
 scheduler, or leave, and with which code. It decides from ``Evidence`` alone (no I/O, no
 process, no clock), so one table test (``tests/test_supervise_policy.py``) pins every row.
-Each backend only turns its native endings into evidence (``ends_of`` for return codes).
+The rows of ``job_code``, why a rank's own code beats its peers' 81, and the guarantees'
+order: docs/design.md ("Decisions and why").
 
-The job's code (``job_code``): the first row that matches decides, within a row the lowest
-rank's code.
-
-=====  =======================================================  ===========  ==============
-row    the ranks' endings                                       job code     kind
-=====  =======================================================  ===========  ==============
-1      every rank exited 0                                      0            COMPLETED
-2      a rank exited with a code of its own that ends the job   that code    FINAL
-       (1 ERROR, 78 CONFIG, 80, 82, 130, ..., any unknown code)
-3      some ranks exited 0, the others only lost them (81, 42,  1 ERROR      LEFT_EARLY
-       or did not end within the grace): those ranks left
-       ``run.steps`` early (``break``, ``sys.exit(0)``)
-4      a rank exited 75 REQUEUE (a signal; the run asked)       75           REQUESTED
-5      a rank exited 42 HANG, else 81 PEER_LOST                 that code    FAILURE
-6      a rank was killed by a signal of its own (SIGKILL: OOM,  128 + N      FAILURE
-       a node gone), and no rank said more
-7      ranks stopped by SIGTERM (143), nothing else             143          STOPPED
-=====  =======================================================  ===========  ==============
-
-Why: PEER_LOST only says "someone else failed"; the rank that failed says why. So [81, 1] (an
-exception on rank 1) is 1, a bug, never relaunched. A rank SIGKILLed beside survivors that
-rescued and said 81 is 81: the survivors' code says what the job is. A rank the supervisor
-killed after the grace (``RankEnd.by_supervisor``) is evidence of a hang, never of its own
-ending: it counts as HANG.
-
-The decision (``decide``): a completed job, a signal to the supervisor, and rows 2, 3 and 7
-leave with their code. Rows 4-6 run again unless the restart budget is spent (leave with the
-job's code; 77 NO_REQUEUE for row 4, whose 75 says "run it again") or the committed step did
-not advance over ``max_no_progress`` relaunches in a row (77). A relaunch resumes from the
-newest commit, or starts fresh when nothing was committed (the no-progress guard bounds a job
-that never commits). A failure that implicates nodes relaunches in place only onto spares;
-without one it is the scheduler's (REQUEUE). Row 4 is always the scheduler's. A supervisor
-with a scheduler behind it (``Evidence.scheduler_left``: the srun step loop) hands the job to
-it once its own budget is spent.
-
-The scheduler's own requeue (``Evidence.by_requeue``, built by ``requeue_evidence``) is
-weighed in this order: nothing committed (NOTHING_COMMITTED: not tried, the failure keeps its
-code), ``requeue.enabled`` false (DISABLED), the budget (SLURM's restart count against
-``requeue.max_restarts``), no progress over the restart record; else REQUEUE. With the
-caller's ``relaunch_codes`` those codes run again within the budget, every other code leaves.
+The scheduler's own requeue (``Evidence.by_requeue``) is weighed in this order: nothing
+committed (not tried, the failure keeps its code), ``requeue.enabled`` false, the budget, no
+progress over the restart record; else REQUEUE.
 """
 
 from __future__ import annotations
@@ -63,9 +27,8 @@ __all__ = ["Action", "Kind", "Guard", "RankEnd", "Commits", "Evidence", "Decisio
 
 RESCUED_CODES: frozenset[int] = frozenset(int(c) for c in RESCUED)
 # The codes a rank chooses that end the job as it is, whatever its peers say: a relaunch would
-# repeat a bug or a bad config, or the run asked not to run again (NO_REQUEUE, REQUEUE_FAILED,
-# LEASE_LOST: another run holds checkpoint.dir, a relaunch would fight it), or a person stopped
-# it (SIGINT). Any code outside the documented table counts here too (row 2 of ``job_code``).
+# repeat a bug or a bad config, fight another run for checkpoint.dir (LEASE_LOST), or undo a
+# person's stop (SIGINT). Any code outside the documented table counts here too.
 ENDS_THE_JOB: frozenset[int] = frozenset(int(c) for c in (
     ExitCode.ERROR, ExitCode.USAGE, ExitCode.CONFIG, ExitCode.NO_REQUEUE,
     ExitCode.REQUEUE_FAILED, ExitCode.CHECKPOINT_FAILED, ExitCode.SIGINT, ExitCode.LEASE_LOST,
@@ -82,8 +45,7 @@ class Action(enum.Enum):
     """What the supervisor does next."""
 
     RELAUNCH = "relaunch"   # start the ranks again here, from the newest committed checkpoint
-    REQUEUE = "requeue"     # hand the job to the scheduler to run again (a local launcher, the
-                            # ranks' scheduler, relaunches)
+    REQUEUE = "requeue"     # hand the job to the scheduler (for a local launcher: itself)
     LEAVE = "leave"         # the job ends with Decision.code
 
 
@@ -101,13 +63,11 @@ class Kind(enum.Enum):
 class Guard(enum.Enum):
     """Which guarantee stopped a job that was to run again (``Decision.guard``)."""
 
-    BUDGET = "budget"            # the restart budget is spent (with a scheduler behind the
-                                 # supervisor: its relaunches in place, a REQUEUE)
+    BUDGET = "budget"            # the restart budget is spent
     NO_PROGRESS = "no-progress"  # no newer committed step over max_no_progress relaunches
     NO_SPARE = "no-spare"        # no spare node left for a relaunch in place (a requeue)
     DISABLED = "disabled"        # requeue.enabled is false: nothing runs the job again
-    NOTHING_COMMITTED = "nothing-committed"  # a requeue with no committed checkpoint to come
-                                             # back to: not tried
+    NOTHING_COMMITTED = "nothing-committed"  # a requeue with nothing committed: not tried
 
 
 @dataclass(frozen=True)
@@ -136,11 +96,9 @@ KILLED = RankEnd(128 + int(signal.SIGKILL), signaled=True)
 
 def ends_of(codes: Sequence[int | None] | Mapping[int, int | None], killed: Collection[int] = (),
             aliases: Mapping[int, int] | None = None) -> tuple[RankEnd, ...]:
-    """Each rank's ending, lowest rank first, from its ``Popen.returncode``: ``codes[r]`` of
-    a list, or ``{global rank: code}`` (negative: killed by that signal; None: still running
-    when the supervisor gave up, as good as killed by it). ``killed``: the ranks the
-    supervisor ended after the grace; ``aliases``: a backend's own codes read as the policy's
-    (submitit's 144 as 75)."""
+    """Each rank's ending, lowest rank first, from its ``Popen.returncode`` (None: still
+    running when the supervisor gave up). ``killed``: the ranks the supervisor ended after the
+    grace; ``aliases``: a backend's own codes read as the policy's (submitit's 144 as 75)."""
     killed = set(killed)
     by_rank = sorted(codes.items()) if isinstance(codes, Mapping) else enumerate(codes)
     return tuple(replace(KILLED, by_supervisor=True) if c is None else RankEnd.from_returncode(
@@ -174,11 +132,9 @@ class Evidence:
     spares: int | None = None                 # spare nodes left (None: relaunch where it ran)
     stopping: bool = False                    # the supervisor was told to stop (Ctrl+C, TERM)
     scheduler_left: bool = False              # a scheduler behind this supervisor would still
-                                              # run the job again (srun's step loop in a SLURM
-                                              # job whose requeue budget is not spent): once
-                                              # max_restarts is spent, the job is handed to it
-    by_requeue: bool = False                  # the job runs again only by the scheduler's
-                                              # requeue, asked now (``requeue_evidence``)
+                                              # run the job (srun's step loop): it gets the job
+                                              # once max_restarts is spent
+    by_requeue: bool = False                  # the scheduler's requeue (``requeue_evidence``)
     enabled: bool = True                      # requeue.enabled (False: never run again)
     relaunch_codes: frozenset[int] | None = None  # the caller's codes that run again (within
                                               # the budget) in place of the policy's rule
@@ -203,9 +159,8 @@ class Decision:
 
     @property
     def verdict(self) -> Verdict | None:
-        """As the requeue step's verdict (the exit-code table's word): REQUEUED when the job
-        is to run again, BUDGET_SPENT, NO_PROGRESS or DISABLED when a guarantee stopped it;
-        None when no requeue was weighed (the endings ended the job, nothing committed)."""
+        """As the requeue step's verdict (the exit-code table's word); None when no requeue
+        was weighed (the endings ended the job, nothing committed)."""
         if self.runs_again:
             return Verdict.REQUEUED
         return _VERDICTS.get(self.guard) if self.guard is not None else None
@@ -221,7 +176,7 @@ def _code_of(end: RankEnd) -> int:
 
 def job_code(ends: tuple[RankEnd, ...] | list[RankEnd]) -> tuple[int, Kind, tuple[int, ...]]:
     """The job's code from its ranks' endings, the kind of ending, and the ranks that left
-    ``run.steps`` early (row 3); the rule is the module's table."""
+    ``run.steps`` early; the rule is docs/design.md's table."""
     if all(e.code == 0 and not e.by_supervisor for e in ends):
         return 0, Kind.COMPLETED, ()
     exits = [(r, e) for r, e in enumerate(ends) if not e.signaled and not e.by_supervisor]
@@ -254,7 +209,8 @@ def job_code(ends: tuple[RankEnd, ...] | list[RankEnd]) -> tuple[int, Kind, tupl
 
 
 def decide(ev: Evidence) -> Decision:
-    """Relaunch, requeue or leave, and the job's code; the order is the module docstring's."""
+    """Relaunch, requeue or leave, and the job's code (with the caller's ``relaunch_codes``,
+    those run again within the budget and every other code leaves)."""
     d = _decide(ev)
     if ev.relaunch_codes is None:
         return d
@@ -266,12 +222,9 @@ def decide(ev: Evidence) -> Decision:
 
 def requeue_evidence(ends: tuple[RankEnd, ...], config: RequeueConfig, restarts: int,
                      history: Sequence[int | None] | None, committed: int | None) -> Evidence:
-    """The evidence for the scheduler's requeue: the ranks' ``ends`` (a stop that asked to
-    run again: one REQUEUE; a failure: its code), the run's requeue settings (the budget:
-    ``config.restart_limit``, here and nowhere else), ``restarts`` (SLURM's restart count),
-    ``history`` (the committed step at each earlier requeue decision of this job, oldest
-    first; None: the run has no checkpoints to see, no guard) and the newest ``committed``
-    step."""
+    """The evidence for the scheduler's requeue. The budget is ``config.restart_limit``, here
+    and nowhere else. ``restarts``: SLURM's restart count; ``history``: the committed step at
+    each earlier requeue decision, oldest first (None: no checkpoints to see, no guard)."""
     commits, stalled = None, 0
     if history is not None:
         for prev, cur in zip(history, history[1:]):
@@ -284,9 +237,8 @@ def requeue_evidence(ends: tuple[RankEnd, ...], config: RequeueConfig, restarts:
 
 
 def _stalled(stalled: int, commits: Commits, earlier: bool) -> int:
-    """The no-progress count after a launch with ``commits``: a newer committed step resets
-    it; a run-again that committed nothing newer adds one (the first launch, ``earlier``
-    False, has nothing to fall behind)."""
+    """The no-progress count after a launch: a newer committed step resets it; a run-again
+    that committed nothing newer adds one (the first launch has nothing to fall behind)."""
     return 0 if commits.advanced else stalled + (1 if earlier else 0)
 
 
@@ -313,8 +265,7 @@ def _decide(ev: Evidence) -> Decision:
         return _requeue(ev, code, kind, stalled)
     spent = ev.max_restarts is not None and ev.restarts >= ev.max_restarts
     if spent and not ev.scheduler_left:
-        # Ranks that asked to run again (75: "run it again") are not: the job says so with
-        # the budget's code, as a rank whose own budget is spent does. A failure keeps its
+        # Ranks that asked to run again (75) are not: the budget's code. A failure keeps its
         # code (what failed), as rank 0 leaves it.
         left = int(ExitCode.NO_REQUEUE) if kind is Kind.REQUESTED else code
         return Decision(Action.LEAVE, left, kind,
@@ -343,10 +294,8 @@ def _decide(ev: Evidence) -> Decision:
 
 
 def _requeue(ev: Evidence, code: int, kind: Kind, stalled: int) -> Decision:
-    """The scheduler's requeue of a job that is to run again (``Evidence.by_requeue``): the
-    module docstring's order, in the words the job's log has always had for it."""
-    # A stop that asked to run again is not, it leaves with the budget's code; a failure
-    # keeps its own (what failed).
+    """The scheduler's requeue of a job that is to run again, in the module docstring's order."""
+    # As in ``_decide``: a stop that asked to run again gets the budget's code.
     left = int(ExitCode.NO_REQUEUE) if kind is Kind.REQUESTED else code
     now = ev.commits.now if ev.commits is not None else None
     if ev.commits is not None and now is None:

@@ -1,9 +1,6 @@
-"""A rank's side of its supervisor's channel: every read a training process makes of it.
-
-``channel.py`` is the format both sides share. A rank asks here whether a supervisor is above
-it, which launch it is, whether a torchrun agent offers a relaunch in place, and tells it its
-run (``report_now``), a hang it saw and the peers it saw die. Each question reads the
-environment when asked: a torchrun agent sets its channel before each restart of its workers.
+"""A rank's side of its supervisor's channel (``channel.py``): every read a training process
+makes of it. Each question reads the environment when asked: a torchrun agent sets its
+channel before each restart of its workers.
 """
 
 from __future__ import annotations
@@ -39,24 +36,20 @@ def has_supervisor(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def supervisor_decides(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether a supervisor above the ranks decides whether the job runs again (a torchrun
-    agent's private channel does not: rank 0 requeues the job itself)."""
+    """Whether a supervisor above the ranks decides whether the job runs again."""
     channel = Channel.from_env(environ)
     return channel is not None and channel.supervised
 
 
 def restarts_said(environ: Mapping[str, str] | None = None) -> int | None:
-    """How often the supervisor started the ranks before this launch, as its channel says;
-    None: no channel, or it says nothing."""
+    """How often the supervisor started the ranks before this launch (None: not said)."""
     channel = Channel.from_env(environ)
     return channel.restarts() if channel is not None else None
 
 
 def local_restart_count(environ: Mapping[str, str] | None = None) -> int | None:
-    """Restarts so far when a local supervisor (``kempner-resilience launch``, submitit's local
-    controller) relaunches us: as its channel says (``Channel.restarts``); None if unknown.
-    ``KEMPNER_RESTART_COUNT`` without a channel saying it (set by hand, or an old launcher) is
-    still read, with a deprecation warning, once."""
+    """Restarts so far when a local supervisor relaunches us, as its channel says; None if
+    unknown. ``KEMPNER_RESTART_COUNT`` set by hand is still read, with one deprecation warning."""
     env = os.environ if environ is None else environ
     said = restarts_said(env)
     if said is not None:
@@ -73,9 +66,7 @@ def local_restart_count(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def offered_relaunch(environ: Mapping[str, str] | None = None) -> Relaunch | None:
-    """The relaunch this worker's torchrun agent offers, as its channel says (set by hand
-    without one: the deprecated variable); None: not under such an agent, or no restart
-    left."""
+    """The relaunch this worker's torchrun agent offers; None: not under one, or no restart left."""
     channel = Channel.from_env(environ)
     data = channel.rendezvous() if channel is not None else None
     if data is None:
@@ -100,7 +91,7 @@ def note_hang_seen(rank: int) -> None:
 
 def note_ranks_died(ranks: Iterable[int]) -> None:
     """Tell the supervisor which peer ranks this rank saw die without a word (a torchrun agent
-    drops their node from its rendezvous at once); nothing without a supervisor or ranks."""
+    drops their node from its rendezvous at once)."""
     ranks = sorted(set(ranks))
     channel = Channel.from_env() if ranks else None
     if channel is not None:

@@ -1,28 +1,18 @@
 """Warm ranks: rank processes forked from a parent that imported torch, so a launch or a
 relaunch does not pay Python's and torch's start-up again (seconds of CPU per rank).
 
-``Zygote`` is one process that imports torch once, single-threaded and never touching CUDA,
-then forks a rank per request. The child turns itself into the rank before the script runs:
-its own session, the rank's environment (replaced whole), working directory, streams, default
-signals, ``sys.argv`` and ``sys.path[0]`` as ``python script.py`` sets them, and fresh RNG
-seeds (torch's and NumPy's global ones, which a cold start seeds from the OS). It then runs
-the script as ``__main__`` and exits as a cold start would.
+``Zygote`` imports torch once, single-threaded and never touching CUDA, then forks a rank per
+request. The child becomes the rank as a cold start would be (``_become``, ``_run``).
 
-Why opt-in (``KEMPNER_RESILIENCE_WARM=1``, ``launch --warm``): a child cannot have another
+Opt-in (``KEMPNER_RESILIENCE_WARM=1``, ``launch --warm``): a child cannot have another
 interpreter or other flags, and a library that read an environment variable at import read
-the zygote's. A warm rank is the zygote's child, not the launcher's, and its
-``/proc/<pid>/environ`` shows the zygote's environment. A command that is not ``<this python>
-script.py`` or ``-m module`` starts cold.
+the zygote's (so does the rank's ``/proc/<pid>/environ``). Any command other than ``<this
+python> script.py`` or ``-m module`` starts cold.
 
-The protocol is one JSON line each way over a pipe pair: the launcher asks ``{"argv", "env",
-"cwd", "stdout", "stderr"}``; the zygote answers ``{"pid"}`` for a fork and ``{"exit": pid,
-"code": returncode}`` when it reaps one. ``WarmProcess`` is the launcher's ``Popen``-like
-handle on such a rank.
-
-The zygote never runs a rank's code, and checks it before every fork (``pristine``). A zygote
-that fails the check answers ``{"refused": why}`` and exits; the ranks start cold from then
-on. So a rank whose state cannot be trusted (a hang, a timed-out collective) is never the
-parent of the next incarnation. The torchrun agents use it too (``supervise/torchrun/warm.py``).
+The protocol is one JSON line each way over a pipe pair: a request, then ``{"pid"}``,
+``{"exit", "code"}`` or ``{"refused"}``. The zygote never runs a rank's code and checks it
+before every fork (``pristine``): one that fails refuses and exits, and ranks start cold from
+then on. So a rank in an untrusted state is never the parent of the next incarnation.
 """
 
 from __future__ import annotations
@@ -61,10 +51,8 @@ def warm_on() -> bool:
 
 
 def warm_command(command: Sequence[str], flags: Sequence[str] = ()) -> bool:
-    """Whether ``command`` can start warm: ``<this python> script.py ...`` or ``<this python>
-    -m module ...``, nothing else (an interpreter flag would have to be the zygote's too).
-    ``flags``: interpreter flags allowed before the script (only ``UNBUFFERED``, which a
-    warm rank sets on its own streams)."""
+    """Whether ``command`` can start warm: ``<this python> script.py`` or ``-m module``, with
+    at most ``UNBUFFERED`` among ``flags`` (any other flag would have to be the zygote's)."""
     if not warm_on():
         return False
     command = [command[0], *_strip_flags(list(command[1:]), flags)] if command else []
@@ -100,8 +88,8 @@ def _threads() -> int:
 
 
 def pristine(threads: int = 1) -> str | None:
-    """None when this process may be a zygote: it never ran a rank's code; else why not.
-    ``threads``: how many it had after its imports (``import torch`` starts a native one)."""
+    """None when this process may be a zygote (it never ran a rank's code); else why not.
+    ``threads``: its count after the imports (``import torch`` starts a native one)."""
     if any(m == _PACKAGE or m.startswith(_PACKAGE + ".") for m in sys.modules):
         return f"it imported {_PACKAGE}, where a training step runs"
     dist = sys.modules.get("torch.distributed")
@@ -118,8 +106,7 @@ def pristine(threads: int = 1) -> str | None:
 
 def parent_death(signum: int) -> Callable[[], Any] | None:
     """A ``preexec_fn`` that gives the child ``signum`` when its parent dies (None: no
-    ``prctl`` here). ``prctl`` is resolved now: between fork and exec a child of a threaded
-    parent must not load anything."""
+    ``prctl``). Resolved now: a threaded parent's child must not load anything before exec."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
@@ -132,10 +119,8 @@ class Zygote:
 
     def __init__(self, env: dict[str, str], *, preload: Sequence[str] = PRELOAD,
                  ignore: Sequence[int] = (), death_signal: int = signal.SIGTERM) -> None:
-        """``env``: the zygote's environment (the launch's); ``preload``: what it imports;
-        ``ignore``: signals it ignores (those SLURM may send to every process of a step);
-        ``death_signal``: what it gets when the thread that starts it ends (start it on the
-        launcher's main thread)."""
+        """``ignore``: signals SLURM may send to every process of a step. ``death_signal``
+        comes when the thread that starts it ends: start it on the launcher's main thread."""
         self.refused: str | None = None     # why the zygote stopped forking, once it did
         self._lock = threading.Condition()
         self._pids: list[int] = []          # answers to requests, in order
@@ -144,9 +129,8 @@ class Zygote:
         self._dead = False
         req_r, req_w = os.pipe()
         ans_r, ans_w = os.pipe()
-        # Run as a file, not ``-m``: importing this package in the zygote would leave its
-        # import-time state (the start-up signal recorder, ...) in every rank.
-        # A session of its own: a terminal's Ctrl+C is the launcher's to pass on, rank by rank.
+        # Run as a file, not ``-m``: importing this package would leave its import-time state
+        # in every rank. Own session: a terminal's Ctrl+C is the launcher's to pass on.
         options = json.dumps({"preload": list(preload), "ignore": [int(s) for s in ignore]})
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(req_r), str(ans_w), options],
@@ -166,9 +150,7 @@ class Zygote:
                 if "ready" in msg:
                     self._ready = True
                 elif "pid" in msg:
-                    # A pid the kernel gave again (a zygote serves several launches, even
-                    # several launchers): the earlier child's code, reported before this fork
-                    # could reuse its pid, must not end the new rank at once.
+                    # A reused pid: the earlier child's code must not end the new rank.
                     self.codes.pop(int(msg["pid"]), None)
                     self._pids.append(int(msg["pid"]))
                 elif "exit" in msg:
@@ -183,8 +165,8 @@ class Zygote:
     def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None,
               stdout: str | None, stderr: str | None,
               death_signal: int = signal.SIGTERM) -> "WarmProcess":
-        """A rank forked from the zygote; raises OSError when the zygote cannot give one.
-        ``death_signal``: what the rank gets when the zygote dies (with its launcher)."""
+        """A rank forked from the zygote (``death_signal`` when the zygote dies); raises
+        OSError when the zygote cannot give one."""
         with self._lock:
             if not self._lock.wait_for(lambda: self._ready or self._dead, _READY_S) \
                     or self._dead:
@@ -258,16 +240,15 @@ class WarmProcess:
 # ------------------------------------------------------------------ the zygote process
 
 def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] | None:
-    """The zygote's loop; returns the request in a forked child (which becomes the rank),
-    None when the launcher closed the pipe or the zygote is not ``pristine`` any more."""
+    """The zygote's loop: the request in a forked child, None when the launcher closed the
+    pipe or the zygote is not ``pristine`` any more."""
     # Only the launcher ends the zygote (closing the pipe), or its death (PDEATHSIG).
     for signum in (signal.SIGINT, *options.get("ignore", ())):
         signal.signal(signum, signal.SIG_IGN)
     for name in options.get("preload", PRELOAD):
         __import__(name)
-    # What the imports made is never freed and, frozen, never scanned by a child's collector:
-    # without this, a rank's garbage collections (its exit's above all: 2.4 s here) touch
-    # every inherited object and copy each page it lives on.
+    # Frozen, the imports' objects are never scanned by a child's collector, which would
+    # copy every page they live on (a rank's exit collection took 2.4 s here).
     gc.collect()
     gc.freeze()
     threads = _threads()
@@ -289,7 +270,6 @@ def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] 
                 msg = json.loads(line)
                 why = pristine(threads)
                 if why is not None:
-                    # Never the parent of a rank: its children would inherit what it ran.
                     ans.write(json.dumps({"refused": why}) + "\n")
                     return None
                 pid = os.fork()
@@ -342,14 +322,13 @@ def _become(msg: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     _threads_from_env()
-    # torch's default CPU generator, seeded from the OS at `import torch` in a cold start: each
-    # rank draws a seed of its own here, or every rank of every launch forked from one zygote
-    # would start an unseeded script from the same weights.
+    # A cold start seeds torch's CPU generator (and NumPy's) from the OS at import: without
+    # this every forked rank would start an unseeded script from the same weights.
     import torch
 
     torch.default_generator.seed()
-    try:    # NumPy's global RNG (torch imported NumPy in the zygote): seeded from the OS at
-        import numpy    # its import in a cold start, so afresh in each rank here
+    try:
+        import numpy
 
         numpy.random.seed()
     except ImportError:
@@ -357,9 +336,8 @@ def _become(msg: dict[str, Any]) -> None:
 
 
 def _threads_from_env() -> None:
-    """The rank's ``OMP_NUM_THREADS``, as a cold start reads it at ``import torch``: the
-    zygote imported torch with the launch's environment (torchrun sets 1 per worker, a rank
-    may be given its own), and no parallel region ran there, so the count still takes."""
+    """The rank's ``OMP_NUM_THREADS``, read at ``import torch`` in a cold start; no parallel
+    region ran in the zygote, so the count still takes."""
     import torch
 
     try:
@@ -371,9 +349,7 @@ def _threads_from_env() -> None:
 
 
 def _run(argv: list[str]) -> None:
-    """``python script.py args`` or ``python -m module args``, as the interpreter runs them:
-    the script's folder (or the working directory) goes before ``$PYTHONPATH``'s entries, not
-    over the first of them (``main`` took this file's folder out already)."""
+    """``python script.py args`` or ``python -m module args``, as the interpreter runs them."""
     import runpy
 
     if argv[1:2] == [UNBUFFERED]:
@@ -393,8 +369,7 @@ def _run(argv: list[str]) -> None:
 
 
 def _unbuffered() -> None:
-    """``python -u``: stdout and stderr written through to their files, as the flag makes
-    them (the zygote's streams were made before the rank's were put on their descriptors)."""
+    """``python -u``: stdout and stderr written through (the zygote made its streams)."""
     import io
 
     for name, fd in (("stdout", 1), ("stderr", 2)):
@@ -405,7 +380,6 @@ def _unbuffered() -> None:
 
 
 def main() -> None:
-    # Its parent-death signal was set before the exec (``Zygote``), and the exec keeps it.
     del sys.path[0]     # this file's folder: the package's inside, not a place to import from
     options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     msg = _serve(int(sys.argv[1]), int(sys.argv[2]), options)

@@ -1,21 +1,10 @@
 """A training actor's side: its torch.distributed group, the driver's stop, Ray's SIGTERM.
 
-The actors of one group are the ranks of one ResilientRun, over a gloo/NCCL group formed among
-them. What Ray changes:
-
-* ranks come from the driver: it forms the group through ``kr_address`` and ``kr_setup``,
-  which also hand over the config and the stop board;
-* the driver's stop arrives through the board (``board.py``), turned into the same signal sent
-  to this process (``stop_context``), and Ray's workers block SIGINT, which ``stop_context``
-  unblocks on the main thread;
-* Ray's SIGTERM handler raises ``SystemExit`` mid-step (a drain, an eviction would kill the
-  actor without a checkpoint): ``stop_context`` restores the default first, so the run's
-  handler is the only one;
-* the run ends with ``SystemExit`` (``raise`` mode): ``stop_context`` turns it into ``ending``;
-  a peer lost after the rescue becomes 81.
-
-Sync actor methods run on the worker's main thread, which a ResilientRun needs: keep training
-actors single-threaded (no ``max_concurrency``, no concurrency groups).
+The actors of one group are the ranks of one ResilientRun. The driver forms their group
+(``kr_address``, ``kr_setup``) and hands over the config and the stop board (``board.py``).
+``stop_context`` makes the board's stop a signal to this process and the run's ``SystemExit``
+an ``ActorEnding``. A ResilientRun needs the main thread, where only sync actor methods run:
+keep training actors single-threaded (no ``max_concurrency``, no concurrency groups).
 """
 
 from __future__ import annotations
@@ -59,10 +48,9 @@ class ActorEnding:
 def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
                recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
     """Each training call's outcome (an ``ActorEnding``, or its exception) as its rank's
-    ending. An actor whose process died ended as it ``recorded`` (the hang watchdog's 42, which
-    Ray reports with no code), else as killed (SIGKILL); a call that raised is the rank's own
-    error, 1. A SIGTERM the driver did not send came from Ray or its node (a drain, an
-    eviction): like a scheduler's preemption, it asks to run again (75)."""
+    ending. A dead actor ended as it ``recorded`` (the hang watchdog's 42, which Ray reports
+    with no code), else as killed. A SIGTERM the driver did not send came from Ray or its
+    node (a drain, an eviction): like a preemption, it asks to run again (75)."""
     ends = []
     for rank, out in enumerate(outcomes):
         ending = out.get("ending") if isinstance(out, dict) else out
@@ -84,8 +72,7 @@ def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stoppin
 
 def actor_died(error: Any) -> bool:
     """Whether ``error`` (a call's outcome) says that the actor's process is gone."""
-    # By the class's name: Ray is imported lazily, and RayActorError is its API for "the
-    # actor's process is gone" (ActorDiedError, ActorUnavailableError derive from it).
+    # By name: Ray is imported lazily. ActorDiedError, ActorUnavailableError derive from it.
     return any(c.__name__ == "RayActorError" for c in type(error).__mro__)
 
 
@@ -103,16 +90,15 @@ def kill_actors(actors: Iterable[Any]) -> None:
 def init_group(rank: int, world_size: int, addr: str, port: int, *,
                backend: str = "gloo", timeout_s: float = 120.0) -> None:
     """Join the actors' torch.distributed group as ``rank`` of ``world_size`` (rank 0 hosts the
-    store at ``addr:port``). Sets RANK/WORLD_SIZE-free state only: the run reads the group;
-    this process's log lines say ``[rank N]`` from here on (RANK, which they read otherwise, is
-    not set: it would make a run inside an actor pick the ``exit`` mode)."""
+    store at ``addr:port``). RANK stays unset: it would make a run in an actor pick ``exit``
+    mode; the log lines say ``[rank N]`` through ``set_role``."""
     import datetime
 
     import torch.distributed as dist
 
     set_role(f"rank {rank}")
-    # What a launched rank has: the rescue's buddy link finds this host's address on the route
-    # to it (rescue/link.py), which without it is 127.0.0.1, unreachable from another node.
+    # The rescue's buddy link finds this host's address on the route to it (rescue/link.py);
+    # without it that is 127.0.0.1, unreachable from another node.
     os.environ["MASTER_ADDR"] = addr
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=world_size,
@@ -127,19 +113,16 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def stop_context(board: Any) -> Iterator[ActorEnding]:
-    """Around a training actor's ``with ResilientRun(...)``: the driver's stop reaches the run,
-    Ray's SIGTERM handler is out of the way, and the run's ``SystemExit`` becomes ``ending``.
-
-    Must be entered on the main thread (a sync actor's method). After a stop that this process
-    received itself (a SIGTERM from Ray or its node, not the driver's), the actor exits once the
-    method returns: Ray asked for the process to go.
-    """
+    """Around a training actor's ``with ResilientRun(...)``, on the main thread: the driver's
+    stop reaches the run, Ray's SIGTERM handler is out of the way, and the run's
+    ``SystemExit`` becomes ``ending``. After Ray's own SIGTERM the actor exits once the method
+    returns: Ray asked for the process to go."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("stop_context needs the actor's main thread: a sync actor without "
                            "max_concurrency or concurrency groups")
     ending = ActorEnding()
     previous = signal.getsignal(signal.SIGTERM)
-    # Ray's handler raises SystemExit mid-step; the run's handler would chain it.
+    # Ray's handler raises SystemExit mid-step (no checkpoint); the run's would chain it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # Ray's workers block SIGINT in every thread: the driver's Ctrl+C, passed on as SIGINT,
     # would stay pending for good. Unblocked here, on the main thread only, while the run lives.
@@ -154,9 +137,8 @@ def stop_context(board: Any) -> Iterator[ActorEnding]:
         log.warning("the run ended with %d%s", ending.code,
                     " (the driver's stop)" if ending.from_driver else "")
     except Exception as e:
-        # In `raise` mode a run that lost a peer re-raises the collective's error (after its
-        # rescue): the actor's ending is PEER_LOST, for the supervisor to relaunch. Any other
-        # exception is the training's own error and stays one.
+        # A run that lost a peer re-raises the collective's error after its rescue: PEER_LOST,
+        # for the supervisor to relaunch. Any other exception is the training's own.
         from kempner_resilience.core.faults import first_line, is_peer_failure
 
         if not is_peer_failure(e):
@@ -173,8 +155,8 @@ def stop_context(board: Any) -> Iterator[ActorEnding]:
 
 
 def _exit_after_return(code: int) -> None:
-    """Ray sent SIGTERM: leave once this method's result is on its way (``exit_actor`` from a
-    thread would race the return; a short delay then a plain exit is enough and bounded)."""
+    """Leave once this method's result is on its way (``exit_actor`` from a thread would race
+    the return; a short delay then a plain exit is bounded)."""
     def leave() -> None:
         import time
 
@@ -186,12 +168,8 @@ def _exit_after_return(code: int) -> None:
 
 class TrainingActor:
     """Mixin for a Ray training actor class: the driver forms its group and calls its methods.
-
-    The driver joins the actors into one group (``kr_setup``) with the run's config
-    (``kr_config``) and stop board (``kr_board``); ``kempner_resilience.ray.TrainingActor`` adds
-    ``resilient_run``. ``kr_call`` returns a method's result with how its run ended. The
-    earlier names (``address``, ``init_group``, ``stop_context``) still work; the first two warn.
-    """
+    ``kempner_resilience.ray.TrainingActor`` adds ``resilient_run``. The earlier names
+    (``address``, ``init_group``, ``stop_context``) still work; the first two warn."""
 
     kr_config: ResilienceConfig | None = None
     kr_board: Any = None
@@ -208,16 +186,14 @@ class TrainingActor:
     def kr_setup(self, rank: int, world_size: int, addr: str, port: int,
                  config: ResilienceConfig | None = None, board: Any = None,
                  backend: str = "gloo") -> None:
-        """Join the group as ``rank`` (rank 0 hosts the store at ``addr:port``) and keep the
-        driver's config and stop board for the run."""
+        """Join the group as ``rank`` and keep the driver's config and stop board."""
         init_group(rank, world_size, addr, port, backend=backend)
         self.kr_config, self.kr_board = config, board
         self.kr_rank, self.kr_world_size = rank, world_size
 
     def kr_call(self, method: str, args: Sequence[Any] = (),
                 kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Run ``method`` for the driver: ``{"result": what it returned, "ending": how its run
-        ended}`` (an ``ActorEnding``; code 0 when no run stopped in it)."""
+        """Run ``method`` for the driver: ``{"result": ..., "ending": ActorEnding}``."""
         self.kr_ending = ActorEnding()
         result = getattr(self, method)(*args, **dict(kwargs or {}))
         return {"result": result, "ending": self.kr_ending}

@@ -1,19 +1,10 @@
 """An asyncio Ray actor's work: one main task whose stop cancels everything under it.
 
-In a Ray asyncio actor Ray owns the loop, in a thread of its own (``run.aio.run`` covers a
-plain script). What goes wrong there (SkyRL's leaked sandboxes):
-
-* a stop that is not a cancellation: the work must end by ``CancelledError`` through every
-  task, so each ``finally`` runs. ``ray.cancel(ref, force=False)`` and ``AsyncActor.stop()``
-  cancel the method's task;
-* ``asyncio.gather`` leaves a failed task's siblings running: ``supervise_tasks`` runs the
-  work as one ``asyncio.TaskGroup``, which cancels them and waits for their ``finally``;
-* a SIGTERM to the actor's process (Ray's kill, a drain, an eviction). Ray's handler runs on
-  the worker's main thread, where no code of an asyncio actor runs, so the actor cannot
-  install its own. It raises ``SystemExit`` through ``ray._private.worker.
-  raise_sys_exit_with_custom_error_message``, then Ray waits for in-flight tasks that never
-  end. ``main()`` wraps that one function: it first cancels every ``AsyncActor``'s main task
-  and waits for their ``finally``, up to SIGTERM's grace less 5 s, then lets Ray exit.
+Ray owns the loop, in a thread of its own. A stop must be a cancellation, so every
+``finally`` runs; ``supervise_tasks`` is one ``asyncio.TaskGroup`` (``gather`` leaves a failed
+task's siblings running). Ray's SIGTERM handler runs on the main thread, where no actor code
+runs, and then waits for tasks that never end: ``main()`` wraps the exit function it calls so
+the main tasks are cancelled first (docs/ray.md has the measurements).
 """
 
 from __future__ import annotations
@@ -37,12 +28,8 @@ _MARGIN_S = 5.0
 
 
 async def supervise_tasks(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
-    """Run ``coros`` as one task group and return their results in order.
-
-    One that raises cancels the others; a cancellation of the caller cancels them all; either
-    way every ``finally`` has run when this returns or raises (an ``ExceptionGroup`` for
-    failures, as ``asyncio.TaskGroup``).
-    """
+    """Run ``coros`` as one task group and return their results in order. One that raises,
+    or the caller's cancellation, cancels the others; every ``finally`` has run on return."""
     tasks: list[asyncio.Task[Any]] = []
     try:
         async with asyncio.TaskGroup() as group:
@@ -59,8 +46,7 @@ async def supervise_tasks(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any
 
 
 async def supervise(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
-    """Deprecated name of ``supervise_tasks`` (``ray_supervise.supervise`` is the group's
-    supervisor: one public name, one function)."""
+    """Deprecated name of ``supervise_tasks``."""
     warnings.warn("kempner_resilience.supervise.ray.aio.supervise is now supervise_tasks "
                   "(also kempner_resilience.ray.supervise_tasks)", DeprecationWarning,
                   stacklevel=2)
@@ -69,21 +55,14 @@ async def supervise(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
 
 class AsyncActor:
     """Mixin for a Ray asyncio actor: ``main(aw)`` runs a method's work as a stoppable main
-    task, ``stop()`` (another call) cancels every running main task and waits for their
-    cleanup. ``ray.cancel(ref, force=False)`` on the method's ref has the same effect.
-
-    >>> @ray.remote
-    ... class Rollout(AsyncActor):
-    ...     async def run(self, n):
-    ...         return await self.main(supervise_tasks(episode(i) for i in range(n)))
-    """
+    task; ``stop()`` or ``ray.cancel(ref, force=False)`` cancels it and waits for its cleanup
+    (example: docs/ray.md)."""
 
     _mains: "set[asyncio.Task[Any]]"
     _loop: asyncio.AbstractEventLoop
 
     async def main(self, aw: Awaitable[Any]) -> Any:
-        """Await ``aw`` as a task of its own that ``stop()`` or a SIGTERM to this process
-        cancels."""
+        """Await ``aw`` as a task that ``stop()`` or a SIGTERM to this process cancels."""
         if not hasattr(self, "_mains"):
             self._mains = set()
             if label().startswith("rank "):    # not a rank: its lines say what it is
@@ -96,8 +75,7 @@ class AsyncActor:
         try:
             return await task
         finally:
-            # This method cancelled (ray.cancel) while ``task`` lives: cancel it and wait, so no
-            # work outlives the call that owned it.
+            # Cancelled by ray.cancel: no work outlives the call that owned it.
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -1,18 +1,9 @@
 """RayDriver: a Ray driver whose signals are always seen, and whose stop is every actor's stop.
 
-* ``ray.init`` installs a SIGTERM handler that raises ``SystemExit`` anywhere, Ray may ignore
-  SIGINT, and ``ray.get`` blocks in C. After ``ray.init`` the driver installs the package's
-  ShutdownHandler and waits with ``ray.wait(timeout=)`` in a loop, never one blocking get.
-* A stop (a signal, or an actor task that failed) is one sequence: the stop board tells every
-  training actor (each stops at one boundary, commits, tears its group down); other calls are
-  cancelled without force (their ``finally`` runs); the driver waits, bounded by the signal's
-  grace less a margin, shuts Ray down and exits with the table's code. Under SLURM a signal
-  whose action is ``requeue`` requeues the job once every actor committed (exit 75).
-* A second SIGINT (or SIGTERM) forces: the actors, then every process the driver started, are
-  killed. A SIGTERM during a stop begun by SIGINT (``uv run`` sends it on the same Ctrl+C) is
-  part of that stop (``driver_forces``).
-
-Ray is imported lazily: ``import kempner_resilience`` works without it.
+``ray.init`` installs a SIGTERM handler that raises ``SystemExit`` anywhere, Ray may ignore
+SIGINT, and ``ray.get`` blocks in C. So the driver installs the package's ShutdownHandler
+after ``ray.init`` and waits with ``ray.wait(timeout=)`` in a loop, never one blocking get.
+A stop is one sequence (``_stop_all``); the steps are in docs/ray.md. Ray is imported lazily.
 """
 
 from __future__ import annotations
@@ -46,17 +37,8 @@ _MARGIN_S = 5.0
 
 
 class RayDriver:
-    """The driver's context, entered after ``ray.init`` on the main thread.
-
-    >>> ray.init()
-    >>> with RayDriver(cfg) as driver:
-    ...     rollout = driver.track(Rollout.remote())[0]
-    ...     out = driver.run_group(Trainer, 2, "train", 100, cancel=[rollout.run.remote(50)])
-
-    ``run_group`` forms the training group and re-forms it when an actor is lost. ``get``
-    returns the results when every training call completed, else raises ``SystemExit`` with
-    the job's code: never a stopped job that looks done.
-    """
+    """The driver's context, entered after ``ray.init`` on the main thread (example:
+    docs/ray.md). A stopped job never returns results as if it were done: ``SystemExit``."""
 
     def __init__(self, config: ResilienceConfig | SignalsConfig | None = None, *,
                  stop_timeout_s: float | None = None, poll_s: float = 0.2) -> None:
@@ -117,13 +99,9 @@ class RayDriver:
         return list(actors)
 
     def get(self, refs: Sequence[Any], *, cancel: Sequence[Any] = ()) -> list[Any]:
-        """Wait for ``refs`` (the training calls) and return their results.
-
-        ``cancel``: calls that live as long as the training (rollouts), cancelled without
-        force at its end. A signal or a call's own error stops everything (the error is raised
-        after the stop); so does a lost ``cancel`` call, to run again (75). A lost training
-        actor ends its group as ranks end; ``get`` then leaves with the policy's code.
-        """
+        """Wait for the training calls ``refs`` and return their results. ``cancel``: calls
+        that live as long as the training (rollouts), cancelled without force at its end. A
+        signal, a call's own error or a lost ``cancel`` call (75) stops everything."""
         refs, cancel = list(refs), list(cancel)
         bound = self._rescue_bound()
         killed = self._wait_training(refs, cancel, bound, stop_on_error=True)
@@ -141,10 +119,9 @@ class RayDriver:
     def run_group(self, actor_cls: Any, world_size: int, method: str, *args: Any,
                   cancel: Sequence[Any] = (), backend: str = "gloo",
                   options: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
-        """What ``method(*args, **kwargs)`` returned on each rank of a training group of
-        ``world_size`` ``actor_cls`` actors (a ``TrainingActor``, plain or ``ray.remote``; a
-        plain one gets 1 CPU; ``options`` go to Ray). A lost actor's group comes back while
-        the policy says so (``relaunch.supervise``), else ``SystemExit`` with its code."""
+        """What ``method`` returned on each rank of a group of ``world_size`` ``actor_cls``
+        actors (a plain class gets 1 CPU). A lost actor's group comes back while the policy
+        says so (``relaunch.supervise``), else ``SystemExit`` with its code."""
         import ray
 
         from kempner_resilience.supervise.ray.relaunch import supervise
@@ -166,10 +143,9 @@ class RayDriver:
     def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,
                    cancel: Sequence[Any] = (), bound: float = 150.0
                    ) -> tuple[list[Any], list[int]]:
-        """Wait for one incarnation of a group (``refs[r]``: ``actors[r]``'s call): what each
-        call returned or raised, and the ranks killed for not ending ``bound`` seconds after
-        the first call failed. Unlike ``get``, a failed call stops nothing: the survivors
-        rescue and end on their own."""
+        """Wait for one incarnation of a group: each call's outcome, and the ranks killed for
+        not ending ``bound`` s after the first failed. A failed call stops nothing: the
+        survivors rescue and end on their own."""
         refs, cancel = list(refs), list(cancel)
         killed = self._wait_training(refs, cancel, bound, stop_on_error=False)
         for r in killed:
@@ -179,9 +155,8 @@ class RayDriver:
 
     def _wait_training(self, refs: list[Any], cancel: list[Any], bound: float, *,
                        stop_on_error: bool) -> list[int]:
-        """Wait for the training calls ``refs``; the ranks not ended ``bound`` seconds after
-        the first was lost (the survivors rescue meanwhile). With ``stop_on_error`` a call's
-        own error stops everything, as a lost ``cancel`` call and a signal do."""
+        """Wait for ``refs``; the ranks not ended ``bound`` s after the first was lost. With
+        ``stop_on_error`` a call's own error stops everything."""
         import ray
 
         pending = refs + cancel
@@ -217,16 +192,14 @@ class RayDriver:
     # ------------------------------------------------------------------ the stop
 
     def _helper_lost(self, err: BaseException, refs: list[Any], cancel: list[Any]) -> None:
-        """A rollout's call ended unasked (its actor stopped by Ray, or dead): the training
-        cannot go on without it, every actor stops with its checkpoint, to run again."""
+        """A rollout's call ended unasked: every actor stops with its checkpoint, to run again."""
         why = "was stopped (its tasks cancelled)" if _cancelled(err) else "is gone"
         log.error("a rollout or helper actor %s (%s): stopping the training to run again",
                   why, type(err).__name__)
         self._stop_all(signal.SIGTERM, refs, cancel, run_again=f"a helper actor {why}")
 
     def _leave_after(self, ends: Sequence[RankEnd]) -> None:
-        """Not every training call completed: the policy's code, a requeue under SLURM when
-        the job is to run again, Ray shut down, ``SystemExit``."""
+        """Not every training call completed: requeue if the policy says so, then leave."""
         import ray
 
         decision = decide(Evidence(tuple(ends)))
@@ -247,7 +220,8 @@ class RayDriver:
 
     def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
                   error: BaseException | None = None, run_again: str | None = None) -> None:
-        """Stop every actor, wait for them within the bound, shut Ray down, leave.
+        """Stop every actor (the board), cancel other calls without force, wait within the
+        signal's grace less a margin, shut Ray down, leave with the table's code.
         ``run_again``: why the job runs again though no signal asked (a lost helper actor)."""
         import ray
 
@@ -286,9 +260,8 @@ class RayDriver:
 
     def requeue(self, why: str, *, exclude: Iterable[str] = (),
                 ends: tuple[RankEnd, ...] = REQUESTED) -> Verdict | None:
-        """Under SLURM, the job requeued as rank 0 requeues it (``slurm/requeue.py``) when the
-        policy says so for ``ends``, ``exclude`` and the bad nodes kept out: the driver is the
-        job's one SLURM process. None when no requeue was tried."""
+        """Under SLURM, requeue the job as rank 0 would (``slurm/requeue.py``): the driver is
+        the job's one SLURM process. None when no requeue was tried."""
         job = SlurmJob.from_env()
         if job is None or self.config is None:
             return None
@@ -313,7 +286,7 @@ class RayDriver:
     def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
                          also: Sequence[Any] = ()) -> list[Any]:
         """Cancel ``cancel`` without force, wait for it and ``also`` up to ``bound`` s; what
-        is still not done."""
+        is not done."""
         import ray
 
         for ref in cancel:
@@ -339,8 +312,8 @@ class RayDriver:
         kill_actors(self.actors)
 
     def _force(self, code: int) -> None:
-        """A second Ctrl+C: the actors killed, then every process this driver started (the
-        local Ray node and its workers, which a bare ``os._exit`` would leave behind)."""
+        """A second Ctrl+C: kill the actors, then every process this driver started (a bare
+        ``os._exit`` would leave the local Ray node behind)."""
         log.error("forced: killing %d actors and the local Ray node", len(self.actors))
         self._kill_actors()
         _kill_descendants(os.getpid())
@@ -348,8 +321,8 @@ class RayDriver:
 
 def driver_forces(signum: int, earlier: list[int]) -> bool:
     """Only a second SIGINT, or a second SIGTERM, forces the driver out: a dying parent's
-    SIGTERM may come before the Ctrl+C's own SIGINT (only the main thread takes SIGINT), and
-    that SIGINT is part of the stop under way."""
+    SIGTERM (``uv run`` sends one on the Ctrl+C) may come first, and that SIGINT is part of
+    the stop under way."""
     return signum in (signal.SIGINT, signal.SIGTERM) and signum in earlier
 
 
@@ -362,8 +335,7 @@ def clear_ray_handlers(signums: Sequence[int]) -> None:
 
 
 def _saved(results: Sequence[Any]) -> Saved:
-    """The stop's checkpoint as the training calls returned it (an ``ActorEnding`` each, or a
-    dict holding one under ``"ending"``)."""
+    """The stop's checkpoint as the training calls returned it."""
     for r in results:
         ending = r.get("ending") if isinstance(r, dict) else r
         if isinstance(ending, ActorEnding) and ending.code == ExitCode.CHECKPOINT_FAILED:
@@ -372,8 +344,7 @@ def _saved(results: Sequence[Any]) -> Saved:
 
 
 def _outcome(result: Any) -> Any:
-    """A call's result as ``actor_ends`` reads it: an ``ActorEnding`` (alone or under a
-    dict's ``"ending"``) or an exception as they are; any other value completed."""
+    """A call's result as ``actor_ends`` reads it: any value but an ending completed."""
     ending = result.get("ending") if isinstance(result, dict) else result
     if isinstance(ending, (ActorEnding, BaseException)):
         return result

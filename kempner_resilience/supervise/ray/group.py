@@ -1,15 +1,11 @@
 """A worker group: passive Ray actors (a policy, a critic, a reference model) that a driver's
 loop calls, as SkyRL's, verl's and OpenRLHF's groups are.
 
-The library forms the group: it creates the actors and joins them into one torch.distributed
-group with the run's config in hand. The group is an entry of the driver's run state
-(``checkpoint/delegated.py``): each actor saves into ``<step>/<name>/`` over its own group and
-returns its file table, which the driver merges into the manifest it commits.
-
-Every call is bounded: ``call`` waits in short ``ray.wait`` slices (the driver's handlers run
-between them) for at most ``watchdog.hang_timeout_s``. An actor gone or silent raises
-``GroupLost``, a lost peer to the run (``core/faults.py``), whose policy recreates the group
-(``run/ray_run.py``). An error of the actor's own code is raised as it is.
+The group is an entry of the driver's run state (``checkpoint/delegated.py``): each actor
+saves into ``<step>/<name>/`` over its own group, and the driver merges their file tables.
+Every call waits in short ``ray.wait`` slices, so the driver's handlers run between them, for
+at most ``watchdog.hang_timeout_s``. An actor gone or silent raises ``GroupLost``, a lost peer
+whose policy recreates the group (``run/ray_run.py``).
 """
 
 from __future__ import annotations
@@ -46,26 +42,15 @@ class GroupLost(RuntimeError):
 
 
 class Worker:
-    """Mixin for a worker group's actor class: the library forms its group and saves it.
-
-    >>> class PolicyWorker(Worker):
-    ...     def __init__(self):
-    ...         self.model = ...; self.optim = ...
-    ...     def checkpoint_state(self):
-    ...         return {"model": self.model, "optim": self.optim}
-    ...     def train_step(self, batch): ...
-
-    ``kr_config`` is the driver's run config; ``kr_rank``, ``kr_world_size`` this actor's
-    place in its group (``torch.distributed`` is initialized over it before any call).
-    """
+    """Mixin for a worker group's actor class: the library forms its group (initialized
+    before any call) and saves it. Example: docs/ray.md."""
 
     kr_config: ResilienceConfig | None = None
     kr_rank: int = 0
     kr_world_size: int = 1
 
     def checkpoint_state(self) -> Mapping[str, Any]:
-        """What this actor's part of a checkpoint holds: modules, optimizers, objects with
-        ``state_dict()``/``load_state_dict()``, as a run's ``state=``."""
+        """What this actor's part of a checkpoint holds, as a run's ``state=``."""
         raise NotImplementedError(f"{type(self).__name__}.checkpoint_state(): return the "
                                   "actor's state, e.g. {'model': self.model, 'optim': self.optim}")
 
@@ -92,8 +77,7 @@ class Worker:
         return state
 
     def kr_save(self, directory: str, step: int) -> dict[str, Any]:
-        """Write this actor's state of ``step`` into ``directory`` (collective over the group);
-        the file table for the driver's manifest."""
+        """Write this actor's state of ``step`` (collective); the file table for the manifest."""
         from kempner_resilience.checkpoint.partsave import save_part
 
         return save_part(self._kr_state(), Path(directory), step, self.kr_rank)
@@ -107,12 +91,8 @@ class Worker:
 
 
 class WorkerGroup:
-    """``world_size`` actors of ``actor_cls`` (a ``Worker``; a class, or one ``ray.remote``
-    made) in one process group, formed and re-formed by the run that holds it in its state.
-
-    ``args``/``kwargs`` go to each actor's constructor; ``options`` to Ray's ``.options``
-    (``num_cpus``, ``num_gpus``, ...); ``backend``: ``"gloo"``, or ``"nccl"`` on GPUs.
-    """
+    """``world_size`` actors of ``actor_cls`` (a ``Worker``) in one process group, formed and
+    re-formed by the run that holds it in its state. ``options`` go to Ray's ``.options``."""
 
     def __init__(self, actor_cls: Any, world_size: int, *args: Any, backend: str = "gloo",
                  options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
@@ -130,9 +110,8 @@ class WorkerGroup:
     # ------------------------------------------------------------------ the group's life
 
     def start(self, name: str, config: ResilienceConfig) -> None:
-        """Create the actors and form their group (the run does, on entry); the calls wait at
-        most ``watchdog.hang_timeout_s``. A group already started is stopped first: its
-        actors are new processes, whatever the old ones held."""
+        """Create the actors and form their group (the run does, on entry). A group already
+        started is stopped first: its actors are new processes, whatever the old ones held."""
         import ray
 
         self.stop()
@@ -162,8 +141,7 @@ class WorkerGroup:
     # ------------------------------------------------------------------ calls
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method`` on every actor and return their results in rank order; bounded
-        (``GroupLost`` when an actor is gone or silent)."""
+        """Call ``method`` on every actor; their results in rank order (bounded)."""
         return self._wait([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def call_each(self, method: str, per_rank: Sequence[Any]) -> list[Any]:
@@ -212,8 +190,7 @@ class WorkerGroup:
             raise GroupLost(self.name, rank, f"is gone ({type(e).__name__})") from None
 
     def _gone_peer(self, refs: list[Any], ranks: list[int]) -> GroupLost | None:
-        """The ``GroupLost`` of an actor of ``refs`` whose process is gone, waited for up to
-        ``_CAUSE_WAIT_S``; None if every actor is alive."""
+        """The ``GroupLost`` of an actor whose process is gone; None if every one is alive."""
         import ray
 
         ray.wait(refs, num_returns=len(refs), timeout=_CAUSE_WAIT_S)

@@ -1,10 +1,8 @@
-"""What one srun step did, read from srun's own messages (pure: no process, no SLURM).
+"""What one srun step did, read from srun's own messages on its stderr (pure).
 
-srun reports each task that ends badly on its stderr (``srun: error: krnode1: tasks 0-1:
-Exited with exit code 81``, ``... task 3: Killed``) and a node SLURM declared dead (``srun:
-error: Node failure on krnode2``). A node that died says nothing: its slurmd died with it, and
-SLURM notices only after ``SlurmdTimeout``. So a node silent while the others report is the
-dead one; the survivors' codes say what kind of ending it was.
+A node that died says nothing: its slurmd died with it, and SLURM notices only after
+``SlurmdTimeout``. So a node silent while the others report is the dead one; the survivors'
+codes say what kind of ending it was.
 """
 
 from __future__ import annotations
@@ -110,11 +108,9 @@ class StepReport:
 
     @property
     def failed(self) -> bool:
-        """srun reported a failure ending, after which the loop ends the step once the nodes
-        that can still report have (``relaunch.Relauncher.run_step``): a rank lost or hung, a
-        rank killed by a signal other than the shutdown's own (SIGTERM/SIGINT), or a node
-        declared dead; and nothing that ends the job as it is (a bug, a requeue already under
-        way). Whether the job then runs again is the policy's (``supervise/srun/evidence.py``)."""
+        """srun reported a failure ending (a rank lost or hung, killed by a signal other than
+        SIGTERM/SIGINT, or a node declared dead) and nothing that ends the job as it is (a
+        bug, a requeue under way): the loop then ends the step."""
         if self.codes & NOT_IN_PLACE:
             return False
         killed = {c for c in self.codes if c > 128 and c not in (int(ExitCode.SIGTERM),
@@ -124,13 +120,11 @@ class StepReport:
 
     def implicated(self, hang_seen: set[int] | None = None,
                    tasks_per_node: int = 1) -> set[str]:
-        """The nodes to keep out: those SLURM declared dead or that never reported while the
-        others did (a dead node says nothing), else those whose own tasks failed (a killed or
-        hung rank: not the survivors' PEER_LOST/SIGTERM); when every node looks guilty (every
-        rank's hang watchdog fired), the nodes of the ranks missing from ``hang_seen`` (a
-        rank hung with the GIL held cannot say its watchdog ran: its backstop ends it, about a
-        second after the others' watchdogs fire, so the order of srun's reports does not tell),
-        and without that word the node of the first bad report, a guess."""
+        """The nodes to keep out: those declared dead or silent, else those whose own tasks
+        failed (not the survivors' PEER_LOST/SIGTERM). When every node looks guilty, the nodes
+        of the ranks missing from ``hang_seen``: a rank hung with the GIL held cannot say its
+        watchdog ran, and its backstop ends it about a second after the others', so srun's
+        order does not tell. Without that word: the first bad report's node, a guess."""
         heard = {e.node for e in self.ends}
         silent = {e.node for e in self.ends if e.node_failure} | (set(self.nodes) - heard
                                                                   if self.ends else set())
@@ -138,9 +132,8 @@ class StepReport:
             return silent
         own = [e.node for e in self.ends if e.code is not None and e.code not in _SURVIVOR_CODES]
         if own and set(own) >= set(self.nodes) and len(self.nodes) > 1:
-            # Every rank ended with HANG. The ranks whose hang watchdog ran in Python said so
-            # (``note_hang_seen``); a rank that did not was hung with the GIL held. Tasks are
-            # laid out in blocks: task r runs on nodes[r // tasks_per_node].
+            # Every rank ended with HANG. Tasks are laid out in blocks: task r runs on
+            # nodes[r // tasks_per_node].
             if hang_seen:
                 quiet = {self.nodes[r // tasks_per_node] for r in range(self.ntasks)
                          if r not in hang_seen and r // tasks_per_node < len(self.nodes)}

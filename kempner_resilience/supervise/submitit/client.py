@@ -1,5 +1,4 @@
-"""The client side of a submitit job once it is built: the executor, preempting it, waiting for
-its result through any number of requeues (see ``supervise/submitit/jobs.py``)."""
+"""The client side of a submitit job: the executor, preempting it, waiting for its result."""
 
 from __future__ import annotations
 
@@ -13,14 +12,14 @@ from kempner_resilience.core.log import get_logger
 
 __all__ = ["make_executor", "interrupt", "wait", "is_local_job"]
 
-# One logger for the whole integration, as before the split: users filter their logs on it.
+# One logger for the whole integration: users filter their logs on it.
 log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
 
 def make_executor(folder: str | os.PathLike[str], *, timeout_min: int = 60,
                   **params: Any) -> Any:
-    """A submitit ``AutoExecutor`` for SLURM; ``params`` go to its ``update_parameters``.
-    ``timeout_min`` > 10: with 10 or less submitit calls every interrupt a time-out."""
+    """A submitit ``AutoExecutor`` for SLURM. ``timeout_min`` > 10: with 10 or less submitit
+    calls every interrupt a time-out."""
     import submitit
 
     if timeout_min <= 10:
@@ -41,10 +40,9 @@ def is_local_job(job: Any) -> bool:
 
 
 def interrupt(job: Any) -> None:
-    """Send the preemption signal to every task of ``job``, as SLURM does at preemption or near
-    the time limit: the tasks checkpoint and requeue. For a SLURM job this is
-    ``job._interrupt()``; for a local one the signal goes to the task processes (submitit's
-    ``_interrupt()`` would send it to the local controller, which dies of it)."""
+    """Send the preemption signal to every task of ``job``, as SLURM does: the tasks checkpoint
+    and requeue. For a local job it goes to the tasks (submitit's ``_interrupt()`` would send
+    it to the local controller, which dies of it)."""
     if not is_local_job(job):
         job._interrupt()
         return
@@ -63,10 +61,9 @@ def _job_ids(job: Any) -> tuple[str, list[Any]]:
 
 
 def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
-    """Wait until ``job`` has written its result, through any number of requeues; returns
-    it. Raises ``RuntimeError`` (with the log's tail) when the job ended without a result,
-    ``TimeoutError`` after ``timeout`` seconds. Without accounting ``job.result()`` alone
-    would wait forever for a job that died."""
+    """Wait until ``job`` has written its result, through any number of requeues; returns it.
+    ``RuntimeError`` (with the log's tail) when it ended without one: ``job.result()`` alone
+    would wait forever for a job that died. ``TimeoutError`` after ``timeout`` s."""
     from kempner_resilience.slurm import show_job
 
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -99,8 +96,8 @@ def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
 
 
 def _check_local(job: Any, tasks: list[Any]) -> None:
-    """Raise when a local job's controller has ended without every result: it waits for all
-    its tasks before it ends, so nothing more will come (no scheduler to ask, no grace)."""
+    """Raise when a local job's controller has ended without every result (it waits for all
+    its tasks first, so nothing more will come)."""
     proc = getattr(job, "_process", None)
     code = None if proc is None else proc.poll()
     if proc is not None and code is None:

@@ -1,11 +1,6 @@
-"""A submitit task's environment, set up before the submitted function runs.
-
-Under SLURM (submitit starts one task per rank with srun) the rank variables come from SLURM's.
-In a task of submitit's local executor they come from its ``SUBMITIT_LOCAL_*`` variables, with a
-rendezvous port and ``KEMPNER_RESTART_COUNT`` (the controller restarts the tasks after a requeue
-without saying so), and the task asks for the preemption signal when the controller dies. The
-resolved configuration is written to a file that ``$KEMPNER_RESILIENCE_CONFIG`` names. See
-``supervise/submitit/jobs.py`` for the whole hand-over.
+"""A submitit task's environment, set up before the submitted function runs: the rank
+variables (from SLURM's, or the local executor's ``SUBMITIT_LOCAL_*``) and the resolved config
+in a file that ``$KEMPNER_RESILIENCE_CONFIG`` names.
 """
 
 from __future__ import annotations
@@ -24,13 +19,12 @@ from kempner_resilience.core.log import get_logger
 __all__ = ["setup_rank_env", "setup_local_env", "preempt_when_controller_dies", "count_start",
            "write_config_file", "OUTER_JOB_VARS"]
 
-# One logger for the whole integration, as before the split: users filter their logs on it.
+# One logger for the whole integration: users filter their logs on it.
 log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
 
 def setup_rank_env() -> None:
-    """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from SLURM for srun-launched tasks
-    (submitit starts one task per rank with srun); kept where a launcher set them."""
+    """The torch rank variables from SLURM's (submitit starts one task per rank with srun)."""
     if not os.environ.get("SLURM_JOB_ID"):
         return
     from kempner_resilience.slurm import setup_torch_env
@@ -44,10 +38,9 @@ OUTER_JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
 
 
 def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """A task of submitit's local executor: the rank variables from ``SUBMITIT_LOCAL_*``
-    (replacing inherited ones), a port from the local job id (the same in every task), and
-    ``KEMPNER_RESTART_COUNT`` (from our controller's channel, else counted in a file next to
-    the logs: submitit's controller does not say it). Returns what was set."""
+    """A local executor's task: the rank variables from ``SUBMITIT_LOCAL_*``, a port from the
+    job id, and ``KEMPNER_RESTART_COUNT`` (submitit's controller restarts tasks without saying
+    so: from our controller's channel, else counted in a file). Returns what was set."""
     from kempner_resilience.slurm.env import master_port
 
     from kempner_resilience.supervise.rank import restarts_said
@@ -58,7 +51,6 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "") or str(os.getppid())
     rank = env.get("SUBMITIT_LOCAL_GLOBALID", "0")
     world = env.get("SUBMITIT_LOCAL_NTASKS", "1")
-    # Our controller says the count in its channel; under submitit's own, the task counts.
     said = restarts_said(env)
     values = {"RANK": rank, "WORLD_SIZE": world,
               "LOCAL_RANK": env.get("SUBMITIT_LOCAL_LOCALID", rank), "LOCAL_WORLD_SIZE": world,
@@ -71,9 +63,8 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def preempt_when_controller_dies() -> None:
-    """Ask the kernel for the preemption signal when the local controller dies: submitit's own
-    ``job._interrupt()`` kills it (no handler for its signal), and the tasks then checkpoint
-    instead of training on unseen (a later resubmission resumes)."""
+    """Ask for the preemption signal when the local controller dies (submitit's own
+    ``job._interrupt()`` kills it): the tasks checkpoint instead of training on unseen."""
     import ctypes
 
     parent = os.getppid()

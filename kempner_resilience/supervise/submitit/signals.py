@@ -1,9 +1,7 @@
 """submitit's signals in the job process, taken over so that ``ResilientRun`` handles them.
 
-submitit installs, in the job process, a handler for its preemption signal (``SIGUSR2``) that
-checkpoints and requeues at once from inside the handler, mid-step, and ignores SIGTERM.
-``SignalTakeover`` replaces both before the submitted function runs (see
-``supervise/submitit/jobs.py`` for the whole hand-over).
+submitit's preemption handler checkpoints and requeues from inside the handler, mid-step, and
+it ignores SIGTERM. ``SignalTakeover`` replaces both before the submitted function runs.
 """
 
 from __future__ import annotations
@@ -19,20 +17,18 @@ from kempner_resilience.core.startup import record_early_signal
 
 __all__ = ["SignalTakeover", "in_submitit_job", "in_local_task", "preempt_signal"]
 
-# One logger for the whole integration, as before the split: users filter their logs on it.
+# One logger for the whole integration: users filter their logs on it.
 log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
 
 def preempt_signal() -> int:
-    """The signal submitit uses for preemption and time-outs (``SIGUSR2`` unless
-    ``$SUBMITIT_PREEMPT_SIGNAL`` says otherwise)."""
+    """submitit's preemption signal (``$SUBMITIT_PREEMPT_SIGNAL``, default ``SIGUSR2``)."""
     name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
     return int(getattr(signal, normalize_signal(name)))
 
 
 def in_local_task() -> bool:
-    """True in a task that submitit's local executor started (its controller sets
-    ``SUBMITIT_EXECUTOR=local`` and numbers the tasks with ``SUBMITIT_LOCAL_GLOBALID``)."""
+    """True in a task that submitit's local executor started."""
     return (os.environ.get("SUBMITIT_EXECUTOR") == "local"
             and "SUBMITIT_LOCAL_GLOBALID" in os.environ)
 
@@ -53,10 +49,9 @@ def _run_active() -> bool:
 class SignalTakeover:
     """Replaces submitit's job-process handlers for the preemption signal and SIGTERM.
 
-    The preemption signal: inside a ``ResilientRun`` its handler chains to ours, which does
-    nothing; before a run it is kept for the run to replay (``core/startup``); after the
-    function returned it is ignored. SIGTERM with ``sigterm="ignore"`` is ignored, as submitit
-    does; with ``"stop"`` it gets the default action outside a run, the run's STOP inside one.
+    The preemption signal is the run's inside a ``ResilientRun``, kept for the run to replay
+    before one, ignored after the function returned. SIGTERM: ignored as submitit does, or
+    with ``sigterm="stop"`` the default action outside a run and the run's STOP inside one.
     """
 
     def __init__(self, preempt_signum: int, sigterm: str = "ignore") -> None:
@@ -104,10 +99,9 @@ class SignalTakeover:
         self.pending = signum
         log.warning("%s before the training entered ResilientRun: it is handled as soon as "
                     "the run starts", signal.Signals(signum).name)
-        # Kept with the start-up recorder's signals: the run's ShutdownHandler replays them
-        # when it is installed, so the stop comes at the run's first step boundary, with its
-        # deadline counted from this arrival. (A thread that re-sent the signal once a run was
-        # active woke too late on a loaded machine: several steps ran first.)
+        # The run's ShutdownHandler replays it, so the stop comes at the run's first step
+        # boundary with its deadline counted from now. A thread that re-sent the signal once
+        # a run was active woke too late on a loaded machine: several steps ran first.
         record_early_signal(signum)
 
     def _on_term_ignored(self, signum: int, frame: Any) -> None:

@@ -1,10 +1,7 @@
 """The torchrun agent's side of a shutdown: its workers tracked, signals sent once, no escalation.
 
-``Agent`` knows the workers' processes, the signals the agent got (``on_signal``: recorded,
-sent once to every worker unless SLURM delivers them) and the deadline
-(``wait_for_workers``: every worker may exit on its own until the shutdown deadline; only
-those still alive then are SIGKILLed). ``starting`` is the one place torch's module-level
-names are replaced, for the time of a group's start only (see there why).
+Every worker may exit on its own until the shutdown deadline; only those still alive then are
+SIGKILLed. ``starting`` is the one place torch's module-level names are replaced.
 """
 
 from __future__ import annotations
@@ -27,14 +24,13 @@ from kempner_resilience.supervise.local.warm import parent_death
 
 __all__ = ["Agent", "Interrupted", "starting", "pdeathsig", "MARGIN_S", "AGENT_NAME"]
 
-# One logger for the whole integration, as before the split: users filter their logs on it.
+# One logger for the whole integration: users filter their logs on it.
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 #: Added to a worker's own deadline (grace + exit timeout) before the agent kills it: the
 #: worker's deadline watchdog must always get the first word.
 MARGIN_S = 15.0
-# Our log lines carry a rank prefix taken from SLURM_PROCID, the node's index here: the host
-# name says which agent speaks.
+# The rank prefix here is SLURM_PROCID, the node's index: the host name says which agent.
 AGENT_NAME = f"torchrun agent on {socket.gethostname()}"
 
 
@@ -63,9 +59,8 @@ class Agent:
             self.workers.append(proc)
 
     def stand_by(self) -> None:
-        """torch kept this agent out of a round (a standby): its last group, stopped before the
-        rendezvous, is over. It has no workers until it takes a place: a signal ends it as one
-        that never started any, and its workers' codes are no longer the job's."""
+        """torch kept this agent out of a round (a standby): its last group is over, and its
+        workers' codes are no longer the job's."""
         with self._lock:
             if self.workers and not self.alive():
                 self._forget_group()
@@ -83,8 +78,7 @@ class Agent:
             self.ranks.update(ranks)
 
     def codes(self) -> dict[int, int]:
-        """The workers of this group that ended: ``{global rank: return code}`` (-N: signal
-        N), by the ranks named with ``name_ranks``."""
+        """The workers of this group that ended: ``{global rank: return code}``."""
         return {self.ranks[p.pid]: int(p.returncode) for p in list(self.workers)
                 if p.pid in self.ranks and p.poll() is not None}
 
@@ -110,8 +104,7 @@ class Agent:
         name = signal.Signals(signum).name
         self.signals.append(signum)
         if not self.workers:
-            # No worker exists yet (rendezvous): nothing to stop gracefully; leave as stock
-            # torchrun would, without starting them.
+            # Still in the rendezvous: leave as stock torchrun would.
             raise Interrupted(signum)
         self._arm(time.monotonic() + self.window(signum))
         if self.forward:
@@ -125,8 +118,7 @@ class Agent:
                     len(self.workers), self.deadline - time.monotonic())
 
     def wait_for_workers(self) -> None:
-        """Once a signal came or a worker exited: until every worker is gone, or the deadline
-        (then the reaper has killed what was left)."""
+        """Once a signal came or a worker exited: until every worker is gone, or the deadline."""
         if not self.signals and len(self.alive()) == len(self.workers):
             return   # torch stops healthy workers for its own reasons (a restart): its way
         self._arm(time.monotonic() + self.window(None))
@@ -178,20 +170,18 @@ class Interrupted(BaseException):
 
 
 def pdeathsig() -> Callable[[], None] | None:
-    """The workers' ``preexec_fn``: ``PARENT_DEATH_SIGNAL`` when the agent dies (None: this
-    platform has no ``prctl``)."""
+    """The workers' ``preexec_fn``: ``PARENT_DEATH_SIGNAL`` when the agent dies (None: no prctl)."""
     return parent_death(PARENT_DEATH_SIGNAL)
 
 
 @contextmanager
 def starting(agent: Agent, names: dict[str, Any]) -> Iterator[None]:
-    """For the time of one worker group's start: torch's workers' ``Popen`` and its signal
-    handler replaced by ours (``names``: ``torch_private.elastic("shutdown")``).
+    """For one worker group's start: torch's workers' ``Popen`` and its signal handler are ours.
 
     No subclass can do this: module functions build the process context, install torch's
     ``_terminate_process_handler`` and call the module's ``Popen``. Our handler installed
-    after the start would leave a window in which a signal raises torch's
-    ``SignalException`` (every worker SIGTERMed, SIGKILLed 30 s later)."""
+    after the start would leave a window for torch's ``SignalException`` (every worker
+    SIGTERMed, SIGKILLed 30 s later)."""
     popen_module = importlib.import_module(torch_private.SUBPROCESS_HANDLER_MODULE)
     api_module = importlib.import_module(torch_private.MP_API_MODULE)
     stock_popen = names["Popen"]
@@ -200,7 +190,7 @@ def starting(agent: Agent, names: dict[str, Any]) -> Iterator[None]:
     def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
         if die_with_agent is not None and "preexec_fn" not in kwargs:
             kwargs["preexec_fn"] = die_with_agent
-            # The worker learns which signal means "the agent died" (see torchrun.py's doc).
+            # The worker learns which signal means "the agent died".
             env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
             env[PARENT_DEATH_ENV] = str(PARENT_DEATH_SIGNAL)
             kwargs["env"] = env

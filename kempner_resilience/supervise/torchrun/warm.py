@@ -2,16 +2,10 @@
 
 A relaunched worker pays Python's start-up, ``import torch``, DCP and the first optimizer
 again: most of the time from a node's death to the next step. With
-``$KEMPNER_RESILIENCE_WARM=1`` each agent starts one zygote (``local/warm.py``) on its main
-thread, before the rendezvous, and every worker is a fresh fork of it. The zygote never runs a
-worker's code, so nothing of an old incarnation reaches the next.
-
-For the time of a group's start (as ``agent.starting`` swaps ``Popen``), torch's
-``get_subprocess_handler`` builds a subclass of its ``SubprocessHandler`` whose ``_popen`` asks
-the zygote. The zygote dies with the agent (SIGKILL) and ignores the signals SLURM may send to
-every process of a step. A command the zygote cannot run, or a zygote that is gone, starts the
-worker cold, logged once. Opt-in for ``local/warm.py``'s reasons; the torchrun template turns
-it on.
+``$KEMPNER_RESILIENCE_WARM=1`` (the torchrun template sets it) each agent starts one zygote
+(``local/warm.py``) and every worker is a fresh fork of it. While a group starts, torch's
+``get_subprocess_handler`` builds a ``SubprocessHandler`` whose ``_popen`` asks the zygote.
+A command the zygote cannot run, or a zygote that is gone, starts the worker cold.
 """
 
 from __future__ import annotations
@@ -32,8 +26,7 @@ __all__ = ["WarmWorkers", "warm_starting"]
 
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
-# What SLURM may send to every process of a step, and torchrun's own: the zygote ignores them
-# (its workers are told by the agent, or by SLURM itself).
+# What SLURM may send to every process of a step: the zygote ignores them.
 _STEP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
@@ -49,11 +42,9 @@ class WarmWorkers:
 
     @classmethod
     def for_spec(cls, spec: Any, tracked: Agent) -> "WarmWorkers | None":
-        """The agent's warm workers for torch's ``WorkerSpec`` ``spec``, with its zygote
-        started; None when ``$KEMPNER_RESILIENCE_WARM`` is off, the workers are no
-        ``<this python> [-u] script.py`` (or ``-m module``), or this torch lacks the names.
-        Call it on the agent's main thread: the zygote dies when the thread that started it
-        ends."""
+        """The agent's warm workers for torch's ``WorkerSpec``, zygote started; None when the
+        command cannot start warm (``warm_command``) or this torch lacks the names. Call it on
+        the agent's main thread: the zygote dies when the thread that started it ends."""
         if not isinstance(spec.entrypoint, str) \
                 or not warm_command([spec.entrypoint, *map(str, spec.args)], (UNBUFFERED,)):
             return None
@@ -71,8 +62,7 @@ class WarmWorkers:
         return cls(tracked, zygote, names)
 
     def popen(self, handler: Any, args: tuple, env: dict[str, str]) -> WarmProcess | None:
-        """The worker ``handler`` starts, forked from the zygote and tracked as ``starting``'s
-        ``Popen`` tracks a cold one; None: start it cold."""
+        """The worker ``handler`` starts, forked from the zygote; None: start it cold."""
         argv = [str(a) for a in args]
         if self.cold_why is not None or not warm_command(argv, (UNBUFFERED,)):
             return None
@@ -99,8 +89,7 @@ class WarmWorkers:
 
 
 def _warm_handler(warm: WarmWorkers) -> type:
-    """torch's ``SubprocessHandler`` whose ``_popen`` forks the worker from ``warm``'s zygote
-    (torch's own ``_popen`` when it cannot)."""
+    """torch's ``SubprocessHandler`` whose ``_popen`` forks the worker from ``warm``'s zygote."""
     base = warm.names["SubprocessHandler"]
 
     class WarmSubprocessHandler(base):  # type: ignore[misc, valid-type]
@@ -120,8 +109,7 @@ def _warm_handler(warm: WarmWorkers) -> type:
 
 @contextmanager
 def warm_starting(warm: WarmWorkers | None) -> Iterator[None]:
-    """For the time of one worker group's start: torch's process context builds the warm
-    handler (nothing when ``warm`` is None)."""
+    """For one worker group's start: torch's process context builds the warm handler."""
     if warm is None:
         yield
         return

@@ -5,13 +5,8 @@ agent, and SLURM then kills the workers mid-save. On SIGTERM it SIGKILLs the wor
 after forwarding it. When one worker exits first it SIGTERMs the others: a second SIGTERM
 forces a slower rank 0 out of its shutdown.
 
-``run`` runs torchrun in this process with our agent (``launch.py``, ``elastic.py``). A torch
+``run`` runs torchrun in this process with our agent (``agent.py``, ``launch.py``). A torch
 without the private names they need (``core/torch_private.py``) runs stock torchrun, logged.
-The agent sends each signal once and never escalates; its workers get a parent-death signal
-(``agent.py``; why not SIGTERM: ``stop/signals.py``). Whether a failed group restarts is the
-one policy's answer (``spares.py``). The exit code is the policy's job code over the workers'
-(``agent_exit_code``). The last line says only what rank 0's run report says about the
-checkpoint (``report.py``).
 """
 
 from __future__ import annotations
@@ -42,8 +37,7 @@ log = get_logger("kempner_resilience.supervise.torchrun.wrapper")  # also as __m
 FORWARD_ENV = "KEMPNER_RESILIENCE_FORWARD_SIGNALS"
 #: Set in the workers' environment (the agent's pid): preflight knows who started them.
 AGENT_ENV = TORCHRUN_AGENT_ENV
-# What stock torchrun handles (TORCHELASTIC_SIGNALS_TO_HANDLE's default); the config's
-# signals (SIGUSR1, SIGUSR2, ...) come on top.
+# TORCHELASTIC_SIGNALS_TO_HANDLE's default; the config's signals come on top.
 _TORCH_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # torch elastic's opt-out of sharing the rendezvous TCPStore with the workers (see ``run``).
 _OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -56,15 +50,8 @@ Front = Callable[[Callable[[Any], Any]], Any]
 
 def forward_signals(environ: Mapping[str, str] | None = None, timeout_s: float = 10.0
                     ) -> tuple[bool, str]:
-    """Whether the agent must forward the signals it gets to its workers, and why.
-
-    SLURM signals a job step through its proctrack plugin. proctrack/cgroup signals only the
-    task itself, srun's child (the agent), unless cgroup.conf has
-    ``SignalChildrenProcesses=yes``; proctrack/pgid only the task's process group, which the
-    workers (sessions of their own) are not in; proctrack/linuxproc the task's whole process
-    tree, workers included. Outside SLURM (a terminal's Ctrl+C reaches only the agent) the agent
-    forwards. ``$KEMPNER_RESILIENCE_FORWARD_SIGNALS`` (yes/no/auto) overrides the decision.
-    """
+    """Whether the agent must forward the signals it gets to its workers, and why: from
+    SLURM's ProctrackType (the table in docs/slurm.md), unless ``FORWARD_ENV`` says."""
     env = os.environ if environ is None else environ
     choice = env.get(FORWARD_ENV, "auto").strip().lower() or "auto"
     if choice in _YES:
@@ -101,14 +88,9 @@ def _signals(config: ResilienceConfig) -> list[int]:
 
 def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         forward: bool | None = None, *, front: Front | None = None) -> int:
-    """Run ``torchrun argv`` in this process as a well-behaved srun task; returns the exit
-    code for the batch script (``agent_exit_code``).
-
-    ``config``: the workers' (their grace and exit timeout bound the agent's wait); default
-    ``load_config()``. ``forward``: None decides with ``forward_signals()``. ``front``:
-    another launcher (``accelerate launch``) that runs torchrun here, called with the function
-    to run in the place of ``torch.distributed.run.run``; ``argv`` is then unused.
-    """
+    """Run ``torchrun argv`` in this process as a well-behaved srun task; the exit code for
+    the batch script (``agent_exit_code``). ``config``: the workers' (their grace bounds the
+    agent's wait). ``front``: another launcher's (``argv`` is then unused)."""
     set_role("agent")     # not a rank: its SLURM_PROCID under srun is its node's index
     config = config or load_config()
     config.validate()  # built or changed in Python: held to the file's rules (ConfigError, 78)
@@ -131,12 +113,10 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         from kempner_resilience.supervise.torchrun.launch import launch
 
         os.environ[AGENT_ENV] = str(os.getpid())
-        # The workers' ledger counts the attempt from here: the agent's imports and rendezvous
-        # are the job's time, not time in the queue (goodput.py).
+        # The agent's imports and rendezvous are the job's time, not the queue's (goodput.py).
         os.environ[AGENT_START_ENV] = repr(process_start_time())
-        # The workers' own store, served by worker rank 0 as under srun: the stop agreement,
-        # the commit and the exit code go through it, and an agent that dies (OOM, SIGKILL)
-        # would take a shared one along, turning a graceful stop into a lost peer.
+        # The workers' own store (worker rank 0's): an agent that dies would take a shared one
+        # along, turning a graceful stop into a lost peer.
         os.environ.setdefault(_OWN_STORE_ENV, "1")
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
@@ -162,8 +142,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
             else:
                 launch(argv, agent, inplace, shutdown_names, decides)
         except ChildFailedError as e:
-            # Every worker of the last group has ended by now (torch stopped them after our
-            # wait): their codes, not only the failures torch saw first.
+            # Every worker of the last group has ended: all their codes, not only torch's.
             codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
             codes = {**agent.codes(), **codes} if agent.ranks else codes
             if inplace is not None and inplace.left:
@@ -180,9 +159,8 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         except Exception as e:
             if inplace is None or not inplace.waiting_as_spare():
                 raise
-            # A spare (never needed, or kept out of a round after it trained): the run ended
-            # (or its rendezvous host went, and the others requeue); its job is done, not
-            # failed. It has no workers: the job's code is the training group's.
+            # A spare whose run ended (or whose rendezvous host went): done, not failed. The
+            # job's code is the training group's.
             code = agent_exit_code(agent.codes(), agent.killed_ranks())
             log.info("%s: standby node not needed (%s: %s); exiting with %d", AGENT_NAME,
                      type(e).__name__, str(e).splitlines()[0] if str(e) else "", code)
