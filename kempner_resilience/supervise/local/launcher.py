@@ -1,15 +1,10 @@
-"""A local launcher that plays the scheduler when no SLURM is present.
-
-One process per rank on this machine (``RANK``/``WORLD_SIZE``/``MASTER_*``, a fresh port per
-launch), started again while the one policy says so. Rank 0 names its run in the launcher's
-channel, whatever way the script sets ``checkpoint.dir``.
+"""A local launcher that plays the scheduler when no SLURM is present: one process per rank on
+this machine, started again while the one policy says so.
 
 The ranks run in sessions of their own: a terminal's Ctrl+C reaches only the launcher, which
-forwards one SIGINT (or SIGTERM) to every rank per signal it gets. Every wait is bounded by
-``stop_timeout_s``, after a signal and after the first rank's end: a rank still there then
-gets SIGTERM, SIGKILL ``KILL_AFTER_TERM_S`` later, and counts as hung for the policy. When a
-launch is over, what the ranks left running is killed, as SLURM ends a step's processes
-(``core/strays.py``): a relaunch never runs beside them.
+forwards one signal to every rank per signal it gets. Every wait is bounded by
+``stop_timeout_s``; a rank still there then counts as hung for the policy. What the ranks left
+running is killed, as SLURM ends a step's processes: a relaunch never runs beside them.
 """
 
 from __future__ import annotations
@@ -40,25 +35,22 @@ __all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "launch_evid
 
 _log = get_logger(__name__)
 
-# The run-again codes, as before; the decision itself is the policy's (``relaunch_codes``
-# overrides it for a caller that plays a scheduler of its own, as the demo does).
+# The run-again codes; the decision itself is the policy's.
 RELAUNCH_CODES = frozenset(int(c) for c in RUN_AGAIN)
 # After the grace, a rank still alive gets SIGTERM (a graceful stop if it can still run), then
 # SIGKILL this much later (a SIGSTOPped rank cannot act on SIGTERM at all).
 KILL_AFTER_TERM_S = 10.0
 # Signals to the launcher that it forwards to every rank (once per signal received).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# The variables by which a rank finds its SLURM job. Started from inside an allocation (salloc,
-# an sbatch script), a rank that saw them would `scontrol requeue` the allocation itself; here
-# the launcher is the ranks' scheduler, so they are not passed on.
+# Not passed on: started inside an allocation, a rank that saw them would `scontrol requeue`
+# the allocation itself, where the launcher is the ranks' scheduler.
 _SCHEDULER_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
 
 
 def free_port() -> int:
-    """A free TCP port for a local rendezvous, below the kernel's ephemeral range (32768+) and
-    SLURM's ``master_port`` range (20000-31999): a port the kernel handed out for ``bind(0)``
-    can be taken as the local end of any new connection (gloo opens many) before rank 0 binds
-    it, and the other ranks then wait for a store that never comes."""
+    """A free TCP port for a local rendezvous, below the ephemeral range (32768+) and SLURM's
+    ``master_port`` range (20000-31999): a port from ``bind(0)`` can become the local end of a
+    new connection (gloo opens many) before rank 0 binds it, and the store never comes."""
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(10000, 20000)
@@ -74,8 +66,8 @@ def free_port() -> int:
 
 
 def job_exit_code(codes: Sequence[int], killed: Sequence[int] = ()) -> int:
-    """A launch's code from its ranks' ``Popen.returncode`` and the ranks the launcher killed:
-    ``policy.job_code``'s rule ([81, 1] is 1; a SIGKILL beside survivors' 81 is 81)."""
+    """A launch's code from its ranks' ``Popen.returncode`` and the ranks the launcher killed
+    (``policy.job_code``'s rule)."""
     return job_code(ends_of(codes, killed))[0]
 
 
@@ -83,9 +75,8 @@ def launch_evidence(codes: Sequence[int], killed: Sequence[int] = (), *, index: 
                     max_launches: int = 10, commits: Commits | None = None, stalled: int = 0,
                     max_no_progress: int = 2, interrupted: bool = False,
                     relaunch_codes: frozenset[int] | None = None) -> Evidence:
-    """The policy's evidence after launch ``index`` (0: the first). ``max_launches`` counts
-    the first launch too; ``commits`` None: the checkpoint directory is unknown. One machine:
-    no nodes to implicate, no spares, no scheduler behind the launcher."""
+    """The policy's evidence after launch ``index`` (0: the first); ``max_launches`` counts
+    the first. One machine: no nodes to implicate, no spares, no scheduler behind it."""
     return Evidence(ends_of(codes, killed), restarts=index, max_restarts=max_launches - 1,
                     commits=commits, stalled=stalled, max_no_progress=max_no_progress,
                     stopping=interrupted, relaunch_codes=relaunch_codes)
@@ -119,17 +110,11 @@ class Launch:
 class LocalLauncher:
     """Runs ``command`` as ``ranks`` processes until it completes or stops asking to rerun.
 
-    ``workdir``: the ranks' working directory, where each launch's rank logs
-    (``rank<r>.<launch>.log``, stdout dropped), progress file and run report go; the command
-    gets ``--progress FILE`` (the demo trainer's). None: the user's script, unchanged, on this
-    process's streams. ``interrupts`` (workdir only): step -> the signal sent once when rank 0
-    reaches it. ``max_launches`` counts the first launch. ``run_paths``: the run's directory,
-    when known, for the no-progress guard. ``relaunch_codes``: None, the policy decides; a
-    set, relaunch exactly those codes (a caller that plays a scheduler, as the demo does).
-    ``stop_timeout_s``: the grace after a signal and after the first rank's end. ``log_dir``
-    (without workdir): each rank's streams to ``log_dir/rank<r>.<launch>.log``. ``zygote``: a
-    warm-start process the caller owns and shares (``warm_parent``); None: the launcher
-    starts its own when the command can start warm.
+    ``workdir``: the demo trainer's (rank logs, ``--progress FILE``, ``interrupts``: step ->
+    the signal sent once when rank 0 reaches it); None runs the user's script unchanged, on
+    this process's streams or, with ``log_dir``, in ``log_dir/rank<r>.<launch>.log``.
+    ``relaunch_codes``: relaunch exactly those (a caller that plays a scheduler); None: the
+    policy decides. ``zygote``: a shared warm-start process (``warm_parent``) the caller owns.
     """
 
     def __init__(self, command: list[str], *, ranks: int, workdir: Path | None,
@@ -164,9 +149,7 @@ class LocalLauncher:
 
     def run(self) -> list[Launch]:
         """Launch until the job completes, stops asking to rerun, or Ctrl+C/SIGTERM stops it
-        (then the last launch has ``interrupted`` set). SIGINT and SIGTERM are taken over while
-        this runs (main thread only: elsewhere Ctrl+C keeps raising KeyboardInterrupt, which is
-        handled the same way)."""
+        (the last launch ``interrupted``). On the main thread SIGINT and SIGTERM are taken over."""
         self.channel = Channel.private("kempner-resilience-launch-")
         warm = warm_command(self.command)
         own = warm and self._shared is None
@@ -212,8 +195,7 @@ class LocalLauncher:
         self._received.append(signum)       # only record: the wait loop forwards it
 
     def rank_env(self, rank: int, port: str, index: int) -> dict[str, str]:
-        """The environment of ``rank`` in launch ``index``: this process's, less the SLURM job
-        variables, plus ``env`` and the rank variables."""
+        """The environment of ``rank`` in launch ``index``."""
         env = {k: v for k, v in os.environ.items() if k not in _SCHEDULER_VARS}
         env.update(self.env)
         env.update(RANK=str(rank), WORLD_SIZE=str(self.ranks), LOCAL_RANK=str(rank),
@@ -360,9 +342,8 @@ class LocalLauncher:
 
 
 def warm_parent(command: Sequence[str], ranks: int) -> Zygote | None:
-    """One warm-start process shared by several launchers of ``command`` (their ``zygote``),
-    or None when the command starts cold; the caller closes it. Its environment is a launch's
-    less what differs between launches and launchers (a warm rank's replaces it whole)."""
+    """One warm-start process shared by several launchers of ``command`` (None: it starts
+    cold); the caller closes it."""
     if not warm_command(command):
         return None
     return Zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env())

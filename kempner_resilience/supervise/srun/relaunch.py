@@ -1,14 +1,9 @@
 """Relaunch in place: the training as srun steps inside one allocation with spare nodes.
 
-``kempner-resilience srun --spares K -- python train.py`` (N + K nodes, ``--no-kill``) runs
-srun on N nodes not recorded bad, reads its task-end reports (``step.py``), ends a failed step
-without waiting for SLURM to notice a dead node (``SlurmdTimeout``), and asks the one policy
-(``evidence.py``): RELAUNCH on the healthy nodes plus a spare, REQUEUE, or LEAVE.
-
-The ranks leave the requeue after a failure to the loop (rank 0 may be the dead one); it
-requeues when no spare is left or ``--in-job-restarts`` are spent. A requeue that kept bad
-nodes out may shrink the job below N + K: the loop records N (``train_nodes``) so the
-requeued job trains on N again.
+``kempner-resilience srun --spares K`` (N + K nodes) runs srun on N nodes not recorded bad,
+ends a failed step without waiting for SLURM to notice a dead node (``SlurmdTimeout``), and
+asks the one policy: RELAUNCH on the healthy nodes plus a spare, REQUEUE, or LEAVE. The ranks
+leave the requeue after a failure to the loop: rank 0 may be the dead one.
 """
 
 from __future__ import annotations
@@ -53,10 +48,9 @@ class Relauncher:
     srun: Sequence[str] = ("srun",)
     settle_s: float = SETTLE_S
     finished_grace_s: float = FINISHED_GRACE_S
-    # Each task is a launcher that restarts its own workers (a torchrun agent on every node,
-    # the standbys among them): a task's failure or a dead node is theirs to handle, so the
-    # step is never ended for it nor relaunched; it ends by itself, or here once rank 0 said
-    # the run finished; a failure that ends it is requeued.
+    # Each task is a torchrun agent that restarts its own workers: a failure or a dead node
+    # is theirs, so the step is never ended for it nor relaunched; a failure that ends it is
+    # requeued.
     agents: bool = False
     stopping: bool = False               # a signal came: no relaunch from now on
 
@@ -68,15 +62,14 @@ class Relauncher:
                              "`kempner-resilience srun` in the batch script of a job")
         self.job = job
         self.nodes = expand_hostlist(env["SLURM_JOB_NODELIST"])
-        # The ranks tell the loop which run it supervises (supervise/channel.py); a requeued job
-        # (same id) finds the report of its earlier attempt there. Its first attempt finds none.
+        # A requeued job (same id) finds the report of its earlier attempt there.
         self.channel = Channel.for_job(job.job_id, env, fresh=job.restart_count == 0)
         self.need = len(self.nodes) - int(self.spares)
         recorded = self.channel.train_nodes()
         if self.spares >= 0 and recorded is not None and recorded != self.need \
                 and recorded <= len(self.nodes):
-            # Requeued with fewer nodes (the bad ones kept out, the spares given up): the
-            # training keeps its size; --spares K would have taken K of its nodes away.
+            # Requeued with the bad nodes kept out: the training keeps its size (recorded
+            # before the requeue); --spares K would have taken K of its nodes away.
             _log.warning("job %s came back with %d node(s) after a requeue that kept bad nodes "
                          "out: training on %d as before, %d spare(s) left", job.job_id,
                          len(self.nodes), recorded, len(self.nodes) - recorded)
@@ -97,8 +90,7 @@ class Relauncher:
 
     @property
     def run_paths(self) -> RunPaths:
-        """The run's directory as rank 0 reported it; before any report, the checkpoint.dir
-        of ``--config``/``--set`` (a script that sets it in code has not said it yet)."""
+        """The run's directory as rank 0 reported it, else ``--config``/``--set``'s."""
         return self.channel.run_paths(RunPaths.from_config(self.config))
 
     def requeue_config(self) -> RequeueConfig:
@@ -122,13 +114,10 @@ class Relauncher:
         return code
 
     def _release(self, dead: set[str]) -> None:
-        """The job ends for good: give back the nodes that failed or did not answer, so that it
-        ends COMPLETED now. SLURM otherwise keeps it COMPLETING until it notices a dead node
-        (``SlurmdTimeout``, 300 s in production), its other nodes held (measured on the
-        namespace cluster: COMPLETED at once after the shrink, COMPLETING for 300 s without).
-        A job may shrink itself (``scontrol update JobId= NodeList=``); the batch node stays.
-        scontrol writes its resize scripts into its working directory: the channel, removed
-        next. Bounded; a failure is only logged."""
+        """The job ends for good: give back the nodes that failed or did not answer (``scontrol
+        update JobId= NodeList=``; the batch node stays). SLURM otherwise keeps the job
+        COMPLETING until it notices a dead node (measured: 300 s, COMPLETED at once after the
+        shrink). scontrol writes its resize scripts into its cwd: the channel, removed next."""
         batch = node_name(self.environ)
         keep = [n for n in self.nodes if n not in dead or n == batch]
         if not dead - {batch} or batch not in self.nodes:
@@ -154,17 +143,14 @@ class Relauncher:
             bad = bad_nodes(self.run_paths) | self._bad_here
             nodes = choose_nodes(self.nodes, bad, self.need)
             if nodes is None and index == 0 and self.job.restart_count > 0:
-                # A requeue could not keep this job off its bad nodes (badnodes refused an
-                # exclusion that leaves too few): another comes back here, until the
-                # no-progress guard. Train on them, as a plain srun job does.
+                # A requeue could not keep this job off its bad nodes (too few others): another
+                # would come back here until the no-progress guard. Train on them.
                 nodes = choose_nodes(self.nodes, set(), self.need)
                 if nodes is not None:
                     _log.warning("the job could not be kept off its recorded bad node(s) %s: "
                                  "training on %s", ",".join(sorted(bad)), ",".join(nodes))
             if nodes is None:
-                # No step can start at all (a requeued job that came back with its bad nodes
-                # in the allocation): no ranks ended, so nothing for the policy to weigh; the
-                # scheduler's turn, as when a failure finds no spare left.
+                # No step can start: nothing for the policy to weigh; the scheduler's turn.
                 why = (f"only {len(set(self.nodes) - bad)} of the allocation's "
                        f"{len(self.nodes)} nodes are not recorded bad ({','.join(sorted(bad))}); "
                        f"{self.need} needed")
@@ -204,10 +190,7 @@ class Relauncher:
 
     def _after_step(self, res: StepResult, index: int,
                     committed_before: int | None) -> tuple[Evidence, Decision]:
-        """What follows step ``index``: the policy's decision (``supervise/policy.py``) on the
-        step's evidence (``supervise/srun/evidence.py``): its srun report, the hang marks in the
-        channel, the run's commits before (``committed_before``) and now, the budget, the
-        spares. Reads the run's directory and the channel; acts on nothing."""
+        """The policy's decision on step ``index``'s evidence (``evidence.py``); acts on nothing."""
         cfg = self.requeue_config()
         bad = bad_nodes(self.run_paths) | self._bad_here
         # A relaunch in place is a restart too: the run's budget (requeue.max_restarts, less
@@ -227,8 +210,7 @@ class Relauncher:
         return ev, decide(ev)
 
     def _record_bad(self, nodes: set[str], reason: str) -> None:
-        """Keep ``nodes`` out: with the run (its bad-nodes.json) and, whatever the filesystem
-        says, in this job's next steps."""
+        """Keep ``nodes`` out: with the run (bad-nodes.json) and in this job's next steps."""
         self._bad_here |= nodes
         try:
             record_bad_nodes(self.run_paths, nodes, reason=reason, job_id=self.job.job_id)
@@ -236,11 +218,10 @@ class Relauncher:
             _log.error("cannot record bad nodes %s: %s", sorted(nodes), e)
 
     def _after_agents(self, res: StepResult, index: int) -> tuple[int, bool]:
-        """The agents' step ended: by their code alone (a dead node's silence or srun's "Node
-        failure" line was theirs to handle), a failure worth running again is requeued."""
+        """The agents' step ended: by their code alone, a failure worth running again is
+        requeued (a dead node was theirs to handle)."""
         code = res.code
-        # srun's status as one ending, read by the policy's own rule (a rescued failure or a
-        # death by a signal of its own is a failure; a stop, a bug, a 75 are not).
+        # srun's status as one ending, read by the policy's own rule.
         end = (RankEnd(code, signaled=code > 128),)
         _, kind, _ = job_code(end)
         if res.finished or self.stopping or kind is not Kind.FAILURE:
@@ -265,26 +246,22 @@ class Relauncher:
         return newest_commit(self.run_paths)
 
     def _requeue(self, decision: Decision) -> tuple[int, bool]:
-        """The policy's REQUEUE. The ranks asked (75): rank 0 requeued the job itself, as
-        without spares. After a failure, the hand-off (``_hand_off``)."""
+        """The policy's REQUEUE: after 75 rank 0 requeued the job itself; else the hand-off."""
         code = decision.code
         if decision.kind is Kind.REQUESTED:
             return code, False
         return self._hand_off((RankEnd(code, signaled=code > 128),))
 
     def _hand_off(self, ends: tuple[RankEnd, ...]) -> tuple[int, bool]:
-        """The job to SLURM after a failure the ranks left to us (``IN_JOB_ENV``: rank 0 may be
-        the dead one): the one policy decides as for rank 0 (``requeue_run``: a committed
-        checkpoint to come back to, the restart budget, the no-progress guard over the run's
-        restart record), the failed nodes kept out. The code is the failure's (``ends``);
-        whether the job was requeued comes with it. A signal to the loop requeues nothing."""
+        """The job to SLURM after a failure the ranks left to us, decided as for rank 0
+        (``requeue_run``), the failed nodes kept out: the failure's code, and whether the job
+        was requeued. A signal to the loop requeues nothing."""
         from kempner_resilience.slurm.requeue import requeue_run
 
         code = job_code(ends)[0]     # the failure's, whatever stops the requeue
         if self.stopping:
             return code, False
-        # Before the requeue (it SIGKILLs this batch step at once): the nodes the job trains on,
-        # for the requeued job's loop. The failed nodes are kept out of it too (badnodes).
+        # Before the requeue (it SIGKILLs this batch step at once): the nodes the job trains on.
         decision, result = requeue_run(
             self.job, self.run_paths, self.requeue_config(), self._committed_step(), ends=ends,
             exclude=self._bad_here, min_nodes=self.need,
@@ -300,10 +277,8 @@ class Relauncher:
 
     def _ledger_restart(self, res: StepResult, reason: str, bad: set[str],
                         spare: list[str]) -> None:
-        """The ``restart`` event (fields: ``core.ledger``), its parts back to back so that
-        ``report`` adds them up: detection (the first bad news -> every node heard from, less
-        the survivors' rescue, which runs meanwhile), rescue, relaunch (the old step over -> now,
-        the new step's launch)."""
+        """The ``restart`` event (``core.ledger``), its parts back to back so that ``report``
+        adds them up: detection (less the rescue, which runs meanwhile), rescue, relaunch."""
         path = self.run_paths.ledger
         events = read_ledger(path) if path.exists() else []
         attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
@@ -328,10 +303,8 @@ class Relauncher:
 
     def step_command(self, nodes: Sequence[str], index: int) -> list[str]:
         n = len(nodes)
-        # --overlap on a relaunch: the old step is still "completing" on the dead node until
-        # SLURM notices (SlurmdTimeout) and keeps its CPUs on the survivors busy till then;
-        # without it the new step waits that long (measured: pending until killed at 30 s with
-        # SlurmdTimeout=300, started at once with --overlap).
+        # --overlap on a relaunch: the old step holds the survivors' CPUs until SLURM notices
+        # the dead node (measured: pending past 30 s without it, started at once with it).
         overlap = ["--overlap"] if index else []
         return [*self.srun, "--kill-on-bad-exit=1", *overlap, f"--job-name=kr-step-{index}",
                 f"--nodes={n}", f"--ntasks={n * self.tasks_per_node}",
@@ -350,8 +323,7 @@ class Relauncher:
         """Step ``index`` on ``nodes`` (``supervise/srun/step.py``), until it ends or is ended."""
         cmd = self.step_command(nodes, index)
         _log.info("step %d: %s", index, " ".join(cmd))
-        # Which relaunch in place this step is, said in the channel before its ranks start: a
-        # relaunch is an attempt of its own, from its launch, not the job's start (core.ledger).
+        # Before its ranks start: a relaunch is an attempt of its own (core.ledger).
         self.channel.begin_relaunch(index)
         res = SrunStep(cmd, self.step_env(nodes, index), list(nodes), self.tasks_per_node,
                        self.job.job_id, index, self.channel, settle_s=self.settle_s,
@@ -359,8 +331,7 @@ class Relauncher:
                        stopping=lambda: self.stopping,
                        launch=f"{self.job.restart_count}.{index}").run()
         if res.finished:
-            # The tasks that had not ended are on nodes that no longer answer (or are slow to
-            # leave); which ones srun does not say: all but the batch node go back.
+            # srun does not say which nodes had not ended: all but the batch node go back.
             self._unanswered |= set(nodes)
         return res
 
@@ -368,8 +339,7 @@ class Relauncher:
 def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,
                  in_job_restarts: int, agents: bool = False,
                  srun_args: Sequence[str] = ()) -> int:
-    """``kempner-resilience srun``: the loop in this process's environment, ``srun_args`` given
-    to every step's srun; signals stop relaunches (the ranks handle them themselves)."""
+    """``kempner-resilience srun``: the loop here; signals only stop relaunches."""
     loop = Relauncher(command, spares, config, in_job_restarts, agents=agents,
                       srun=("srun", *srun_args))
 

@@ -1,21 +1,14 @@
 """Our torch elastic classes: the agent torchrun runs, and its rendezvous handler with spares.
 
 torch elastic is extended by subclassing, never by replacing attributes of torch's classes:
-``launch.py`` builds these instead of torch's. Every private name they use is checked in
+``launch.py`` builds these instead of torch's. Objects a torch module function builds become
+instances of a subclass of their own class. Every private name is checked in
 ``core/torch_private.py`` first; a torch that lacks one keeps torch's behaviour, logged.
 
-* ``ElasticAgent``: its workers tracked (``agent.Agent``) and left to exit on their own
-  (``_waiting``), the policy's restart decision (``_monitor_workers``), spares, warm workers.
-* ``SpareHandler``: a standby is noticed, a waiting node is hidden while the survivors rescue
-  (``num_nodes_waiting``), a node that leaves takes only itself out (``shutdown``), and a dead
-  node is dropped as soon as the survivors know (``notice_lost_peer``).
-
-Why the last one: the next round opens only once every participant of the finished one left,
-and torch drops a dead node only when its heartbeat is older than the keep-alive window
-(10-15 s). The survivors' workers name the ranks that died without a word
-(``Channel.ranks_died``), and each agent publishes its workers' ranks in the round's store:
-a participant all of whose ranks were named is dropped. Else one whose heartbeat is two
-intervals old is (a live one beats every interval). Neither rule drops this node.
+Why ``notice_lost_peer``: the next round opens only once every participant of the finished
+one left, and torch drops a dead node only when its heartbeat is older than the keep-alive
+window (10-15 s). A participant all of whose ranks the survivors saw die is dropped at once;
+else one whose heartbeat is two intervals old (a live one beats every interval).
 """
 
 from __future__ import annotations
@@ -78,10 +71,8 @@ class ElasticAgent(LocalElasticAgent):
             pids = super()._start_workers(worker_group)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None:
-            # torch's process context closes every worker at the first failure, from inside
-            # its own poll (SIGTERM, SIGKILL 30 s later): this one waits for our deadline
-            # first. The context is built by a module function (start_processes), so it
-            # becomes an instance of a subclass of its own class; torch's class is untouched.
+            # torch's process context closes every worker at the first failure (SIGTERM,
+            # SIGKILL 30 s later): this one waits for our deadline first.
             pcontext.__class__ = _waiting(type(pcontext), self.tracked)
         ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         if self.inplace is not None:       # for the survivors of this node's death
@@ -143,18 +134,13 @@ class SpareHandler(DynamicRendezvousHandler):
             holder = self._state_holder
             if torch_private.elastic("notice") is not None \
                     and not torch_private.instance_missing("notice", holder):
-                # Built by torch's from_backend: it becomes an instance of a subclass of its
-                # own class (see the module doc); torch's class is untouched.
                 holder.__class__ = _noticing_holder(type(holder))
 
     def notice_lost_peer(self, died: Callable[[], Collection[int]] | None = None,
                          node_ranks: Mapping[int, Collection[int]] | None = None) -> None:
-        """This node's workers lost a peer and the group relaunches in place: from now until
-        the keep-alive window has passed once more, a participant of the finished round
-        leaves the rendezvous at once when every one of its ranks (``node_ranks``: the
-        round's global ranks by group rank) is among those the survivors saw die (``died``,
-        read when the state is synced), else once its heartbeat is two intervals old (see
-        the module doc)."""
+        """This node's workers lost a peer and the group relaunches in place: until the
+        keep-alive window has passed once more, dead participants of the finished round are
+        dropped early (the module doc's rules)."""
         holder = getattr(self, "_state_holder", None)
         settings = getattr(self, "_settings", None)
         if not hasattr(holder, "kr_notice") or settings is None:
@@ -235,10 +221,8 @@ _LONG_AGO = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 @dataclass
 class _Notice:
-    """What a survivor's state holder knows after its workers lost a peer: its own node, how
-    old a heartbeat is dead now (``stale``; None: torch's window is as short), torch's window,
-    until when this holds, and the finished round (``round``): its global ranks by group rank
-    (``node_ranks``) and the ranks the survivors saw die (``died``, read when asked)."""
+    """What a survivor's state holder knows after its workers lost a peer (``stale`` None:
+    torch's window is as short)."""
 
     node: Any
     stale: timedelta | None

@@ -2,17 +2,10 @@
 
 torch elastic does the hard part: with ``--nnodes=N`` and N + K agents, the others wait in the
 round's redundancy list, and after a failure a standby takes the free place in a new round.
-What torch lacks, ``InPlace`` decides (``elastic.py``'s subclasses ask it):
-
-* which endings restart: the one policy's answer (``evidence.observe``), only while a standby
-  waits; else rank 0 requeues and the agents leave with the workers' code;
-* an implicated node (a worker killed, or hung with the GIL held) leaves to a spare;
-* the workers learn the rendezvous through their agent's channel (``standby.py``), and the
-  run remembers the bad node and the restart (``memory.py``);
-* the survivors rescue before torch restarts them: with a fixed node count a waiting node is
-  hidden for the workers' own bound (``nodes_waiting``), else torch's scale-up would restart
-  the healthy group before the rescue commits;
-* a standby that is not needed ends with 0, not with torch's connection error.
+What torch lacks, ``InPlace`` decides (``elastic.py``'s subclasses ask it): which endings
+restart (the one policy, only while a standby waits), which node leaves to a spare, when the
+survivors' rescue lets torch restart them (``nodes_waiting``), and that an unneeded standby
+ends with 0.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ __all__ = ["InPlace", "in_place_settings", "restart_decision"]
 
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
-# The endings a relaunch is for, as the policy defines them (its decision is what the agent
-# asks; the name stays for tests/test_supervise_policy.py's check of every backend).
+# The name stays for tests/test_supervise_policy.py's check of every backend.
 _RESCUED = RESCUED_CODES
 # torch's defaults (dynamic_rendezvous.RendezvousTimeout / create_handler).
 _KEEP_ALIVE_S, _KEEP_ALIVE_ATTEMPTS = 5.0, 3
@@ -91,9 +83,7 @@ class InPlace:
                  channel: Channel | None = None) -> None:
         self.agent = agent
         self.settings = settings
-        # The workers' channel: this agent's own, inside the supervisor's (``channel``, when the
-        # step loop started the agents) or private; its root is the job's, where rank 0
-        # reports the run and the ranks mark their hangs. ``close`` removes it.
+        # The workers' channel: this agent's own, inside the supervisor's or private.
         self.channel = Channel.for_agent(channel, node_name())
         self._env_before = os.environ.get(CHANNEL_ENV)
         self.standby = False          # torch put this agent in a round's redundancy list
@@ -103,15 +93,13 @@ class InPlace:
         self.spares_seen: list[str] = []  # the standbys waiting when this agent restarted
         self.why: str | None = None       # this agent's view of the last failure
         self.launch = launch_name()       # the launch its workers mark their hangs under
-        # The no-progress guard reads the run rank 0 reported in the job's channel, which
-        # every agent reads; an agent's private channel hears rank 0 only on its node, and the
-        # agents must decide alike: no guard there.
+        # A private channel hears rank 0 only on its node, and the agents must decide alike:
+        # no no-progress guard there.
         self._progress = Progress(self.channel if self.channel.supervised else None)
         self.final_code: int | None = None  # the policy's code when its guard ended the job
         self._waiting_since: float | None = None  # a node waits while the workers run
         rescue, hang = agent.config.rescue, agent.config.watchdog.hang_timeout_s
-        # How long a healthy group may take to see the loss (a hang: its hang timeout) and
-        # commit the rescue. Without a rescue there is nothing to wait for.
+        # How long a healthy group may take to see the loss and commit the rescue.
         self.rescue_grace_s = (rescue.budget_s + max(hang, 0.0)) if rescue.enabled else 0.0
 
     def stand_by(self) -> None:
@@ -120,8 +108,7 @@ class InPlace:
             log.info("%s: standby (the rendezvous has its nodes): waiting to take a failed "
                      "node's place", AGENT_NAME)
         self.standby = True
-        # An agent that trained may be kept out of the next round (the others and a spare
-        # filled it first): its stopped group is over, it is a standby like any other.
+        # An agent that trained may be kept out of the next round: a standby like any other.
         self.agent.stand_by()
 
     def restarting(self) -> None:
@@ -133,8 +120,7 @@ class InPlace:
         return self.standby and not self.agent.workers
 
     def run_paths(self) -> RunPaths:
-        """Where the run's memory lives: the directory rank 0 reported to the supervisor's
-        channel (whatever way the script set ``checkpoint.dir``), else the agent's own."""
+        """Where the run's memory lives: as rank 0 reported it, else the agent's own config's."""
         said = self.channel.run_paths()
         if said is not None:
             return said
@@ -146,15 +132,13 @@ class InPlace:
 
     def decide(self, codes: Mapping[int, int], restarts_left: int = 1,
                max_restarts: int = 1) -> tuple[bool, str]:
-        """Whether the failed worker group restarts in place, and why: the policy's decision
-        over this node's ended workers ``codes`` ({global rank: return code})."""
+        """Whether the failed worker group restarts in place, and why (the policy's decision)."""
         signalled = bool(self.agent.signals)
         progress = self.progress()
         first = decide(observe(codes, signalled=signalled, restarts_left=restarts_left,
                                max_restarts=max_restarts, **progress))
         if first.guard is Guard.NO_PROGRESS:
-            # The relaunches in place made no progress: the agents leave with the policy's
-            # code (NO_REQUEUE), which the step loop does not requeue either.
+            # The agents leave with NO_REQUEUE, which the step loop does not requeue either.
             self.final_code = first.code
         if first.action is not Action.RELAUNCH:
             return False, _SIGNAL_ENDING if signalled else \
@@ -170,11 +154,9 @@ class InPlace:
                            else "the rendezvous store is unreachable") + ": the job requeues"
         spares = spares or []
         if mine:
-            # The node is implicated. It leaves the rendezvous (without closing it) and exits
-            # 0, so that the step goes on and the standby takes its place.
+            # It leaves the rendezvous (without closing it) and exits 0: the step goes on.
             self.left = True
-            # Before it leaves: the survivors' next round, and so the relaunch's restart
-            # event, cannot complete until it has left.
+            # Before it leaves: the survivors' next round waits for that.
             record_left(self.run_paths(), sorted(set(codes.values())), why=mine)
             return False, (f"{mine}: this node is implicated and leaves; a standby "
                            f"({', '.join(spares)}) takes its place")
@@ -192,12 +174,9 @@ class InPlace:
         self._progress.starting()
 
     def nodes_waiting(self, waiting: int) -> int:
-        """What torch's monitor loop is told of ``waiting`` nodes while the workers run.
-
-        A node waits for a place only after a participant's heartbeat expired: a node died or
-        froze. The workers then fail on their own (a broken collective at once, a hang within
-        their hang timeout) and rescue the last step; torch's restart of the healthy group
-        would stop them first and lose the rescue. Hidden for ``rescue_grace_s``."""
+        """What torch's monitor loop is told of ``waiting`` nodes while the workers run: none
+        for ``rescue_grace_s``. A node waits only after a participant's heartbeat expired; the
+        workers then fail on their own and rescue, which torch's restart would cut off."""
         now = time.monotonic()
         if waiting <= 0:
             self._waiting_since = None
@@ -221,9 +200,8 @@ class InPlace:
         return ",".join(sorted(members & set(self.spares_seen))) or None
 
     def publish_ranks(self, store: Any, group_rank: int, ranks: Sequence[int]) -> None:
-        """A worker group starts: this agent's global ranks, in the round's store (``store``,
-        torch's prefix store of the round) under its group rank, for its peers to read
-        (``node_ranks``). Never raises: without it the peers keep the heartbeat rule."""
+        """A worker group starts: this agent's global ranks in the round's store under its
+        group rank (``node_ranks``). Never raises: the peers keep the heartbeat rule."""
         try:
             store.set(f"{_RANKS_KEY}{int(group_rank)}", ",".join(str(int(r)) for r in ranks))
         except Exception as e:   # the store's host died: no relaunch follows anyway
@@ -231,10 +209,8 @@ class InPlace:
                         AGENT_NAME, e)
 
     def node_ranks(self, store: Any, group_world_size: int) -> dict[int, frozenset[int]]:
-        """The global ranks of each agent of the round, by its group rank, as each published
-        them (``publish_ranks``); empty when one is missing or the store cannot say. torch
-        counts global ranks by the agents' own local world sizes, which may differ: read,
-        not computed."""
+        """The global ranks of each agent of the round, by group rank (empty: unknown). Read,
+        not computed: the agents' local world sizes may differ."""
         keys = [f"{_RANKS_KEY}{g}" for g in range(int(group_world_size))]
         try:
             if not keys or not store.check(keys):
@@ -248,8 +224,7 @@ class InPlace:
             return {}
 
     def ranks_died(self) -> Callable[[], set[int]]:
-        """Reads, when called, the ranks of this group's launch that the survivors saw die
-        without a word (their workers' marks in the channel, ``Channel.ranks_died``)."""
+        """Reads, when called, the ranks of this launch that the survivors saw die."""
         channel, launch = self.channel, self.launch
         return lambda: channel.ranks_died(launch)
 
@@ -258,19 +233,17 @@ class InPlace:
         return replace(self.settings, restarts_left=restarts_left)
 
     def before_initialize(self, restarts_left: int) -> None:
-        """Before torch's rendezvous for a worker group: the rendezvous goes to this agent's
-        channel, and the channel to the workers' environment (torch copies the agent's)."""
+        """Before torch's rendezvous: the offer to the channel, the channel to the environment
+        (torch copies the agent's to the workers)."""
         self.channel.offer_rendezvous(self.offer(restarts_left).fields())
         os.environ.update(self.channel.env())
 
     def before_start(self, rdzv_handler: Any, group_rank: int) -> None:
-        """After the rendezvous, before the workers: the round is known, the workers not yet
-        started. Workers of a later round are an in-job restart, an attempt of their own."""
+        """After the rendezvous, before the workers: a later round is an in-job restart."""
         round_ = rendezvous_round(rdzv_handler)
         if round_ is None:       # this torch hides it: the count of this agent's restarts
             round_ = self.restarts
-        # The round is the relaunch in place: the same on every node (the workers' ledger
-        # attempt, from now; the launch their hang marks are named after).
+        # The round is the relaunch in place: the same on every node.
         self.channel.begin_relaunch(round_)
         self.launch = launch_name({**os.environ, **self.channel.env()})
         self.group_started()
