@@ -7,17 +7,40 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["process_start", "pid_alive"]
+__all__ = ["process_start", "pid_alive", "thread_states"]
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def _fields(raw: bytes) -> list[bytes]:
+    """The fields of a /proc stat line after the command name (which may hold spaces): the
+    state first; [] if unknown."""
+    return raw[raw.rfind(b")") + 2:].split()
 
 
 def _stat(pid: int) -> list[bytes]:
-    """The fields of /proc/<pid>/stat after the command name (which may hold spaces): the
-    state first; [] if unknown."""
+    return _fields(_read(f"/proc/{pid}/stat"))
+
+
+def thread_states(prefix: bytes) -> list[bytes]:
+    """The states (``R``, ``S``, ...) of this process's threads whose name starts with
+    ``prefix`` (a name torch gives its threads); [] without /proc."""
     try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        tids = os.listdir("/proc/self/task")
     except OSError:
         return []
-    return raw[raw.rfind(b")") + 2:].split()
+    states = []
+    for tid in tids:
+        raw = _read(f"/proc/self/task/{tid}/stat")
+        fields = _fields(raw)
+        if fields and raw[raw.find(b"(") + 1:raw.rfind(b")")].startswith(prefix):
+            states.append(fields[0])
+    return states
 
 
 def process_start(pid: int) -> str | None:

@@ -32,6 +32,7 @@ from typing import NoReturn, Sequence
 
 from kempner_resilience.config import ExitMode
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.core.procs import thread_states
 from kempner_resilience.stop.teardown import flush_logs
 from kempner_resilience.stop.watchdog import DeadlineWatchdog
 
@@ -57,29 +58,9 @@ class RunExit(SystemExit):
     """
 
 
-# torch's gloo worker threads (named by torch) and how long the exit waits for them.
-_GLOO_WORKER = "pt_gloo_runloop"
+# torch's gloo worker threads (the name torch gives them) and how long the exit waits for them.
+_GLOO_WORKER = b"pt_gloo_runloop"
 _SETTLE_S = 0.5
-
-
-def gloo_workers_busy() -> list[int]:
-    """The thread ids of this process's gloo worker threads that are running or waiting for a
-    core (state R in ``/proc``): one that just finished a collective and has yet to drop it."""
-    busy = []
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return busy
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.find(b"(") + 1:stat.rfind(b")")]
-        if name.startswith(_GLOO_WORKER.encode()) and stat[stat.rfind(b")") + 2:][:1] == b"R":
-            busy.append(int(tid))
-    return busy
 
 
 def settle_gloo_workers(timeout_s: float = _SETTLE_S) -> bool:
@@ -95,20 +76,23 @@ def settle_gloo_workers(timeout_s: float = _SETTLE_S) -> bool:
     and with the GIL released by each sleep, lets the worker finish its drop."""
     deadline = time.monotonic() + timeout_s
     idle = 0
-    while idle < 2:                  # two looks in a row: one may fall between two steps
-        idle = idle + 1 if not gloo_workers_busy() else 0
+    while True:
+        states = thread_states(_GLOO_WORKER)
+        if not states:
+            return True              # no gloo in this process: one look
+        idle = 0 if b"R" in states else idle + 1
+        if idle == 2:                # two looks in a row: one may fall between two steps
+            return True
         if time.monotonic() >= deadline:
             return False
-        if idle < 2:
-            time.sleep(0.002)        # the GIL released: a worker that waits for it runs
-    return True
+        time.sleep(0.002)            # the GIL released: a worker that waits for it runs
 
 
 def _at_exit() -> None:
     """The last atexit handler (registered at import): after a run that left in ``exit``
     mode, the finalisation skipped; else gloo's workers settled before it begins."""
     _fast_exit()
-    settle_gloo_workers()    # without gloo, one look at this process's threads: microseconds
+    settle_gloo_workers()
 
 
 def _fast_exit() -> None:
