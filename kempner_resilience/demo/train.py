@@ -249,15 +249,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # The run is over, everything is on disk and the process group is destroyed. The
-    # interpreter's finalisation then tears torch down object by object, and a gloo HSDP
-    # rank aborted there now and then under load ("terminate called without an active
-    # exception", 134): a finished job recorded FAILED. So the demo leaves without it. A stop
-    # (SystemExit from the package) never reaches this line and exits as usual.
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())
