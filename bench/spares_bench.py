@@ -11,14 +11,16 @@ between two periodic saves, and reads the parts from the run ledger (``ledger.js
 * ``rescue``: the rescue (write and commit the last step boundary, or give up);
 * ``exit``: rescue -> srun's first report of a failed task (the survivors leave);
 * ``relaunch``: that report -> the new srun step started (settle, old step ended);
-* ``startup``: new step -> the new attempt's ``start`` event (srun, Python, torch, the run's
-  set-up);
+* ``startup``: new step -> the new attempt's ``start`` event (srun, the shim and the fork from
+  the node's standby, or with ``--cold`` Python and torch; the run's set-up);
 * ``load``: the checkpoint loaded (``resume``); ``first_step``: -> the first step boundary.
 
 * ``completed_after_last_step``: the training's last step -> SLURM says COMPLETED (a dead
   node's step stays "completing" until SLURM notices it unless the loop gives the node back).
 
-    python bench/spares_bench.py [--kills 5] [--slurmd-timeout 5] [--readme-usage]
+    python bench/spares_bench.py [--kills 5] [--slurmd-timeout 5] [--readme-usage] [--cold]
+
+Every job must end COMPLETED in the same job and bitwise equal to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -51,14 +53,17 @@ def cluster_env(slurmd_timeout: int = 5) -> dict[str, str]:
                 PYTHONPATH=str(REPO))
 
 
-def one_kill(env: dict[str, str], work: Path, readme: bool = False) -> dict[str, float]:
+def one_kill(env: dict[str, str], work: Path, readme: bool = False,
+             reference: Path | None = None) -> dict[str, float]:
+    from kempner_resilience.demo.compare import compare_weights
     from kempner_resilience.demo.slurm_demo import wait_until, write_job
     from kempner_resilience.core.ledger import read_ledger
 
     # readme: the script sets checkpoint.dir in code, sbatch gets no --set, and the job is
     # submitted from a directory whose ./checkpoints is not the run's (the README's usage).
+    # Each task runs the trainer itself (no shell line around it), so it can start warm.
     job = write_job(work, ranks=4, nodes=2, spares=1, steps=STEPS, step_time=0.05,
-                    every_steps=EVERY, rank_files=True, env=env,
+                    every_steps=EVERY, rank_files=False, env=env,
                     sets=["watchdog.hang_timeout_s=30"], config_in_script=readme,
                     submit_dir=work.parent if readme else None)
     job.submit()
@@ -80,6 +85,11 @@ def one_kill(env: dict[str, str], work: Path, readme: bool = False) -> dict[str,
         completed_t = time.time()
         if info.get("JobState") != "COMPLETED" or info.get("Restarts") != "0":
             raise RuntimeError(f"job ended {info}: {job.log_text()[-2000:]}")
+        if reference is not None:
+            _, total, diff = compare_weights(reference, job.weights)
+            if diff:
+                raise RuntimeError(f"{len(diff)} of {total} tensors differ from the "
+                                   "uninterrupted run")
     finally:
         job.cancel()
         subprocess.run(["bash", str(SCRIPT), "restart-node", dead.removeprefix("krnode")],
@@ -106,6 +116,10 @@ def one_kill(env: dict[str, str], work: Path, readme: bool = False) -> dict[str,
     parts["first_step"] = loop["t"] - resume["t"]
     parts["total"] = loop["t"] - killed
     parts["rescued"] = float(bool(rescue and rescue.get("committed")))
+    # Steps lost: the last step the killed run completed, less the step it resumed from.
+    done = [int(line.split()[-1]) for line in job.progress.read_text().split("# run 0.1")[0]
+            .splitlines() if line.startswith("rank 0 step ")]
+    parts["steps_lost"] = float(max(done, default=0) + 1 - int(resume.get("step", 0)))
     # The training's last step (rank 0's progress line) -> SLURM says COMPLETED.
     parts["completed_after_last_step"] = completed_t - job.progress.stat().st_mtime
     return parts
@@ -117,13 +131,20 @@ def main() -> None:
     ap.add_argument("--slurmd-timeout", type=int, default=5)
     ap.add_argument("--readme-usage", action="store_true",
                     help="checkpoint.dir set in the script only, sbatch given no --set")
+    ap.add_argument("--cold", action="store_true",
+                    help="every rank starts cold (KEMPNER_RESILIENCE_WARM=0), as before the "
+                         "standby")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
+    from kempner_resilience.demo.slurm_demo import run_reference
+
     env = cluster_env(args.slurmd_timeout)
+    env["KEMPNER_RESILIENCE_WARM"] = "0" if args.cold else "1"
     rows = []
     with tempfile.TemporaryDirectory(prefix="kr-spares-bench-") as tmp:
+        reference = run_reference(Path(tmp) / "reference", ranks=4, steps=STEPS)
         for i in range(args.kills):
-            parts = one_kill(env, Path(tmp) / f"kill{i}" / "job", args.readme_usage)
+            parts = one_kill(env, Path(tmp) / f"kill{i}" / "job", args.readme_usage, reference)
             rows.append(parts)
             print(json.dumps({k: round(v, 2) for k, v in parts.items()}), flush=True)
     totals = sorted(r["total"] for r in rows)

@@ -39,10 +39,13 @@ def reference(tmp_path_factory) -> Path:
 
 
 def _submit(cluster, tmp_path: Path, jobs, *, hang_timeout_s: float = 30,
-            train_args: tuple[str, ...] = (), name: str = "job", **options) -> DemoJob:
+            train_args: tuple[str, ...] = (), name: str = "job", rank_files: bool = False,
+            **options) -> DemoJob:
+    """The demo job; its ranks start warm (the trainer is each task's command) unless
+    ``rank_files`` wraps each in a shell that writes its exit status."""
     env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env.get('PATH', '')}")
     job = write_job(tmp_path / name, ranks=RANKS, nodes=NODES, spares=SPARES, steps=STEPS,
-                    step_time=STEP_TIME, every_steps=EVERY, rank_files=True, env=env,
+                    step_time=STEP_TIME, every_steps=EVERY, rank_files=rank_files, env=env,
                     sets=[f"watchdog.hang_timeout_s={hang_timeout_s}"],
                     train_args=list(train_args), **options)
     jobs[0].append(job)
@@ -112,7 +115,7 @@ def test_a_rank_hung_with_the_gil_held_gets_its_node_excluded_and_the_spare_take
     # exit with HANG as well, or with PEER_LOST once rank 2 is gone. Either way krnode2 is the
     # one kept out, although srun may report the survivors' node first.
     hang_at = 60
-    job = _submit(multinode_cluster, tmp_path, multinode_jobs, hang_timeout_s=8,
+    job = _submit(multinode_cluster, tmp_path, multinode_jobs, hang_timeout_s=8, rank_files=True,
                   train_args=("--hang-at", str(hang_at), "--hang-rank", "2", "--hang-holds-gil",
                               "--hang-marker", str(tmp_path / "hang.done")))
     info = job.wait_state(timeout=300)

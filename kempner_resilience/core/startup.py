@@ -50,11 +50,30 @@ _early: list[tuple[int, float]] = []
 def record_early_signal(signum: int) -> None:
     """Keep ``signum``, arrived now before any run, for the run's ShutdownHandler to replay
     when it is installed (its deadline counted from this arrival)."""
-    _early.append((signum, time.monotonic()))
+    _early.append((forwarded_signals().get(signum, signum), time.monotonic()))
 
 
 def _early_record(signum: int, frame: Any) -> None:
     record_early_signal(signum)
+
+
+#: Set by an srun task's shim (``supervise/srun/shim.py``, which names it too: it imports
+#: nothing of the package) in a warm rank's environment: ``"RT:SIG,..."``, the real-time
+#: signal it passes each signal on as.
+FORWARDED_ENV = "KEMPNER_RESILIENCE_FORWARDED_SIGNALS"
+
+
+def forwarded_signals(environ: Any = None) -> dict[int, int]:
+    """``$KEMPNER_RESILIENCE_FORWARDED_SIGNALS`` as {real-time signal: the signal it stands
+    for}; empty when unset or not real-time signal numbers."""
+    raw = (os.environ if environ is None else environ).get(FORWARDED_ENV, "")
+    lo, hi = getattr(signal, "SIGRTMIN", 0), getattr(signal, "SIGRTMAX", -1)
+    out = {}
+    for pair in raw.split(","):
+        rt, _, sig = pair.partition(":")
+        if rt.strip().isdigit() and sig.strip().isdigit() and lo <= int(rt) <= hi:
+            out[int(rt)] = int(sig)
+    return out
 
 
 def install_early_recorder(signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGUSR2)) -> None:
@@ -68,6 +87,8 @@ def install_early_recorder(signals: tuple[int, ...] = (signal.SIGUSR1, signal.SI
     """
     if threading.current_thread() is not threading.main_thread():
         return
+    # A warm rank's shim passes them on as real-time signals: those are recorded as them.
+    signals = (*signals, *(rt for rt, s in forwarded_signals().items() if s in signals))
     for signum in signals:
         if signal.getsignal(signum) == signal.SIG_DFL:
             signal.signal(signum, _early_record)

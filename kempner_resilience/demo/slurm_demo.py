@@ -341,11 +341,14 @@ def write_job(workdir: Path | str, *, ranks: int = 1, steps: int = 60, step_time
         mark += 'exec "$@"'
     command = ["bash", "-c", mark, "_", "env",
                *(f"{k}={v}" for k, v in _demo_env().items()), *train]
-    if torchrun and not rank_files:
-        # The worker is the trainer itself, so each agent can fork it warm: the trainer
-        # does the shell line's bookkeeping, and torchrun gives each worker one thread.
-        command = [*train, "--run-files", str(work), *(["--named-launches"] if spares else [])]
     all_extra: dict[str, object | None] = {"cpus-per-task": 1}
+    if (torchrun or spares) and not rank_files:
+        # The worker is the trainer itself, so each torchrun agent, or each node's standby
+        # under `kempner-resilience srun`, can fork it warm: the trainer does the shell line's
+        # bookkeeping. torchrun gives each worker one thread; srun's tasks get it exported.
+        command = [*train, "--run-files", str(work), *(["--named-launches"] if spares else [])]
+        if not torchrun:
+            all_extra["export"] = "ALL," + ",".join(f"{k}={v}" for k, v in _demo_env().items())
     if partition:
         all_extra["partition"] = partition
     all_extra.update(extra or {})

@@ -68,6 +68,9 @@ _SPARES_COMMENT = [
     "# records the failed node and starts a new step on the survivors plus a spare, from that",
     "# checkpoint: same job, no requeue, at most --in-job-restarts times. No spare left: requeue.",
     "# A time limit or a preemption: save, requeue and exit, as without spares. docs/slurm.md.",
+    "# Warm ranks: a standby on each node imports torch once and forks the ranks of every step",
+    "# (KEMPNER_RESILIENCE_WARM=0: every rank starts cold).",
+    "export KEMPNER_RESILIENCE_WARM=${KEMPNER_RESILIENCE_WARM:-1}",
 ]
 
 

@@ -30,7 +30,8 @@ from typing import Any, Callable, Mapping
 from kempner_resilience.config import Action, SignalsConfig
 from kempner_resilience.exitcodes import Ending, Facts, exit_code
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.core.startup import _early, _early_record, install_early_recorder
+from kempner_resilience.core.startup import (_early, _early_record, forwarded_signals,
+                                             install_early_recorder)
 from kempner_resilience.stop.watchdog import DeadlineWatchdog
 
 __all__ = ["ShutdownHandler", "ShutdownRequest", "active_handlers", "install_early_recorder",
@@ -130,6 +131,11 @@ class ShutdownHandler:
         # Our launcher's parent-death signal: a SIGTERM-class stop, repeats included once.
         pdeath = parent_death_signal()
         self._parent_death = pdeath if pdeath not in self._actions else None
+        # A warm rank under srun: its task's shim passes the task's signals on as these.
+        self._forwarded = {rt: s for rt, s in forwarded_signals().items()
+                           if s in self._actions and rt not in self._actions
+                           and rt != self._parent_death}
+        self._paths: dict[tuple[bool, int], int] = {}   # (forwarded, signal) -> deliveries
         self._previous: dict[int, Any] = {}
         self._listeners: list[Callable[[ShutdownRequest], None]] = []
         self._forced_exit_hooks: list[Callable[[int], None]] = []
@@ -249,9 +255,11 @@ class ShutdownHandler:
     # ------------------------------------------------------------------ internals
 
     def _handled(self) -> list[int]:
-        return [*self._actions] + ([self._parent_death] if self._parent_death else [])
+        return [*self._actions, *self._forwarded] + \
+            ([self._parent_death] if self._parent_death else [])
 
     def _make_request(self, signum: int, at: float | None = None) -> ShutdownRequest:
+        signum = self._forwarded.get(signum, signum)
         if signum == self._parent_death:
             signum = signal.SIGTERM   # the launcher died: stop as a SIGTERM would (143)
         with self._lock:
@@ -299,8 +307,12 @@ class ShutdownHandler:
                 if signum == _STOP_BYTE:
                     return
                 self._forward(signum)
-                if signum in self._actions:
-                    self._on_delivery(signum)
+                if signum in self._forwarded:
+                    if not self._mirrors(self._forwarded[signum], True):
+                        self._on_delivery(self._forwarded[signum])
+                elif signum in self._actions:
+                    if not self._mirrors(signum, False):
+                        self._on_delivery(signum)
                 elif signum == self._parent_death:
                     self._on_parent_death(signum)
 
@@ -311,6 +323,21 @@ class ShutdownHandler:
                 os.write(self._old_wakeup_fd, bytes([signum]))
             except OSError:
                 pass
+
+    def _mirrors(self, signum: int, forwarded: bool) -> bool:
+        """Whether this delivery is one that already came the other way. A signal for the
+        whole job reaches a warm rank twice: from the step it lives in (the standby's) and
+        through its srun task's shim. The n-th of each path is one event, so a second
+        SIGTERM is a second one only when it comes a second time."""
+        if not self._forwarded:
+            return False
+        n = self._paths.get((forwarded, signum), 0)
+        self._paths[(forwarded, signum)] = n + 1
+        if n < self._paths.get((not forwarded, signum), 0):
+            log.debug("%s again, the other way to this warm rank: the same signal",
+                      signal.Signals(signum).name)
+            return True
+        return False
 
     def _on_delivery(self, signum: int) -> None:
         earlier = list(self._deliveries)

@@ -24,6 +24,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -298,6 +299,112 @@ def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] 
     return None
 
 
+def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
+    """A node's standby (``supervise/srun/standby.py``): the zygote behind the abstract unix
+    socket ``name``, one connection per rank from an srun task's shim (``srun/shim.py``): its
+    request with its standard streams, answered with ``{"pid"}`` (or ``{"refused"}``), then
+    ``{"exit", "code"}``. A shim that goes away takes its rank with it (SIGKILL)."""
+    for signum in (signal.SIGINT, *options.get("ignore", ())):
+        signal.signal(signum, signal.SIG_IGN)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Bound before the imports: the first step's shims wait in the backlog, not start cold.
+    server.bind("\0" + name)
+    server.listen(256)
+    for module in options.get("preload", PRELOAD):
+        __import__(module)
+    gc.collect()
+    gc.freeze()
+    threads = _threads()
+    uid = os.getuid()
+    ranks: dict[socket.socket, int | None] = {}     # a shim's connection -> its rank's pid
+    while True:
+        ready, _, _ = select.select([server, *ranks], [], [], 0.05)
+        for conn in ready:
+            if conn is server:
+                new, _ = server.accept()
+                creds = new.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                       socket.CMSG_LEN(12))
+                if int.from_bytes(creds[4:8], sys.byteorder) == uid:   # only this user's
+                    ranks[new] = None
+                else:
+                    new.close()
+                continue
+            if ranks[conn] is not None:
+                if not conn.recv(4096):         # the shim is gone: so is its rank
+                    _kill_group(ranks.pop(conn))
+                    conn.close()
+                continue
+            msg, fds = _request(conn)
+            if msg is None:
+                ranks.pop(conn)
+                conn.close()
+                continue
+            why = pristine(threads)
+            if why is not None:
+                conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
+                return None
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                for other in ranks:
+                    other.close()
+                for fd, target in zip(fds, (0, 1, 2)):
+                    if fd != target:
+                        os.dup2(fd, target)
+                        os.close(fd)
+                return msg
+            for fd in fds:
+                os.close(fd)
+            ranks[conn] = pid
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            for conn, rank in list(ranks.items()):
+                if rank == pid:
+                    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) \
+                        else os.WEXITSTATUS(status)
+                    try:
+                        conn.sendall(json.dumps({"exit": pid, "code": code}).encode() + b"\n")
+                    except OSError:
+                        pass
+                    del ranks[conn]
+                    conn.close()
+
+
+def _request(conn: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """A shim's request line and the descriptors that came with it (stdin, stdout, stderr)."""
+    buf, fds = b"", []
+    while not buf.endswith(b"\n"):
+        try:
+            data, anc, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * 4))
+        except OSError:
+            data, anc = b"", []
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += list(memoryview(payload).cast("i"))
+        if not data:
+            break
+        buf += data
+    if not buf.endswith(b"\n") or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(buf), fds
+
+
+def _kill_group(pid: int | None) -> None:
+    if pid is not None:
+        try:
+            os.killpg(pid, signal.SIGKILL)      # the rank made its own session (_become)
+        except OSError:
+            pass
+
+
 def _become(msg: dict[str, Any]) -> None:
     """In the forked child: become the rank ``msg`` describes, as a cold start would be."""
     os.setsid()
@@ -382,7 +489,10 @@ def _unbuffered() -> None:
 def main() -> None:
     del sys.path[0]     # this file's folder: the package's inside, not a place to import from
     options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    msg = _serve(int(sys.argv[1]), int(sys.argv[2]), options)
+    if sys.argv[1] == "--listen":
+        msg = _listen(sys.argv[2], options)
+    else:
+        msg = _serve(int(sys.argv[1]), int(sys.argv[2]), options)
     if msg is None:
         return
     _become(msg)

@@ -24,7 +24,9 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port, node_name
+from kempner_resilience.supervise.local.warm import UNBUFFERED, warm_command
 from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
+from kempner_resilience.supervise.srun.standby import Standby
 from kempner_resilience.supervise.srun.taskends import StepReport, choose_nodes
 from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
                                                StepResult)
@@ -85,6 +87,7 @@ class Relauncher:
         self._stalled = 0                    # relaunches in a row without a newer commit
         self._bad_here: set[str] = set()     # nodes this job's failures implicated
         self._unanswered: set[str] = set()   # nodes of a finished step that had not ended
+        self.standby: Standby | None = None  # warm ranks ($KEMPNER_RESILIENCE_WARM=1)
 
     # ------------------------------------------------------------------ the run it supervises
 
@@ -107,7 +110,14 @@ class Relauncher:
 
     def run(self) -> int:
         """The loop; the job's exit code. The channel goes when the job ends for good."""
-        code, requeued = self._loop()
+        if not self.agents and warm_command(self.command, (UNBUFFERED,)):
+            self.standby = Standby.start(self.srun, self.nodes, self.job.job_id,
+                                         self.job.restart_count, self.environ)
+        try:
+            code, requeued = self._loop()
+        finally:
+            if self.standby is not None:
+                self.standby.close()
         if not requeued and code != int(ExitCode.REQUEUE):
             self._release(self._bad_here | self._unanswered)
             self.channel.remove()
@@ -309,7 +319,7 @@ class Relauncher:
         return [*self.srun, "--kill-on-bad-exit=1", *overlap, f"--job-name=kr-step-{index}",
                 f"--nodes={n}", f"--ntasks={n * self.tasks_per_node}",
                 f"--ntasks-per-node={self.tasks_per_node}", f"--nodelist={','.join(nodes)}",
-                *self.command]
+                *(self.standby.wrap(self.command) if self.standby else self.command)]
 
     def step_env(self, nodes: Sequence[str], index: int) -> dict[str, str]:
         env = dict(self.environ)

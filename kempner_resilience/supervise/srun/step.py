@@ -22,7 +22,7 @@ from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.srun.taskends import StepReport, parse_srun_line
 from kempner_resilience.supervise.channel import Channel
 
-__all__ = ["SrunStep", "StepResult", "FinishWatch", "SETTLE_S", "SETTLE_MAX_S", "END_STEP_S",
+__all__ = ["SrunStep", "StepResult", "FinishWatch", "step_id", "SETTLE_S", "SETTLE_MAX_S", "END_STEP_S",
            "FINISHED_GRACE_S"]
 
 _log = get_logger("kempner_resilience.supervise.srun.relaunch")
@@ -163,17 +163,20 @@ class SrunStep:
             _log.info("scancel %s: %s", step, (out.stderr or out.stdout).strip())
 
     def _step_id(self) -> str | None:
-        """JOB.STEP of this step (srun named it kr-step-INDEX); an old step may still be
-        listed, completing on a dead node."""
-        try:
-            out = subprocess.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"],
-                                 capture_output=True, text=True, timeout=END_STEP_S,
-                                 stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        ids = [line.split()[0] for line in out.stdout.splitlines()
-               if line.split()[1:] == [f"kr-step-{self.index}"]]
-        return ids[-1] if ids else None
+        return step_id(self.job_id, f"kr-step-{self.index}")
+
+
+def step_id(job_id: str, name: str) -> str | None:
+    """JOB.STEP of the job's newest step named ``name``; an old step may still be listed,
+    completing on a dead node."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"],
+                             capture_output=True, text=True, timeout=END_STEP_S,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    ids = [line.split()[0] for line in out.stdout.splitlines() if line.split()[1:] == [name]]
+    return ids[-1] if ids else None
 
 
 class FinishWatch:

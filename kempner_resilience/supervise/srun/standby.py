@@ -1,0 +1,88 @@
+"""The allocation's standby: one warm-start process per node, so a step's ranks start warm.
+
+Every rank of an srun step is a new process: Python, ``import torch``, DCP and the optimizer
+machinery again, 3-10 s per rank before a relaunch's first step. With the standby, the step
+loop first starts one more srun step (``kr-standby``, ``--overlap``, one task per node of the
+allocation, spares included) whose task on each node is the zygote of ``local/warm.py``: it
+imports torch once and forks a rank whenever a task of a training step asks. Each training
+task is then ``shim.py``, which asks its node's standby for its rank and stands in for it.
+
+What a warm rank shares with a cold one: its command, environment, working directory,
+standard streams and signals (all from its task). What differs: it lives in the standby's
+step, so ``sstat`` counts it there and a GPU confinement (``ConstrainDevices``) is the
+standby's; the standby takes what a plain step gets. A standby that is not fit to fork (it
+ever ran anything of a rank's) refuses, and the shims start cold from then on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.supervise.local import warm
+
+__all__ = ["Standby", "standby_name", "SHIM"]
+
+_log = get_logger("kempner_resilience.supervise.srun.relaunch")
+
+#: The srun task of a warm rank (run as a file: it imports nothing of the package).
+SHIM = str(Path(__file__).with_name("shim.py"))
+# What SLURM may send to every step of the job: the standby outlives them (its ranks get
+# them and decide). Its own end is the step's cancel (SIGKILL after KillWait) or the job's.
+_IGNORED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_END_S = 10.0
+
+
+def standby_name(job_id: str, restart: int, uid: int | None = None) -> str:
+    """The socket name of this job attempt's standby on every node."""
+    return f"kempner-resilience-standby-{os.getuid() if uid is None else uid}-{job_id}-{restart}"
+
+
+class Standby:
+    """The standby step (started by ``start``), the shim command (``wrap``), its end
+    (``close``)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], name: str, job_id: str) -> None:
+        self.proc, self.name, self.job_id = proc, name, job_id
+
+    @classmethod
+    def start(cls, srun: Sequence[str], nodes: Sequence[str], job_id: str, restart: int,
+              env: Mapping[str, str]) -> "Standby":
+        name = standby_name(job_id, restart)
+        options = json.dumps({"preload": list(warm.PRELOAD), "ignore": [int(s) for s in _IGNORED]})
+        cmd = [*srun, "--overlap", "--no-kill", "--kill-on-bad-exit=0", "--job-name=kr-standby",
+               f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+               f"--nodelist={','.join(nodes)}", sys.executable, warm.__file__, "--listen", name,
+               options]
+        _log.info("standby: warm ranks forked on every node (%s)", ",".join(nodes))
+        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL)
+        return cls(proc, name, job_id)
+
+    def wrap(self, command: Sequence[str]) -> list[str]:
+        """``command`` as a warm rank's srun task."""
+        return [sys.executable, "-S", SHIM, self.name, *command]
+
+    def close(self) -> None:
+        """End the standby step (bounded): its ranks, if any are left, die with it."""
+        from kempner_resilience.supervise.srun.step import step_id
+
+        step = step_id(self.job_id, "kr-standby")
+        if step is not None:
+            try:
+                subprocess.run(["scancel", "--quiet", step], capture_output=True,
+                               timeout=_END_S, stdin=subprocess.DEVNULL)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                _log.warning("could not cancel the standby step %s (%s): SLURM ends it with "
+                             "the job", step, e)
+        self.proc.kill()
+        try:
+            self.proc.wait(_END_S)
+        except subprocess.TimeoutExpired:
+            _log.warning("the standby's srun (pid %d) did not exit after SIGKILL", self.proc.pid)
