@@ -13,13 +13,13 @@ import os
 import time
 from typing import Any, Iterable
 
+from kempner_resilience.checkpoint.layout import newest_committed
 from kempner_resilience.core import torch_private
-from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_node_records, record_bad_nodes
 from kempner_resilience.slurm.env import node_name
-from kempner_resilience.slurm.restart_event import record_restart
+from kempner_resilience.slurm.restart_event import last_rescue, ledger_so_far, record_restart
 
 __all__ = ["node_name", "record_left", "record_agent_restart", "rendezvous_round"]
 
@@ -75,18 +75,14 @@ def record_agent_restart(paths: RunPaths, round_: int, *,
     if not _known_dir(paths, f"the restart event of in-job restart {round_}"):
         return None
     try:
-        path = paths.ledger
-        events = read_ledger(path) if path.exists() else []
+        events, ids = ledger_so_far(paths)
         # The failure happened during the previous attempt: since its start.
         starts = [e for e in events if e.get("ev") == "start"]
         since = _num(starts[-1].get("t0")) if starts else None
         since = since if since is not None else 0.0
         fresh = {n: r for n, r in bad_node_records(paths).items()
                  if (_num(r.get("last_t")) or 0.0) >= since}
-        rescue = next((e for e in reversed(events) if e.get("ev") == "rescue"
-                       and (_num(e.get("t")) or 0.0) >= since), None)
-        rescue_end = _num(rescue.get("t")) if rescue else None
-        rescue_s = _num(rescue.get("seconds")) if rescue else None
+        rescue_end, rescue_s = last_rescue(events, since)
         rescue_t0 = None if rescue_end is None else rescue_end - (rescue_s or 0.0)
         # When the failure happened, as best known: the leaving node recorded it as soon as
         # its monitor saw its worker dead, or the survivors' rescue began, whichever came first.
@@ -100,15 +96,10 @@ def record_agent_restart(paths: RunPaths, round_: int, *,
         relaunch_s = None if end is None else max(0.0, now - end)
         reason = "; ".join(sorted({str(r.get("reason", "")) for r in fresh.values()} - {""})) \
             or why or "a rescued failure"
-        from kempner_resilience.checkpoint import layout
-
-        steps = [e.step for e in layout.scan(paths) if e.committed]
-        attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
-        run_id = next((e.get("run_id") for e in reversed(events) if e.get("run_id")), None)
         return record_restart(paths, relaunch=round_, reason=reason, bad_nodes=fresh,
-                              spare=spare, step=max(steps) if steps else None,
+                              spare=spare, step=newest_committed(paths),
                               failure_t=failure_t, detect_s=detect_s, rescue_s=rescue_s,
-                              relaunch_s=relaunch_s, attempt=attempt, run_id=run_id)
+                              relaunch_s=relaunch_s, **ids)
     except Exception as e:   # the restart goes on; only its accounting is lost
         log.error("could not write the restart event of in-job restart %d to %s: %s",
                   round_, paths, e)
