@@ -94,13 +94,7 @@ class Relauncher:
 
     def requeue_config(self) -> RequeueConfig:
         """The run's requeue settings as rank 0 reported them, else ``--config``/``--set``'s."""
-        report = self.channel.read()
-        if report is not None and report.requeue:
-            try:
-                return RequeueConfig(**report.requeue)
-            except (TypeError, ValueError) as e:
-                _log.warning("the ranks' requeue settings are unusable (%s): using the loop's", e)
-        return self.config.requeue
+        return self.channel.requeue(self.config.requeue)
 
     # ------------------------------------------------------------------ the loop
 
