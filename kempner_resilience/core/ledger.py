@@ -46,7 +46,7 @@ Events (``ev``), each with ``t`` (wall clock, epoch seconds), ``attempt`` and ``
   ``supervise/channel.relaunched``; else its processes' start), not the job's start. The
   glue writes it with ``slurm.restart_event.record_restart`` (the srun loop,
   ``supervise/srun/relaunch.py``; under torchrun the new group's rank-0 agent,
-  ``supervise/torchrun/memory.py``). Fields:
+  ``supervise/torchrun/spares.py``). Fields:
   ``relaunch``; ``reason`` (what failed, e.g. "rank 3 on krnode2 died"); ``bad_nodes`` (the
   nodes kept out from now on, comma-separated or a list); ``spare`` (the spare node taken
   in, absent: none); ``step`` (the committed step the new attempt resumes from);

@@ -1,13 +1,15 @@
-"""Is a process of this host still the one that was recorded? For the markers other processes
-leave (the rescue's claim, the directory lease): a pid alone can be reused, and a killed process
-that its parent has not reaped yet still answers ``kill(pid, 0)``."""
+"""The package's one /proc reader. Is a process of this host still the one that was recorded?
+For the markers other processes leave (the rescue's claim, the directory lease): a pid alone can
+be reused, and a killed process that its parent has not reaped yet still answers
+``kill(pid, 0)``. Which processes a launcher's child started (``children``)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
-__all__ = ["process_start", "pid_alive", "thread_states"]
+__all__ = ["process_start", "pid_alive", "thread_states", "children", "descendants"]
 
 
 def _read(path: str) -> bytes:
@@ -63,3 +65,28 @@ def pid_alive(pid: int, start: str | None = None) -> bool:
     if start is not None and len(fields) > 19 and fields[19].decode() != start:
         return False                   # the pid was reused
     return True
+
+
+def children(pids: Iterable[int]) -> list[int]:
+    """The processes whose parent is one of ``pids``, from every /proc/<pid>/stat (a thread's
+    own ``children`` file lists only what that thread started)."""
+    wanted = set(pids)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        fields = _stat(int(entry)) if entry.isdigit() else []
+        if len(fields) > 1 and fields[1].isdigit() and int(fields[1]) in wanted:
+            found.append(int(entry))
+    return found
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root``, each after its parent."""
+    order, level = [], [root]
+    while level:
+        level = children(level)
+        order += level
+    return order

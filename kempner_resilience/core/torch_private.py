@@ -44,7 +44,7 @@ Optional (looked up where used; without them a feature is off and says so in the
   * ``restarts``: ``LocalElasticAgent._monitor_workers``, ``SimpleElasticAgent.
     _initialize_workers`` and the agent's ``_remaining_restarts`` (``remaining_restarts``):
     the policy's restart decision. Without them torch restarts after any failure;
-  * ``spares`` (``supervise/torchrun/elastic.py``, ``torchrun_memory.py``,
+  * ``spares`` (``supervise/torchrun/elastic.py``, ``supervise/torchrun/spares.py``,
     ``supervise/torchrun/standby.py``): ``_DistributedRendezvousOpExecutor`` (subclassed: a standby is
     noticed), ``DynamicRendezvousHandler``'s ``_op_executor``, ``_this_node``, ``_state_holder``,
     ``_settings`` and ``_stop_heartbeats``, ``_RendezvousExitOp`` (a node that leaves without

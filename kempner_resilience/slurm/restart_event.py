@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
-from kempner_resilience.core.ledger import Ledger
+from kempner_resilience.core.ledger import Ledger, read_ledger
 from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["record_restart"]
+__all__ = ["record_restart", "ledger_so_far", "last_rescue"]
 
 
 def record_restart(where: RunPaths | str | os.PathLike[str], *, relaunch: int, reason: str,
@@ -36,3 +36,23 @@ def record_restart(where: RunPaths | str | os.PathLike[str], *, relaunch: int, r
         return led.last_event
     finally:
         led.close()
+
+
+def ledger_so_far(paths: RunPaths) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The run's ledger events, and the ``attempt`` and ``run_id`` (the newest it holds) that
+    the glue's ``record_restart`` carries."""
+    events = read_ledger(paths.ledger) if paths.ledger.exists() else []
+    return events, {"attempt": max((int(e.get("attempt", 0)) for e in events), default=0),
+                    "run_id": next((e.get("run_id") for e in reversed(events)
+                                    if e.get("run_id")), None)}
+
+
+def last_rescue(events: list[dict[str, Any]], since: float) -> tuple[float | None, float | None]:
+    """When the newest ``rescue`` event at or after ``since`` was written (its end) and its
+    ``seconds``; None for what is unknown."""
+    def num(value: Any) -> float | None:
+        return float(value) if isinstance(value, (int, float)) else None
+
+    rescue = next((e for e in reversed(events) if e.get("ev") == "rescue"
+                   and (num(e.get("t")) or 0.0) >= since), None)
+    return (None, None) if rescue is None else (num(rescue.get("t")), num(rescue.get("seconds")))

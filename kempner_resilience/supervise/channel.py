@@ -15,11 +15,12 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from kempner_resilience.checkpoint.layout import newest_committed as newest_commit
+from kempner_resilience.config import RequeueConfig
 from kempner_resilience.core.fileio import load_json_bounded, write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
@@ -287,18 +288,18 @@ class Channel:
         report = self.read()
         return default if report is None else RunPaths(Path(report.run_dir))
 
-    def requeue_setting(self, key: str, default: int) -> int:
-        """The run's ``requeue.<key>`` (an integer >= 0) as rank 0 reported it, else ``default``."""
+    def requeue(self, default: RequeueConfig) -> RequeueConfig:
+        """The run's requeue settings (its restart budget, its no-progress guard) as rank 0
+        reported them over ``default``'s: the one reading of them for every supervisor."""
         report = self.read()
-        value = None if report is None else count(report.requeue.get(key))
-        return default if value is None else value
-
-    def restart_limit(self, default: int | None) -> int | None:
-        """The run's restart budget (``requeue.max_restarts``) as rank 0 reported it: None for
-        ``unlimited`` (-1), 0 for no restart; ``default`` when the run said nothing."""
-        report = self.read()
-        value = None if report is None else count(report.requeue.get("max_restarts"), -1)
-        return default if value is None else None if value == -1 else value
+        said = {} if report is None else {k: v for k, v in report.requeue.items()
+                                          if k in RequeueConfig.__dataclass_fields__}
+        try:
+            return replace(default, **said) if said else default
+        except (TypeError, ValueError) as e:
+            _log.warning("the ranks' requeue settings are unusable (%s): using the "
+                         "supervisor's", e)
+            return default
 
     # ------------------------------------------------------------------ the launch
 
@@ -425,8 +426,8 @@ class Progress:
         if paths is None or self.channel is None:
             return {}
         return {"commits": Commits(self.before, newest_commit(paths)), "stalled": self.stalled,
-                "max_no_progress": self.channel.requeue_setting("max_no_progress",
-                                                                self.max_no_progress)}
+                "max_no_progress": self.channel.requeue(RequeueConfig(
+                    max_no_progress=self.max_no_progress)).max_no_progress}
 
     def carry(self, decision: Decision) -> Decision:
         """Carry ``decision``'s count to the next launch; returns it."""

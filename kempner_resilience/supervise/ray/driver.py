@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, load_config
 from kempner_resilience.core.log import get_logger, set_role
+from kempner_resilience.core.procs import descendants
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.supervise.ray.actor import (ActorEnding, actor_died, actor_ends,
@@ -316,7 +317,11 @@ class RayDriver:
         ``os._exit`` would leave the local Ray node behind)."""
         log.error("forced: killing %d actors and the local Ray node", len(self.actors))
         self._kill_actors()
-        _kill_descendants(os.getpid())
+        for pid in reversed(descendants(os.getpid())):     # the deepest first
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def driver_forces(signum: int, earlier: list[int]) -> bool:
@@ -378,29 +383,3 @@ def _result_of(ref: Any) -> Any:
         return ray.get(ref, timeout=0)
     except Exception as e:   # cancelled, failed or not done: the exception is the result
         return e
-
-
-def _kill_descendants(root: int) -> None:
-    """SIGKILL every process below ``root`` (read from /proc), the deepest first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    order: list[int] = []
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            order.append(child)
-            todo.append(child)
-    for pid in reversed(order):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass

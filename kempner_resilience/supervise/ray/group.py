@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger, set_role
-from kempner_resilience.supervise.ray.actor import _free_port, actor_died, init_group
+from kempner_resilience.supervise.ray.actor import (TrainingActor, actor_died, init_group,
+                                                    kill_actors)
 
 __all__ = ["WorkerGroup", "Worker", "GroupLost"]
 
@@ -54,11 +55,7 @@ class Worker:
         raise NotImplementedError(f"{type(self).__name__}.checkpoint_state(): return the "
                                   "actor's state, e.g. {'model': self.model, 'optim': self.optim}")
 
-    def kr_address(self) -> tuple[str, int]:
-        """This actor's node address and a free port there: rank 0's, for the group."""
-        import ray
-
-        return ray.util.get_node_ip_address(), _free_port()
+    kr_address = TrainingActor.kr_address
 
     def kr_setup(self, name: str, rank: int, world_size: int, addr: str, port: int,
                  config: ResilienceConfig, backend: str) -> None:
@@ -129,13 +126,7 @@ class WorkerGroup:
 
     def stop(self) -> None:
         """Kill every actor of the group (their processes go; a new ``start`` makes new ones)."""
-        import ray
-
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception as e:   # already gone
-                log.debug("ray.kill: %s", e)
+        kill_actors(self.actors)
         self.actors = []
 
     # ------------------------------------------------------------------ calls

@@ -18,11 +18,10 @@ from typing import Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.config.schema import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
-from kempner_resilience.slurm.restart_event import record_restart
+from kempner_resilience.slurm.restart_event import last_rescue, ledger_so_far, record_restart
 from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port, node_name
 from kempner_resilience.supervise.local.warm import UNBUFFERED, warm_command
 from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
@@ -98,13 +97,7 @@ class Relauncher:
 
     def requeue_config(self) -> RequeueConfig:
         """The run's requeue settings as rank 0 reported them, else ``--config``/``--set``'s."""
-        report = self.channel.read()
-        if report is not None and report.requeue:
-            try:
-                return RequeueConfig(**report.requeue)
-            except (TypeError, ValueError) as e:
-                _log.warning("the ranks' requeue settings are unusable (%s): using the loop's", e)
-        return self.config.requeue
+        return self.channel.requeue(self.config.requeue)
 
     # ------------------------------------------------------------------ the loop
 
@@ -289,15 +282,9 @@ class Relauncher:
                         spare: list[str]) -> None:
         """The ``restart`` event (``core.ledger``), its parts back to back so that ``report``
         adds them up: detection (less the rescue, which runs meanwhile), rescue, relaunch."""
-        path = self.run_paths.ledger
-        events = read_ledger(path) if path.exists() else []
-        attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
-        run_id = next((e.get("run_id") for e in reversed(events) if e.get("run_id")), None)
-        rescue = next((e for e in reversed(events) if e.get("ev") == "rescue"
-                       and res.first_bad_t is not None
-                       and float(e.get("t", 0)) >= res.first_bad_t - 120), None)
-        rescue_s = (float(rescue["seconds"]) if rescue is not None
-                    and isinstance(rescue.get("seconds"), (int, float)) else None)
+        events, ids = ledger_so_far(self.run_paths)
+        rescue_s = None if res.first_bad_t is None \
+            else last_rescue(events, res.first_bad_t - 120)[1]
         detect_s = relaunch_s = None
         if res.first_bad_t is not None and res.ended_t is not None:
             detect_s = max(0.0, res.ended_t - res.first_bad_t - (rescue_s or 0.0))
@@ -305,8 +292,7 @@ class Relauncher:
         record_restart(self.run_paths, relaunch=self._relaunches + 1, reason=reason,
                        bad_nodes=bad, spare=",".join(spare) or None,
                        step=self._committed_step(), failure_t=res.first_bad_t,
-                       detect_s=detect_s, rescue_s=rescue_s, relaunch_s=relaunch_s,
-                       attempt=attempt, run_id=run_id)
+                       detect_s=detect_s, rescue_s=rescue_s, relaunch_s=relaunch_s, **ids)
         self._relaunches += 1
 
     # ------------------------------------------------------------------ one step

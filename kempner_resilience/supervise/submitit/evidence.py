@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.channel import Channel, Progress
 from kempner_resilience.supervise.policy import (Action, Decision, Evidence, RankEnd, decide,
@@ -25,6 +26,7 @@ LOCAL_REQUEUE_CODE = 144
 #: The restarts allowed when the run said nothing (no report yet: it died before it started):
 #: submitit's own controller starts the tasks at most 6 times.
 DEFAULT_MAX_RESTARTS = 5
+_DEFAULT = RequeueConfig(max_restarts=DEFAULT_MAX_RESTARTS)
 
 
 def task_ends(codes: Sequence[int | None], killed: Sequence[int] = ()) -> tuple[RankEnd, ...]:
@@ -45,7 +47,7 @@ class Supervision(Progress):
         """The policy's evidence after a launch: the tasks' endings, the run's budget and the
         no-progress guard's evidence (none before a rank reported its run)."""
         return Evidence(task_ends(codes, killed), restarts=self.restarts,
-                        max_restarts=self.channel.restart_limit(DEFAULT_MAX_RESTARTS),
+                        max_restarts=self.channel.requeue(_DEFAULT).restart_limit,
                         **self.guard())
 
     def after(self, codes: Sequence[int | None], killed: Sequence[int] = ()) -> Decision:

@@ -5,7 +5,7 @@ script would; this module is the hand-over between submitit and the run:
 
 * Signals. submitit's handler for its preemption signal (``SIGUSR2``) checkpoints and requeues
   from inside the handler, mid-step, before any checkpoint of ours exists; it also ignores
-  SIGTERM. ``ResilientJob.__call__`` replaces both (``signals.SignalTakeover``) before the
+  SIGTERM. ``ResilientJob.__call__`` replaces both (``env.SignalTakeover``) before the
   function runs. The run then stops every rank at one boundary, commits, and rank 0 requeues.
   A signal before the run started is replayed by the run; one after the function returned is
   ignored.
@@ -36,11 +36,11 @@ from typing import Any, Callable, Iterable, Mapping
 from kempner_resilience.config import ResilienceConfig, load_config
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.submitit.client import interrupt, make_executor, wait
-from kempner_resilience.supervise.submitit.env import (preempt_when_controller_dies,
-                                                          setup_local_env, setup_rank_env,
-                                                          write_config_file)
-from kempner_resilience.supervise.submitit.signals import (SignalTakeover, in_local_task,
-                                                              in_submitit_job, preempt_signal)
+from kempner_resilience.supervise.submitit.env import (SignalTakeover, in_local_task,
+                                                       in_submitit_job, preempt_signal,
+                                                       preempt_when_controller_dies,
+                                                       setup_local_env, setup_rank_env,
+                                                       write_config_file)
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.channel import CHANNEL_ENV

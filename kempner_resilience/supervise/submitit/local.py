@@ -27,6 +27,7 @@ from typing import Any
 from submitit.local.local import Controller, LocalExecutor, LocalJob, LocalJobEnvironment
 
 from kempner_resilience.core.log import get_logger, set_role
+from kempner_resilience.core.procs import children
 from kempner_resilience.supervise.submitit.evidence import Supervision
 from kempner_resilience.supervise.channel import Channel
 from kempner_resilience.supervise.policy import Action
@@ -62,13 +63,6 @@ def interrupt_tasks(job: Any) -> None:
             pass
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except (OSError, ValueError):
-        return []
-
-
 def _is_task(pid: int) -> bool:
     try:
         return b"\0SUBMITIT_LOCAL_GLOBALID=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
@@ -82,13 +76,13 @@ def local_task_pids(job: Any) -> list[int]:
     proc = getattr(job, "_process", None)
     if proc is None or proc.poll() is not None:
         return []
-    found, level = [], [proc.pid]
+    level = [proc.pid]
     for _ in range(3):        # the shell, the controller, the tasks
-        level = [c for p in level for c in _children(p)]
-        found += [c for c in level if _is_task(c)]
+        level = children(level)
+        found = [c for c in level if _is_task(c)]
         if found:
             return found
-    return found
+    return []
 
 
 # ------------------------------------------------------------------------- the executor
