@@ -160,3 +160,22 @@ def test_the_readme_usage_relaunches_in_place_ends_completed_and_keeps_its_bad_n
     assert bad_nodes(RunPaths(job.checkpoints)) == {dead}
     nodes = other.hosts()
     assert f"--nodelist={nodes[0]},{nodes[1]}" in other.log_text(), other.log_text()[-3000:]
+
+
+def test_a_job_wide_usr1_reaching_warm_ranks_both_ways_is_one_stop_that_requeues_and_resumes_bitwise(
+        multinode_cluster, tmp_path, reference, multinode_jobs):
+    # What --signal=USR1@lead does: every step of the job gets it, the standby's (where the
+    # warm ranks live) and the training step's (their shims, which pass it on).
+    job = _submit(multinode_cluster, tmp_path, multinode_jobs)
+    job.wait_step(30, timeout=240)
+    assert "standby: warm ranks" in job.log_text(), job.log_text()[-3000:]
+    job.signal("USR1")
+    first = wait_until(lambda: job.report("0.0"), 120, "the signalled run's report")
+    assert first["exit_code"] == 75, job.log_text()[-4000:]
+    stops = re.findall(r"\[rank (\d)\] stopping at step (\d+)", job.log_text())
+    assert {r for r, _ in stops} == {"0", "1", "2", "3"} and len({s for _, s in stops}) == 1, stops
+    assert "second SIG" not in job.log_text()
+    info = job.wait_state(timeout=300)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", job.log_text()[-3000:]
+    _, total, diff = compare_weights(reference, job.weights)
+    assert not diff, f"{len(diff)} of {total} tensors differ after the requeue"
