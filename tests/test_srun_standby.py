@@ -150,3 +150,20 @@ def test_a_second_job_wide_sigterm_still_forces_the_warm_rank_out(standby, tmp_p
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 143
     assert "second SIGTERM" in err
+
+
+def test_a_step_after_the_standby_step_ended_runs_its_ranks_cold_and_says_so(tmp_path, caplog):
+    from kempner_resilience.config import load_config
+    from kempner_resilience.supervise.srun.relaunch import Relauncher
+    from kempner_resilience.supervise.srun.standby import Standby
+
+    loop = Relauncher([sys.executable, "train.py"], 1, load_config(None, [f"checkpoint.dir={tmp_path}"]),
+                      environ={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]",
+                               "SLURM_NTASKS_PER_NODE": "2"})
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    loop.standby = Standby(ended, "kr-test-gone", "7")
+    with caplog.at_level("WARNING"):
+        cmd = loop.step_command(["n1", "n2"], 1)
+    assert SHIM not in cmd and cmd[-2:] == [sys.executable, "train.py"]
+    assert "the standby step is over" in caplog.text

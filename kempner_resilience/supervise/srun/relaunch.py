@@ -299,6 +299,12 @@ class Relauncher:
 
     def step_command(self, nodes: Sequence[str], index: int) -> list[str]:
         n = len(nodes)
+        why = self.standby.gone() if self.standby is not None else None
+        if why is not None:
+            # Each shim would wait for it before starting its rank cold.
+            _log.warning("step %d: the standby step is over (%s): its ranks start cold", index,
+                         why)
+            self.standby = None
         # --overlap on a relaunch: the old step holds the survivors' CPUs until SLURM notices
         # the dead node (measured: pending past 30 s without it, started at once with it).
         overlap = ["--overlap"] if index else []

@@ -65,6 +65,11 @@ class Standby:
                                 stdout=subprocess.DEVNULL)
         return cls(proc, name, job_id)
 
+    def gone(self) -> str | None:
+        """Why the standby step is over (its srun exited), or None while it runs."""
+        code = self.proc.poll()
+        return None if code is None else f"its srun exited with {code}"
+
     def wrap(self, command: Sequence[str]) -> list[str]:
         """``command`` as a warm rank's srun task."""
         return [sys.executable, "-S", SHIM, self.name, *command]
