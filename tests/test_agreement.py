@@ -137,3 +137,61 @@ def test_rank_0_stays_until_a_slow_rank_has_read_the_last_shared_value(tmp_path)
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-500:] for o in outs]
     assert [o[0].strip() for o in outs] == ["requeued"] * 3
+
+
+def _two_agreements(**kw):
+    import datetime
+    from torch.distributed import TCPStore
+    from kempner_resilience.stop.agreement import StopAgreement
+
+    server = TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=30),
+                      wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, 2, False,
+                      timeout=datetime.timedelta(seconds=30))
+    return [StopAgreement(store, rank=r, world_size=2, **kw)
+            for r, store in enumerate((server, client))]
+
+
+def test_with_1_ms_steps_and_the_check_off_the_step_every_rank_stops_at_the_agreed_step():
+    # Each rank in a thread, a barrier as the step's collective (it blocks the CPU, as gloo's
+    # do): the check issued at one boundary and read at the next still stops both ranks at the
+    # step the signalled rank published, whichever rank is signalled and at whichever step.
+    import threading
+    import time
+    from kempner_resilience.stop.reason import StopReason
+
+    for signalled, at in [(1, 3), (0, 17), (1, 40), (0, 41)]:
+        agreements = _two_agreements(ahead=True)
+        collective = threading.Barrier(2, timeout=30)
+        stops: dict[int, int] = {}
+
+        def rank(r: int) -> None:
+            for step in range(1000):
+                local = StopReason.signal(signal.SIGUSR1) if r == signalled and step >= at \
+                    else None
+                decision = agreements[r].poll(step, local)
+                if decision is not None:
+                    stops[r] = decision.step
+                    return
+                collective.wait()
+                time.sleep(0.001 * (r + 1))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for a in agreements:
+            a.release()
+        assert stops == {0: at + 2, 1: at + 2}, (signalled, at)
+
+
+def test_a_released_agreement_leaves_no_check_thread_behind():
+    import threading
+
+    agreements = _two_agreements(ahead=True)
+    for step in range(3):
+        assert all(a.poll(step, None) is None for a in agreements)
+    for a in agreements:
+        a.release()
+    assert not [t for t in threading.enumerate() if t.name == "kempner-stop-check"]

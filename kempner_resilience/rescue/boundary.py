@@ -90,11 +90,15 @@ class _NumpyState:
                 self._addr = int(bitgen.ctypes.state_address)
         except Exception:  # noqa: BLE001 - another numpy layout: always read it in full
             self._addr = None
+        # The struct as a ctypes array made once: bytes() of it is one copy, a third of a
+        # ctypes.string_at call's cost at a boundary whose caches went cold during the step.
+        self._view = None if self._addr is None else \
+            (ctypes.c_char * self._RAW).from_address(self._addr)
         self._raw = b""
         self._last: tuple = ()
 
     def get(self) -> tuple:
-        raw = ctypes.string_at(self._addr, self._RAW) if self._addr is not None else b""
+        raw = bytes(self._view) if self._view is not None else b""
         if raw and raw == self._raw and not self._last[3]:   # equal raw: _last was read
             return self._last
         # The key array as bytes: pickling the ndarray itself costs ~40 us.
@@ -127,11 +131,14 @@ class _PythonState:
         # The struct must be as large as what is read: never read past the object.
         if base is not None and base.__basicsize__ >= object.__basicsize__ + self._RAW:
             self._addr = id(self._inst) + object.__basicsize__
+        # Read through a ctypes array made once (as _NumpyState's); the instance is held.
+        self._view = None if self._addr is None else \
+            (ctypes.c_char * self._RAW).from_address(self._addr)
         self._checked = False
 
     def get(self) -> tuple[int, bytes, float | None]:
         if self._addr is not None:
-            raw = ctypes.string_at(self._addr, self._RAW)
+            raw = bytes(self._view)
             fast = (self._inst.VERSION, raw[4:] + raw[:4], self._inst.gauss_next)
             if self._checked:
                 return fast
@@ -159,7 +166,7 @@ def encode(step: int, others: Mapping[str, Any]) -> bytes:
                            "torch": torch.get_rng_state().numpy().tobytes()}
     if _numpy_state is not None:
         rng["numpy"] = _numpy_state.get()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():     # (is_available() asks the driver: ~10 us a step)
         rng["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
     objects = {name: _snapshot_state(obj) for name, obj in others.items()}
     out = io.BytesIO()

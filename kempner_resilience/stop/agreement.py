@@ -11,6 +11,15 @@ boundary ``n + 1``, so each one reads the key at a boundary no later than ``n + 
 run no collective per step can drift further apart; ``StopAgreement`` then detects a rank that
 is already past ``stop_at`` and stops it where it is, with an error in the log.
 
+The check off the step's path: where every collective blocks the CPU until it completes (the
+default group is gloo and CUDA is not in use), a rank cannot finish step ``n`` before the
+publisher has started it, that is after its publication. So a check issued at boundary ``n + 1``
+sees the key, and its answer can wait until boundary ``n + 2``, the agreed step: a thread runs
+it while the step runs. With CUDA (NCCL) the CPU may run ahead of the collectives, and only a
+check issued at the boundary itself is sure to see the key: there it stays on the step's path.
+A boundary whose previous one issued no check (the first, or one reached again) checks itself;
+an answer still on its way is waited for, never skipped (a 1 ms step).
+
 The same key carries the stops that are no signal (``reason.py``): the allocation's end (each
 rank's clock, the first to see it publishes), and rank 0's lost lease (``checkpoint/lease.py``:
 another run took ``checkpoint.dir`` over). Only rank 0 holds the lease, so only it can know;
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import sys
 import threading
 from dataclasses import dataclass
@@ -58,12 +68,26 @@ class StopAgreement:
     """Per-step stop check; cheap single-process path, one store lookup per step otherwise."""
 
     def __init__(self, store: Any | None = None, *, rank: int = 0, world_size: int = 1,
-                 group: Any | None = None, lead_steps: int = 2) -> None:
+                 group: Any | None = None, lead_steps: int = 2,
+                 ahead: bool = False) -> None:
         self.store = store if world_size > 1 else None
         self.rank = rank
         self.world_size = world_size
         self.group = group
         self.lead_steps = lead_steps
+        # The check may be issued one boundary ahead (module doc): the caller knows every
+        # collective blocks the CPU (a gloo default group); CUDA in use is checked per step.
+        self.ahead = ahead and self.store is not None
+        if self.ahead:   # (a caller with a gloo group has torch loaded already)
+            import torch.cuda
+
+            # CUDA initialised in this process: its collectives (NCCL) may let the CPU run
+            # ahead, and the check goes back on the step's path.
+            self._cuda_in_use = torch.cuda.is_initialized
+        self._asked: int | None = None      # the boundary whose check the thread runs
+        self._asks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[bool | BaseException] = queue.SimpleQueue()
+        self._checker: threading.Thread | None = None
         self._decided: StopDecision | None = None
         self._stop_at: int | None = None
         self._reason: StopReason | None = None
@@ -80,7 +104,8 @@ class StopAgreement:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
         store = dist.distributed_c10d._get_default_store()
-        return cls(store, rank=dist.get_rank(), world_size=dist.get_world_size())
+        return cls(store, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   ahead=dist.get_backend() == "gloo")
 
     @property
     def distributed(self) -> bool:
@@ -109,9 +134,11 @@ class StopAgreement:
         if self._stop_at is None:
             if local is not None or lease_lost:
                 self._publish(step, local or StopReason.LEASE_LOST)
-            elif self.store.check([KEY]):
+            elif self._key_set(step):
                 self._read()
             if self._stop_at is None:
+                if self.ahead:
+                    self._ask(step)
                 return None
         if step < self._stop_at:
             return None
@@ -125,6 +152,35 @@ class StopAgreement:
 
     def stop_at(self) -> int | None:
         return self._stop_at
+
+    def _key_set(self, step: int) -> bool:
+        """Whether some rank published a stop, as a check issued at boundary ``step - 1`` saw
+        it where that is enough (module doc), else as a check now."""
+        asked, self._asked = self._asked, None
+        if asked is not None:
+            found = self._answers.get()    # waits only while that check is still on its way
+            if isinstance(found, BaseException):
+                raise found              # as the check on this thread would have
+            if asked == step - 1 and not self._cuda_in_use():
+                return found
+        return self.store.check([KEY])
+
+    def _ask(self, step: int) -> None:
+        """Have the thread check the key while step ``step`` runs."""
+        if self._checker is None:
+            self._checker = threading.Thread(target=self._checks, name="kempner-stop-check",
+                                             daemon=True)
+            self._checker.start()
+        self._asked = step
+        self._asks.put(step)
+
+    def _checks(self) -> None:
+        while self._asks.get() is not None:
+            store = self.store
+            try:
+                self._answers.put(store is not None and store.check([KEY]))
+            except Exception as e:  # noqa: BLE001 - raised on the main thread, at its poll
+                self._answers.put(e)
 
     def agreed_reason(self) -> StopReason | None:
         """The reason of a stop this rank has agreed to (via ``poll`` or ``any_requested``)."""
@@ -221,6 +277,10 @@ class StopAgreement:
         (its thread) aborted a finished FSDP2 rank now and then ("terminate called without an
         active exception", exit -6: a completed job recorded FAILED)."""
         self.store = None
+        checker, self._checker = self._checker, None
+        if checker is not None:   # no check of ours in flight while the store goes
+            self._asks.put(None)
+            checker.join(2.0)
 
     def use_forced_marker(self, marker: Path) -> None:
         """Announce forced exits also as the file ``marker`` (``RunPaths.forced_marker`` of
