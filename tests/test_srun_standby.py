@@ -42,14 +42,19 @@ with kr.ResilientRun(cfg) as run:
 FAST_COLD = {"KEMPNER_RESILIENCE_STANDBY_WAIT_S": "0"}
 
 
+class Standby(str):
+    """The standby's socket name, and its process."""
+    proc: subprocess.Popen
+
+
 @pytest.fixture
 def standby(tmp_path):
-    name = f"kr-test-standby-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.Popen([sys.executable, warm.__file__, "--listen", name,
-                             '{"preload": ["torch"], "ignore": [15, 10, 12, 1]}'])
+    name = Standby(f"kr-test-standby-{uuid.uuid4().hex[:8]}")
+    name.proc = subprocess.Popen([sys.executable, warm.__file__, "--listen", name,
+                                  '{"preload": ["torch"], "ignore": [15, 10, 12, 1]}'])
     yield name
-    proc.kill()
-    proc.wait()
+    name.proc.kill()
+    name.proc.wait()
 
 
 def shim(name: str, *args: str, cwd: Path, **env: str) -> subprocess.Popen:
@@ -167,3 +172,21 @@ def test_a_step_after_the_standby_step_ended_runs_its_ranks_cold_and_says_so(tmp
         cmd = loop.step_command(["n1", "n2"], 1)
     assert SHIM not in cmd and cmd[-2:] == [sys.executable, "train.py"]
     assert "the standby step is over" in caplog.text
+
+
+def test_the_standby_keeps_no_thread_or_file_of_five_ranks_it_forked(standby, tmp_path):
+    script = write_script(tmp_path, RANK, "rank.py")
+
+    def held() -> tuple[int, int]:
+        pid = standby.proc.pid
+        return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+
+    first = shim(standby, str(script), "0", cwd=tmp_path)
+    first.communicate(timeout=60)
+    before = held()
+    for code in range(5):
+        proc = shim(standby, str(script), str(code), cwd=tmp_path)
+        proc.communicate(timeout=60)
+        assert proc.returncode == code
+    time.sleep(0.3)         # the standby closes a rank's connection once it reaped the rank
+    assert held() == before
