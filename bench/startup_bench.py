@@ -10,8 +10,10 @@ with ``time.perf_counter``:
 - ``ResilientRun.__enter__`` on a small model and AdamW, resuming from the newest of the
   lineage's checkpoints (``--keep`` of them, written by a first run), and ``__exit__``.
 
-The package's part is the last two. The median of ``--rounds`` rounds is printed, with the
-machine's load (compare the package's part with ``import torch`` in the same run of the bench,
+The package's part is the last two. Python's bytecode caches are written by the first, untimed
+run (``PYTHONDONTWRITEBYTECODE`` is dropped for the ranks), as an installed package has them;
+without them every rank compiles the package's modules again. The median of ``--rounds`` rounds
+is printed, with the machine's load (compare the package's part with ``import torch`` in the same run of the bench,
 not with another machine's numbers).
 
     python bench/startup_bench.py [--rounds 7] [--keep 3]
@@ -66,8 +68,10 @@ def _rank(ckpt: Path, keep: int, steps: int) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
     env.pop("KEMPNER_RESILIENCE_CONFIG", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)    # the first run leaves the caches, as pip does
+    # Run outside any checkout: ``python -c`` puts its working directory first on sys.path.
     out = subprocess.run([sys.executable, "-c", _RANK, str(ckpt), str(keep), str(steps)],
-                         env=env, capture_output=True, text=True, timeout=300)
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ckpt.parent)
     if out.returncode != 0:
         raise SystemExit(f"the rank failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

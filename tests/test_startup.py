@@ -279,3 +279,25 @@ def test_every_example_imports_kempner_resilience_before_torch():
     for py in sorted((REPO / "kempner_resilience" / "demo").glob("*.py")):
         bad += import_order_violations(str(py.relative_to(REPO)), py.read_text())
     assert not bad, f"import kempner_resilience before torch in: {bad}"
+
+
+def test_importing_the_package_starts_no_process(tmp_path):
+    # Every rank imports it, a requeued job's ranks again: a process there (ctypes' find_library
+    # runs ldconfig, then gcc) is start-up time paid by each of them. SLURM_JOB_ID set: the
+    # early recorder is installed too, as in a batch job.
+    script = write_script(tmp_path, """
+        import subprocess
+        started = []
+        _popen = subprocess.Popen.__init__
+        def _record(self, args, *a, **kw):
+            started.append(args)
+            _popen(self, args, *a, **kw)
+        subprocess.Popen.__init__ = _record
+        import kempner_resilience
+        import kempner_resilience.checkpoint.crc, kempner_resilience.stop.ctimer
+        print("processes:", started)
+        """)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env=env(SLURM_JOB_ID="4242"))
+    assert proc.returncode == 0, proc.stderr
+    assert "processes: []" in proc.stdout, proc.stdout

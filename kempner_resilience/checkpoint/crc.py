@@ -4,16 +4,27 @@ so `kempner-resilience ls`/`verify` stay fast to start)."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import sys
 import zlib
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["crc32", "crc32_combine"]
 
 
+def _libraries(sonames: tuple[str, ...], short: str) -> Iterator[str | None]:
+    """The library's sonames: on Linux ``ctypes.util.find_library`` finds nothing else (it
+    returns the soname) and runs ``ldconfig -p``, then gcc and ld when that fails: processes
+    at every rank's import. Elsewhere it is asked after them."""
+    yield from sonames
+    if not sys.platform.startswith("linux"):
+        from ctypes.util import find_library
+
+        yield find_library(short)
+
+
 # zlib has crc32_combine in C, but Python's zlib module does not expose it.
 def _load_libz():
-    for name in (ctypes.util.find_library("z"), "libz.so.1", "libz.dylib"):
+    for name in _libraries(("libz.so.1", "libz.dylib"), "z"):
         if not name:
             continue
         try:
@@ -35,7 +46,7 @@ _LIBZ_COMBINE = _load_libz()
 # the checksum's CPU time is what a verified resume loses to a plain read. ctypes releases the
 # GIL for the call, as zlib.crc32 does.
 def _load_libdeflate():
-    for name in (ctypes.util.find_library("deflate"), "libdeflate.so.0"):
+    for name in _libraries(("libdeflate.so.0",), "deflate"):
         if not name:
             continue
         try:

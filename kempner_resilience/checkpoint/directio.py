@@ -8,7 +8,9 @@ writer threads doing it at once on a small node fight over the same lock: in the
 ``O_DIRECT`` from warm buffers took 0.7-0.9 s. Here each writer thread copies its records into
 two page-aligned buffers allocated and touched when the run was set up (``DirectPool.reserve``),
 and one helper thread writes a full buffer with ``O_DIRECT`` while the other one fills: no page
-cache, no cold pages, and the fsync at the end has only the tail and the metadata left.
+cache, no cold pages, and the fsync at the end has only the tail and the metadata left. The
+touching (64 MiB by default, 40-100 ms of page faults here) is a thread's ``memset`` without the
+GIL, so the rest of the set-up (the resume) goes on meanwhile; the first lease waits for it.
 
 The last partial block of a file (its length is whatever the records add up to, ``O_DIRECT``
 wants whole blocks) goes through the ordinary descriptor, at its offset. The file format is
@@ -28,6 +30,7 @@ filesystem that refuses later, at a save, gets the same bytes through the ordina
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -121,18 +124,38 @@ class DirectPool:
     buffered."""
 
     def __init__(self, pairs: list[tuple[mmap.mmap, mmap.mmap]],
-                 mode: DirectIOMode = DirectIOMode.AUTO) -> None:
+                 mode: DirectIOMode = DirectIOMode.AUTO, *, touch: bool = False) -> None:
         self._free = list(pairs)
         self._all = list(pairs)
         self.mode = mode
         self._lock = threading.Lock()
         self._said = False
+        self._touched = threading.Event()
+        if not touch:
+            self._touched.set()
+            return
+        # First-touch faults belong to set-up, not to a save; ctypes.memset runs without the
+        # GIL (an mmap's MAP_POPULATE would hold it), so the set-up goes on while they happen.
+        threading.Thread(target=self._touch, name="kempner-directio-touch", daemon=True).start()
+
+    def _touch(self) -> None:
+        try:
+            for pair in self._all:
+                for buf in pair:
+                    view = (ctypes.c_char * len(buf)).from_buffer(buf)
+                    ctypes.memset(ctypes.addressof(view), 0, len(buf))
+                    del view            # the mmap can be closed only without exports
+        except Exception as e:  # noqa: BLE001 - untouched buffers still write, only slower
+            log.debug("cannot touch the O_DIRECT buffers ahead of the first save: %s", e)
+        finally:
+            self._touched.set()
 
     @classmethod
     def reserve(cls, threads: int, buf_bytes: int = _BUF_BYTES, *,
                 cap_bytes: int | None = None,
                 mode: DirectIOMode = DirectIOMode.AUTO) -> "DirectPool | None":
-        """Allocate and touch the buffers now (set-up, not the signal path): two per thread of
+        """Allocate the buffers now and touch them in a thread of their own (set-up, not the
+        signal path; ``lease`` waits for the touching to end): two per thread of
         ``buf_bytes`` (smaller, a multiple of 4 KiB, to fit ``cap_bytes``; fewer pairs of 4 KiB
         below that: threads without one write buffered). None where ``O_DIRECT`` does not exist,
         ``mode`` is off, or ``cap_bytes`` holds not even one pair of 4 KiB."""
@@ -146,14 +169,8 @@ class DirectPool:
             count = threads if share >= _ALIGN else min(threads, cap_bytes // (2 * _ALIGN))
         if count < 1:
             return None
-        pairs = []
-        for _ in range(count):
-            pair = (mmap.mmap(-1, size), mmap.mmap(-1, size))
-            for buf in pair:          # touched: first-touch faults belong to set-up
-                buf.write(b"\0" * size)
-                buf.seek(0)
-            pairs.append(pair)
-        return cls(pairs, mode)
+        pairs = [(mmap.mmap(-1, size), mmap.mmap(-1, size)) for _ in range(count)]
+        return cls(pairs, mode, touch=True)
 
     @property
     def nbytes(self) -> int:
@@ -170,6 +187,7 @@ class DirectPool:
     @contextlib.contextmanager
     def lease(self) -> Iterator[tuple[mmap.mmap, mmap.mmap] | None]:
         """A pair for the calling thread, or None when all are taken (it writes buffered)."""
+        self._touched.wait()
         with self._lock:
             pair = self._free.pop() if self._free else None
         try:
@@ -196,6 +214,7 @@ class DirectPool:
 
     def release(self) -> None:
         """Give the buffers back (the filesystem refused ``O_DIRECT`` at start-up)."""
+        self._touched.wait()
         with self._lock:
             pairs, self._all, self._free = self._all, [], []
         for pair in pairs:

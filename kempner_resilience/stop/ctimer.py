@@ -14,7 +14,6 @@ signal range. No Python runs on this path.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import faulthandler
 import os
 import signal
@@ -53,7 +52,9 @@ def _libc() -> ctypes.CDLL | None:
         if sys.platform.startswith("linux"):
             lib = ctypes.CDLL(None, use_errno=True)
             if not hasattr(lib, "timer_create"):  # glibc < 2.34 keeps it in librt
-                rt = ctypes.util.find_library("rt")
+                from ctypes.util import find_library   # runs ldconfig: only here
+
+                rt = find_library("rt")
                 lib = ctypes.CDLL(rt, use_errno=True) if rt else None
         _libc_cache.append(lib)
     return _libc_cache[0]
