@@ -32,22 +32,24 @@ def test_demo_hang_is_detected_and_the_run_resumes(tmp_path):
     assert "bitwise IDENTICAL" in proc.stdout
 
 
-def test_a_demo_task_with_spares_names_its_run_after_the_relaunch_its_channel_says(tmp_path):
-    # The demo's srun line marks each run in progress.txt as <SLURM's restart count>.<the
-    # relaunch in place>; the relaunch comes from the supervisor channel the step loop gave it.
-    import subprocess
-
-    from helpers import env
+def test_a_demo_task_with_spares_names_its_run_after_the_relaunch_its_channel_says(tmp_path,
+                                                                                  monkeypatch):
+    # Each task of the demo's srun steps is the trainer itself (so a node's standby can fork it
+    # warm), and it marks each run in progress.txt as <SLURM's restart count>.<the relaunch in
+    # place>; the relaunch comes from the supervisor channel the step loop gave it.
     from kempner_resilience.demo.slurm_demo import write_job
+    from kempner_resilience.demo.train import _mark_launch, parse_args
     from kempner_resilience.supervise.channel import Channel
 
     job = write_job(tmp_path / "job", ranks=2, steps=5, nodes=2, spares=1)
     command = job.sbatch_args[job.sbatch_args.index("--") + 1:]
-    assert command[:2] == ["bash", "-c"]
+    assert command[1:4] == ["-u", "-m", "kempner_resilience.demo.train"], command
+    assert "--named-launches" in command
     channel = Channel.for_job("5", {}, cwd=tmp_path)
     channel.begin_relaunch(2)
-    res = subprocess.run(["bash", "-c", command[2], "_", "true"], capture_output=True,
-                         text=True, timeout=60,
-                         env=env(SLURM_RESTART_COUNT="1", SLURM_PROCID="0", **channel.env()))
-    assert res.returncode == 0, res.stderr
+    monkeypatch.delenv("RANK", raising=False)
+    for key, value in dict(SLURM_RESTART_COUNT="1", SLURM_PROCID="0",
+                           KEMPNER_RESILIENCE_REPORT="", **channel.env()).items():
+        monkeypatch.setenv(key, value)
+    _mark_launch(parse_args(command[4:]))
     assert (tmp_path / "job" / "progress.txt").read_text() == "# run 1.2\n"
