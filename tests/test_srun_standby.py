@@ -53,14 +53,26 @@ def standby(tmp_path):
     name.proc = subprocess.Popen([sys.executable, warm.__file__, "--listen", name,
                                   '{"preload": ["torch"], "ignore": [15, 10, 12, 1]}'])
     yield name
+    # A test that failed half-way leaves no rank behind: a task still running is killed (a
+    # warm rank dies with it; a cold one is the task), then the standby.
+    for task in _TASKS:
+        if task.poll() is None:
+            task.kill()
+            task.wait()
+    _TASKS.clear()
     name.proc.kill()
     name.proc.wait()
 
 
+_TASKS: list[subprocess.Popen] = []
+
+
 def shim(name: str, *args: str, cwd: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-S", SHIM, name, sys.executable, *args], cwd=cwd,
+    _TASKS.append(subprocess.Popen([sys.executable, "-S", SHIM, name, sys.executable, *args],
+                                   cwd=cwd,
                             env={**os.environ, **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True))
+    return _TASKS[-1]
 
 
 def first_line(proc: subprocess.Popen) -> dict:
