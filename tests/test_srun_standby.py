@@ -202,3 +202,11 @@ def test_the_standby_keeps_no_thread_or_file_of_five_ranks_it_forked(standby, tm
         assert proc.returncode == code
     time.sleep(0.3)         # the standby closes a rank's connection once it reaped the rank
     assert held() == before
+
+
+def test_a_warm_rank_killed_by_sigkill_ends_its_task_with_sigkill(standby, tmp_path):
+    script = write_script(tmp_path, RANK, "rank.py")
+    proc = shim(standby, str(script), "sleep", cwd=tmp_path)
+    os.kill(first_line(proc)["pid"], signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL

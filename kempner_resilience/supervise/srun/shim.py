@@ -103,7 +103,8 @@ def main(argv: list[str]) -> None:
     code = int(last.get("code", -int(signal.SIGKILL)))
     if code < 0:
         # Die as the rank did, so srun reports the same signal.
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):    # (those two take no handler)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         code = 128 - code
     sys.exit(code)
