@@ -50,7 +50,7 @@ _early: list[tuple[int, float]] = []
 def record_early_signal(signum: int) -> None:
     """Keep ``signum``, arrived now before any run, for the run's ShutdownHandler to replay
     when it is installed (its deadline counted from this arrival)."""
-    _early.append((forwarded_signals().get(signum, signum), time.monotonic()))
+    _early.append((signum, time.monotonic()))
 
 
 def _early_record(signum: int, frame: Any) -> None:
@@ -87,7 +87,8 @@ def install_early_recorder(signals: tuple[int, ...] = (signal.SIGUSR1, signal.SI
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    # A warm rank's shim passes them on as real-time signals: those are recorded as them.
+    # A warm rank's shim passes them on as real-time signals: those are recorded too (the
+    # handler reads them as the signals they stand for).
     signals = (*signals, *(rt for rt, s in forwarded_signals().items() if s in signals))
     for signum in signals:
         if signal.getsignal(signum) == signal.SIG_DFL:

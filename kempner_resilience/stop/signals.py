@@ -274,7 +274,8 @@ class ShutdownHandler:
             return self._request
 
     def _replay_early(self) -> None:
-        pending = [(s, t) for s, t in _early if s in self._actions]
+        pending = [(s, t) for s, t in ((self._forwarded.get(s, s), t) for s, t in _early)
+                   if s in self._actions]
         _early.clear()
         for signum, at in pending:
             log.warning("%s arrived %.1f s before the run started; handling it now",

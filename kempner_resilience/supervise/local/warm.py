@@ -32,12 +32,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = ["Zygote", "WarmProcess", "warm_command", "warm_on", "pristine", "parent_death",
-           "WARM_ENV", "PRELOAD", "UNBUFFERED"]
+           "WARM_ENV", "PRELOAD", "STEP_SIGNALS", "UNBUFFERED"]
 
 WARM_ENV = "KEMPNER_RESILIENCE_WARM"
 #: What the zygote imports before it forks: what every rank of ours imports anyway.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.optim",
            "torch._dynamo")
+#: What SLURM may send to every process of a step: a zygote ignores them (its ranks decide).
+STEP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 #: The one interpreter flag a warm rank can have: unbuffered streams (torchrun adds it).
 UNBUFFERED = "-u"
 _PR_SET_PDEATHSIG = 1
@@ -244,15 +246,7 @@ def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] 
     """The zygote's loop: the request in a forked child, None when the launcher closed the
     pipe or the zygote is not ``pristine`` any more."""
     # Only the launcher ends the zygote (closing the pipe), or its death (PDEATHSIG).
-    for signum in (signal.SIGINT, *options.get("ignore", ())):
-        signal.signal(signum, signal.SIG_IGN)
-    for name in options.get("preload", PRELOAD):
-        __import__(name)
-    # Frozen, the imports' objects are never scanned by a child's collector, which would
-    # copy every page they live on (a rank's exit collection took 2.4 s here).
-    gc.collect()
-    gc.freeze()
-    threads = _threads()
+    threads = _prepare(options)
     ans = os.fdopen(ans_fd, "w", buffering=1)
     req = os.fdopen(req_fd, "r")
     ans.write(json.dumps({"ready": True}) + "\n")
@@ -282,16 +276,11 @@ def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] 
                 ans.write(json.dumps({"pid": pid}) + "\n")
         if not open_pipe and not children:
             break
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                children.clear()
-                break
-            if pid == 0:
-                break
+        ended = _reaped() if children else []
+        if ended is None:
+            children.clear()
+        for pid, code in ended or ():
             children.discard(pid)
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             try:
                 ans.write(json.dumps({"exit": pid, "code": code}) + "\n")
             except (OSError, ValueError):
@@ -299,22 +288,43 @@ def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] 
     return None
 
 
+def _prepare(options: dict[str, Any]) -> int:
+    """The zygote's set-up: signals ignored, the imports done and frozen; its thread count."""
+    for signum in (signal.SIGINT, *options.get("ignore", ())):
+        signal.signal(signum, signal.SIG_IGN)
+    for name in options.get("preload", PRELOAD):
+        __import__(name)
+    # Frozen, the imports' objects are never scanned by a child's collector, which would
+    # copy every page they live on (a rank's exit collection took 2.4 s here).
+    gc.collect()
+    gc.freeze()
+    return _threads()
+
+
+def _reaped() -> list[tuple[int, int]] | None:
+    """The ranks that ended since the last look: (pid, code, negative for a signal); None
+    when this process has no child left at all."""
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return ended or None
+        if pid == 0:
+            return ended
+        ended.append((pid, os.waitstatus_to_exitcode(status)))
+
+
 def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
     """A node's standby (``supervise/srun/standby.py``): the zygote behind the abstract unix
     socket ``name``, one connection per rank from an srun task's shim (``srun/shim.py``): its
     request with its standard streams, answered with ``{"pid"}`` (or ``{"refused"}``), then
     ``{"exit", "code"}``. A shim that goes away takes its rank with it (SIGKILL)."""
-    for signum in (signal.SIGINT, *options.get("ignore", ())):
-        signal.signal(signum, signal.SIG_IGN)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # Bound before the imports: the first step's shims wait in the backlog, not start cold.
     server.bind("\0" + name)
     server.listen(256)
-    for module in options.get("preload", PRELOAD):
-        __import__(module)
-    gc.collect()
-    gc.freeze()
-    threads = _threads()
+    threads = _prepare(options)
     uid = os.getuid()
     ranks: dict[socket.socket, int | None] = {}     # a shim's connection -> its rank's pid
     while True:
@@ -357,17 +367,9 @@ def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
                 os.close(fd)
             ranks[conn] = pid
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, code in _reaped() or ():
             for conn, rank in list(ranks.items()):
                 if rank == pid:
-                    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) \
-                        else os.WEXITSTATUS(status)
                     try:
                         conn.sendall(json.dumps({"exit": pid, "code": code}).encode() + b"\n")
                     except OSError:

@@ -26,6 +26,7 @@ from typing import Mapping, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.local import warm
+from kempner_resilience.supervise.srun.step import end_step
 
 __all__ = ["Standby", "standby_name", "SHIM"]
 
@@ -33,10 +34,6 @@ _log = get_logger("kempner_resilience.supervise.srun.relaunch")
 
 #: The srun task of a warm rank (run as a file: it imports nothing of the package).
 SHIM = str(Path(__file__).with_name("shim.py"))
-# What SLURM may send to every step of the job: the standby outlives them (its ranks get
-# them and decide). Its own end is the step's cancel (SIGKILL after KillWait) or the job's.
-_IGNORED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-_END_S = 10.0
 
 
 def standby_name(job_id: str, restart: int, uid: int | None = None) -> str:
@@ -55,7 +52,10 @@ class Standby:
     def start(cls, srun: Sequence[str], nodes: Sequence[str], job_id: str, restart: int,
               env: Mapping[str, str]) -> "Standby":
         name = standby_name(job_id, restart)
-        options = json.dumps({"preload": list(warm.PRELOAD), "ignore": [int(s) for s in _IGNORED]})
+        # The standby outlives what SLURM sends every step (its ranks get it and decide); its
+        # own end is the step's cancel (SIGKILL after KillWait) or the job's.
+        ignore = [int(getattr(signal, n)) for n in warm.STEP_SIGNALS]
+        options = json.dumps({"preload": list(warm.PRELOAD), "ignore": ignore})
         cmd = [*srun, "--overlap", "--no-kill", "--kill-on-bad-exit=0", "--job-name=kr-standby",
                f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
                f"--nodelist={','.join(nodes)}", sys.executable, warm.__file__, "--listen", name,
@@ -76,18 +76,4 @@ class Standby:
 
     def close(self) -> None:
         """End the standby step (bounded): its ranks, if any are left, die with it."""
-        from kempner_resilience.supervise.srun.step import step_id
-
-        step = step_id(self.job_id, "kr-standby")
-        if step is not None:
-            try:
-                subprocess.run(["scancel", "--quiet", step], capture_output=True,
-                               timeout=_END_S, stdin=subprocess.DEVNULL)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                _log.warning("could not cancel the standby step %s (%s): SLURM ends it with "
-                             "the job", step, e)
-        self.proc.kill()
-        try:
-            self.proc.wait(_END_S)
-        except subprocess.TimeoutExpired:
-            _log.warning("the standby's srun (pid %d) did not exit after SIGKILL", self.proc.pid)
+        end_step(self.proc, self.job_id, "kr-standby")

@@ -15,15 +15,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.srun.taskends import StepReport, parse_srun_line
 from kempner_resilience.supervise.channel import Channel
 
-__all__ = ["SrunStep", "StepResult", "FinishWatch", "step_id", "SETTLE_S", "SETTLE_MAX_S", "END_STEP_S",
-           "FINISHED_GRACE_S"]
+__all__ = ["SrunStep", "StepResult", "FinishWatch", "end_step", "step_id", "SETTLE_S",
+           "SETTLE_MAX_S", "END_STEP_S", "FINISHED_GRACE_S"]
 
 _log = get_logger("kempner_resilience.supervise.srun.relaunch")
 
@@ -142,28 +142,30 @@ class SrunStep:
         return len(heard | died) >= report.ntasks
 
     def _end(self, proc: subprocess.Popen[str]) -> None:
-        """srun killed, then the step cancelled, each bounded by END_STEP_S."""
-        step = self._step_id()
-        proc.kill()
-        try:
-            proc.wait(timeout=END_STEP_S)
-        except subprocess.TimeoutExpired:
-            _log.error("srun (pid %d) did not exit after SIGKILL", proc.pid)
-        if step is None:
-            return
-        # SLURM then forgets the step on the live nodes at once; on a dead node it stays
-        # "completing" until SlurmdTimeout, which the next step's --overlap gets around.
-        try:
-            out = subprocess.run(["scancel", "--quiet", step], capture_output=True, text=True,
-                                 timeout=END_STEP_S, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            _log.warning("scancel %s failed (%s); starting the next step anyway", step, e)
-            return
-        if out.returncode:
-            _log.info("scancel %s: %s", step, (out.stderr or out.stdout).strip())
+        end_step(proc, self.job_id, f"kr-step-{self.index}")
 
-    def _step_id(self) -> str | None:
-        return step_id(self.job_id, f"kr-step-{self.index}")
+
+def end_step(proc: subprocess.Popen[Any], job_id: str, name: str) -> None:
+    """The job's step ``name`` ended: its srun ``proc`` killed, then the step cancelled, each
+    bounded by END_STEP_S."""
+    step = step_id(job_id, name)
+    proc.kill()
+    try:
+        proc.wait(timeout=END_STEP_S)
+    except subprocess.TimeoutExpired:
+        _log.error("srun (pid %d) did not exit after SIGKILL", proc.pid)
+    if step is None:
+        return
+    # SLURM then forgets the step on the live nodes at once; on a dead node it stays
+    # "completing" until SlurmdTimeout, which the next step's --overlap gets around.
+    try:
+        out = subprocess.run(["scancel", "--quiet", step], capture_output=True, text=True,
+                             timeout=END_STEP_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        _log.warning("scancel %s failed (%s); going on without it", step, e)
+        return
+    if out.returncode:
+        _log.info("scancel %s: %s", step, (out.stderr or out.stdout).strip())
 
 
 def step_id(job_id: str, name: str) -> str | None:

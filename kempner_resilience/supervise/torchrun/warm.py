@@ -19,15 +19,14 @@ from typing import Any, Iterator
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent
-from kempner_resilience.supervise.local.warm import UNBUFFERED, WarmProcess, Zygote, warm_command
+from kempner_resilience.supervise.local.warm import (STEP_SIGNALS, UNBUFFERED, WarmProcess,
+                                                      Zygote, warm_command)
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 
 __all__ = ["WarmWorkers", "warm_starting"]
 
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
-# What SLURM may send to every process of a step: the zygote ignores them.
-_STEP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 class WarmWorkers:
@@ -54,7 +53,7 @@ class WarmWorkers:
         names = dict(names)
         names["SubprocessHandler"] = importlib.import_module(
             torch_private.SUBPROCESS_HANDLER_MODULE).SubprocessHandler
-        handled = {*_STEP_SIGNALS, *tracked.config.signals.handled()}
+        handled = {*STEP_SIGNALS, *tracked.config.signals.handled()}
         ignore = sorted(int(getattr(signal, n)) for n in handled if hasattr(signal, n))
         zygote = Zygote(dict(os.environ), ignore=ignore, death_signal=signal.SIGKILL)
         log.info("%s: workers start warm, forked from pid %d (%s=1)", AGENT_NAME,
