@@ -89,6 +89,25 @@ def test_ray_template_signals_the_batch_shell_which_starts_ray_and_passes_it_to_
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
 
+def test_ray_template_exits_with_the_driver_s_code_when_a_signal_comes_as_the_driver_leaves(
+        tmp_path):
+    # The requeue's SIGTERM reaches the batch shell just as the driver leaves with 75: the trap
+    # cuts `wait` short (143), and the driver is gone before the shell looks again.
+    driver = ("import os, signal, time; "
+              "signal.signal(signal.SIGTERM, lambda *a: os._exit(75)); time.sleep(30)")
+    text = render_sbatch(template="ray", command=[sys.executable, "-c", driver])
+    block = text[text.index(f"{sys.executable} -c"):]          # the driver, its traps, its wait
+    script = tmp_path / "driver_block.sh"
+    script.write_text(
+        "RAY_STEPS=()\n"
+        # The trap's kill returns only once the driver is gone, as a loaded node's can.
+        'kill() { builtin kill "$@"; local rc=$?; [ "$1" != -TERM ] || sleep 0.5; return $rc; }\n'
+        "(sleep 1; builtin kill -TERM $$) &\n" + block)
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 75, done.stdout + done.stderr
+    assert "driver exited with 75" in done.stdout
+
+
 def test_ray_template_takes_no_spares():
     with pytest.raises(ValueError, match="spares"):
         render_sbatch(template="ray", nodes=2, spares=1)
