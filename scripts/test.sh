@@ -41,6 +41,10 @@ for shard in slurm local; do
     # The second line of `times`: user and system time of the shard's reaped processes.
     echo "CPU time of its processes (user, system): $(sed -n 2p "$logs/$shard.times" 2>/dev/null)"
 done
+# KR_TEST_REPORTS=DIR keeps each shard's JUnit report (every test's duration) there.
+if [ -n "${KR_TEST_REPORTS:-}" ]; then
+    mkdir -p "$KR_TEST_REPORTS" && cp "$logs"/*.xml "$KR_TEST_REPORTS"/ 2>/dev/null || true
+fi
 rm -rf "$logs"
 echo
 echo "SLURM tests: exit $slurm_rc; other tests: exit $local_rc"

@@ -90,3 +90,26 @@ def test_the_package_imports_without_the_trainer_libraries():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env=env(), timeout=120)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_the_rescue_snapshot_of_an_accelerated_loader_gives_back_its_state_dict_in_every_epoch():
+    # The snapshot takes the epoch's generator states once per epoch, not at every boundary:
+    # what it gives back must still be the position of that very boundary.
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from kempner_resilience.rescue.boundary import decode, encode
+    from kempner_resilience.trainers.accelerate import AcceleratedLoader
+
+    import torch
+
+    loader = Accelerator(cpu=True).prepare(
+        DataLoader(TensorDataset(torch.arange(12.0)), batch_size=4, shuffle=True))
+    data = AcceleratedLoader(loader)
+    for _ in range(7):                   # across two epoch ends (3 batches an epoch)
+        next(data)
+        back = decode(encode(0, {"data": data}))["objects"]["data"]
+        want = data.state_dict()
+        assert (back["epoch"], back["batch"]) == (want["epoch"], want["batch"])
+        assert len(back["generators"]) == len(want["generators"])
+        assert all(torch.equal(a, b) for a, b in zip(back["generators"], want["generators"]))
