@@ -65,6 +65,7 @@ except ImportError:        # the unified package only
 from kempner_resilience.checkpoint.data import sampler_chain, seeded_generator
 from kempner_resilience.config import ExitMode, ResilienceConfig
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.rescue.boundary import FrozenTensor
 from kempner_resilience.run.resilient import ResilientRun
 
 __all__ = ["ResilientCallback", "LoaderPosition"]
@@ -157,6 +158,10 @@ class LoaderPosition:
         object.__setattr__(loader, "batch_sampler", self._pass)
         loader.state_dict = self.state_dict
         loader.load_state_dict = self.load_state_dict
+        loader.snapshot_state = self.snapshot_state
+        # The pass's start states as snapshot_state gives them, and the list they came from
+        # (each pass makes a new list; none is changed in place).
+        self._frozen: tuple[list[torch.Tensor], list[FrozenTensor]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         p = self._pass
@@ -171,6 +176,17 @@ class LoaderPosition:
             # start with its 16 batches to skip would skip the whole next epoch instead.
             return {"batch": 0, "generators": [g.get_state() for g in p.generators]}
         return {"batch": batch, "generators": [s.clone() for s in p.start]}
+
+    def snapshot_state(self) -> dict[str, Any]:
+        """What ``state_dict`` gives, in the form the rescue's step snapshot pickles fast
+        (``rescue.boundary``): the pass's start states are read once per pass."""
+        p = self._pass
+        batch = int(self.trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        if p.start is None or batch >= self.trainer.num_training_batches:
+            return self.state_dict()
+        if self._frozen is None or self._frozen[0] is not p.start:
+            self._frozen = (p.start, [FrozenTensor(s) for s in p.start])
+        return {"batch": batch, "generators": self._frozen[1]}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         if len(sd["generators"]) != len(self._pass.generators):
@@ -199,32 +215,33 @@ class _Loops:
         self._map: _LoopMap | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        flat = self._read()
+        flat = self._read(snapshot=False)
         return self.trainer.fit_loop.state_dict() if flat is None else flat.state()
 
     def snapshot_state(self) -> Any:
         """What ``state_dict`` gives, in the form that pickles fast (``rescue.boundary``)."""
-        flat = self._read()
+        flat = self._read(snapshot=True)
         return self.trainer.fit_loop.state_dict() if flat is None else flat
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.trainer.fit_loop.load_state_dict(dict(sd))
 
-    def _read(self) -> _FlatLoops | None:
+    def _read(self, snapshot: bool) -> _FlatLoops | None:
+        """The loop state read field by field; with ``snapshot``, the loaders' positions in
+        the form that pickles fast (``LoaderPosition.snapshot_state``)."""
         loop = self.trainer.fit_loop
         if self._fast is False:
             return None
         found = self._map
         if found is None or not found.holds(loop):
             found = self._map = _LoopMap(loop)
-        flat = found.read()
-        if self._fast is None:
-            self._fast = _same(flat.state(), loop.state_dict())
+        if self._fast is None:     # compared as state_dict gives it: real tensors
+            self._fast = _same(found.read(False).state(), loop.state_dict())
             if not self._fast:
                 log.debug("Lightning's loop state differs from the one read field by field: "
                           "its own state_dict() is used")
                 return None
-        return flat
+        return found.read(snapshot)
 
 
 class _FlatLoops:
@@ -280,6 +297,7 @@ class _LoopMap:
         self.count = 0                                    # values read per call
         self._loaders: list[Any] | None = None
         self._stateful: list[Any] = []
+        self._snapshot = False      # this read is the rescue's snapshot (``read``)
         self._walk(root, "")
         self.pickled = pickle.dumps(self.skeleton, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -335,10 +353,13 @@ class _LoopMap:
         return root is self.root and all(owner.__dict__.get(k) is v
                                          for owner, k, v in self.links)
 
-    def read(self) -> _FlatLoops:
+    def read(self, snapshot: bool) -> _FlatLoops:
+        """The counters' values and the loops' saved dicts; with ``snapshot``, the loaders'
+        states as their ``snapshot_state`` gives them, where they have one."""
         values: tuple[Any, ...] = ()
         for get, obj in self.getters:
             values += get(obj)
+        self._snapshot = snapshot
         return _FlatLoops(self.pickled, values, tuple(get() for get in self.saves))
 
     def _fit_loop_save(self, loop: Any) -> dict[str, Any]:
@@ -350,7 +371,8 @@ class _LoopMap:
             if loaders is not self._loaders:
                 self._loaders = loaders
                 self._stateful = [dl for dl in loaders if isinstance(dl, _Stateful)]
-            states = [dl.state_dict() for dl in self._stateful]
+            states = [dl.snapshot_state() if self._snapshot and hasattr(dl, "snapshot_state")
+                      else dl.state_dict() for dl in self._stateful]
             if states:
                 out["combined_loader"] = states
         return out
