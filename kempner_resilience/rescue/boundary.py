@@ -55,7 +55,7 @@ try:  # numpy is optional
 except ImportError:  # pragma: no cover - numpy is installed here
     _np = None
 
-__all__ = ["Boundary", "Snapshot", "FrozenTensor", "encode", "decode"]
+__all__ = ["Boundary", "Snapshot", "FrozenTensor", "FrozenStates", "encode", "decode"]
 
 log = get_logger(__name__)
 
@@ -198,10 +198,9 @@ class _Pickler(pickle.Pickler):
                 or obj.is_neg() or obj.is_quantized or not obj.is_contiguous():
             return NotImplemented
         try:
-            raw = obj.reshape(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b""
+            return _tensor_from, _tensor_args(obj)
         except (RuntimeError, TypeError):     # a kind of tensor without plain bytes
             return NotImplemented
-        return _tensor_from, (obj.dtype, tuple(obj.shape), raw)
 
 
 class FrozenTensor:
@@ -213,12 +212,32 @@ class FrozenTensor:
     __slots__ = ("_args",)
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        t = tensor.detach().cpu().contiguous()
-        self._args = (t.dtype, tuple(t.shape),
-                      t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        self._args = _tensor_args(tensor.detach().cpu().contiguous())
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _tensor_from, self._args
+
+
+class FrozenStates:
+    """``FrozenTensor``s of a list of tensors that is replaced, never changed in place (a
+    loader's generator states as its epoch began): made again only for another list."""
+
+    __slots__ = ("_of", "_frozen")
+
+    def __init__(self) -> None:
+        self._of: list[torch.Tensor] | None = None
+        self._frozen: list[FrozenTensor] = []
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[FrozenTensor]:
+        if tensors is not self._of:
+            self._of, self._frozen = tensors, [FrozenTensor(t) for t in tensors]
+        return self._frozen
+
+
+def _tensor_args(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], bytes]:
+    """A contiguous CPU tensor as ``_tensor_from`` rebuilds it: dtype, shape, bytes (a copy)."""
+    return t.dtype, tuple(t.shape), \
+        t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def _tensor_from(dtype: torch.dtype, shape: tuple[int, ...], raw: bytes) -> torch.Tensor:

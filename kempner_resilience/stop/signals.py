@@ -274,8 +274,9 @@ class ShutdownHandler:
             return self._request
 
     def _replay_early(self) -> None:
-        pending = [(s, t) for s, t in ((self._forwarded.get(s, s), t) for s, t in _early)
-                   if s in self._actions]
+        # A warm rank's shim stand-ins are replayed as the signals they stand for.
+        pending = [(self._forwarded.get(s, s), t) for s, t in _early]
+        pending = [(s, t) for s, t in pending if s in self._actions]
         _early.clear()
         for signum, at in pending:
             log.warning("%s arrived %.1f s before the run started; handling it now",

@@ -46,7 +46,7 @@ from torch.utils.data import IterableDataset, RandomSampler
 from kempner_resilience.config import ExitMode, ResilienceConfig
 from kempner_resilience.checkpoint.data import sampler_chain, seeded_generator
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.rescue.boundary import FrozenTensor
+from kempner_resilience.rescue.boundary import FrozenStates
 from kempner_resilience.run.resilient import ResilientRun
 
 __all__ = ["ResilientAccelerate", "AcceleratedLoader", "is_prepared_loader"]
@@ -128,9 +128,8 @@ class AcceleratedLoader:
         self.epoch = 0
         self.batch = 0
         self._epoch_rng: list[torch.Tensor] | None = None
-        # The states of _epoch_rng as snapshot_state gives them, and the list they were taken
-        # from (a new epoch, or a resume, makes a new list; none is changed in place).
-        self._frozen: tuple[list[torch.Tensor], list[FrozenTensor]] | None = None
+        # _epoch_rng as snapshot_state gives it (a new epoch, or a resume, makes a new list).
+        self._frozen = FrozenStates()
         self._it: Iterator[Any] | None = None
 
     def __len__(self) -> int:
@@ -172,12 +171,10 @@ class AcceleratedLoader:
     def snapshot_state(self) -> dict[str, Any]:
         """What ``state_dict`` gives, in the form the rescue's step snapshot pickles fast
         (``rescue.boundary``): the epoch's generator states are read once per epoch."""
-        rng = self._epoch_rng
-        if rng is None:
+        if self._epoch_rng is None:
             return self.state_dict()
-        if self._frozen is None or self._frozen[0] is not rng:
-            self._frozen = (rng, [FrozenTensor(s) for s in rng])
-        return {"epoch": self.epoch, "batch": self.batch, "generators": self._frozen[1]}
+        return {"epoch": self.epoch, "batch": self.batch,
+                "generators": self._frozen(self._epoch_rng)}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         if len(sd["generators"]) != len(self._generators):

@@ -65,7 +65,7 @@ except ImportError:        # the unified package only
 from kempner_resilience.checkpoint.data import sampler_chain, seeded_generator
 from kempner_resilience.config import ExitMode, ResilienceConfig
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.rescue.boundary import FrozenTensor
+from kempner_resilience.rescue.boundary import FrozenStates
 from kempner_resilience.run.resilient import ResilientRun
 
 __all__ = ["ResilientCallback", "LoaderPosition"]
@@ -159,11 +159,18 @@ class LoaderPosition:
         loader.state_dict = self.state_dict
         loader.load_state_dict = self.load_state_dict
         loader.snapshot_state = self.snapshot_state
-        # The pass's start states as snapshot_state gives them, and the list they came from
-        # (each pass makes a new list; none is changed in place).
-        self._frozen: tuple[list[torch.Tensor], list[FrozenTensor]] | None = None
+        # The pass's start states as snapshot_state gives them (each pass makes a new list).
+        self._frozen = FrozenStates()
 
     def state_dict(self) -> dict[str, Any]:
+        return self._position(snapshot=False)
+
+    def snapshot_state(self) -> dict[str, Any]:
+        """What ``state_dict`` gives, in the form the rescue's step snapshot pickles fast
+        (``rescue.boundary``): the pass's start states are read once per pass."""
+        return self._position(snapshot=True)
+
+    def _position(self, snapshot: bool) -> dict[str, Any]:
         p = self._pass
         # Batches of this epoch handed to training, resumed ones counted (Lightning's count:
         # a loader's own would include what its workers prefetched).
@@ -175,18 +182,8 @@ class LoaderPosition:
             # next pass would begin (nothing draws from them between passes). The epoch's own
             # start with its 16 batches to skip would skip the whole next epoch instead.
             return {"batch": 0, "generators": [g.get_state() for g in p.generators]}
-        return {"batch": batch, "generators": [s.clone() for s in p.start]}
-
-    def snapshot_state(self) -> dict[str, Any]:
-        """What ``state_dict`` gives, in the form the rescue's step snapshot pickles fast
-        (``rescue.boundary``): the pass's start states are read once per pass."""
-        p = self._pass
-        batch = int(self.trainer.fit_loop.epoch_loop.batch_progress.current.ready)
-        if p.start is None or batch >= self.trainer.num_training_batches:
-            return self.state_dict()
-        if self._frozen is None or self._frozen[0] is not p.start:
-            self._frozen = (p.start, [FrozenTensor(s) for s in p.start])
-        return {"batch": batch, "generators": self._frozen[1]}
+        return {"batch": batch, "generators": self._frozen(p.start) if snapshot
+                else [s.clone() for s in p.start]}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         if len(sd["generators"]) != len(self._pass.generators):
