@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import require
+from helpers import buddy_ring_of_two, require
 from trainers_helpers import (SCRIPTS, assert_same_final, committed_steps, interrupt,
                               kill_held, last_steps, run_to_end, signal, write_config)
 from kempner_resilience.exitcodes import ExitCode
@@ -111,6 +111,21 @@ def test_a_resume_from_the_trainers_own_checkpoint_is_refused_and_nothing_is_wri
     assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("step_*"))
 
 
+def _trainers_own_json(trainer) -> str:
+    """The ``TrainerState`` JSON the Trainer's own checkpoint writes."""
+    import copy
+    import json
+    from dataclasses import asdict
+
+    from transformers.trainer_callback import ExportableState
+
+    state = copy.deepcopy(trainer.state)
+    for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(cb, ExportableState):
+            state.stateful_callbacks[cb.__class__.__name__] = cb.state()
+    return json.dumps(asdict(state), sort_keys=True)
+
+
 def test_the_trainer_state_in_each_step_snapshot_is_the_json_the_trainers_checkpoint_holds_as_the_log_grows(
         tmp_path):
     import copy
@@ -119,29 +134,69 @@ def test_the_trainer_state_in_each_step_snapshot_is_the_json_the_trainers_checkp
 
     from transformers.trainer_callback import ExportableState
 
+    from kempner_resilience.rescue.boundary import decode, encode
     from kempner_resilience.trainers.hf import TrainerProgress
 
     trainer = _tiny_trainer(tmp_path, logging_steps=1, logging_strategy="steps")
     trainer.train()
 
-    def trainers_own() -> str:       # what the Trainer's own checkpoint writes
-        state = copy.deepcopy(trainer.state)
-        for cb in [*trainer.callback_handler.callbacks, trainer.control]:
-            if isinstance(cb, ExportableState):
-                state.stateful_callbacks[cb.__class__.__name__] = cb.state()
-        return json.dumps(asdict(state), sort_keys=True)
+    def trainers_own() -> str:
+        return _trainers_own_json(trainer)
 
     progress = TrainerProgress(trainer)
+
+    def snapshot() -> str:           # what the step's rescue snapshot gives back
+        return decode(encode(0, {"trainer": progress}))["objects"]["trainer"]["json"]
+
     history = trainer.state.log_history
     assert len(history) >= 2
     for entry in ({"loss": 0.5, "step": 3}, {"eval_loss": 0.25, "note": 'a "log_history": []'},
                   None):
         before = trainers_own()
-        assert progress.state_dict()["json"] == before
+        assert progress.state_dict()["json"] == before == snapshot()
         assert trainer.state.log_history is history and trainers_own() == before   # untouched
         if entry is not None:
             history.append(entry)
     history[-1]["epoch"] = 9.0               # the newest line changed after it was written
-    assert progress.state_dict()["json"] == trainers_own()
+    assert progress.state_dict()["json"] == trainers_own() == snapshot()
     trainer.state.log_history = history[:1]  # a new list: written whole
-    assert progress.state_dict()["json"] == trainers_own()
+    assert progress.state_dict()["json"] == trainers_own() == snapshot()
+
+
+def test_a_long_log_history_goes_to_the_buddy_once_and_the_buddys_copy_is_the_trainers_json(
+        tmp_path):
+    import json
+    import time
+
+    from kempner_resilience.rescue.boundary import decode, encode_parts
+    from kempner_resilience.trainers.hf import TrainerProgress
+
+    trainer = _tiny_trainer(tmp_path)
+    progress = TrainerProgress(trainer)
+    history = trainer.state.log_history
+    woken: list[str] = []
+    sender, buddy = buddy_ring_of_two(woken)
+    sent = []
+    try:
+        for step in range(1, 2001):   # a log line every step, 2,000 steps
+            history.append({"loss": 1.0 / step, "learning_rate": 1e-3, "step": step,
+                            "grad_norm": 0.5})
+            payload, chunks = encode_parts(step, {"trainer": progress})
+            sender.send(step, payload, chunks)
+            sent.append(len(payload))
+        deadline = time.monotonic() + 30
+        while not (buddy.held() and buddy.held()[0].step == 2000) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        whole = buddy.held()[0].whole()
+    finally:
+        sender.close()
+        buddy.close()
+    assert decode(whole)["objects"]["trainer"]["json"] == _trainers_own_json(trainer)
+    history_bytes = len(json.dumps(history))
+    assert history_bytes > 150_000
+    # Each step's snapshot holds the newest lines, not the whole history, and the lines
+    # written before went to the buddy once.
+    assert max(sent[-500:]) < 40_000
+    # (the rest of what went to the buddy: frame headers and chunk ids, and the sealed chunks)
+    assert sender.sent_bytes - sum(sent) < 2 * history_bytes
+    assert woken == []

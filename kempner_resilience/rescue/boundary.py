@@ -46,6 +46,7 @@ from typing import Any, Mapping, NamedTuple
 import torch
 
 from kempner_resilience.checkpoint.state import TrainState
+from kempner_resilience.rescue import chunks
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.torch_private import foreach_copy_
 from kempner_resilience.stop.watchdog import hold_until_exit
@@ -55,7 +56,8 @@ try:  # numpy is optional
 except ImportError:  # pragma: no cover - numpy is installed here
     _np = None
 
-__all__ = ["Boundary", "Snapshot", "FrozenTensor", "FrozenStates", "encode", "decode"]
+__all__ = ["Boundary", "Snapshot", "FrozenTensor", "FrozenStates", "encode", "encode_parts",
+           "decode"]
 
 log = get_logger(__name__)
 
@@ -66,6 +68,11 @@ _WORD = "I" if array.array("I").itemsize == 4 else "L"   # MT19937 words are 32 
 class Snapshot(NamedTuple):
     step: int
     payload: bytes
+    chunks: Mapping[int, bytes]      # the sealed chunks the payload refers to by id
+
+    def whole(self) -> bytes:
+        """The snapshot with its chunks, as ``encode`` gives it (for a file)."""
+        return chunks.pack(self.payload, self.chunks)
 
 
 class _NumpyState:
@@ -165,7 +172,13 @@ _torch_state = torch.default_generator.get_state
 
 def encode(step: int, others: Mapping[str, Any]) -> bytes:
     """This process's RNG streams and the other objects' ``state_dict()`` at ``step``: pickled
-    at once, so later changes to the objects cannot reach the snapshot."""
+    at once, so later changes to the objects cannot reach the snapshot. Whole: with the chunks
+    it refers to (``encode_parts`` gives them apart, for the buddy link)."""
+    return chunks.pack(*encode_parts(step, others))
+
+
+def encode_parts(step: int, others: Mapping[str, Any]) -> tuple[bytes, dict[int, bytes]]:
+    """``encode``'s snapshot, and the sealed chunks (``rescue.chunks``) it refers to by id."""
     rng: dict[str, Any] = {"python": _python_state.get(),
                            "torch": _torch_state().numpy().tobytes()}
     if _numpy_state is not None:
@@ -174,8 +187,9 @@ def encode(step: int, others: Mapping[str, Any]) -> bytes:
         rng["cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
     objects = {name: _snapshot_state(obj) for name, obj in others.items()}
     out = io.BytesIO()
-    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump((_VERSION, step, rng, objects))
-    return out.getvalue()
+    pickler = _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dump((_VERSION, step, rng, objects))
+    return out.getvalue(), pickler.refs
 
 
 def _snapshot_state(obj: Any) -> Any:
@@ -190,9 +204,16 @@ class _Pickler(pickle.Pickler):
     """A plain dense CPU tensor as its dtype, shape and bytes (copied now, so a later change to
     the tensor cannot reach the snapshot); anything else as ``pickle`` does. Pickle asks this
     only for objects that are not plain numbers, strings or containers, and memoizes the
-    result (a tensor found twice is one tensor again when loaded)."""
+    result (a tensor found twice is one tensor again when loaded). A sealed chunk goes in by
+    its id, noted in ``refs``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refs: dict[int, bytes] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is chunks.Chunk:
+            return chunks.reduce_chunk(obj, self.refs)
         if type(obj) is not torch.Tensor or obj.device.type != "cpu" \
                 or obj.layout is not torch.strided or obj.requires_grad or obj.is_conj() \
                 or obj.is_neg() or obj.is_quantized or not obj.is_contiguous():
@@ -253,7 +274,9 @@ def decode(payload: bytes) -> dict[str, Any]:
     """The per-rank blob of a checkpoint (``{"step", "rng", "objects"}``, the shape
     ``TrainState.capture`` saves) from an ``encode``d snapshot. Unpickles: only for snapshots
     this package wrote."""
-    version, step, rng, objects = pickle.loads(payload)
+    inner, refs = chunks.unpack(payload)
+    with chunks.resolving(refs):
+        version, step, rng, objects = pickle.loads(inner)
     if version != _VERSION:
         raise ValueError(f"rescue snapshot version {version!r}, expected {_VERSION}")
     py_version, words, gauss = rng["python"]
@@ -369,7 +392,7 @@ class Boundary:
         if self._frozen_by != threading.get_ident():
             self.in_step -= 1
 
-    def mark(self, step: int) -> bytes | None:
+    def mark(self, step: int) -> Snapshot | None:
         """The state is at boundary ``step``: snapshot it. Returns the snapshot (None once a
         snapshot failed: the rescue is then off for this process, said once)."""
         with self._gate:
@@ -378,23 +401,23 @@ class Boundary:
         hold_until_exit("a rescue is writing the state of the last step boundary")
         return None     # never reached
 
-    def _mark(self, step: int) -> bytes | None:
-        payload = None
+    def _mark(self, step: int) -> Snapshot | None:
+        snap = None
         if self.error is None:
             try:
-                payload = encode(step, self.state.others)
+                snap = Snapshot(step, *encode_parts(step, self.state.others))
             except Exception as e:  # noqa: BLE001 - a user's state_dict() that cannot pickle
                 self.error = f"the step snapshot failed ({type(e).__name__}: {e})"
                 log.warning("rescue off for this rank: %s", self.error)
         if self._live:
             self._copy_buffers()
         self._settings = _settings(self.state)
-        self._snaps = (None if payload is None else Snapshot(step, payload), self._snaps[0])
+        self._snaps = (snap, self._snaps[0])
         self.step = step
         self.stepped = False
         self.in_step = 0
         self.generation += 1
-        return payload
+        return snap
 
     def _copy_buffers(self) -> None:
         # No torch.no_grad() needed: the live buffers were detached at attach().

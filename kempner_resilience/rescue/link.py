@@ -7,7 +7,10 @@ connection made at start. A gloo send/recv pair costs about a millisecond per st
 non-blocking ``sendmsg`` of ~12 KB costs a few microseconds on the training thread, and a
 daemon thread receives (blocked in ``recv`` without the GIL) and keeps the last two snapshots.
 
-Frames: ``kind, length, step`` then ``length`` bytes. ``SNAP`` carries a snapshot, ``WAKE``
+Frames: ``kind, length, step`` then ``length`` bytes. ``SNAP`` carries a snapshot (after the
+ids of the sealed chunks it refers to), ``CHUNK`` a sealed chunk (``rescue.chunks``: sent once,
+before the first snapshot that refers to it; both ends keep it while one of the last two
+snapshots refers to it), ``WAKE``
 says "a rescue started: contribute" (passed on around the ring, so ranks stuck in a collective
 with live peers learn of it too), ``BYE`` ends a link on purpose. A link that ends without
 ``BYE`` means its sender is gone: that wakes the receiver like ``WAKE``. A rank that leaves on
@@ -25,16 +28,18 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.rescue.boundary import Snapshot
 
 __all__ = ["BuddyLink", "local_address", "buddy_offset"]
 
 log = get_logger(__name__)
 
-SNAP, WAKE, BYE = 1, 2, 3
+SNAP, WAKE, BYE, CHUNK = 1, 2, 3, 4
 _HEADER = struct.Struct("<BxxxIq")
+_COUNT = struct.Struct("<I")             # a snapshot's chunk ids: their count, then each "<q"
 _HELLO = struct.Struct("<16sq")          # token, sender rank
 _MAX_FRAME = 64 << 20
 _MAX_PENDING = 8 << 20                   # unsent bytes before the link is given up
@@ -74,11 +79,15 @@ class BuddyLink:
         self._in: socket.socket | None = None
         self._lock = threading.Lock()
         self._pending = bytearray()
-        self._held: tuple[tuple[int, bytes], ...] = ()
+        self._held: tuple[Snapshot, ...] = ()
+        self._chunks: dict[int, bytes] = {}           # received, by id
+        # The chunk ids of the last two snapshots sent: what the buddy holds.
+        self._sent: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
         self._closing = False
         self._lost: str | None = None     # why the link to the buddy was given up
         self._lost_said = False
         self.pred_died = False            # the predecessor's link ended without BYE or WAKE
+        self.sent_bytes = 0               # queued to the buddy so far, frame headers included
         self._thread: threading.Thread | None = None
 
     def listen(self, host: str) -> tuple[str, int]:
@@ -122,30 +131,39 @@ class BuddyLink:
 
     # -------------------------------------------------------------------------- sending
 
-    def send(self, step: int, payload: bytes) -> None:
-        """Queue this boundary's snapshot to the buddy without blocking (the training thread).
-        A link lost earlier is reported here, once: only a rank that trains on without it
-        has lost something (see ``_drop``)."""
+    def send(self, step: int, payload: bytes, chunks: Mapping[int, bytes] = {}) -> None:
+        """Queue this boundary's snapshot to the buddy without blocking (the training thread),
+        with the sealed chunks it refers to that the buddy does not hold yet. A link lost
+        earlier is reported here, once: only a rank that trains on without it has lost
+        something (see ``_drop``)."""
         if self._lost is not None and not self._lost_said:
             self._lost_said = True
             log.warning("rescue link to rank %d closed: %s; a rescue after this rank dies will "
                         "lack its per-rank state", self.buddy, self._lost)
-        self._send(SNAP, step, payload)
+        held = self._sent[0] | self._sent[1]
+        for cid, data in chunks.items():
+            if cid not in held:
+                self._send(CHUNK, cid, data)
+        self._sent = (self._sent[1], frozenset(chunks))
+        ids = struct.pack(f"<{len(chunks)}q", *chunks) if chunks else b""
+        self._send(SNAP, step, _COUNT.pack(len(chunks)) + ids, payload)
 
     def wake(self) -> None:
         """Tell the buddy a rescue started (it passes it on)."""
         self._send(WAKE, -1, b"")
 
-    def _send(self, kind: int, step: int, payload: bytes) -> None:
+    def _send(self, kind: int, step: int, *parts: bytes) -> None:
+        size = sum(len(p) for p in parts)
         with self._lock:
             out = self._out
             if out is None:
                 return
+            frame = [_HEADER.pack(kind, size, step), *parts]
+            self.sent_bytes += _HEADER.size + size
             if self._pending:
-                self._pending += _HEADER.pack(kind, len(payload), step) + payload
+                self._pending += b"".join(frame)
                 self._flush(out)
                 return
-            frame = [_HEADER.pack(kind, len(payload), step), payload]
             try:
                 sent = out.sendmsg(frame)
             except BlockingIOError:
@@ -153,7 +171,7 @@ class BuddyLink:
             except OSError:
                 self._drop("the buddy's connection failed")
                 return
-            if sent < _HEADER.size + len(payload):
+            if sent < _HEADER.size + size:
                 self._pending += b"".join(frame)[sent:]
 
     def _flush(self, out: socket.socket) -> None:
@@ -211,8 +229,8 @@ class BuddyLink:
 
     # ------------------------------------------------------------------------ receiving
 
-    def held(self) -> list[tuple[int, bytes]]:
-        """The predecessor's last two snapshots, newest first: ``(step, payload)``."""
+    def held(self) -> list[Snapshot]:
+        """The predecessor's last two snapshots, newest first."""
         return list(reversed(self._held))
 
     def _receive(self) -> None:
@@ -228,7 +246,16 @@ class BuddyLink:
                     break
                 payload = _recv_exact(conn, length) if length else b""
                 if kind == SNAP:
-                    self._held = (self._held[-1:] + ((step, payload),))
+                    snap = self._snapshot(step, payload)
+                    if snap is None:
+                        why = f"rank {self.pred} sent a snapshot without its chunks"
+                        break
+                    self._held = (self._held[-1:] + (snap,))
+                    if self._chunks:     # keep what the two snapshots held refer to
+                        keep = {cid for s in self._held for cid in s.chunks}
+                        self._chunks = {c: d for c, d in self._chunks.items() if c in keep}
+                elif kind == CHUNK:
+                    self._chunks[step] = payload
                 elif kind == WAKE:
                     woken = True
                     self.on_wake(f"a rescue started (passed on by rank {self.pred})")
@@ -243,6 +270,16 @@ class BuddyLink:
             # ``close(clean=False)``): one that ended with neither a goodbye nor a wake died.
             self.pred_died = died and not woken
             self.on_wake(why)
+
+
+    def _snapshot(self, step: int, frame: bytes) -> Snapshot | None:
+        (n,) = _COUNT.unpack_from(frame)
+        ids = struct.unpack_from(f"<{n}q", frame, _COUNT.size)
+        try:
+            chunks = {cid: self._chunks[cid] for cid in ids}
+        except KeyError:
+            return None
+        return Snapshot(step, frame[_COUNT.size + 8 * n:], chunks)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:

@@ -151,9 +151,9 @@ class Rescuer:
 
     def mark(self, step: int) -> None:
         """At every step boundary (the training thread): snapshot, and send it to the buddy."""
-        payload = self.boundary.mark(step)
-        if payload is not None:
-            self.link.send(step, payload)
+        snap = self.boundary.mark(step)
+        if snap is not None:
+            self.link.send(step, snap.payload, snap.chunks)
 
     def freeze(self) -> bool:
         """Stop the training thread at its next optimizer step or boundary (any other thread
@@ -185,13 +185,14 @@ class Rescuer:
             self.link.wake()
 
     def _offer(self) -> None:
-        items = [(self.rank, s.step, s.payload) for s in self.boundary.snapshots()]
-        items += [(self.link.pred, step, payload) for step, payload in self.link.held()]
-        for rank, step, payload in items:
+        items = [(self.rank, s) for s in self.boundary.snapshots()]
+        items += [(self.link.pred, s) for s in self.link.held()]
+        for rank, snap in items:
+            step = snap.step
             if (rank, step) in self._offered:
                 continue
             try:
-                self.files.put(rank, step, payload)
+                self.files.put(rank, step, snap.whole())
                 self._offered.add((rank, step))
             except OSError as e:
                 log.warning("rescue: cannot offer rank %d's state of step %d in %s: %s", rank,

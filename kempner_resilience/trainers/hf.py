@@ -43,6 +43,7 @@ from typing import Any, Mapping
 
 from kempner_resilience.config import ExitMode, ResilienceConfig
 from kempner_resilience.core.log import announce, get_logger
+from kempner_resilience.rescue.chunks import GrowingText
 from kempner_resilience.run.resilient import ResilientRun
 
 __all__ = ["ResilientTrainer", "TrainerProgress"]
@@ -50,6 +51,7 @@ __all__ = ["ResilientTrainer", "TrainerProgress"]
 log = get_logger(__name__)
 
 _STATE_FILE = "trainer_state.json"     # transformers.trainer.TRAINER_STATE_NAME
+_EMPTY = GrowingText()                 # never appended to
 
 
 class TrainerProgress:
@@ -60,14 +62,29 @@ class TrainerProgress:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.loaded: str | None = None     # the JSON a resume restored
-        # The log history written so far: (the list, entries written, their JSON, the last one).
-        self._history: tuple[list[Any], int, str, Any] | None = None
+        # The log history written so far: (the list, entries written, the last one written),
+        # and those entries' JSON.
+        self._history: tuple[list[Any], int, Any] | None = None
+        self._text = GrowingText()
 
     def state_dict(self) -> dict[str, Any]:
         """The ``TrainerState`` as JSON, with the stateful callbacks' state as the Trainer's own
-        checkpoint merges it. Called at every step boundary (the rescue's snapshot): the JSON is
-        written straight from the live fields, not from a deep copy and ``asdict`` (80 of the
-        90 us this took); the live state is not changed."""
+        checkpoint merges it."""
+        head, history, tail = self._json()
+        return {"json": head + history.value(tail[0]) + tail[1]}
+
+    def snapshot_state(self) -> dict[str, Any]:
+        """``state_dict()`` for the step's rescue snapshot (at every step boundary): the same
+        JSON, but the log history written at earlier steps goes in as sealed chunks, which the
+        buddy link sends once (``rescue.chunks``)."""
+        head, history, tail = self._json()
+        return {"json": history.parts(head, tail[0] + tail[1])}
+
+    def _json(self) -> tuple[str, GrowingText, tuple[str, str]]:
+        """The JSON in three parts: up to the log history's first entry, the history's entries
+        but the last (each followed by ", "), and (the last entry, the rest). Written straight
+        from the live fields, not from a deep copy and ``asdict`` (80 of the 90 us this took);
+        the live state is not changed."""
         from transformers.trainer_callback import ExportableState
 
         t = self.trainer
@@ -84,34 +101,32 @@ class TrainerProgress:
         fields["stateful_callbacks"] = callbacks
         history = fields["log_history"]
         if not isinstance(history, list) or not history:
-            return {"json": json.dumps(fields, sort_keys=True, default=_as_json)}
+            return json.dumps(fields, sort_keys=True, default=_as_json), _EMPTY, ("", "")
         fields["log_history"] = []
         text = json.dumps(fields, sort_keys=True, default=_as_json)
         # The key's first match: a string holding it would have its quotes escaped.
-        return {"json": text.replace('"log_history": []',
-                                     f'"log_history": [{self._history_json(history)}]', 1)}
+        at = text.index('"log_history": [') + len('"log_history": [')
+        return text[:at], self._written(history), \
+            (json.dumps(history[-1], sort_keys=True, default=_as_json), text[at:])
 
-    def _history_json(self, history: list[Any]) -> str:
-        """The log history's entries as JSON, joined as ``json.dumps`` joins a list's items.
-        The Trainer only appends to it, so the entries written at an earlier step are kept as
-        text and only the new ones written (about 5 us each here: with a log line every step,
-        a long run would spend milliseconds per step on its history). The last entry is always
-        written again (a callback may still add to the newest line), and a list replaced or
-        cut short is written whole."""
-        done, head, last = 0, "", None
+    def _written(self, history: list[Any]) -> GrowingText:
+        """The log history's entries but the last, as JSON (each followed by ", ", as
+        ``json.dumps`` joins a list's items). The Trainer only appends to it, so the entries
+        written at an earlier step are kept and only the new ones written (about 5 us each
+        here). The last entry is always written again (a callback may still add to the newest
+        line), and a list replaced or cut short is written whole."""
+        done = 0
         if self._history is not None:
-            lst, done, head, last = self._history
+            lst, done, last = self._history
             if lst is not history or done > len(history) - 1 or \
                     (done and history[done - 1] is not last):
-                done, head = 0, ""
-        new = [json.dumps(e, sort_keys=True, default=_as_json)
-               for e in history[done:len(history) - 1]]
-        if new:
-            head = ", ".join([head, *new]) if head else ", ".join(new)
-            done = len(history) - 1
-        self._history = (history, done, head, history[done - 1] if done else None)
-        tail = json.dumps(history[-1], sort_keys=True, default=_as_json)
-        return f"{head}, {tail}" if head else tail
+                done = 0
+                self._text.clear()
+        for e in history[done:len(history) - 1]:
+            self._text.append(json.dumps(e, sort_keys=True, default=_as_json) + ", ")
+        done = len(history) - 1
+        self._history = (history, done, history[done - 1] if done else None)
+        return self._text
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.loaded = str(sd["json"])
