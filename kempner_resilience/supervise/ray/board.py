@@ -45,10 +45,6 @@ class _StopBoard:
         await self._event.wait()
         return self._signum
 
-    async def peek(self) -> int:
-        """The posted signal number, 0 while none."""
-        return self._signum
-
 
 def create_board() -> Any:
     """A new stop board actor (no CPU reserved: it must start even on a full cluster)."""

@@ -10,6 +10,7 @@ recorded in the run's ``bad-nodes.json``.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from typing import Any, Callable, Collection, Sequence
@@ -72,11 +73,17 @@ def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
                                         restarts=restarts, stalled=stalled,
                                         commits=Commits(before, newest_commit(paths)))
         bad_nodes |= dead
-        log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
-                    [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,
-                    decision.code, decision.why)
-        if dead:
-            _remember(paths, _hostnames(ray, dead))
+        said = [f"{e.code} ({type(o).__name__})" if isinstance(o, BaseException) else str(e.code)
+                for o, e in zip(outcomes, ends)]     # the error's name when a call raised
+        log.warning("group %d ended %s: %s, exit %d (%s)", restarts, said,
+                    decision.action.value, decision.code, decision.why)
+        if dead:    # the run's bad-node record (``slurm/badnodes.py``): a requeue keeps them out
+            hosts = _hostnames(ray, dead)
+            try:
+                record_bad_nodes(paths, hosts, reason="a Ray node died under a training actor",
+                                 job_id=os.environ.get("SLURM_JOB_ID"))
+            except OSError as e:    # the memory is lost, never the checkpoint
+                log.warning("could not record bad nodes %s: %s", sorted(hosts), e)
         if not recreates(decision):
             if decision.action is Action.REQUEUE:   # another allocation, without the dead nodes
                 driver.requeue(decision.why, exclude=_hostnames(ray, bad_nodes))
@@ -89,21 +96,13 @@ def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
         restarts, stalled = restarts + 1, decision.stalled
 
 
-def _describe(outcome: Any, end: RankEnd) -> str:
-    """A rank's ending for the log: its code, and the error when its call raised."""
-    if isinstance(outcome, BaseException):
-        return f"{end.code} ({type(outcome).__name__})"
-    return str(end.code)
-
-
 def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, restarts: int,
                    stalled: int, commits: Commits, dead: frozenset[str] = frozenset(),
                    spares: int | None = None) -> Evidence:
-    """The policy's evidence after one incarnation of the group: its actors' endings, the
-    budget (``requeue.max_restarts``) and the no-progress guard (``requeue.max_no_progress``)
-    of the config, the committed steps before and after, the Ray nodes that died under an actor
-    (implicated) and the live nodes beside the group's (``spares``; None when no node died:
-    the group comes back where Ray places it)."""
+    """The policy's evidence after one incarnation of the group, with the config's budget and
+    no-progress guard. ``dead``: the Ray nodes that died under an actor (implicated);
+    ``spares``: the live nodes beside the group's (None when no node died: the group comes
+    back where Ray places it)."""
     return Evidence(ends, restarts=restarts, max_restarts=config.requeue.restart_limit,
                     commits=commits, stalled=stalled,
                     max_no_progress=config.requeue.max_no_progress, implicated=dead,
@@ -125,11 +124,9 @@ def group_decision(ends: tuple[RankEnd, ...], config: ResilienceConfig, *,
                    commits: Commits) -> tuple[Decision, frozenset[str]]:
     """The policy's answer after one incarnation, and the Ray nodes newly found dead under it.
 
-    ``nodes[r]``: the Ray node of rank ``r``'s actor; ``lost``: the nodes of the actors that
-    are gone (``lost_nodes``); ``alive``: the nodes Ray holds alive once those that are silent
-    were waited on (``_alive_nodes``); ``bad``: the nodes that died under an earlier
-    incarnation. A lost actor's node is dead when Ray no longer holds it alive; the spares are
-    then the live nodes beside the group's."""
+    ``nodes[r]``: rank ``r``'s Ray node; ``lost``: ``lost_nodes``; ``alive``: ``_alive_nodes``;
+    ``bad``: the nodes that died under an earlier incarnation. A lost actor's node is dead when
+    Ray no longer holds it alive; the spares are then the live nodes beside the group's."""
     dead = frozenset(lost - set(alive) - set(bad))
     spares = len(set(alive) - set(nodes) - set(bad) - dead) if dead else None
     return decide(group_evidence(ends, config, restarts=restarts, stalled=stalled,
@@ -177,14 +174,3 @@ def _hostnames(ray: Any, node_ids: set[str]) -> set[str]:
     """The host names of Ray nodes (SLURM's node names: short host names)."""
     return {short_host(str(n.get("NodeManagerHostname", ""))) for n in ray.nodes()
             if n.get("NodeID") in node_ids} - {""}
-
-
-def _remember(paths: RunPaths, hosts: set[str]) -> None:
-    """The run's bad-node record (``slurm/badnodes.py``): a requeue keeps them out."""
-    import os
-
-    try:
-        record_bad_nodes(paths, hosts, reason="a Ray node died under a training actor",
-                         job_id=os.environ.get("SLURM_JOB_ID"))
-    except OSError as e:    # the memory is lost, never the checkpoint
-        log.warning("could not record bad nodes %s: %s", sorted(hosts), e)
