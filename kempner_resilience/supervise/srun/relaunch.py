@@ -22,7 +22,8 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import last_rescue, ledger_so_far, record_restart
-from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port, node_name
+from kempner_resilience.slurm.env import (SlurmJob, expand_hostlist, master_port, node_name,
+                                          tasks_per_node)
 from kempner_resilience.supervise.local.warm import UNBUFFERED, warm_command
 from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
 from kempner_resilience.supervise.srun.standby import Standby
@@ -78,8 +79,7 @@ class Relauncher:
         if self.spares < 0 or self.need < 1:
             raise ValueError(f"--spares {self.spares} leaves no node to train on in an "
                              f"allocation of {len(self.nodes)}; ask sbatch for N + spares nodes")
-        tpn = (env.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0]
-        self.tasks_per_node = int(tpn) if tpn.isdigit() else 1
+        self.tasks_per_node = tasks_per_node(env.get("SLURM_NTASKS_PER_NODE"), 0) or 1
         base = env.get("MASTER_PORT")
         self.port = int(base) if base and base.isdigit() else master_port(job.job_id)
         self._relaunches = 0                 # in-job restarts so far (the ledger's relaunch)
@@ -98,6 +98,10 @@ class Relauncher:
     def requeue_config(self) -> RequeueConfig:
         """The run's requeue settings as rank 0 reported them, else ``--config``/``--set``'s."""
         return self.channel.requeue(self.config.requeue)
+
+    def _bad(self) -> set[str]:
+        """The nodes to keep out: the run's record and this job's failures."""
+        return bad_nodes(self.run_paths) | self._bad_here
 
     # ------------------------------------------------------------------ the loop
 
@@ -122,28 +126,28 @@ class Relauncher:
         COMPLETING until it notices a dead node (measured: 300 s, COMPLETED at once after the
         shrink). scontrol writes its resize scripts into its cwd: the channel, removed next."""
         batch = node_name(self.environ)
-        keep = [n for n in self.nodes if n not in dead or n == batch]
-        if not dead - {batch} or batch not in self.nodes:
+        gone = ",".join(sorted(dead - {batch}))
+        if not gone or batch not in self.nodes:
             return
+        keep = [n for n in self.nodes if n not in dead or n == batch]
         cmd = ["scontrol", "update", f"JobId={self.job.job_id}", f"NodeList={','.join(keep)}"]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=END_STEP_S,
                                  stdin=subprocess.DEVNULL, cwd=self.channel.root)
         except (OSError, subprocess.TimeoutExpired) as e:
             _log.warning("could not give back node(s) %s (%s): the job may stay COMPLETING "
-                         "until SLURM notices them", ",".join(sorted(dead - {batch})), e)
+                         "until SLURM notices them", gone, e)
             return
         if out.returncode:
-            _log.warning("could not give back node(s) %s: %s", ",".join(sorted(dead - {batch})),
-                         (out.stderr or out.stdout).strip())
+            _log.warning("could not give back node(s) %s: %s", gone, (out.stderr or out.stdout).strip())
         else:
             _log.info("gave back node(s) %s: the job ends without waiting for SLURM to notice "
-                      "them", ",".join(sorted(dead - {batch})))
+                      "them", gone)
 
     def _loop(self) -> tuple[int, bool]:
         index = 0
         while True:
-            bad = bad_nodes(self.run_paths) | self._bad_here
+            bad = self._bad()
             nodes = choose_nodes(self.nodes, bad, self.need)
             if nodes is None and index == 0 and self.job.restart_count > 0:
                 # A requeue could not keep this job off its bad nodes (too few others): another
@@ -159,7 +163,7 @@ class Relauncher:
                        f"{self.need} needed")
                 _log.error("%s: requeueing", why)
                 return self._hand_off((RankEnd(int(ExitCode.PEER_LOST)),))
-            before = self._committed_step()
+            before = newest_commit(self.run_paths)
             res = self.run_step(nodes, index)
             if self.agents:
                 return self._after_agents(res, index)
@@ -174,8 +178,7 @@ class Relauncher:
             if decision.kind is Kind.FAILURE and not ev.stopping and implicated:
                 self._record_bad(implicated, reason)
             if decision.action is Action.RELAUNCH:
-                nxt = choose_nodes(self.nodes, bad_nodes(self.run_paths) | self._bad_here,
-                                   self.need) or []
+                nxt = choose_nodes(self.nodes, self._bad(), self.need) or []
                 spare = sorted(set(nxt) - set(nodes))
                 _log.warning("step %d failed (%s): relaunching in place on %s (spare %s): %s",
                              index, what, ",".join(nxt), ",".join(spare) or "-", decision.why)
@@ -195,7 +198,6 @@ class Relauncher:
                     committed_before: int | None) -> tuple[Evidence, Decision]:
         """The policy's decision on step ``index``'s evidence (``evidence.py``); acts on nothing."""
         cfg = self.requeue_config()
-        bad = bad_nodes(self.run_paths) | self._bad_here
         # A relaunch in place is a restart too: the run's budget (requeue.max_restarts, less
         # what SLURM's requeues used of it) caps the loop's own, so 0 runs the step once.
         limit, restarts = cfg.restart_limit, self.job.restart_count
@@ -204,9 +206,10 @@ class Relauncher:
         state = LoopState(
             relaunches=index, max_relaunches=in_place,
             requeue_left=bool(cfg.enabled) and (limit is None or restarts < limit),
-            committed_before=committed_before, committed_now=self._committed_step(),
+            committed_before=committed_before, committed_now=newest_commit(self.run_paths),
             stalled=self._stalled, max_no_progress=int(cfg.max_no_progress),
-            spares=len(set(self.nodes) - bad - set(res.report.nodes)), stopping=self.stopping)
+            spares=len(set(self.nodes) - self._bad() - set(res.report.nodes)),
+            stopping=self.stopping)
         seen = self.channel.hang_seen(f"{self.job.restart_count}.{index}")
         ev = step_evidence(res.report, state, srun_code=res.code, ended_by_loop=res.ended_by_us,
                            hang_seen=seen, tasks_per_node=self.tasks_per_node)
@@ -245,15 +248,11 @@ class Relauncher:
             return "rank killed"
         return "peer lost"
 
-    def _committed_step(self) -> int | None:
-        return newest_commit(self.run_paths)
-
     def _requeue(self, decision: Decision) -> tuple[int, bool]:
         """The policy's REQUEUE: after 75 rank 0 requeued the job itself; else the hand-off."""
-        code = decision.code
         if decision.kind is Kind.REQUESTED:
-            return code, False
-        return self._hand_off((RankEnd(code, signaled=code > 128),))
+            return decision.code, False
+        return self._hand_off((RankEnd(decision.code, signaled=decision.code > 128),))
 
     def _hand_off(self, ends: tuple[RankEnd, ...]) -> tuple[int, bool]:
         """The job to SLURM after a failure the ranks left to us, decided as for rank 0
@@ -266,7 +265,7 @@ class Relauncher:
             return code, False
         # Before the requeue (it SIGKILLs this batch step at once): the nodes the job trains on.
         decision, result = requeue_run(
-            self.job, self.run_paths, self.requeue_config(), self._committed_step(), ends=ends,
+            self.job, self.run_paths, self.requeue_config(), newest_commit(self.run_paths), ends=ends,
             exclude=self._bad_here, min_nodes=self.need,
             before=lambda: self.channel.record_train_nodes(self.need))
         if decision.guard is Guard.NOTHING_COMMITTED:
@@ -291,7 +290,7 @@ class Relauncher:
             relaunch_s = time.time() - res.ended_t
         record_restart(self.run_paths, relaunch=self._relaunches + 1, reason=reason,
                        bad_nodes=bad, spare=",".join(spare) or None,
-                       step=self._committed_step(), failure_t=res.first_bad_t,
+                       step=newest_commit(self.run_paths), failure_t=res.first_bad_t,
                        detect_s=detect_s, rescue_s=rescue_s, relaunch_s=relaunch_s, **ids)
         self._relaunches += 1
 
@@ -318,7 +317,7 @@ class Relauncher:
         env["MASTER_ADDR"] = nodes[0]
         # A fresh port for each step: the old rendezvous' port may still be held on a survivor.
         env["MASTER_PORT"] = str(self.port + index)
-        env.update(self.channel.env())       # IN_JOB_ENV: the loop owns the run-again
+        env.update(self.channel.env())       # the channel: the loop owns the run-again
         return env
 
     def run_step(self, nodes: Sequence[str], index: int) -> StepResult:
