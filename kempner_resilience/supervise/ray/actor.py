@@ -26,8 +26,7 @@ from kempner_resilience.supervise.ray.board import BoardWatcher
 from kempner_resilience.supervise.endings import RankEnding
 from kempner_resilience.supervise.policy import KILLED, RankEnd
 
-__all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group", "actor_ends",
-           "actor_died"]
+__all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group", "actor_ends", "actor_died"]
 
 log = get_logger(__name__)
 
@@ -63,8 +62,7 @@ def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stoppin
         if rank in killed:
             ends.append(RankEnd(int(ExitCode.HANG), by_supervisor=True))
         elif isinstance(ending, ActorEnding):
-            evicted = ending.code == int(ExitCode.SIGTERM) and not ending.from_driver \
-                and not driver_stopping
+            evicted = ending.code == int(ExitCode.SIGTERM) and not ending.from_driver and not driver_stopping
             ends.append(RankEnd(int(ExitCode.REQUEUE) if evicted else ending.code))
         elif actor_died(out):
             ends.append(recorded[rank].end() if recorded and rank in recorded else KILLED)
@@ -196,8 +194,7 @@ class TrainingActor:
                       "group", DeprecationWarning, stacklevel=2)
         return self.kr_address()
 
-    def init_group(self, rank: int, world_size: int, addr: str, port: int,
-                   backend: str = "gloo") -> None:
+    def init_group(self, rank: int, world_size: int, addr: str, port: int, backend: str = "gloo") -> None:
         """Deprecated: the driver forms the group (``RayDriver.run_group``)."""
         warnings.warn("TrainingActor.init_group is deprecated: RayDriver.run_group forms the "
                       "group", DeprecationWarning, stacklevel=2)

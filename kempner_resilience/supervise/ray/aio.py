@@ -127,7 +127,6 @@ def _stop_all_actors() -> None:
     done, pending = concurrent.futures.wait(futures, timeout=bound)
     stopped = sum(f.result() for f in done if f.exception() is None)
     if pending:
-        log.error("SIGTERM: %d actor(s) still cleaning up after %.0f s; exiting anyway",
-                  len(pending), bound)
+        log.error("SIGTERM: %d actor(s) still cleaning up after %.0f s; exiting anyway", len(pending), bound)
     else:
         log.warning("SIGTERM: %d main task(s) cancelled and cleaned up", stopped)

@@ -74,8 +74,7 @@ class BoardWatcher:
         self.signum: int | None = None      # what the board said, once it did
         self.delivered = False
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="kempner-ray-board",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="kempner-ray-board", daemon=True)
 
     def start(self) -> "BoardWatcher":
         self._thread.start()

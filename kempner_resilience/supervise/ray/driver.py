@@ -108,8 +108,7 @@ class RayDriver:
         bound = (self.config.rescue.budget_s if self.config is not None else 120.0) + 30.0
         killed = self._wait_training(refs, cancel, bound, stop_on_error=True)
         if killed:
-            log.error("rank(s) %s did not end %.0f s after the loss: killing every actor",
-                      killed, bound)
+            log.error("rank(s) %s did not end %.0f s after the loss: killing every actor", killed, bound)
             kill_actors(self.actors)
         self.finish(cancel)
         results = [_result_of(r) for r in refs]
@@ -260,8 +259,7 @@ class RayDriver:
                 name = signal.Signals(signum).name
                 asks = self.signals.handled().get(name) is Action.REQUEUE
                 verdict = self.requeue(name) if asks and saved is Saved.COMMITTED else None
-            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
-                                       requeue=verdict)))
+            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved, requeue=verdict)))
         log.warning("every actor done %.1f s after the stop; shutting Ray down, exit %d",
                     time.monotonic() - started, code)
         ray.shutdown()
@@ -269,8 +267,7 @@ class RayDriver:
             raise error
         raise SystemExit(code)
 
-    def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
-                         also: Sequence[Any] = ()) -> list[Any]:
+    def _cancel_and_wait(self, cancel: list[Any], bound: float, *, also: Sequence[Any] = ()) -> list[Any]:
         """Cancel ``cancel`` without force, wait for it and ``also`` up to ``bound`` s; what
         is not done."""
         import ray

@@ -17,8 +17,7 @@ from typing import Any, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger, set_role
-from kempner_resilience.supervise.ray.actor import (TrainingActor, actor_died, init_group,
-                                                    kill_actors)
+from kempner_resilience.supervise.ray.actor import TrainingActor, actor_died, init_group, kill_actors
 
 __all__ = ["WorkerGroup", "Worker", "GroupLost"]
 
@@ -83,8 +82,7 @@ class Worker:
         """Load this actor's state from ``directory`` (collective over the group)."""
         from kempner_resilience.checkpoint.partsave import load_part
 
-        return load_part(self._kr_state(), Path(directory), manifest, self.kr_rank,
-                         self.kr_world_size)
+        return load_part(self._kr_state(), Path(directory), manifest, self.kr_rank, self.kr_world_size)
 
 
 class WorkerGroup:

@@ -24,11 +24,9 @@ from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.slurm.env import short_host
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.endings import endings_since
-from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
-                                                 RankEnd, decide)
+from kempner_resilience.supervise.policy import Action, Commits, Decision, Evidence, Kind, RankEnd, decide
 
-__all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evidence",
-           "recreates"]
+__all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evidence", "recreates"]
 
 log = get_logger(__name__)
 
@@ -109,13 +107,11 @@ def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, resta
                     spares=spares)
 
 
-def lost_nodes(outcomes: Sequence[Any], killed: Sequence[int],
-               nodes: Sequence[str]) -> frozenset[str]:
+def lost_nodes(outcomes: Sequence[Any], killed: Sequence[int], nodes: Sequence[str]) -> frozenset[str]:
     """The Ray nodes of the actors whose process is gone (Ray's ``RayActorError``; not those
     the driver killed): the nodes a failure may have taken, whatever the rank recorded before
     it went (its node may have died after)."""
-    return frozenset(nodes[r] for r, out in enumerate(outcomes)
-                     if r not in killed and _actor_died(out))
+    return frozenset(nodes[r] for r, out in enumerate(outcomes) if r not in killed and _actor_died(out))
 
 
 def group_decision(ends: tuple[RankEnd, ...], config: ResilienceConfig, *,
@@ -137,8 +133,7 @@ def recreates(d: Decision) -> bool:
     """A new group in this driver: a relaunch, or a requeue the actors asked for (Ray is the
     scheduler that places them again); a requeue for want of a spare node needs another
     allocation, which only the driver's own scheduler (SLURM) can give."""
-    return d.action is Action.RELAUNCH or (d.action is Action.REQUEUE
-                                           and d.kind is Kind.REQUESTED)
+    return d.action is Action.RELAUNCH or (d.action is Action.REQUEUE and d.kind is Kind.REQUESTED)
 
 
 def _alive_nodes(ray: Any, lost: Collection[str]) -> set[str]:

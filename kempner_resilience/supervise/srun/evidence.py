@@ -64,8 +64,7 @@ def step_evidence(report: StepReport, state: LoopState, *, srun_code: int, ended
     nodes it implicates (``StepReport.implicated`` with the ranks' hang marks ``hang_seen``)
     and the loop's ``state``. The loop's budget is of relaunches in place; SLURM stands behind
     it while its requeue budget lasts (``Evidence.scheduler_left``)."""
-    ends = task_ends(report, srun_code=srun_code, ended_by_loop=ended_by_loop,
-                     tasks_per_node=tasks_per_node)
+    ends = task_ends(report, srun_code=srun_code, ended_by_loop=ended_by_loop, tasks_per_node=tasks_per_node)
     return Evidence(ends, restarts=state.relaunches, max_restarts=state.max_relaunches,
                     commits=Commits(state.committed_before, state.committed_now),
                     stalled=state.stalled, max_no_progress=state.max_no_progress,

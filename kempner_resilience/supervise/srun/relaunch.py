@@ -22,14 +22,13 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import last_rescue, ledger_so_far, record_restart
-from kempner_resilience.slurm.env import (SlurmJob, expand_hostlist, master_port, node_name,
-                                          tasks_per_node)
+from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port, node_name, tasks_per_node
 from kempner_resilience.supervise.local.warm import UNBUFFERED, warm_command
 from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
 from kempner_resilience.supervise.srun.standby import Standby
 from kempner_resilience.supervise.srun.taskends import StepReport, choose_nodes
-from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
-                                               StepResult)
+from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S,
+                                                    SrunStep, StepResult)
 from kempner_resilience.supervise.channel import Channel, newest_commit
 from kempner_resilience.supervise.policy import (Action, Decision, Evidence, Guard, Kind, RankEnd,
                                                  decide, job_code)
@@ -37,6 +36,7 @@ from kempner_resilience.supervise.policy import (Action, Decision, Evidence, Gua
 __all__ = ["Relauncher", "StepResult", "run_in_place", "FINISHED_GRACE_S"]
 
 _log = get_logger(__name__)
+
 
 @dataclass
 class Relauncher:
@@ -173,8 +173,7 @@ class Relauncher:
             self._stalled = decision.stalled
             implicated = set(ev.implicated)
             reason, where = self._reason(res.report), ",".join(sorted(implicated)) or "?"
-            what = f"{reason} on {where}" if decision.kind is Kind.FAILURE \
-                else decision.kind.value
+            what = f"{reason} on {where}" if decision.kind is Kind.FAILURE else decision.kind.value
             if decision.kind is Kind.FAILURE and not ev.stopping and implicated:
                 self._record_bad(implicated, reason)
             if decision.action is Action.RELAUNCH:
@@ -190,8 +189,7 @@ class Relauncher:
                              decision.code, what, decision.why)
                 return self._requeue(decision)
             log = _log.info if decision.code == 0 else _log.warning
-            log("step %d ended with %d (%s): the job ends: %s", index, decision.code, what,
-                decision.why)
+            log("step %d ended with %d (%s): the job ends: %s", index, decision.code, what, decision.why)
             return decision.code, False
 
     def _after_step(self, res: StepResult, index: int,
@@ -238,8 +236,7 @@ class Relauncher:
         return self._hand_off(end)
 
     def _reason(self, report: StepReport) -> str:
-        if any(e.node_failure for e in report.ends) or (set(report.nodes)
-                                                        - {e.node for e in report.ends}):
+        if any(e.node_failure for e in report.ends) or (set(report.nodes) - {e.node for e in report.ends}):
             return "node lost"
         codes = report.codes
         if int(ExitCode.HANG) in codes:
@@ -277,13 +274,11 @@ class Relauncher:
         # (or the user, from the log's fix) may still requeue it.
         return (code, True) if result.ok else (int(ExitCode.REQUEUE_FAILED), False)
 
-    def _ledger_restart(self, res: StepResult, reason: str, bad: set[str],
-                        spare: list[str]) -> None:
+    def _ledger_restart(self, res: StepResult, reason: str, bad: set[str], spare: list[str]) -> None:
         """The ``restart`` event (``core.ledger``), its parts back to back so that ``report``
         adds them up: detection (less the rescue, which runs meanwhile), rescue, relaunch."""
         events, ids = ledger_so_far(self.run_paths)
-        rescue_s = None if res.first_bad_t is None \
-            else last_rescue(events, res.first_bad_t - 120)[1]
+        rescue_s = None if res.first_bad_t is None else last_rescue(events, res.first_bad_t - 120)[1]
         detect_s = relaunch_s = None
         if res.first_bad_t is not None and res.ended_t is not None:
             detect_s = max(0.0, res.ended_t - res.first_bad_t - (rescue_s or 0.0))
@@ -301,8 +296,7 @@ class Relauncher:
         why = self.standby.gone() if self.standby is not None else None
         if why is not None:
             # Each shim would wait for it before starting its rank cold.
-            _log.warning("step %d: the standby step is over (%s): its ranks start cold", index,
-                         why)
+            _log.warning("step %d: the standby step is over (%s): its ranks start cold", index, why)
             self.standby = None
         # --overlap on a relaunch: the old step holds the survivors' CPUs until SLURM notices
         # the dead node (measured: pending past 30 s without it, started at once with it).
@@ -341,8 +335,7 @@ def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,
                  in_job_restarts: int, agents: bool = False,
                  srun_args: Sequence[str] = ()) -> int:
     """``kempner-resilience srun``: the loop here; signals only stop relaunches."""
-    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents,
-                      srun=("srun", *srun_args))
+    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents, srun=("srun", *srun_args))
 
     def stop(signum: int, frame: object) -> None:
         loop.stopping = True       # only recorded: srun and the ranks get the signal from SLURM

@@ -80,8 +80,7 @@ def main(argv: list[str]) -> None:
     answers = sock.makefile("rb")
     sock.settimeout(_READY_S)
     try:
-        sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                  array.array("i", [0, 1, 2]))])
+        sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
         first = json.loads(answers.readline() or b"{}")
     except (OSError, ValueError):
         first = {}

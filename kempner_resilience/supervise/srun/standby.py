@@ -50,8 +50,7 @@ class Standby:
                f"--nodelist={','.join(nodes)}", sys.executable, warm.__file__, "--listen", name,
                options]
         _log.info("standby: warm ranks forked on every node (%s)", ",".join(nodes))
-        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         return cls(proc, name, job_id)
 
     def gone(self) -> str | None:

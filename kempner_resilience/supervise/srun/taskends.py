@@ -108,8 +108,7 @@ class StepReport:
         killed = {c for c in self.codes if c > 128} - {int(ExitCode.SIGTERM), int(ExitCode.SIGINT)}
         return bool(self.codes & FAILURE_CODES or killed or any(e.node_failure for e in self.ends))
 
-    def implicated(self, hang_seen: set[int] | None = None,
-                   tasks_per_node: int = 1) -> set[str]:
+    def implicated(self, hang_seen: set[int] | None = None, tasks_per_node: int = 1) -> set[str]:
         """The nodes to keep out: those declared dead or silent, else those whose own tasks
         failed (not the survivors' PEER_LOST/SIGTERM). When every node looks guilty, the nodes
         of the ranks missing from ``hang_seen``: a rank hung with the GIL held cannot say its
