@@ -1,11 +1,9 @@
 """The Ray backend of the one supervisor: a training group whose actor died comes back.
 
-The actors of a group end as ranks end: a dead actor's call fails with ``RayActorError`` (Ray
-gives no code, so the driver reads the ending the rank recorded, ``supervise/endings.py``);
-the survivors rescue and end with 81. ``supervise`` turns those endings into ``Evidence`` and
-acts on ``decide``: a new group in the same driver from the newest commit, a requeue of the
-SLURM job without the dead nodes, or leave with the code. Nodes that died under an actor are
-recorded in the run's ``bad-nodes.json``.
+A dead actor's call fails with ``RayActorError`` and no code, so its ending is the one the rank
+recorded (``supervise/endings.py``); the survivors rescue and end with 81. ``supervise`` acts
+on ``decide``: a new group from the newest commit, a requeue of the SLURM job without the dead
+nodes (kept in the run's ``bad-nodes.json``), or leave with the code.
 """
 
 from __future__ import annotations
