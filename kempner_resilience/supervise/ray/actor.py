@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -25,8 +26,7 @@ from kempner_resilience.supervise.ray.board import BoardWatcher
 from kempner_resilience.supervise.endings import RankEnding
 from kempner_resilience.supervise.policy import KILLED, RankEnd
 
-__all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group", "actor_ends",
-           "actor_died"]
+__all__ = ["TrainingActor", "ActorEnding", "stop_context", "init_group", "actor_ends", "actor_died"]
 
 log = get_logger(__name__)
 
@@ -45,6 +45,11 @@ class ActorEnding:
         return self.code != 0
 
 
+def ending_of(outcome: Any) -> Any:
+    """A training call's ending: its outcome, or the ``"ending"`` of a ``kr_call`` result."""
+    return outcome.get("ending") if isinstance(outcome, dict) else outcome
+
+
 def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
                recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
     """Each training call's outcome (an ``ActorEnding``, or its exception) as its rank's
@@ -53,18 +58,14 @@ def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stoppin
     node (a drain, an eviction): like a preemption, it asks to run again (75)."""
     ends = []
     for rank, out in enumerate(outcomes):
-        ending = out.get("ending") if isinstance(out, dict) else out
+        ending = ending_of(out)
         if rank in killed:
             ends.append(RankEnd(int(ExitCode.HANG), by_supervisor=True))
         elif isinstance(ending, ActorEnding):
-            code = ending.code
-            if code == int(ExitCode.SIGTERM) and not ending.from_driver \
-                    and not driver_stopping:
-                code = int(ExitCode.REQUEUE)
-            ends.append(RankEnd(code))
+            evicted = ending.code == int(ExitCode.SIGTERM) and not ending.from_driver and not driver_stopping
+            ends.append(RankEnd(int(ExitCode.REQUEUE) if evicted else ending.code))
         elif actor_died(out):
-            ends.append(recorded[rank].end() if recorded and rank in recorded
-                        else KILLED)
+            ends.append(recorded[rank].end() if recorded and rank in recorded else KILLED)
         else:   # the training raised an error of its own (Ray's RayTaskError): a bug
             ends.append(RankEnd(int(ExitCode.ERROR)))
     return tuple(ends)
@@ -101,14 +102,7 @@ def init_group(rank: int, world_size: int, addr: str, port: int, *,
     # without it that is 127.0.0.1, unreachable from another node.
     os.environ["MASTER_ADDR"] = addr
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 @contextlib.contextmanager
@@ -150,20 +144,14 @@ def stop_context(board: Any) -> Iterator[ActorEnding]:
             watcher.stop()
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    if ending.stopped and not ending.from_driver and ending.code == 143:
-        _exit_after_return(ending.code)
+    if ending.code == 143 and not ending.from_driver:
+        # Leave once this method's result is on its way: ``exit_actor`` from a thread would
+        # race the return; a short delay, then a plain exit, is bounded.
+        def leave() -> None:
+            time.sleep(1.0)
+            os._exit(ending.code)
 
-
-def _exit_after_return(code: int) -> None:
-    """Leave once this method's result is on its way (``exit_actor`` from a thread would race
-    the return; a short delay then a plain exit is bounded)."""
-    def leave() -> None:
-        import time
-
-        time.sleep(1.0)
-        os._exit(code)
-
-    threading.Thread(target=leave, name="kempner-ray-exit", daemon=True).start()
+        threading.Thread(target=leave, name="kempner-ray-exit", daemon=True).start()
 
 
 class TrainingActor:
@@ -181,7 +169,9 @@ class TrainingActor:
         """This actor's node address and a free port on it: rank 0's, for the group."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), int(s.getsockname()[1])
 
     def kr_setup(self, rank: int, world_size: int, addr: str, port: int,
                  config: ResilienceConfig | None = None, board: Any = None,
@@ -204,8 +194,7 @@ class TrainingActor:
                       "group", DeprecationWarning, stacklevel=2)
         return self.kr_address()
 
-    def init_group(self, rank: int, world_size: int, addr: str, port: int,
-                   backend: str = "gloo") -> None:
+    def init_group(self, rank: int, world_size: int, addr: str, port: int, backend: str = "gloo") -> None:
         """Deprecated: the driver forms the group (``RayDriver.run_group``)."""
         warnings.warn("TrainingActor.init_group is deprecated: RayDriver.run_group forms the "
                       "group", DeprecationWarning, stacklevel=2)

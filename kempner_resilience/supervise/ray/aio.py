@@ -33,8 +33,7 @@ async def supervise_tasks(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any
     tasks: list[asyncio.Task[Any]] = []
     try:
         async with asyncio.TaskGroup() as group:
-            for coro in coros:
-                tasks.append(group.create_task(coro))
+            tasks.extend(group.create_task(coro) for coro in coros)
     except asyncio.CancelledError:
         log.warning("cancelled: %d tasks cancelled and cleaned up", len(tasks))
         raise
@@ -119,11 +118,8 @@ def _stop_all_actors() -> None:
     from kempner_resilience.config import load_config
 
     bound = max(1.0, load_config().signals.grace_for("SIGTERM") - _MARGIN_S)
-    futures = []
-    for actor in list(_ACTORS):
-        loop = getattr(actor, "_loop", None)
-        if loop is not None and not loop.is_closed():
-            futures.append(asyncio.run_coroutine_threadsafe(actor.stop(), loop))
+    futures = [asyncio.run_coroutine_threadsafe(a.stop(), a._loop) for a in list(_ACTORS)
+               if getattr(a, "_loop", None) is not None and not a._loop.is_closed()]
     if not futures:
         return
     log.warning("SIGTERM: cancelling the asyncio actor's main tasks (up to %.0f s for their "
@@ -131,7 +127,6 @@ def _stop_all_actors() -> None:
     done, pending = concurrent.futures.wait(futures, timeout=bound)
     stopped = sum(f.result() for f in done if f.exception() is None)
     if pending:
-        log.error("SIGTERM: %d actor(s) still cleaning up after %.0f s; exiting anyway",
-                  len(pending), bound)
+        log.error("SIGTERM: %d actor(s) still cleaning up after %.0f s; exiting anyway", len(pending), bound)
     else:
         log.warning("SIGTERM: %d main task(s) cancelled and cleaned up", stopped)

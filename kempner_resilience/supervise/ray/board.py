@@ -45,10 +45,6 @@ class _StopBoard:
         await self._event.wait()
         return self._signum
 
-    async def peek(self) -> int:
-        """The posted signal number, 0 while none."""
-        return self._signum
-
 
 def create_board() -> Any:
     """A new stop board actor (no CPU reserved: it must start even on a full cluster)."""
@@ -78,8 +74,7 @@ class BoardWatcher:
         self.signum: int | None = None      # what the board said, once it did
         self.delivered = False
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="kempner-ray-board",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, name="kempner-ray-board", daemon=True)
 
     def start(self) -> "BoardWatcher":
         self._thread.start()

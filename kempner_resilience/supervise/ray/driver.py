@@ -20,7 +20,7 @@ from kempner_resilience.core.procs import descendants
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.supervise.ray.actor import (ActorEnding, actor_died, actor_ends,
-                                                    kill_actors)
+                                                    ending_of, kill_actors)
 from kempner_resilience.supervise.ray.board import create_board
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import REQUESTED, requeue_run
@@ -59,8 +59,6 @@ class RayDriver:
         self._stopping = False
         self._role: str | None = None     # this process's log label before the driver's
 
-    # ------------------------------------------------------------------ context
-
     def __enter__(self) -> "RayDriver":
         import ray
 
@@ -87,8 +85,6 @@ class RayDriver:
             self._handler.uninstall()
             set_role(self._role)
 
-    # ------------------------------------------------------------------ public API
-
     @property
     def request(self) -> ShutdownRequest | None:
         """The first shutdown signal the driver received, or None."""
@@ -99,18 +95,22 @@ class RayDriver:
         self.actors.extend(actors)
         return list(actors)
 
+    def untrack(self, *actors: Any) -> None:
+        """Actors no longer to kill on a forced stop (a supervisor killed them already)."""
+        self.actors = [a for a in self.actors if all(a is not b for b in actors)]
+
     def get(self, refs: Sequence[Any], *, cancel: Sequence[Any] = ()) -> list[Any]:
         """Wait for the training calls ``refs`` and return their results. ``cancel``: calls
         that live as long as the training (rollouts), cancelled without force at its end. A
         signal, a call's own error or a lost ``cancel`` call (75) stops everything."""
         refs, cancel = list(refs), list(cancel)
-        bound = self._rescue_bound()
+        # How long the survivors of a lost training actor get to rescue and end.
+        bound = (self.config.rescue.budget_s if self.config is not None else 120.0) + 30.0
         killed = self._wait_training(refs, cancel, bound, stop_on_error=True)
         if killed:
-            log.error("rank(s) %s did not end %.0f s after the loss: killing every actor",
-                      killed, bound)
-            self._kill_actors()
-        self._cancel_and_wait(cancel, self._bound(signal.SIGTERM))
+            log.error("rank(s) %s did not end %.0f s after the loss: killing every actor", killed, bound)
+            kill_actors(self.actors)
+        self.finish(cancel)
         results = [_result_of(r) for r in refs]
         ends = actor_ends([_outcome(r) for r in results], killed, driver_stopping=False)
         if any(e.code != 0 for e in ends):
@@ -137,127 +137,22 @@ class RayDriver:
                              config, cancel=cancel, backend=backend)
         return [o["result"] if isinstance(o, dict) and "result" in o else o for o in outcomes]
 
-    def untrack(self, *actors: Any) -> None:
-        """Actors no longer to kill on a forced stop (a supervisor killed them already)."""
-        self.actors = [a for a in self.actors if all(a is not b for b in actors)]
-
     def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,
                    cancel: Sequence[Any] = (), bound: float = 150.0
                    ) -> tuple[list[Any], list[int]]:
         """Wait for one incarnation of a group: each call's outcome, and the ranks killed for
         not ending ``bound`` s after the first failed. A failed call stops nothing: the
         survivors rescue and end on their own."""
-        refs, cancel = list(refs), list(cancel)
-        killed = self._wait_training(refs, cancel, bound, stop_on_error=False)
+        refs = list(refs)
+        killed = self._wait_training(refs, list(cancel), bound, stop_on_error=False)
         for r in killed:
             log.error("rank %d did not end %.0f s after the loss: killing its actor", r, bound)
         kill_actors([actors[r] for r in killed])
         return [_result_of(r) for r in refs], killed
 
-    def _wait_training(self, refs: list[Any], cancel: list[Any], bound: float, *,
-                       stop_on_error: bool) -> list[int]:
-        """Wait for ``refs``; the ranks not ended ``bound`` s after the first was lost. With
-        ``stop_on_error`` a call's own error stops everything."""
-        import ray
-
-        pending = refs + cancel
-        until: float | None = None
-        while not self._stop.is_set() and any(r in pending for r in refs):
-            if until is not None and time.monotonic() > until:
-                break
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
-            for ref in done:
-                err = _error_of(ref)
-                if err is None:
-                    continue
-                if ref in cancel and _lost(err):
-                    self._helper_lost(err, refs, cancel)
-                if ref in refs and (actor_died(err) or not stop_on_error):
-                    if until is None:
-                        log.error("a training actor is lost (%s): waiting up to %.0f s for the "
-                                  "others' rescue", type(err).__name__, bound)
-                        until = time.monotonic() + bound
-                    continue
-                log.error("a task failed (%s): stopping every actor", type(err).__name__)
-                self._stop_all(signal.SIGTERM, refs, cancel, error=err)
-        if self._stop.is_set():
-            req = self._handler.request
-            assert req is not None
-            self._stop_all(req.signum, refs, cancel)
-        return [r for r, ref in enumerate(refs) if ref in pending]
-
     def finish(self, cancel: Sequence[Any]) -> None:
         """The training is over: cancel ``cancel`` without force and wait for it (bounded)."""
         self._cancel_and_wait(list(cancel), self._bound(signal.SIGTERM))
-
-    # ------------------------------------------------------------------ the stop
-
-    def _helper_lost(self, err: BaseException, refs: list[Any], cancel: list[Any]) -> None:
-        """A rollout's call ended unasked: every actor stops with its checkpoint, to run again."""
-        why = "was stopped (its tasks cancelled)" if _cancelled(err) else "is gone"
-        log.error("a rollout or helper actor %s (%s): stopping the training to run again",
-                  why, type(err).__name__)
-        self._stop_all(signal.SIGTERM, refs, cancel, run_again=f"a helper actor {why}")
-
-    def _leave_after(self, ends: Sequence[RankEnd]) -> None:
-        """Not every training call completed: requeue if the policy says so, then leave."""
-        import ray
-
-        decision = decide(Evidence(tuple(ends)))
-        code = decision.code
-        if decision.action is not Next.LEAVE:
-            verdict = self.requeue(decision.why, ends=tuple(ends))
-            if verdict is not None and verdict is not Verdict.REQUEUED:
-                code = int(exit_code(Facts(Ending.SIGNAL, signum=signal.SIGTERM,
-                                           saved=Saved.COMMITTED, requeue=verdict)))
-        log.warning("the training group ended %s before its last step: %s; exit %d",
-                    [e.code for e in ends], decision.why, code)
-        ray.shutdown()
-        raise SystemExit(code)
-
-    def _rescue_bound(self) -> float:
-        """How long the survivors of a lost training actor get to rescue and end."""
-        return (self.config.rescue.budget_s if self.config is not None else 120.0) + 30.0
-
-    def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
-                  error: BaseException | None = None, run_again: str | None = None) -> None:
-        """Stop every actor (the board), cancel other calls without force, wait within the
-        signal's grace less a margin, shut Ray down, leave with the table's code.
-        ``run_again``: why the job runs again though no signal asked (a lost helper actor)."""
-        import ray
-
-        self._stopping = True
-        started = time.monotonic()
-        name = signal.Signals(signum).name
-        log.warning("%s: stopping every actor (%d training calls, %d to cancel)",
-                    "a task failed" if error else name, len(refs), len(cancel))
-        self.board.set.remote(signum)
-        pending = self._cancel_and_wait(cancel, self._bound(signum), also=refs)
-        self.results = [_result_of(r) for r in refs]
-        if pending:
-            log.error("%d calls not done %.0f s after the stop: killing their actors",
-                      len(pending), time.monotonic() - started)
-            self._kill_actors()
-            code = int(ExitCode.DEADLINE)
-        elif error is not None:
-            code = int(ExitCode.ERROR)
-        elif run_again is not None:
-            saved = _saved(self.results)
-            verdict = self.requeue(run_again) if saved is Saved.COMMITTED else None
-            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
-                                       requeue=verdict or Verdict.REQUEUED)))
-        else:
-            saved = _saved(self.results)
-            if signal.SIGINT in self._handler.deliveries:
-                signum = signal.SIGINT   # the parent's SIGTERM may have come first: a Ctrl+C
-            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved,
-                                       requeue=self._requeue(signum, saved))))
-        log.warning("every actor done %.1f s after the stop; shutting Ray down, exit %d",
-                    time.monotonic() - started, code)
-        ray.shutdown()
-        if error is not None:
-            raise error
-        raise SystemExit(code)
 
     def requeue(self, why: str, *, exclude: Iterable[str] = (),
                 ends: tuple[RankEnd, ...] = REQUESTED) -> Verdict | None:
@@ -277,15 +172,102 @@ class RayDriver:
         log.warning("%s: %s", why, result.message)
         return result.verdict
 
-    def _requeue(self, signum: int, saved: Saved) -> Verdict | None:
-        """A stop by a signal whose action is ``requeue`` (USR1), once every actor committed."""
-        name = signal.Signals(signum).name
-        if saved is not Saved.COMMITTED or self.signals.handled().get(name) is not Action.REQUEUE:
-            return None
-        return self.requeue(name)
+    # ------------------------------------------------------------------ the wait and the stop
 
-    def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
-                         also: Sequence[Any] = ()) -> list[Any]:
+    def _wait_training(self, refs: list[Any], cancel: list[Any], bound: float, *,
+                       stop_on_error: bool) -> list[int]:
+        """Wait for ``refs``; the ranks not ended ``bound`` s after the first was lost. With
+        ``stop_on_error`` a call's own error stops everything."""
+        import ray
+
+        pending = refs + cancel
+        until: float | None = None
+        while not self._stop.is_set() and any(r in pending for r in refs) \
+                and (until is None or time.monotonic() <= until):
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            for ref in done:
+                err = _error_of(ref)
+                if err is None:
+                    continue
+                if ref in cancel and (_cancelled(err) or actor_died(err)):
+                    # A rollout's call ended unasked: every actor stops with its checkpoint.
+                    why = "was stopped (its tasks cancelled)" if _cancelled(err) else "is gone"
+                    log.error("a rollout or helper actor %s (%s): stopping the training to run "
+                              "again", why, type(err).__name__)
+                    self._stop_all(signal.SIGTERM, refs, cancel, run_again=f"a helper actor {why}")
+                if ref in refs and (actor_died(err) or not stop_on_error):
+                    if until is None:
+                        log.error("a training actor is lost (%s): waiting up to %.0f s for the "
+                                  "others' rescue", type(err).__name__, bound)
+                        until = time.monotonic() + bound
+                    continue
+                log.error("a task failed (%s): stopping every actor", type(err).__name__)
+                self._stop_all(signal.SIGTERM, refs, cancel, error=err)
+        if self._stop.is_set():
+            req = self._handler.request
+            assert req is not None
+            self._stop_all(req.signum, refs, cancel)
+        return [r for r, ref in enumerate(refs) if ref in pending]
+
+    def _leave_after(self, ends: Sequence[RankEnd]) -> None:
+        """Not every training call completed: requeue if the policy says so, then leave."""
+        import ray
+
+        decision = decide(Evidence(tuple(ends)))
+        code = decision.code
+        if decision.action is not Next.LEAVE:
+            verdict = self.requeue(decision.why, ends=tuple(ends))
+            if verdict is not None and verdict is not Verdict.REQUEUED:
+                code = int(exit_code(Facts(Ending.SIGNAL, signum=signal.SIGTERM,
+                                           saved=Saved.COMMITTED, requeue=verdict)))
+        log.warning("the training group ended %s before its last step: %s; exit %d",
+                    [e.code for e in ends], decision.why, code)
+        ray.shutdown()
+        raise SystemExit(code)
+
+    def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
+                  error: BaseException | None = None, run_again: str | None = None) -> None:
+        """Stop every actor (the board), cancel other calls without force, wait within the
+        signal's grace less a margin, shut Ray down, leave with the table's code.
+        ``run_again``: why the job runs again though no signal asked (a lost helper actor)."""
+        import ray
+
+        self._stopping = True
+        started = time.monotonic()
+        log.warning("%s: stopping every actor (%d training calls, %d to cancel)",
+                    "a task failed" if error else signal.Signals(signum).name, len(refs),
+                    len(cancel))
+        self.board.set.remote(signum)
+        pending = self._cancel_and_wait(cancel, self._bound(signum), also=refs)
+        self.results = [_result_of(r) for r in refs]
+        if pending:
+            log.error("%d calls not done %.0f s after the stop: killing their actors",
+                      len(pending), time.monotonic() - started)
+            kill_actors(self.actors)
+            code = int(ExitCode.DEADLINE)
+        elif error is not None:
+            code = int(ExitCode.ERROR)
+        else:
+            saved = _saved(self.results)
+            if run_again is not None:
+                verdict = self.requeue(run_again) if saved is Saved.COMMITTED else None
+                verdict = verdict or Verdict.REQUEUED
+            else:
+                if signal.SIGINT in self._handler.deliveries:
+                    signum = signal.SIGINT   # the parent's SIGTERM may have come first: a Ctrl+C
+                # A signal whose action is ``requeue`` (USR1), once every actor committed.
+                name = signal.Signals(signum).name
+                asks = self.signals.handled().get(name) is Action.REQUEUE
+                verdict = self.requeue(name) if asks and saved is Saved.COMMITTED else None
+            code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved, requeue=verdict)))
+        log.warning("every actor done %.1f s after the stop; shutting Ray down, exit %d",
+                    time.monotonic() - started, code)
+        ray.shutdown()
+        if error is not None:
+            raise error
+        raise SystemExit(code)
+
+    def _cancel_and_wait(self, cancel: list[Any], bound: float, *, also: Sequence[Any] = ()) -> list[Any]:
         """Cancel ``cancel`` without force, wait for it and ``also`` up to ``bound`` s; what
         is not done."""
         import ray
@@ -309,14 +291,11 @@ class RayDriver:
             return max(1.0, req.deadline - time.monotonic() - _MARGIN_S)
         return max(1.0, self.signals.grace_for(signal.Signals(signum).name) - _MARGIN_S)
 
-    def _kill_actors(self) -> None:
-        kill_actors(self.actors)
-
     def _force(self, code: int) -> None:
         """A second Ctrl+C: kill the actors, then every process this driver started (a bare
         ``os._exit`` would leave the local Ray node behind)."""
         log.error("forced: killing %d actors and the local Ray node", len(self.actors))
-        self._kill_actors()
+        kill_actors(self.actors)
         for pid in reversed(descendants(os.getpid())):     # the deepest first
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -341,28 +320,18 @@ def clear_ray_handlers(signums: Sequence[int]) -> None:
 
 def _saved(results: Sequence[Any]) -> Saved:
     """The stop's checkpoint as the training calls returned it."""
-    for r in results:
-        ending = r.get("ending") if isinstance(r, dict) else r
-        if isinstance(ending, ActorEnding) and ending.code == ExitCode.CHECKPOINT_FAILED:
-            return Saved.FAILED
-    return Saved.COMMITTED
+    failed = any(isinstance(e, ActorEnding) and e.code == ExitCode.CHECKPOINT_FAILED
+                 for e in map(ending_of, results))
+    return Saved.FAILED if failed else Saved.COMMITTED
 
 
 def _outcome(result: Any) -> Any:
     """A call's result as ``actor_ends`` reads it: any value but an ending completed."""
-    ending = result.get("ending") if isinstance(result, dict) else result
-    if isinstance(ending, (ActorEnding, BaseException)):
-        return result
-    return ActorEnding(0)
+    return result if isinstance(ending_of(result), (ActorEnding, BaseException)) else ActorEnding(0)
 
 
 def _cancelled(err: BaseException) -> bool:
     return any(c.__name__ == "TaskCancelledError" for c in type(err).__mro__)
-
-
-def _lost(err: BaseException) -> bool:
-    """A call ended by its actor's stop or death, not by an error of its own."""
-    return _cancelled(err) or actor_died(err)
 
 
 def _error_of(ref: Any) -> BaseException | None:

@@ -17,8 +17,7 @@ from typing import Any, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger, set_role
-from kempner_resilience.supervise.ray.actor import (TrainingActor, actor_died, init_group,
-                                                    kill_actors)
+from kempner_resilience.supervise.ray.actor import TrainingActor, actor_died, init_group, kill_actors
 
 __all__ = ["WorkerGroup", "Worker", "GroupLost"]
 
@@ -83,8 +82,7 @@ class Worker:
         """Load this actor's state from ``directory`` (collective over the group)."""
         from kempner_resilience.checkpoint.partsave import load_part
 
-        return load_part(self._kr_state(), Path(directory), manifest, self.kr_rank,
-                         self.kr_world_size)
+        return load_part(self._kr_state(), Path(directory), manifest, self.kr_rank, self.kr_world_size)
 
 
 class WorkerGroup:
@@ -114,12 +112,10 @@ class WorkerGroup:
         self.stop()
         self.name = name
         self.bound_s = float(config.watchdog.hang_timeout_s)
-        cls = self.actor_cls if hasattr(self.actor_cls, "remote") else \
-            ray.remote(self.actor_cls)
-        opts = {"num_cpus": 1, **self.options}
-        self.actors = [cls.options(**opts).remote(*self.args, **self.kwargs)
-                       for _ in range(self.world_size)]
-        addr, port = self._wait([self.actors[0].kr_address.remote()], ranks=[0])[0]
+        cls = self.actor_cls if hasattr(self.actor_cls, "remote") else ray.remote(self.actor_cls)
+        make = cls.options(**{"num_cpus": 1, **self.options})
+        self.actors = [make.remote(*self.args, **self.kwargs) for _ in range(self.world_size)]
+        addr, port = self._wait([self.actors[0].kr_address.remote()])[0]
         self._wait([a.kr_setup.remote(name, r, self.world_size, addr, port, config,
                                       self.backend) for r, a in enumerate(self.actors)])
         log.info("%s group formed: %d actors (%s)", name, self.world_size, self.backend)
@@ -141,11 +137,10 @@ class WorkerGroup:
             raise ValueError(f"{self.name}: {len(per_rank)} shards for {self.world_size} actors")
         return self._wait([getattr(a, method).remote(x) for a, x in zip(self.actors, per_rank)])
 
-    def _wait(self, refs: list[Any], ranks: Sequence[int] | None = None) -> list[Any]:
-        """Every ref's result, in order, waiting in short slices up to the bound."""
+    def _wait(self, refs: list[Any]) -> list[Any]:
+        """Every ref's result, in rank order, waiting in short slices up to the bound."""
         import ray
 
-        ranks = list(ranks if ranks is not None else range(len(refs)))
         if not refs:
             raise GroupLost(self.name, 0, "has no actors (the group was not started)")
         until = time.monotonic() + self.bound_s
@@ -153,57 +148,60 @@ class WorkerGroup:
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
             for ref in done:
-                self._raise_if_failed(ref, ranks[refs.index(ref)], refs, ranks)
+                self._raise_if_failed(ref, refs)
             if pending and time.monotonic() > until:
-                rank = ranks[refs.index(pending[0])]
-                raise GroupLost(self.name, rank, f"did not answer within {self.bound_s:.0f} s "
-                                "(watchdog.hang_timeout_s)")
+                raise GroupLost(self.name, refs.index(pending[0]), f"did not answer within "
+                                f"{self.bound_s:.0f} s (watchdog.hang_timeout_s)")
         return [ray.get(r) for r in refs]
 
-    def _raise_if_failed(self, ref: Any, rank: int, refs: list[Any],
-                         ranks: list[int]) -> None:
+    def _raise_if_failed(self, ref: Any, refs: list[Any]) -> None:
         import ray
 
         try:
             ray.get(ref, timeout=0)
-        except ray.exceptions.RayTaskError as e:     # the actor's own code raised: its error
-            if actor_died(e):
-                raise GroupLost(self.name, rank, f"is gone ({first_line(e)})") from None
-            if is_peer_failure(e):
+        except Exception as e:
+            rank, why = refs.index(ref), _why_gone(e)
+            if why:
+                raise GroupLost(self.name, rank, why) from None
+            if isinstance(e, ray.exceptions.RayTaskError) and is_peer_failure(e):
                 # A survivor's collective failed because a peer went: the group is lost, and
                 # the peer that went is named when Ray reports it within a few seconds.
-                raise self._gone_peer(refs, ranks) or GroupLost(
+                raise self._gone_peer(refs) or GroupLost(
                     self.name, rank, f"lost a peer ({first_line(e)})") from None
-            raise
-        except (ray.exceptions.RayActorError, ray.exceptions.TaskCancelledError) as e:
-            # Killed (SIGKILL, the OOM killer), evicted (SIGTERM: Ray's handler exits the
-            # actor), or its node lost: the process is gone.
-            raise GroupLost(self.name, rank, f"is gone ({type(e).__name__})") from None
+            raise   # the actor's own code raised: its error
 
-    def _gone_peer(self, refs: list[Any], ranks: list[int]) -> GroupLost | None:
+    def _gone_peer(self, refs: list[Any]) -> GroupLost | None:
         """The ``GroupLost`` of an actor whose process is gone; None if every one is alive."""
         import ray
 
         ray.wait(refs, num_returns=len(refs), timeout=_CAUSE_WAIT_S)
-        for ref, rank in zip(refs, ranks):
+        for rank, ref in enumerate(refs):
             try:
                 ray.get(ref, timeout=0)
-            except (ray.exceptions.RayActorError, ray.exceptions.TaskCancelledError) as e:
-                return GroupLost(self.name, rank, f"is gone ({type(e).__name__})")
-            except Exception as e:   # done with an error of its own, or still running
-                if actor_died(e):
-                    return GroupLost(self.name, rank, f"is gone ({first_line(e)})")
+            except Exception as e:   # done with an error, or still running
+                if why := _why_gone(e):
+                    return GroupLost(self.name, rank, why)
         return None
 
     # ------------------------------------------------------------------ checkpoints
 
     def save_into(self, directory: Path, step: int) -> dict[str, Any]:
         """Each actor writes its state into ``directory``; their file tables, merged."""
-        files: dict[str, Any] = {}
-        for table in self._wait([a.kr_save.remote(str(directory), step) for a in self.actors]):
-            files.update(table)
-        return files
+        tables = self._wait([a.kr_save.remote(str(directory), step) for a in self.actors])
+        return {name: entry for table in tables for name, entry in table.items()}
 
     def load_from(self, directory: Path, manifest: Mapping[str, Any]) -> None:
         """Each actor loads its state from ``directory`` (a committed step's part)."""
         self._wait([a.kr_load.remote(str(directory), dict(manifest)) for a in self.actors])
+
+
+def _why_gone(error: BaseException) -> str | None:
+    """"is gone (...)" for a call whose actor's process is gone (killed, evicted by Ray's
+    SIGTERM handler, its node lost); None for the call's own error."""
+    import ray
+
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return f"is gone ({first_line(error)})" if actor_died(error) else None
+    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.TaskCancelledError)):
+        return f"is gone ({type(error).__name__})"
+    return None

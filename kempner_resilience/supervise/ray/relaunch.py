@@ -1,15 +1,14 @@
 """The Ray backend of the one supervisor: a training group whose actor died comes back.
 
-The actors of a group end as ranks end: a dead actor's call fails with ``RayActorError`` (Ray
-gives no code, so the driver reads the ending the rank recorded, ``supervise/endings.py``);
-the survivors rescue and end with 81. ``supervise`` turns those endings into ``Evidence`` and
-acts on ``decide``: a new group in the same driver from the newest commit, a requeue of the
-SLURM job without the dead nodes, or leave with the code. Nodes that died under an actor are
-recorded in the run's ``bad-nodes.json``.
+A dead actor's call fails with ``RayActorError`` and no code, so its ending is the one the rank
+recorded (``supervise/endings.py``); the survivors rescue and end with 81. ``supervise`` acts
+on ``decide``: a new group from the newest commit, a requeue of the SLURM job without the dead
+nodes (kept in the run's ``bad-nodes.json``), or leave with the code.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from typing import Any, Callable, Collection, Sequence
@@ -23,11 +22,9 @@ from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.slurm.env import short_host
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.endings import endings_since
-from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
-                                                 RankEnd, decide)
+from kempner_resilience.supervise.policy import Action, Commits, Decision, Evidence, Kind, RankEnd, decide
 
-__all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evidence",
-           "recreates"]
+__all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evidence", "recreates"]
 
 log = get_logger(__name__)
 
@@ -72,11 +69,17 @@ def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
                                         restarts=restarts, stalled=stalled,
                                         commits=Commits(before, newest_commit(paths)))
         bad_nodes |= dead
-        log.warning("group %d ended %s: %s, exit %d (%s)", restarts,
-                    [_describe(o, e) for o, e in zip(outcomes, ends)], decision.action.value,
-                    decision.code, decision.why)
-        if dead:
-            _remember(paths, _hostnames(ray, dead))
+        said = [f"{e.code} ({type(o).__name__})" if isinstance(o, BaseException) else str(e.code)
+                for o, e in zip(outcomes, ends)]     # the error's name when a call raised
+        log.warning("group %d ended %s: %s, exit %d (%s)", restarts, said,
+                    decision.action.value, decision.code, decision.why)
+        if dead:    # the run's bad-node record (``slurm/badnodes.py``): a requeue keeps them out
+            hosts = _hostnames(ray, dead)
+            try:
+                record_bad_nodes(paths, hosts, reason="a Ray node died under a training actor",
+                                 job_id=os.environ.get("SLURM_JOB_ID"))
+            except OSError as e:    # the memory is lost, never the checkpoint
+                log.warning("could not record bad nodes %s: %s", sorted(hosts), e)
         if not recreates(decision):
             if decision.action is Action.REQUEUE:   # another allocation, without the dead nodes
                 driver.requeue(decision.why, exclude=_hostnames(ray, bad_nodes))
@@ -89,34 +92,24 @@ def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
         restarts, stalled = restarts + 1, decision.stalled
 
 
-def _describe(outcome: Any, end: RankEnd) -> str:
-    """A rank's ending for the log: its code, and the error when its call raised."""
-    if isinstance(outcome, BaseException):
-        return f"{end.code} ({type(outcome).__name__})"
-    return str(end.code)
-
-
 def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, restarts: int,
                    stalled: int, commits: Commits, dead: frozenset[str] = frozenset(),
                    spares: int | None = None) -> Evidence:
-    """The policy's evidence after one incarnation of the group: its actors' endings, the
-    budget (``requeue.max_restarts``) and the no-progress guard (``requeue.max_no_progress``)
-    of the config, the committed steps before and after, the Ray nodes that died under an actor
-    (implicated) and the live nodes beside the group's (``spares``; None when no node died:
-    the group comes back where Ray places it)."""
+    """The policy's evidence after one incarnation of the group, with the config's budget and
+    no-progress guard. ``dead``: the Ray nodes that died under an actor (implicated);
+    ``spares``: the live nodes beside the group's (None when no node died: the group comes
+    back where Ray places it)."""
     return Evidence(ends, restarts=restarts, max_restarts=config.requeue.restart_limit,
                     commits=commits, stalled=stalled,
                     max_no_progress=config.requeue.max_no_progress, implicated=dead,
                     spares=spares)
 
 
-def lost_nodes(outcomes: Sequence[Any], killed: Sequence[int],
-               nodes: Sequence[str]) -> frozenset[str]:
+def lost_nodes(outcomes: Sequence[Any], killed: Sequence[int], nodes: Sequence[str]) -> frozenset[str]:
     """The Ray nodes of the actors whose process is gone (Ray's ``RayActorError``; not those
     the driver killed): the nodes a failure may have taken, whatever the rank recorded before
     it went (its node may have died after)."""
-    return frozenset(nodes[r] for r, out in enumerate(outcomes)
-                     if r not in killed and _actor_died(out))
+    return frozenset(nodes[r] for r, out in enumerate(outcomes) if r not in killed and _actor_died(out))
 
 
 def group_decision(ends: tuple[RankEnd, ...], config: ResilienceConfig, *,
@@ -125,11 +118,9 @@ def group_decision(ends: tuple[RankEnd, ...], config: ResilienceConfig, *,
                    commits: Commits) -> tuple[Decision, frozenset[str]]:
     """The policy's answer after one incarnation, and the Ray nodes newly found dead under it.
 
-    ``nodes[r]``: the Ray node of rank ``r``'s actor; ``lost``: the nodes of the actors that
-    are gone (``lost_nodes``); ``alive``: the nodes Ray holds alive once those that are silent
-    were waited on (``_alive_nodes``); ``bad``: the nodes that died under an earlier
-    incarnation. A lost actor's node is dead when Ray no longer holds it alive; the spares are
-    then the live nodes beside the group's."""
+    ``nodes[r]``: rank ``r``'s Ray node; ``lost``: ``lost_nodes``; ``alive``: ``_alive_nodes``;
+    ``bad``: the nodes that died under an earlier incarnation. A lost actor's node is dead when
+    Ray no longer holds it alive; the spares are then the live nodes beside the group's."""
     dead = frozenset(lost - set(alive) - set(bad))
     spares = len(set(alive) - set(nodes) - set(bad) - dead) if dead else None
     return decide(group_evidence(ends, config, restarts=restarts, stalled=stalled,
@@ -140,8 +131,7 @@ def recreates(d: Decision) -> bool:
     """A new group in this driver: a relaunch, or a requeue the actors asked for (Ray is the
     scheduler that places them again); a requeue for want of a spare node needs another
     allocation, which only the driver's own scheduler (SLURM) can give."""
-    return d.action is Action.RELAUNCH or (d.action is Action.REQUEUE
-                                           and d.kind is Kind.REQUESTED)
+    return d.action is Action.RELAUNCH or (d.action is Action.REQUEUE and d.kind is Kind.REQUESTED)
 
 
 def _alive_nodes(ray: Any, lost: Collection[str]) -> set[str]:
@@ -177,14 +167,3 @@ def _hostnames(ray: Any, node_ids: set[str]) -> set[str]:
     """The host names of Ray nodes (SLURM's node names: short host names)."""
     return {short_host(str(n.get("NodeManagerHostname", ""))) for n in ray.nodes()
             if n.get("NodeID") in node_ids} - {""}
-
-
-def _remember(paths: RunPaths, hosts: set[str]) -> None:
-    """The run's bad-node record (``slurm/badnodes.py``): a requeue keeps them out."""
-    import os
-
-    try:
-        record_bad_nodes(paths, hosts, reason="a Ray node died under a training actor",
-                         job_id=os.environ.get("SLURM_JOB_ID"))
-    except OSError as e:    # the memory is lost, never the checkpoint
-        log.warning("could not record bad nodes %s: %s", sorted(hosts), e)

@@ -1,14 +1,6 @@
-"""A finished srun step as the one policy's evidence, with no I/O.
-
-- Each task's ending, from srun's stderr (``taskends.StepReport``). srun reports bad endings
-  only, so an unreported task exited 0, unless the loop ended the step itself. Then a task on
-  a silent or dead node died with it (SIGKILL, its own death), and a task on a node that
-  reported its other tasks was stuck and ended by the loop (``by_supervisor``: a hang). If srun
-  failed before any task reported (a launch error), every task ends with srun's status.
-- The loop's state (``LoopState``): relaunches so far and ``--in-job-restarts``, whether SLURM
-  would still requeue, the commits, the no-progress count, the spares, a stop.
-- The implicated nodes (``StepReport.implicated``, with the ranks' hang marks).
-"""
+"""A finished srun step as the one policy's evidence, with no I/O: each task's ending
+(``task_ends``), the loop's state (``LoopState``) and the implicated nodes
+(``StepReport.implicated``, with the ranks' hang marks)."""
 
 from __future__ import annotations
 
@@ -36,17 +28,15 @@ class LoopState:
     stopping: bool = False                # a signal came to the loop: no relaunch
 
 
-def _node_of(task: int, report: StepReport, tasks_per_node: int) -> str | None:
-    # srun lays tasks out in blocks: task r runs on nodes[r // tasks_per_node].
-    i = task // max(tasks_per_node, 1)
-    return report.nodes[i] if i < len(report.nodes) else None
-
-
 def task_ends(report: StepReport, *, srun_code: int, ended_by_loop: bool,
               tasks_per_node: int) -> tuple[RankEnd, ...]:
-    """Each task's ending (task r at index r), from srun's reports and how the step ended
-    (the module docstring's rules). ``srun_code``: srun's status (``Popen.returncode``);
-    ``ended_by_loop``: the loop ended the step after a failure (srun had not ended)."""
+    """Each task's ending (task r at index r), from srun's reports and how the step ended.
+
+    srun reports bad endings only, so an unreported task exited 0, unless the loop ended the
+    step (``ended_by_loop``, after a failure). Then a task on a silent or dead node died with
+    it (SIGKILL, its own death), and a task on a node that reported its other tasks was stuck
+    and ended by the loop (``by_supervisor``: a hang). If srun failed before any task reported
+    (a launch error), every task ends with srun's status ``srun_code``."""
     ends: dict[int, RankEnd] = {}
     for e in report.ends:
         if e.code is None:
@@ -54,27 +44,18 @@ def task_ends(report: StepReport, *, srun_code: int, ended_by_loop: bool,
         for t in e.tasks:
             if 0 <= t < report.ntasks and t not in ends:     # srun's first word on a task
                 ends[t] = RankEnd(e.code, signaled=e.signaled)
-    if not ended_by_loop:
-        named = any(e.code is not None or e.node_failure for e in report.ends)
-        if srun_code != 0 and not named:
-            # srun failed on its own (it could not launch the step): its status is everyone's.
-            own = RankEnd.from_returncode(srun_code)
-            return tuple(ends.get(t, own) for t in range(report.ntasks))
-    heard = {e.node for e in report.ends if not e.node_failure}
+    named = any(e.code is not None or e.node_failure for e in report.ends)
+    if not ended_by_loop and srun_code != 0 and not named:
+        # srun failed on its own (it could not launch the step): its status is everyone's.
+        own = RankEnd.from_returncode(srun_code)
+        return tuple(ends.get(t, own) for t in range(report.ntasks))
     dead = {e.node for e in report.ends if e.node_failure}
     if ended_by_loop:
-        dead |= set(report.nodes) - heard
-    out = []
-    for t in range(report.ntasks):
-        if t in ends:
-            out.append(ends[t])
-        elif _node_of(t, report, tasks_per_node) in dead:
-            out.append(KILLED)
-        elif ended_by_loop:
-            out.append(replace(KILLED, by_supervisor=True))
-        else:
-            out.append(RankEnd(0))
-    return tuple(out)
+        dead |= set(report.nodes) - {e.node for e in report.ends if not e.node_failure}
+    unreported = replace(KILLED, by_supervisor=True) if ended_by_loop else RankEnd(0)
+    return tuple(ends[t] if t in ends
+                 else KILLED if report.node_of(t, tasks_per_node) in dead else unreported
+                 for t in range(report.ntasks))
 
 
 def step_evidence(report: StepReport, state: LoopState, *, srun_code: int, ended_by_loop: bool,
@@ -83,17 +64,10 @@ def step_evidence(report: StepReport, state: LoopState, *, srun_code: int, ended
     nodes it implicates (``StepReport.implicated`` with the ranks' hang marks ``hang_seen``)
     and the loop's ``state``. The loop's budget is of relaunches in place; SLURM stands behind
     it while its requeue budget lasts (``Evidence.scheduler_left``)."""
-    ends = task_ends(report, srun_code=srun_code, ended_by_loop=ended_by_loop,
-                     tasks_per_node=tasks_per_node)
-    return Evidence(
-        ends,
-        restarts=state.relaunches,
-        max_restarts=state.max_relaunches,
-        commits=Commits(state.committed_before, state.committed_now),
-        stalled=state.stalled,
-        max_no_progress=state.max_no_progress,
-        implicated=frozenset(report.implicated(hang_seen, tasks_per_node)),
-        spares=state.spares,
-        stopping=state.stopping,
-        scheduler_left=state.requeue_left,
-    )
+    ends = task_ends(report, srun_code=srun_code, ended_by_loop=ended_by_loop, tasks_per_node=tasks_per_node)
+    return Evidence(ends, restarts=state.relaunches, max_restarts=state.max_relaunches,
+                    commits=Commits(state.committed_before, state.committed_now),
+                    stalled=state.stalled, max_no_progress=state.max_no_progress,
+                    implicated=frozenset(report.implicated(hang_seen, tasks_per_node)),
+                    spares=state.spares, stopping=state.stopping,
+                    scheduler_left=state.requeue_left)

@@ -22,13 +22,13 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.slurm.badnodes import bad_nodes, record_bad_nodes
 from kempner_resilience.slurm.restart_event import last_rescue, ledger_so_far, record_restart
-from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port, node_name
+from kempner_resilience.slurm.env import SlurmJob, expand_hostlist, master_port, node_name, tasks_per_node
 from kempner_resilience.supervise.local.warm import UNBUFFERED, warm_command
 from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
 from kempner_resilience.supervise.srun.standby import Standby
 from kempner_resilience.supervise.srun.taskends import StepReport, choose_nodes
-from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S, SrunStep,
-                                               StepResult)
+from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S,
+                                                    SrunStep, StepResult)
 from kempner_resilience.supervise.channel import Channel, newest_commit
 from kempner_resilience.supervise.policy import (Action, Decision, Evidence, Guard, Kind, RankEnd,
                                                  decide, job_code)
@@ -36,6 +36,7 @@ from kempner_resilience.supervise.policy import (Action, Decision, Evidence, Gua
 __all__ = ["Relauncher", "StepResult", "run_in_place", "FINISHED_GRACE_S"]
 
 _log = get_logger(__name__)
+
 
 @dataclass
 class Relauncher:
@@ -78,8 +79,7 @@ class Relauncher:
         if self.spares < 0 or self.need < 1:
             raise ValueError(f"--spares {self.spares} leaves no node to train on in an "
                              f"allocation of {len(self.nodes)}; ask sbatch for N + spares nodes")
-        tpn = (env.get("SLURM_NTASKS_PER_NODE") or "1").split("(")[0].split(",")[0]
-        self.tasks_per_node = int(tpn) if tpn.isdigit() else 1
+        self.tasks_per_node = tasks_per_node(env.get("SLURM_NTASKS_PER_NODE"), 0) or 1
         base = env.get("MASTER_PORT")
         self.port = int(base) if base and base.isdigit() else master_port(job.job_id)
         self._relaunches = 0                 # in-job restarts so far (the ledger's relaunch)
@@ -98,6 +98,10 @@ class Relauncher:
     def requeue_config(self) -> RequeueConfig:
         """The run's requeue settings as rank 0 reported them, else ``--config``/``--set``'s."""
         return self.channel.requeue(self.config.requeue)
+
+    def _bad(self) -> set[str]:
+        """The nodes to keep out: the run's record and this job's failures."""
+        return bad_nodes(self.run_paths) | self._bad_here
 
     # ------------------------------------------------------------------ the loop
 
@@ -122,28 +126,28 @@ class Relauncher:
         COMPLETING until it notices a dead node (measured: 300 s, COMPLETED at once after the
         shrink). scontrol writes its resize scripts into its cwd: the channel, removed next."""
         batch = node_name(self.environ)
-        keep = [n for n in self.nodes if n not in dead or n == batch]
-        if not dead - {batch} or batch not in self.nodes:
+        gone = ",".join(sorted(dead - {batch}))
+        if not gone or batch not in self.nodes:
             return
+        keep = [n for n in self.nodes if n not in dead or n == batch]
         cmd = ["scontrol", "update", f"JobId={self.job.job_id}", f"NodeList={','.join(keep)}"]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=END_STEP_S,
                                  stdin=subprocess.DEVNULL, cwd=self.channel.root)
         except (OSError, subprocess.TimeoutExpired) as e:
             _log.warning("could not give back node(s) %s (%s): the job may stay COMPLETING "
-                         "until SLURM notices them", ",".join(sorted(dead - {batch})), e)
+                         "until SLURM notices them", gone, e)
             return
         if out.returncode:
-            _log.warning("could not give back node(s) %s: %s", ",".join(sorted(dead - {batch})),
-                         (out.stderr or out.stdout).strip())
+            _log.warning("could not give back node(s) %s: %s", gone, (out.stderr or out.stdout).strip())
         else:
             _log.info("gave back node(s) %s: the job ends without waiting for SLURM to notice "
-                      "them", ",".join(sorted(dead - {batch})))
+                      "them", gone)
 
     def _loop(self) -> tuple[int, bool]:
         index = 0
         while True:
-            bad = bad_nodes(self.run_paths) | self._bad_here
+            bad = self._bad()
             nodes = choose_nodes(self.nodes, bad, self.need)
             if nodes is None and index == 0 and self.job.restart_count > 0:
                 # A requeue could not keep this job off its bad nodes (too few others): another
@@ -159,7 +163,7 @@ class Relauncher:
                        f"{self.need} needed")
                 _log.error("%s: requeueing", why)
                 return self._hand_off((RankEnd(int(ExitCode.PEER_LOST)),))
-            before = self._committed_step()
+            before = newest_commit(self.run_paths)
             res = self.run_step(nodes, index)
             if self.agents:
                 return self._after_agents(res, index)
@@ -169,13 +173,11 @@ class Relauncher:
             self._stalled = decision.stalled
             implicated = set(ev.implicated)
             reason, where = self._reason(res.report), ",".join(sorted(implicated)) or "?"
-            what = f"{reason} on {where}" if decision.kind is Kind.FAILURE \
-                else decision.kind.value
+            what = f"{reason} on {where}" if decision.kind is Kind.FAILURE else decision.kind.value
             if decision.kind is Kind.FAILURE and not ev.stopping and implicated:
                 self._record_bad(implicated, reason)
             if decision.action is Action.RELAUNCH:
-                nxt = choose_nodes(self.nodes, bad_nodes(self.run_paths) | self._bad_here,
-                                   self.need) or []
+                nxt = choose_nodes(self.nodes, self._bad(), self.need) or []
                 spare = sorted(set(nxt) - set(nodes))
                 _log.warning("step %d failed (%s): relaunching in place on %s (spare %s): %s",
                              index, what, ",".join(nxt), ",".join(spare) or "-", decision.why)
@@ -187,15 +189,13 @@ class Relauncher:
                              decision.code, what, decision.why)
                 return self._requeue(decision)
             log = _log.info if decision.code == 0 else _log.warning
-            log("step %d ended with %d (%s): the job ends: %s", index, decision.code, what,
-                decision.why)
+            log("step %d ended with %d (%s): the job ends: %s", index, decision.code, what, decision.why)
             return decision.code, False
 
     def _after_step(self, res: StepResult, index: int,
                     committed_before: int | None) -> tuple[Evidence, Decision]:
         """The policy's decision on step ``index``'s evidence (``evidence.py``); acts on nothing."""
         cfg = self.requeue_config()
-        bad = bad_nodes(self.run_paths) | self._bad_here
         # A relaunch in place is a restart too: the run's budget (requeue.max_restarts, less
         # what SLURM's requeues used of it) caps the loop's own, so 0 runs the step once.
         limit, restarts = cfg.restart_limit, self.job.restart_count
@@ -204,9 +204,10 @@ class Relauncher:
         state = LoopState(
             relaunches=index, max_relaunches=in_place,
             requeue_left=bool(cfg.enabled) and (limit is None or restarts < limit),
-            committed_before=committed_before, committed_now=self._committed_step(),
+            committed_before=committed_before, committed_now=newest_commit(self.run_paths),
             stalled=self._stalled, max_no_progress=int(cfg.max_no_progress),
-            spares=len(set(self.nodes) - bad - set(res.report.nodes)), stopping=self.stopping)
+            spares=len(set(self.nodes) - self._bad() - set(res.report.nodes)),
+            stopping=self.stopping)
         seen = self.channel.hang_seen(f"{self.job.restart_count}.{index}")
         ev = step_evidence(res.report, state, srun_code=res.code, ended_by_loop=res.ended_by_us,
                            hang_seen=seen, tasks_per_node=self.tasks_per_node)
@@ -235,8 +236,7 @@ class Relauncher:
         return self._hand_off(end)
 
     def _reason(self, report: StepReport) -> str:
-        if any(e.node_failure for e in report.ends) or (set(report.nodes)
-                                                        - {e.node for e in report.ends}):
+        if any(e.node_failure for e in report.ends) or (set(report.nodes) - {e.node for e in report.ends}):
             return "node lost"
         codes = report.codes
         if int(ExitCode.HANG) in codes:
@@ -245,15 +245,11 @@ class Relauncher:
             return "rank killed"
         return "peer lost"
 
-    def _committed_step(self) -> int | None:
-        return newest_commit(self.run_paths)
-
     def _requeue(self, decision: Decision) -> tuple[int, bool]:
         """The policy's REQUEUE: after 75 rank 0 requeued the job itself; else the hand-off."""
-        code = decision.code
         if decision.kind is Kind.REQUESTED:
-            return code, False
-        return self._hand_off((RankEnd(code, signaled=code > 128),))
+            return decision.code, False
+        return self._hand_off((RankEnd(decision.code, signaled=decision.code > 128),))
 
     def _hand_off(self, ends: tuple[RankEnd, ...]) -> tuple[int, bool]:
         """The job to SLURM after a failure the ranks left to us, decided as for rank 0
@@ -266,7 +262,7 @@ class Relauncher:
             return code, False
         # Before the requeue (it SIGKILLs this batch step at once): the nodes the job trains on.
         decision, result = requeue_run(
-            self.job, self.run_paths, self.requeue_config(), self._committed_step(), ends=ends,
+            self.job, self.run_paths, self.requeue_config(), newest_commit(self.run_paths), ends=ends,
             exclude=self._bad_here, min_nodes=self.need,
             before=lambda: self.channel.record_train_nodes(self.need))
         if decision.guard is Guard.NOTHING_COMMITTED:
@@ -278,20 +274,18 @@ class Relauncher:
         # (or the user, from the log's fix) may still requeue it.
         return (code, True) if result.ok else (int(ExitCode.REQUEUE_FAILED), False)
 
-    def _ledger_restart(self, res: StepResult, reason: str, bad: set[str],
-                        spare: list[str]) -> None:
+    def _ledger_restart(self, res: StepResult, reason: str, bad: set[str], spare: list[str]) -> None:
         """The ``restart`` event (``core.ledger``), its parts back to back so that ``report``
         adds them up: detection (less the rescue, which runs meanwhile), rescue, relaunch."""
         events, ids = ledger_so_far(self.run_paths)
-        rescue_s = None if res.first_bad_t is None \
-            else last_rescue(events, res.first_bad_t - 120)[1]
+        rescue_s = None if res.first_bad_t is None else last_rescue(events, res.first_bad_t - 120)[1]
         detect_s = relaunch_s = None
         if res.first_bad_t is not None and res.ended_t is not None:
             detect_s = max(0.0, res.ended_t - res.first_bad_t - (rescue_s or 0.0))
             relaunch_s = time.time() - res.ended_t
         record_restart(self.run_paths, relaunch=self._relaunches + 1, reason=reason,
                        bad_nodes=bad, spare=",".join(spare) or None,
-                       step=self._committed_step(), failure_t=res.first_bad_t,
+                       step=newest_commit(self.run_paths), failure_t=res.first_bad_t,
                        detect_s=detect_s, rescue_s=rescue_s, relaunch_s=relaunch_s, **ids)
         self._relaunches += 1
 
@@ -302,8 +296,7 @@ class Relauncher:
         why = self.standby.gone() if self.standby is not None else None
         if why is not None:
             # Each shim would wait for it before starting its rank cold.
-            _log.warning("step %d: the standby step is over (%s): its ranks start cold", index,
-                         why)
+            _log.warning("step %d: the standby step is over (%s): its ranks start cold", index, why)
             self.standby = None
         # --overlap on a relaunch: the old step holds the survivors' CPUs until SLURM notices
         # the dead node (measured: pending past 30 s without it, started at once with it).
@@ -318,7 +311,7 @@ class Relauncher:
         env["MASTER_ADDR"] = nodes[0]
         # A fresh port for each step: the old rendezvous' port may still be held on a survivor.
         env["MASTER_PORT"] = str(self.port + index)
-        env.update(self.channel.env())       # IN_JOB_ENV: the loop owns the run-again
+        env.update(self.channel.env())       # the channel: the loop owns the run-again
         return env
 
     def run_step(self, nodes: Sequence[str], index: int) -> StepResult:
@@ -342,8 +335,7 @@ def run_in_place(command: Sequence[str], spares: int, config: ResilienceConfig,
                  in_job_restarts: int, agents: bool = False,
                  srun_args: Sequence[str] = ()) -> int:
     """``kempner-resilience srun``: the loop here; signals only stop relaunches."""
-    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents,
-                      srun=("srun", *srun_args))
+    loop = Relauncher(command, spares, config, in_job_restarts, agents=agents, srun=("srun", *srun_args))
 
     def stop(signum: int, frame: object) -> None:
         loop.stopping = True       # only recorded: srun and the ranks get the signal from SLURM

@@ -1,12 +1,10 @@
 """An srun task that runs its rank warm: forked by its node's standby (``standby.py``).
 
-The step loop runs ``python -S shim.py NAME python train.py ...`` as each task of a step. The
-shim hands its node's standby (an abstract unix socket, so one per node) the rank's command,
-environment, working directory and standard streams, and stands in for the rank it forks: it
-passes on the signals SLURM gives the task and exits as the rank did. Without a standby that
-answers, it becomes the rank itself (``exec``): a cold start, as without the shim.
-
-Run as a file with ``-S``, importing only the standard library: it starts in milliseconds.
+Each task of a step is ``python -S shim.py NAME python train.py ...``: the standard library
+only, it starts in milliseconds. It hands its node's standby (an abstract unix socket, one per
+node) the rank's command, environment, working directory and standard streams, passes on the
+task's signals to the rank forked, and exits as the rank did. Without a standby that answers,
+it becomes the rank itself (``exec``): a cold start.
 
 A signal for the whole job (``--signal``, the time limit, ``scancel``) reaches a warm rank twice:
 from the standby step's slurmstepd (the rank lives in that step) and through this shim. So the
@@ -80,8 +78,7 @@ def main(argv: list[str]) -> None:
     answers = sock.makefile("rb")
     sock.settimeout(_READY_S)
     try:
-        sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                  array.array("i", [0, 1, 2]))])
+        sock.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
         first = json.loads(answers.readline() or b"{}")
     except (OSError, ValueError):
         first = {}

@@ -1,17 +1,10 @@
 """The allocation's standby: one warm-start process per node, so a step's ranks start warm.
 
-Every rank of an srun step is a new process: Python, ``import torch``, DCP and the optimizer
-machinery again, 3-10 s per rank before a relaunch's first step. With the standby, the step
-loop first starts one more srun step (``kr-standby``, ``--overlap``, one task per node of the
-allocation, spares included) whose task on each node is the zygote of ``local/warm.py``: it
-imports torch once and forks a rank whenever a task of a training step asks. Each training
-task is then ``shim.py``, which asks its node's standby for its rank and stands in for it.
-
-What a warm rank shares with a cold one: its command, environment, working directory,
-standard streams and signals (all from its task). What differs: it lives in the standby's
-step, so ``sstat`` counts it there and a GPU confinement (``ConstrainDevices``) is the
-standby's; the standby takes what a plain step gets. A standby that is not fit to fork (it
-ever ran anything of a rank's) refuses, and the shims start cold from then on.
+Every rank of an srun step would pay Python's start-up, ``import torch`` and DCP again (3-10 s).
+The standby is one more srun step (``kr-standby``, ``--overlap``, one task per node, spares
+included) whose task is the zygote of ``local/warm.py``: it imports torch once and forks a rank
+whenever a training task's ``shim.py`` asks. What a warm rank shares with a cold one and what
+differs: docs/slurm.md ("Warm ranks under srun").
 """
 
 from __future__ import annotations
@@ -28,17 +21,12 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.local import warm
 from kempner_resilience.supervise.srun.step import end_step
 
-__all__ = ["Standby", "standby_name", "SHIM"]
+__all__ = ["Standby", "SHIM"]
 
 _log = get_logger("kempner_resilience.supervise.srun.relaunch")
 
 #: The srun task of a warm rank (run as a file: it imports nothing of the package).
 SHIM = str(Path(__file__).with_name("shim.py"))
-
-
-def standby_name(job_id: str, restart: int, uid: int | None = None) -> str:
-    """The socket name of this job attempt's standby on every node."""
-    return f"kempner-resilience-standby-{os.getuid() if uid is None else uid}-{job_id}-{restart}"
 
 
 class Standby:
@@ -51,7 +39,8 @@ class Standby:
     @classmethod
     def start(cls, srun: Sequence[str], nodes: Sequence[str], job_id: str, restart: int,
               env: Mapping[str, str]) -> "Standby":
-        name = standby_name(job_id, restart)
+        # The socket name of this job attempt's standby on every node.
+        name = f"kempner-resilience-standby-{os.getuid()}-{job_id}-{restart}"
         # The standby outlives what SLURM sends every step (its ranks get it and decide); its
         # own end is the step's cancel (SIGKILL after KillWait) or the job's.
         ignore = [int(getattr(signal, n)) for n in warm.STEP_SIGNALS]
@@ -61,8 +50,7 @@ class Standby:
                f"--nodelist={','.join(nodes)}", sys.executable, warm.__file__, "--listen", name,
                options]
         _log.info("standby: warm ranks forked on every node (%s)", ",".join(nodes))
-        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         return cls(proc, name, job_id)
 
     def gone(self) -> str | None:

@@ -1,5 +1,5 @@
-"""One srun step of the relaunch loop (``supervise/srun/relaunch.py``): start it, read srun's reports of
-its tasks' ends as they come (passed on to the job's log), and end it early when waiting longer
+"""One srun step of the relaunch loop (``relaunch.py``): start it, read srun's reports of its
+tasks' ends as they come (passed on to the job's log), and end it early when waiting longer
 only waits for a dead node: after a failure once the nodes that can still report have, or once
 rank 0 said in the supervisor's channel that the run finished.
 
@@ -108,14 +108,14 @@ class SrunStep:
             if failed and (done or quiet >= SETTLE_MAX_S):
                 # The tasks that can still report have; the silent ones are on a dead node,
                 # which SLURM may take SlurmdTimeout to notice. End the step now.
-                self._end(proc)
+                end_step(proc, self.job_id, f"kr-step-{self.index}")
                 res.ended_by_us = True
                 break
             if not failed and finish.over():
                 _log.warning("step %d: rank 0 finished the run %.0f s ago and the step has not "
                              "ended (a task on a node SLURM has not yet declared dead): ending "
                              "it, the job is done", self.index, self.finished_grace_s)
-                self._end(proc)
+                end_step(proc, self.job_id, f"kr-step-{self.index}")
                 res.finished = True
                 break
         res.code = proc.wait()
@@ -132,17 +132,11 @@ class SrunStep:
         without a word (their rescue links, ``Channel.ranks_died``): nothing is left to hear
         from, so the step ends without the settle (the survivors name the dead once their
         rescue is over, and exit after it)."""
-        if self.launch is None:
-            return False
-        died = self.channel.ranks_died(self.launch)
+        died = self.channel.ranks_died(self.launch) if self.launch is not None else set()
         if not died:
             return False
         with lock:
-            heard = report.reported_tasks
-        return len(heard | died) >= report.ntasks
-
-    def _end(self, proc: subprocess.Popen[str]) -> None:
-        end_step(proc, self.job_id, f"kr-step-{self.index}")
+            return len(report.reported_tasks | died) >= report.ntasks
 
 
 def end_step(proc: subprocess.Popen[Any], job_id: str, name: str) -> None:

@@ -13,15 +13,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.supervise.channel import CHANNEL_ENV
 from kempner_resilience.supervise.policy import NOT_IN_PLACE, RESCUED_CODES
 
-__all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES",
-           "IN_JOB_ENV"]
+__all__ = ["TaskEnd", "StepReport", "parse_srun_line", "choose_nodes", "FAILURE_CODES"]
 
-# Older names of the channel's variable and of the policy's rescued codes.
-IN_JOB_ENV = CHANNEL_ENV
-FAILURE_CODES = RESCUED_CODES
+FAILURE_CODES = RESCUED_CODES       # the policy's rescued codes, by their older name
 # What the survivors of someone else's failure end with; any other bad ending points at the
 # task's own node (HANG: the hung rank's kernel timer; a signal: the rank was killed).
 _SURVIVOR_CODES = frozenset({int(ExitCode.PEER_LOST), int(ExitCode.SIGTERM), 0})
@@ -46,31 +42,22 @@ class TaskEnd:
 
 
 def _task_ids(text: str) -> tuple[int, ...]:
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        if lo.isdigit():
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    return tuple(out)
+    spans = [part.partition("-") for part in text.split(",")]
+    return tuple(t for lo, _, hi in spans if lo.isdigit() for t in range(int(lo), int(hi or lo) + 1))
 
 
 def parse_srun_line(line: str) -> TaskEnd | None:
     """One line of srun's stderr -> what it reports about a task's end, or None."""
     line = line.strip()
-    m = _NODE_FAIL.match(line)
-    if m:
+    if m := _NODE_FAIL.match(line):
         return TaskEnd(m.group(1), node_failure=True)
-    m = _TASKS.match(line)
-    if not m:
+    if not (m := _TASKS.match(line)):
         return None
     node, tasks, what = m.group(1), _task_ids(m.group(2)), m.group(3)
-    e = _EXITED.search(what)
-    if e:
+    if e := _EXITED.search(what):
         return TaskEnd(node, tasks, int(e.group(1)))
-    for word, sig in _SIGNAL_WORDS.items():
-        if what.startswith(word):
-            return TaskEnd(node, tasks, 128 + int(sig), signaled=True)
-    return None
+    sig = next((s for word, s in _SIGNAL_WORDS.items() if what.startswith(word)), None)
+    return None if sig is None else TaskEnd(node, tasks, 128 + int(sig), signaled=True)
 
 
 @dataclass
@@ -83,6 +70,11 @@ class StepReport:
 
     def add(self, end: TaskEnd) -> None:
         self.ends.append(end)
+
+    def node_of(self, task: int, tasks_per_node: int) -> str | None:
+        """The node of ``task``: srun lays tasks out in blocks, task r on nodes[r // per node]."""
+        i = task // max(tasks_per_node, 1)
+        return self.nodes[i] if i < len(self.nodes) else None
 
     @property
     def reported_tasks(self) -> set[int]:
@@ -113,13 +105,10 @@ class StepReport:
         bug, a requeue under way): the loop then ends the step."""
         if self.codes & NOT_IN_PLACE:
             return False
-        killed = {c for c in self.codes if c > 128 and c not in (int(ExitCode.SIGTERM),
-                                                                 int(ExitCode.SIGINT))}
-        return bool(self.codes & FAILURE_CODES or killed
-                    or any(e.node_failure for e in self.ends))
+        killed = {c for c in self.codes if c > 128} - {int(ExitCode.SIGTERM), int(ExitCode.SIGINT)}
+        return bool(self.codes & FAILURE_CODES or killed or any(e.node_failure for e in self.ends))
 
-    def implicated(self, hang_seen: set[int] | None = None,
-                   tasks_per_node: int = 1) -> set[str]:
+    def implicated(self, hang_seen: set[int] | None = None, tasks_per_node: int = 1) -> set[str]:
         """The nodes to keep out: those declared dead or silent, else those whose own tasks
         failed (not the survivors' PEER_LOST/SIGTERM). When every node looks guilty, the nodes
         of the ranks missing from ``hang_seen``: a rank hung with the GIL held cannot say its
@@ -132,11 +121,10 @@ class StepReport:
             return silent
         own = [e.node for e in self.ends if e.code is not None and e.code not in _SURVIVOR_CODES]
         if own and set(own) >= set(self.nodes) and len(self.nodes) > 1:
-            # Every rank ended with HANG. Tasks are laid out in blocks: task r runs on
-            # nodes[r // tasks_per_node].
+            # Every rank ended with HANG.
             if hang_seen:
-                quiet = {self.nodes[r // tasks_per_node] for r in range(self.ntasks)
-                         if r not in hang_seen and r // tasks_per_node < len(self.nodes)}
+                quiet = {self.node_of(r, tasks_per_node) for r in range(self.ntasks)
+                         if r not in hang_seen} - {None}
                 if quiet and quiet != set(self.nodes):
                     return quiet
             return {own[0]}
