@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from kempner_resilience.checkpoint.layout import newest_committed as newest_commit
 from kempner_resilience.config import RequeueConfig
@@ -31,6 +31,7 @@ __all__ = ["CHANNEL_ENV", "Channel", "ChannelUnwritable", "Progress", "Relaunche
            "REPORT_NAME", "report_now", "launch_name", "relaunched", "newest_commit"]
 
 _log = get_logger(__name__)
+_T = TypeVar("_T")
 
 #: The channel's directory, set by the supervisor in every rank's environment.
 CHANNEL_ENV = "KEMPNER_RESILIENCE_SUPERVISOR"
@@ -63,10 +64,22 @@ def tell(path: Path, data: Any, what: str, *, durable: bool = False, mkdir: bool
         return False
 
 
+def hear(path: Path, unreadable: str = "%s unreadable (%s)",
+         parse: Callable[[Any], _T] = lambda data: data) -> _T | None:
+    """``parse`` of the small JSON file ``path``; None when it is absent, or unreadable or
+    refused by ``parse`` (ValueError, TypeError), then logged with ``unreadable``."""
+    try:
+        return parse(load_json_bounded(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as e:
+        _log.warning(unreadable, path, e)
+        return None
+
+
 def count(value: Any, low: int | None = 0) -> int | None:
     """``value`` when it is an integer (not a bool) >= ``low`` (None: any), else None."""
-    ok = isinstance(value, int) and not isinstance(value, bool) \
-        and (low is None or value >= low)
+    ok = isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
     return value if ok else None
 
 
@@ -95,9 +108,7 @@ def _writable_dir(path: Path) -> str | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         return e.strerror or str(e)
-    if not os.access(path, os.W_OK | os.X_OK):
-        return "not writable"
-    return None
+    return None if os.access(path, os.W_OK | os.X_OK) else "not writable"
 
 
 def _local_places(environ: Mapping[str, str]) -> list[Path]:
@@ -165,14 +176,11 @@ class Channel:
         if not value:
             return None
         path = Path(value)
-        try:
-            data = load_json_bounded(path / _AGENT)
-        except FileNotFoundError:
+        data = hear(path / _AGENT, "%s unreadable (%s): taken as the job's channel",
+                    lambda d: d if isinstance(d, dict) else {})
+        if data is None:
             return cls(path)
-        except (OSError, ValueError) as e:
-            _log.warning("%s unreadable (%s): taken as the job's channel", path / _AGENT, e)
-            return cls(path)
-        job = data.get("job") if isinstance(data, dict) else None
+        job = data.get("job")
         return cls(Path(job) if isinstance(job, str) and job else path, agent=path)
 
     @classmethod
@@ -217,30 +225,25 @@ class Channel:
         on this node. ``fresh``: the job's first attempt, so what is there is a cancelled job's
         with the same id (ids are reused), whose report would name another run: cleared."""
         env = os.environ if environ is None else environ
-        base = Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd())
         name = f"job-{job_id}"
-        wanted = (base / _JOBS_DIR / name).resolve()
-        places = [wanted] + [(p / f"{_JOBS_DIR}-{os.getuid()}" / name).resolve()
-                             for p in _local_places(env)]
+        wanted = (Path(env.get("SLURM_SUBMIT_DIR") or cwd or os.getcwd()) / _JOBS_DIR / name).resolve()
         tried = []
-        for root in places:
+        for root in [wanted] + [(p / f"{_JOBS_DIR}-{os.getuid()}" / name).resolve()
+                                for p in _local_places(env)]:
             if fresh and root.is_dir():
-                _log.warning("%s: left by an earlier job with the same id; cleared for this "
-                             "one", root)
+                _log.warning("%s: left by an earlier job with the same id; cleared for this one", root)
                 shutil.rmtree(root, ignore_errors=True)
             why = _writable_dir(root)
             if why is None:
                 if root != wanted:
-                    _log.warning("%s cannot hold the supervisor's channel (%s): using %s on "
-                                 "this node instead (ranks on other nodes cannot report to "
-                                 "it); submit from a writable directory to share it", wanted,
-                                 tried[0][1], root)
+                    _log.warning("%s cannot hold the supervisor's channel (%s): using %s on this node "
+                                 "instead (ranks on other nodes cannot report to it); submit from a "
+                                 "writable directory to share it", wanted, tried[0][1], root)
                 return cls(root)
             tried.append((root, why))
-        raise ChannelUnwritable(
-            "no directory can hold the supervisor's channel: " + "; ".join(
-                f"{p}: {why}" for p, why in tried) + ". Submit the job from a writable "
-            "directory (SLURM_SUBMIT_DIR), or set TMPDIR to a writable one")
+        raise ChannelUnwritable("no directory can hold the supervisor's channel: "
+                                + "; ".join(f"{p}: {why}" for p, why in tried) + ". Submit the job from "
+                                "a writable directory (SLURM_SUBMIT_DIR), or set TMPDIR to a writable one")
 
     @classmethod
     def for_controller(cls, pid: str, folder: str | os.PathLike[str],
@@ -254,17 +257,6 @@ class Channel:
         """The variables that hand this channel to the ranks (the one contract: one)."""
         return {CHANNEL_ENV: str(self._own)}
 
-    @staticmethod
-    def _load(path: Path) -> Any:
-        """A small JSON file of the channel; None when absent or unreadable (logged)."""
-        try:
-            return load_json_bounded(path)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            _log.warning("%s unreadable (%s)", path, e)
-            return None
-
     # ------------------------------------------------------------------ rank 0's report
 
     def report(self, report: RunReport) -> None:
@@ -274,14 +266,8 @@ class Channel:
 
     def read(self) -> RunReport | None:
         """Rank 0's latest report; None when there is none yet or it cannot be read (logged)."""
-        path = self.root / REPORT_NAME
-        try:
-            return RunReport.from_json(load_json_bounded(path))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError) as e:
-            _log.warning("the ranks' report %s is unreadable (%s): the run is unknown", path, e)
-            return None
+        return hear(self.root / REPORT_NAME, "the ranks' report %s is unreadable (%s): the run is unknown",
+                    RunReport.from_json)
 
     def run_paths(self, default: RunPaths | None = None) -> RunPaths | None:
         """The run's directory as rank 0 reported it, else ``default`` (no report yet)."""
@@ -297,8 +283,7 @@ class Channel:
         try:
             return replace(default, **said) if said else default
         except (TypeError, ValueError) as e:
-            _log.warning("the ranks' requeue settings are unusable (%s): using the "
-                         "supervisor's", e)
+            _log.warning("the ranks' requeue settings are unusable (%s): using the supervisor's", e)
             return default
 
     # ------------------------------------------------------------------ the launch
@@ -310,22 +295,21 @@ class Channel:
 
     def restarts(self) -> int | None:
         """How often the supervisor started the ranks before this launch (None: not said)."""
-        data = self._load(self.root / _LAUNCH)
+        data = hear(self.root / _LAUNCH)
         return count(data.get("restarts")) if isinstance(data, dict) else None
 
     def begin_relaunch(self, index: int, t: float | None = None) -> None:
         """Before a launch: it is relaunch in place ``index``, launched at ``t`` (default now)."""
-        tell(self._own / _RELAUNCH, {"index": int(index),
-                                     "t": time.time() if t is None else float(t)},
+        tell(self._own / _RELAUNCH, {"index": int(index), "t": time.time() if t is None else float(t)},
              "the ranks their relaunch")
 
     def relaunched(self) -> Relaunched | None:
         """Which relaunch in place the supervisor said this launch is (None: not said)."""
-        data = self._load(self._own / _RELAUNCH)
-        index, t = (count(data.get("index")), data.get("t")) if isinstance(data, dict) \
-            else (None, None)
+        data = hear(self._own / _RELAUNCH)
+        index = count(data.get("index")) if isinstance(data, dict) else None
         if index is None:
             return None
+        t = data.get("t")
         ok = isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e11
         return Relaunched(index, float(t) if ok else None)
 
@@ -341,21 +325,16 @@ class Channel:
 
     def rendezvous(self) -> dict[str, Any] | None:
         """The rendezvous this process's torchrun agent offers (None: not under one)."""
-        data = self._load(self.agent / _AGENT) if self.agent is not None else None
+        data = hear(self.agent / _AGENT) if self.agent is not None else None
         found = data.get("rendezvous") if isinstance(data, dict) else None
         return found if isinstance(found, dict) else None
 
     def remove_agent(self) -> None:
         """The agent is done: its own directory goes (the whole channel when it was private)."""
-        if self.agent is None:
-            return
-        shutil.rmtree(self.agent, ignore_errors=True)
-        if self.agent.parent.name != _AGENTS_DIR:
-            return
-        try:
-            self.agent.parent.rmdir()      # agents/, when this was its last agent
-        except OSError:
-            pass
+        if self.agent is not None:
+            shutil.rmtree(self.agent, ignore_errors=True)
+            if self.agent.parent.name == _AGENTS_DIR:
+                _rmdir(self.agent.parent)      # agents/, when this was its last agent
 
     # ------------------------------------------------------------------ the ranks' hang words
 
@@ -383,22 +362,25 @@ class Channel:
 
     def train_nodes(self) -> int | None:
         """The nodes the training of this job ran on before a requeue (None: not recorded)."""
-        return count(self._load(self.root / _TRAIN_NODES), 1)
+        return count(hear(self.root / _TRAIN_NODES), 1)
 
     def record_train_nodes(self, nodes: int) -> None:
         """Remember that this job trains on ``nodes`` nodes (for its requeued self)."""
-        tell(self.root / _TRAIN_NODES, int(nodes), "the requeued job its nodes",
-             durable=True)
+        tell(self.root / _TRAIN_NODES, int(nodes), "the requeued job its nodes", durable=True)
 
     def remove(self) -> None:
         """The job is over for good: its channel goes."""
         shutil.rmtree(self.root, ignore_errors=True)
-        if not self.root.parent.name.startswith(_JOBS_DIR):
-            return
-        try:
-            self.root.parent.rmdir()      # .kempner-resilience(-<uid>)/, after its last job
-        except OSError:
-            pass
+        if self.root.parent.name.startswith(_JOBS_DIR):
+            _rmdir(self.root.parent)      # .kempner-resilience(-<uid>)/, after its last job
+
+
+def _rmdir(path: Path) -> None:
+    """Remove ``path`` if it is an empty directory."""
+    try:
+        path.rmdir()
+    except OSError:
+        pass
 
 
 @dataclass
@@ -442,10 +424,8 @@ def relaunched(environ: Mapping[str, str] | None = None) -> Relaunched:
 
     channel = Channel.from_env(environ)
     said = channel.relaunched() if channel is not None else None
-    if said is not None:
-        return said
-    by_hand = relaunch_by_hand(environ)
-    return Relaunched(*by_hand) if by_hand is not None else Relaunched()
+    by_hand = relaunch_by_hand(environ) if said is None else None
+    return said or (Relaunched(*by_hand) if by_hand is not None else Relaunched())
 
 
 def launch_name(environ: Mapping[str, str] | None = None) -> str:
@@ -455,8 +435,7 @@ def launch_name(environ: Mapping[str, str] | None = None) -> str:
 
 
 def report_now(channel: Channel, run_dir: str | os.PathLike[str], *, run_id: str | None,
-               committed: int | None, code: int | None,
-               requeue: Mapping[str, Any]) -> None:
+               committed: int | None, code: int | None, requeue: Mapping[str, Any]) -> None:
     """Rank 0's report with this host, process and time (``Channel.report``)."""
     channel.report(RunReport(str(Path(run_dir).resolve()), run_id, committed, code,
                              dict(requeue), os.uname().nodename, os.getpid(), time.time()))

@@ -19,11 +19,10 @@ from typing import Collection, Iterable
 from kempner_resilience.core.fileio import load_json_bounded
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.supervise.channel import count, tell
+from kempner_resilience.supervise.channel import count, hear, tell
 from kempner_resilience.supervise.policy import KILLED, Action, Decision, Evidence, RankEnd, decide
 
-__all__ = ["RankEnding", "note_ending", "read_endings", "endings_since", "peer_ends",
-           "peer_decision",
+__all__ = ["RankEnding", "note_ending", "read_endings", "endings_since", "peer_decision",
            "note_verdict", "read_verdict", "PEER_WAIT_S", "VERDICT_WAIT_S"]
 
 _log = get_logger(__name__)
@@ -78,16 +77,6 @@ def note_ending(paths: RunPaths, token: str, ending: RankEnding) -> None:
          "rank 0 this rank's ending (it will count it as killed)", mkdir=True)
 
 
-def _read_one(path: object) -> RankEnding | None:
-    try:
-        return RankEnding.from_json(load_json_bounded(path))  # type: ignore[arg-type]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        _log.warning("a rank's ending %s is unreadable (%s): counted as not recorded", path, e)
-        return None
-
-
 def read_endings(paths: RunPaths, token: str, ranks: Iterable[int],
                  wait_s: float = PEER_WAIT_S) -> dict[int, RankEnding]:
     """The recorded endings of ``ranks`` in attempt ``token``, waiting up to ``wait_s`` for
@@ -97,7 +86,8 @@ def read_endings(paths: RunPaths, token: str, ranks: Iterable[int],
     end = time.monotonic() + max(wait_s, 0.0)
     while True:
         for r in sorted(want - set(seen)):
-            got = _read_one(paths.rank_ending(token, r))
+            got = hear(paths.rank_ending(token, r), "a rank's ending %s is unreadable (%s): counted as "
+                       "not recorded", RankEnding.from_json)
             if got is not None and got.rank == r:
                 seen[r] = got
         if set(seen) >= want or time.monotonic() >= end:
@@ -121,22 +111,16 @@ def endings_since(paths: RunPaths, known: Collection[Path], ranks: Iterable[int]
     return seen
 
 
-def peer_ends(own: RankEnd, rank: int, world_size: int,
-              seen: dict[int, RankEnding]) -> tuple[RankEnd, ...]:
-    """Every rank's ending for the policy: this rank's ``own``, each peer's recorded one, and
-    SIGKILL for a peer that recorded none (its process died before it could: killed)."""
-    return tuple(own if r == rank else seen[r].end() if r in seen
-                 else KILLED for r in range(world_size))
-
-
 def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_size: int,
                   wait_s: float = PEER_WAIT_S) -> tuple[Decision, dict[int, RankEnding]]:
-    """The one policy's decision from the ranks' endings (``peer_ends``), and the endings
-    read. Only the endings decide here (no budget, no commits): whether the job is to run again
+    """The one policy's decision from the ranks' endings, and the endings read: this rank's
+    ``own``, each peer's recorded one, SIGKILL for a peer that recorded none (it died before it
+    could: killed). Only the endings decide here (no budget, no commits): whether the job is to run again
     at all; the restart budget and the no-progress guard are the requeue's, asked of the same
     policy (``slurm/requeue.scheduler_decision``, over the restart record)."""
     seen = read_endings(paths, token, (r for r in range(world_size) if r != rank), wait_s)
-    return decide(Evidence(peer_ends(own, rank, world_size, seen))), seen
+    ends = (own if r == rank else seen[r].end() if r in seen else KILLED for r in range(world_size))
+    return decide(Evidence(tuple(ends))), seen
 
 
 def note_verdict(paths: RunPaths, token: str, decision: Decision) -> None:

@@ -12,11 +12,14 @@ from typing import Any, Mapping
 
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["IN_JOB_RESTART_ENV", "RELAUNCH_START_ENV", "RENDEZVOUS_ENV", "relaunch_by_hand",
-           "rendezvous_by_hand"]
+__all__ = ["RESTART_COUNT_ENV", "IN_JOB_RESTART_ENV", "RELAUNCH_START_ENV", "RENDEZVOUS_ENV",
+           "restarts_by_hand", "relaunch_by_hand", "rendezvous_by_hand"]
 
 log = get_logger(__name__)
 
+#: The restart count (deprecated: ``Channel.begin_launch``); the launchers still set it for the
+#: user's script, as SLURM sets ``SLURM_RESTART_COUNT``.
+RESTART_COUNT_ENV = "KEMPNER_RESTART_COUNT"
 #: The relaunch in place's index (deprecated: ``Channel.begin_relaunch``).
 IN_JOB_RESTART_ENV = "KEMPNER_RESILIENCE_IN_JOB_RESTART"
 #: When the relaunch in place was launched, epoch seconds (deprecated: the same).
@@ -27,12 +30,21 @@ RENDEZVOUS_ENV = "KEMPNER_RESILIENCE_RELAUNCH"
 _warned: set[str] = set()
 
 
-def _warn_once(name: str, value: str, replacement: str) -> None:
-    if name in _warned:
-        return
-    _warned.add(name)
-    log.warning("$%s=%s read: deprecated, a supervisor tells its ranks %s through its channel "
-                "($KEMPNER_RESILIENCE_SUPERVISOR) now", name, value[:200], replacement)
+def _warn_once(name: str, value: str, replacement: str, read_as: str = "") -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("$%s=%s read%s: deprecated, a supervisor tells its ranks %s through its "
+                    "channel ($KEMPNER_RESILIENCE_SUPERVISOR) now", name, value[:200], read_as,
+                    replacement)
+
+
+def restarts_by_hand(environ: Mapping[str, str] | None = None) -> int | None:
+    """The restart count from the deprecated variable; None when unset or not a count."""
+    value = (os.environ if environ is None else environ).get(RESTART_COUNT_ENV)
+    if not (value and value.isdigit()):
+        return None
+    _warn_once(RESTART_COUNT_ENV, value, "their restart count", " as this run's restart count")
+    return int(value)
 
 
 def relaunch_by_hand(environ: Mapping[str, str] | None = None

@@ -5,10 +5,6 @@ scheduler, or leave, and with which code. It decides from ``Evidence`` alone (no
 process, no clock), so one table test (``tests/test_supervise_policy.py``) pins every row.
 The rows of ``job_code``, why a rank's own code beats its peers' 81, and the guarantees'
 order: docs/design.md ("Decisions and why").
-
-The scheduler's own requeue (``Evidence.by_requeue``) is weighed in this order: nothing
-committed (not tried, the failure keeps its code), ``requeue.enabled`` false, the budget, no
-progress over the restart record; else REQUEUE.
 """
 
 from __future__ import annotations
@@ -125,19 +121,18 @@ class Evidence:
     restarts: int = 0                         # relaunches before this launch
     max_restarts: int | None = None           # relaunches allowed in all (None: no limit)
     commits: Commits | None = None            # None: this backend cannot see the checkpoints
-    stalled: int = 0                          # relaunches in a row before this one whose launch
-                                              # ended without a newer committed step
+    stalled: int = 0                          # relaunches in a row before this one that ended
+                                              # without a newer committed step
     max_no_progress: int = 0                  # leave after that many (0: no guard)
     implicated: frozenset[str] = frozenset()  # nodes the failure points at (kept out)
     spares: int | None = None                 # spare nodes left (None: relaunch where it ran)
     stopping: bool = False                    # the supervisor was told to stop (Ctrl+C, TERM)
-    scheduler_left: bool = False              # a scheduler behind this supervisor would still
-                                              # run the job (srun's step loop): it gets the job
-                                              # once max_restarts is spent
+    scheduler_left: bool = False              # a scheduler behind this supervisor (srun's step
+                                              # loop) gets the job once max_restarts is spent
     by_requeue: bool = False                  # the scheduler's requeue (``requeue_evidence``)
     enabled: bool = True                      # requeue.enabled (False: never run again)
-    relaunch_codes: frozenset[int] | None = None  # the caller's codes that run again (within
-                                              # the budget) in place of the policy's rule
+    relaunch_codes: frozenset[int] | None = None  # the caller's codes that run again within
+                                              # the budget, in place of the policy's rule
 
 
 @dataclass(frozen=True)
@@ -161,9 +156,7 @@ class Decision:
     def verdict(self) -> Verdict | None:
         """As the requeue step's verdict (the exit-code table's word); None when no requeue
         was weighed (the endings ended the job, nothing committed)."""
-        if self.runs_again:
-            return Verdict.REQUEUED
-        return _VERDICTS.get(self.guard) if self.guard is not None else None
+        return Verdict.REQUEUED if self.runs_again else _VERDICTS.get(self.guard)
 
 
 _VERDICTS = {Guard.BUDGET: Verdict.BUDGET_SPENT, Guard.NO_PROGRESS: Verdict.NO_PROGRESS,
@@ -250,10 +243,8 @@ def _decide(ev: Evidence) -> Decision:
         return Decision(Action.LEAVE, code, kind, "the supervisor was told to stop: no relaunch")
     if kind is Kind.LEFT_EARLY:
         lost = [r for r in range(len(ev.ends)) if r not in early]
-        return Decision(Action.LEAVE, code, kind,
-                        f"rank(s) {list(early)} left run.steps early while rank(s) {lost} "
-                        "still trained: not relaunched",
-                        left_early=early)
+        return Decision(Action.LEAVE, code, kind, f"rank(s) {list(early)} left run.steps early while "
+                        f"rank(s) {lost} still trained: not relaunched", left_early=early)
     if kind in (Kind.FINAL, Kind.STOPPED):
         return Decision(Action.LEAVE, code, kind,
                         f"a rank ended with {code} of its own: a relaunch would not help")
@@ -294,13 +285,14 @@ def _decide(ev: Evidence) -> Decision:
 
 
 def _requeue(ev: Evidence, code: int, kind: Kind, stalled: int) -> Decision:
-    """The scheduler's requeue of a job that is to run again, in the module docstring's order."""
+    """The scheduler's requeue of a job that is to run again, weighed in this order: nothing
+    committed (not tried, the failure keeps its code), ``requeue.enabled`` false, the budget,
+    no progress over the restart record; else REQUEUE."""
     # As in ``_decide``: a stop that asked to run again gets the budget's code.
     left = int(ExitCode.NO_REQUEUE) if kind is Kind.REQUESTED else code
     now = ev.commits.now if ev.commits is not None else None
     if ev.commits is not None and now is None:
-        return Decision(Action.LEAVE, code, kind,
-                        "no committed checkpoint to come back to", stalled,
+        return Decision(Action.LEAVE, code, kind, "no committed checkpoint to come back to", stalled,
                         guard=Guard.NOTHING_COMMITTED)
     if not ev.enabled:
         return Decision(Action.LEAVE, left, kind, "requeue.enabled is false", stalled,

@@ -11,7 +11,8 @@ from typing import Iterable, Mapping
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.channel import (CHANNEL_ENV, Channel, launch_name, relaunched,
                                                   report_now)
-from kempner_resilience.supervise.legacy_env import rendezvous_by_hand
+from kempner_resilience.supervise.legacy_env import (RESTART_COUNT_ENV, rendezvous_by_hand,
+                                                     restarts_by_hand)
 from kempner_resilience.supervise.torchrun.standby import Relaunch
 
 __all__ = ["Channel", "supervisor", "has_supervisor", "supervisor_decides", "local_restart_count",
@@ -19,10 +20,6 @@ __all__ = ["Channel", "supervisor", "has_supervisor", "supervisor_decides", "loc
            "relaunched", "report_now", "RESTART_COUNT_ENV", "CHANNEL_ENV"]
 
 log = get_logger(__name__)
-
-#: The restart count's old carrier, before the supervisor channel said it (``launch.json``).
-RESTART_COUNT_ENV = "KEMPNER_RESTART_COUNT"
-_warned_restart_env: list[bool] = []
 
 
 def supervisor(environ: Mapping[str, str] | None = None) -> Channel | None:
@@ -50,19 +47,8 @@ def restarts_said(environ: Mapping[str, str] | None = None) -> int | None:
 def local_restart_count(environ: Mapping[str, str] | None = None) -> int | None:
     """Restarts so far when a local supervisor relaunches us, as its channel says; None if
     unknown. ``KEMPNER_RESTART_COUNT`` set by hand is still read, with one deprecation warning."""
-    env = os.environ if environ is None else environ
-    said = restarts_said(env)
-    if said is not None:
-        return said
-    value = env.get(RESTART_COUNT_ENV)
-    if not (value and value.isdigit()):
-        return None
-    if not _warned_restart_env:
-        _warned_restart_env.append(True)
-        log.warning("$%s=%s read as this run's restart count: deprecated, a supervisor tells its "
-                    "ranks through its channel ($%s) now", RESTART_COUNT_ENV, value,
-                    CHANNEL_ENV)
-    return int(value)
+    said = restarts_said(environ)
+    return said if said is not None else restarts_by_hand(environ)
 
 
 def offered_relaunch(environ: Mapping[str, str] | None = None) -> Relaunch | None:

@@ -9,6 +9,7 @@ running is killed, as SLURM ends a step's processes: a relaunch never runs besid
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -22,16 +23,15 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.core.strays import clock_ticks_now, end_strays
-from kempner_resilience.supervise.local.warm import Zygote, parent_death, warm_command
-from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, Progress
 from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.core.strays import clock_ticks_now, end_strays
+from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, Progress
+from kempner_resilience.supervise.local.warm import Zygote, parent_death, warm_command
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  decide, ends_of, job_code)
 
 __all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "launch_evidence",
-           "warm_parent", "RELAUNCH_CODES",
-           "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
+           "warm_parent", "RELAUNCH_CODES", "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
 
 _log = get_logger(__name__)
 
@@ -102,9 +102,8 @@ class Launch:
     @property
     def exit_code(self) -> int:
         """The job's code: the policy's decision, else the one rule (``job_exit_code``)."""
-        if self.decision is not None:
-            return self.decision.code
-        return job_exit_code(self.exit_codes, self.killed)
+        return job_exit_code(self.exit_codes, self.killed) if self.decision is None \
+            else self.decision.code
 
 
 class LocalLauncher:
@@ -155,8 +154,7 @@ class LocalLauncher:
         own = warm and self._shared is None
         self._zygote = Zygote(self._zygote_env()) if own else self._shared if warm else None
         main = threading.current_thread() is threading.main_thread()
-        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} \
-            if main else {}
+        previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} if main else {}
         progress = Progress(self.channel, self.run_paths, self.max_no_progress)
         try:
             for index in range(self.max_launches):
@@ -209,10 +207,9 @@ class LocalLauncher:
         progress = report = None
         command = self.command
         if self.workdir is not None:
-            progress = self.workdir / f"progress.{index}"
-            report = self.workdir / f"report.{index}.json"
-            for p in (progress, report):
-                p.unlink(missing_ok=True)
+            progress, report = self.workdir / f"progress.{index}", self.workdir / f"report.{index}.json"
+            progress.unlink(missing_ok=True)
+            report.unlink(missing_ok=True)
             command = command + ["--progress", str(progress)]
         port = str(free_port())
         if self.channel is not None:
@@ -294,7 +291,10 @@ class LocalLauncher:
         except KeyboardInterrupt:      # not on the main thread, or before run() took SIGINT
             launch.interrupted = True
             self._signal_all(procs, signal.SIGINT)
-            _wait_all(procs, self.stop_timeout_s)
+            end = time.monotonic() + self.stop_timeout_s
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(max(end - time.monotonic(), 0.0))
         finally:
             # Whatever ended the wait (an error here included), no rank outlives the launch,
             # nor anything a rank started: the ranks' sessions and the channel's mark.
@@ -319,12 +319,9 @@ class LocalLauncher:
         """End what the ranks of launch ``index`` started and left running, as SLURM ends a
         step's processes (``core/strays.py``): the channel's path is unique to this launcher."""
         for p in procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(KILL_AFTER_TERM_S)     # SIGKILLed: only the kernel's teardown is left
-            except subprocess.TimeoutExpired:
-                pass
-        mark = (CHANNEL_ENV, str(self.channel.env()[CHANNEL_ENV])) \
-            if self.channel is not None else None
+        mark = (CHANNEL_ENV, self.channel.env()[CHANNEL_ENV]) if self.channel is not None else None
         ended = end_strays([p.pid for p in procs], mark, since)
         if ended:
             _log.warning("launch %d: ended %d process(es) the ranks had started and left "
@@ -335,18 +332,15 @@ class LocalLauncher:
     def _signal_all(procs: list[subprocess.Popen], signum: int) -> None:
         for p in procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     p.send_signal(signum)
-                except ProcessLookupError:
-                    pass
 
 
 def warm_parent(command: Sequence[str], ranks: int) -> Zygote | None:
     """One warm-start process shared by several launchers of ``command`` (None: it starts
     cold); the caller closes it."""
-    if not warm_command(command):
-        return None
-    return Zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env())
+    return Zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env()) \
+        if warm_command(command) else None
 
 
 def _start_cold(command: list[str], env: dict[str, str], cwd: str | None, out: str | None,
@@ -361,15 +355,6 @@ def _start_cold(command: list[str], env: dict[str, str], cwd: str | None, out: s
     finally:
         for f in files.values():
             f.close()           # the rank holds its own copy
-
-
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(max(end - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _rank0_steps(progress: Path) -> list[int]:

@@ -1,8 +1,6 @@
-"""Warm ranks: rank processes forked from a parent that imported torch, so a launch or a
-relaunch does not pay Python's and torch's start-up again (seconds of CPU per rank).
-
-``Zygote`` imports torch once, single-threaded and never touching CUDA, then forks a rank per
-request. The child becomes the rank as a cold start would be (``_become``, ``_run``).
+"""Warm ranks: forked from a parent (``Zygote``) that imported torch once, single-threaded and
+never touching CUDA, so a launch or a relaunch does not pay Python's and torch's start-up again
+(seconds of CPU per rank). The child becomes the rank as a cold start would be.
 
 Opt-in (``KEMPNER_RESILIENCE_WARM=1``, ``launch --warm``): a child cannot have another
 interpreter or other flags, and a library that read an environment variable at import read
@@ -10,13 +8,14 @@ the zygote's (so does the rank's ``/proc/<pid>/environ``). Any command other tha
 python> script.py`` or ``-m module`` starts cold.
 
 The protocol is one JSON line each way over a pipe pair: a request, then ``{"pid"}``,
-``{"exit", "code"}`` or ``{"refused"}``. The zygote never runs a rank's code and checks it
-before every fork (``pristine``): one that fails refuses and exits, and ranks start cold from
-then on. So a rank in an untrusted state is never the parent of the next incarnation.
+``{"exit", "code"}`` or ``{"refused"}``. The zygote never runs a rank's code and checks that
+before every fork (``pristine``); one that fails refuses and exits, and ranks start cold from
+then on: a rank in an untrusted state is never the parent of the next incarnation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -64,11 +63,9 @@ def warm_command(command: Sequence[str], flags: Sequence[str] = ()) -> bool:
     exe = command[0]
     try:
         # Not on the PATH: samefile("") raises FileNotFoundError.
-        same = os.path.samefile(exe if os.sep in exe else shutil.which(exe) or "",
-                                sys.executable)
+        if not os.path.samefile(exe if os.sep in exe else shutil.which(exe) or "", sys.executable):
+            return False
     except (OSError, TypeError):
-        return False
-    if not same:
         return False
     if command[1] == "-m":
         return len(command) >= 3
@@ -193,10 +190,8 @@ class Zygote:
 
     def close(self) -> None:
         """End the zygote (its ranks are the launcher's to end first); bounded."""
-        try:
+        with contextlib.suppress(OSError):
             self._req.close()
-        except OSError:
-            pass
         try:
             self.proc.wait(5.0)
         except subprocess.TimeoutExpired:
@@ -281,10 +276,8 @@ def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] 
             children.clear()
         for pid, code in ended or ():
             children.discard(pid)
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 ans.write(json.dumps({"exit": pid, "code": code}) + "\n")
-            except (OSError, ValueError):
-                pass
     return None
 
 
@@ -341,7 +334,8 @@ def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
                 continue
             if ranks[conn] is not None:
                 if not conn.recv(4096):         # the shim is gone: so is its rank
-                    _kill_group(ranks.pop(conn))
+                    with contextlib.suppress(OSError):
+                        os.killpg(ranks.pop(conn), signal.SIGKILL)  # the rank's own session (_become)
                     conn.close()
                 continue
             msg, fds = _request(conn)
@@ -368,14 +362,11 @@ def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
             ranks[conn] = pid
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         for pid, code in _reaped() or ():
-            for conn, rank in list(ranks.items()):
-                if rank == pid:
-                    try:
-                        conn.sendall(json.dumps({"exit": pid, "code": code}).encode() + b"\n")
-                    except OSError:
-                        pass
-                    del ranks[conn]
-                    conn.close()
+            for conn in [c for c, rank in ranks.items() if rank == pid]:
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps({"exit": pid, "code": code}).encode() + b"\n")
+                del ranks[conn]
+                conn.close()
 
 
 def _request(conn: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
@@ -397,14 +388,6 @@ def _request(conn: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
             os.close(fd)
         return None, []
     return json.loads(buf), fds
-
-
-def _kill_group(pid: int | None) -> None:
-    if pid is not None:
-        try:
-            os.killpg(pid, signal.SIGKILL)      # the rank made its own session (_become)
-        except OSError:
-            pass
 
 
 def _become(msg: dict[str, Any]) -> None:
@@ -430,31 +413,21 @@ def _become(msg: dict[str, Any]) -> None:
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    _threads_from_env()
-    # A cold start seeds torch's CPU generator (and NumPy's) from the OS at import: without
-    # this every forked rank would start an unseeded script from the same weights.
     import torch
 
+    # A cold start reads OMP_NUM_THREADS at ``import torch``; no parallel region ran in the
+    # zygote, so the rank's count still takes.
+    with contextlib.suppress(ValueError):
+        wanted = int(os.environ.get("OMP_NUM_THREADS", ""))
+        if wanted > 0 and torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+    # A cold start seeds torch's CPU generator (and NumPy's) from the OS at import: without
+    # this every forked rank would start an unseeded script from the same weights.
     torch.default_generator.seed()
-    try:
+    with contextlib.suppress(ImportError):
         import numpy
 
         numpy.random.seed()
-    except ImportError:
-        pass
-
-
-def _threads_from_env() -> None:
-    """The rank's ``OMP_NUM_THREADS``, read at ``import torch`` in a cold start; no parallel
-    region ran in the zygote, so the count still takes."""
-    import torch
-
-    try:
-        wanted = int(os.environ.get("OMP_NUM_THREADS", ""))
-    except ValueError:
-        return
-    if wanted > 0 and torch.get_num_threads() != wanted:
-        torch.set_num_threads(wanted)
 
 
 def _run(argv: list[str]) -> None:

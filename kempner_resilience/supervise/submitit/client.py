@@ -43,12 +43,12 @@ def interrupt(job: Any) -> None:
     """Send the preemption signal to every task of ``job``, as SLURM does: the tasks checkpoint
     and requeue. For a local job it goes to the tasks (submitit's ``_interrupt()`` would send
     it to the local controller, which dies of it)."""
-    if not is_local_job(job):
-        job._interrupt()
-        return
-    from kempner_resilience.supervise.submitit.local import interrupt_tasks
+    if is_local_job(job):
+        from kempner_resilience.supervise.submitit.local import interrupt_tasks
 
-    interrupt_tasks(job)
+        interrupt_tasks(job)
+    else:
+        job._interrupt()
 
 
 _TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
@@ -76,10 +76,7 @@ def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
             return job
         if local:
             _check_local(job, tasks)
-            info = None
-        else:
-            info = show_job(job_id, timeout=10.0)
-        state = (info or {}).get("JobState", "")
+        state = "" if local else (show_job(job_id, timeout=10.0) or {}).get("JobState", "")
         last = state or last
         if state in _TERMINAL:
             # The tasks may still be writing their pickles: give them a moment.

@@ -70,22 +70,24 @@ def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 def preempt_when_controller_dies() -> None:
     """Ask for the preemption signal when the local controller dies (submitit's own
     ``job._interrupt()`` kills it): the tasks checkpoint instead of training on unseen."""
-    import ctypes
+    from kempner_resilience.supervise.local.warm import parent_death
 
     parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, preempt_signal())   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:       # it died before the request: act now
-        os.kill(os.getpid(), preempt_signal())
+    ask = parent_death(preempt_signal())
+    if ask is not None:
+        ask()
+        if os.getppid() != parent:       # it died before the request: act now
+            os.kill(os.getpid(), preempt_signal())
+
+
+def _task_file(folder: str, name: str) -> Path:
+    """``name`` in the job's submitit ``folder``, else in the temporary directory."""
+    return (Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())) / name
 
 
 def count_start(env: Mapping[str, str], job_id: str, rank: str) -> int:
     """Earlier starts of this task of this local job; records this one."""
-    folder = env.get("SUBMITIT_FOLDER", "").replace("%j", job_id)
-    base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
-    path = base / f"{job_id}_{rank}_kr_starts"
+    path = _task_file(env.get("SUBMITIT_FOLDER", "").replace("%j", job_id), f"{job_id}_{rank}_kr_starts")
     try:
         before = len(path.read_text().splitlines()) if path.exists() else 0
         with open(path, "a") as f:
@@ -97,13 +99,13 @@ def count_start(env: Mapping[str, str], job_id: str, rank: str) -> int:
 
 
 def write_config_file(cfg: ResilienceConfig) -> str:
+    """The resolved ``cfg`` in this task's file, for ``$KEMPNER_RESILIENCE_CONFIG``; its path."""
     import yaml
 
-    folder = os.environ.get("SUBMITIT_FOLDER")
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID") or "local"
-    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0"))
-    base = Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())
-    path = base / f"{job}_{rank}_resilience.yaml"
+    env = os.environ
+    job = env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID") or "local"
+    path = _task_file(env.get("SUBMITIT_FOLDER", ""),
+                      f"{job}_{env.get('SLURM_PROCID', env.get('RANK', '0'))}_resilience.yaml")
     # Read by this task's own processes and rewritten at every start: whole, not fsynced.
     write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False), durable=False)
     return str(path)
@@ -119,21 +121,13 @@ def preempt_signal() -> int:
 
 def in_local_task() -> bool:
     """True in a task that submitit's local executor started."""
-    return (os.environ.get("SUBMITIT_EXECUTOR") == "local"
-            and "SUBMITIT_LOCAL_GLOBALID" in os.environ)
+    return os.environ.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in os.environ
 
 
 def in_submitit_job() -> bool:
     """True in a job process that submitit started, under SLURM or its local executor."""
     return bool(os.environ.get("SUBMITIT_FOLDER")) and (bool(os.environ.get("SLURM_JOB_ID"))
                                                         or in_local_task())
-
-
-def _run_active() -> bool:
-    """True while a ``ResilientRun``'s ShutdownHandler is installed in this process."""
-    from kempner_resilience.stop.signals import active_handlers
-
-    return bool(active_handlers())
 
 
 class SignalTakeover:
@@ -152,19 +146,15 @@ class SignalTakeover:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> "SignalTakeover":
-        signums = [self.preempt]
-        if self.preempt != signal.SIGTERM:
-            signums.append(signal.SIGTERM)
-        for s in signums:
-            self._previous[s] = signal.getsignal(s)
+        term = self.preempt != signal.SIGTERM
+        self._previous = {s: signal.getsignal(s) for s in (self.preempt, signal.SIGTERM)[:1 + term]}
         signal.signal(self.preempt, self._on_preempt)
-        if self.preempt != signal.SIGTERM:
-            if self.sigterm == "ignore":
-                signal.signal(signal.SIGTERM, self._on_term_ignored)
-            else:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if term:
+            signal.signal(signal.SIGTERM, self._on_term_ignored if self.sigterm == "ignore"
+                          else signal.SIG_DFL)
+        previous = self._previous[self.preempt]
         log.debug("took over %s and SIGTERM from %s", signal.Signals(self.preempt).name,
-                  _describe_handler(self._previous.get(self.preempt)))
+                  getattr(previous, "__qualname__", previous))
         return self
 
     def finish(self) -> None:
@@ -178,7 +168,9 @@ class SignalTakeover:
     # handlers (main thread, between bytecodes)
 
     def _on_preempt(self, signum: int, frame: Any) -> None:
-        if _run_active():
+        from kempner_resilience.stop.signals import active_handlers
+
+        if active_handlers():
             return  # chained from ResilientRun's handler: the run handles it
         if self._done.is_set():
             log.warning("%s after the training function returned: ignored (the result is "
@@ -197,9 +189,3 @@ class SignalTakeover:
     def _on_term_ignored(self, signum: int, frame: Any) -> None:
         log.warning("SIGTERM ignored, as submitit does (its preemption signal is %s; "
                     "pass sigterm='stop' to act on SIGTERM)", signal.Signals(self.preempt).name)
-
-def _describe_handler(h: Any) -> str:
-    if callable(h):
-        owner = getattr(h, "__self__", None)
-        return f"{type(owner).__name__}.{h.__name__}" if owner is not None else repr(h)
-    return str(h)

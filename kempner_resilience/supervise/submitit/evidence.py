@@ -16,10 +16,9 @@ from typing import Sequence
 from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.channel import Channel, Progress
-from kempner_resilience.supervise.policy import (Action, Decision, Evidence, RankEnd, decide,
-                                                 ends_of)
+from kempner_resilience.supervise.policy import Action, Decision, Evidence, decide, ends_of
 
-__all__ = ["LOCAL_REQUEUE_CODE", "DEFAULT_MAX_RESTARTS", "task_ends", "Supervision"]
+__all__ = ["LOCAL_REQUEUE_CODE", "DEFAULT_MAX_RESTARTS", "Supervision"]
 
 #: submitit's ``LOCAL_REQUEUE_RETURN_CODE``: a task's "run me again" to the local controller.
 LOCAL_REQUEUE_CODE = 144
@@ -27,12 +26,6 @@ LOCAL_REQUEUE_CODE = 144
 #: submitit's own controller starts the tasks at most 6 times.
 DEFAULT_MAX_RESTARTS = 5
 _DEFAULT = RequeueConfig(max_restarts=DEFAULT_MAX_RESTARTS)
-
-
-def task_ends(codes: Sequence[int | None], killed: Sequence[int] = ()) -> tuple[RankEnd, ...]:
-    """The policy's endings of the tasks' ``Popen.returncode`` (``policy.ends_of``), 144
-    read as REQUEUE."""
-    return ends_of(codes, killed, {LOCAL_REQUEUE_CODE: int(ExitCode.REQUEUE)})
 
 
 @dataclass
@@ -44,10 +37,10 @@ class Supervision(Progress):
     restarts: int = 0            # relaunches so far
 
     def evidence(self, codes: Sequence[int | None], killed: Sequence[int] = ()) -> Evidence:
-        """The policy's evidence after a launch: the tasks' endings, the run's budget and the
-        no-progress guard's evidence (none before a rank reported its run)."""
-        return Evidence(task_ends(codes, killed), restarts=self.restarts,
-                        max_restarts=self.channel.requeue(_DEFAULT).restart_limit,
+        """The policy's evidence after a launch: the tasks' endings (144 read as REQUEUE), the
+        run's budget and the no-progress guard's evidence (none before a rank reported its run)."""
+        return Evidence(ends_of(codes, killed, {LOCAL_REQUEUE_CODE: int(ExitCode.REQUEUE)}),
+                        restarts=self.restarts, max_restarts=self.channel.requeue(_DEFAULT).restart_limit,
                         **self.guard())
 
     def after(self, codes: Sequence[int | None], killed: Sequence[int] = ()) -> Decision:

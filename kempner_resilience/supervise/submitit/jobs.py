@@ -1,23 +1,12 @@
-"""submitit integration: resilient training jobs submitted from Python or a notebook.
+"""submitit integration: resilient training jobs submitted from Python or a notebook
+(``docs/submitit.md``). The submitted function trains under ``ResilientRun`` as any script would:
 
-Usage is in ``docs/submitit.md``. The submitted function trains under ``ResilientRun`` as any
-script would; this module is the hand-over between submitit and the run:
-
-* Signals. submitit's handler for its preemption signal (``SIGUSR2``) checkpoints and requeues
-  from inside the handler, mid-step, before any checkpoint of ours exists; it also ignores
-  SIGTERM. ``ResilientJob.__call__`` replaces both (``env.SignalTakeover``) before the
-  function runs. The run then stops every rank at one boundary, commits, and rank 0 requeues.
-  A signal before the run started is replayed by the run; one after the function returned is
-  ignored.
+* Signals. ``ResilientJob.__call__`` takes over submitit's (``env.SignalTakeover``) before the
+  function runs: the run stops every rank at one boundary, commits, and rank 0 requeues.
 * Resubmission. A requeued job reruns submitit's unchanged ``*_submitted.pkl``: a small
-  ``ResilientJob`` (a function or import path, config, overrides, keyword arguments; never
-  model state, which ``check_small`` refuses), which resumes from the newest commit.
+  ``ResilientJob`` (never model state, which ``check_small`` refuses) that resumes.
 * Supervision. ``submit`` adopts a SLURM executor into ``slurm.py``'s (our srun step loop)
   and a local one into ``local.py``'s (our controller): both ask the one policy.
-
-SIGTERM: ``sigterm="ignore"`` (default) keeps submitit's contract, so ``job._interrupt()``
-(TERM, then USR2) checkpoints and requeues. ``sigterm="stop"`` makes SIGTERM checkpoint and
-stop for good (143): right for sites that preempt with SIGTERM only, and for ``scancel``.
 """
 
 from __future__ import annotations
@@ -29,7 +18,6 @@ import os
 import pickle
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -57,7 +45,6 @@ log = get_logger(__name__)
 MAX_PICKLE_BYTES = 1 << 20
 
 _SIGTERM_MODES = ("ignore", "stop")
-
 
 
 # ------------------------------------------------------------------------- the job object
@@ -92,8 +79,6 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
             raise TypeError(f"fn must be callable or an import path, not {type(fn).__name__}")
         if sigterm not in _SIGTERM_MODES:
             raise ValueError(f"sigterm={sigterm!r}; allowed: {', '.join(_SIGTERM_MODES)}")
-        if isinstance(overrides, str):
-            overrides = [overrides]
         self.fn = fn
         self.args = tuple(args)
         self.kwargs = dict(kwargs)
@@ -104,7 +89,7 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
         elif isinstance(config, Mapping):
             config = dict(config)
         self.config = config
-        self.overrides = tuple(str(o) for o in overrides)
+        self.overrides = (str(overrides),) if isinstance(overrides, str) else tuple(map(str, overrides))
         self.sigterm = sigterm
         self.resolve_config()  # fail in the notebook, not minutes later in the queue...
         check_small(self)  # ...and never ship model state in the pickle
@@ -135,10 +120,9 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
     def signal_overrides(self) -> list[str]:
         """The signal actions this adapter sets for a submitit job (before the user's)."""
         preempt = signal.Signals(preempt_signal()).name
-        term = "off" if self.sigterm == "ignore" else "stop"
         out = [f"signals.actions.{preempt}=requeue"]
         if preempt != "SIGTERM":
-            out.append(f"signals.actions.SIGTERM={term}")
+            out.append(f"signals.actions.SIGTERM={'off' if self.sigterm == 'ignore' else 'stop'}")
         if in_local_task() and not os.environ.get(CHANNEL_ENV):
             # Under submitit's own controller (no supervisor channel: ResilientJob submitted
             # without ``submit``), the run's SystemExit must reach __call__, which turns a
@@ -152,17 +136,7 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
         overrides = [*self.signal_overrides(), *self.overrides]
         if isinstance(self.config, dict):
             cfg = ResilienceConfig.from_dict(self.config, "config dict")
-            if not overrides:
-                return cfg
-            import yaml
-
-            fd, path = tempfile.mkstemp(prefix="kr_cfg_", suffix=".yaml")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    yaml.safe_dump(cfg.to_dict(), f)
-                return load_config(path, overrides)
-            finally:
-                os.unlink(path)
+            return load_config(cfg.to_dict(), overrides) if overrides else cfg
         if self.config is not None and not Path(self.config).is_file() and not in_submitit_job():
             # Relative paths are read in the job's working directory; only warn here.
             log.warning("config %s is not a file here; the job will look for it in its own "
@@ -182,8 +156,7 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
         fn = resolve_callable(self.fn)
         cfg = self.resolve_config()
         os.environ["KEMPNER_RESILIENCE_CONFIG"] = write_config_file(cfg)
-        takeover = SignalTakeover(preempt_signal(), self.sigterm)
-        takeover.install()
+        takeover = SignalTakeover(preempt_signal(), self.sigterm).install()
         if local:     # after the takeover: the signal must take our path, not submitit's
             preempt_when_controller_dies()
         kwargs = dict(self.kwargs)
@@ -214,10 +187,7 @@ def resolve_callable(fn: Callable[..., Any] | str) -> Callable[..., Any]:
     if callable(fn):
         return fn
     text = str(fn).strip()
-    if ":" in text:
-        mod_name, _, attr = text.partition(":")
-    else:
-        mod_name, _, attr = text.rpartition(".")
+    mod_name, _, attr = text.partition(":") if ":" in text else text.rpartition(".")
     if not mod_name or not attr:
         raise ValueError(f"{fn!r} is not an import path; write 'package.module:function'")
     obj: Any = importlib.import_module(mod_name)
@@ -294,10 +264,10 @@ def submit_array(jobs: Iterable[ResilientJob], *,
     jobs = list(jobs)
     if not jobs:
         raise ValueError("submit_array: no jobs given")
-    for i, job in enumerate(jobs):
-        if not isinstance(job, ResilientJob):
-            raise TypeError(f"submit_array: job {i} is a {type(job).__name__}, not a "
-                            "ResilientJob; wrap it: krs.ResilientJob(fn, **kwargs)")
+    wrong = next((i for i, job in enumerate(jobs) if not isinstance(job, ResilientJob)), None)
+    if wrong is not None:
+        raise TypeError(f"submit_array: job {wrong} is a {type(jobs[wrong]).__name__}, not a "
+                        "ResilientJob; wrap it: krs.ResilientJob(fn, **kwargs)")
     seen: dict[str, int] = {}
     for i, job in enumerate(jobs):
         where = os.path.normpath(RunPaths.from_config(job.resolve_config()).root)

@@ -14,6 +14,7 @@ FOLDER [--grace S]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -57,10 +58,8 @@ def interrupt_tasks(job: Any) -> None:
     if not pids:
         log.warning("local job %s has no running task to interrupt", job.job_id)
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, LocalJobEnvironment._usr_sig())
-        except ProcessLookupError:
-            pass
 
 
 def _is_task(pid: int) -> bool:
@@ -94,9 +93,8 @@ def is_local_executor(executor: Any) -> bool:
 
 
 class ResilientLocalExecutor(LocalExecutor):  # type: ignore[misc]
-    """A ``LocalExecutor`` whose jobs run under ``ResilientController`` (the policy decides
-    whether their tasks start again) and are ``ResilientLocalJob`` s. ``grace_s``: see
-    ``DEFAULT_GRACE_S``."""
+    """A ``LocalExecutor`` whose jobs are ``ResilientLocalJob``s run under
+    ``ResilientController``. ``grace_s``: see ``DEFAULT_GRACE_S``."""
 
     def __init__(self, folder: str | os.PathLike[str], max_num_timeout: int = 3,
                  max_pickle_size_gb: float = 1.0, python: str | None = None,
@@ -172,8 +170,8 @@ class ResilientController(Controller):  # type: ignore[misc]
                 finally:
                     self.kill_tasks()
                 d = supervision.after(codes, self.killed)
-                ranks = f"tasks ended {list(codes)}" + (f" (killed after the grace: "
-                                                        f"{self.killed})" if self.killed else "")
+                ranks = f"tasks ended {list(codes)}" + (
+                    f" (killed after the grace: {self.killed})" if self.killed else "")
                 if d.action is Action.LEAVE:
                     (log.info if d.code == 0 else log.warning)(
                         "local job %s: %s: it ends with %d: %s", self.pid, ranks, d.code, d.why)
@@ -184,9 +182,7 @@ class ResilientController(Controller):  # type: ignore[misc]
             channel.remove()
 
     def open_channel(self) -> Channel:
-        """This controller's own channel in its folder (``Channel.for_controller``: its host,
-        pid and a random token): another controller whose pid is the same, on another host
-        sharing the folder, never clears or removes it."""
+        """This controller's own channel in its folder (``Channel.for_controller``)."""
         return Channel.for_controller(self.pid, Path(str(self.folder).replace("%j", self.pid)))
 
     def wait(self, freq: int = 24) -> tp.Sequence[tp.Optional[int]]:

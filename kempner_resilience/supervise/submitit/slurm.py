@@ -1,17 +1,15 @@
 """submitit's SLURM executor, supervised: its batch script runs our srun step loop.
 
 submitit's script runs ``srun ... python -m submitit.core._submit <folder>``: nothing outside
-the tasks decides whether the job runs again. ``ResilientSlurmExecutor`` (``krs.submit`` adopts
-a SLURM executor into it) writes instead
+the tasks decides whether the job runs again. ``ResilientSlurmExecutor`` writes instead, with
+``use_srun=False``,
 
     <python> -m kempner_resilience.cli srun --srun-args '--unbuffered --output <folder>/%j_%t_log.out
         --error <folder>/%j_%t_log.err' -- <python> -u -m submitit.core._submit <folder>
 
-with ``use_srun=False``, so a submitit job gets what a ``kempner-resilience sbatch`` job gets
-(``supervise/srun/relaunch.py``): the one policy after every step, the channel, and
-``spares``. The per-task logs stay where ``job.stdout()`` reads them; srun's own lines go to
-the batch log. An array is one ``sbatch --array``: each task is a job of its own with its own
-loop; only its log names differ (``%A_%a`` for ``%j``, as submitit names them).
+so a submitit job gets what a ``kempner-resilience sbatch`` job gets: the one policy after every
+step, the channel, and ``spares``. The per-task logs stay where ``job.stdout()`` reads them.
+An array is one ``sbatch --array`` of jobs each with its own loop (its logs ``%A_%a``, not ``%j``).
 """
 
 from __future__ import annotations
@@ -34,9 +32,9 @@ def is_slurm_executor(executor: Any) -> bool:
 
 class ResilientSlurmExecutor(SlurmExecutor):  # type: ignore[misc]
     """A ``SlurmExecutor`` whose batch script runs the training under ``kempner-resilience
-    srun`` (see the module docstring). ``spares``: nodes of the allocation kept as spares
-    (ask for ``nodes`` = training nodes + spares); ``in_job_restarts``: relaunches in place
-    before a failure requeues the job (default: ``spares``)."""
+    srun``. ``spares``: nodes of the allocation kept as spares (ask for ``nodes`` = training
+    nodes + spares); ``in_job_restarts``: relaunches in place before a failure requeues the job
+    (default: ``spares``)."""
 
     def __init__(self, folder: str | os.PathLike[str], max_num_timeout: int = 3,
                  max_pickle_size_gb: float = 1.0, python: str | None = None,
