@@ -1,11 +1,11 @@
 """torchrun's launch with our agent: torch's ``launch_agent``, building our classes.
 
-``torch.distributed.run.main`` parses torchrun's arguments into a ``LaunchConfig`` and hands
-it to ``launcher.api.launch_agent``. ``launch`` does the same with the same public pieces, as
-NVIDIA's resiliency launcher (``ft_launcher``) does, but runs ``elastic.ElasticAgent`` and,
-with spares, ``elastic.SpareHandler``: nothing of torch's is replaced. Left out: torch's
-health-check server (off by default) and the agent thread's name. Arguments and fields that a
-torch release lacks (2.11-2.13) are passed only where it has them.
+``torch.distributed.run.main`` parses torchrun's arguments into a ``LaunchConfig`` and hands it
+to ``launcher.api.launch_agent``. ``launch`` does the same with the same public pieces, as
+NVIDIA's resiliency launcher (``ft_launcher``) does, but runs ``elastic.ElasticAgent`` and, with
+spares, ``elastic.SpareHandler``: nothing of torch's is replaced. Left out: torch's health-check
+server (off by default) and the agent thread's name. What a torch release lacks (2.11-2.13) is
+passed only where it has it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import inspect
 import os
 import sys
 import uuid
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent
+from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, TORCH_SIGNALS, Agent
 from kempner_resilience.supervise.torchrun.spares import InPlace
 
 if TYPE_CHECKING:
@@ -36,41 +36,31 @@ def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent, inplace: In
     agent; the workers' return values (none for a standby). Raises ``ChildFailedError`` after
     torch's own report of it, as torchrun's ``main`` does."""
     from torch.distributed.elastic.multiprocessing.errors import record
-    from torch.distributed.run import config_from_args, parse_args
+    from torch.distributed.run import config_from_args, parse_args, parse_min_max_nnodes
 
     args = argv if isinstance(argv, argparse.Namespace) else parse_args(list(argv))
-    _as_torchrun_does(args)
+    # torchrun's ``run``: a standalone or single-node static rendezvous is a local c10d one.
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
+                           and args.master_port is None
+                           and parse_min_max_nnodes(args.nnodes)[1] == 1):
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+        if args.standalone:
+            log.info("standalone rendezvous: --rdzv-backend=%s --rdzv-endpoint=%s --rdzv-id=%s",
+                     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id)
+    if args.master_port is None:    # only the static rendezvous reads it
+        args.master_port = 29500
     config, entrypoint, cmd_args = config_from_args(args)
     return record(_launch_agent)(config, entrypoint, list(cmd_args), tracked, inplace,
                                  shutdown_names, decides)
 
 
-def _as_torchrun_does(args: Any) -> None:
-    """torchrun's ``run``: a standalone or single-node static rendezvous is a local c10d one."""
-    from torch.distributed.run import parse_min_max_nnodes
-
-    if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
-        log.info("standalone rendezvous: --rdzv-backend=%s --rdzv-endpoint=%s --rdzv-id=%s",
-                 args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id)
-    elif args.rdzv_backend == "static" and not args.rdzv_endpoint \
-            and args.master_port is None:
-        if parse_min_max_nnodes(args.nnodes)[1] == 1:
-            args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
-            args.rdzv_id = str(uuid.uuid4())
-    if args.master_port is None:    # only the static rendezvous reads it
-        args.master_port = 29500
-
-
 def _entrypoint_name(entrypoint: Any, args: list[Any]) -> str:
     if callable(entrypoint):
         return str(getattr(entrypoint, "__name__", ""))
-    if isinstance(entrypoint, str):
-        if entrypoint == sys.executable:
-            return next((a for a in args if not str(a).startswith("-")), "")
-        return entrypoint
-    return ""
+    if entrypoint == sys.executable:
+        return next((a for a in args if not str(a).startswith("-")), "")
+    return entrypoint if isinstance(entrypoint, str) else ""
 
 
 def _static_master(params: Any) -> tuple[str | None, int | None]:
@@ -85,21 +75,14 @@ def _static_master(params: Any) -> tuple[str | None, int | None]:
                          "--master-port")
     addr, port = parse_rendezvous_endpoint(endpoint, default_port=-1)
     if port == -1:
-        raise ValueError(f"port is missing in endpoint: {endpoint}. Try to specify "
-                         "--master-port")
+        raise ValueError(f"port is missing in endpoint: {endpoint}. Try to specify --master-port")
     return addr, port
 
 
-def _fields(cls: Any, values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` that ``cls`` (a dataclass) has fields for."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
-
-
-def _params(fn: Any, values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` that ``fn`` takes as parameters."""
-    names = set(inspect.signature(fn).parameters)
-    return {k: v for k, v in values.items() if k in names}
+def _only(names: Iterable[str], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` whose keys are in ``names`` (a dataclass's fields, a function's parameters)."""
+    known = set(names)
+    return {k: v for k, v in values.items() if k in known}
 
 
 def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracked: Agent,
@@ -109,8 +92,7 @@ def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracke
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
 
     from kempner_resilience.supervise.torchrun.elastic import ElasticAgent, spare_handler
 
@@ -128,14 +110,12 @@ def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracke
                                   **config.rdzv_configs)
     master_addr, master_port = _static_master(params)
     # Which signals torch's process context handles (ours, swapped in while workers start).
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(
-        config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    if inplace is not None and params.backend == "c10d":
-        handler = spare_handler(params, inplace)
-    else:
-        handler = registry.get_rendezvous_handler(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle",
+                                                           ",".join(TORCH_SIGNALS))
+    handler = spare_handler(params, inplace) if inplace is not None and params.backend == "c10d" \
+        else registry.get_rendezvous_handler(params)
     event_log = getattr(config, "event_log_handler", "null")
-    spec = WorkerSpec(**_fields(WorkerSpec, dict(
+    spec = WorkerSpec(**_only((f.name for f in dataclasses.fields(WorkerSpec)), dict(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
         args=tuple(args), rdzv_handler=handler, max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval, master_addr=master_addr,
@@ -144,9 +124,9 @@ def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracke
         duplicate_stdout_filters=getattr(config, "duplicate_stdout_filters", None),
         duplicate_stderr_filters=getattr(config, "duplicate_stderr_filters", None),
         virtual_local_rank=getattr(config, "virtual_local_rank", False))))
+    torch_init = inspect.signature(ElasticAgent.__mro__[1].__init__).parameters
     agent = ElasticAgent(spec, config.logs_specs, tracked=tracked, inplace=inplace,
-                         shutdown_names=shutdown_names, decides=decides,
-                         **_params(ElasticAgent.__mro__[1].__init__, dict(
+                         shutdown_names=shutdown_names, decides=decides, **_only(torch_init, dict(
                              start_method=config.start_method,
                              log_line_prefix_template=config.log_line_prefix_template,
                              shutdown_timeout=getattr(config, "shutdown_timeout", 30))))
@@ -166,13 +146,10 @@ def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracke
         return result.return_values
     except ChildFailedError:
         raise
-    except SignalException:
+    except Exception as e:
         # An agent ended by a signal keeps the rendezvous open (torch's reason: closing it
         # ends this rdzv id for good).
-        shutdown_rdzv = False
-        events.record(agent.get_event_failed(), event_log)
-        raise
-    except Exception:
+        shutdown_rdzv = not isinstance(e, SignalException)
         events.record(agent.get_event_failed(), event_log)
         raise
     finally:

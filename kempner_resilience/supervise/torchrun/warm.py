@@ -3,9 +3,10 @@
 A relaunched worker pays Python's start-up, ``import torch``, DCP and the first optimizer
 again: most of the time from a node's death to the next step. With
 ``$KEMPNER_RESILIENCE_WARM=1`` (the torchrun template sets it) each agent starts one zygote
-(``local/warm.py``) and every worker is a fresh fork of it. While a group starts, torch's
-``get_subprocess_handler`` builds a ``SubprocessHandler`` whose ``_popen`` asks the zygote.
-A command the zygote cannot run, or a zygote that is gone, starts the worker cold.
+(``local/warm.py``) and every worker is a fresh fork of it: while a group starts
+(``agent.starting``), torch's process context builds our ``SubprocessHandler``, whose
+``_popen`` asks the zygote. A command the zygote cannot run, or a zygote that is gone, starts
+the worker cold.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
@@ -23,21 +23,19 @@ from kempner_resilience.supervise.local.warm import (STEP_SIGNALS, UNBUFFERED, W
                                                       Zygote, warm_command)
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 
-__all__ = ["WarmWorkers", "warm_starting"]
+__all__ = ["WarmWorkers"]
 
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
-
 
 
 class WarmWorkers:
     """One agent's zygote and the starting of its workers from it (``for_spec``)."""
 
-    def __init__(self, tracked: Agent, zygote: Zygote, names: dict[str, Any]) -> None:
+    def __init__(self, tracked: Agent, zygote: Zygote) -> None:
         self.tracked = tracked
         self.zygote = zygote
-        self.names = names
         self.cold_why: str | None = None     # set once the workers start cold for good
-        self.handler = _warm_handler(self)
+        self.handler = _warm_handler(self)   # what get_subprocess_handler builds meanwhile
 
     @classmethod
     def for_spec(cls, spec: Any, tracked: Agent) -> "WarmWorkers | None":
@@ -45,20 +43,15 @@ class WarmWorkers:
         command cannot start warm (``warm_command``) or this torch lacks the names. Call it on
         the agent's main thread: the zygote dies when the thread that started it ends."""
         if not isinstance(spec.entrypoint, str) \
-                or not warm_command([spec.entrypoint, *map(str, spec.args)], (UNBUFFERED,)):
+                or not warm_command([spec.entrypoint, *map(str, spec.args)], (UNBUFFERED,)) \
+                or torch_private.elastic("warm") is None:
             return None
-        names = torch_private.elastic("warm")
-        if names is None:
-            return None
-        names = dict(names)
-        names["SubprocessHandler"] = importlib.import_module(
-            torch_private.SUBPROCESS_HANDLER_MODULE).SubprocessHandler
         handled = {*STEP_SIGNALS, *tracked.config.signals.handled()}
         ignore = sorted(int(getattr(signal, n)) for n in handled if hasattr(signal, n))
         zygote = Zygote(dict(os.environ), ignore=ignore, death_signal=signal.SIGKILL)
         log.info("%s: workers start warm, forked from pid %d (%s=1)", AGENT_NAME,
                  zygote.proc.pid, "KEMPNER_RESILIENCE_WARM")
-        return cls(tracked, zygote, names)
+        return cls(tracked, zygote)
 
     def popen(self, handler: Any, args: tuple, env: dict[str, str]) -> WarmProcess | None:
         """The worker ``handler`` starts, forked from the zygote; None: start it cold."""
@@ -68,12 +61,11 @@ class WarmWorkers:
         if torch_private.instance_missing("warm", handler):
             self.cold_why = "torch's handler has no log files to give the worker"
             return None
-        env = {**env, PARENT_DEATH_ENV: str(PARENT_DEATH_SIGNAL)}
         out, err = handler._stdout, handler._stderr
         try:
-            proc = self.zygote.spawn(argv, env, os.getcwd(), out.name if out else None,
-                                     err.name if err else None,
-                                     death_signal=PARENT_DEATH_SIGNAL)
+            proc = self.zygote.spawn(argv, {**env, PARENT_DEATH_ENV: str(PARENT_DEATH_SIGNAL)},
+                                     os.getcwd(), out.name if out else None,
+                                     err.name if err else None, death_signal=PARENT_DEATH_SIGNAL)
         except OSError as e:
             self.cold_why = str(e)
             log.warning("%s: warm start unavailable (%s): the workers start cold from now on",
@@ -89,7 +81,7 @@ class WarmWorkers:
 
 def _warm_handler(warm: WarmWorkers) -> type:
     """torch's ``SubprocessHandler`` whose ``_popen`` forks the worker from ``warm``'s zygote."""
-    base = warm.names["SubprocessHandler"]
+    base = importlib.import_module(torch_private.SUBPROCESS_HANDLER_MODULE).SubprocessHandler
 
     class WarmSubprocessHandler(base):  # type: ignore[misc, valid-type]
         def _popen(self, args: tuple, env: dict[str, str]) -> Any:
@@ -104,19 +96,3 @@ def _warm_handler(warm: WarmWorkers) -> type:
                 self.proc.send_signal(death_sig or signal.SIGTERM)
 
     return WarmSubprocessHandler
-
-
-@contextmanager
-def warm_starting(warm: WarmWorkers | None) -> Iterator[None]:
-    """For one worker group's start: torch's process context builds the warm handler."""
-    if warm is None:
-        yield
-        return
-    api = importlib.import_module(torch_private.MP_API_MODULE)
-    stock = warm.names["get_subprocess_handler"]
-    handler = warm.handler
-    api.get_subprocess_handler = lambda *a, **kw: handler(*a, **kw)
-    try:
-        yield
-    finally:
-        api.get_subprocess_handler = stock

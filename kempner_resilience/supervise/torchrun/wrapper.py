@@ -1,33 +1,31 @@
 """torchrun under srun: one elastic agent per node whose workers shut down like srun ranks.
 
-Stock torchrun is unsafe as an srun task. A SIGUSR1 (SLURM's time-limit warning) kills its
-agent, and SLURM then kills the workers mid-save. On SIGTERM it SIGKILLs the workers 30 s
-after forwarding it. When one worker exits first it SIGTERMs the others: a second SIGTERM
-forces a slower rank 0 out of its shutdown.
+Stock torchrun is unsafe as an srun task: a SIGUSR1 (SLURM's time-limit warning) kills its
+agent, and SLURM then kills the workers mid-save; it SIGKILLs the workers 30 s after a SIGTERM;
+when one worker exits first it SIGTERMs the others, forcing a slower rank 0 out of its shutdown.
 
-``run`` runs torchrun in this process with our agent (``agent.py``, ``launch.py``). A torch
+``run`` runs torchrun in this process with our agent (``agent.py``, ``launch.py``); a torch
 without the private names they need (``core/torch_private.py``) runs stock torchrun, logged.
-The agent's last line says its exit code (the policy's, ``evidence.agent_exit_code``) and only
-what rank 0's run report says about the checkpoint (``what_the_workers_did``).
+The agent's last line says its exit code (the policy's) and only what rank 0's run report says
+about the checkpoint (``what_the_workers_did``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 from typing import Any, Callable, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig, load_config
-from kempner_resilience.supervise.torchrun.agent import (AGENT_NAME, MARGIN_S, Agent,
-                                                            Interrupted)
+from kempner_resilience.supervise.torchrun.agent import (AGENT_NAME, MARGIN_S, TORCH_SIGNALS,
+                                                         Agent, Interrupted)
 from kempner_resilience.supervise.torchrun.evidence import agent_exit_code
 from kempner_resilience.supervise.torchrun.spares import InPlace, in_place_settings
 from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.core.fileio import load_json_bounded
 from kempner_resilience.core.ledger import AGENT_START_ENV, REPORT_ENV, process_start_time
 from kempner_resilience.exitcodes import ExitCode, describe
 from kempner_resilience.core.log import get_logger, set_role
@@ -36,17 +34,13 @@ from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 __all__ = ["run", "forward_signals", "agent_exit_code", "what_the_workers_did", "RunReport",
            "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
 
-log = get_logger("kempner_resilience.supervise.torchrun.wrapper")  # also as __main__
+log = get_logger(__name__)
 
 #: ``yes``: the agent forwards every signal to its workers; ``no``: never (SLURM delivers them
 #: to every process of the step); ``auto`` (default): decided from SLURM's ProctrackType.
 FORWARD_ENV = "KEMPNER_RESILIENCE_FORWARD_SIGNALS"
 #: Set in the workers' environment (the agent's pid): preflight knows who started them.
 AGENT_ENV = TORCHRUN_AGENT_ENV
-# TORCHELASTIC_SIGNALS_TO_HANDLE's default; the config's signals come on top.
-_TORCH_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-# torch elastic's opt-out of sharing the rendezvous TCPStore with the workers (see ``run``).
-_OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _YES, _NO = ("yes", "1", "true", "always"), ("no", "0", "false", "never")
 _Agent = Agent   # the name tests/test_torchrun.py knows it by
 #: Another launcher's front end (``accelerate launch``): given the function that replaces
@@ -87,11 +81,6 @@ def forward_signals(environ: Mapping[str, str] | None = None, timeout_s: float =
 
 
 
-def _signals(config: ResilienceConfig) -> list[int]:
-    names = set(config.signals.handled()) | set(_TORCH_SIGNALS)
-    return sorted(int(getattr(signal, n)) for n in names if hasattr(signal, n))
-
-
 def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         forward: bool | None = None, *, front: Front | None = None) -> int:
     """Run ``torchrun argv`` in this process as a well-behaved srun task; the exit code for
@@ -100,12 +89,11 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
     set_role("agent")     # not a rank: its SLURM_PROCID under srun is its node's index
     config = config or load_config()
     config.validate()  # built or changed in Python: held to the file's rules (ConfigError, 78)
-    if forward is None:
-        forward, why = forward_signals()
-    else:
-        why = "forward=" + str(forward)
+    forward, why = forward_signals() if forward is None else (forward, f"forward={forward}")
     agent = Agent(config, forward)
-    previous = {s: signal.getsignal(s) for s in _signals(config)}
+    names = {*config.signals.handled(), *TORCH_SIGNALS}
+    previous = {s: signal.getsignal(s)
+                for s in sorted(int(getattr(signal, n)) for n in names if hasattr(signal, n))}
     # Before torch loads (seconds): a signal before the workers start then ends the agent with
     # 128+N, as a shell would report it, instead of a USR1's silent default-action death.
     for s in previous:
@@ -123,13 +111,13 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         os.environ[AGENT_START_ENV] = repr(process_start_time())
         # The workers' own store (worker rank 0's): an agent that dies would take a shared one
         # along, turning a graceful stop into a lost peer.
-        os.environ.setdefault(_OWN_STORE_ENV, "1")
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
                  "are forwarded" if forward else "are not forwarded", why)
         shutdown_names = torch_private.elastic("shutdown")
-        settings = in_place_settings(argv) if front is None else None
         decides = torch_private.elastic("restarts") is not None
+        settings = in_place_settings(argv) if front is None else None
         inplace = None
         if shutdown_names is not None and settings is not None and decides \
                 and torch_private.elastic("spares") is not None:
@@ -202,10 +190,7 @@ _COMMIT_CODES = (ExitCode.REQUEUE, ExitCode.STOPPED, ExitCode.REQUEUE_FAILED, Ex
 def what_the_workers_did(code: int, report: Mapping[str, Any] | None) -> str:
     """The agent's account of its workers' exit ``code``: the code, and only what rank 0's run
     ``report`` (None: there is none) says about the checkpoint."""
-    if code in _COMMIT_CODES:
-        text = f"{ExitCode(code).name} ({code})"
-    else:
-        text = describe(code)
+    text = f"{ExitCode(code).name} ({code})" if code in _COMMIT_CODES else describe(code)
     if report is None:
         text += ("; no run report from rank 0 (forced out, killed, or started by another "
                  "node's agent), so no checkpoint is claimed here: `kempner-resilience ls` "
@@ -228,14 +213,11 @@ class RunReport:
     a directory of the agent's own, set in the environment the workers inherit."""
 
     def __init__(self) -> None:
-        self._saved_env = os.environ.get(REPORT_ENV)
-        self._own_dir: str | None = None
-        if self._saved_env:
-            self.path = self._saved_env
-        else:
-            self._own_dir = tempfile.mkdtemp(prefix="kempner-agent-")
-            self.path = os.path.join(self._own_dir, "report.json")
-            os.environ[REPORT_ENV] = self.path
+        self._own_dir = None if os.environ.get(REPORT_ENV) else tempfile.mkdtemp(
+            prefix="kempner-agent-")
+        if self._own_dir is not None:
+            os.environ[REPORT_ENV] = os.path.join(self._own_dir, "report.json")
+        self.path = os.environ[REPORT_ENV]
         self._before = self._stamp()
 
     def _stamp(self) -> int | None:
@@ -249,8 +231,7 @@ class RunReport:
         if self._stamp() in (None, self._before):
             return None
         try:
-            with open(self.path) as f:
-                report = json.load(f)
+            report = load_json_bounded(self.path)
         except (OSError, ValueError):
             return None
         return report if isinstance(report, dict) else None
@@ -260,16 +241,3 @@ class RunReport:
             shutil.rmtree(self._own_dir, ignore_errors=True)
             if os.environ.get(REPORT_ENV) == self.path:
                 del os.environ[REPORT_ENV]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kempner_resilience.supervise.torchrun.wrapper [torchrun args] script [args]``
-    (config from ``$KEMPNER_RESILIENCE_CONFIG``)."""
-    from kempner_resilience.core.log import configure
-
-    configure("INFO")
-    return run(sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
