@@ -1,8 +1,8 @@
 """Our torch elastic classes: the agent torchrun runs, and its rendezvous handler with spares.
 
-Subclasses, never attributes of torch's classes replaced (``launch.py`` builds them); objects a
-torch function builds become instances of a subclass of their own class. Every private name is
-in ``core/torch_private.py``; a torch that lacks one keeps torch's behaviour, logged.
+Subclasses, never attributes of torch's classes replaced (``wrapper.launch`` builds them);
+objects a torch function builds become instances of a subclass of their own class. Every private
+name is in ``core/torch_private.py``; a torch that lacks one keeps torch's behaviour, logged.
 
 Why ``notice_lost_peer``: the next round opens only once every participant of the finished one
 left, and torch drops a dead node only when its heartbeat is older than the keep-alive window
@@ -27,9 +27,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent, starting
+from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent, WarmWorkers, starting
 from kempner_resilience.supervise.torchrun.spares import InPlace, restart_decision
-from kempner_resilience.supervise.torchrun.warm import WarmWorkers
 
 __all__ = ["ElasticAgent", "SpareHandler", "spare_handler"]
 

@@ -1,14 +1,13 @@
 """The torchrun agent's glue for spare nodes: relaunch in place after a rescued failure.
 
-torch elastic does the hard part: with ``--nnodes=N`` and N + K agents, the others wait in the
-round's redundancy list, and after a failure a standby takes the free place in a new round.
-``InPlace`` decides what torch does not (``elastic.py``'s subclasses ask it): which endings
-restart (the one policy, only while a standby waits), which node leaves to a spare, when torch
-may cut the survivors' rescue short (``nodes_waiting``), and that an unneeded standby ends with 0.
+With ``--nnodes=N`` and N + K agents, torch keeps K in the round's redundancy list and, after a
+failure, a standby takes the free place in a new round. ``InPlace`` decides what torch does not
+(``elastic.py``'s subclasses ask it): which endings restart (the one policy, only while a standby
+waits), which node leaves to a spare, when torch may cut the survivors' rescue short
+(``nodes_waiting``), and that an unneeded standby ends with 0.
 
-No single agent sees the whole failure. The node that leaves records itself bad before it
-leaves the rendezvous (``record_left``): the survivors' next round completes only after, so the
-record is on disk before the new group's rank-0 agent writes the ``restart`` event
+The node that leaves records itself bad before it leaves the rendezvous (``record_left``), so
+the record is on disk before the next round's rank-0 agent writes the ``restart`` event
 (``record_agent_restart``). Best effort: a record that cannot be written is logged, never raised.
 """
 
