@@ -1,6 +1,6 @@
 """A worker SIGKILLed under ``kempner-resilience torchrun``: the time from the kill to the first
 step of the relaunched workers, started cold and forked warm (``KEMPNER_RESILIENCE_WARM=1``,
-``supervise/torchrun/warm.py``), rounds interleaved in the same run of the bench (compare
+``supervise/torchrun/agent.py``), rounds interleaved in the same run of the bench (compare
 the two, not the numbers with another machine's).
 
 Each round runs one agent (``--standalone``, ``--nproc-per-node=2``, ``--max-restarts=1``) of

@@ -1,4 +1,4 @@
-"""Warm torchrun workers (``supervise/torchrun/warm.py``): with ``KEMPNER_RESILIENCE_WARM=1``
+"""Warm torchrun workers (``supervise/torchrun/agent.py``): with ``KEMPNER_RESILIENCE_WARM=1``
 each agent forks its workers from one zygote that imported torch once.
 
 A real agent (``kempner-resilience torchrun --standalone``, 2 gloo demo workers,

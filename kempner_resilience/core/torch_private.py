@@ -56,7 +56,7 @@ Optional (looked up where used; without them a feature is off and says so in the
     once this node's workers lost a peer, also drops a finished round's participant all of
     whose ranks the workers saw die, or (none named) whose heartbeat is two keep-alive
     intervals old. Without them the dead node leaves when torch's keep-alive window expires.
-  * ``warm`` (``supervise/torchrun/warm.py``): ``SubprocessHandler._popen`` and
+  * ``warm`` (``supervise/torchrun/agent.py``): ``SubprocessHandler._popen`` and
     ``_stdout``/``_stderr`` (a subclass of torch's handler forks the worker from the agent's
     zygote instead), and ``multiprocessing.api.get_subprocess_handler``, the module-level
     name the process context builds its handlers with, replaced for the time of a worker

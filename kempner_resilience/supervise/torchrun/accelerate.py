@@ -1,14 +1,12 @@
 """`accelerate launch` with our torchrun agent: one word in front of the user's command line.
 
-``accelerate launch --multi_gpu ...`` runs torch's elastic launcher in its own process: stock
-torchrun, with its signal behaviour. ``kempner-resilience accelerate launch ...`` parses the
-same command line with accelerate's own parser and runs its ``launch_command`` with our agent
-in the place of torch's ``run``: the user keeps their launcher and their config files.
+``accelerate launch --multi_gpu ...`` runs stock torchrun in its own process. ``kempner-resilience
+accelerate launch ...`` parses the same command line with accelerate's own parser and runs its
+``launch_command`` with our agent in the place of torch's ``run``.
 
-Several ranks on CPU: stock ``--cpu --num_processes 2`` starts ONE process, and
-``--multi_gpu`` without GPUs starts ranks that each train alone. This wrapper reads either,
-with several processes, as N gloo ranks on CPU (``ACCELERATE_USE_CPU=1 --multi_gpu``), and
-says so in one line.
+Several ranks on CPU: stock ``--cpu --num_processes 2`` starts ONE process, and ``--multi_gpu``
+without GPUs starts ranks that each train alone. Either, with several processes, is read here as
+N gloo ranks on CPU (``ACCELERATE_USE_CPU=1 --multi_gpu``), said in one line.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ __all__ = ["run", "parse", "AccelerateArgsError"]
 
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
-_USE_CPU = "ACCELERATE_USE_CPU"
-
 
 class AccelerateArgsError(ValueError):
     """An ``accelerate launch`` command line this wrapper cannot run as asked."""
@@ -33,33 +29,27 @@ class AccelerateArgsError(ValueError):
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     """``accelerate launch``'s arguments (the word ``launch`` first), parsed by accelerate."""
-    argv = list(argv)
-    if argv[:1] != ["launch"]:
+    if list(argv[:1]) != ["launch"]:
         raise AccelerateArgsError("give accelerate's launch command: `kempner-resilience "
                                   "accelerate launch [accelerate's options] train.py [args]`")
+    import torch
     from accelerate.commands.launch import launch_command_parser
 
-    args = launch_command_parser().parse_args(argv[1:])
-    many = (args.num_processes or 1) > 1
-    if many and (args.cpu or (args.multi_gpu and not _gpus())):
+    args = launch_command_parser().parse_args(list(argv[1:]))
+    if (args.num_processes or 1) > 1 and (args.cpu or (args.multi_gpu
+                                                       and not torch.cuda.is_available())):
         log.info("accelerate launch: %d ranks on CPU (gloo), started as --multi_gpu with "
                  "ACCELERATE_USE_CPU=1 (stock accelerate starts %s)", args.num_processes,
                  "one process for --cpu" if args.cpu else "ranks that each train alone")
         args.cpu, args.multi_gpu = False, True
-        os.environ[_USE_CPU] = "true"     # the ranks' Accelerator reads it: MULTI_CPU
+        os.environ["ACCELERATE_USE_CPU"] = "true"     # the ranks' Accelerator reads it: MULTI_CPU
     return args
-
-
-def _gpus() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         forward: bool | None = None) -> int:
-    """Run ``accelerate launch ...`` (``argv`` starts with ``launch``) with our agent; returns
-    the exit code for the batch script, as ``kempner-resilience torchrun`` does."""
+    """Run ``accelerate launch ...`` (``argv`` starts with ``launch``) with our agent; the exit
+    code for the batch script, as ``kempner-resilience torchrun`` returns it."""
     from kempner_resilience.supervise.torchrun import wrapper as torchrun
 
     args = parse(argv)
@@ -70,8 +60,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         import torch.distributed.run as distrib_run
         from accelerate.commands.launch import launch_command
 
-        # accelerate looks the function up on torch's module at the call
-        # (`distrib_run.run(args)`): swapped for the launch only, put back after it.
+        # accelerate looks the function up on torch's module at the call (`distrib_run.run`).
         with mock.patch.object(distrib_run, "run", start):
             return launch_command(args)
 

@@ -1,7 +1,13 @@
-"""The torchrun agent's side of a shutdown: its workers tracked, signals sent once, no escalation.
+"""The torchrun agent's workers: tracked, signalled once, killed only at the shutdown deadline.
 
-Every worker may exit on its own until the shutdown deadline; only those still alive then are
-SIGKILLed. ``starting`` is the one place torch's module-level names are replaced.
+Every worker may exit on its own until the deadline; only those still alive then are SIGKILLed.
+``starting`` is the one place torch's module-level names are replaced.
+
+Warm workers: a relaunched worker pays Python's start-up, ``import torch``, DCP and the first
+optimizer again, most of the time from a node's death to the next step. With
+``$KEMPNER_RESILIENCE_WARM=1`` (the torchrun template sets it) each agent starts one zygote
+(``local/warm.py``) and every worker is a fresh fork of it (``WarmWorkers``). A command the
+zygote cannot run, or a zygote that is gone, starts the worker cold.
 """
 
 from __future__ import annotations
@@ -13,16 +19,18 @@ import socket
 import subprocess
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Callable, Iterator
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
-from kempner_resilience.supervise.local.warm import parent_death
+from kempner_resilience.supervise.local.warm import (STEP_SIGNALS, UNBUFFERED, WarmProcess,
+                                                      Zygote, parent_death, warm_command)
 
-__all__ = ["Agent", "Interrupted", "starting", "pdeathsig", "MARGIN_S", "AGENT_NAME"]
+__all__ = ["Agent", "Interrupted", "starting", "WarmWorkers", "MARGIN_S", "AGENT_NAME",
+           "TORCH_SIGNALS"]
 
 # One logger for the whole integration: users filter their logs on it.
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
@@ -32,6 +40,8 @@ log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 MARGIN_S = 15.0
 # The rank prefix here is SLURM_PROCID, the node's index: the host name says which agent.
 AGENT_NAME = f"torchrun agent on {socket.gethostname()}"
+#: The signals torch's process context handles by default (TORCHELASTIC_SIGNALS_TO_HANDLE).
+TORCH_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 class Agent:
@@ -53,24 +63,19 @@ class Agent:
 
     def add_worker(self, proc: subprocess.Popen) -> None:
         with self._lock:
-            if self.workers and not self.alive():
-                # torch restarts the group (--max-restarts > 0): a fresh start, fresh deadline.
-                self._forget_group()
+            self.stand_by()     # torch restarts the group (--max-restarts > 0): a fresh deadline
             self.workers.append(proc)
 
     def stand_by(self) -> None:
-        """torch kept this agent out of a round (a standby): its last group is over, and its
-        workers' codes are no longer the job's."""
+        """A group that is over is forgotten (a restart, or torch kept this agent out of a round
+        as a standby): its workers' codes are no longer the job's."""
         with self._lock:
             if self.workers and not self.alive():
-                self._forget_group()
-
-    def _forget_group(self) -> None:
-        self.workers, self.signals, self.deadline = [], [], None
-        self.ranks, self.killed = {}, set()
-        self._group += 1
-        self._reaper = None
-        self._changed.set()
+                self.workers, self.signals, self.deadline = [], [], None
+                self.ranks, self.killed = {}, set()
+                self._group += 1
+                self._reaper = None
+                self._changed.set()
 
     def name_ranks(self, ranks: dict[int, int]) -> None:
         """``{pid: global rank}`` of the group just started (its workers' codes by rank)."""
@@ -101,7 +106,6 @@ class Agent:
 
     def on_signal(self, signum: int, frame: Any) -> None:
         """The agent's handler for every signal torchrun or the config handles."""
-        name = signal.Signals(signum).name
         self.signals.append(signum)
         if not self.workers:
             # Still in the rendezvous: leave as stock torchrun would.
@@ -109,12 +113,11 @@ class Agent:
         self._arm(time.monotonic() + self.window(signum))
         if self.forward:
             for p in self.workers:
-                try:
+                with suppress(OSError):
                     p.send_signal(signum)   # polls first: never a reused pid
-                except OSError:
-                    pass
         log.warning("%s: %s %s %d worker(s); waiting up to %.0f s for them to exit", AGENT_NAME,
-                    name, "forwarded to" if self.forward else "not forwarded (SLURM signals) to",
+                    signal.Signals(signum).name,
+                    "forwarded to" if self.forward else "not forwarded (SLURM signals) to",
                     len(self.workers), self.deadline - time.monotonic())
 
     def wait_for_workers(self) -> None:
@@ -156,10 +159,8 @@ class Agent:
                       "(pids %s)", AGENT_NAME, len(survivors), [p.pid for p in survivors])
         for p in survivors:
             self.killed.add(p.pid)
-            try:
+            with suppress(OSError):
                 os.killpg(p.pid, signal.SIGKILL)    # its own session: its children too
-            except OSError:
-                pass
 
 
 class Interrupted(BaseException):
@@ -169,14 +170,11 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-def pdeathsig() -> Callable[[], None] | None:
-    """The workers' ``preexec_fn``: ``PARENT_DEATH_SIGNAL`` when the agent dies (None: no prctl)."""
-    return parent_death(PARENT_DEATH_SIGNAL)
-
-
 @contextmanager
-def starting(agent: Agent, names: dict[str, Any]) -> Iterator[None]:
-    """For one worker group's start: torch's workers' ``Popen`` and its signal handler are ours.
+def starting(agent: Agent, names: dict[str, Any],
+             warm: Callable[..., Any] | None = None) -> Iterator[None]:
+    """For one worker group's start: torch's workers' ``Popen``, its signal handler and, with
+    ``warm`` (``WarmWorkers.handler``), the subprocess handler it builds are ours.
 
     No subclass can do this: module functions build the process context, install torch's
     ``_terminate_process_handler`` and call the module's ``Popen``. Our handler installed
@@ -185,26 +183,96 @@ def starting(agent: Agent, names: dict[str, Any]) -> Iterator[None]:
     popen_module = importlib.import_module(torch_private.SUBPROCESS_HANDLER_MODULE)
     api_module = importlib.import_module(torch_private.MP_API_MODULE)
     stock_popen = names["Popen"]
-    die_with_agent = pdeathsig()
+    die_with_agent = parent_death(PARENT_DEATH_SIGNAL)   # None: no prctl
 
     def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
         if die_with_agent is not None and "preexec_fn" not in kwargs:
             kwargs["preexec_fn"] = die_with_agent
             # The worker learns which signal means "the agent died".
-            env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-            env[PARENT_DEATH_ENV] = str(PARENT_DEATH_SIGNAL)
-            kwargs["env"] = env
+            kwargs["env"] = {**(os.environ if kwargs.get("env") is None else kwargs["env"]),
+                             PARENT_DEATH_ENV: str(PARENT_DEATH_SIGNAL)}
         proc = stock_popen(*args, **kwargs)
         agent.add_worker(proc)
         return proc
 
-    saved = [(popen_module, "Popen", stock_popen),
-             (api_module, "_terminate_process_handler", names["_terminate_process_handler"])]
-    popen_module.Popen = popen
-    api_module._terminate_process_handler = agent.on_signal
+    ours = [(popen_module, "Popen", popen), (api_module, "_terminate_process_handler", agent.on_signal)]
+    if warm is not None:
+        ours.append((api_module, "get_subprocess_handler", warm))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in ours]
+    for module, name, value in ours:
+        setattr(module, name, value)
     try:
         yield
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
 
+
+class WarmWorkers:
+    """One agent's zygote and the starting of its workers from it (``for_spec``)."""
+
+    def __init__(self, tracked: Agent, zygote: Zygote) -> None:
+        self.tracked = tracked
+        self.zygote = zygote
+        self.cold_why: str | None = None     # set once the workers start cold for good
+        self.handler = _warm_handler(self)   # what get_subprocess_handler builds meanwhile
+
+    @classmethod
+    def for_spec(cls, spec: Any, tracked: Agent) -> "WarmWorkers | None":
+        """The agent's warm workers for torch's ``WorkerSpec``, zygote started; None when the
+        command cannot start warm (``warm_command``) or this torch lacks the names. Call it on
+        the agent's main thread: the zygote dies when the thread that started it ends."""
+        if not isinstance(spec.entrypoint, str) \
+                or not warm_command([spec.entrypoint, *map(str, spec.args)], (UNBUFFERED,)) \
+                or torch_private.elastic("warm") is None:
+            return None
+        handled = {*STEP_SIGNALS, *tracked.config.signals.handled()}
+        ignore = sorted(int(getattr(signal, n)) for n in handled if hasattr(signal, n))
+        zygote = Zygote(dict(os.environ), ignore=ignore, death_signal=signal.SIGKILL)
+        log.info("%s: workers start warm, forked from pid %d (%s=1)", AGENT_NAME,
+                 zygote.proc.pid, "KEMPNER_RESILIENCE_WARM")
+        return cls(tracked, zygote)
+
+    def popen(self, handler: Any, args: tuple, env: dict[str, str]) -> WarmProcess | None:
+        """The worker ``handler`` starts, forked from the zygote; None: start it cold."""
+        argv = [str(a) for a in args]
+        if self.cold_why is not None or not warm_command(argv, (UNBUFFERED,)):
+            return None
+        if torch_private.instance_missing("warm", handler):
+            self.cold_why = "torch's handler has no log files to give the worker"
+            return None
+        out, err = handler._stdout, handler._stderr
+        try:
+            proc = self.zygote.spawn(argv, {**env, PARENT_DEATH_ENV: str(PARENT_DEATH_SIGNAL)},
+                                     os.getcwd(), out.name if out else None,
+                                     err.name if err else None, death_signal=PARENT_DEATH_SIGNAL)
+        except OSError as e:
+            self.cold_why = str(e)
+            log.warning("%s: warm start unavailable (%s): the workers start cold from now on",
+                        AGENT_NAME, e)
+            return None
+        self.tracked.add_worker(proc)  # type: ignore[arg-type]  # Popen's interface
+        return proc
+
+    def close(self) -> None:
+        """End the zygote once the agent's workers are gone (bounded)."""
+        self.zygote.close()
+
+
+def _warm_handler(warm: WarmWorkers) -> type:
+    """torch's ``SubprocessHandler`` whose ``_popen`` forks the worker from ``warm``'s zygote."""
+    base = importlib.import_module(torch_private.SUBPROCESS_HANDLER_MODULE).SubprocessHandler
+
+    class WarmSubprocessHandler(base):  # type: ignore[misc, valid-type]
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+            proc = warm.popen(self, args, env)
+            return proc if proc is not None else super()._popen(args, env)
+
+        def close(self, death_sig: signal.Signals | None = None) -> None:
+            try:
+                super().close(death_sig)
+            except ProcessLookupError:
+                # Forked a moment ago, not yet in a session of its own: the process alone.
+                self.proc.send_signal(death_sig or signal.SIGTERM)
+
+    return WarmSubprocessHandler

@@ -1,14 +1,13 @@
 """Our torch elastic classes: the agent torchrun runs, and its rendezvous handler with spares.
 
-torch elastic is extended by subclassing, never by replacing attributes of torch's classes:
-``launch.py`` builds these instead of torch's. Objects a torch module function builds become
-instances of a subclass of their own class. Every private name is checked in
-``core/torch_private.py`` first; a torch that lacks one keeps torch's behaviour, logged.
+Subclasses, never attributes of torch's classes replaced (``wrapper.launch`` builds them);
+objects a torch function builds become instances of a subclass of their own class. Every private
+name is in ``core/torch_private.py``; a torch that lacks one keeps torch's behaviour, logged.
 
-Why ``notice_lost_peer``: the next round opens only once every participant of the finished
-one left, and torch drops a dead node only when its heartbeat is older than the keep-alive
-window (10-15 s). A participant all of whose ranks the survivors saw die is dropped at once;
-else one whose heartbeat is two intervals old (a live one beats every interval).
+Why ``notice_lost_peer``: the next round opens only once every participant of the finished one
+left, and torch drops a dead node only when its heartbeat is older than the keep-alive window
+(10-15 s). A participant all of whose ranks the survivors saw die is dropped at once; else one
+whose heartbeat is two intervals old (a live one beats every interval).
 """
 
 from __future__ import annotations
@@ -28,9 +27,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRend
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent, starting
+from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent, WarmWorkers, starting
 from kempner_resilience.supervise.torchrun.spares import InPlace, restart_decision
-from kempner_resilience.supervise.torchrun.warm import WarmWorkers, warm_starting
 
 __all__ = ["ElasticAgent", "SpareHandler", "spare_handler"]
 
@@ -67,7 +65,7 @@ class ElasticAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self.inplace is not None:
             self.inplace.before_start(worker_group.spec.rdzv_handler, worker_group.group_rank)
-        with starting(self.tracked, self.shutdown_names), warm_starting(self.warm):
+        with starting(self.tracked, self.shutdown_names, None if self.warm is None else self.warm.handler):
             pids = super()._start_workers(worker_group)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None:
@@ -101,13 +99,10 @@ class ElasticAgent(LocalElasticAgent):
                                        restarts_left=left, max_restarts=most)
         if ok:
             if self.inplace is not None:
-                self.inplace.restarting()
                 handler = worker_group.spec.rdzv_handler
                 if isinstance(handler, SpareHandler):
-                    handler.notice_lost_peer(
-                        self.inplace.ranks_died(),
-                        self.inplace.node_ranks(worker_group.store,
-                                                worker_group.group_world_size))
+                    handler.notice_lost_peer(self.inplace.ranks_died(), self.inplace.node_ranks(
+                        worker_group.store, worker_group.group_world_size))
             log.warning("%s: workers failed with %s: relaunching in place (%s)", AGENT_NAME,
                         codes, why)
         else:
@@ -157,11 +152,6 @@ class SpareHandler(DynamicRendezvousHandler):
                                    time.monotonic() + window.total_seconds() + 60.0,
                                    round_, known, died)
 
-    def standing_by(self) -> None:
-        """torch put this node in the round's redundancy list: it waits as a spare."""
-        if self.inplace is not None:
-            self.inplace.stand_by()
-
     def num_nodes_waiting(self) -> int:
         # torch calls it only from the monitor loop, with the worker group healthy.
         n = super().num_nodes_waiting()
@@ -210,7 +200,8 @@ def _standby_executor(base: type) -> type:
             self._handler = handler
 
         def _add_to_redundancy_list(self) -> None:
-            self._handler.standing_by()
+            if self._handler.inplace is not None:    # this node waits as a spare
+                self._handler.inplace.stand_by()
             super()._add_to_redundancy_list()
 
     return StandbyExecutor

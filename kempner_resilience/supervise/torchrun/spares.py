@@ -1,24 +1,21 @@
 """The torchrun agent's glue for spare nodes: relaunch in place after a rescued failure.
 
-torch elastic does the hard part: with ``--nnodes=N`` and N + K agents, the others wait in the
-round's redundancy list, and after a failure a standby takes the free place in a new round.
-What torch lacks, ``InPlace`` decides (``elastic.py``'s subclasses ask it): which endings
-restart (the one policy, only while a standby waits), which node leaves to a spare, when the
-survivors' rescue lets torch restart them (``nodes_waiting``), and that an unneeded standby
-ends with 0.
+With ``--nnodes=N`` and N + K agents, torch keeps K in the round's redundancy list and, after a
+failure, a standby takes the free place in a new round. ``InPlace`` decides what torch does not
+(``elastic.py``'s subclasses ask it): which endings restart (the one policy, only while a standby
+waits), which node leaves to a spare, when torch may cut the survivors' rescue short
+(``nodes_waiting``), and that an unneeded standby ends with 0.
 
-Its memory: no single agent sees the whole failure. The node that leaves records itself bad
-before it leaves the rendezvous (``record_left``): the survivors' next round completes only
-after, so the record is on disk before the restart event. The new group's rank-0 agent writes
-the ``restart`` event before its workers start (``record_agent_restart``). Best effort: a
-record that cannot be written is logged, never raised into torch.
+The node that leaves records itself bad before it leaves the rendezvous (``record_left``), so
+the record is on disk before the next round's rank-0 agent writes the ``restart`` event
+(``record_agent_restart``). Best effort: a record that cannot be written is logged, never raised.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from kempner_resilience.checkpoint.layout import newest_committed
@@ -35,7 +32,7 @@ from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, Progress,
 from kempner_resilience.supervise.policy import RESCUED_CODES, Action, Guard, decide
 
 __all__ = ["InPlace", "in_place_settings", "restart_decision", "record_left",
-           "record_agent_restart", "rendezvous_round"]
+           "record_agent_restart"]
 
 log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
@@ -50,8 +47,7 @@ _SIGNAL_ENDING = "a signal ending (time limit, preemption, Ctrl+C): save, requeu
 
 def restart_decision(codes: Mapping[int, int], *, signalled: bool, restarts_left: int,
                      max_restarts: int) -> tuple[bool, str]:
-    """Without spares (``--max-restarts`` > 0 on one node, or another rendezvous): whether
-    torch restarts the failed group where it ran, the policy's answer and why."""
+    """Without spares: whether torch restarts the failed group where it ran, and why."""
     d = decide(observe(codes, signalled=signalled, restarts_left=restarts_left,
                        max_restarts=max_restarts))
     return d.action is Action.RELAUNCH, _SIGNAL_ENDING if signalled else d.why
@@ -69,17 +65,14 @@ def in_place_settings(argv: Sequence[str]) -> Relaunch | None:
     if args.max_restarts <= 0 or args.standalone or args.rdzv_backend != "c10d" \
             or not args.rdzv_endpoint:
         return None
-    conf: dict[str, str] = {}
-    for item in (args.rdzv_conf or "").split(","):
-        key, _, value = item.partition("=")
-        conf[key.strip()] = value.strip()
+    conf = {k.strip(): v.strip() for k, _, v in
+            (item.partition("=") for item in (args.rdzv_conf or "").split(","))}
     try:
         interval = float(conf.get("keep_alive_interval", _KEEP_ALIVE_S))
         attempts = int(conf.get("keep_alive_max_attempt", _KEEP_ALIVE_ATTEMPTS))
     except ValueError:
         interval, attempts = _KEEP_ALIVE_S, _KEEP_ALIVE_ATTEMPTS
-    endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint \
-        else f"{args.rdzv_endpoint}:29400"
+    endpoint = args.rdzv_endpoint if ":" in args.rdzv_endpoint else f"{args.rdzv_endpoint}:29400"
     # A heartbeat older than the keep-alive window plus one interval: that agent is gone.
     return Relaunch(endpoint=endpoint, run_id=args.rdzv_id, restarts_left=args.max_restarts,
                     stale_s=interval * (attempts + 1))
@@ -96,7 +89,7 @@ class InPlace:
         self.channel = Channel.for_agent(channel, node_name())
         self._env_before = os.environ.get(CHANNEL_ENV)
         self.standby = False          # torch put this agent in a round's redundancy list
-        self.restarts = 0
+        self.restarts = 0             # in place, as the policy said (``decide``)
         self.left = False             # this node was implicated and left the job to a spare
         self.own_paths = RunPaths.from_config(agent.config)  # the run's without a channel
         self.spares_seen: list[str] = []  # the standbys waiting when this agent restarted
@@ -119,10 +112,6 @@ class InPlace:
         self.standby = True
         # An agent that trained may be kept out of the next round: a standby like any other.
         self.agent.stand_by()
-
-    def restarting(self) -> None:
-        """torch restarts this agent's failed group in place (the policy said so)."""
-        self.restarts += 1
 
     def waiting_as_spare(self) -> bool:
         """torch kept this agent out of a round and it has started no worker since."""
@@ -149,11 +138,10 @@ class InPlace:
         if first.guard is Guard.NO_PROGRESS:
             # The agents leave with NO_REQUEUE, which the step loop does not requeue either.
             self.final_code = first.code
+        failed = sorted(set(codes.values()))
         if first.action is not Action.RELAUNCH:
-            return False, _SIGNAL_ENDING if signalled else \
-                f"workers exited with {sorted(set(codes.values()))}: {first.why}"
-        seen = self.channel.hang_seen(self.launch)
-        mine = implicated_here(codes, seen)
+            return False, _SIGNAL_ENDING if signalled else f"workers exited with {failed}: {first.why}"
+        mine = implicated_here(codes, self.channel.hang_seen(self.launch))
         spares = live_standbys(self.settings)
         d = self._progress.carry(decide(observe(
             codes, signalled=False, restarts_left=restarts_left, max_restarts=max_restarts,
@@ -163,15 +151,15 @@ class InPlace:
                            else "the rendezvous store is unreachable") + ": the job requeues"
         spares = spares or []
         if mine:
-            # It leaves the rendezvous (without closing it) and exits 0: the step goes on.
+            # It leaves the rendezvous (without closing it) and exits 0: the step goes on. The
+            # record comes first: the survivors' next round waits for this node to leave.
             self.left = True
-            # Before it leaves: the survivors' next round waits for that.
-            record_left(self.run_paths(), sorted(set(codes.values())), why=mine)
+            record_left(self.run_paths(), failed, why=mine)
             return False, (f"{mine}: this node is implicated and leaves; a standby "
                            f"({', '.join(spares)}) takes its place")
+        self.restarts += 1
         self.spares_seen = list(spares)
-        self.why = f"workers failed with {sorted(set(codes.values()))} (a rescued failure, " \
-            "every node alive)"
+        self.why = f"workers failed with {failed} (a rescued failure, every node alive)"
         return True, f"standby node(s) waiting: {', '.join(spares)}"
 
     def progress(self) -> dict[str, Any]:
@@ -195,18 +183,7 @@ class InPlace:
             log.warning("%s: a node waits for a place (a participant's heartbeat expired): "
                         "the workers get up to %.0f s to see the loss and rescue before the "
                         "group is restarted", AGENT_NAME, self.rescue_grace_s)
-        if now - self._waiting_since < self.rescue_grace_s:
-            return 0
-        return waiting
-
-    def spare(self, rdzv_handler: Any) -> str | None:
-        """The spare node(s) this round took in (torch's node addresses), as best known."""
-        state = torch_private.rendezvous_state(rdzv_handler)
-        members = {str(getattr(n, "addr", n)) for n in getattr(state, "participants", {}) or {}}
-        if self.waiting_as_spare():      # this agent stood by until now
-            own = getattr(torch_private.this_node(rdzv_handler), "addr", None)
-            return None if own is None else str(own)
-        return ",".join(sorted(members & set(self.spares_seen))) or None
+        return 0 if now - self._waiting_since < self.rescue_grace_s else waiting
 
     def publish_ranks(self, store: Any, group_rank: int, ranks: Sequence[int]) -> None:
         """A worker group starts: this agent's global ranks in the round's store under its
@@ -224,9 +201,8 @@ class InPlace:
         try:
             if not keys or not store.check(keys):
                 return {}
-            values = store.multi_get(keys)
             return {g: frozenset(int(r) for r in bytes(v).decode().split(",") if r)
-                    for g, v in enumerate(values)}
+                    for g, v in enumerate(store.multi_get(keys))}
         except Exception as e:   # the store's host died, a malformed value: the heartbeat rule
             log.warning("%s: could not read the nodes' ranks from the rendezvous store (%s)",
                         AGENT_NAME, e)
@@ -237,29 +213,33 @@ class InPlace:
         channel, launch = self.channel, self.launch
         return lambda: channel.ranks_died(launch)
 
-    def offer(self, restarts_left: int) -> Relaunch:
-        """The relaunch this agent offers its workers with ``restarts_left`` restarts left."""
-        return replace(self.settings, restarts_left=restarts_left)
-
     def before_initialize(self, restarts_left: int) -> None:
         """Before torch's rendezvous: the offer to the channel, the channel to the environment
         (torch copies the agent's to the workers)."""
-        self.channel.offer_rendezvous(self.offer(restarts_left).fields())
+        self.channel.offer_rendezvous(asdict(replace(self.settings, restarts_left=restarts_left)))
         os.environ.update(self.channel.env())
 
     def before_start(self, rdzv_handler: Any, group_rank: int) -> None:
-        """After the rendezvous, before the workers: a later round is an in-job restart."""
-        round_ = rendezvous_round(rdzv_handler)
-        if round_ is None:       # this torch hides it: the count of this agent's restarts
+        """After the rendezvous, before the workers: a later round is an in-job restart, the
+        same round on every node."""
+        state = torch_private.rendezvous_state(rdzv_handler)
+        round_ = getattr(state, "round", None)
+        if not isinstance(round_, int) or round_ < 0:   # this torch hides it: our own count
             round_ = self.restarts
-        # The round is the relaunch in place: the same on every node.
         self.channel.begin_relaunch(round_)
         self.launch = launch_name({**os.environ, **self.channel.env()})
         self.group_started()
         if round_ > 0 and group_rank == 0:
-            # One agent per round writes it, before its workers (global rank 0's) start.
-            record_agent_restart(self.run_paths(), round_, spare=self.spare(rdzv_handler),
-                                 why=self.why)
+            # One agent per round writes it, before its workers (global rank 0's) start. The
+            # spare(s) this round took in, as best known (torch's node addresses).
+            if self.waiting_as_spare():       # this agent stood by until now
+                own = getattr(torch_private.this_node(rdzv_handler), "addr", None)
+                spare = None if own is None else str(own)
+            else:
+                members = {str(getattr(n, "addr", n))
+                           for n in getattr(state, "participants", {}) or {}}
+                spare = ",".join(sorted(members & set(self.spares_seen))) or None
+            record_agent_restart(self.run_paths(), round_, spare=spare, why=self.why)
 
     def close(self) -> None:
         """The run is over: the workers' channel goes, and the environment is as before."""
@@ -272,16 +252,7 @@ class InPlace:
 
 # ------------------------------------------------------------------ the memory
 
-def rendezvous_round(rdzv_handler: Any) -> int | None:
-    """The round of torch's dynamic rendezvous this agent has just joined (0 for the first;
-    each in-job restart completes the next), or None when this torch does not expose it."""
-    state = torch_private.rendezvous_state(rdzv_handler)
-    value = getattr(state, "round", None)
-    return value if isinstance(value, int) and value >= 0 else None
-
-
-def record_left(paths: RunPaths, codes: Iterable[int],
-                why: str | None = None) -> None:
+def record_left(paths: RunPaths, codes: Iterable[int], why: str | None = None) -> None:
     """This node leaves the job to a spare (its worker was killed, or hung with the GIL held):
     record it as bad. ``why``: the agent's words for it ("... on this node ...")."""
     node = node_name()
@@ -297,9 +268,8 @@ def record_left(paths: RunPaths, codes: Iterable[int],
 
 
 def _known_dir(paths: RunPaths, what: str) -> bool:
-    """Whether the run's directory exists (the workers made it). When it does not, the
-    agent's config names another ``checkpoint.dir`` than the workers': nothing is written (no
-    stray directory), and the log says how to fix it."""
+    """Whether the run's directory exists (the workers made it). When not, the agent's config
+    names another ``checkpoint.dir`` than the workers': nothing is written, the log says why."""
     if paths.root.is_dir():
         return True
     log.warning("not writing %s: no checkpoint directory %s; give the agent the workers' "
@@ -312,9 +282,8 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def record_agent_restart(paths: RunPaths, round_: int, *,
-                         spare: str | None = None, why: str | None = None
-                         ) -> dict[str, Any] | None:
+def record_agent_restart(paths: RunPaths, round_: int, *, spare: str | None = None,
+                         why: str | None = None) -> dict[str, Any] | None:
     """Write the ``restart`` event of in-job restart ``round_`` (the rank-0 agent, before it
     starts its workers). ``why``: this agent's own view of the failure, used when no node
     left (a rescued failure with every node alive). Never raises; returns the event."""
@@ -324,8 +293,7 @@ def record_agent_restart(paths: RunPaths, round_: int, *,
         events, ids = ledger_so_far(paths)
         # The failure happened during the previous attempt: since its start.
         starts = [e for e in events if e.get("ev") == "start"]
-        since = _num(starts[-1].get("t0")) if starts else None
-        since = since if since is not None else 0.0
+        since = (_num(starts[-1].get("t0")) if starts else None) or 0.0
         fresh = {n: r for n, r in bad_node_records(paths).items()
                  if (_num(r.get("last_t")) or 0.0) >= since}
         rescue_end, rescue_s = last_rescue(events, since)
@@ -334,18 +302,17 @@ def record_agent_restart(paths: RunPaths, round_: int, *,
         # its monitor saw its worker dead, or the survivors' rescue began, whichever came first.
         known = [_num(r.get("last_t")) or 0.0 for r in fresh.values()]
         failure_t = min(known + ([rescue_t0] if rescue_t0 is not None else []), default=None)
-        now = time.time()
         detect_s = None if failure_t is None or rescue_t0 is None \
             else max(0.0, rescue_t0 - failure_t)
         # Back to back: failure -> detection -> rescue -> relaunch (this agent's launch).
         end = rescue_end if rescue_end is not None else failure_t
-        relaunch_s = None if end is None else max(0.0, now - end)
         reason = "; ".join(sorted({str(r.get("reason", "")) for r in fresh.values()} - {""})) \
             or why or "a rescued failure"
         return record_restart(paths, relaunch=round_, reason=reason, bad_nodes=fresh,
-                              spare=spare, step=newest_committed(paths),
-                              failure_t=failure_t, detect_s=detect_s, rescue_s=rescue_s,
-                              relaunch_s=relaunch_s, **ids)
+                              spare=spare, step=newest_committed(paths), failure_t=failure_t,
+                              detect_s=detect_s, rescue_s=rescue_s,
+                              relaunch_s=None if end is None else max(0.0, time.time() - end),
+                              **ids)
     except Exception as e:   # the restart goes on; only its accounting is lost
         log.error("could not write the restart event of in-job restart %d to %s: %s",
                   round_, paths, e)

@@ -1,52 +1,60 @@
 """torchrun under srun: one elastic agent per node whose workers shut down like srun ranks.
 
-Stock torchrun is unsafe as an srun task. A SIGUSR1 (SLURM's time-limit warning) kills its
-agent, and SLURM then kills the workers mid-save. On SIGTERM it SIGKILLs the workers 30 s
-after forwarding it. When one worker exits first it SIGTERMs the others: a second SIGTERM
-forces a slower rank 0 out of its shutdown.
+Stock torchrun is unsafe as an srun task: a SIGUSR1 (SLURM's time-limit warning) kills its
+agent, and SLURM then kills the workers mid-save; it SIGKILLs the workers 30 s after a SIGTERM;
+when one worker exits first it SIGTERMs the others, forcing a slower rank 0 out of its shutdown.
 
-``run`` runs torchrun in this process with our agent (``agent.py``, ``launch.py``). A torch
-without the private names they need (``core/torch_private.py``) runs stock torchrun, logged.
-The agent's last line says its exit code (the policy's, ``evidence.agent_exit_code``) and only
-what rank 0's run report says about the checkpoint (``what_the_workers_did``).
+``run`` runs torchrun in this process with our agent; a torch without the private names it
+needs (``core/torch_private.py``) runs stock torchrun, logged. The agent's last line says its
+exit code (the policy's) and only what rank 0's run report says about the checkpoint
+(``what_the_workers_did``).
+
+``launch`` is torch's ``launch_agent`` (what ``torch.distributed.run.main`` runs) built from the
+same public pieces, as NVIDIA's resiliency launcher (``ft_launcher``) does, with
+``elastic.ElasticAgent`` and, with spares, ``elastic.SpareHandler``: nothing of torch's is
+replaced. Left out: torch's health-check server (off by default) and the agent thread's name.
+What a torch release lacks (2.11-2.13) is passed only where it has it.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
+import dataclasses
+import inspect
 import os
 import re
 import shutil
 import signal
 import sys
 import tempfile
-from typing import Any, Callable, Mapping, Sequence
+import uuid
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig, load_config
-from kempner_resilience.supervise.torchrun.agent import (AGENT_NAME, MARGIN_S, Agent,
-                                                            Interrupted)
+from kempner_resilience.supervise.torchrun.agent import (AGENT_NAME, MARGIN_S, TORCH_SIGNALS,
+                                                         Agent, Interrupted)
 from kempner_resilience.supervise.torchrun.evidence import agent_exit_code
 from kempner_resilience.supervise.torchrun.spares import InPlace, in_place_settings
 from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.core.fileio import load_json_bounded
 from kempner_resilience.core.ledger import AGENT_START_ENV, REPORT_ENV, process_start_time
 from kempner_resilience.exitcodes import ExitCode, describe
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.slurm.preflight import TORCHRUN_AGENT_ENV
 
-__all__ = ["run", "forward_signals", "agent_exit_code", "what_the_workers_did", "RunReport",
-           "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
-log = get_logger("kempner_resilience.supervise.torchrun.wrapper")  # also as __main__
+__all__ = ["run", "launch", "forward_signals", "agent_exit_code", "what_the_workers_did",
+           "RunReport", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
+
+log = get_logger(__name__)
 
 #: ``yes``: the agent forwards every signal to its workers; ``no``: never (SLURM delivers them
 #: to every process of the step); ``auto`` (default): decided from SLURM's ProctrackType.
 FORWARD_ENV = "KEMPNER_RESILIENCE_FORWARD_SIGNALS"
 #: Set in the workers' environment (the agent's pid): preflight knows who started them.
 AGENT_ENV = TORCHRUN_AGENT_ENV
-# TORCHELASTIC_SIGNALS_TO_HANDLE's default; the config's signals come on top.
-_TORCH_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-# torch elastic's opt-out of sharing the rendezvous TCPStore with the workers (see ``run``).
-_OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _YES, _NO = ("yes", "1", "true", "always"), ("no", "0", "false", "never")
 _Agent = Agent   # the name tests/test_torchrun.py knows it by
 #: Another launcher's front end (``accelerate launch``): given the function that replaces
@@ -60,10 +68,8 @@ def forward_signals(environ: Mapping[str, str] | None = None, timeout_s: float =
     SLURM's ProctrackType (the table in docs/slurm.md), unless ``FORWARD_ENV`` says."""
     env = os.environ if environ is None else environ
     choice = env.get(FORWARD_ENV, "auto").strip().lower() or "auto"
-    if choice in _YES:
-        return True, f"{FORWARD_ENV}={choice}"
-    if choice in _NO:
-        return False, f"{FORWARD_ENV}={choice}"
+    if choice in _YES or choice in _NO:
+        return choice in _YES, f"{FORWARD_ENV}={choice}"
     if choice != "auto":
         raise ValueError(f"{FORWARD_ENV}={choice!r} is not allowed; use yes, no or auto")
     if "SLURM_JOB_ID" not in env or "SLURM_STEP_ID" not in env:
@@ -86,12 +92,6 @@ def forward_signals(environ: Mapping[str, str] | None = None, timeout_s: float =
     return True, f"{proctrack} signals only the srun task"
 
 
-
-def _signals(config: ResilienceConfig) -> list[int]:
-    names = set(config.signals.handled()) | set(_TORCH_SIGNALS)
-    return sorted(int(getattr(signal, n)) for n in names if hasattr(signal, n))
-
-
 def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         forward: bool | None = None, *, front: Front | None = None) -> int:
     """Run ``torchrun argv`` in this process as a well-behaved srun task; the exit code for
@@ -100,12 +100,11 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
     set_role("agent")     # not a rank: its SLURM_PROCID under srun is its node's index
     config = config or load_config()
     config.validate()  # built or changed in Python: held to the file's rules (ConfigError, 78)
-    if forward is None:
-        forward, why = forward_signals()
-    else:
-        why = "forward=" + str(forward)
+    forward, why = forward_signals() if forward is None else (forward, f"forward={forward}")
     agent = Agent(config, forward)
-    previous = {s: signal.getsignal(s) for s in _signals(config)}
+    names = {*config.signals.handled(), *TORCH_SIGNALS}
+    previous = {s: signal.getsignal(s)
+                for s in sorted(int(getattr(signal, n)) for n in names if hasattr(signal, n))}
     # Before torch loads (seconds): a signal before the workers start then ends the agent with
     # 128+N, as a shell would report it, instead of a USR1's silent default-action death.
     for s in previous:
@@ -116,20 +115,19 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         from torch.distributed.run import main as torchrun_main
 
         from kempner_resilience.core import torch_private
-        from kempner_resilience.supervise.torchrun.launch import launch
 
         os.environ[AGENT_ENV] = str(os.getpid())
         # The agent's imports and rendezvous are the job's time, not the queue's (goodput.py).
         os.environ[AGENT_START_ENV] = repr(process_start_time())
         # The workers' own store (worker rank 0's): an agent that dies would take a shared one
         # along, turning a graceful stop into a lost peer.
-        os.environ.setdefault(_OWN_STORE_ENV, "1")
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
                  "are forwarded" if forward else "are not forwarded", why)
         shutdown_names = torch_private.elastic("shutdown")
-        settings = in_place_settings(argv) if front is None else None
         decides = torch_private.elastic("restarts") is not None
+        settings = in_place_settings(argv) if front is None else None
         inplace = None
         if shutdown_names is not None and settings is not None and decides \
                 and torch_private.elastic("spares") is not None:
@@ -149,8 +147,8 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                 launch(argv, agent, inplace, shutdown_names, decides)
         except ChildFailedError as e:
             # Every worker of the last group has ended: all their codes, not only torch's.
-            codes = {int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}
-            codes = {**agent.codes(), **codes} if agent.ranks else codes
+            codes = {**(agent.codes() if agent.ranks else {}),
+                     **{int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}}
             if inplace is not None and inplace.left:
                 # Not a failed task for srun: the job goes on without this node.
                 log.warning("%s: workers exited with %s; this node left the job to a "
@@ -202,10 +200,7 @@ _COMMIT_CODES = (ExitCode.REQUEUE, ExitCode.STOPPED, ExitCode.REQUEUE_FAILED, Ex
 def what_the_workers_did(code: int, report: Mapping[str, Any] | None) -> str:
     """The agent's account of its workers' exit ``code``: the code, and only what rank 0's run
     ``report`` (None: there is none) says about the checkpoint."""
-    if code in _COMMIT_CODES:
-        text = f"{ExitCode(code).name} ({code})"
-    else:
-        text = describe(code)
+    text = f"{ExitCode(code).name} ({code})" if code in _COMMIT_CODES else describe(code)
     if report is None:
         text += ("; no run report from rank 0 (forced out, killed, or started by another "
                  "node's agent), so no checkpoint is claimed here: `kempner-resilience ls` "
@@ -228,14 +223,11 @@ class RunReport:
     a directory of the agent's own, set in the environment the workers inherit."""
 
     def __init__(self) -> None:
-        self._saved_env = os.environ.get(REPORT_ENV)
-        self._own_dir: str | None = None
-        if self._saved_env:
-            self.path = self._saved_env
-        else:
-            self._own_dir = tempfile.mkdtemp(prefix="kempner-agent-")
-            self.path = os.path.join(self._own_dir, "report.json")
-            os.environ[REPORT_ENV] = self.path
+        self._own_dir = None if os.environ.get(REPORT_ENV) else tempfile.mkdtemp(
+            prefix="kempner-agent-")
+        if self._own_dir is not None:
+            os.environ[REPORT_ENV] = os.path.join(self._own_dir, "report.json")
+        self.path = os.environ[REPORT_ENV]
         self._before = self._stamp()
 
     def _stamp(self) -> int | None:
@@ -249,8 +241,7 @@ class RunReport:
         if self._stamp() in (None, self._before):
             return None
         try:
-            with open(self.path) as f:
-                report = json.load(f)
+            report = load_json_bounded(self.path)
         except (OSError, ValueError):
             return None
         return report if isinstance(report, dict) else None
@@ -262,14 +253,130 @@ class RunReport:
                 del os.environ[REPORT_ENV]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kempner_resilience.supervise.torchrun.wrapper [torchrun args] script [args]``
-    (config from ``$KEMPNER_RESILIENCE_CONFIG``)."""
-    from kempner_resilience.core.log import configure
+# ------------------------------------------------------------------ torch's launch, ours
 
-    configure("INFO")
-    return run(sys.argv[1:] if argv is None else argv)
+def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent, inplace: InPlace | None,
+           shutdown_names: dict[str, Any], decides: bool) -> Any:
+    """Run torchrun's ``argv`` (or its parsed arguments, from ``accelerate launch``) with our
+    agent; the workers' return values (none for a standby). Raises ``ChildFailedError`` after
+    torch's own report of it, as torchrun's ``main`` does."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import config_from_args, parse_args, parse_min_max_nnodes
+
+    args = argv if isinstance(argv, argparse.Namespace) else parse_args(list(argv))
+    # torchrun's ``run``: a standalone or single-node static rendezvous is a local c10d one.
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
+                           and args.master_port is None
+                           and parse_min_max_nnodes(args.nnodes)[1] == 1):
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+        if args.standalone:
+            log.info("standalone rendezvous: --rdzv-backend=%s --rdzv-endpoint=%s --rdzv-id=%s",
+                     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id)
+    if args.master_port is None:    # only the static rendezvous reads it
+        args.master_port = 29500
+    config, entrypoint, cmd_args = config_from_args(args)
+    return record(_launch_agent)(config, entrypoint, list(cmd_args), tracked, inplace,
+                                 shutdown_names, decides)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _entrypoint_name(entrypoint: Any, args: list[Any]) -> str:
+    if callable(entrypoint):
+        return str(getattr(entrypoint, "__name__", ""))
+    if entrypoint == sys.executable:
+        return next((a for a in args if not str(a).startswith("-")), "")
+    return entrypoint if isinstance(entrypoint, str) else ""
+
+
+def _static_master(params: Any) -> tuple[str | None, int | None]:
+    """The static rendezvous's master address and port (torch's ``_get_addr_and_port``)."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    if params.backend != "static":
+        return None, None
+    endpoint = (params.endpoint or "").strip()
+    if not endpoint:
+        raise ValueError("Endpoint is missing in endpoint. Try to add --master-addr and "
+                         "--master-port")
+    addr, port = parse_rendezvous_endpoint(endpoint, default_port=-1)
+    if port == -1:
+        raise ValueError(f"port is missing in endpoint: {endpoint}. Try to specify --master-port")
+    return addr, port
+
+
+def _only(names: Iterable[str], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` whose keys are in ``names`` (a dataclass's fields, a function's parameters)."""
+    known = set(names)
+    return {k: v for k, v in values.items() if k in known}
+
+
+def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracked: Agent,
+                  inplace: InPlace | None, shutdown_names: dict[str, Any],
+                  decides: bool) -> Any:
+    from torch.distributed.elastic import events, metrics
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+    from kempner_resilience.supervise.torchrun.elastic import ElasticAgent, spare_handler
+
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+        log.warning("config has no run_id, generated a random run_id: %s", config.run_id)
+    name = _entrypoint_name(entrypoint, args)
+    log.info("starting the elastic agent: entrypoint %s, nodes %s:%s, %s per node, run id %s, "
+             "rendezvous %s at %s, max restarts %s", name, config.min_nodes, config.max_nodes,
+             config.nproc_per_node, config.run_id, config.rdzv_backend, config.rdzv_endpoint,
+             config.max_restarts)
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                  run_id=config.run_id, min_nodes=config.min_nodes,
+                                  max_nodes=config.max_nodes, local_addr=config.local_addr,
+                                  **config.rdzv_configs)
+    master_addr, master_port = _static_master(params)
+    # Which signals torch's process context handles (ours, swapped in while workers start).
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = getattr(config, "signals_to_handle",
+                                                           ",".join(TORCH_SIGNALS))
+    handler = spare_handler(params, inplace) if inplace is not None and params.backend == "c10d" \
+        else registry.get_rendezvous_handler(params)
+    event_log = getattr(config, "event_log_handler", "null")
+    spec = WorkerSpec(**_only((f.name for f in dataclasses.fields(WorkerSpec)), dict(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+        args=tuple(args), rdzv_handler=handler, max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval, master_addr=master_addr,
+        master_port=master_port, local_addr=config.local_addr, event_log_handler=event_log,
+        numa_options=getattr(config, "numa_options", None),
+        duplicate_stdout_filters=getattr(config, "duplicate_stdout_filters", None),
+        duplicate_stderr_filters=getattr(config, "duplicate_stderr_filters", None),
+        virtual_local_rank=getattr(config, "virtual_local_rank", False))))
+    torch_init = inspect.signature(ElasticAgent.__mro__[1].__init__).parameters
+    agent = ElasticAgent(spec, config.logs_specs, tracked=tracked, inplace=inplace,
+                         shutdown_names=shutdown_names, decides=decides, **_only(torch_init, dict(
+                             start_method=config.start_method,
+                             log_line_prefix_template=config.log_line_prefix_template,
+                             shutdown_timeout=getattr(config, "shutdown_timeout", 30))))
+    shutdown_rdzv = True
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        events.record(agent.get_event_succeeded(), event_log)
+        if result is None:
+            # torch's run returns nothing when the rendezvous closed while this agent waited
+            # as a standby (its RendezvousGracefulExitError): the run is over, no worker here.
+            log.info("%s: the rendezvous closed while this agent stood by", AGENT_NAME)
+            return {}
+        if result.is_failed():
+            # torch's @record copies the first failure's error file into the agent's.
+            raise ChildFailedError(name=name, failures=result.failures)
+        return result.return_values
+    except ChildFailedError:
+        raise
+    except Exception as e:
+        # An agent ended by a signal keeps the rendezvous open (torch's reason: closing it
+        # ends this rdzv id for good).
+        shutdown_rdzv = not isinstance(e, SignalException)
+        events.record(agent.get_event_failed(), event_log)
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
