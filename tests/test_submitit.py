@@ -264,6 +264,10 @@ def test_a_local_rank_that_exits_81_is_run_again_and_resumes_from_the_rescue_bit
     assert [r["start"] for r in results["ref"]] == [0, 0]
     equal, total, diff = compare_weights(runs["ref"][0] / "w.pt", d / "w.pt")
     assert diff == [] and equal == total > 0
+    # Started again warm (the suite sets KEMPNER_RESILIENCE_WARM): both tasks forked from one
+    # process that imported torch once, not started by the controller.
+    parents = {r["parent"] for r in results["kill"]}
+    assert len(parents) == 1 and parents != {int(runs["kill"][1].job_id)}
 
 
 def test_a_frozen_local_task_is_killed_after_the_grace_and_the_job_runs_again(tmp_path,

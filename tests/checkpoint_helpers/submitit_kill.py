@@ -5,7 +5,8 @@ where one rank SIGKILLs itself once, in the first start of the tasks only
 the gradient all-reduce, see the lost peer, commit the rescue and exit 81 (PEER_LOST).
 
 Importable in the task when ``tests/`` is on ``PYTHONPATH`` (the tests set it). Rank 0 writes
-the final weights and optimizer state to ``out``; returns ``{"rank", "start", "resumed"}``.
+the final weights and optimizer state to ``out``; returns ``{"rank", "start", "resumed",
+"parent"}`` (the task's parent process).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def train_with_one_death(steps: int, out: str, kill_rank: int = -1, kill_step: i
         inner = getattr(model, "module", model)
         torch.save({"model": inner.state_dict(), "optim": optim.state_dict()}, out)
     dist.destroy_process_group()
-    return {"rank": rank, "start": start, "resumed": resumed}
+    return {"rank": rank, "start": start, "resumed": resumed, "parent": os.getppid()}
 
 
 def end_as_told(first: list[str]) -> int:

@@ -164,9 +164,9 @@ class Zygote:
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None,
               stdout: str | None, stderr: str | None,
-              death_signal: int = signal.SIGTERM) -> "WarmProcess":
+              death_signal: int = signal.SIGTERM, append: bool = False) -> "WarmProcess":
         """A rank forked from the zygote (``death_signal`` when the zygote dies); raises
-        OSError when the zygote cannot give one."""
+        OSError when the zygote cannot give one. ``append``: to its logs (else truncated)."""
         with self._lock:
             if not self._lock.wait_for(lambda: self._ready or self._dead, _READY_S) \
                     or self._dead:
@@ -175,7 +175,8 @@ class Zygote:
         try:
             self._req.write(json.dumps({"argv": list(argv), "env": env, "cwd": cwd,
                                         "stdout": stdout, "stderr": stderr,
-                                        "death_signal": int(death_signal)}) + "\n")
+                                        "death_signal": int(death_signal),
+                                        "append": append}) + "\n")
             self._req.flush()
         except (OSError, ValueError) as e:
             raise OSError(f"the warm-start process is gone ({e})") from None
@@ -400,7 +401,8 @@ def _become(msg: dict[str, Any]) -> None:
     for fd, where in ((1, msg.get("stdout")), (2, msg.get("stderr"))):
         if where:
             if where not in opened:
-                opened[where] = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                mode = os.O_APPEND if msg.get("append") else os.O_TRUNC
+                opened[where] = os.open(where, os.O_WRONLY | os.O_CREAT | mode, 0o644)
             os.dup2(opened[where], fd)
     for target in opened.values():
         os.close(target)

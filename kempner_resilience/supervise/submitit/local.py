@@ -25,12 +25,14 @@ import typing as tp
 from pathlib import Path
 from typing import Any
 
+from submitit.core.utils import JobPaths
 from submitit.local.local import Controller, LocalExecutor, LocalJob, LocalJobEnvironment
 
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.procs import children
 from kempner_resilience.supervise.submitit.evidence import Supervision
 from kempner_resilience.supervise.channel import Channel
+from kempner_resilience.supervise.local import warm
 from kempner_resilience.supervise.policy import Action
 
 __all__ = ["ResilientLocalJob", "ResilientLocalExecutor", "ResilientController",
@@ -69,16 +71,25 @@ def _is_task(pid: int) -> bool:
         return False
 
 
+def _is_zygote(pid: int) -> bool:
+    try:
+        return os.path.abspath(warm.__file__).encode() in \
+            Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
 def local_task_pids(job: Any) -> list[int]:
     """The running task processes of a local job: the controller's children (its
-    grandchildren when a ``setup`` shell runs the controller) that carry a task id."""
+    grandchildren when a ``setup`` shell runs the controller) that carry a task id, or the
+    children of its warm-start process (a fork's ``/proc`` environment is its parent's)."""
     proc = getattr(job, "_process", None)
     if proc is None or proc.poll() is not None:
         return []
     level = [proc.pid]
-    for _ in range(3):        # the shell, the controller, the tasks
+    for _ in range(3):        # the shell, the controller, the tasks or the warm-start process
         level = children(level)
-        found = [c for c in level if _is_task(c)]
+        found = [c for c in level if _is_task(c)] + children(c for c in level if _is_zygote(c))
         if found:
             return found
     return []
@@ -152,11 +163,16 @@ class ResilientController(Controller):  # type: ignore[misc]
         super().__init__(folder)
         self.grace_s = grace_s
         self.killed: list[int] = []     # tasks this controller ended after the grace
+        self.zygote: warm.Zygote | None = None     # the warm tasks' parent, while run() runs
 
     def run(self, max_retry: int = 0) -> None:
         """Launch until the policy says leave (``max_retry``: submitit's, unused: the run's
         budget and guard bound the launches)."""
         set_role("submitit controller")   # its own process, not a rank (its env may say RANK)
+        # Started before the channel is in the environment: the stray sweep looks for it, and
+        # the warm-start process is no stray.
+        if warm.warm_command(self.command, (warm.UNBUFFERED,)):
+            self.zygote = warm.Zygote(dict(os.environ))
         channel = self.open_channel()
         os.environ.update(channel.env())       # the tasks inherit the controller's environment
         supervision = Supervision(channel)
@@ -180,6 +196,30 @@ class ResilientController(Controller):  # type: ignore[misc]
                             self.pid, ranks, d.code, supervision.restarts, d.why)
         finally:
             channel.remove()
+            if self.zygote is not None:
+                self.zygote.close()
+
+    def start_tasks(self) -> None:
+        """submitit's, each task forked from the warm-start process where there is one (as
+        ``launch --warm`` starts its ranks): a relaunch does not start Python and torch again."""
+        if self.zygote is None:
+            return super().start_tasks()
+        self.folder.mkdir(exist_ok=True)
+        for k in range(self.ntasks):
+            paths = JobPaths(self.folder, self.pid, k)
+            env = dict(os.environ, SUBMITIT_LOCAL_LOCALID=str(k), SUBMITIT_LOCAL_GLOBALID=str(k),
+                       SUBMITIT_LOCAL_JOB_ID=self.pid)
+            out = str(paths.stdout)
+            try:
+                self.tasks.append(self.zygote.spawn(
+                    self.command, env, os.getcwd(), out,
+                    out if self.stderr_to_stdout else str(paths.stderr), append=True))
+            except OSError as e:
+                log.warning("warm start unavailable (%s): starting the tasks cold", e)
+                self.kill_tasks()
+                self.zygote = None
+                return super().start_tasks()
+        return None
 
     def open_channel(self) -> Channel:
         """This controller's own channel in its folder (``Channel.for_controller``)."""
