@@ -54,10 +54,13 @@ def step_time(library: str, plain: bool, steps: int, step_ms: float) -> float:
                                           str(step_ms / 1000), "--times", str(times)]
         out = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
                              timeout=900)
-        if out.returncode != 0:
+        ends = [float(t) for t in times.read_text().split()] if times.exists() else []
+        # The plain scripts leave torch's process group to the interpreter's exit, where gloo
+        # sometimes aborts ("terminate called without an active exception"): every step was
+        # timed by then, so that run still counts.
+        if out.returncode != 0 and not (plain and len(ends) >= steps):
             raise SystemExit(f"{library} ({'plain' if plain else 'adopted'}) exited "
                              f"{out.returncode}:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
-        ends = [float(t) for t in times.read_text().split()]
     gaps = [b - a for a, b in zip(ends, ends[1:])][10:]
     return statistics.median(gaps)
 
