@@ -81,7 +81,7 @@ def test_ray_template_signals_the_batch_shell_which_starts_ray_and_passes_it_to_
     assert "#SBATCH --requeue" in directives and "#SBATCH --open-mode=append" in directives
     lines = text.splitlines()
     assert "python driver.py --name 'a b' & DRIVER=$!" in lines
-    assert "trap 'kill -USR1 $DRIVER 2>/dev/null' USR1" in lines
+    assert "trap 'TRAPPED=1; kill -USR1 $DRIVER 2>/dev/null' USR1" in lines
     assert any(line.startswith("srun ") and "ray start --head" in line for line in lines)
     assert any("ray start --block --address=" in line for line in lines)
     # Ray's processes see no SLURM job: only the driver requeues it.
