@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +109,27 @@ def test_ray_template_exits_with_the_driver_s_code_when_a_signal_comes_as_the_dr
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 75, done.stdout + done.stderr
     assert "driver exited with 75" in done.stdout
+
+
+def test_ray_template_exits_with_the_driver_s_code_when_sigterms_keep_coming_as_it_leaves(tmp_path):
+    # A few SIGTERMs, 2 ms apart, while the driver leaves with 75 (the requeue's, scancel's):
+    # whenever they reach the shell, it says and exits with the driver's own code.
+    driver = ("import os, signal, time; "
+              "signal.signal(signal.SIGTERM, lambda *a: os._exit(75)); time.sleep(30)")
+    text = render_sbatch(template="ray", command=[sys.executable, "-c", driver])
+    script = tmp_path / "driver_block.sh"
+    script.write_text("RAY_STEPS=()\n" + text[text.index(f"{sys.executable} -c"):])
+    for _ in range(4):
+        shell = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        for _ in range(20):
+            if shell.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(shell.pid, signal.SIGTERM)
+            time.sleep(0.002)
+        out = shell.communicate(timeout=10)[0]
+        assert shell.returncode == 75 and "driver exited with 75" in out, out
 
 
 def test_ray_template_takes_no_spares():
