@@ -58,6 +58,7 @@ class RayDriver:
         self._stop = threading.Event()
         self._stopping = False
         self._role: str | None = None     # this process's log label before the driver's
+        self._requeued = False            # this driver requeued the SLURM job
 
     def __enter__(self) -> "RayDriver":
         import ray
@@ -83,6 +84,10 @@ class RayDriver:
                 self._stop_all(req.signum, [], [])
         finally:
             self._handler.uninstall()
+            if self._requeued and exc_type is SystemExit:
+                # SLURM answers the requeue with a SIGTERM to the job's processes, often while
+                # this process leaves: it must not end it with 143 instead of the code decided.
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             set_role(self._role)
 
     @property
@@ -170,6 +175,7 @@ class RayDriver:
         if result is None:
             return decision.verdict
         log.warning("%s: %s", why, result.message)
+        self._requeued = result.verdict is Verdict.REQUEUED
         return result.verdict
 
     # ------------------------------------------------------------------ the wait and the stop
