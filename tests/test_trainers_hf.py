@@ -184,9 +184,11 @@ def test_a_long_log_history_goes_to_the_buddy_once_and_the_buddys_copy_is_the_tr
             payload, chunks = encode_parts(step, {"trainer": progress})
             sender.send(step, payload, chunks)
             sent.append(len(payload))
-        deadline = time.monotonic() + 30
-        while not (buddy.held() and buddy.held()[0].step == 2000) and time.monotonic() < deadline:
-            time.sleep(0.01)
+            # Paced as a training loop is: a sender faster than its buddy reads gives it up.
+            deadline = time.monotonic() + 30
+            while not (buddy.held() and buddy.held()[0].step == step) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.0002)
         whole = buddy.held()[0].whole()
     finally:
         sender.close()
