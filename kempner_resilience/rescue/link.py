@@ -40,6 +40,8 @@ log = get_logger(__name__)
 SNAP, WAKE, BYE, CHUNK = 1, 2, 3, 4
 _HEADER = struct.Struct("<BxxxIq")
 _COUNT = struct.Struct("<I")             # a snapshot's chunk ids: their count, then each "<q"
+_NO_CHUNKS = _COUNT.pack(0)
+_NONE_SENT: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
 _HELLO = struct.Struct("<16sq")          # token, sender rank
 _MAX_FRAME = 64 << 20
 _MAX_PENDING = 8 << 20                   # unsent bytes before the link is given up
@@ -82,7 +84,7 @@ class BuddyLink:
         self._held: tuple[Snapshot, ...] = ()
         self._chunks: dict[int, bytes] = {}           # received, by id
         # The chunk ids of the last two snapshots sent: what the buddy holds.
-        self._sent: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset())
+        self._sent = _NONE_SENT
         self._closing = False
         self._lost: str | None = None     # why the link to the buddy was given up
         self._lost_said = False
@@ -140,13 +142,17 @@ class BuddyLink:
             self._lost_said = True
             log.warning("rescue link to rank %d closed: %s; a rescue after this rank dies will "
                         "lack its per-rank state", self.buddy, self._lost)
+        if not chunks and self._sent is _NONE_SENT:   # the per-step path of most runs
+            self._send(SNAP, step, _NO_CHUNKS, payload)
+            return
         held = self._sent[0] | self._sent[1]
         for cid, data in chunks.items():
             if cid not in held:
                 self._send(CHUNK, cid, data)
-        self._sent = (self._sent[1], frozenset(chunks))
-        ids = struct.pack(f"<{len(chunks)}q", *chunks) if chunks else b""
-        self._send(SNAP, step, _COUNT.pack(len(chunks)) + ids, payload)
+        # The same tuple again once neither snapshot refers to a chunk: the fast path above.
+        self._sent = (self._sent[1], frozenset(chunks)) if chunks or self._sent[1] else _NONE_SENT
+        self._send(SNAP, step, _COUNT.pack(len(chunks)) + struct.pack(f"<{len(chunks)}q", *chunks),
+                   payload)
 
     def wake(self) -> None:
         """Tell the buddy a rescue started (it passes it on)."""
