@@ -270,13 +270,25 @@ def _tensor(raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
+class _Unpickler(pickle.Unpickler):
+    """``pickle.loads``, with the snapshot's chunk ids resolved to the chunks it came with."""
+
+    def __init__(self, file: io.BytesIO, refs: Mapping[int, bytes]) -> None:
+        super().__init__(file)
+        self._chunk = chunks.resolver(refs)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == chunks.__name__ and name == "_chunk_ref":
+            return self._chunk
+        return super().find_class(module, name)
+
+
 def decode(payload: bytes) -> dict[str, Any]:
     """The per-rank blob of a checkpoint (``{"step", "rng", "objects"}``, the shape
     ``TrainState.capture`` saves) from an ``encode``d snapshot. Unpickles: only for snapshots
     this package wrote."""
     inner, refs = chunks.unpack(payload)
-    with chunks.resolving(refs):
-        version, step, rng, objects = pickle.loads(inner)
+    version, step, rng, objects = _Unpickler(io.BytesIO(inner), refs).load()
     if version != _VERSION:
         raise ValueError(f"rescue snapshot version {version!r}, expected {_VERSION}")
     py_version, words, gauss = rng["python"]

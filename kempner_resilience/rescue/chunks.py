@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import itertools
 import pickle
-import threading
 from typing import Any, Mapping
 
-__all__ = ["Chunk", "GrowingText", "pack", "unpack", "resolving"]
+__all__ = ["Chunk", "GrowingText", "pack", "unpack", "reduce_chunk", "resolver"]
 
 _PACKED = b"KRC\x01"            # a pickle starts with b"\x80": never this
 _SEAL_BYTES = 16 << 10
 _ids = itertools.count(1)
-_store = threading.local()      # the chunks the snapshot being unpickled refers to
 
 
 class Chunk:
@@ -42,32 +40,16 @@ def _chunk_data(data: bytes) -> bytes:
 
 
 def _chunk_ref(chunk_id: int) -> bytes:
-    """A chunk an ``encode``d snapshot refers to, from the chunks ``decode`` was given."""
-    chunks = getattr(_store, "chunks", None)
-    if chunks is None or chunk_id not in chunks:
-        raise ValueError(f"the rescue snapshot refers to chunk {chunk_id}, which it was not "
-                         "sent with")
-    return chunks[chunk_id]
+    """What ``encode``'s pickler names for a chunk; ``decode`` resolves it from the chunks the
+    snapshot came with (its unpickler's ``find_class``), never by calling this."""
+    raise ValueError(f"the rescue snapshot refers to chunk {chunk_id}: decode it with "
+                     "rescue.boundary.decode")
 
 
 def reduce_chunk(chunk: Chunk, refs: dict[int, bytes]) -> tuple[Any, tuple[Any, ...]]:
     """How ``encode``'s pickler writes ``chunk``: by id, noted in ``refs``."""
     refs[chunk.id] = chunk.data
     return _chunk_ref, (chunk.id,)
-
-
-class resolving:
-    """``with resolving(chunks):`` an unpickled snapshot's chunk ids resolve to ``chunks``."""
-
-    def __init__(self, chunks: Mapping[int, bytes]) -> None:
-        self.chunks = chunks
-
-    def __enter__(self) -> None:
-        self.saved = getattr(_store, "chunks", None)
-        _store.chunks = self.chunks
-
-    def __exit__(self, *exc: object) -> None:
-        _store.chunks = self.saved
 
 
 class GrowingText:
@@ -115,6 +97,16 @@ class _Joined:
 
 def _join(head: str, sealed: list[bytes], tail: str) -> str:
     return "".join([head, *(b.decode() for b in sealed), tail])
+
+
+def resolver(chunks: Mapping[int, bytes]) -> Any:
+    """``_chunk_ref`` for an unpickler of a snapshot that came with ``chunks``."""
+    def chunk(chunk_id: int) -> bytes:
+        if chunk_id not in chunks:
+            raise ValueError(f"the rescue snapshot refers to chunk {chunk_id}, which it was not "
+                             "sent with")
+        return chunks[chunk_id]
+    return chunk
 
 
 def pack(payload: bytes, chunks: Mapping[int, bytes]) -> bytes:
