@@ -34,6 +34,7 @@ What the run adds to a ResilientRun, and why:
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import os
 import signal
@@ -116,10 +117,16 @@ class RayRun(ResilientRun):
         finally:
             if lost is not None:
                 self.lost = lost
-            if stop_code is not None:    # after the run's handlers went (they restore Ray's)
+            if stop_code is not None and self.exit_code is None:   # else `_after_end` did
                 _keep_the_stop_code(stop_code)
             self._stop_groups()
             set_role(self._role)
+
+    def _after_end(self, code: int) -> dict[int, Any]:
+        # A stop by a signal: the run's handlers give way to ones that keep its code.
+        if self._handler.request is not None:
+            return _stop_code_keepers(code)
+        return super()._after_end(code)
 
     def _redo(self) -> tuple[int | None, int]:
         """The newest committed step, and how many steps of this run are to be redone."""
@@ -136,6 +143,15 @@ def _keep_the_stop_code(code: Any) -> None:
     handlers gone. A dying parent's SIGTERM that comes late (``uv run`` sends it right after
     the Ctrl+C, a loaded machine delays it) must not kill the driver with another code: it is
     ignored, said once; a second Ctrl+C leaves at once, with the stop's code."""
+    try:
+        for signum, handler in _stop_code_keepers(code).items():
+            signal.signal(signum, handler)
+    except ValueError:          # not the main thread: nothing can be installed
+        pass
+
+
+def _stop_code_keepers(code: Any) -> dict[int, Callable[[int, Any], None]]:
+    """SIGTERM and SIGINT handlers for a driver leaving with ``code`` (``_keep_the_stop_code``)."""
     leave = code if isinstance(code, int) else int(ExitCode.ERROR)
     said: list[int] = []
 
@@ -147,11 +163,15 @@ def _keep_the_stop_code(code: Any) -> None:
             log.warning("%s after the stop: the driver still leaves with %d",
                         signal.Signals(signum).name, leave)
 
-    try:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, late)
-    except ValueError:          # not the main thread: nothing can be installed
-        pass
+    def ignore_at_exit() -> None:
+        # The interpreter's finalisation puts SIG_DFL back in place of every Python handler,
+        # and a SIGTERM then (a requeue's, while Ray's core worker shuts down) would end the
+        # driver with 143. SIG_IGN is left in place.
+        if signal.getsignal(signal.SIGTERM) is late:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    atexit.register(ignore_at_exit)
+    return {signal.SIGTERM: late, signal.SIGINT: late}
 
 
 def supervise_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -19,6 +19,7 @@ so code after the loop (a "final" save of a model that is not final) never runs 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
@@ -155,9 +156,19 @@ class ResilientRun:
         finally:
             self._hang.stop()
             # Past an ending in `exit` mode the deadline still bounds the interpreter's exit.
-            self._handler.uninstall(keep_deadline=self._progress.outcome is not None
-                                    and run.parts.exit_mode is ExitMode.EXIT)
+            code = self.exit_code
+            self._handler.uninstall(keep_deadline=code is not None
+                                    and run.parts.exit_mode is ExitMode.EXIT,
+                                    instead=self._after_end(code) if code is not None else None)
         return False
+
+    def _after_end(self, code: int) -> dict[int, Any]:
+        """The handlers that replace the run's once it ended with ``code``. In `exit` mode the
+        process is leaving with that code: a SIGTERM now (SLURM's answer to our own requeue, a
+        late scancel) must not turn it into 143, and the armed deadline bounds the exit."""
+        if self._state.parts.exit_mode is ExitMode.EXIT:
+            return {signal.SIGTERM: signal.SIG_IGN}
+        return {}
 
     # ------------------------------------------------------------------ user API
 

@@ -280,6 +280,7 @@ def requeue_decision(state: RunState, committed: int | None,
     parts.trackers.preempting()
     if parts.slurm is None:
         return Requeued(Verdict.REQUEUED)  # "run me again": the local launcher relaunches
+    parts.handler.expect(signal.SIGTERM)   # SLURM's answer, not a user's second SIGTERM
     t0 = time.monotonic()
     # Every requeue of a run with recorded bad nodes keeps the job off them (slurm/badnodes.py).
     exclude = bad_nodes(parts.ckpt.paths) if parts.ckpt is not None else set()

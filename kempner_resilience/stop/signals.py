@@ -136,6 +136,7 @@ class ShutdownHandler:
                            if s in self._actions and rt not in self._actions
                            and rt != self._parent_death}
         self._paths: dict[tuple[bool, int], int] = {}   # (forwarded, signal) -> deliveries
+        self._expected: set[int] = set()     # signals this process brought on itself (expect)
         self._previous: dict[int, Any] = {}
         self._listeners: list[Callable[[ShutdownRequest], None]] = []
         self._forced_exit_hooks: list[Callable[[int], None]] = []
@@ -172,6 +173,12 @@ class ShutdownHandler:
     def deliveries(self) -> tuple[int, ...]:
         """Every handled signal received so far, in the order the signal thread saw them."""
         return tuple(self._deliveries)
+
+    def expect(self, signum: int) -> None:
+        """From now on ``signum`` is this process's own doing and never forces the exit: our
+        ``scontrol requeue`` makes SLURM SIGTERM every process of the job, and a batch shell
+        that passes signals on to its child (the Ray template) delivers that SIGTERM twice."""
+        self._expected.add(signum)
 
     def add_listener(self, fn: Callable[[ShutdownRequest], None]) -> None:
         """Call ``fn(request)`` from the signal thread on the first signal (must be quick)."""
@@ -211,12 +218,16 @@ class ShutdownHandler:
                                            for s, a in self._actions.items()))
         return self
 
-    def uninstall(self, *, keep_deadline: bool = False) -> None:
+    def uninstall(self, *, keep_deadline: bool = False,
+                  instead: Mapping[int, Any] | None = None) -> None:
         """Restore the previous handlers and wakeup fd, and disarm the deadline.
 
         ``keep_deadline=True`` leaves an armed deadline armed: ResilientRun uses it to bound the
-        interpreter's exit after a completed shutdown.
+        interpreter's exit after a completed shutdown. ``instead``: handlers put in place of
+        the previous ones, with no moment between ours and them (a process that requeued its
+        job leaves while SLURM's SIGTERM comes: the default action would end it with 143).
         """
+        instead = dict(instead or {})
         if not keep_deadline:
             self.deadline.disarm()
         if not self._installed:
@@ -229,7 +240,10 @@ class ShutdownHandler:
                 # Someone set their own wakeup fd after us; leave theirs in place.
                 signal.set_wakeup_fd(current)
             for signum, prev in self._previous.items():
-                signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
+                if signum not in instead:
+                    signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
+            for signum, handler in instead.items():
+                signal.signal(signum, handler)
         try:
             os.write(self._wfd, bytes([_STOP_BYTE]))
         except OSError:
@@ -348,7 +362,7 @@ class ShutdownHandler:
         if not earlier:
             self._first(signum, f"{name} received")
             return
-        if self._forces(signum, earlier):
+        if signum not in self._expected and self._forces(signum, earlier):
             code = int(exit_code(Facts(Ending.FORCED, signum=signum)))   # 130 or 143
             log.error("second %s during shutdown: exiting at once with %d", name, code)
             self._run_forced_exit_hooks(code)

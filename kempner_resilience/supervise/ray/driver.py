@@ -58,7 +58,7 @@ class RayDriver:
         self._stop = threading.Event()
         self._stopping = False
         self._role: str | None = None     # this process's log label before the driver's
-        self._requeued = False            # this driver requeued the SLURM job
+        self._requeuing = False           # this driver asked SLURM to requeue the job
 
     def __enter__(self) -> "RayDriver":
         import ray
@@ -83,11 +83,10 @@ class RayDriver:
                 # A signal after the last get(): the stop still happens, with nothing to wait on.
                 self._stop_all(req.signum, [], [])
         finally:
-            self._handler.uninstall()
-            if self._requeued and exc_type is SystemExit:
-                # SLURM answers the requeue with a SIGTERM to the job's processes, often while
-                # this process leaves: it must not end it with 143 instead of the code decided.
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            # SLURM answers our requeue with a SIGTERM to every process of the job, often as
+            # this one leaves: it must not end it with 143 instead of the code decided.
+            leaving = self._requeuing and exc_type is SystemExit
+            self._handler.uninstall(instead={signal.SIGTERM: signal.SIG_IGN} if leaving else None)
             set_role(self._role)
 
     @property
@@ -167,6 +166,9 @@ class RayDriver:
         if job is None or self.config is None:
             return None
         paths = RunPaths.from_config(self.config)
+        # SLURM's SIGTERM may come before `scontrol requeue` returns.
+        self._requeuing = True
+        self._handler.expect(signal.SIGTERM)
         decision, result = requeue_run(job, paths, self.config.requeue, newest_commit(paths),
                                        ends=ends, exclude=exclude, min_nodes=job.nnodes)
         if decision.guard is Guard.NOTHING_COMMITTED:
@@ -175,7 +177,6 @@ class RayDriver:
         if result is None:
             return decision.verdict
         log.warning("%s: %s", why, result.message)
-        self._requeued = result.verdict is Verdict.REQUEUED
         return result.verdict
 
     # ------------------------------------------------------------------ the wait and the stop
