@@ -9,7 +9,9 @@ with its pid, the reference actor WORK/pids/ref.r0. At the end the driver saves 
 position, its counters and its RNG to --out.
 
 ``--parent``: under a parent that, like ``uv run``, dies on Ctrl+C and SIGTERMs the driver
-0.2 s later. ``--supervise``: the training under ``krr.supervise_loop``.
+0.2 s later. ``--supervise``: the training under ``krr.supervise_loop``; ``--spares N``: the
+policy group's spare actors; ``--cold``: no actor parked, every recreation makes new ones.
+Each train_step appends "<step> <time>" to WORK/steps.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class PolicyWorker(krr.Worker):
         self.optim.step()
         if self.kr_rank == 0:
             (self.work / "progress").write_text(str(step))
+            with open(self.work / "steps", "a") as f:
+                f.write(f"{step} {time.time():.4f}\n")
 
     def final(self) -> dict:
         return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
@@ -126,8 +130,9 @@ def train(a: argparse.Namespace) -> None:
     loader = StatefulDataLoader(torch.utils.data.TensorDataset(data), batch_size=4,
                                 shuffle=True)
     counters = Counters()
-    policy = krr.WorkerGroup(PolicyWorker, 2, str(work), options={"num_cpus": 0.5})
-    ref = krr.WorkerGroup(RefWorker, 1, str(work), options={"num_cpus": 0.5})
+    policy = krr.WorkerGroup(PolicyWorker, 2, str(work), options={"num_cpus": 0.5},
+                             spares=a.spares, warm=not a.cold)
+    ref = krr.WorkerGroup(RefWorker, 1, str(work), options={"num_cpus": 0.5}, warm=not a.cold)
     with krr.RayRun(cfg, state={"data": loader, "trainer": counters, "policy": policy,
                                 "ref": ref}) as run:
         batches = iter(loader)
@@ -191,6 +196,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--out", default="")
     p.add_argument("--supervise", action="store_true")
+    p.add_argument("--spares", type=int, default=0)
+    p.add_argument("--cold", action="store_true")
     a = p.parse_args()
     if a.parent:
         sys.exit(parent([x for x in sys.argv[1:] if x != "--parent"]))

@@ -194,6 +194,32 @@ def test_an_evicted_policy_actor_an_evicted_reference_actor_and_a_killed_policy_
     assert job.processes() == []
 
 
+def _started_at(pid: int) -> float:
+    """When process ``pid`` started (seconds since the epoch)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines()
+                if x.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_killed_policy_actor_is_replaced_by_the_spare_and_the_survivors_come_back_warm_bitwise(
+        reference: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--spares", "1", "--sleep", "0.1")
+    job.wait_step(13)
+    survivor, ref = job.policy_pid(0), job.pid("ref.r0")
+    killed_at = time.time()
+    os.kill(job.policy_pid(1), signal.SIGKILL)
+    assert job.wait() == 0, job.text()
+    text = job.text()
+    assert "recreated" in text, text
+    assert job.policy_pid(0) == survivor and job.pid("ref.r0") == ref   # reborn, not new
+    spare = job.policy_pid(1)
+    assert _started_at(spare) < killed_at, text                 # made before it was needed
+    _assert_bitwise(job.out, reference)
+    assert job.sandboxes() == 0
+    assert job.processes() == []
+
+
 @pytest.mark.slurm
 def test_usr1_through_the_ray_template_stops_the_driver_loop_requeues_and_resumes_bitwise(
         slurm_cluster, reference: Path, tmp_path: Path) -> None:

@@ -27,7 +27,9 @@ What the run adds to a ResilientRun, and why:
   and every group's actors are killed. Under ``supervise_loop`` the one policy
   (``supervise/policy.py``: the restart budget, the no-progress guard) decides: the driver's
   function runs again, its run resumes from the newest commit with new groups, and the steps
-  redone are said; or the driver leaves with the policy's code. Never 0, never 1.
+  redone are said; or the driver leaves with the policy's code. Never 0, never 1. There the
+  live actors are parked instead of killed, and the new groups take them back, reborn in
+  their own processes (``supervise/ray/parking.py``).
 * The run leaves by raising (``raise`` exit mode): the driver's process goes on to shut Ray
   down, or to run the loop again.
 """
@@ -47,6 +49,7 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.ray.driver import clear_ray_handlers, driver_forces
 from kempner_resilience.supervise.ray.group import GroupLost, WorkerGroup
+from kempner_resilience.supervise.ray.parking import parking_for
 from kempner_resilience.run.resilient import ResilientRun
 from kempner_resilience.supervise.policy import Action, Commits, Evidence, RankEnd, decide
 
@@ -94,7 +97,8 @@ class RayRun(ResilientRun):
             set_role(self._role)
             raise
         for name, group in self.groups.items():
-            self.add_cleanup(group.stop, name=f"{name} group's actors")
+            # Killed, or parked for the next incarnation under supervise_loop.
+            self.add_cleanup(group.release, name=f"{name} group's actors")
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -135,7 +139,7 @@ class RayRun(ResilientRun):
 
     def _stop_groups(self) -> None:
         for group in self.groups.values():
-            group.stop()
+            group.release()
 
 
 def _keep_the_stop_code(code: Any) -> None:
@@ -183,28 +187,30 @@ def supervise_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     role = set_role("ray driver")       # its lines are the driver's, between the runs too
     restarts, stalled, before = 0, 0, None
     try:
-        while True:
-            try:
-                return fn(*args, **kwargs)
-            except GroupLost as e:
-                run = _LAST_RUN.get()
-                if run is None:          # lost outside a RayRun: nothing to resume from
-                    raise
-                config = run.config
-                now, redo = run._redo()
-                decision = decide(Evidence(
-                    (RankEnd(int(ExitCode.PEER_LOST)),), restarts=restarts,
-                    max_restarts=config.requeue.restart_limit, commits=Commits(before, now),
-                    stalled=stalled, max_no_progress=config.requeue.max_no_progress))
-                if decision.action is Action.LEAVE:
-                    log.error("%s at step %d: %s; the newest commit is step %s; exit %d", e,
-                              run.step, decision.why, now, decision.code)
-                    raise SystemExit(decision.code) from None
-                restarts, stalled, before = restarts + 1, decision.stalled, now
-                # One line per loss: what was lost, where, what is redone, why it goes on.
-                log.warning("%s at step %d: the worker groups are recreated and the loop "
-                            "resumes from step %s, %d step(s) to redo (restart %d: %s)", e,
-                            run.step, now, redo, restarts, decision.why)
+        # A lost group's live actors wait in the parking for the next run (killed at its end).
+        with parking_for():
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except GroupLost as e:
+                    run = _LAST_RUN.get()
+                    if run is None:          # lost outside a RayRun: nothing to resume from
+                        raise
+                    config = run.config
+                    now, redo = run._redo()
+                    decision = decide(Evidence(
+                        (RankEnd(int(ExitCode.PEER_LOST)),), restarts=restarts,
+                        max_restarts=config.requeue.restart_limit, commits=Commits(before, now),
+                        stalled=stalled, max_no_progress=config.requeue.max_no_progress))
+                    if decision.action is Action.LEAVE:
+                        log.error("%s at step %d: %s; the newest commit is step %s; exit %d", e,
+                                  run.step, decision.why, now, decision.code)
+                        raise SystemExit(decision.code) from None
+                    restarts, stalled, before = restarts + 1, decision.stalled, now
+                    # One line per loss: what was lost, where, what is redone, why it goes on.
+                    log.warning("%s at step %d: the worker groups are recreated and the loop "
+                                "resumes from step %s, %d step(s) to redo (restart %d: %s)", e,
+                                run.step, now, redo, restarts, decision.why)
     finally:
         _SUPERVISED.reset(token)
         set_role(role)

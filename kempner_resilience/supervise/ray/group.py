@@ -10,6 +10,7 @@ whose policy recreates the group (``run/ray_run.py``).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -18,6 +19,8 @@ from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.supervise.ray.actor import TrainingActor, actor_died, init_group, kill_actors
+from kempner_resilience.supervise.ray.parking import (Parking, current_parking, reborn, settled,
+                                                      signature)
 
 __all__ = ["WorkerGroup", "Worker", "GroupLost"]
 
@@ -72,6 +75,31 @@ class Worker:
             self.__dict__["_kr_train_state"] = state
         return state
 
+    def kr_pid(self) -> int:
+        return os.getpid()
+
+    def kr_rebirth(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+        """Become a new actor of this class in this process (``supervise/ray/parking.py``):
+        the old process group destroyed, the object built again by its ``__init__``."""
+        import gc
+
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # Ray's own attributes, if it set any on the object, stay; everything of ours and the
+        # user's goes, so nothing of the last incarnation survives but what __init__ makes.
+        kept = {k: v for k, v in self.__dict__.items() if k.startswith(("_ray", "__ray"))}
+        self.__dict__.clear()
+        self.__dict__.update(kept)
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        type(self).__init__(self, *args, **dict(kwargs))
+        return os.getpid()
+
     def kr_save(self, directory: str, step: int) -> dict[str, Any]:
         """Write this actor's state of ``step`` (collective); the file table for the manifest."""
         from kempner_resilience.checkpoint.partsave import save_part
@@ -90,9 +118,16 @@ class WorkerGroup:
     re-formed by the run that holds it in its state. ``options`` go to Ray's ``.options``."""
 
     def __init__(self, actor_cls: Any, world_size: int, *args: Any, backend: str = "gloo",
-                 options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 options: Mapping[str, Any] | None = None, spares: int = 0, warm: bool = True,
+                 **kwargs: Any) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if spares < 0:
+            raise ValueError(f"spares must be >= 0, got {spares}")
+        self.spares = spares    # actors made ahead of need, under supervise_loop
+        self.warm = warm        # under supervise_loop, a lost group's live actors come back
+        self._inflight: list[Any] = []   # the refs of the call under way, one per actor
+        self._parking: Parking | None = None
         self.actor_cls = actor_cls
         self.world_size = world_size
         self.args, self.kwargs = args, kwargs
@@ -106,7 +141,8 @@ class WorkerGroup:
 
     def start(self, name: str, config: ResilienceConfig) -> None:
         """Create the actors and form their group (the run does, on entry). A group already
-        started is stopped first: its actors are new processes, whatever the old ones held."""
+        started is stopped first. Under ``supervise_loop`` the actors parked by a lost
+        incarnation come back first, reborn (``supervise/ray/parking.py``)."""
         import ray
 
         self.stop()
@@ -114,16 +150,54 @@ class WorkerGroup:
         self.bound_s = float(config.watchdog.hang_timeout_s)
         cls = self.actor_cls if hasattr(self.actor_cls, "remote") else ray.remote(self.actor_cls)
         make = cls.options(**{"num_cpus": 1, **self.options})
-        self.actors = [make.remote(*self.args, **self.kwargs) for _ in range(self.world_size)]
+        # Kept for ``release``, which the run's teardown may call from a thread of its own,
+        # where the supervised loop's context is not.
+        self._parking = parking = current_parking() if self.warm else None
+        mine = self._signature()
+        warm = []
+        if parking is not None:
+            taken = parking.take(self._key(), self.world_size)
+            warm = reborn(taken, mine, lambda a: a.kr_rebirth.remote(self.args, self.kwargs))
+            if warm:
+                log.info("%s group: %d of %d actors warm (parked, not new processes)", name,
+                         len(warm), self.world_size)
+        self.actors = warm + [make.remote(*self.args, **self.kwargs)
+                              for _ in range(self.world_size - len(warm))]
         addr, port = self._wait([self.actors[0].kr_address.remote()])[0]
         self._wait([a.kr_setup.remote(name, r, self.world_size, addr, port, config,
                                       self.backend) for r, a in enumerate(self.actors)])
         log.info("%s group formed: %d actors (%s)", name, self.world_size, self.backend)
+        if parking is not None:     # the spares, made now, ready by the next loss
+            missing = self.spares - parking.count(self._key(), fresh=True)
+            parking.park(self._key(), [make.remote(*self.args, **self.kwargs)
+                                       for _ in range(max(0, missing))], mine, fresh=True)
 
     def stop(self) -> None:
         """Kill every actor of the group (their processes go; a new ``start`` makes new ones)."""
         kill_actors(self.actors)
         self.actors = []
+        self._inflight = []
+
+    def release(self) -> None:
+        """The run is over: under ``supervise_loop`` the actors that can be trusted are
+        parked for the next incarnation (their call ended, their process lives), the others
+        killed; elsewhere every actor is killed."""
+        parking = self._parking
+        if parking is None or not self.actors:
+            self.stop()
+            return
+        kept = settled(self.actors, self._inflight)
+        kill_actors([a for a in self.actors if all(a is not k for k in kept)])
+        parking.park(self._key(), kept, self._signature())
+        self.actors, self._inflight = [], []
+
+    def _key(self) -> tuple[int, str]:
+        # Only an actor of the same class with the same options (resources, placement) can
+        # take a rank: options by their repr, so an unhashable one compares too.
+        return id(self.actor_cls), repr(sorted(self.options.items()))
+
+    def _signature(self) -> bytes:
+        return signature(self.args, self.kwargs)
 
     # ------------------------------------------------------------------ calls
 
@@ -145,6 +219,9 @@ class WorkerGroup:
             raise GroupLost(self.name, 0, "has no actors (the group was not started)")
         until = time.monotonic() + self.bound_s
         pending = list(refs)
+        # A call of the whole group: what a lost group's release waits on before it trusts
+        # an actor again (kr_address's single call is rank 0's, and ends at once).
+        self._inflight = list(refs) if len(refs) == len(self.actors) else []
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
             for ref in done:
@@ -152,6 +229,7 @@ class WorkerGroup:
             if pending and time.monotonic() > until:
                 raise GroupLost(self.name, refs.index(pending[0]), f"did not answer within "
                                 f"{self.bound_s:.0f} s (watchdog.hang_timeout_s)")
+        self._inflight = []
         return [ray.get(r) for r in refs]
 
     def _raise_if_failed(self, ref: Any, refs: list[Any]) -> None:

@@ -1,0 +1,155 @@
+"""Warm worker actors between the incarnations of a driver's worker groups (``supervise_loop``).
+
+A new Ray actor is a new process: Python, Ray's worker, ``import torch``, the user's imports,
+seconds of CPU before its first call. When a group is lost, only the actor that went needs a
+new process. So the other actors are parked instead of killed, and the next incarnation's group
+of the same class and options takes them back, each reborn (``Worker.kr_rebirth``: its process
+group destroyed, its object built again by its own ``__init__``, then the newest commit loaded
+as into a new actor). A group's ``spares`` are actors made ahead of need, parked from the start:
+the actor that went is replaced by one of them, not by a cold start.
+
+Trust: an actor is parked only if its process lives and its last call ended (a result, or the
+error of a collective whose peer went). An actor whose call did not end (a hang, a collective
+still waiting on the dead peer, NCCL's case) is killed: its communicator and device state
+cannot be trusted, and a new process replaces it. A rebirth that fails or does not end within
+its bound is the same: the actor is killed and replaced cold.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.supervise.ray.actor import actor_died, kill_actors
+
+__all__ = ["Parking", "Parked", "current_parking", "parking_for", "signature"]
+
+log = get_logger(__name__)
+
+#: How long a parked actor's rebirth (or a spare's creation) may take before a new process
+#: replaces it. NCCL's teardown with a dead peer is what could hold it.
+REBIRTH_S = 60.0
+#: How long a lost group's calls still running get to end before their actors are killed.
+SETTLE_S = 5.0
+
+
+@dataclass
+class Parked:
+    """A parked actor: the ``signature`` of the arguments its object was built with, and
+    whether it is ``fresh`` (a spare: built and never in a group)."""
+
+    actor: Any
+    signature: bytes
+    fresh: bool
+
+
+class Parking:
+    """The actors kept warm across ``supervise_loop``'s runs of the driver's function."""
+
+    def __init__(self) -> None:
+        self._parked: dict[Hashable, list[Parked]] = {}
+        self._closed = False
+
+    def park(self, key: Hashable, actors: Sequence[Any], signature: bytes, *,
+             fresh: bool = False) -> None:
+        if self._closed:         # the supervised loop is over: nothing waits for them
+            kill_actors(actors)
+            return
+        self._parked.setdefault(key, []).extend(Parked(a, signature, fresh) for a in actors)
+
+    def take(self, key: Hashable, n: int) -> list[Parked]:
+        """At most ``n`` actors parked under ``key``, spares last (survivors first)."""
+        entries = sorted(self._parked.get(key, []), key=lambda p: p.fresh)
+        taken, self._parked[key] = entries[:n], entries[n:]
+        return taken
+
+    def count(self, key: Hashable, *, fresh: bool) -> int:
+        return sum(p.fresh == fresh for p in self._parked.get(key, []))
+
+    def close(self) -> None:
+        """Kill every parked actor (the supervised loop is over)."""
+        self._closed = True
+        actors = [p.actor for entries in self._parked.values() for p in entries]
+        self._parked.clear()
+        kill_actors(actors)
+
+
+_PARKING: contextvars.ContextVar[Parking | None] = contextvars.ContextVar("kr_ray_parking",
+                                                                         default=None)
+
+
+def current_parking() -> Parking | None:
+    """The parking of the ``supervise_loop`` running now; None outside one (cold groups)."""
+    return _PARKING.get()
+
+
+class parking_for:
+    """``with parking_for():`` the actors of lost groups are parked until the block ends,
+    then killed with the ones still parked."""
+
+    def __enter__(self) -> Parking:
+        self.parking = Parking()
+        self._token = _PARKING.set(self.parking)
+        return self.parking
+
+    def __exit__(self, *exc: object) -> None:
+        _PARKING.reset(self._token)
+        self.parking.close()
+
+
+def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
+    """What an actor's object was built with, to compare (b"" when it cannot be pickled)."""
+    try:
+        return pickle.dumps((tuple(args), kwargs))
+    except Exception:
+        return b""
+
+
+def settled(actors: Sequence[Any], refs: Sequence[Any], bound_s: float = SETTLE_S) -> list[Any]:
+    """The actors whose call in ``refs`` (one per actor, or none at all) ended within
+    ``bound_s`` with a result or the call's own error, their process alive."""
+    import ray
+
+    if not refs:
+        return list(actors)
+    ray.wait(list(refs), num_returns=len(refs), timeout=bound_s)
+    kept = []
+    for actor, ref in zip(actors, refs):
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            continue                       # still running: never trusted again
+        try:
+            ray.get(ref, timeout=0)
+        except Exception as e:
+            if actor_died(e):
+                continue
+        kept.append(actor)
+    return kept
+
+
+def reborn(taken: Sequence[Parked], mine: bytes, rebirth: Callable[[Any], Any],
+           bound_s: float = REBIRTH_S) -> list[Any]:
+    """The taken actors ready for a new group: a spare built with the same arguments as is,
+    any other reborn (``rebirth(actor)`` starts its call); the ones that fail or do not end
+    within ``bound_s`` are killed."""
+    import ray
+
+    if not taken:
+        return []
+    calls = [p.actor.kr_pid.remote() if p.fresh and p.signature == mine and mine
+             else rebirth(p.actor) for p in taken]
+    ray.wait(calls, num_returns=len(calls), timeout=bound_s)
+    ready, dropped = [], []
+    for p, ref in zip(taken, calls):
+        try:
+            ray.get(ref, timeout=0)
+            ready.append(p.actor)
+        except Exception as e:   # not done, failed, or its process gone
+            log.warning("a parked actor could not be reused (%s): a new one replaces it",
+                        type(e).__name__)
+            dropped.append(p.actor)
+    kill_actors(dropped)
+    return ready

@@ -1,0 +1,77 @@
+"""A lost worker group comes back warm: its live actors are parked and reborn, not new processes
+(supervise/ray/parking.py). Real local Ray, gloo on CPU, real processes; the scripts are
+tests/ray_warm_job.py and tests/ray_loop_job.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import env
+from slurm_fixtures import in_ci
+
+JOB = Path(__file__).with_name("ray_warm_job.py")
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_installed() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        why = "ray is not installed (pip install -e '.[ray]')"
+        if in_ci():
+            pytest.fail(f"{why} [CI is set: a Ray test that cannot run fails]", pytrace=False)
+        pytest.skip(why)
+
+
+def _run(*args: str) -> dict:
+    e = env()
+    e.pop("RANK", None)
+    proc = subprocess.run([sys.executable, str(JOB), *args], capture_output=True, text=True,
+                          timeout=300, env=e)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_five_rebirths_keep_the_processes_and_leave_no_thread_descriptor_or_state_behind():
+    out = _run("cycles", "6")
+    seen = out["censuses"]
+    pids = [[c["pid"] for c in group] for group in seen]
+    assert all(p == pids[0] for p in pids), pids                  # the same two processes
+    for group in seen:
+        for c in group:
+            assert c["calls"] == 1                     # a new object each time, not the old one
+            assert c["weight"] == out["cold_weight"]   # as a new actor's __init__ builds it
+            assert c["world"] == 2
+    # After the first incarnation, five more leave the threads and descriptors as they were.
+    first, last = seen[0], seen[-1]
+    for a, b in zip(sorted(first, key=lambda c: c["pid"]), sorted(last, key=lambda c: c["pid"])):
+        assert (b["threads"], b["fds"]) == (a["threads"], a["fds"]), (first, last)
+
+
+def test_an_actor_whose_call_never_ended_is_never_reused_and_a_new_process_takes_its_rank():
+    out = _run("hang")
+    assert out["lost"] and "did not answer" in out["lost"], out
+    before = {c["rank"]: c["pid"] for c in out["before"]}
+    after = {c["rank"]: c["pid"] for c in out["after"]}
+    assert before[0] in after.values()               # the rank whose call ended: reused
+    assert before[1] not in after.values()           # the hung one: killed, replaced
+    with pytest.raises(ProcessLookupError):
+        os.kill(before[1], 0)
+
+
+def test_a_rank_stuck_in_a_collective_with_a_hung_peer_is_never_reused_either():
+    # NCCL's case after a peer's death: the survivor waits in the collective, its
+    # communicator cannot be trusted again.
+    out = _run("hang-in-collective")
+    assert out["lost"] and "did not answer" in out["lost"], out
+    before = {c["pid"] for c in out["before"]}
+    after = {c["pid"] for c in out["after"]}
+    assert not before & after, (before, after)
