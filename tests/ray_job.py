@@ -185,7 +185,7 @@ def supervised(a: argparse.Namespace, work: Path, remote_rollout) -> None:
         rollout = drv.track(remote_rollout.remote())[0]
         episodes = rollout.run.remote(str(work), a.resources, a.fail_at_step)
         out = drv.run_group(GroupTrainer, 2, "train", str(work), a.steps, a.sleep, a.out,
-                            a.post_step, cancel=[episodes])
+                            a.post_step, cancel=[episodes], warm=a.warm)
         print("trained", [o["step"] for o in out], flush=True)
     ray.shutdown()
 
@@ -216,6 +216,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--every", type=int, default=100000, help="checkpoint.every_steps")
     p.add_argument("--supervise", action="store_true", help="the five-name shape: run_group")
+    p.add_argument("--warm", action="store_true", help="run_group(warm=True) (--supervise)")
     p.add_argument("--post-step", type=int, default=0, help="rank 1's long post-step phase "
                    "after this step (--supervise)")
     a = p.parse_args()

@@ -299,6 +299,24 @@ def test_sigkill_of_one_training_actor_is_rescued_and_its_group_recreated_losing
     assert job.processes() == []
 
 
+def test_with_warm_the_survivor_of_a_sigkilled_actor_trains_on_in_its_own_process_bitwise(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--warm", "--steps", "60",
+              "--every", "10", "--out", str(tmp_path / "resumed.pt"))
+    job.wait_training(step=13)
+    first = job.trainers()
+    os.kill(first[1], signal.SIGKILL)
+    assert job.wait() == 0, job.text()
+    text = job.text()
+    assert "rescue: committed step " in text, text
+    # Every call of the run in a process: the survivor's in its own, and one new process.
+    used = {int(p.name.split(".")[1]) for p in (job.work / "pids").glob("r[0-9]*.*")}
+    assert len(used) == 3 and first[0] in used, sorted(used)
+    assert _same_weights(tmp_path / "resumed.pt", uninterrupted)
+    assert job.resources() == 0
+    assert job.processes() == []
+
+
 def test_an_actor_dying_in_a_long_post_step_phase_is_said_one_boundary_behind_in_one_line(
         uninterrupted: Path, tmp_path: Path) -> None:
     # Rank 1 dies after its step's all-reduce, in a long post-step phase (a weight sync, an

@@ -407,6 +407,7 @@ class CheckpointManager:
         with self._foreground():
             self._drain_background(raise_errors=False, lost_peer=False)
             self._saver.join_retention()
+            self._saver.forget_plans()
         if self._lease is not None:       # after the last write: the directory is free now
             self._lease.release()
 

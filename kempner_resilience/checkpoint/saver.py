@@ -11,6 +11,7 @@ raised as ``SavePeerLost`` (see ``checkpoint/manager.py``'s docstring).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -35,12 +36,30 @@ from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.core.torch_private import forget_save_plans
 
 __all__ = ["Saver"]
 
 log = get_logger(__name__)
 
 _GIB = 2**30
+
+
+_runs = itertools.count()
+
+
+class RunSavePlanner(DefaultSavePlanner):
+    """DCP's default planner, its plan cache kept to one run's saves.
+
+    DCP caches plans in class-level dicts keyed by the planner's class name, for the life of
+    the process. A process that lives on into another run (a warm Ray actor, reborn; a
+    notebook) would bring the last run's plans into a group whose other ranks have none, and
+    the save fails (a ``KeyError`` on the rank without them). So each Saver saves with a
+    subclass of a name of its own (``for_one_run``), and forgets its plans when it closes."""
+
+    @classmethod
+    def for_one_run(cls) -> type["RunSavePlanner"]:
+        return type(f"{cls.__name__}{next(_runs)}", (cls,), {})
 
 
 class Saver:
@@ -85,6 +104,7 @@ class Saver:
         self._resumed_from: Path | None = None
         self._unloadable: set[Path] = set()
         self._own_commit = False
+        self._planner = RunSavePlanner.for_one_run()
 
     def claim(self, run_id: str | None, lease: Lease | None = None,
               earlier: frozenset[str | None] = frozenset()) -> None:
@@ -172,7 +192,7 @@ class Saver:
                 # Plan caching: with an unchanged state layout (every save after the first),
                 # DCP reuses the global plan and metadata instead of rebuilding them.
                 dcp.save(sd, storage_writer=writer, process_group=comm.dcp_group,
-                         planner=DefaultSavePlanner(enable_plan_caching=True),
+                         planner=self._planner(enable_plan_caching=True),
                          no_dist=comm.dcp_no_dist)
             except (Exception, CheckpointException) as e:   # DCP raises on all ranks together
                 if is_peer_failure(e):
@@ -247,6 +267,10 @@ class Saver:
         if t is not None and t is not threading.current_thread():
             t.join()
         self._retention_thread = None
+
+    def forget_plans(self) -> None:
+        """The run is over: its DCP plans go (``RunSavePlanner``)."""
+        forget_save_plans(self._planner.__name__)
 
     def _failure_text(self, step: int, path: Path, status: str) -> str:
         return commit.failure_text(step, path, status, self.root, self._last_good(),

@@ -28,6 +28,11 @@ Required (the import fails without them):
 
 Optional (looked up where used; without them a feature is off and says so in the log):
 
+- ``SavePlanner``'s plan caches (``_cached_save_plan`` and four more, ``forget_save_plans``):
+  a run's DCP plans dropped when it closes (``checkpoint/saver.py``'s ``RunSavePlanner``
+  scopes them to one run already; without the names they stay in memory until the process
+  ends);
+
 - a gloo backend's ``_set_default_timeout`` (``checkpoint/comm.py``: bounding a save's wait for
   its peers; without it the group's own timeout applies);
 - torch elastic's internals, in three named groups (``ELASTIC``), resolved on first use by the
@@ -79,6 +84,7 @@ from torch.distributed.checkpoint import filesystem as _dcp_fs
 from kempner_resilience.core.log import get_logger
 
 __all__ = ["MIN_TORCH", "TESTED_ON", "check_version", "StorageInfo", "StoragePrefix",
+           "forget_save_plans",
            "narrow_tensor_by_index", "rebuild_tensor_v2", "element_size",
            "dtype_to_storage_type_map", "foreach_copy_", "ELASTIC", "elastic",
            "remaining_restarts", "set_remaining_restarts", "rendezvous_state", "this_node",
@@ -253,6 +259,28 @@ def this_node(handler: Any) -> Any:
     return getattr(handler, "_this_node", None)
 
 
+
+
+#: DCP's plan caches: class-level dicts of ``SavePlanner``, keyed by the planner's class name.
+_PLAN_CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans",
+                "_cached_global_plan", "_cached_metadata")
+
+
+def forget_save_plans(key: str) -> None:
+    """Drop the DCP plans cached under ``key`` (a planner class's name) in this process."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in _PLAN_CACHES:
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            cache.pop(key, None)
+        elif name not in _missing_caches:
+            _missing_caches.add(name)
+            _log.info("torch's SavePlanner.%s is gone: a run's DCP plans stay in memory until "
+                      "the process ends", name)
+
+
+_missing_caches: set[str] = set()
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -44,6 +44,12 @@ class ActorEnding:
     def stopped(self) -> bool:
         return self.code != 0
 
+    @property
+    def leaves(self) -> bool:
+        """Ray's own SIGTERM (an eviction, a drain) stopped the run: the process exits once
+        the call has returned (``stop_context``)."""
+        return self.code == 143 and not self.from_driver
+
 
 def ending_of(outcome: Any) -> Any:
     """A training call's ending: its outcome, or the ``"ending"`` of a ``kr_call`` result."""
@@ -144,7 +150,7 @@ def stop_context(board: Any) -> Iterator[ActorEnding]:
             watcher.stop()
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    if ending.code == 143 and not ending.from_driver:
+    if ending.leaves:
         # Leave once this method's result is on its way: ``exit_actor`` from a thread would
         # race the return; a short delay, then a plain exit, is bounded.
         def leave() -> None:
@@ -201,6 +207,33 @@ class TrainingActor:
         self.kr_setup(rank, world_size, addr, port, backend=backend)
 
     def pid(self) -> int:
+        return os.getpid()
+
+    def kr_pid(self) -> int:
+        return os.getpid()
+
+    def kr_rebirth(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> int:
+        """Become a new actor of this class in this process (``supervise/ray/parking.py``):
+        the old process group destroyed, the object built again by its ``__init__``."""
+        import gc
+
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # Ray's own attributes, if it set any on the object, stay; everything of ours and the
+        # user's goes, so nothing of the last incarnation survives but what __init__ makes.
+        kept = {k: v for k, v in self.__dict__.items() if k.startswith(("_ray", "__ray"))}
+        self.__dict__.clear()
+        self.__dict__.update(kept)
+        # The last incarnation's sockets, pipes and event fds are held by reference cycles
+        # (its store, its rescue link): gone now, not at the collector's next pass.
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        type(self).__init__(self, *args, **dict(kwargs or {}))
         return os.getpid()
 
     def node_id(self) -> str:

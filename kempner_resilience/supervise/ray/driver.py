@@ -123,10 +123,12 @@ class RayDriver:
 
     def run_group(self, actor_cls: Any, world_size: int, method: str, *args: Any,
                   cancel: Sequence[Any] = (), backend: str = "gloo",
-                  options: dict[str, Any] | None = None, **kwargs: Any) -> list[Any]:
+                  options: dict[str, Any] | None = None, warm: bool = False,
+                  **kwargs: Any) -> list[Any]:
         """What ``method`` returned on each rank of a group of ``world_size`` ``actor_cls``
         actors (a plain class gets 1 CPU). A lost actor's group comes back while the policy
-        says so (``relaunch.supervise``), else ``SystemExit`` with its code."""
+        says so (``relaunch.supervise``), else ``SystemExit`` with its code. ``warm``: it
+        comes back with the old group's live actors, reborn in their processes."""
         import ray
 
         from kempner_resilience.supervise.ray.relaunch import supervise
@@ -138,7 +140,7 @@ class RayDriver:
         config = self.config if self.config is not None else load_config()
         outcomes = supervise(self, make.remote, world_size,
                              lambda actor, rank: actor.kr_call.remote(method, args, kwargs),
-                             config, cancel=cancel, backend=backend)
+                             config, cancel=cancel, backend=backend, warm=warm)
         return [o["result"] if isinstance(o, dict) and "result" in o else o for o in outcomes]
 
     def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,

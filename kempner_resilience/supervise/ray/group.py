@@ -10,7 +10,6 @@ whose policy recreates the group (``run/ray_run.py``).
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -75,30 +74,8 @@ class Worker:
             self.__dict__["_kr_train_state"] = state
         return state
 
-    def kr_pid(self) -> int:
-        return os.getpid()
-
-    def kr_rebirth(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
-        """Become a new actor of this class in this process (``supervise/ray/parking.py``):
-        the old process group destroyed, the object built again by its ``__init__``."""
-        import gc
-
-        import torch
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # Ray's own attributes, if it set any on the object, stay; everything of ours and the
-        # user's goes, so nothing of the last incarnation survives but what __init__ makes.
-        kept = {k: v for k, v in self.__dict__.items() if k.startswith(("_ray", "__ray"))}
-        self.__dict__.clear()
-        self.__dict__.update(kept)
-        gc.collect()
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        type(self).__init__(self, *args, **dict(kwargs))
-        return os.getpid()
+    kr_pid = TrainingActor.kr_pid
+    kr_rebirth = TrainingActor.kr_rebirth
 
     def kr_save(self, directory: str, step: int) -> dict[str, Any]:
         """Write this actor's state of ``step`` (collective); the file table for the manifest."""

@@ -18,6 +18,7 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.ray.actor import actor_died as _actor_died
 from kempner_resilience.supervise.ray.actor import actor_ends, kill_actors
+from kempner_resilience.supervise.ray.parking import Parking, reborn
 from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.slurm.env import short_host
 from kempner_resilience.supervise.channel import newest_commit
@@ -37,19 +38,36 @@ _POLL_S = 1.0
 def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
               train: Callable[[Any, int], Any], config: ResilienceConfig, *,
               cancel: Sequence[Any] = (), on_group: Callable[[int, list[Any]], None] | None = None,
-              backend: str = "gloo") -> list[Any]:
+              backend: str = "gloo", warm: bool = False) -> list[Any]:
     """Run the training group in ``driver`` until the policy says leave; the last
-    incarnation's results. ``make_actor()`` creates one ``TrainingActor``; ``train(actor,
-    rank)`` starts its call (returning an ``ActorEnding``, alone or under ``"ending"``);
-    ``on_group(incarnation, actors)`` sees each new group. Raises ``SystemExit`` with the
-    job's code when the job does not complete."""
+    incarnation's results. ``make_actor()`` creates one ``TrainingActor`` (built with no
+    arguments when ``warm``); ``train(actor, rank)`` starts its call (returning an
+    ``ActorEnding``, alone or under ``"ending"``); ``on_group(incarnation, actors)`` sees each
+    new group. ``warm``: a recreated group takes back the old one's actors whose call ended
+    on a live node, reborn (``parking.py``). Raises ``SystemExit`` with the job's code when
+    the job does not complete."""
+    parking = Parking()
+    try:
+        return _supervise(driver, make_actor, world_size, train, config, cancel, on_group,
+                          backend, parking if warm else None)
+    finally:
+        parking.close()
+
+
+def _supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
+               train: Callable[[Any, int], Any], config: ResilienceConfig,
+               cancel: Sequence[Any], on_group: Callable[[int, list[Any]], None] | None,
+               backend: str, parking: Parking | None) -> list[Any]:
     import ray
 
     paths = RunPaths.from_config(config)
     restarts, stalled = 0, 0
     bad_nodes: set[str] = set()
     while True:
-        actors = [make_actor() for _ in range(world_size)]
+        warm = []
+        if parking is not None:
+            warm = reborn(parking.take("group", world_size), b"", lambda a: a.kr_rebirth.remote())
+        actors = warm + [make_actor() for _ in range(world_size - len(warm))]
         driver.track(*actors)
         addr, port = driver.get([actors[0].kr_address.remote()])[0]
         driver.get([a.kr_setup.remote(r, world_size, addr, port, config, driver.board, backend)
@@ -88,8 +106,26 @@ def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
                 raise SystemExit(decision.code)
             return outcomes
         driver.untrack(*actors)
-        kill_actors(actors)
+        kept = _trusted(actors, outcomes, killed, nodes, bad_nodes) if parking else []
+        kill_actors([a for a in actors if all(a is not k for k in kept)])
+        if parking is not None:
+            parking.park("group", kept, b"")
         restarts, stalled = restarts + 1, decision.stalled
+
+
+def _trusted(actors: Sequence[Any], outcomes: Sequence[Any], killed: Sequence[int],
+             nodes: Sequence[str], bad: Collection[str]) -> list[Any]:
+    """The actors a new group may take back: their call ended with the run's ending (not
+    killed for silence, not gone, not its own error, not leaving on Ray's SIGTERM), on a node
+    not found dead."""
+    from kempner_resilience.supervise.ray.actor import ActorEnding, ending_of
+
+    def stays(r: int, out: Any) -> bool:
+        ending = ending_of(out)
+        return r not in killed and nodes[r] not in bad and isinstance(ending, ActorEnding) \
+            and not ending.leaves
+
+    return [a for r, (a, out) in enumerate(zip(actors, outcomes)) if stays(r, out)]
 
 
 def group_evidence(ends: tuple[RankEnd, ...], config: ResilienceConfig, *, restarts: int,
