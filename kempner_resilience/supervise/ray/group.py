@@ -92,7 +92,10 @@ class Worker:
 
 class WorkerGroup:
     """``world_size`` actors of ``actor_cls`` (a ``Worker``) in one process group, formed and
-    re-formed by the run that holds it in its state. ``options`` go to Ray's ``.options``."""
+    re-formed by the run that holds it in its state. ``options`` go to Ray's ``.options``.
+    Under ``supervise_loop``: ``warm`` (default) brings a lost group back with its live
+    actors, reborn in their processes; ``spares`` actors are made ahead of need to take a
+    dead one's rank (each holds its resources while it waits). See ``parking.py``."""
 
     def __init__(self, actor_cls: Any, world_size: int, *args: Any, backend: str = "gloo",
                  options: Mapping[str, Any] | None = None, spares: int = 0, warm: bool = True,
