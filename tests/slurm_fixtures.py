@@ -141,6 +141,20 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def require_modules(*names: str) -> None:
+    """Skip the test when a module it needs is not installed; under CI fail it instead (a Ray
+    test that cannot run is a hidden failure there)."""
+    import importlib.util
+
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        why = (f"{', '.join(missing)} not installed (pip install -e '.[ray]', as "
+               "scripts/setup.sh does)")
+        if in_ci():
+            pytest.fail(f"{why} [CI is set: a Ray test that cannot run fails]", pytrace=False)
+        pytest.skip(why)
+
+
 def _unavailable(reason: str) -> NoReturn:
     """Skip the test with ``reason``; under CI fail it instead."""
     if in_ci():

@@ -12,7 +12,6 @@ scripts/setup.sh installs the ``ray`` extra.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kempner_resilience.exitcodes import ExitCode
-from slurm_fixtures import (in_ci, multinode_cluster, slow_death, slurm_cluster,  # noqa: F401
+from slurm_fixtures import (multinode_cluster, require_modules, slow_death, slurm_cluster,  # noqa: F401
                             submit, wait_for, wait_job)
 
 JOB = Path(__file__).with_name("ray_job.py")
@@ -35,11 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray_installed() -> None:
-    if importlib.util.find_spec("ray") is None:
-        why = "ray is not installed (pip install -e '.[ray]', as scripts/setup.sh does)"
-        if in_ci():
-            pytest.fail(f"{why} [CI is set: a Ray test that cannot run fails]", pytrace=False)
-        pytest.skip(why)
+    require_modules("ray")
 
 
 class Job:

@@ -10,7 +10,6 @@ under CI.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -21,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_fixtures import in_ci, slurm_cluster, submit, wait_for, wait_job  # noqa: F401
+from slurm_fixtures import (require_modules, slurm_cluster, submit,  # noqa: F401
+                            wait_for, wait_job)
 
 JOB = Path(__file__).with_name("ray_loop_job.py")
 STEPS = "30"
@@ -30,11 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray_installed() -> None:
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("torchdata") is None:
-        why = "ray or torchdata is not installed (pip install -e '.[ray]')"
-        if in_ci():
-            pytest.fail(f"{why} [CI is set: a Ray test that cannot run fails]", pytrace=False)
-        pytest.skip(why)
+    require_modules("ray", "torchdata")
 
 
 class Job:

@@ -1,6 +1,6 @@
 """A lost worker group comes back warm: its live actors are parked and reborn, not new processes
-(supervise/ray/parking.py). Real local Ray, gloo on CPU, real processes; the scripts are
-tests/ray_warm_job.py and tests/ray_loop_job.py."""
+(supervise/ray/parking.py). Real local Ray, gloo on CPU, real processes: tests/ray_warm_job.py.
+The whole job with a spare is in tests/test_ray_loop.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import env
-from slurm_fixtures import in_ci
+from slurm_fixtures import require_modules
 
 JOB = Path(__file__).with_name("ray_warm_job.py")
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
@@ -21,13 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray_installed() -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        why = "ray is not installed (pip install -e '.[ray]')"
-        if in_ci():
-            pytest.fail(f"{why} [CI is set: a Ray test that cannot run fails]", pytrace=False)
-        pytest.skip(why)
+    require_modules("ray")
 
 
 def _run(*args: str) -> dict:
