@@ -14,7 +14,7 @@ import pytest
 from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode, Verdict
 from kempner_resilience.supervise.policy import (Action, Commits, Evidence, Guard, Kind, RankEnd,
-                                                 decide, requeue_evidence)
+                                                 decide, requeue_evidence, reusable)
 
 OK, ERR, HANG, REQ, LOST = 0, int(ExitCode.ERROR), int(ExitCode.HANG), \
     int(ExitCode.REQUEUE), int(ExitCode.PEER_LOST)
@@ -176,3 +176,17 @@ def test_the_caller_s_relaunch_codes_run_again_within_the_budget_and_others_leav
     other = decide(Evidence((exited(HANG),), max_restarts=2, relaunch_codes=codes))
     assert [d.action for d in (again, spent, other)] == [Action.RELAUNCH, Action.LEAVE,
                                                          Action.LEAVE]
+
+
+@pytest.mark.parametrize("end, warm", [
+    (exited(OK), True),                                  # completed
+    (exited(LOST), True),                                # a peer lost, rescued, its run ended
+    (exited(REQ), True),                                 # stopped to run again
+    (exited(int(ExitCode.SIGTERM)), True),               # stopped by a signal, saved
+    (exited(HANG), False),                               # its own watchdog found it hung
+    (RankEnd(HANG, by_supervisor=True), False),          # ended by its supervisor for silence
+    (killed(), False),                                   # gone: the OOM killer, a node's death
+    (killed(signal.SIGTERM), False),                     # killed by a signal, not a run's stop
+])
+def test_only_a_rank_whose_own_run_ended_it_may_serve_the_next_incarnation_warm(end, warm):
+    assert reusable(end) is warm

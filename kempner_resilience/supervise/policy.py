@@ -18,7 +18,7 @@ from kempner_resilience.config import RequeueConfig
 from kempner_resilience.exitcodes import RESCUED, RUN_AGAIN, ExitCode, Verdict
 
 __all__ = ["Action", "Kind", "Guard", "RankEnd", "Commits", "Evidence", "Decision", "job_code",
-           "decide", "requeue_evidence", "ends_of", "KILLED", "RESCUED", "RUN_AGAIN",
+           "decide", "reusable", "requeue_evidence", "ends_of", "KILLED", "RESCUED", "RUN_AGAIN",
            "ENDS_THE_JOB", "NOT_IN_PLACE", "RESCUED_CODES"]
 
 RESCUED_CODES: frozenset[int] = frozenset(int(c) for c in RESCUED)
@@ -199,6 +199,16 @@ def job_code(ends: tuple[RankEnd, ...] | list[RankEnd]) -> tuple[int, Kind, tupl
     # Only stops remain (143 exits, deaths by SIGTERM/SIGINT) next to zeros.
     stops = [e.code for e in ends if e.code != 0]
     return stops[0], (Kind.FINAL if stops[0] == int(ExitCode.SIGINT) else Kind.STOPPED), ()
+
+
+def reusable(end: RankEnd) -> bool:
+    """Whether the process of a rank that ended so may serve the next incarnation warm (a
+    parked Ray actor, reborn): only one whose own run ended it, with its code (completed,
+    stopped, a peer lost and rescued). One its supervisor ended for silence (a hang, a
+    collective that never returned), one killed by a signal or gone, one whose watchdog found
+    it hung (42): a new process replaces it, since its communicator and device state cannot be
+    trusted. (A zygote's warm ranks never reuse a rank's process: each is a fresh fork.)"""
+    return not end.signaled and not end.by_supervisor and end.code != int(ExitCode.HANG)
 
 
 def decide(ev: Evidence) -> Decision:

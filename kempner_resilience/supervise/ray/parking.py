@@ -8,11 +8,12 @@ group destroyed, its object built again by its own ``__init__``, then the newest
 as into a new actor). A group's ``spares`` are actors made ahead of need, parked from the start:
 the actor that went is replaced by one of them, not by a cold start.
 
-Trust: an actor is parked only if its process lives and its last call ended (a result, or the
-error of a collective whose peer went). An actor whose call did not end (a hang, a collective
-still waiting on the dead peer, NCCL's case) is killed: its communicator and device state
-cannot be trusted, and a new process replaces it. A rebirth that fails or does not end within
-its bound is the same: the actor is killed and replaced cold.
+Trust is the policy's rule (``supervise/policy.py``: ``reusable``): an actor is parked only if
+its process lives and its last call ended (a result, or the error of a collective whose peer
+went). An actor whose call did not end (a hang, a collective still waiting on the dead peer,
+NCCL's case) is killed: its communicator and device state cannot be trusted, and a new process
+replaces it. A rebirth that fails or does not end within its bound is the same: the actor is
+killed and replaced cold.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 from kempner_resilience.core.log import get_logger
+from kempner_resilience.exitcodes import ExitCode
+from kempner_resilience.supervise.policy import KILLED, RankEnd, reusable
 from kempner_resilience.supervise.ray.actor import actor_died, kill_actors
 
 __all__ = ["Parking", "Parked", "current_parking", "parking_for", "signature"]
@@ -109,25 +112,25 @@ def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
 
 
 def settled(actors: Sequence[Any], refs: Sequence[Any], bound_s: float = SETTLE_S) -> list[Any]:
-    """The actors whose call in ``refs`` (one per actor, or none at all) ended within
-    ``bound_s`` with a result or the call's own error, their process alive."""
+    """The actors the policy lets serve again (``reusable``), their call in ``refs`` (one per
+    actor, or none at all) given ``bound_s`` to end: one still running then ends as its
+    supervisor's, one whose process is gone as killed."""
     import ray
 
     if not refs:
         return list(actors)
     ray.wait(list(refs), num_returns=len(refs), timeout=bound_s)
-    kept = []
-    for actor, ref in zip(actors, refs):
-        ready, _ = ray.wait([ref], timeout=0)
-        if not ready:
-            continue                       # still running: never trusted again
-        try:
-            ray.get(ref, timeout=0)
-        except Exception as e:
-            if actor_died(e):
-                continue
-        kept.append(actor)
-    return kept
+    return [actor for actor, ref in zip(actors, refs) if reusable(_end_of(ray, ref))]
+
+
+def _end_of(ray: Any, ref: Any) -> RankEnd:
+    if not ray.wait([ref], timeout=0)[0]:
+        return RankEnd(int(ExitCode.HANG), by_supervisor=True)
+    try:
+        ray.get(ref, timeout=0)
+    except Exception as e:
+        return KILLED if actor_died(e) else RankEnd(int(ExitCode.PEER_LOST))
+    return RankEnd(0)
 
 
 def reborn(taken: Sequence[Parked], mine: bytes, rebirth: Callable[[Any], Any],

@@ -23,7 +23,8 @@ from kempner_resilience.slurm.badnodes import record_bad_nodes
 from kempner_resilience.slurm.env import short_host
 from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.endings import endings_since
-from kempner_resilience.supervise.policy import Action, Commits, Decision, Evidence, Kind, RankEnd, decide
+from kempner_resilience.supervise.policy import (Action, Commits, Decision, Evidence, Kind,
+                                                 RankEnd, decide, reusable)
 
 __all__ = ["supervise", "actor_ends", "lost_nodes", "group_decision", "group_evidence", "recreates"]
 
@@ -106,23 +107,23 @@ def _supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
                 raise SystemExit(decision.code)
             return outcomes
         driver.untrack(*actors)
-        kept = _trusted(actors, outcomes, killed, nodes, bad_nodes) if parking else []
+        kept = _trusted(actors, outcomes, ends, nodes, bad_nodes) if parking else []
         kill_actors([a for a in actors if all(a is not k for k in kept)])
         if parking is not None:
             parking.park("group", kept, b"")
         restarts, stalled = restarts + 1, decision.stalled
 
 
-def _trusted(actors: Sequence[Any], outcomes: Sequence[Any], killed: Sequence[int],
+def _trusted(actors: Sequence[Any], outcomes: Sequence[Any], ends: Sequence[RankEnd],
              nodes: Sequence[str], bad: Collection[str]) -> list[Any]:
-    """The actors a new group may take back: their call ended with the run's ending (not
-    killed for silence, not gone, not its own error, not leaving on Ray's SIGTERM), on a node
-    not found dead."""
+    """The actors a new group may take back: the policy lets them (``reusable``: not killed
+    for silence, not gone), their run ended them (not their own error), they do not leave on
+    Ray's SIGTERM, and their node was not found dead."""
     from kempner_resilience.supervise.ray.actor import ActorEnding, ending_of
 
     def stays(r: int, out: Any) -> bool:
         ending = ending_of(out)
-        return r not in killed and nodes[r] not in bad and isinstance(ending, ActorEnding) \
+        return reusable(ends[r]) and nodes[r] not in bad and isinstance(ending, ActorEnding) \
             and not ending.leaves
 
     return [a for r, (a, out) in enumerate(zip(actors, outcomes)) if stays(r, out)]
