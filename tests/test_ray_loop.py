@@ -202,15 +202,16 @@ def test_a_killed_policy_actor_is_replaced_by_the_spare_and_the_survivors_come_b
         reference: Path, tmp_path: Path) -> None:
     job = Job(tmp_path, tmp_path / "ckpt", "--supervise", "--spares", "1", "--sleep", "0.1")
     job.wait_step(13)
-    survivor, ref = job.policy_pid(0), job.pid("ref.r0")
+    survivor, ref, killed = job.policy_pid(0), job.pid("ref.r0"), job.policy_pid(1)
     killed_at = time.time()
-    os.kill(job.policy_pid(1), signal.SIGKILL)
+    os.kill(killed, signal.SIGKILL)
+    spare = job.pid("policy.r1", other_than=killed)
+    started = _started_at(spare)                                # while it runs
     assert job.wait() == 0, job.text()
     text = job.text()
     assert "recreated" in text, text
     assert job.policy_pid(0) == survivor and job.pid("ref.r0") == ref   # reborn, not new
-    spare = job.policy_pid(1)
-    assert _started_at(spare) < killed_at, text                 # made before it was needed
+    assert started < killed_at, text                            # made before it was needed
     _assert_bitwise(job.out, reference)
     assert job.sandboxes() == 0
     assert job.processes() == []
