@@ -9,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import env, write_script
 from kempner_resilience.exitcodes import ExitCode
+from slurm_fixtures import require_modules
 
 # Two SIGTERMs to the rank (scontrol's parent) when asked to requeue, as slurmstepd and the
 # Ray template's trap send them; the rest of what a rank asks SLURM, answered plainly.
@@ -95,3 +98,30 @@ def test_a_ray_driver_leaving_after_a_stop_keeps_its_code_under_sigterms_until_i
         storm.wait()
     assert driver.returncode == 75, err[-2000:]
     assert "SIGTERM after the stop: the driver still leaves with 75" in err
+
+
+# Ray's shutdown sets SIGTERM back to the default action behind Python's back (its core
+# worker's failure-signal handler goes); the package's shutdown puts the handler back.
+AFTER_RAY = """
+import os, signal, sys, time
+import ray
+from kempner_resilience.supervise.ray.driver import shutdown_ray
+
+ray.init(num_cpus=1, include_dashboard=False)
+signal.signal(signal.SIGTERM, lambda *a: print("handled", flush=True))
+shutdown_ray()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("alive", flush=True)
+"""
+
+
+@pytest.mark.ray
+def test_after_ray_shuts_down_a_sigterm_still_meets_the_handler_python_names(tmp_path):
+    require_modules("ray")
+    e = env()
+    e.pop("RANK", None)
+    proc = subprocess.run([sys.executable, str(write_script(tmp_path, AFTER_RAY))],
+                          capture_output=True, text=True, timeout=120, env=e)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "handled" in proc.stdout and "alive" in proc.stdout

@@ -47,7 +47,8 @@ from kempner_resilience.config import ExitMode
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.supervise.ray.driver import clear_ray_handlers, driver_forces
+from kempner_resilience.supervise.ray.driver import (clear_ray_handlers, driver_forces,
+                                                     shutdown_ray)
 from kempner_resilience.supervise.ray.group import GroupLost, WorkerGroup
 from kempner_resilience.supervise.ray.parking import parking_for
 from kempner_resilience.run.resilient import ResilientRun
@@ -127,6 +128,12 @@ class RayRun(ResilientRun):
             set_role(self._role)
 
     def _after_end(self, code: int) -> dict[int, Any]:
+        if code == int(ExitCode.REQUEUE) and self._state.parts.slurm is not None:
+            # The job is requeued: SLURM ends its processes within KillWait, and its SIGTERM
+            # is on its way. Ray goes now, while the run's handlers still stand, since Ray's
+            # shutdown sets SIGTERM back to the default action (``shutdown_ray``), and one
+            # left for the caller would meet that SIGTERM with nothing to keep the code.
+            shutdown_ray()
         # A stop by a signal: the run's handlers give way to ones that keep its code.
         if self._handler.request is not None:
             return _stop_code_keepers(code)

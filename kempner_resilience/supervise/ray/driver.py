@@ -29,7 +29,7 @@ from kempner_resilience.supervise.channel import newest_commit
 from kempner_resilience.supervise.policy import Action as Next
 from kempner_resilience.supervise.policy import Evidence, Guard, RankEnd, decide
 
-__all__ = ["RayDriver", "driver_forces", "clear_ray_handlers"]
+__all__ = ["RayDriver", "driver_forces", "clear_ray_handlers", "shutdown_ray"]
 
 log = get_logger(__name__)
 
@@ -220,8 +220,6 @@ class RayDriver:
 
     def _leave_after(self, ends: Sequence[RankEnd]) -> None:
         """Not every training call completed: requeue if the policy says so, then leave."""
-        import ray
-
         decision = decide(Evidence(tuple(ends)))
         code = decision.code
         if decision.action is not Next.LEAVE:
@@ -231,7 +229,7 @@ class RayDriver:
                                            saved=Saved.COMMITTED, requeue=verdict)))
         log.warning("the training group ended %s before its last step: %s; exit %d",
                     [e.code for e in ends], decision.why, code)
-        ray.shutdown()
+        shutdown_ray()
         raise SystemExit(code)
 
     def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
@@ -239,8 +237,6 @@ class RayDriver:
         """Stop every actor (the board), cancel other calls without force, wait within the
         signal's grace less a margin, shut Ray down, leave with the table's code.
         ``run_again``: why the job runs again though no signal asked (a lost helper actor)."""
-        import ray
-
         self._stopping = True
         started = time.monotonic()
         log.warning("%s: stopping every actor (%d training calls, %d to cancel)",
@@ -271,7 +267,7 @@ class RayDriver:
             code = int(exit_code(Facts(Ending.SIGNAL, signum=signum, saved=saved, requeue=verdict)))
         log.warning("every actor done %.1f s after the stop; shutting Ray down, exit %d",
                     time.monotonic() - started, code)
-        ray.shutdown()
+        shutdown_ray()
         if error is not None:
             raise error
         raise SystemExit(code)
@@ -317,6 +313,24 @@ def driver_forces(signum: int, earlier: list[int]) -> bool:
     SIGTERM (``uv run`` sends one on the Ctrl+C) may come first, and that SIGINT is part of
     the stop under way."""
     return signum in (signal.SIGINT, signal.SIGTERM) and signum in earlier
+
+
+def shutdown_ray() -> None:
+    """``ray.shutdown()``, then SIGTERM's handler put back in place.
+
+    Ray's core worker installs a failure-signal handler at ``ray.init`` and, at shutdown, sets
+    SIGTERM (with SIGSEGV, SIGILL, SIGFPE and SIGABRT) back to the default action behind
+    Python's back: ``signal.getsignal`` still names the handler Python installed, but the
+    kernel's action is to end the process, and the SIGTERM SLURM answers our requeue with
+    turned a driver leaving with 75 into 143. Installing Python's handler again makes the
+    kernel's action match it."""
+    import ray
+
+    ray.shutdown()
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def clear_ray_handlers(signums: Sequence[int]) -> None:
