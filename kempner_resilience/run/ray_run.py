@@ -31,7 +31,8 @@ What the run adds to a ResilientRun, and why:
   live actors are parked instead of killed, and the new groups take them back, reborn in
   their own processes (``supervise/ray/parking.py``).
 * The run leaves by raising (``raise`` exit mode): the driver's process goes on to shut Ray
-  down, or to run the loop again.
+  down, or to run the loop again. After a requeue under SLURM the run shuts Ray down itself
+  (``_after_end``).
 """
 
 from __future__ import annotations
