@@ -48,6 +48,7 @@ def test_five_rebirths_keep_the_processes_and_leave_no_thread_descriptor_or_stat
     first, last = seen[0], seen[-1]
     for a, b in zip(sorted(first, key=lambda c: c["pid"]), sorted(last, key=lambda c: c["pid"])):
         assert (b["threads"], b["fds"]) == (a["threads"], a["fds"]), (first, last)
+    assert out["left_after_the_loop"] == []      # the parked actors went with the loop
 
 
 def test_an_actor_whose_call_never_ended_is_never_reused_and_a_new_process_takes_its_rank():

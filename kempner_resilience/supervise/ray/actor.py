@@ -209,8 +209,7 @@ class TrainingActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def kr_pid(self) -> int:
-        return os.getpid()
+    kr_pid = pid    # the name the parking asks a spare by (a Worker has no ``pid``)
 
     def kr_rebirth(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> int:
         """Become a new actor of this class in this process (``supervise/ray/parking.py``):
