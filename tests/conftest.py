@@ -5,7 +5,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from slurm_fixtures import multinode_cluster, slurm_cluster  # noqa: E402,F401  (real clusters)
 
+import json  # noqa: E402
 import os  # noqa: E402
+import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -14,6 +16,34 @@ import pytest  # noqa: E402
 # and torch's start-up again (half the CPU of the non-SLURM shard). Tests of the cold path, the
 # default for users, set it to 0 themselves.
 os.environ.setdefault("KEMPNER_RESILIENCE_WARM", "1")
+
+# The non-SLURM shard also keeps one standby for all its launches (supervise/local/standby.py): a launch
+# then forks its ranks at once, where its own zygote would import torch first (2-3 s of CPU,
+# hundreds of times). A launch whose ranks would import torch with other values (PYTHONPATH,
+# TORCH_*) starts its own zygote as before. Not in the SLURM shard: a job's launcher must not
+# reach a process outside its allocation.
+_standby: "subprocess.Popen[bytes] | None" = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _standby
+    from kempner_resilience.supervise.local import standby, warm
+
+    if os.environ.get("KR_TEST_SHARD") != "local" or not warm.warm_on() \
+            or os.environ.get(standby.STANDBY_ENV):
+        return
+    name = f"kempner-resilience-test-standby-{os.getpid()}"
+    _standby = subprocess.Popen(
+        [sys.executable, warm.__file__, "--listen", name, json.dumps({"preload": warm.PRELOAD})],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    os.environ[standby.STANDBY_ENV] = name
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _standby is not None:
+        _standby.kill()
+        _standby.wait()
 
 # scripts/test.sh runs the suite as two pytest processes side by side: one for the tests that use
 # the real SLURM clusters (kept serial, they share the clusters' nodes and queues) and one for the

@@ -26,6 +26,7 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.strays import clock_ticks_now, end_strays
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, Progress
+from kempner_resilience.supervise.local.standby import NodeStandby, standby_or_zygote
 from kempner_resilience.supervise.local.warm import Zygote, parent_death, warm_command
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  decide, ends_of, job_code)
@@ -124,7 +125,7 @@ class LocalLauncher:
                  relaunch_codes: set[int] | frozenset[int] | None = None,
                  stop_timeout_s: float = 60.0, run_paths: RunPaths | None = None,
                  max_no_progress: int = 2, log_dir: Path | None = None,
-                 zygote: Zygote | None = None) -> None:
+                 zygote: Zygote | NodeStandby | None = None) -> None:
         if workdir is None and interrupts:
             raise ValueError("interrupts need a workdir (rank 0's progress file is read there)")
         self.command = list(command)
@@ -142,7 +143,7 @@ class LocalLauncher:
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.launches: list[Launch] = []
         self.channel: Channel | None = None   # the ranks' word, while run() runs
-        self._zygote: Zygote | None = None     # the warm ranks' parent, while run() runs
+        self._zygote: Zygote | NodeStandby | None = None  # the warm ranks' parent, in run()
         self._shared = zygote                  # the caller's, never ended here
         self._received: list[int] = []     # signals to forward, appended by the handler
 
@@ -152,7 +153,8 @@ class LocalLauncher:
         self.channel = Channel.private("kempner-resilience-launch-")
         warm = warm_command(self.command)
         own = warm and self._shared is None
-        self._zygote = Zygote(self._zygote_env()) if own else self._shared if warm else None
+        self._zygote = standby_or_zygote(self._zygote_env()) if own else \
+            self._shared if warm else None
         main = threading.current_thread() is threading.main_thread()
         previous = {s: signal.signal(s, self._on_signal) for s in FORWARDED_SIGNALS} if main else {}
         progress = Progress(self.channel, self.run_paths, self.max_no_progress)
@@ -336,11 +338,12 @@ class LocalLauncher:
                     p.send_signal(signum)
 
 
-def warm_parent(command: Sequence[str], ranks: int) -> Zygote | None:
+def warm_parent(command: Sequence[str], ranks: int) -> Zygote | NodeStandby | None:
     """One warm-start process shared by several launchers of ``command`` (None: it starts
-    cold); the caller closes it."""
-    return Zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env()) \
-        if warm_command(command) else None
+    cold): the machine's standby when one fits, else a zygote; the caller closes it."""
+    if not warm_command(command):
+        return None
+    return standby_or_zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env())
 
 
 def _start_cold(command: list[str], env: dict[str, str], cwd: str | None, out: str | None,

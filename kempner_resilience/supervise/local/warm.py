@@ -313,7 +313,8 @@ def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
     """A node's standby (``supervise/srun/standby.py``): the zygote behind the abstract unix
     socket ``name``, one connection per rank from an srun task's shim (``srun/shim.py``): its
     request with its standard streams, answered with ``{"pid"}`` (or ``{"refused"}``), then
-    ``{"exit", "code"}``. A shim that goes away takes its rank with it (SIGKILL)."""
+    ``{"exit", "code"}``. A shim that goes away takes its rank with it (SIGKILL); a local
+    launcher's connection (``NodeStandby``) names the signal (``orphan_signal``)."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # Bound before the imports: the first step's shims wait in the backlog, not start cold.
     server.bind("\0" + name)
@@ -321,6 +322,9 @@ def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
     threads = _prepare(options)
     uid = os.getuid()
     ranks: dict[socket.socket, int | None] = {}     # a shim's connection -> its rank's pid
+    # What a rank gets when its connection drops: a shim's rank dies with it (SIGKILL); a local
+    # launcher's gets the SIGTERM its own zygote's death would have sent (a graceful stop).
+    orphaned: dict[socket.socket, int] = {}
     while True:
         ready, _, _ = select.select([server, *ranks], [], [], 0.05)
         for conn in ready:
@@ -336,7 +340,8 @@ def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
             if ranks[conn] is not None:
                 if not conn.recv(4096):         # the shim is gone: so is its rank
                     with contextlib.suppress(OSError):
-                        os.killpg(ranks.pop(conn), signal.SIGKILL)  # the rank's own session (_become)
+                        # The rank's own session (_become).
+                        os.killpg(ranks.pop(conn), orphaned.pop(conn, signal.SIGKILL))
                     conn.close()
                 continue
             msg, fds = _request(conn)
@@ -361,12 +366,14 @@ def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
             for fd in fds:
                 os.close(fd)
             ranks[conn] = pid
+            orphaned[conn] = int(msg.get("orphan_signal", signal.SIGKILL))
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         for pid, code in _reaped() or ():
             for conn in [c for c, rank in ranks.items() if rank == pid]:
                 with contextlib.suppress(OSError):
                     conn.sendall(json.dumps({"exit": pid, "code": code}).encode() + b"\n")
                 del ranks[conn]
+                orphaned.pop(conn, None)
                 conn.close()
 
 

@@ -1,0 +1,99 @@
+"""A machine's standby for local launches (supervise/local/standby.py): one process that imported
+torch once and outlives the launches; each warm launch forks its ranks from it, unless the
+standby imported torch with other values than the ranks would."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import wait_for_file, write_script
+from kempner_resilience.supervise.local import standby, warm
+from kempner_resilience.supervise.local.launcher import LocalLauncher
+
+PARENT = """
+import os, sys, time
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"parent.{os.environ['RANK']}")
+with open(out, "w") as f:
+    f.write(str(os.getppid()))
+"""
+
+WAITS = """
+import os, signal, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+def term(signum, frame):
+    open(os.path.join(here, f"term.{os.environ['RANK']}"), "w").write("SIGTERM")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, term)
+open(os.path.join(here, f"pid.{os.environ['RANK']}"), "w").write(f"{os.getpid()} {os.getppid()}")
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def node_standby(monkeypatch):
+    """A standby of this test's own, named in the environment as the launches see it."""
+    name = f"kr-standby-test-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, warm.__file__, "--listen", name,
+                             json.dumps({"preload": warm.PRELOAD})], env=env,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    monkeypatch.setenv(standby.STANDBY_ENV, name)
+    monkeypatch.setenv("KEMPNER_RESILIENCE_WARM", "1")
+    deadline = time.monotonic() + 30        # its socket is bound once Python has started
+    while standby.NodeStandby.for_env(env) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _launch(script: Path, tmp_path: Path, **env: str) -> int:
+    launcher = LocalLauncher([sys.executable, str(script)], ranks=2, workdir=None,
+                             max_launches=1, log_dir=tmp_path, env=env)
+    launcher.run()
+    return launcher.launches[-1].exit_code
+
+
+def test_a_warm_launch_forks_every_rank_from_the_machines_standby(node_standby, tmp_path):
+    script = write_script(tmp_path, PARENT)
+    assert _launch(script, tmp_path) == 0
+    assert {(tmp_path / f"parent.{r}").read_text() for r in (0, 1)} == {str(node_standby.pid)}
+    assert node_standby.poll() is None          # it outlives the launch, for the next one
+
+
+def test_a_standby_that_imported_torch_with_another_pythonpath_is_not_used(node_standby,
+                                                                           tmp_path):
+    script = write_script(tmp_path, PARENT)
+    assert _launch(script, tmp_path, PYTHONPATH=str(tmp_path)) == 0
+    parents = {(tmp_path / f"parent.{r}").read_text() for r in (0, 1)}
+    assert len(parents) == 1 and parents != {str(node_standby.pid)}     # a zygote of its own
+
+
+def test_a_launcher_killed_outright_takes_its_standby_ranks_with_it_by_sigterm(node_standby,
+                                                                              tmp_path):
+    script = write_script(tmp_path, WAITS)
+    code = ("import sys; from kempner_resilience.supervise.local.launcher import LocalLauncher; "
+            f"LocalLauncher([sys.executable, {str(script)!r}], ranks=2, workdir=None, "
+            f"max_launches=1, log_dir={str(tmp_path)!r}).run()")
+    launcher = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        seen = [wait_for_file(tmp_path / f"pid.{r}", timeout=120).split() for r in (0, 1)]
+        assert {parent for _, parent in seen} == {str(node_standby.pid)}
+        pids = [int(pid) for pid, _ in seen]
+        launcher.kill()
+        launcher.wait()
+        for r in (0, 1):
+            assert wait_for_file(tmp_path / f"term.{r}", timeout=30) == "SIGTERM"
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
