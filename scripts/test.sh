@@ -2,10 +2,11 @@
 # The whole test suite on a fresh machine: installs what it needs, starts a real single-node
 # SLURM cluster for the SLURM tests (apt packages; root), runs pytest.
 #
-# With no arguments the suite runs as two pytest processes side by side (tests/conftest.py splits
-# it): the SLURM tests, serial because they share the clusters, and everything else. Most SLURM
-# test time is spent waiting on the scheduler, so the split nearly halves the wall time on two
-# cores. With arguments it is one plain pytest run of what they select.
+# With no arguments the suite runs as three pytest processes side by side (tests/conftest.py
+# splits it): the tests of the single-node SLURM cluster and Ray, the tests of the multi-node
+# cluster (each serial: they share their cluster), and everything else. Most SLURM test time is
+# spent waiting on the scheduler, so the split shortens the wall time on two cores. With
+# arguments it is one plain pytest run of what they select.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,25 +18,37 @@ fi
 logs=$(mktemp -d)
 # Each shard also records the CPU time of its processes (bash's `times`: the children's user and
 # system seconds), so a slow CI run says whether the shards were short of CPU or waiting.
-(rc=0; KR_TEST_SHARD=local "$PY" -m pytest -q -p no:cacheprovider \
-    --junitxml="$logs/local.xml" >"$logs/local.log" 2>&1 || rc=$?
- times >"$logs/local.times"; exit $rc) &
+shard() {
+    local rc=0
+    KR_TEST_SHARD=$1 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/$1.xml" \
+        >"$logs/$1.log" 2>&1 || rc=$?
+    times >"$logs/$1.times"
+    return $rc
+}
+(shard local) &
 local_pid=$!
-# Whatever ends this script ends the other shard too, so no pytest outlives it.
-trap 'pkill -P "$local_pid" 2>/dev/null || true; kill "$local_pid" 2>/dev/null || true' EXIT
+(shard multinode) &
+multi_pid=$!
+# Whatever ends this script ends the other shards too, so no pytest outlives it.
+trap 'for p in "$local_pid" "$multi_pid"; do pkill -P "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true; done' EXIT
 set +e
-echo "== SLURM tests (the other tests run alongside; their report follows) =="
+echo "== SLURM tests of the single-node cluster and Ray (the other shards run alongside) =="
 KR_TEST_SHARD=slurm "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/slurm.xml"
 slurm_rc=$?
 times >"$logs/slurm.times"
+wait "$multi_pid"
+multi_rc=$?
 wait "$local_pid"
 local_rc=$?
 set -e
 echo
+echo "== SLURM tests of the multi-node cluster =="
+cat "$logs/multinode.log"
+echo
 echo "== Tests without SLURM =="
 cat "$logs/local.log"
 echo
-for shard in slurm local; do
+for shard in slurm multinode local; do
     echo "== $shard shard =="
     "$PY" scripts/slowest_files.py "$logs/$shard.xml" 2>/dev/null || echo "(no report)"
     # The second line of `times`: user and system time of the shard's reaped processes.
@@ -47,5 +60,5 @@ if [ -n "${KR_TEST_REPORTS:-}" ]; then
 fi
 rm -rf "$logs"
 echo
-echo "SLURM tests: exit $slurm_rc; other tests: exit $local_rc"
-[ "$slurm_rc" -eq 0 ] && [ "$local_rc" -eq 0 ]
+echo "SLURM tests: exit $slurm_rc; multi-node SLURM tests: exit $multi_rc; other tests: exit $local_rc"
+[ "$slurm_rc" -eq 0 ] && [ "$multi_rc" -eq 0 ] && [ "$local_rc" -eq 0 ]

@@ -45,27 +45,34 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _standby.kill()
         _standby.wait()
 
-# scripts/test.sh runs the suite as two pytest processes side by side: one for the tests that use
-# the real SLURM clusters (kept serial, they share the clusters' nodes and queues) and one for the
-# rest. A test belongs to the SLURM shard if it is marked `slurm` or needs a cluster fixture,
-# directly or through another fixture; the Ray tests (marked `ray`) run there too: that shard's
-# time is mostly spent waiting on the scheduler, the other one's on the CPUs.
+# scripts/test.sh runs the suite as three pytest processes side by side. The tests that use the
+# real SLURM clusters stay serial on each cluster (they share its nodes and queues), and the two
+# clusters are independent: one shard for the multi-node cluster's tests (`multinode`), one for
+# the single-node cluster's and the Ray tests (`slurm`), one for the rest (`local`). A test
+# belongs to a SLURM shard if it is marked `slurm` or `ray` or needs a cluster fixture, directly
+# or through another fixture. Those shards' time is mostly spent waiting on the scheduler, the
+# local one's on the CPUs. `KR_TEST_SHARD=slurm+multinode` runs every SLURM test in one process.
 _CLUSTER_FIXTURES = {"slurm_cluster", "multinode_cluster"}
+_SHARDS = ("slurm", "multinode", "local", "slurm+multinode")
 
 
-def _needs_slurm(item: pytest.Item) -> bool:
-    return (item.get_closest_marker("slurm") is not None
-            or item.get_closest_marker("ray") is not None
-            or bool(_CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ()))))
+def _shard_of(item: pytest.Item) -> str:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if "multinode_cluster" in fixtures:
+        return "multinode"
+    if (item.get_closest_marker("slurm") is not None
+            or item.get_closest_marker("ray") is not None or _CLUSTER_FIXTURES & fixtures):
+        return "slurm"
+    return "local"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     shard = os.environ.get("KR_TEST_SHARD", "")
-    if shard not in ("slurm", "local"):
+    if shard not in _SHARDS:
         return
     keep, drop = [], []
     for item in items:
-        (keep if _needs_slurm(item) == (shard == "slurm") else drop).append(item)
+        (keep if _shard_of(item) in shard.split("+") else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

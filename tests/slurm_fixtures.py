@@ -21,6 +21,7 @@ does), where they fail with it: a skipped end-to-end test is a hidden failure.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -29,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import pytest
 
@@ -163,6 +164,18 @@ def _unavailable(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
+@contextlib.contextmanager
+def _daemons_lock(folder: Path) -> Iterator[None]:
+    """Held while a cluster starts or stops: the two clusters may be used side by side (one
+    pytest shard each), and share apt-get's installation and munged."""
+    with open(folder / "kempner_slurm_daemons.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 class _SharedCluster:
     """One cluster started by a script, shared by every test of the session and by concurrent
     pytest sessions.
@@ -212,7 +225,8 @@ class _SharedCluster:
         was_up = _run(["bash", str(self.script), "status"], 30).returncode == 0
         t0 = time.monotonic()
         try:
-            res = _run(["bash", str(self.script), "start"], 600)
+            with _daemons_lock(self.lock_file.parent):
+                res = _run(["bash", str(self.script), "start"], 600)
         except subprocess.TimeoutExpired:
             self._release()
             _unavailable(f"the {self.name} did not start within 600 s (apt-get or daemons "
@@ -240,7 +254,8 @@ class _SharedCluster:
             except OSError:
                 return  # another session still uses the cluster; it stops it when done
             self.marker.unlink(missing_ok=True)
-            _run(["bash", str(self.script), "stop"], 120)
+            with _daemons_lock(self.lock_file.parent):
+                _run(["bash", str(self.script), "stop"], 120)
         finally:
             lock.close()
 

@@ -75,6 +75,15 @@ def test_a_standby_that_imported_torch_with_another_pythonpath_is_not_used(node_
     assert len(parents) == 1 and parents != {str(node_standby.pid)}     # a zygote of its own
 
 
+def test_what_torch_reads_only_when_used_does_not_keep_a_launch_from_the_standby(node_standby,
+                                                                                 tmp_path):
+    # Lightning sets both in the environment of whoever imports it.
+    script = write_script(tmp_path, PARENT)
+    assert _launch(script, tmp_path, TORCHINDUCTOR_CACHE_DIR=str(tmp_path),
+                   PYTORCH_NVML_BASED_CUDA_CHECK="1") == 0
+    assert {(tmp_path / f"parent.{r}").read_text() for r in (0, 1)} == {str(node_standby.pid)}
+
+
 def test_a_launcher_killed_outright_takes_its_standby_ranks_with_it_by_sigterm(node_standby,
                                                                               tmp_path):
     script = write_script(tmp_path, WAITS)

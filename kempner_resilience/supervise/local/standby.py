@@ -27,10 +27,13 @@ __all__ = ["NodeStandby", "StandbyRank", "standby_or_zygote", "STANDBY_ENV"]
 #: The standby's abstract socket name.
 STANDBY_ENV = "KEMPNER_RESILIENCE_STANDBY"
 # What Python or torch may read at start-up or import (a rank of a standby shares its values);
-# a standby whose values differ is not used. The thread count is set again in each rank.
+# a standby whose values differ is not used.
 _AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVIDIA", "LD_",
               "GLIBC", "MALLOC")
-_AFTER_IMPORT = ("OMP_NUM_THREADS",)
+# Of those, what is read only when used: the thread count (set again in each rank), and two
+# that Lightning sets in its importer's environment (torch reads them when it checks for CUDA or
+# compiles a kernel), so a process that imported Lightning once does not lose its standby.
+_AFTER_IMPORT = ("OMP_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 
 
 class NodeStandby:
