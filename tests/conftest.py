@@ -7,6 +7,7 @@ from slurm_fixtures import multinode_cluster, slurm_cluster  # noqa: E402,F401  
 
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
@@ -36,7 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _standby = subprocess.Popen(
         [sys.executable, warm.__file__, "--listen", name, json.dumps({"preload": warm.PRELOAD})],
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        # It ends with this session even when pytest is killed (no unconfigure then).
+        preexec_fn=warm.parent_death(signal.SIGKILL))
     os.environ[standby.STANDBY_ENV] = name
 
 
