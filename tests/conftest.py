@@ -5,9 +5,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from slurm_fixtures import multinode_cluster, slurm_cluster  # noqa: E402,F401  (real clusters)
 
-import json  # noqa: E402
 import os  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
@@ -34,12 +32,8 @@ def pytest_configure(config: pytest.Config) -> None:
             or os.environ.get(standby.STANDBY_ENV):
         return
     name = f"kempner-resilience-test-standby-{os.getpid()}"
-    _standby = subprocess.Popen(
-        [sys.executable, warm.__file__, "--listen", name, json.dumps({"preload": warm.PRELOAD})],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        # It ends with this session even when pytest is killed (no unconfigure then).
-        preexec_fn=warm.parent_death(signal.SIGKILL))
+    # It ends with this session even when pytest is killed (no unconfigure then).
+    _standby = standby.start(name, os.environ, die_with_caller=True)
     os.environ[standby.STANDBY_ENV] = name
 
 

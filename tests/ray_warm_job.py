@@ -19,6 +19,7 @@ import ray
 import torch
 
 import kempner_resilience.ray as krr
+from kempner_resilience.core.procs import pid_alive
 from kempner_resilience.supervise.ray.parking import parking_for
 
 
@@ -68,18 +69,10 @@ def cycles(n: int) -> dict:
             "left_after_the_loop": left}
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _alive(pids: list, settle_s: float = 15.0) -> list:
     until = time.monotonic() + settle_s
     while True:
-        left = [p for p in pids if _running(p)]
+        left = [p for p in pids if pid_alive(p)]
         if not left or time.monotonic() > until:
             return left
         time.sleep(0.1)

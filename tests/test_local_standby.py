@@ -2,7 +2,6 @@
 torch once and outlives the launches; each warm launch forks its ranks from it, unless the
 standby imported torch with other values than the ranks would."""
 
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import wait_for_file, write_script
-from kempner_resilience.supervise.local import standby, warm
+from kempner_resilience.supervise.local import standby
 from kempner_resilience.supervise.local.launcher import LocalLauncher
 
 PARENT = """
@@ -39,15 +38,9 @@ time.sleep(120)
 def node_standby(monkeypatch):
     """A standby of this test's own, named in the environment as the launches see it."""
     name = f"kr-standby-test-{os.getpid()}-{time.monotonic_ns()}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, warm.__file__, "--listen", name,
-                             json.dumps({"preload": warm.PRELOAD})], env=env,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = standby.start(name, os.environ)
     monkeypatch.setenv(standby.STANDBY_ENV, name)
     monkeypatch.setenv("KEMPNER_RESILIENCE_WARM", "1")
-    deadline = time.monotonic() + 30        # its socket is bound once Python has started
-    while standby.NodeStandby.for_env(env) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
     yield proc
     proc.kill()
     proc.wait()

@@ -18,11 +18,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Mapping, Sequence
 
-from kempner_resilience.supervise.local.warm import _READY_S, WarmProcess, Zygote
+from kempner_resilience.supervise.local.warm import (_READY_S, WarmProcess, Zygote,
+                                                     listen_command, parent_death)
 
-__all__ = ["NodeStandby", "StandbyRank", "standby_or_zygote", "STANDBY_ENV"]
+__all__ = ["NodeStandby", "StandbyRank", "standby_or_zygote", "start", "STANDBY_ENV"]
 
 #: The standby's abstract socket name.
 STANDBY_ENV = "KEMPNER_RESILIENCE_STANDBY"
@@ -137,6 +139,24 @@ class StandbyRank(WarmProcess):
             raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
         assert self._code is not None
         return self._code
+
+
+def start(name: str, env: Mapping[str, str], *, die_with_caller: bool = False
+          ) -> subprocess.Popen[bytes]:
+    """A standby behind ``name``, started with ``env`` as a launch's ranks see it (unbuffered
+    streams), in a session of its own; returns once its socket answers (within ``_READY_S``).
+    ``die_with_caller``: SIGKILLed when the calling thread ends, even by a signal."""
+    proc = subprocess.Popen(listen_command(name), env={**env, "PYTHONUNBUFFERED": "1"},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=parent_death(signal.SIGKILL) if die_with_caller else None)
+    deadline = time.monotonic() + _READY_S      # bound once its Python has started
+    while proc.poll() is None and time.monotonic() < deadline:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex("\0" + name) == 0:
+                break
+        time.sleep(0.02)
+    return proc
 
 
 def standby_or_zygote(env: dict[str, str]) -> "Zygote | NodeStandby":

@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["Zygote", "WarmProcess", "warm_command", "warm_on", "pristine", "parent_death",
+__all__ = ["Zygote", "WarmProcess", "warm_command", "listen_command", "warm_on", "pristine", "parent_death",
            "WARM_ENV", "PRELOAD", "STEP_SIGNALS", "UNBUFFERED"]
 
 WARM_ENV = "KEMPNER_RESILIENCE_WARM"
@@ -70,6 +70,14 @@ def warm_command(command: Sequence[str], flags: Sequence[str] = ()) -> bool:
     if command[1] == "-m":
         return len(command) >= 3
     return not command[1].startswith("-") and command[1].endswith(".py")
+
+
+def listen_command(name: str, *, preload: Sequence[str] = PRELOAD,
+                   ignore: Sequence[int] = ()) -> list[str]:
+    """The command of a standby zygote behind the abstract socket ``name`` (``_listen``), run as
+    a file: ``ignore``, the signals it does not die of (its ranks decide)."""
+    return [sys.executable, os.path.abspath(__file__), "--listen", name,
+            json.dumps({"preload": list(preload), "ignore": [int(s) for s in ignore]})]
 
 
 def _strip_flags(args: list[str], flags: Sequence[str]) -> list[str]:

@@ -9,7 +9,6 @@ differs: docs/slurm.md ("Warm ranks under srun").
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -44,11 +43,9 @@ class Standby:
         # The standby outlives what SLURM sends every step (its ranks get it and decide); its
         # own end is the step's cancel (SIGKILL after KillWait) or the job's.
         ignore = [int(getattr(signal, n)) for n in warm.STEP_SIGNALS]
-        options = json.dumps({"preload": list(warm.PRELOAD), "ignore": ignore})
         cmd = [*srun, "--overlap", "--no-kill", "--kill-on-bad-exit=0", "--job-name=kr-standby",
                f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
-               f"--nodelist={','.join(nodes)}", sys.executable, warm.__file__, "--listen", name,
-               options]
+               f"--nodelist={','.join(nodes)}", *warm.listen_command(name, ignore=ignore)]
         _log.info("standby: warm ranks forked on every node (%s)", ",".join(nodes))
         proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         return cls(proc, name, job_id)
