@@ -16,8 +16,11 @@ fi
 stamp=.venv/.kr-pyproject.sha256
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c \
-    "import kempner_resilience, pytest, submitit, nbclient, matplotlib, wandb, torchdata, ray, accelerate, transformers, pytorch_lightning" 2>/dev/null
+    "import kempner_resilience, pytest, xdist, submitit, nbclient, matplotlib, wandb, torchdata, ray, accelerate, transformers, pytorch_lightning" 2>/dev/null
 then
   quiet_pip -e ".[test]"
   echo "$want" > "$stamp"
 fi
+# Bytecode for the package and the tests, written once: a shell may set PYTHONDONTWRITEBYTECODE,
+# and then every process of the suite (over a thousand) would compile what it imports again.
+.venv/bin/python -m compileall -q kempner_resilience tests >/dev/null || true

@@ -2,9 +2,9 @@
 # The whole test suite on a fresh machine: installs what it needs, starts a real single-node
 # SLURM cluster for the SLURM tests (apt packages; root), runs pytest.
 #
-# With no arguments the suite runs as three pytest processes side by side (tests/conftest.py
-# splits it): the tests of the single-node SLURM cluster and Ray, the tests of the multi-node
-# cluster (each serial: they share their cluster), and everything else. Most SLURM test time is
+# With no arguments the suite runs as three shards side by side (tests/conftest.py splits it):
+# the tests of the single-node SLURM cluster, the tests of the multi-node cluster (each serial:
+# they share their cluster), and everything else on two pytest workers. Much SLURM test time is
 # spent waiting on the scheduler, so the split shortens the wall time on two cores. With
 # arguments it is one plain pytest run of what they select.
 set -euo pipefail
@@ -20,12 +20,14 @@ logs=$(mktemp -d)
 # system seconds), so a slow CI run says whether the shards were short of CPU or waiting.
 shard() {
     local rc=0
-    KR_TEST_SHARD=$1 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/$1.xml" \
+    KR_TEST_SHARD=$1 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/$1.xml" "${@:2}" \
         >"$logs/$1.log" 2>&1 || rc=$?
     times >"$logs/$1.times"
     return $rc
 }
-(shard local) &
+# The rest runs on two pytest workers (pytest-xdist), a test file at a time each: its time is
+# CPU, and one worker alone would leave a core idle once the SLURM shards are done.
+(shard local -n "${KR_TEST_LOCAL_WORKERS:-2}" --dist loadfile) &
 local_pid=$!
 (shard multinode) &
 multi_pid=$!

@@ -45,10 +45,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # scripts/test.sh runs the suite as three pytest processes side by side. The tests that use the
 # real SLURM clusters stay serial on each cluster (they share its nodes and queues), and the two
 # clusters are independent: one shard for the multi-node cluster's tests (`multinode`), one for
-# the single-node cluster's and the Ray tests (`slurm`), one for the rest (`local`). A test
-# belongs to a SLURM shard if it is marked `slurm` or `ray` or needs a cluster fixture, directly
-# or through another fixture. Those shards' time is mostly spent waiting on the scheduler, the
-# local one's on the CPUs. `KR_TEST_SHARD=slurm+multinode` runs every SLURM test in one process.
+# the single-node cluster's (`slurm`), one for the rest (`local`, on two workers). A test belongs
+# to a SLURM shard if it is marked `slurm` or needs a cluster fixture, directly or through
+# another fixture. Ray tests without SLURM are local: each starts a Ray instance of its own and
+# finds its processes by a tag, so two can run at once. `KR_TEST_SHARD=slurm+multinode` runs
+# every SLURM test in one process.
 _CLUSTER_FIXTURES = {"slurm_cluster", "multinode_cluster"}
 _SHARDS = ("slurm", "multinode", "local", "slurm+multinode")
 
@@ -57,8 +58,7 @@ def _shard_of(item: pytest.Item) -> str:
     fixtures = set(getattr(item, "fixturenames", ()))
     if "multinode_cluster" in fixtures:
         return "multinode"
-    if (item.get_closest_marker("slurm") is not None
-            or item.get_closest_marker("ray") is not None or _CLUSTER_FIXTURES & fixtures):
+    if item.get_closest_marker("slurm") is not None or _CLUSTER_FIXTURES & fixtures:
         return "slurm"
     return "local"
 
@@ -104,3 +104,21 @@ def mount_tmpfs(tmp_path: Path):
     yield mount
     for path in reversed(mounted):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """The demo's uninterrupted run (``run_reference``): its weights' path by its arguments,
+    computed once per pytest process. Several multi-node modules compare their runs with the
+    same 4-rank run, and each computation is four cold processes."""
+    from kempner_resilience.demo.slurm_demo import run_reference
+
+    cache: dict[tuple, Path] = {}
+
+    def get(*, ranks: int, steps: int, train_args: tuple[str, ...] = ()) -> Path:
+        key = (ranks, steps, tuple(train_args))
+        if key not in cache:
+            cache[key] = run_reference(tmp_path_factory.mktemp("reference"), ranks=ranks,
+                                       steps=steps, train_args=train_args)
+        return cache[key]
+    return get

@@ -68,6 +68,15 @@ def test_a_standby_that_imported_torch_with_another_pythonpath_is_not_used(node_
     assert len(parents) == 1 and parents != {str(node_standby.pid)}     # a zygote of its own
 
 
+def test_a_launch_inside_a_slurm_job_does_not_use_a_standby_outside_that_job(node_standby,
+                                                                            tmp_path):
+    # Its ranks would live outside the allocation: no --signal, no cgroup, no cleanup by slurmd.
+    script = write_script(tmp_path, PARENT)
+    assert _launch(script, tmp_path, SLURM_JOB_ID="4242") == 0
+    parents = {(tmp_path / f"parent.{r}").read_text() for r in (0, 1)}
+    assert len(parents) == 1 and parents != {str(node_standby.pid)}     # a zygote of its own
+
+
 def test_what_torch_reads_only_when_used_does_not_keep_a_launch_from_the_standby(node_standby,
                                                                                  tmp_path):
     # Lightning sets both in the environment of whoever imports it.

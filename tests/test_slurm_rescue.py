@@ -32,7 +32,7 @@ import pytest
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
-from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
+from kempner_resilience.demo.slurm_demo import DemoJob, write_job
 from kempner_resilience.core.ledger import read_ledger
 from slurm_fixtures import multinode_cluster, multinode_jobs  # noqa: F401
 from kempner_resilience.core.runpaths import RunPaths
@@ -46,16 +46,15 @@ KILLS = int(os.environ.get("KR_RESCUE_KILLS", "1"))
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(reference_run) -> Path:
     """The uninterrupted run: 4 plain DDP processes, no SLURM, no checkpoints."""
-    return run_reference(tmp_path_factory.mktemp("rescue-reference"), ranks=RANKS, steps=STEPS)
+    return reference_run(ranks=RANKS, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
-def hsdp_reference(tmp_path_factory) -> Path:
+def hsdp_reference(reference_run) -> Path:
     """The uninterrupted HSDP run: 4 plain processes, 2 replica groups of 2 shards."""
-    return run_reference(tmp_path_factory.mktemp("rescue-hsdp-reference"), ranks=RANKS,
-                         steps=STEPS, train_args=("--hsdp", str(RANKS // NODES)))
+    return reference_run(ranks=RANKS, steps=STEPS, train_args=("--hsdp", str(RANKS // NODES)))
 
 
 def _manifests(root: Path) -> dict[int, dict]:

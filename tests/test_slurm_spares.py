@@ -20,7 +20,7 @@ import pytest
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
-from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, wait_until, write_job
+from kempner_resilience.demo.slurm_demo import DemoJob, wait_until, write_job
 from kempner_resilience.slurm.badnodes import bad_nodes
 from slurm_fixtures import multinode_cluster, multinode_jobs, slow_death  # noqa: F401
 from kempner_resilience.core.runpaths import RunPaths
@@ -33,9 +33,9 @@ STEP_TIME = 0.05
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(reference_run) -> Path:
     """The uninterrupted run: 4 plain DDP processes, no SLURM, no checkpoints."""
-    return run_reference(tmp_path_factory.mktemp("spares-reference"), ranks=RANKS, steps=STEPS)
+    return reference_run(ranks=RANKS, steps=STEPS)
 
 
 def _submit(cluster, tmp_path: Path, jobs, *, hang_timeout_s: float = 30,

@@ -21,7 +21,7 @@ import pytest
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
-from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
+from kempner_resilience.demo.slurm_demo import DemoJob, write_job
 from slurm_fixtures import multinode_cluster, multinode_jobs, slow_death  # noqa: F401
 from kempner_resilience.core.runpaths import RunPaths
 
@@ -34,9 +34,9 @@ CLI = str(Path(sys.executable).parent / "kempner-resilience")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(reference_run) -> Path:
     """The uninterrupted run: 4 plain DDP processes, no SLURM, no checkpoints."""
-    return run_reference(tmp_path_factory.mktemp("spares-reference"), ranks=RANKS, steps=STEPS)
+    return reference_run(ranks=RANKS, steps=STEPS)
 
 
 def _steps_completed(job: DemoJob, run: str) -> int:

@@ -26,7 +26,7 @@ import pytest
 
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.demo.compare import compare_weights
-from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, wait_until, write_job
+from kempner_resilience.demo.slurm_demo import DemoJob, wait_until, write_job
 from kempner_resilience.slurm.badnodes import bad_nodes
 from kempner_resilience.slurm.env import expand_hostlist
 from slurm_fixtures import MULTINODE_SCRIPT, MultiNodeCluster, multinode_cluster  # noqa: F401
@@ -62,10 +62,9 @@ def four_nodes(multinode_cluster) -> MultiNodeCluster:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(reference_run) -> Path:
     """The uninterrupted run: 4 plain DDP processes, no SLURM, no checkpoints."""
-    return run_reference(tmp_path_factory.mktemp("twodeaths-reference"), ranks=RANKS,
-                         steps=STEPS)
+    return reference_run(ranks=RANKS, steps=STEPS)
 
 
 def _idle(cluster: MultiNodeCluster, node: str) -> bool:

@@ -52,8 +52,9 @@ class NodeStandby:
     @classmethod
     def for_env(cls, env: dict[str, str]) -> "NodeStandby | None":
         """The standby ``$KEMPNER_RESILIENCE_STANDBY`` names, when it answers, runs this
-        Python, and imported torch with what a rank of ``env`` would import it with
-        (``_AT_IMPORT``); else None (the launcher starts its own zygote)."""
+        Python, belongs to the SLURM job of ``env`` (or to none, as ``env``), and imported
+        torch with what a rank of ``env`` would import it with (``_AT_IMPORT``); else None
+        (the launcher starts its own zygote)."""
         name = os.environ.get(STANDBY_ENV, "").strip()
         if not name:
             return None
@@ -71,6 +72,10 @@ class NodeStandby:
         except OSError:
             return None
         theirs = {k: v for k, _, v in pairs}
+        # Inside a SLURM job, only a standby of that job: the ranks of one outside it would
+        # live outside the allocation (no --signal, no cgroup, no cleanup by slurmd).
+        if theirs.get("SLURM_JOB_ID") != env.get("SLURM_JOB_ID"):
+            return None
         return cls(name) if _at_import(theirs) == _at_import(env) else None
 
     def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None,
