@@ -34,7 +34,7 @@ multi_pid=$!
 # Whatever ends this script ends the other shards too, so no pytest outlives it.
 trap 'for p in "$local_pid" "$multi_pid"; do pkill -P "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true; done' EXIT
 set +e
-echo "== SLURM tests of the single-node cluster and Ray (the other shards run alongside) =="
+echo "== SLURM tests of the single-node cluster (the other shards run alongside) =="
 KR_TEST_SHARD=slurm "$PY" -m pytest -q -p no:cacheprovider --junitxml="$logs/slurm.xml"
 slurm_rc=$?
 times >"$logs/slurm.times"

@@ -22,14 +22,19 @@ with open(out, "w") as f:
     f.write(str(os.getppid()))
 """
 
+# Each file appears whole (written aside, then renamed): the test reads it as soon as it exists.
 WAITS = """
 import os, signal, sys, time
 here = os.path.dirname(os.path.abspath(__file__))
+def put(name, text):
+    with open(os.path.join(here, "." + name), "w") as f:
+        f.write(text)
+    os.replace(os.path.join(here, "." + name), os.path.join(here, name))
 def term(signum, frame):
-    open(os.path.join(here, f"term.{os.environ['RANK']}"), "w").write("SIGTERM")
+    put(f"term.{os.environ['RANK']}", "SIGTERM")
     sys.exit(143)
 signal.signal(signal.SIGTERM, term)
-open(os.path.join(here, f"pid.{os.environ['RANK']}"), "w").write(f"{os.getpid()} {os.getppid()}")
+put(f"pid.{os.environ['RANK']}", f"{os.getpid()} {os.getppid()}")
 time.sleep(120)
 """
 
