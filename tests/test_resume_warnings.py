@@ -113,6 +113,19 @@ def test_a_stop_agreed_inside_a_no_sync_window_waits_for_its_end_and_resumes_bit
 
 
 @pytest.mark.slow
+def test_a_stop_published_while_the_other_rank_ran_a_window_ahead_still_stops_both_at_its_end(
+        tmp_path, accumulated):
+    # Rank 0 dawdles in step 8, so rank 1 runs steps 9 and 10 (no collective) and checks for
+    # a stop before rank 0 publishes one; it learns of it only after the window's closing
+    # all-reduce, and must still stop at the window's end, step 12, with rank 0.
+    launches, weights, _ = run_job(tmp_path / "job", *ACCUM, "--signal-at", "8",
+                                   "--lag-s", "1.5")
+    assert [l.exit_code for l in launches] == [ExitCode.REQUEUE, 0], launches[-1].stderr_tail
+    assert launches[0].report["stop_step"] == 12
+    assert_bitwise_equal(accumulated, weights)
+
+
+@pytest.mark.slow
 def test_a_single_rank_stops_inside_a_window_at_once_and_its_checkpoint_keeps_the_gradients(
         tmp_path):
     # One rank has nobody to drift from: no step of the signal's grace is spent on waiting for

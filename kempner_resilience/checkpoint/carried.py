@@ -87,6 +87,9 @@ class PendingGrads:
         self._handles = [o.register_step_post_hook(self._stepped) for o in self._optims.values()]
         self._said = False
         self._paused = False
+        #: How many times the optimizers stepped (in the loop's steps): a count that did not
+        #: change over one step and then did marks an accumulation window's end.
+        self.steps = 0
         # Gradients already there when the run is set up were left by a step before it (a
         # warm-up, a step taken before the state was wrapped), not accumulated by this run's
         # loop: as the last step left them. A resume's restored gradients are new tensors.
@@ -109,6 +112,7 @@ class PendingGrads:
         # sentinel has a gradient: they are picked again among the parameters that have one).
         if self._paused:
             return
+        self.steps += 1
         key = id(optim)
         sentinels = self._sentinels.get(key)
         if sentinels is None or all(p.grad is None for p in sentinels):

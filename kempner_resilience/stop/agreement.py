@@ -112,10 +112,11 @@ class StopAgreement:
         return self.store is not None
 
     def poll(self, step: int, local: StopReason | None,
-             lease_lost: bool = False) -> StopDecision | None:
+             lease_lost: bool = False, fresh: bool = False) -> StopDecision | None:
         """Call at every step boundary ``step``; returns the decision once this rank must stop.
         ``local``: this rank's own reason (a signal, the allocation's end); ``lease_lost``: this
-        rank (rank 0) lost the directory's lease, a stop of its own."""
+        rank (rank 0) lost the directory's lease, a stop of its own. ``fresh``: the step just
+        ended a gradient-accumulation window, so the key is read now (``_key_set``)."""
         if self._decided is not None:
             return self._decided
         if self._agreed_now:
@@ -134,7 +135,7 @@ class StopAgreement:
         if self._stop_at is None:
             if local is not None or lease_lost:
                 self._publish(step, local or StopReason.LEASE_LOST)
-            elif self._key_set(step):
+            elif self._key_set(step, fresh):
                 self._read()
             if self._stop_at is None:
                 if self.ahead:
@@ -153,15 +154,19 @@ class StopAgreement:
     def stop_at(self) -> int | None:
         return self._stop_at
 
-    def _key_set(self, step: int) -> bool:
+    def _key_set(self, step: int, fresh: bool = False) -> bool:
         """Whether some rank published a stop, as a check issued at boundary ``step - 1`` saw
-        it where that is enough (module doc), else as a check now."""
+        it where that is enough (module doc), else as a check now. ``fresh``: a check now.
+        Inside a gradient-accumulation window no step has a collective, so a rank may run a
+        whole window ahead: its check issued before the window's closing all-reduce can miss
+        a stop published while it waited there, and the window's end is the boundary where
+        every rank must know the stop (``run/window.py``)."""
         asked, self._asked = self._asked, None
         if asked is not None:
             found = self._answers.get()    # waits only while that check is still on its way
             if isinstance(found, BaseException):
                 raise found              # as the check on this thread would have
-            if asked == step - 1 and not self._cuda_in_use():
+            if asked == step - 1 and not fresh and not self._cuda_in_use():
                 return found
         return self.store.check([KEY])
 

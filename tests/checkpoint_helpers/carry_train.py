@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import os
 import signal
+import time
 
 import kempner_resilience as kr
 
@@ -43,6 +44,9 @@ def main() -> int:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--signal-at", type=int, default=-1)
+    # Rank 0 dawdles this long at --signal-at before it signals itself: the other rank runs
+    # ahead through the window's steps, which have no collective.
+    ap.add_argument("--lag-s", type=float, default=0.0)
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--no-rescue", action="store_true")
     ap.add_argument("--case", choices=["train", "no-loop", "unsaved-sched"], default="train")
@@ -82,6 +86,7 @@ def main() -> int:
             optim.zero_grad()
         seen.write(f"step {step} idx {','.join(map(str, idx.tolist()))}\n")
         if rank == 0 and step == args.signal_at and run.start_step == 0:
+            time.sleep(args.lag_s)
             os.kill(os.getpid(), signal.SIGUSR1)
         if rank == 0 and step == args.kill_at and run.start_step == 0:
             os.kill(os.getpid(), signal.SIGKILL)
