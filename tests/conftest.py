@@ -109,8 +109,8 @@ def mount_tmpfs(tmp_path: Path):
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
     """The demo's uninterrupted run (``run_reference``): its weights' path by its arguments,
-    computed once per pytest process. Several multi-node modules compare their runs with the
-    same 4-rank run, and each computation is four cold processes."""
+    computed once per pytest process. Several modules compare their runs with the same run,
+    and each computation is one cold process per rank."""
     from kempner_resilience.demo.slurm_demo import run_reference
 
     cache: dict[tuple, Path] = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kempner_resilience.demo.compare import compare_weights
-from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
+from kempner_resilience.demo.slurm_demo import DemoJob, write_job
 from kempner_resilience.exitcodes import ExitCode
 from slurm_fixtures import slurm_cluster, submit, wait_for, wait_job  # noqa: F401
 
@@ -29,16 +29,9 @@ STEPS = 60
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run's weights, per world size, computed once per module."""
-    cache: dict[int, object] = {}
-
-    def get(ranks: int):
-        if ranks not in cache:
-            cache[ranks] = run_reference(tmp_path_factory.mktemp(f"reference{ranks}"),
-                                         ranks=ranks, steps=STEPS)
-        return cache[ranks]
-    return get
+def reference(reference_run):
+    """The uninterrupted run's weights, per world size (``reference_run``: computed once)."""
+    return lambda ranks: reference_run(ranks=ranks, steps=STEPS)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import pytest
 
 from kempner_resilience.checkpoint import MANIFEST_NAME
 from kempner_resilience.demo.compare import compare_weights
-from kempner_resilience.demo.slurm_demo import DemoJob, run_reference, write_job
+from kempner_resilience.demo.slurm_demo import DemoJob, write_job
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.core.runpaths import RunPaths
@@ -47,10 +47,9 @@ DOCUMENTED = {int(c) for c in ExitCode} - {0, 1, 2}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(reference_run) -> Path:
     """The uninterrupted run: 4 plain processes, no SLURM, no checkpoints."""
-    return run_reference(tmp_path_factory.mktemp("reference"), ranks=RANKS, steps=STEPS,
-                         train_args=TRAIN_ARGS)
+    return reference_run(ranks=RANKS, steps=STEPS, train_args=tuple(TRAIN_ARGS))
 
 
 def _new_job(cluster, multinode_jobs, tmp_path: Path, **kw) -> DemoJob:

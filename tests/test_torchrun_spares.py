@@ -28,7 +28,6 @@ from kempner_resilience.cli import main as cli_main
 from kempner_resilience.core.ledger import read_ledger
 from kempner_resilience.slurm.badnodes import bad_node_records
 from kempner_resilience.demo.compare import compare_weights
-from kempner_resilience.demo.slurm_demo import run_reference
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.core.runpaths import RunPaths
 
@@ -88,9 +87,9 @@ def _finish(agents: list[subprocess.Popen], timeout: float = 150) -> list[int | 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(reference_run) -> Path:
     """The uninterrupted run: 2 plain DDP processes, no checkpoints."""
-    return run_reference(tmp_path_factory.mktemp("reference"), ranks=2, steps=STEPS)
+    return reference_run(ranks=2, steps=STEPS)
 
 
 def _three_agents(work: Path, agents: list[subprocess.Popen],

@@ -20,7 +20,6 @@ import pytest
 
 from helpers import child_pids, env, kill_node, wait_for_file, worker_pids, write_script
 from kempner_resilience.demo.compare import compare_weights
-from kempner_resilience.demo.slurm_demo import run_reference
 from kempner_resilience.supervise.local.warm import PRELOAD, Zygote, pristine
 
 STEPS, EVERY = 60, 20
@@ -71,9 +70,9 @@ def _footprint(agent: subprocess.Popen) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(reference_run) -> Path:
     """The uninterrupted run: 2 plain DDP processes, no checkpoints."""
-    return run_reference(tmp_path_factory.mktemp("reference"), ranks=2, steps=STEPS)
+    return reference_run(ranks=2, steps=STEPS)
 
 
 def test_a_worker_killed_under_a_warm_agent_is_relaunched_warm_and_the_run_ends_bitwise(

@@ -288,11 +288,7 @@ class ResilientRun:
             for kind in self._named:
                 seen.named(kind)
         self._named = []
-        # The optimizers' step count at the last boundary, and whether the step before it took
-        # none: a step that takes one after a step that took none closes an accumulation
-        # window, and the stop check right after it reads the store now (stop/agreement.py).
-        grads = parts.ckpt.state.grads if parts.ckpt is not None else None
-        stepped, idle = (grads.steps if grads is not None else 0), False
+        ends = window.WindowEnds(parts)     # the stop check after a window's end reads afresh
         while progress.step < total:
             if plan:
                 if seen is not None:
@@ -306,11 +302,7 @@ class ResilientRun:
             lost = parts.ckpt is not None and parts.ckpt.lease_lost
             if lost and parts.ledger.active:
                 parts.ledger.disown()  # the new holder's ledger from now on, not ours
-            closed = False
-            if grads is not None:
-                closed = idle and grads.steps != stepped
-                idle, stepped = grads.steps == stepped, grads.steps
-            decision = parts.agreement.poll(progress.step, reason, lost, fresh=closed)
+            decision = parts.agreement.poll(progress.step, reason, lost, fresh=ends.closed())
             if decision is not None:     # inside an accumulation window: at its end (window.py)
                 decision = window.stop_here(parts, progress.step, decision)
             if decision is not None:

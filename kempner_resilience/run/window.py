@@ -25,13 +25,35 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.runstate import RunParts
 from kempner_resilience.stop.agreement import StopDecision
 
-__all__ = ["MAX_WAIT_STEPS", "stop_here"]
+__all__ = ["MAX_WAIT_STEPS", "WindowEnds", "stop_here"]
 
 log = get_logger(__name__)
 
 #: The most steps a stop waits past the agreed one for a window to close (then it stops, and
 #: the checkpoint keeps the window's gradients).
 MAX_WAIT_STEPS = 64
+
+
+class WindowEnds:
+    """Tells, at each boundary, whether the step just taken closed an accumulation window: it
+    stepped an optimizer after a step that stepped none. The stop check right after it reads
+    the store afresh (``StopAgreement.poll``'s ``fresh``): a rank that ran the window ahead
+    issued its last check before the window's closing all-reduce. O(1) per step; a run that
+    steps its optimizer every step never sees one."""
+
+    def __init__(self, parts: RunParts) -> None:
+        self._grads = parts.ckpt.state.grads if parts.ckpt is not None else None
+        self._stepped = self._grads.steps if self._grads is not None else 0
+        self._idle = False          # the step before the last one stepped no optimizer
+
+    def closed(self) -> bool:
+        """Call once per boundary."""
+        if self._grads is None:
+            return False
+        steps = self._grads.steps
+        closed = self._idle and steps != self._stepped
+        self._idle, self._stepped = steps == self._stepped, steps
+        return closed
 
 
 def stop_here(parts: RunParts, step: int, decision: StopDecision) -> StopDecision | None:

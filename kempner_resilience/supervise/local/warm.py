@@ -30,8 +30,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["Zygote", "WarmProcess", "warm_command", "listen_command", "warm_on", "pristine", "parent_death",
-           "WARM_ENV", "PRELOAD", "STEP_SIGNALS", "UNBUFFERED"]
+__all__ = ["Zygote", "WarmProcess", "warm_command", "listen_command", "warm_on", "pristine",
+           "parent_death", "WARM_ENV", "PRELOAD", "STEP_SIGNALS", "UNBUFFERED"]
 
 WARM_ENV = "KEMPNER_RESILIENCE_WARM"
 #: What the zygote imports before it forks: what every rank of ours imports anyway.
