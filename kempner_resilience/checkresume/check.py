@@ -35,7 +35,7 @@ from kempner_resilience.checkresume.runs import RunResult, run_script, warm_rank
 from kempner_resilience.checkresume.snapshot import Kind, Snapshot, read_snapshot
 from kempner_resilience.exitcodes import ExitCode, for_signal_stop
 from kempner_resilience.stop.rehearsal import OWN_DIR_REFUSED, PlannedStop, min_gap
-from kempner_resilience.supervise.local.warm import Zygote
+from kempner_resilience.supervise.local.warm import Forker
 
 __all__ = ["CheckOptions", "Outcome", "Verdict", "check_resume", "cleanup"]
 
@@ -130,7 +130,7 @@ def _snapshots(run: RunResult, cache: dict[tuple[str, int], Snapshot], step: int
     return cache[key]
 
 
-def check_resume(opts: CheckOptions, zygote: Zygote | None = None) -> Verdict:
+def check_resume(opts: CheckOptions, zygote: Forker | None = None) -> Verdict:
     """Run both runs and compare them (main thread only: the launcher handles signals); the
     verdict says how much disk the runs used. ``zygote``: the warm-start process every run
     forks its ranks from (``runs.warm_ranks``, started by a caller that has not imported torch
@@ -223,7 +223,7 @@ def _pace(run: RunResult, end: int) -> tuple[float, float]:
     return step_s, max(0.0, run.wall_s - step_s * end) / max(1, len(run.launches))
 
 
-def _check(opts: CheckOptions, work: Path, zygote: Zygote | None = None) -> Verdict:
+def _check(opts: CheckOptions, work: Path, zygote: Forker | None = None) -> Verdict:
     """The runs and their comparison, in ``work``.
 
     The interrupted run goes first: a stop can land later than planned (one inside a

@@ -33,8 +33,7 @@ from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.local.launcher import Launch, LocalLauncher, warm_parent
-from kempner_resilience.supervise.local.standby import NodeStandby
-from kempner_resilience.supervise.local.warm import Zygote
+from kempner_resilience.supervise.local.warm import Forker
 from kempner_resilience.core.ledger import REPORT_ENV
 from kempner_resilience.stop.rehearsal import (CHECK_DIR_ENV, EVENTS_ENV, REHEARSAL_ENV,
                                                PlannedStop, encode)
@@ -174,7 +173,7 @@ class _Deadline:
 
 
 @contextlib.contextmanager
-def warm_ranks(command: Sequence[str], ranks: int) -> Iterator[Zygote | NodeStandby | None]:
+def warm_ranks(command: Sequence[str], ranks: int) -> Iterator[Forker | None]:
     """The warm-start process every run of one check forks its ranks from (None: the command
     starts cold, ``supervise/local/warm.py``): torch's import is paid once per check, not
     once per run; ended when the check is."""
@@ -190,7 +189,7 @@ def run_script(command: list[str], *, name: str, work: Path, ranks: int,
                stops: list[PlannedStop], relaunches: int, config: Mapping[str, Any],
                timeout_s: float, stop_timeout_s: float = 20.0,
                relaunch_codes: frozenset[int] = frozenset(), every_steps: int = 1,
-               zygote: Zygote | NodeStandby | None = None) -> RunResult:
+               zygote: Forker | None = None) -> RunResult:
     """Run ``command`` on ``ranks`` local ranks in ``work/name`` with the planned ``stops``,
     relaunching at most ``relaunches`` times (after a code in ``relaunch_codes`` or the
     launch-side policy's run-again codes), within ``timeout_s``; warm ranks fork from

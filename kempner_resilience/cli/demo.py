@@ -16,8 +16,7 @@ from kempner_resilience.cli.common import CliError, Verb
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.launcher import LocalLauncher, Launch, train_command
 from kempner_resilience.supervise.local.launcher import warm_parent
-from kempner_resilience.supervise.local.standby import NodeStandby
-from kempner_resilience.supervise.local.warm import Zygote
+from kempner_resilience.supervise.local.warm import Forker
 from kempner_resilience.exitcodes import ExitCode, describe
 
 # Codes after which the job may run again: the launcher's scheduler role. 130/143/STOPPED are
@@ -131,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             zygote.close()
 
 
-def _local(args: argparse.Namespace, work: Path, zygote: Zygote | NodeStandby | None) -> int:
+def _local(args: argparse.Namespace, work: Path, zygote: Forker | None) -> int:
     """The reference run, then the resilient one, their ranks forked from ``zygote``."""
     base = ["watchdog.hang_timeout_s=" + ("5" if args.hang_at >= 0 else "120"),
             "signals.grace_s=60"]

@@ -26,8 +26,8 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.core.strays import clock_ticks_now, end_strays
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, Progress
-from kempner_resilience.supervise.local.standby import NodeStandby, standby_or_zygote
-from kempner_resilience.supervise.local.warm import Zygote, parent_death, warm_command
+from kempner_resilience.supervise.local.standby import standby_or_zygote
+from kempner_resilience.supervise.local.warm import Forker, parent_death, warm_command
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  decide, ends_of, job_code)
 
@@ -125,7 +125,7 @@ class LocalLauncher:
                  relaunch_codes: set[int] | frozenset[int] | None = None,
                  stop_timeout_s: float = 60.0, run_paths: RunPaths | None = None,
                  max_no_progress: int = 2, log_dir: Path | None = None,
-                 zygote: Zygote | NodeStandby | None = None) -> None:
+                 zygote: Forker | None = None) -> None:
         if workdir is None and interrupts:
             raise ValueError("interrupts need a workdir (rank 0's progress file is read there)")
         self.command = list(command)
@@ -143,7 +143,7 @@ class LocalLauncher:
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.launches: list[Launch] = []
         self.channel: Channel | None = None   # the ranks' word, while run() runs
-        self._zygote: Zygote | NodeStandby | None = None  # the warm ranks' parent, in run()
+        self._zygote: Forker | None = None  # the warm ranks' parent, in run()
         self._shared = zygote                  # the caller's, never ended here
         self._received: list[int] = []     # signals to forward, appended by the handler
 
@@ -338,7 +338,7 @@ class LocalLauncher:
                     p.send_signal(signum)
 
 
-def warm_parent(command: Sequence[str], ranks: int) -> Zygote | NodeStandby | None:
+def warm_parent(command: Sequence[str], ranks: int) -> Forker | None:
     """One warm-start process shared by several launchers of ``command`` (None: it starts
     cold): the machine's standby when one fits, else a zygote; the caller closes it."""
     if not warm_command(command):

@@ -1,4 +1,4 @@
-"""Warm ranks: forked from a parent (``Zygote``) that imported torch once, single-threaded and
+"""Warm ranks: forked from a parent (a zygote) that imported torch once, single-threaded and
 never touching CUDA, so a launch or a relaunch does not pay Python's and torch's start-up again
 (seconds of CPU per rank). The child becomes the rank as a cold start would be.
 
@@ -7,19 +7,22 @@ interpreter or other flags, and a library that read an environment variable at i
 the zygote's (so does the rank's ``/proc/<pid>/environ``). Any command other than ``<this
 python> script.py`` or ``-m module`` starts cold.
 
-The protocol is one JSON line each way over a pipe pair: a request, then ``{"pid"}``,
-``{"exit", "code"}`` or ``{"refused"}``. The zygote never runs a rank's code and checks that
-before every fork (``pristine``); one that fails refuses and exits, and ranks start cold from
-then on: a rank in an untrusted state is never the parent of the next incarnation.
+A zygote listens on an abstract unix socket (``_listen``): one connection per rank, its request
+with its standard streams, answered with ``{"pid"}`` (or ``{"refused"}``), then ``{"exit",
+"code"}``. It never runs a rank's code and checks that before every fork (``pristine``); one that
+fails refuses and exits, and ranks start cold from then on: a rank in an untrusted state is never
+the parent of the next incarnation.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import gc
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -27,11 +30,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["Zygote", "WarmProcess", "warm_command", "listen_command", "warm_on", "pristine",
-           "parent_death", "WARM_ENV", "PRELOAD", "STEP_SIGNALS", "UNBUFFERED"]
+__all__ = ["Zygote", "Forker", "WarmProcess", "start", "warm_command", "listen_command", "warm_on",
+           "pristine", "parent_death", "WARM_ENV", "PRELOAD", "STEP_SIGNALS", "UNBUFFERED"]
 
 WARM_ENV = "KEMPNER_RESILIENCE_WARM"
 #: What the zygote imports before it forks: what every rank of ours imports anyway.
@@ -122,173 +126,138 @@ def parent_death(signum: int) -> Callable[[], Any] | None:
     return lambda: prctl(_PR_SET_PDEATHSIG, signum)
 
 
-class Zygote:
-    """The launcher's side: the zygote process and the ranks it forked."""
-
-    def __init__(self, env: dict[str, str], *, preload: Sequence[str] = PRELOAD,
-                 ignore: Sequence[int] = (), death_signal: int = signal.SIGTERM) -> None:
-        """``ignore``: signals SLURM may send to every process of a step. ``death_signal``
-        comes when the thread that starts it ends: start it on the launcher's main thread."""
-        self.refused: str | None = None     # why the zygote stopped forking, once it did
-        self._lock = threading.Condition()
-        self._pids: list[int] = []          # answers to requests, in order
-        self.codes: dict[int, int] = {}     # pid -> returncode, once reaped
-        self._ready = False
-        self._dead = False
-        req_r, req_w = os.pipe()
-        ans_r, ans_w = os.pipe()
-        # Run as a file, not ``-m``: importing this package would leave its import-time state
-        # in every rank. Own session: a terminal's Ctrl+C is the launcher's to pass on.
-        options = json.dumps({"preload": list(preload), "ignore": [int(s) for s in ignore]})
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(req_r), str(ans_w), options],
-            env=env, pass_fds=(req_r, ans_w), start_new_session=True,
-            preexec_fn=parent_death(death_signal))
-        os.close(req_r)
-        os.close(ans_w)
-        self._req = os.fdopen(req_w, "w", buffering=1)
-        self._ans = os.fdopen(ans_r, "r")
-        self._reader = threading.Thread(target=self._read, name="kempner-zygote", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self._ans:
-            msg = json.loads(line)
-            with self._lock:
-                if "ready" in msg:
-                    self._ready = True
-                elif "pid" in msg:
-                    # A reused pid: the earlier child's code must not end the new rank.
-                    self.codes.pop(int(msg["pid"]), None)
-                    self._pids.append(int(msg["pid"]))
-                elif "exit" in msg:
-                    self.codes[int(msg["exit"])] = int(msg["code"])
-                elif "refused" in msg:
-                    self.refused = str(msg["refused"])
-                self._lock.notify_all()
-        with self._lock:
-            self._dead = True
-            self._lock.notify_all()
-
-    def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None,
-              stdout: str | None, stderr: str | None,
-              death_signal: int = signal.SIGTERM, append: bool = False) -> "WarmProcess":
-        """A rank forked from the zygote (``death_signal`` when the zygote dies); raises
-        OSError when the zygote cannot give one. ``append``: to its logs (else truncated)."""
-        with self._lock:
-            if not self._lock.wait_for(lambda: self._ready or self._dead, _READY_S) \
-                    or self._dead:
-                raise OSError(f"the warm-start process {self._gone()}")
-            asked = len(self._pids)
-        try:
-            self._req.write(json.dumps({"argv": list(argv), "env": env, "cwd": cwd,
-                                        "stdout": stdout, "stderr": stderr,
-                                        "death_signal": int(death_signal),
-                                        "append": append}) + "\n")
-            self._req.flush()
-        except (OSError, ValueError) as e:
-            raise OSError(f"the warm-start process is gone ({e})") from None
-        with self._lock:
-            if not self._lock.wait_for(lambda: len(self._pids) > asked or self._dead, 30.0) \
-                    or len(self._pids) <= asked:
-                raise OSError(f"the warm-start process did not fork ({self._gone()})")
-            return WarmProcess(self._pids[asked], self)
-
-    def _gone(self) -> str:
-        return f"refused to fork: {self.refused}" if self.refused else "is gone"
-
-    def close(self) -> None:
-        """End the zygote (its ranks are the launcher's to end first); bounded."""
-        with contextlib.suppress(OSError):
-            self._req.close()
-        try:
-            self.proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 class WarmProcess:
     """A forked rank as the launcher handles a ``Popen``: ``pid``, ``poll``, ``wait``,
-    ``send_signal``, ``returncode`` (negative for a death by a signal)."""
+    ``send_signal``, ``returncode`` (negative for a death by a signal). Its exit comes over
+    its own connection to the zygote, so a reused pid is never mistaken for it."""
 
-    def __init__(self, pid: int, zygote: Zygote) -> None:
+    def __init__(self, pid: int, conn: socket.socket, answers: Any) -> None:
         self.pid = pid
-        self._zygote = zygote
+        self._code: int | None = None
+        self._ended = threading.Event()
+        self._conn = conn
+        threading.Thread(target=self._read, args=(answers,), name="kempner-warm-rank",
+                         daemon=True).start()
+
+    def _read(self, answers: Any) -> None:
+        try:
+            last = json.loads(answers.readline() or b"{}")
+        except (OSError, ValueError):
+            last = {}
+        # No answer: the zygote died, and its ranks with it (their parent-death signal).
+        self._code = int(last.get("code", -int(signal.SIGKILL)))
+        self._conn.close()
+        self._ended.set()
 
     @property
     def returncode(self) -> int | None:
-        code = self._zygote.codes.get(self.pid)
-        if code is None and self._zygote._dead:
-            return -int(signal.SIGKILL)     # its parent is gone, and so is it (PDEATHSIG)
-        return code
+        return self._code
 
     def poll(self) -> int | None:
-        return self.returncode
+        return self._code
 
     def wait(self, timeout: float | None = None) -> int:
-        z = self._zygote
-        with z._lock:
-            if not z._lock.wait_for(lambda: self.returncode is not None, timeout):
-                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
-        code = self.returncode
-        assert code is not None
-        return code
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+        assert self._code is not None
+        return self._code
 
     def send_signal(self, signum: int) -> None:
         # Only while the zygote has not reaped it: a reaped pid may already be another's.
-        if self.returncode is None:
+        if self._code is None:
             os.kill(self.pid, signum)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
 
+class Forker:
+    """A zygote behind the abstract unix socket ``name`` (``_listen``): each rank is one
+    connection, with the launcher's files as its streams."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def spawn(self, argv: Sequence[str], env: dict[str, str], cwd: str | None,
+              stdout: str | int | None, stderr: str | int | None,
+              death_signal: int = signal.SIGTERM, append: bool = False) -> WarmProcess:
+        """A rank forked by the zygote, or OSError. ``stdout``, ``stderr``: a file's path, an
+        open descriptor, or None (this process's). ``death_signal``: the rank's when the
+        zygote dies or this process goes (its connection drops). ``append``: to its logs."""
+        mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        opened: dict[str | int, int] = {}
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            for where in {stdout, stderr} - {None}:
+                opened[where] = where if isinstance(where, int) else os.open(where, mode, 0o644)
+            fds = [0, opened.get(stdout, 1), opened.get(stderr, 2)]
+            conn.settimeout(_READY_S)       # the zygote's imports come before its answer
+            conn.connect("\0" + self.name)
+            request = json.dumps({"argv": list(argv), "env": env, "cwd": cwd,
+                                  "death_signal": int(death_signal),
+                                  "orphan_signal": int(death_signal)}).encode() + b"\n"
+            conn.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                      array.array("i", fds))])
+            answers = conn.makefile("rb")
+            first = json.loads(answers.readline() or b"{}")
+        except (OSError, ValueError) as e:
+            conn.close()
+            raise OSError(f"the warm-start process {self.name} did not answer ({e})") from None
+        finally:
+            for where, fd in opened.items():
+                if not isinstance(where, int):
+                    os.close(fd)        # the rank holds its own copies
+        if "pid" not in first:
+            conn.close()
+            raise OSError(f"the warm-start process {self.name} refused to fork: "
+                          f"{first.get('refused', 'no answer')}")
+        conn.settimeout(None)       # the rank runs as long as it runs
+        return WarmProcess(int(first["pid"]), conn, answers)
+
+    def close(self) -> None:
+        """Nothing: a zygote that is not the caller's own outlives it."""
+
+
+class Zygote(Forker):
+    """The caller's own zygote: started here, ended by ``close``."""
+
+    def __init__(self, env: dict[str, str], *, preload: Sequence[str] = PRELOAD,
+                 ignore: Sequence[int] = (), death_signal: int = signal.SIGTERM) -> None:
+        """``ignore``: signals SLURM may send to every process of a step. ``death_signal``
+        comes when the thread that starts it ends: start it on the launcher's main thread."""
+        super().__init__(f"kempner-resilience-zygote-{os.getpid()}-{secrets.token_hex(4)}")
+        self.proc = start(self.name, env, preload=preload, ignore=ignore,
+                          death_signal=death_signal, quiet=False)
+
+    def close(self) -> None:
+        """End the zygote (its ranks are the launcher's to end first); bounded."""
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start(name: str, env: Mapping[str, str], *, preload: Sequence[str] = PRELOAD,
+          ignore: Sequence[int] = (), death_signal: int | None = None, quiet: bool = True
+          ) -> subprocess.Popen[bytes]:
+    """A zygote behind ``name`` in a session of its own (a terminal's Ctrl+C is the
+    launcher's to pass on); returns once its socket answers (within ``_READY_S``).
+    ``death_signal``: its signal when the calling thread ends; ``quiet``: no output."""
+    # Run as a file, not ``-m``: importing this package would leave its import-time state in
+    # every rank.
+    out = subprocess.DEVNULL if quiet else None
+    proc = subprocess.Popen(listen_command(name, preload=preload, ignore=ignore), env=dict(env),
+                            stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                            start_new_session=True,
+                            preexec_fn=None if death_signal is None else parent_death(death_signal))
+    deadline = time.monotonic() + _READY_S      # its socket is bound before its imports
+    while proc.poll() is None and time.monotonic() < deadline:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex("\0" + name) == 0:
+                break
+        time.sleep(0.02)
+    return proc
+
+
 # ------------------------------------------------------------------ the zygote process
-
-def _serve(req_fd: int, ans_fd: int, options: dict[str, Any]) -> dict[str, Any] | None:
-    """The zygote's loop: the request in a forked child, None when the launcher closed the
-    pipe or the zygote is not ``pristine`` any more."""
-    # Only the launcher ends the zygote (closing the pipe), or its death (PDEATHSIG).
-    threads = _prepare(options)
-    ans = os.fdopen(ans_fd, "w", buffering=1)
-    req = os.fdopen(req_fd, "r")
-    ans.write(json.dumps({"ready": True}) + "\n")
-    children: set[int] = set()
-    buf = ""
-    open_pipe = True
-    while open_pipe or children:
-        ready, _, _ = select.select([req] if open_pipe else [], [], [], 0.05)
-        if ready:
-            chunk = os.read(req.fileno(), 1 << 16).decode()
-            if not chunk:
-                open_pipe = False
-            buf += chunk
-            while "\n" in buf:
-                line, buf = buf.split("\n", 1)
-                msg = json.loads(line)
-                why = pristine(threads)
-                if why is not None:
-                    ans.write(json.dumps({"refused": why}) + "\n")
-                    return None
-                pid = os.fork()
-                if pid == 0:
-                    req.close()
-                    ans.close()
-                    return msg
-                children.add(pid)
-                ans.write(json.dumps({"pid": pid}) + "\n")
-        if not open_pipe and not children:
-            break
-        ended = _reaped() if children else []
-        if ended is None:
-            children.clear()
-        for pid, code in ended or ():
-            children.discard(pid)
-            with contextlib.suppress(OSError, ValueError):
-                ans.write(json.dumps({"exit": pid, "code": code}) + "\n")
-    return None
-
 
 def _prepare(options: dict[str, Any]) -> int:
     """The zygote's set-up: signals ignored, the imports done and frozen; its thread count."""
@@ -318,21 +287,17 @@ def _reaped() -> list[tuple[int, int]] | None:
 
 
 def _listen(name: str, options: dict[str, Any]) -> dict[str, Any] | None:
-    """A node's standby (``supervise/srun/standby.py``): the zygote behind the abstract unix
-    socket ``name``, one connection per rank from an srun task's shim (``srun/shim.py``): its
-    request with its standard streams, answered with ``{"pid"}`` (or ``{"refused"}``), then
-    ``{"exit", "code"}``. A shim that goes away takes its rank with it (SIGKILL); a local
-    launcher's connection (``NodeStandby``) names the signal (``orphan_signal``)."""
+    """The zygote behind the abstract unix socket ``name``: the forked rank's request, None
+    when it refused. A connection that drops takes its rank with it: with SIGKILL (an srun
+    task's shim, ``srun/shim.py``) or the signal it named (``orphan_signal``, a launcher's)."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # Bound before the imports: the first step's shims wait in the backlog, not start cold.
     server.bind("\0" + name)
     server.listen(256)
     threads = _prepare(options)
     uid = os.getuid()
-    ranks: dict[socket.socket, int | None] = {}     # a shim's connection -> its rank's pid
-    # What a rank gets when its connection drops: a shim's rank dies with it (SIGKILL); a local
-    # launcher's gets the SIGTERM its own zygote's death would have sent (a graceful stop).
-    orphaned: dict[socket.socket, int] = {}
+    ranks: dict[socket.socket, int | None] = {}     # a connection -> its rank's pid
+    orphaned: dict[socket.socket, int] = {}         # a connection -> its rank's signal
     while True:
         ready, _, _ = select.select([server, *ranks], [], [], 0.05)
         for conn in ready:
@@ -412,15 +377,6 @@ def _become(msg: dict[str, Any]) -> None:
     die = parent_death(int(msg.get("death_signal", signal.SIGTERM)))
     if die is not None:
         die()
-    opened: dict[str, int] = {}         # stdout and stderr into one log: one open file
-    for fd, where in ((1, msg.get("stdout")), (2, msg.get("stderr"))):
-        if where:
-            if where not in opened:
-                mode = os.O_APPEND if msg.get("append") else os.O_TRUNC
-                opened[where] = os.open(where, os.O_WRONLY | os.O_CREAT | mode, 0o644)
-            os.dup2(opened[where], fd)
-    for target in opened.values():
-        os.close(target)
     os.environ.clear()
     os.environ.update(msg["env"])
     if msg.get("cwd"):
@@ -480,11 +436,7 @@ def _unbuffered() -> None:
 
 def main() -> None:
     del sys.path[0]     # this file's folder: the package's inside, not a place to import from
-    options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    if sys.argv[1] == "--listen":
-        msg = _listen(sys.argv[2], options)
-    else:
-        msg = _serve(int(sys.argv[1]), int(sys.argv[2]), options)
+    msg = _listen(sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})
     if msg is None:
         return
     _become(msg)
