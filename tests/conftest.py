@@ -19,8 +19,9 @@ os.environ.setdefault("KEMPNER_RESILIENCE_WARM", "1")
 # The non-SLURM shard also keeps one standby for all its launches (supervise/local/standby.py):
 # a launch then forks its ranks at once, where its own zygote would import torch first (2-3 s
 # of CPU, hundreds of times). A launch whose ranks would import torch with other values
-# (PYTHONPATH, TORCH_*) starts its own zygote as before. Not in the SLURM shard: a job's
-# launcher must not reach a process outside its allocation.
+# (PYTHONPATH, TORCH_*) starts its own zygote as before. The tests' own scripts fork from it
+# too (helpers.spawn_script, run_script). Not in the SLURM shard: a job's launcher must not
+# reach a process outside its allocation.
 _standby: "subprocess.Popen[bytes] | None" = None
 
 

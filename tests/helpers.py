@@ -31,9 +31,117 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
-def start(script: Path, *args: str, **extra_env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env(**extra_env))
+class Forked:
+    """A test's script forked from the suite's standby, as ``subprocess.Popen`` gives it:
+    ``pid``, ``args``, ``stdout``/``stderr`` (pipes), ``poll``, ``wait``, ``communicate``,
+    ``send_signal``, ``terminate``, ``kill``, ``returncode``."""
+
+    def __init__(self, args, proc, stdout, stderr) -> None:
+        self.args, self._proc, self.pid = args, proc, proc.pid
+        self.stdout, self.stderr = stdout, stderr
+        self._read: dict[str, object] = {}
+        self._readers: list = []
+
+    @property
+    def returncode(self):
+        return self._proc.returncode
+
+    def poll(self):
+        return self._proc.poll()
+
+    def wait(self, timeout=None):
+        return self._proc.wait(timeout)
+
+    def send_signal(self, signum):
+        self._proc.send_signal(signum)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self._proc.kill()
+
+    def communicate(self, timeout=None):
+        import threading
+
+        if not self._readers:
+            for name in ("stdout", "stderr"):
+                stream = getattr(self, name)
+                if stream is not None:
+                    t = threading.Thread(target=lambda n=name, f=stream: self._read.update(
+                        {n: f.read()}), daemon=True)
+                    t.start()
+                    self._readers.append(t)
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in self._readers:
+            t.join(None if end is None else max(end - time.monotonic(), 0.0))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if end is None else max(end - time.monotonic(), 0.0))
+        return self._read.get("stdout"), self._read.get("stderr")
+
+
+def spawn_script(args, *, env=None, cwd=None, stdout=None, stderr=None, text=False,
+          start_new_session=False, cold=False):
+    """``subprocess.Popen(args, ...)`` for a test's own Python script: forked from the suite's
+    standby when one fits (``supervise/local/standby.py``), so the script does not import
+    torch again (about 2 s of CPU each, hundreds of scripts); else started cold. A forked
+    script is the process a cold start gives (tests/test_warm.py), in a session of its own.
+    ``cold``: always started cold (a test of the cold start itself)."""
+    from kempner_resilience.supervise.local.standby import NodeStandby
+    from kempner_resilience.supervise.local.warm import warm_command
+
+    # Unbuffered, as the standby's streams are (a script's output order is all it changes).
+    env = {"PYTHONUNBUFFERED": "1", **(os.environ if env is None else env)}
+    standby = None if cold or not warm_command(list(map(str, args))) \
+        else NodeStandby.for_env(env)
+    if standby is None:
+        return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
+                                start_new_session=start_new_session)
+    ours, theirs = [], {}
+    for name, want in (("stdout", stdout), ("stderr", stderr)):
+        if want == subprocess.PIPE:
+            r, w = os.pipe()
+            ours.append((name, r))
+            theirs[name] = w
+        elif want == subprocess.DEVNULL:
+            theirs[name] = os.open(os.devnull, os.O_WRONLY)
+        elif want == subprocess.STDOUT:
+            theirs[name] = theirs.get("stdout", 1)
+        elif want is not None:
+            theirs[name] = want.fileno()
+    try:
+        proc = standby.spawn(list(map(str, args)), env, None if cwd is None else str(cwd),
+                             theirs.get("stdout"), theirs.get("stderr"))
+    finally:
+        for name, want in (("stdout", stdout), ("stderr", stderr)):
+            if want in (subprocess.PIPE, subprocess.DEVNULL):
+                os.close(theirs[name])
+    streams = {name: os.fdopen(r, "r" if text else "rb") for name, r in ours}
+    return Forked(args, proc, streams.get("stdout"), streams.get("stderr"))
+
+
+def run_script(args, *, env=None, cwd=None, timeout=None, capture_output=False, text=False,
+               check=False, stdout=None, stderr=None, cold=False) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a test's own Python script, forked as ``spawn_script`` forks it."""
+    if capture_output:
+        stdout = stderr = subprocess.PIPE
+    proc = spawn_script(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text, cold=cold)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+def start(script: Path, *args: str, **extra_env: str):
+    return spawn_script([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True, env=env(**extra_env))
 
 
 def start_running(script: Path, stamp: Path, *args: str) -> subprocess.Popen:

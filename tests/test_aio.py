@@ -1,10 +1,9 @@
 """kempner_resilience.run.aio.run: signals cancel the main task and every task's cleanup runs."""
 
 import signal
-import subprocess
 import sys
 
-from helpers import start, wait_for_file, write_script
+from helpers import run_script, start, wait_for_file, write_script
 
 FIFTY_TASKS = """
 import asyncio, socket, sys
@@ -74,7 +73,7 @@ def test_sigint_cancels_all_tasks_and_exits_130_without_traceback(tmp_path):
 
 def test_one_task_raising_releases_all_fifty(tmp_path):
     log, ready = tmp_path / "log", tmp_path / "ready"
-    proc = subprocess.run([sys.executable, write_script(tmp_path, FIFTY_TASKS), str(log),
+    proc = run_script([sys.executable, write_script(tmp_path, FIFTY_TASKS), str(log),
                            str(ready), "fail"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "one task failed" in proc.stderr

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import env, free_port, wait_for_file, write_script
+from helpers import env, free_port, run_script, spawn_script, wait_for_file, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 EXIT_TIMEOUT_S = 3
@@ -46,7 +46,7 @@ with kr.ResilientRun(cfg) as run:
 
 def _start(tmp_path, rank: int, world: int, port: str, fail_at: int = -1):
     script = write_script(tmp_path, SCRIPT)
-    return subprocess.Popen([sys.executable, str(script), str(tmp_path / "progress"),
+    return spawn_script([sys.executable, str(script), str(tmp_path / "progress"),
                              str(fail_at)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env(RANK=str(rank), WORLD_SIZE=str(world),
                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
@@ -101,7 +101,7 @@ time.sleep(0.05)
 def test_the_interpreter_exit_waits_for_a_busy_gloo_worker_to_finish_what_it_holds(tmp_path):
     script = tmp_path / "gloo_worker.py"
     script.write_text(GLOO_WORKER_AT_EXIT)
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "dropped")], env=env(),
+    out = run_script([sys.executable, str(script), str(tmp_path / "dropped")], env=env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "dropped").read_text() == "dropped"

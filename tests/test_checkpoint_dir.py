@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import kempner_resilience as kr
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 # Attempt 0 trains, asks to be requeued (SIGUSR1) during step 2, and is saved at step 3; a later
@@ -48,7 +48,7 @@ def _attempt(tmp_path, home, restart: int, signal_at: int) -> subprocess.Complet
     e = env(HOME=str(home), KEMPNER_RESTART_COUNT=str(restart))
     for key in [k for k in e if k.startswith("SLURM_")]:
         del e[key]
-    return subprocess.run([sys.executable, str(tmp_path / "script.py"),
+    return run_script([sys.executable, str(tmp_path / "script.py"),
                            str(tmp_path / "config.yaml"), str(signal_at)],
                           cwd=cwd, env=e, capture_output=True, text=True, timeout=120)
 

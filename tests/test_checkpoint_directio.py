@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from helpers import assert_bitwise_equal, env, write_script
+from helpers import assert_bitwise_equal, env, run_script, write_script
 from kempner_resilience.checkpoint import CheckpointManager
 from kempner_resilience.checkpoint.directio import ENV_DIRECT_IO, DirectPool, DirectSink
 from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU
@@ -247,7 +247,7 @@ print("the run started", flush=True)
 def test_direct_io_on_where_the_filesystem_refuses_it_exits_78_naming_the_key_and_the_fix(
         tmp_path, refusing_dir):
     script = write_script(tmp_path, TRAIN)
-    proc = subprocess.run([sys.executable, str(script), str(refusing_dir / "ckpt"),
+    proc = run_script([sys.executable, str(script), str(refusing_dir / "ckpt"),
                            "checkpoint.direct_io=on"], capture_output=True, text=True,
                           timeout=120, env=env(), cwd=tmp_path)
     assert proc.returncode == ExitCode.CONFIG, proc.stderr
@@ -259,7 +259,7 @@ def test_direct_io_on_where_the_filesystem_refuses_it_exits_78_naming_the_key_an
 
 def test_direct_io_auto_where_the_filesystem_refuses_it_runs(tmp_path, refusing_dir):
     script = write_script(tmp_path, TRAIN)
-    proc = subprocess.run([sys.executable, str(script), str(refusing_dir / "ckpt"),
+    proc = run_script([sys.executable, str(script), str(refusing_dir / "ckpt"),
                            "checkpoint.direct_io=auto"], capture_output=True, text=True,
                           timeout=120, env=env(), cwd=tmp_path)
     assert proc.returncode == 0 and "the run started" in proc.stdout, proc.stderr

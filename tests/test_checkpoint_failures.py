@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import toy
-from helpers import fill_disk, free_port, start, write_script
+from helpers import fill_disk, free_port, spawn_script, start, write_script
 from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager, layout
 from kempner_resilience.config import CheckpointConfig
 from kempner_resilience.exitcodes import ExitCode
@@ -173,7 +173,7 @@ def _resume_ranks(root: Path, probe: Path, restricted: set[int], world: int) -> 
                    MASTER_PORT=port, OMP_NUM_THREADS="1")
         cmd = [sys.executable, str(HELPERS / "resume_only.py"), "--dir", str(root),
                "--probe", str(probe)]
-        procs.append(subprocess.Popen((NO_DAC if rank in restricted else []) + cmd, env=env,
+        procs.append(spawn_script((NO_DAC if rank in restricted else []) + cmd, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     try:

@@ -6,15 +6,16 @@ directory that looks committed verifies byte for byte."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from helpers import run_script
 
 HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "kill_torture.py"
 
 
 def test_sigkill_at_random_moments_never_loses_a_committed_checkpoint(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, str(HELPER), str(tmp_path / "ckpt"), "60", "20240"],
+    out = run_script([sys.executable, str(HELPER), str(tmp_path / "ckpt"), "60", "20240"],
                          capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])

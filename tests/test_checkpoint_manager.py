@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from checkpoint_helpers import toy
-from helpers import env, free_port, write_script
+from helpers import env, free_port, run_script, write_script
 from kempner_resilience.checkpoint import (MANIFEST_NAME, CheckpointError, CheckpointInfo,
                                            CheckpointManager)
 from kempner_resilience.config import CheckpointConfig
@@ -209,7 +208,7 @@ def test_a_single_process_whose_default_group_is_gpu_only_saves_and_resumes(tmp_
         assert info.step == 1 and torch.equal(fresh.weight, model.weight)
         print("resumed")
     """)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+    proc = run_script([sys.executable, str(script), str(tmp_path / "ckpt")],
                           capture_output=True, text=True, timeout=120,
                           env=env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
     assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]

@@ -15,14 +15,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 from kempner_resilience.checkpoint import MANIFEST_NAME, CheckpointManager, layout
 from kempner_resilience.config import CheckpointConfig
 
@@ -113,7 +112,7 @@ def planted_run(tmp_path_factory):
               ("step_000000001", "step_000000002", "mydata", foreign_trash.name)}
     before["elsewhere"] = _fingerprint(elsewhere)
     script = write_script(base, RUN)
-    proc = subprocess.run([sys.executable, str(script), str(ckpt)], capture_output=True,
+    proc = run_script([sys.executable, str(script), str(ckpt)], capture_output=True,
                           text=True, env=env(), timeout=120)
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr
     return {"ckpt": ckpt, "elsewhere": elsewhere, "linked": linked, "before": before,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, run_script
 from kempner_resilience.checkpoint import CheckpointManager
 from kempner_resilience.checkpoint.hostbuf import ENV_STAGE_CPU, ENV_STAGE_CPU_GIBPS
 from kempner_resilience.config import CheckpointConfig, StagingMode
@@ -265,7 +264,7 @@ def test_a_faulty_staged_copy_is_caught_before_any_commit_and_the_run_ends_with_
     committed = [e for e in layout.scan(RunPaths(work / "ckpt")) if e.committed]
     assert {stop, 6, 12} <= {e.step for e in committed}
     for e in committed:
-        verify = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "verify",
+        verify = run_script([sys.executable, "-m", "kempner_resilience.cli", "verify",
                                  str(e.path)], capture_output=True, text=True, timeout=120)
         assert verify.returncode == 0, verify.stdout + verify.stderr
 

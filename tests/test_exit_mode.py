@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 EXIT_TIMEOUT_S = 1.0
@@ -38,7 +38,7 @@ def _run(tmp_path, mode: str, **extra_env: str) -> subprocess.CompletedProcess:
     for k in ("SLURM_JOB_ID", "RANK"):
         if k not in extra_env:
             e.pop(k, None)
-    return subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True,
+    return run_script([sys.executable, str(script), mode], capture_output=True, text=True,
                           timeout=120, env=e)
 
 
@@ -75,7 +75,7 @@ def test_raise_mode_never_bounds_or_recodes_the_callers_later_slow_exit(tmp_path
     e = env()
     for k in ("SLURM_JOB_ID", "RANK"):
         e.pop(k, None)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+    proc = run_script([sys.executable, str(script), str(tmp_path / "ckpt")],
                           capture_output=True, text=True, timeout=120, env=e)
     assert proc.returncode == 3, proc.stderr
 
@@ -107,7 +107,7 @@ def test_a_script_that_replaces_the_runs_system_exit_at_its_top_level_exits_with
     e = env()
     for k in ("SLURM_JOB_ID", "RANK"):
         e.pop(k, None)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+    proc = run_script([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, env=e)
     assert proc.returncode == 3, proc.stderr
 

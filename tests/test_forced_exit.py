@@ -9,7 +9,6 @@ exit from the marker it leaves in the checkpoint directory.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import env, free_port, wait_for_file, write_script
+from helpers import env, free_port, spawn_script, wait_for_file, write_script
 
 SCRIPT = """
 import os, sys, time
@@ -49,7 +48,7 @@ def test_when_one_rank_is_forced_out_by_repeated_sigterm_every_rank_exits_143(tm
     script = write_script(tmp_path, SCRIPT)
     port = str(free_port())
     progress = tmp_path / "progress"
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"),
+    procs = [spawn_script([sys.executable, str(script), str(tmp_path / "ckpt"),
                                str(progress)], stdout=subprocess.DEVNULL,
                               stderr=open(tmp_path / f"rank{r}.err", "w"), env=env(RANK=str(r), WORLD_SIZE="2",
                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
@@ -57,7 +56,7 @@ def test_when_one_rank_is_forced_out_by_repeated_sigterm_every_rank_exits_143(tm
     try:
         wait_for_file(tmp_path / f"progress.{forced}", contains="step 5")
         for _ in range(3):
-            os.kill(procs[forced].pid, signal.SIGTERM)
+            procs[forced].send_signal(signal.SIGTERM)   # a no-op once it is gone
             time.sleep(gap_s)
         # Files, not pipes: an undrained pipe could block a rank's stack dump at exit. Bounded
         # generously: under a loaded two-stream suite rank 0 has taken over 60 s to leave

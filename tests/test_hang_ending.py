@@ -10,12 +10,11 @@ watchdog's thread records the ending itself.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.core.ledger import read_ledger
@@ -55,7 +54,7 @@ def test_a_hang_leaves_an_exit_event_with_the_hang_code_and_report_shows_a_hang(
         tmp_path, capsys, how):
     script, ckpt = write_script(tmp_path, HANGS), tmp_path / "ckpt"
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(script), str(ckpt), how], capture_output=True,
+    proc = run_script([sys.executable, str(script), str(ckpt), how], capture_output=True,
                           text=True, timeout=120,
                           env=env(KEMPNER_RESILIENCE_REPORT=str(report)))
     assert proc.returncode == ExitCode.HANG, proc.stderr

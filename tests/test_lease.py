@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import env, free_port, start, write_script
+from helpers import env, free_port, run_script, start, write_script
 from kempner_resilience.checkpoint import layout, lease
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.core.runpaths import RunPaths
@@ -53,7 +53,7 @@ def _wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120.0) ->
 
 
 def _run(script, ckpt, steps, step_s=0.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), str(ckpt), str(steps), str(step_s)],
+    return run_script([sys.executable, str(script), str(ckpt), str(steps), str(step_s)],
                           capture_output=True, text=True, env=env(), timeout=300)
 
 
@@ -75,7 +75,7 @@ def test_a_second_live_run_on_the_directory_exits_78_naming_the_first_which_keep
     assert first.returncode == 0 and "finished" in out, err
     steps = [e.step for e in layout.scan(RunPaths(ckpt)) if e.committed]
     assert steps == list(range(5, 61, 5))
-    verify = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "verify", str(ckpt)],
+    verify = run_script([sys.executable, "-m", "kempner_resilience.cli", "verify", str(ckpt)],
                             capture_output=True, text=True, env=env(), timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert not RunPaths(ckpt).lease.exists()     # given up at the clean exit
@@ -222,7 +222,7 @@ def test_a_holder_frozen_past_the_lease_timeout_and_taken_over_exits_82_having_w
             b.kill()
     committed = [e.step for e in layout.scan(RunPaths(ckpt)) if e.committed]
     assert committed == [35, 40]                       # B's, keep_last=2
-    verify = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "verify", str(ckpt)],
+    verify = run_script([sys.executable, "-m", "kempner_resilience.cli", "verify", str(ckpt)],
                             capture_output=True, text=True, env=env(), timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     # The next run resumes from B's last checkpoint: B's weights, bit for bit.
@@ -234,7 +234,7 @@ def test_a_holder_frozen_past_the_lease_timeout_and_taken_over_exits_82_having_w
 
 
 def _run_holder(script, ckpt, out) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), str(ckpt), "40", "0", "0", str(out)],
+    return run_script([sys.executable, str(script), str(ckpt), "40", "0", "0", str(out)],
                           capture_output=True, text=True, env=env(), timeout=300)
 
 
@@ -287,7 +287,7 @@ def test_a_lease_that_is_a_dangling_symlink_is_taken_over_at_once_with_a_warning
     script, ckpt = write_script(tmp_path, TRAIN), tmp_path / "ckpt"
     ckpt.mkdir()
     os.symlink(tmp_path / "nowhere", RunPaths(ckpt).lease)
-    proc = subprocess.run([sys.executable, str(script), str(ckpt), "10", "0"],
+    proc = run_script([sys.executable, str(script), str(ckpt), "10", "0"],
                           capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "took over the lease" in proc.stderr and "symbolic link" in proc.stderr

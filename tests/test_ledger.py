@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import env, require, write_script
+from helpers import env, require, run_script, spawn_script, write_script
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.demo.launcher import LocalLauncher, train_command
 from kempner_resilience.exitcodes import ExitCode
@@ -130,7 +130,7 @@ def test_report_plot_without_matplotlib_says_how_to_install_it_and_exits_2(twice
     shim.mkdir()
     (shim / "matplotlib.py").write_text("raise ImportError('No module named matplotlib')\n")
     png = tmp_path / "timeline.png"
-    proc = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "report",
+    proc = run_script([sys.executable, "-m", "kempner_resilience.cli", "report",
                            str(work / "ckpt"), "--plot", str(png)], capture_output=True,
                           text=True, timeout=120,
                           env=env(PYTHONPATH=os.pathsep.join([str(shim), *sys.path])))
@@ -176,7 +176,7 @@ def _parses(line: bytes) -> bool:
 def test_sigkill_of_rank_0_while_it_writes_the_ledger_leaves_a_ledger_report_reads(tmp_path):
     path = tmp_path / "ledger.jsonl"
     script = write_script(tmp_path, WRITER)
-    proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
+    proc = spawn_script([sys.executable, str(script), str(path)], stdout=subprocess.PIPE,
                             text=True, env=env())
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.3)

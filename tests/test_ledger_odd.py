@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import env, require
+from helpers import env, require, run_script
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.demo.launcher import train_command
 from kempner_resilience.core.goodput import analyze
@@ -30,7 +30,7 @@ RUN = "20261123-141734-f7d8c087"       # the run id of the docs' ledger
 def _demo(ckpt: Path, steps: int = 4) -> subprocess.CompletedProcess:
     cmd = train_command(steps, step_time=0.0, out=ckpt.parent / "w.pt",
                         overrides=[f"checkpoint.dir={ckpt}", "checkpoint.every_steps=2"])
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    return run_script(cmd, capture_output=True, text=True, timeout=300, env=env())
 
 
 def _line(**ev) -> bytes:

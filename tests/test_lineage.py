@@ -158,15 +158,14 @@ with kr.ResilientRun(cfg, state={"model": model}) as run:
 
 def test_every_committed_step_overwritten_exits_78_naming_them_and_the_fix_and_frees_the_dir(
         tmp_path):
-    import subprocess
     import sys
 
-    from helpers import env, write_script
+    from helpers import env, run_script, write_script
 
     ck = tmp_path / "ck"
     train(ck, 30, every=5)
     assert overwrite_every_step(ck) == [20, 25, 30]
-    proc = subprocess.run([sys.executable, str(write_script(tmp_path, REFUSED)), str(ck)],
+    proc = run_script([sys.executable, str(write_script(tmp_path, REFUSED)), str(ck)],
                           capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 78, proc.stderr
     assert "Traceback" not in proc.stderr and "trained" not in proc.stdout
@@ -365,10 +364,10 @@ def _two_ranks(script: Path, *args: object) -> list[str]:
     import subprocess
     import sys
 
-    from helpers import env, free_port
+    from helpers import env, free_port, spawn_script
 
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)],
+    procs = [spawn_script([sys.executable, str(script), *map(str, args)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port,

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.core.runpaths import RunPaths
 
@@ -64,12 +64,12 @@ def trained(tmp_path_factory):
 
 
 def _train(script, ckpt, steps) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), str(ckpt), str(steps)],
+    return run_script([sys.executable, str(script), str(ckpt), str(steps)],
                           capture_output=True, text=True, env=env(), timeout=120)
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kempner_resilience.cli", *args],
+    return run_script([sys.executable, "-m", "kempner_resilience.cli", *args],
                           capture_output=True, text=True, env=env(), timeout=60)
 
 

@@ -21,7 +21,7 @@ from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.supervise.channel import CHANNEL_ENV
 from kempner_resilience.supervise.endings import RankEnding, note_ending, peer_decision
 from kempner_resilience.supervise.policy import Action, RankEnd
-from helpers import RESCUE_JOB, assert_bitwise_equal, env, free_port
+from helpers import RESCUE_JOB, assert_bitwise_equal, env, free_port, spawn_script
 
 STEPS, EVERY = 24, 4
 
@@ -38,7 +38,7 @@ def _launch(work: Path, *extra: str, timeout: float = 240.0,
         e = env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         e.pop(CHANNEL_ENV, None)
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs.append(spawn_script(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=e, cwd=work))
     outs = []
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import env, write_script
+from helpers import env, run_script, spawn_script, write_script
 from kempner_resilience.exitcodes import ExitCode
 from slurm_fixtures import require_modules
 
@@ -53,7 +53,7 @@ def _rank_of_job_5(tmp_path: Path, when: str) -> subprocess.CompletedProcess:
     e |= {"PATH": f"{bindir}:/usr/bin:/bin", "SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0",
           "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_OPEN_MODE": "a"}
     script = write_script(tmp_path, TRAIN)
-    return subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), when],
+    return run_script([sys.executable, str(script), str(tmp_path / "ckpt"), when],
                           capture_output=True, text=True, timeout=120, env=e)
 
 
@@ -86,7 +86,7 @@ def test_a_ray_driver_leaving_after_a_stop_keeps_its_code_under_sigterms_until_i
         tmp_path):
     ready = tmp_path / "ready"
     script = write_script(tmp_path, KEEPS_THE_CODE)
-    driver = subprocess.Popen([sys.executable, str(script), str(ready)], env=env(),
+    driver = spawn_script([sys.executable, str(script), str(ready)], env=env(),
                               stderr=subprocess.PIPE, text=True)
     # SIGTERMs back to back from the moment the handlers are in place to the driver's end.
     storm = subprocess.Popen(["bash", "-c", f"until [ -e {ready} ]; do sleep 0.01; done; "
@@ -121,7 +121,7 @@ def test_after_ray_shuts_down_a_sigterm_still_meets_the_handler_python_names(tmp
     require_modules("ray")
     e = env()
     e.pop("RANK", None)
-    proc = subprocess.run([sys.executable, str(write_script(tmp_path, AFTER_RAY))],
+    proc = run_script([sys.executable, str(write_script(tmp_path, AFTER_RAY))],
                           capture_output=True, text=True, timeout=120, env=e)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "handled" in proc.stdout and "alive" in proc.stdout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 
 # A user's script that never touches `logging`: Python then shows WARNING and above only.
 TRAIN = """
@@ -25,7 +25,7 @@ with kr.ResilientRun(cfg, state={"model": model}) as run:
 
 def _run(tmp_path, steps: int) -> subprocess.CompletedProcess:
     script = write_script(tmp_path, TRAIN)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), str(steps)],
+    proc = run_script([sys.executable, str(script), str(tmp_path / "ckpt"), str(steps)],
                           capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import env, free_port, start, write_script
+from helpers import env, free_port, run_script, start, write_script
 from kempner_resilience.checkpoint import CheckpointManager
 from kempner_resilience.checkpoint.info import StateMismatchError
 from kempner_resilience.config import CheckpointConfig
@@ -69,7 +69,7 @@ print("finished at step", run.step, flush=True)
 
 def _run(tmp_path: Path, variant: str, steps: int, *sets: str) -> subprocess.CompletedProcess:
     script = write_script(tmp_path, SCRIPT, "train.py")
-    return subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), variant,
+    return run_script([sys.executable, str(script), str(tmp_path / "ckpt"), variant,
                            str(steps), *sets], capture_output=True, text=True, timeout=180,
                           env=env())
 

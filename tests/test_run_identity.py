@@ -79,15 +79,13 @@ def test_an_explicit_run_id_names_a_new_directory(tmp_path):
 
 def _demo(ckpt_dir, steps):
     """One attempt of the demo job in its own process: checkpoints every 2 steps, keeps 2."""
-    import subprocess
-
-    from helpers import env
+    from helpers import env, run_script
     from kempner_resilience.demo.launcher import train_command
 
     cmd = train_command(steps, step_time=0.0, out=ckpt_dir.parent / "w.pt",
                         overrides=[f"checkpoint.dir={ckpt_dir}", "checkpoint.every_steps=2",
                                    "checkpoint.keep_last=2"])
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
+    return run_script(cmd, capture_output=True, text=True, timeout=300, env=env())
 
 
 def test_a_truncated_run_json_is_repaired_and_the_run_resumes_under_its_old_id(tmp_path):

@@ -10,14 +10,13 @@ run resumes a checkpoint saved for real, in a process inside a SLURM-like enviro
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 import kempner_resilience as kr
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 from kempner_resilience.config import load_config
 from kempner_resilience.checkpoint.identity import RUN_ID_ENV
 from kempner_resilience.slurm.budget import SaveFacts, save_budget
@@ -145,14 +144,14 @@ def test_start_up_and_doctor_warn_when_the_measured_save_cannot_fit_in_the_signa
     # doctor inside the job, before the next attempt: it reads the checkpoint that attempt
     # resumes from.
     e = slurm_like_env(tmp_path)
-    doctor = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "doctor", "--set",
+    doctor = run_script([sys.executable, "-m", "kempner_resilience.cli", "doctor", "--set",
                              f"checkpoint.dir={ckpt}", "--set",
                              "requeue.time_limit_stop=false"], env=e, capture_output=True,
                             text=True, timeout=120)
     [said] = [line for line in doctor.stdout.splitlines() if "[signal-lead-short]" in line]
     assert "fix: ask for `#SBATCH --signal=USR1@120`" in doctor.stdout
 
-    second = subprocess.run([sys.executable, str(script), str(ckpt), "6"], env=e,
+    second = run_script([sys.executable, str(script), str(ckpt), "6"], env=e,
                             capture_output=True, text=True, timeout=120)
     assert second.returncode == 0 and "done at 6" in second.stdout, second.stderr
     [warning] = [line for line in second.stderr.splitlines() if "[signal-lead-short]" in line]

@@ -23,6 +23,7 @@ from kempner_resilience.demo.launcher import free_port
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.core.faults import is_peer_failure
 from kempner_resilience.core.runpaths import RunPaths
+from helpers import spawn_script
 
 HELPER = Path(__file__).resolve().parent / "checkpoint_helpers" / "stop_in_save.py"
 STEPS, EVERY, STOP_AT = 8, 2, 4
@@ -42,7 +43,7 @@ def _launch(work: Path, restart: int, *extra: str) -> list[subprocess.Popen]:
                    KEMPNER_RESTART_COUNT=str(restart), PYTHONUNBUFFERED="1",
                    KEMPNER_RESILIENCE_REPORT=str(work / f"report.{restart}.json"))
         with open(work / f"rank{rank}.{restart}.log", "w") as log:
-            procs.append(subprocess.Popen(
+            procs.append(spawn_script(
                 [sys.executable, str(HELPER), "--steps", str(STEPS), "--out",
                  str(work / "weights.pt"), "--set", f"checkpoint.dir={work / 'ckpt'}",
                  "--set", f"checkpoint.every_steps={EVERY}",

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, assert_bitwise_equal
+from helpers import REPO, assert_bitwise_equal, run_script
 from kempner_resilience.demo.launcher import LocalLauncher
 from kempner_resilience.exitcodes import ExitCode
 
@@ -146,7 +145,7 @@ def test_a_sharded_checkpoint_resumes_at_another_mesh_with_every_value_equal(
 
 
 def _cli(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "kempner_resilience.cli", *args],
+    proc = run_script([sys.executable, "-m", "kempner_resilience.cli", *args],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout

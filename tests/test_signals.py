@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import rank0_with_stuck_peer, start, wait_for_file, write_script
+from helpers import rank0_with_stuck_peer, run_script, start, wait_for_file, write_script
 from kempner_resilience import ShutdownHandler, load_config
 from kempner_resilience.exitcodes import ExitCode
 
@@ -72,7 +72,7 @@ def test_signal_while_blocked_in_gloo_allreduce_exits_at_the_deadline_with_a_sta
 
 
 def test_usr1_in_a_normal_loop_stops_at_the_next_step_boundary_with_the_requeue_code(tmp_path):
-    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
+    proc = run_script([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
                            "5=SIGUSR1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == ExitCode.REQUEUE, proc.stderr
     assert ran_steps(proc.stdout) == list(range(6))
@@ -80,7 +80,7 @@ def test_usr1_in_a_normal_loop_stops_at_the_next_step_boundary_with_the_requeue_
 
 
 def test_sigterm_stops_at_the_next_boundary_with_143(tmp_path):
-    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
+    proc = run_script([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
                            "3=SIGTERM"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 143, proc.stderr
     assert ran_steps(proc.stdout)[-1] == 3
@@ -90,13 +90,13 @@ def test_a_signal_with_action_stop_exits_with_stopped(tmp_path):
     script = write_script(tmp_path, LOOP.replace('"watchdog.hang_timeout_s=0"',
                                                  '"watchdog.hang_timeout_s=0", '
                                                  '"signals.actions.SIGUSR2=stop"'))
-    proc = subprocess.run([sys.executable, script, "100", "0.01", "2=SIGUSR2"],
+    proc = run_script([sys.executable, script, "100", "0.01", "2=SIGUSR2"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == ExitCode.STOPPED, proc.stderr
 
 
 def test_single_ctrl_c_stops_gracefully_with_130_and_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
+    proc = run_script([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
                            "4=SIGINT"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130
     assert ran_steps(proc.stdout)[-1] == 4
@@ -150,7 +150,7 @@ def test_a_parent_death_signal_repeated_by_each_exiting_thread_is_one_graceful_s
     from kempner_resilience.stop.signals import PARENT_DEATH_SIGNAL
 
     pdeath = str(PARENT_DEATH_SIGNAL)
-    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
+    proc = run_script([sys.executable, write_script(tmp_path, LOOP), "100", "0.01",
                            f"3={pdeath},{pdeath},{pdeath},SIGTERM"], capture_output=True,
                           text=True, timeout=120, env={**os.environ, **_as_torchrun_worker()})
     assert proc.returncode == ExitCode.SIGTERM, proc.stderr
@@ -213,7 +213,7 @@ def test_a_signal_arriving_while_another_is_being_recorded_does_not_deadlock_the
 def test_sigterm_after_usr1_does_not_abort_the_graceful_shutdown(tmp_path):
     # The SLURM time limit: USR1 first, SIGTERM later while the checkpoint may still be written.
     # Forcing exit then would throw the checkpoint away; the step finishes and the run requeues.
-    proc = subprocess.run([sys.executable, write_script(tmp_path, LOOP), "100", "1.0",
+    proc = run_script([sys.executable, write_script(tmp_path, LOOP), "100", "1.0",
                            "2=SIGUSR1,SIGTERM"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == ExitCode.REQUEUE, proc.stderr
     assert ran_steps(proc.stdout)[-1] == 2
@@ -328,7 +328,7 @@ with kr.ResilientRun(cfg) as run:
 @pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM"])
 def test_signal_is_observed_within_100ms_while_the_main_thread_blocks_in_c(tmp_path, name):
     out = tmp_path / "latency"
-    proc = subprocess.run([sys.executable, write_script(tmp_path, BLOCKED_ON_MUTEX), str(out),
+    proc = run_script([sys.executable, write_script(tmp_path, BLOCKED_ON_MUTEX), str(out),
                            name], capture_output=True, text=True, timeout=60)
     assert proc.returncode == ExitCode.DEADLINE, proc.stderr
     assert float(out.read_text()) < 0.1

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 from kempner_resilience.supervise.channel import CHANNEL_ENV, Channel, RunReport
 
 SCRIPT = """
@@ -37,7 +37,7 @@ def _train(tmp_path: Path, steps: int, channel: Channel | None) -> subprocess.Co
     e = env(**extra)
     if channel is None:
         e.pop(CHANNEL_ENV, None)
-    return subprocess.run([sys.executable, str(script), "ckpts", str(steps)], cwd=tmp_path,
+    return run_script([sys.executable, str(script), "ckpts", str(steps)], cwd=tmp_path,
                           env=e, capture_output=True, text=True, timeout=120)
 
 
@@ -176,7 +176,7 @@ def test_a_restart_count_set_by_hand_in_the_old_variable_is_read_with_a_deprecat
     script = write_script(tmp_path, SCRIPT)
     e = env(KEMPNER_RESTART_COUNT="2")
     e.pop(CHANNEL_ENV, None)
-    res = subprocess.run([sys.executable, str(script), "ckpts", "3"], cwd=tmp_path, env=e,
+    res = run_script([sys.executable, str(script), "ckpts", "3"], cwd=tmp_path, env=e,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _attempts(tmp_path) == {2}
@@ -210,7 +210,7 @@ def test_a_relaunch_set_by_hand_in_the_old_variables_is_honoured_with_one_deprec
     e = env(KEMPNER_RESILIENCE_IN_JOB_RESTART="2",
             KEMPNER_RESILIENCE_RELAUNCH_START=repr(launched))
     e.pop(CHANNEL_ENV, None)
-    res = subprocess.run([sys.executable, str(script), "ckpts", "3"], cwd=tmp_path, env=e,
+    res = run_script([sys.executable, str(script), "ckpts", "3"], cwd=tmp_path, env=e,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     [start] = _start_events(tmp_path)
@@ -228,7 +228,7 @@ def test_a_torchrun_rendezvous_set_by_hand_in_the_old_variable_is_offered_with_o
             "print(offered_relaunch())\n")
     e = env(KEMPNER_RESILIENCE_RELAUNCH=json.dumps(offer))
     e.pop(CHANNEL_ENV, None)
-    res = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+    res = run_script([sys.executable, "-c", code], env=e, capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stderr[-3000:]
     said = "Relaunch(endpoint='h:29400', run_id='r', restarts_left=2, stale_s=6.0)"

@@ -1,11 +1,10 @@
 """Teardown: cleanups run newest first, each bounded, isolated from the others' failures."""
 
-import subprocess
 import sys
 import threading
 import time
 
-from helpers import write_script
+from helpers import run_script, write_script
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.stop.teardown import TeardownStack
 
@@ -72,7 +71,7 @@ with kr.ResilientRun(cfg) as run:
 
 
 def test_an_executor_with_a_stuck_task_does_not_keep_the_process_alive(tmp_path):
-    proc = subprocess.run([sys.executable, write_script(tmp_path, EXECUTOR)],
+    proc = run_script([sys.executable, write_script(tmp_path, EXECUTOR)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == ExitCode.SIGTERM, proc.stderr
     assert "user cleanup ran" in proc.stdout

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import env, require, write_script
+from helpers import env, require, spawn_script, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 TRAIN = """
@@ -83,7 +83,7 @@ def attempt(tmp_path: Path, steps: int, *, wandb_on: bool = True,
     script = write_script(tmp_path, TRAIN, "train.py")
     progress = tmp_path / "progress"
     progress.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"), str(progress),
+    proc = spawn_script([sys.executable, str(script), str(tmp_path / "ckpt"), str(progress),
                              str(steps), str(wandb_on).lower()], env=wandb_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if interrupt_at is not None:

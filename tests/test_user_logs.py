@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, RESCUE_JOB, buddy_ring_of_two, env, write_script
+from helpers import REPO, RESCUE_JOB, buddy_ring_of_two, env, run_script, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 CLI = [sys.executable, "-m", "kempner_resilience.cli"]
@@ -249,7 +249,7 @@ with kr.ResilientRun(cfg, state={"model": torch.nn.Linear(2, 2)}) as run:
 def test_a_dead_hang_monitor_is_reported_once_not_after_every_save(tmp_path):
     script = write_script(tmp_path, KILL_THE_MONITOR)
     (tmp_path / "ckpt").mkdir()
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+    proc = run_script([sys.executable, str(script), str(tmp_path / "ckpt")],
                           capture_output=True, text=True, timeout=180, env=env())
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("checkpoint step") >= 18, "the saves after its death happened"
@@ -265,7 +265,7 @@ def work_dir(tmp_path_factory) -> Path:
     """A work directory holding one run's checkpoint.dir two levels down (work/run1/ckpt)."""
     work = tmp_path_factory.mktemp("work")
     (work / "run1").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "kempner_resilience.demo.train", "--steps", "6",
+    proc = run_script([sys.executable, "-m", "kempner_resilience.demo.train", "--steps", "6",
                            "--quiet", "--set", f"checkpoint.dir={work / 'run1' / 'ckpt'}",
                            "--set", "checkpoint.every_steps=2"],
                           capture_output=True, text=True, timeout=300, env=env())

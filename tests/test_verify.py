@@ -23,6 +23,7 @@ from kempner_resilience.checkpoint.crc import crc32_combine
 from kempner_resilience.checkpoint.layout import file_crc
 from kempner_resilience.cli import main as cli_main
 from kempner_resilience.config import CheckpointConfig
+from helpers import run_script
 
 CLI = str(Path(sys.executable).parent / "kempner-resilience")
 
@@ -256,7 +257,7 @@ def test_ls_says_that_sizes_ok_did_not_read_the_data_and_checksums_find_a_flippe
     data.write_bytes(bytes(raw))
 
     def ls(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kempner_resilience.cli", "ls",
+        return run_script([sys.executable, "-m", "kempner_resilience.cli", "ls",
                                str(tmp_path), *extra], capture_output=True, text=True,
                               timeout=120)
     quick = ls()

@@ -6,11 +6,10 @@ ctypes.PyDLL), where only the kernel-timer backstop can. A catastrophic regex wo
 the second: the `re` engine checks for signals, so a SIGALRM-based watchdog would wrongly pass.
 """
 
-import subprocess
 import sys
 import time
 
-from helpers import rank0_with_stuck_peer, wait_for_file, write_script
+from helpers import rank0_with_stuck_peer, run_script, wait_for_file, write_script
 from kempner_resilience.exitcodes import ExitCode
 
 HANG_IN_ALLREDUCE = """
@@ -70,7 +69,7 @@ def test_hang_that_holds_the_gil_still_exits_with_hang_code_and_stacks(tmp_path)
     timeout = 2.0
     stamp = tmp_path / "stamp"
     script = write_script(tmp_path, HANG_HOLDING_THE_GIL)
-    proc = subprocess.run([sys.executable, script, str(stamp), str(timeout)],
+    proc = run_script([sys.executable, script, str(stamp), str(timeout)],
                           capture_output=True, text=True, timeout=120)
     ended = time.monotonic()
     assert proc.returncode == ExitCode.HANG, proc.stderr
@@ -90,7 +89,7 @@ def test_steady_progress_is_not_a_hang(tmp_path):
                 time.sleep(0.05)   # 2 s in all, each step well inside the budget
         print("done")
     """)
-    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    proc = run_script([sys.executable, script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "done" in proc.stdout
 
@@ -125,7 +124,7 @@ print("finished", flush=True)
 
 def test_a_checkpoint_save_longer_than_the_hang_timeout_is_not_a_hang(tmp_path):
     script = write_script(tmp_path, SLOW_SAVE)
-    proc = subprocess.run([sys.executable, script, str(tmp_path / "ckpt")], capture_output=True,
+    proc = run_script([sys.executable, script, str(tmp_path / "ckpt")], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "finished" in proc.stdout

@@ -163,9 +163,11 @@ class WarmProcess:
         return self._code
 
     def send_signal(self, signum: int) -> None:
-        # Only while the zygote has not reaped it: a reaped pid may already be another's.
+        # Only while the zygote has not reaped it: a reaped pid may already be another's. One
+        # reaped a moment ago is gone, as for ``Popen``.
         if self._code is None:
-            os.kill(self.pid, signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
