@@ -1,11 +1,7 @@
-"""submitit's local controller as a supervisor on the one policy (``supervise/policy.py``).
-
-submitit's own controller reruns a job's tasks only when one exits 144 (its requeue code): a
-rank that rescued a lost peer and exited 81, or a rank killed beside it, ended the job without
-its result. ``ResilientController`` (``local.py``) asks the policy instead after each launch,
-from the tasks' return codes, its kills and the channel. No submitit import: the failure
-matrix runs it as is. The controller is the scheduler: REQUEUE and RELAUNCH both start the
-tasks again.
+"""A local submitit job's evidence for the one policy (``supervise/policy.py``): the tasks'
+return codes (144, submitit's requeue code, read as REQUEUE), the controller's kills and the
+channel. The controller is the scheduler: REQUEUE and RELAUNCH both start the tasks again.
+No submitit import: the failure matrix runs it as is.
 """
 
 from __future__ import annotations
@@ -30,18 +26,18 @@ _DEFAULT = RequeueConfig(max_restarts=DEFAULT_MAX_RESTARTS)
 
 @dataclass
 class Supervision(Progress):
-    """One local job's run-again decisions, launch after launch: the controller calls
-    ``starting()`` before it starts the tasks and ``after(codes, killed)`` once they ended."""
+    """One local job's run-again decisions: the controller calls ``starting()`` before it
+    starts the tasks and ``after(codes, killed)`` once they ended."""
 
     channel: Channel
     restarts: int = 0            # relaunches so far
 
     def evidence(self, codes: Sequence[int | None], killed: Sequence[int] = ()) -> Evidence:
-        """The policy's evidence after a launch: the tasks' endings (144 read as REQUEUE), the
-        run's budget and the no-progress guard's evidence (none before a rank reported its run)."""
+        """The policy's evidence after a launch: the tasks' endings, the run's budget and the
+        no-progress guard's evidence (none before a rank reported its run)."""
+        limit = self.channel.requeue(_DEFAULT).restart_limit
         return Evidence(ends_of(codes, killed, {LOCAL_REQUEUE_CODE: int(ExitCode.REQUEUE)}),
-                        restarts=self.restarts, max_restarts=self.channel.requeue(_DEFAULT).restart_limit,
-                        **self.guard())
+                        restarts=self.restarts, max_restarts=limit, **self.guard())
 
     def after(self, codes: Sequence[int | None], killed: Sequence[int] = ()) -> Decision:
         """The policy's decision after a launch; what it carries goes to the next one."""

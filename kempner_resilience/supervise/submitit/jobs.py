@@ -1,12 +1,9 @@
-"""submitit integration: resilient training jobs submitted from Python or a notebook
-(``docs/submitit.md``). The submitted function trains under ``ResilientRun`` as any script would:
+"""submitit integration: resilient training jobs submitted from Python or a notebook.
 
-* Signals. ``ResilientJob.__call__`` takes over submitit's (``env.SignalTakeover``) before the
-  function runs: the run stops every rank at one boundary, commits, and rank 0 requeues.
-* Resubmission. A requeued job reruns submitit's unchanged ``*_submitted.pkl``: a small
-  ``ResilientJob`` (never model state, which ``check_small`` refuses) that resumes.
-* Supervision. ``submit`` adopts a SLURM executor into ``slurm.py``'s (our srun step loop)
-  and a local one into ``local.py``'s (our controller): both ask the one policy.
+``ResilientJob`` runs the submitted function under ``ResilientRun`` in a task set up for it
+(ranks, config file, submitit's signals taken over); a requeued job reruns its small pickle and
+resumes; ``submit`` puts it under our supervisor (``local.py``, ``slurm.py``) and ``wait``
+follows it through requeues. See ``docs/submitit.md``.
 """
 
 from __future__ import annotations
@@ -18,26 +15,26 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from kempner_resilience.config import ResilienceConfig, load_config
-from kempner_resilience.exitcodes import ExitCode
-from kempner_resilience.supervise.submitit.client import interrupt, make_executor, wait
-from kempner_resilience.supervise.submitit.env import (SignalTakeover, in_local_task,
-                                                       in_submitit_job, preempt_signal,
-                                                       preempt_when_controller_dies,
-                                                       setup_local_env, setup_rank_env,
-                                                       write_config_file)
+from kempner_resilience.config import ResilienceConfig, load_config, normalize_signal
+from kempner_resilience.core.fileio import write_atomic
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.core.startup import record_early_signal
+from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.channel import CHANNEL_ENV
 from kempner_resilience.supervise.submitit.evidence import LOCAL_REQUEUE_CODE
 
 __all__ = ["ResilientJob", "submit", "submit_array", "make_executor", "wait", "interrupt",
-           "preempt_signal",
-           "check_small", "resolve_callable", "MAX_PICKLE_BYTES", "LOCAL_REQUEUE_CODE"]
+           "preempt_signal", "check_small", "resolve_callable", "MAX_PICKLE_BYTES",
+           "LOCAL_REQUEUE_CODE"]
 
+# One logger for the whole integration (local.py's too): users filter their logs on it.
 log = get_logger(__name__)
 
 # A resubmission pickle is a function reference and a few paths and numbers: a few KiB. A
@@ -46,27 +43,22 @@ MAX_PICKLE_BYTES = 1 << 20
 
 _SIGTERM_MODES = ("ignore", "stop")
 
-
-# ------------------------------------------------------------------------- the job object
-
-def _checkpointable_base() -> type:
-    try:
-        from submitit.helpers import Checkpointable
-    except ImportError:  # the class still works as a plain callable without submitit
-        return object
-    return Checkpointable
+try:
+    from submitit.helpers import Checkpointable as _Base
+except ImportError:  # the class still works as a plain callable without submitit
+    _Base = object
 
 
-class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
+class ResilientJob(_Base):  # type: ignore[misc, valid-type]
     """A submitit-submittable callable that runs ``fn(*args, **kwargs)`` under our signal
     handling; ``fn`` trains with ``ResilientRun`` and resumes from its checkpoints.
 
-    ``fn``: a picklable top-level function or its import path (``"pkg.module:function"``),
-    resolved in the job. ``config``: a YAML path (read in the job), a ``ResilienceConfig`` or a
-    dict, or None for the defaults. ``overrides`` (``"section.key=value"``) apply on top, after
-    our signal defaults (the preemption signal requeues, SIGTERM per ``sigterm``). Keep
-    ``args``/``kwargs`` small. In the job, ``fn`` gets the resolved config as ``config=`` when
-    it takes one; ``$KEMPNER_RESILIENCE_CONFIG`` names a copy for ``load_config()``.
+    ``fn``: a picklable top-level function or its import path (``"pkg.module:function"``).
+    ``config``: a YAML path (read in the job), a ``ResilienceConfig``, a dict, or None for the
+    defaults. ``overrides`` (``"section.key=value"``) apply after our signal defaults (the
+    preemption signal requeues, SIGTERM per ``sigterm``). Keep ``args``/``kwargs`` small. ``fn``
+    gets the resolved config as ``config=`` when it takes one; ``$KEMPNER_RESILIENCE_CONFIG``
+    names a copy for ``load_config()``.
     """
 
     def __init__(self, fn: Callable[..., Any] | str, *args: Any,
@@ -94,8 +86,6 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
         self.resolve_config()  # fail in the notebook, not minutes later in the queue...
         check_small(self)  # ...and never ship model state in the pickle
 
-    # -------------------------------------------------------------- client side
-
     def __repr__(self) -> str:
         name = self.fn if isinstance(self.fn, str) else getattr(self.fn, "__qualname__", self.fn)
         return (f"ResilientJob({name}, args={self.args!r}, kwargs={self.kwargs!r}, "
@@ -109,8 +99,7 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """What submitit pickles for the requeued job: a fresh instance, never live state.
-        Only submitit's own handler calls it, when its signal lands before ``__call__``
-        replaced it."""
+        Only submitit's own handler calls it, when its signal lands before ``__call__``."""
         from submitit.helpers import DelayedSubmission
 
         log.warning("submitit checkpoint() called: resubmitting %r; the training resumes from "
@@ -124,35 +113,33 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
         if preempt != "SIGTERM":
             out.append(f"signals.actions.SIGTERM={'off' if self.sigterm == 'ignore' else 'stop'}")
         if in_local_task() and not os.environ.get(CHANNEL_ENV):
-            # Under submitit's own controller (no supervisor channel: ResilientJob submitted
-            # without ``submit``), the run's SystemExit must reach __call__, which turns a
-            # requeue (75) into its requeue code 144; in `exit` mode the process would leave
-            # with 75 anyway. Our controller reads the run's own codes (81, 42, 75).
+            # Under submitit's own controller (no channel: not submitted with ``submit``) the
+            # run's SystemExit must reach __call__, which turns REQUEUE (75) into 144; in
+            # `exit` mode the process would leave with 75. Our controller reads 81, 42, 75.
             out.append("watchdog.exit_mode=raise")
         return out
 
     def resolve_config(self) -> ResilienceConfig:
         """The configuration the function runs with (reads the YAML file, if a path)."""
-        overrides = [*self.signal_overrides(), *self.overrides]
-        if isinstance(self.config, dict):
-            cfg = ResilienceConfig.from_dict(self.config, "config dict")
-            return load_config(cfg.to_dict(), overrides) if overrides else cfg
-        if self.config is not None and not Path(self.config).is_file() and not in_submitit_job():
+        config = self.config
+        if isinstance(config, dict):   # its mistakes are named as the dict's
+            config = ResilienceConfig.from_dict(config, "config dict").to_dict()
+        elif config is not None and not Path(config).is_file() and not in_submitit_job():
             # Relative paths are read in the job's working directory; only warn here.
             log.warning("config %s is not a file here; the job will look for it in its own "
-                        "working directory", self.config)
-            return load_config(None, overrides)
-        return load_config(self.config, overrides)
-
-    # -------------------------------------------------------------- job side
+                        "working directory", config)
+            config = None
+        return load_config(config, [*self.signal_overrides(), *self.overrides])
 
     def __call__(self) -> Any:
         local = in_local_task()
         controller = os.getppid()
         if local:
             setup_local_env()
-        else:
-            setup_rank_env()
+        elif os.environ.get("SLURM_JOB_ID"):   # submitit starts one task per rank with srun
+            from kempner_resilience.slurm import setup_torch_env
+
+            setup_torch_env()
         fn = resolve_callable(self.fn)
         cfg = self.resolve_config()
         os.environ["KEMPNER_RESILIENCE_CONFIG"] = write_config_file(cfg)
@@ -178,6 +165,156 @@ class ResilientJob(_checkpointable_base()):  # type: ignore[misc]
             raise
         finally:
             takeover.finish()
+
+
+# ------------------------------------------------------------------------- in the task
+
+# A local task inherits the notebook's environment: inside an allocation these would make the
+# run `scontrol requeue` the allocation itself, and a stale RANK would make every task rank 0.
+OUTER_JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
+
+
+def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A local executor's task: the rank variables from ``SUBMITIT_LOCAL_*``, a port from the
+    job id, and ``KEMPNER_RESTART_COUNT`` (submitit's controller restarts tasks without saying
+    so: from our controller's channel, else counted in a file). Returns what was set."""
+    from kempner_resilience.slurm.env import master_port
+    from kempner_resilience.supervise.rank import restarts_said
+
+    env: Any = os.environ if environ is None else environ
+    for key in OUTER_JOB_VARS:
+        env.pop(key, None)
+    job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "") or str(os.getppid())
+    rank = env.get("SUBMITIT_LOCAL_GLOBALID", "0")
+    world = env.get("SUBMITIT_LOCAL_NTASKS", "1")
+    said = restarts_said(env)
+    values = {"RANK": rank, "WORLD_SIZE": world,
+              "LOCAL_RANK": env.get("SUBMITIT_LOCAL_LOCALID", rank), "LOCAL_WORLD_SIZE": world,
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port(job_id)),
+              "KEMPNER_RESTART_COUNT": str(said if said is not None
+                                           else count_start(env, job_id, rank))}
+    env.update(values)
+    log.debug("local submitit task: %s", values)
+    return values
+
+
+def preempt_when_controller_dies() -> None:
+    """Ask for the preemption signal when the local controller dies (submitit's own
+    ``job._interrupt()`` kills it): the tasks checkpoint instead of training on unseen."""
+    from kempner_resilience.supervise.local.warm import parent_death
+
+    parent = os.getppid()
+    ask = parent_death(preempt_signal())
+    if ask is not None:
+        ask()
+        if os.getppid() != parent:       # it died before the request: act now
+            os.kill(os.getpid(), preempt_signal())
+
+
+def _task_file(folder: str, name: str) -> Path:
+    """``name`` in the job's submitit ``folder``, else in the temporary directory."""
+    return (Path(folder) if folder and Path(folder).is_dir() else Path(tempfile.gettempdir())) / name
+
+
+def count_start(env: Mapping[str, str], job_id: str, rank: str) -> int:
+    """Earlier starts of this task of this local job; records this one."""
+    folder = env.get("SUBMITIT_FOLDER", "").replace("%j", job_id)
+    path = _task_file(folder, f"{job_id}_{rank}_kr_starts")
+    try:
+        before = len(path.read_text().splitlines()) if path.exists() else 0
+        with open(path, "a") as f:
+            f.write(f"{time.time():.3f}\n")
+    except OSError as e:   # the count only feeds the restart budget and the ledger
+        log.warning("cannot count this task's starts in %s (%s): taken as the first", path, e)
+        return 0
+    return before
+
+
+def write_config_file(cfg: ResilienceConfig) -> str:
+    """The resolved ``cfg`` in this task's file, for ``$KEMPNER_RESILIENCE_CONFIG``; its path."""
+    import yaml
+
+    env = os.environ
+    job = env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID") or "local"
+    rank = env.get("SLURM_PROCID", env.get("RANK", "0"))
+    path = _task_file(env.get("SUBMITIT_FOLDER", ""), f"{job}_{rank}_resilience.yaml")
+    # Read by this task's own processes and rewritten at every start: whole, not fsynced.
+    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False), durable=False)
+    return str(path)
+
+
+def preempt_signal() -> int:
+    """submitit's preemption signal (``$SUBMITIT_PREEMPT_SIGNAL``, default ``SIGUSR2``)."""
+    return int(getattr(signal, normalize_signal(os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))))
+
+
+def in_local_task() -> bool:
+    """True in a task that submitit's local executor started."""
+    return os.environ.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in os.environ
+
+
+def in_submitit_job() -> bool:
+    """True in a job process that submitit started, under SLURM or its local executor."""
+    return bool(os.environ.get("SUBMITIT_FOLDER")) and (bool(os.environ.get("SLURM_JOB_ID"))
+                                                        or in_local_task())
+
+
+class SignalTakeover:
+    """Replaces submitit's job-process handlers for the preemption signal and SIGTERM.
+
+    The preemption signal is the run's inside a ``ResilientRun``, kept for the run to replay
+    before one, ignored after the function returned. SIGTERM: ignored as submitit does, or
+    with ``sigterm="stop"`` the default action outside a run and the run's STOP inside one.
+    """
+
+    def __init__(self, preempt_signum: int, sigterm: str = "ignore") -> None:
+        self.preempt = preempt_signum
+        self.sigterm = sigterm
+        self.pending: int | None = None
+        self._done = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> "SignalTakeover":
+        """Our handlers in place of submitit's; returns self."""
+        self._previous[self.preempt] = signal.signal(self.preempt, self._on_preempt)
+        if self.preempt != signal.SIGTERM:
+            term = self._on_term_ignored if self.sigterm == "ignore" else signal.SIG_DFL
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, term)
+        previous = self._previous[self.preempt]
+        log.debug("took over %s and SIGTERM from %s", signal.Signals(self.preempt).name,
+                  getattr(previous, "__qualname__", previous))
+        return self
+
+    def finish(self) -> None:
+        """The function returned (or raised). In a submitit job our handlers stay, so a late
+        signal cannot make submitit requeue a finished job; elsewhere the old ones come back."""
+        self._done.set()
+        if not in_submitit_job() and threading.current_thread() is threading.main_thread():
+            for s, prev in self._previous.items():
+                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+
+    def _on_preempt(self, signum: int, frame: Any) -> None:
+        from kempner_resilience.stop.signals import active_handlers
+
+        if active_handlers():
+            return  # chained from ResilientRun's handler: the run handles it
+        if self._done.is_set():
+            log.warning("%s after the training function returned: ignored (the result is "
+                        "being written)", signal.Signals(signum).name)
+            return
+        if self.pending is not None:
+            return
+        self.pending = signum
+        log.warning("%s before the training entered ResilientRun: it is handled as soon as "
+                    "the run starts", signal.Signals(signum).name)
+        # The run's ShutdownHandler replays it: the stop comes at the run's first boundary,
+        # its deadline counted from now. (A thread re-sending the signal once a run was active
+        # woke too late on a loaded machine: several steps ran first.)
+        record_early_signal(signum)
+
+    def _on_term_ignored(self, signum: int, frame: Any) -> None:
+        log.warning("SIGTERM ignored, as submitit does (its preemption signal is %s; "
+                    "pass sigterm='stop' to act on SIGTERM)", signal.Signals(self.preempt).name)
 
 
 # ------------------------------------------------------------------------- helpers
@@ -207,15 +344,6 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
                for p in params)
 
 
-def _refuse_model_state(obj: Any) -> None:
-    torch = sys.modules.get("torch")  # no tensor can exist unless the caller imported torch
-    if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module,
-                                              torch.optim.Optimizer)):
-        raise TypeError(f"a {type(obj).__module__}.{type(obj).__qualname__} would be pickled "
-                        "into the submission; pass paths and config, build the model inside "
-                        "the submitted function")
-
-
 def check_small(obj: Any, limit: int = MAX_PICKLE_BYTES) -> int:
     """Raise TypeError if ``obj`` would pickle tensors/modules/optimizers, ValueError if its
     pickle exceeds ``limit`` bytes; returns the pickle's size. Pickles with cloudpickle, as
@@ -224,10 +352,15 @@ def check_small(obj: Any, limit: int = MAX_PICKLE_BYTES) -> int:
         from cloudpickle import Pickler
     except ImportError:  # pragma: no cover
         Pickler = pickle.Pickler  # type: ignore[misc, assignment]
+    torch = sys.modules.get("torch")  # no tensor can exist unless the caller imported torch
 
     class _Scan(Pickler):  # type: ignore[misc, valid-type]
         def reducer_override(self, o: Any) -> Any:
-            _refuse_model_state(o)
+            if torch is not None and isinstance(o, (torch.Tensor, torch.nn.Module,
+                                                    torch.optim.Optimizer)):
+                raise TypeError(f"a {type(o).__module__}.{type(o).__qualname__} would be "
+                                "pickled into the submission; pass paths and config, build "
+                                "the model inside the submitted function")
             parent = getattr(super(), "reducer_override", None)
             return parent(o) if parent is not None else NotImplemented
 
@@ -264,11 +397,11 @@ def submit_array(jobs: Iterable[ResilientJob], *,
     jobs = list(jobs)
     if not jobs:
         raise ValueError("submit_array: no jobs given")
-    wrong = next((i for i, job in enumerate(jobs) if not isinstance(job, ResilientJob)), None)
-    if wrong is not None:
-        raise TypeError(f"submit_array: job {wrong} is a {type(jobs[wrong]).__name__}, not a "
-                        "ResilientJob; wrap it: krs.ResilientJob(fn, **kwargs)")
     seen: dict[str, int] = {}
+    for i, job in enumerate(jobs):
+        if not isinstance(job, ResilientJob):
+            raise TypeError(f"submit_array: job {i} is a {type(job).__name__}, not a "
+                            "ResilientJob; wrap it: krs.ResilientJob(fn, **kwargs)")
     for i, job in enumerate(jobs):
         where = os.path.normpath(RunPaths.from_config(job.resolve_config()).root)
         if where in seen:
@@ -282,22 +415,129 @@ def submit_array(jobs: Iterable[ResilientJob], *,
 
 def _resilient_executor(folder: str | os.PathLike[str] | None, executor: Any,
                         slurm: Mapping[str, Any] | None) -> Any:
-    """The executor ``submit`` runs a job under: ``executor`` (or one made for ``folder``),
-    adopted into ours."""
+    """``executor`` (or one made for ``folder``), adopted into our local or SLURM one."""
     if executor is None:
         if folder is None:
             raise TypeError("submit() needs folder=... (or executor=...)")
         executor = make_executor(folder, **dict(slurm or {}))
     elif slurm:
         executor.update_parameters(**dict(slurm))
-    from kempner_resilience.supervise.submitit.local import (ResilientLocalExecutor,
-                                                                is_local_executor)
+    from kempner_resilience.supervise.submitit import local
 
-    if is_local_executor(executor):
-        return ResilientLocalExecutor.adopt(executor)
-    from kempner_resilience.supervise.submitit.slurm import (ResilientSlurmExecutor,
-                                                                is_slurm_executor)
+    if local.is_local_executor(executor):
+        return local.ResilientLocalExecutor.adopt(executor)
+    from kempner_resilience.supervise.submitit import slurm as on_slurm
 
-    if is_slurm_executor(executor):
-        return ResilientSlurmExecutor.adopt(executor)
+    if on_slurm.is_slurm_executor(executor):
+        return on_slurm.ResilientSlurmExecutor.adopt(executor)
     return executor
+
+
+def make_executor(folder: str | os.PathLike[str], *, timeout_min: int = 60,
+                  **params: Any) -> Any:
+    """A submitit ``AutoExecutor`` for SLURM. ``timeout_min`` > 10: with 10 or less submitit
+    calls every interrupt a time-out."""
+    import submitit
+
+    if timeout_min <= 10:
+        log.warning("timeout_min=%s <= 10: submitit treats every interrupt of such a job as "
+                    "a time-out", timeout_min)
+    executor = submitit.AutoExecutor(folder=str(folder), cluster="slurm")
+    executor.update_parameters(timeout_min=timeout_min, **params)
+    return executor
+
+
+# ------------------------------------------------------------------------- a submitted job
+
+def is_local_job(job: Any) -> bool:
+    """A job of submitit's local executor (its controller is a child process of ours)."""
+    try:
+        from submitit.local.local import LocalJob
+    except ImportError:
+        return False
+    return isinstance(job, LocalJob)
+
+
+def interrupt(job: Any) -> None:
+    """Send the preemption signal to every task of ``job``, as SLURM does: the tasks checkpoint
+    and requeue. For a local job it goes to the tasks (submitit's ``_interrupt()`` would send
+    it to the local controller, which dies of it)."""
+    if is_local_job(job):
+        from kempner_resilience.supervise.submitit.local import interrupt_tasks
+
+        interrupt_tasks(job)
+    else:
+        job._interrupt()
+
+
+_TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+             "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
+    """Wait until ``job`` has written its result, through any number of requeues; returns it.
+    ``RuntimeError`` (with the log's tail) when it ended without one: ``job.result()`` alone
+    would wait forever for a job that died. ``TimeoutError`` after ``timeout`` s."""
+    from kempner_resilience.slurm import show_job
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    tasks = _tasks(job)
+    local = is_local_job(job)
+    ended_since: float | None = None
+    last = ""
+    while True:
+        if all(t.paths.result_pickle.exists() for t in tasks):
+            return job
+        if local:
+            _check_local(job, tasks)
+        state = "" if local else (show_job(str(job.job_id), timeout=10.0) or {}).get("JobState", "")
+        last = state or last
+        if state in _TERMINAL:
+            # The tasks may still be writing their pickles: give them a moment.
+            ended_since = ended_since or time.monotonic()
+            if time.monotonic() - ended_since > 15.0:
+                raise RuntimeError(f"job {job.job_id} ended ({state}) without a result:\n"
+                                   + _log_tail(job))
+        else:
+            ended_since = None
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job.job_id} has no result after {timeout} s (state "
+                               f"{last or 'unknown'}):\n" + _log_tail(job))
+        time.sleep(poll)
+
+
+def _tasks(job: Any) -> list[Any]:
+    return list(getattr(job, "_sub_jobs", []) or []) or [job]
+
+
+def _check_local(job: Any, tasks: list[Any]) -> None:
+    """Raise when a local job's controller has ended without every result (it waits for all
+    its tasks first, so nothing more will come)."""
+    proc = getattr(job, "_process", None)
+    code = None if proc is None else proc.poll()
+    if proc is not None and code is None:
+        return
+    if all(t.paths.result_pickle.exists() for t in tasks):   # written just before it ended
+        return
+    if proc is None:
+        why = "its controller is not a child of this process (another session?)"
+    elif code < 0:
+        why = (f"its controller was killed by {signal.Signals(-code).name} (submitit's "
+               "_interrupt() does that; krs.interrupt(job) preempts the tasks instead); its "
+               "tasks got the preemption signal and checkpoint on their own")
+    else:
+        why = "its tasks exited without a result (a task's exit code is in its log)"
+    raise RuntimeError(f"local job {job.job_id} ended without a result: {why}; resubmit it to "
+                       "resume from its newest checkpoint:\n" + _log_tail(job))
+
+
+def _log_tail(job: Any, lines: int = 30) -> str:
+    out = []
+    for t in _tasks(job)[:2]:
+        for path in (t.paths.stdout, t.paths.stderr):
+            try:
+                text = Path(path).read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            out.append(f"--- {path}\n" + "\n".join(text[-lines:]))
+    return "\n".join(out) or "(no log)"

@@ -1,14 +1,8 @@
-"""submitit's local executor, supervised: its executor, controller and job, subclassed.
-
-* ``ResilientController`` is the job's supervisor, as ``kempner-resilience launch`` is for a
-  script: it asks the one policy after each launch (``evidence.py``). Once a task has ended,
-  the others get ``grace_s``, then are killed (and count as hung).
-* ``ResilientLocalExecutor`` starts that controller; ``submit`` adopts any local executor.
-* ``ResilientLocalJob._interrupt()`` signals the tasks, as SLURM does; submitit's signals the
-  controller, which dies of it, and nothing is checkpointed.
-
-Run as a module it is the controller: ``python -m kempner_resilience.supervise.submitit.local
-FOLDER [--grace S]``.
+"""submitit's local executor, supervised: ``ResilientController`` asks the one policy after
+each launch (``evidence.py``) and kills the tasks left ``grace_s`` after one ended;
+``ResilientLocalExecutor`` starts it; ``ResilientLocalJob._interrupt()`` signals the tasks, as
+SLURM does (submitit's signals the controller, which dies of it). Run as a module it is the
+controller: ``python -m kempner_resilience.supervise.submitit.local FOLDER [--grace S]``.
 """
 
 from __future__ import annotations
@@ -64,19 +58,11 @@ def interrupt_tasks(job: Any) -> None:
             os.kill(pid, LocalJobEnvironment._usr_sig())
 
 
-def _is_task(pid: int) -> bool:
+def _proc(pid: int, name: str) -> bytes:
     try:
-        return b"\0SUBMITIT_LOCAL_GLOBALID=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+        return Path(f"/proc/{pid}/{name}").read_bytes()
     except OSError:
-        return False
-
-
-def _is_zygote(pid: int) -> bool:
-    try:
-        return os.path.abspath(warm.__file__).encode() in \
-            Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
+        return b""
 
 
 def local_task_pids(job: Any) -> list[int]:
@@ -86,10 +72,12 @@ def local_task_pids(job: Any) -> list[int]:
     proc = getattr(job, "_process", None)
     if proc is None or proc.poll() is not None:
         return []
+    zygote = os.path.abspath(warm.__file__).encode()
     level = [proc.pid]
     for _ in range(3):        # the shell, the controller, the tasks or the warm-start process
         level = children(level)
-        found = [c for c in level if _is_task(c)] + children(c for c in level if _is_zygote(c))
+        found = [c for c in level if b"\0SUBMITIT_LOCAL_GLOBALID=" in b"\0" + _proc(c, "environ")]
+        found += children(c for c in level if zygote in _proc(c, "cmdline").split(b"\0"))
         if found:
             return found
     return []
@@ -133,17 +121,15 @@ class ResilientLocalExecutor(LocalExecutor):  # type: ignore[misc]
         # submitit's own, with our controller module (its start_controller names its own).
         p = self.parameters
         ntasks = p.get("tasks_per_node", 1)
-        gpus = p.get("visible_gpus", ()) or range(p.get("gpus_per_node", 0))
-        gpus = list(gpus)[:p.get("gpus_per_node", 0)]
-        env = dict(os.environ)
+        gpus = list(p.get("visible_gpus", ()) or range(p.get("gpus_per_node", 0)))
         setup = list(p.get("setup", ()))
-        env.update(SUBMITIT_LOCAL_NTASKS=str(ntasks), SUBMITIT_LOCAL_COMMAND=command,
+        env = dict(os.environ, SUBMITIT_LOCAL_NTASKS=str(ntasks), SUBMITIT_LOCAL_COMMAND=command,
                    SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * p.get("timeout_min", 2.0))),
                    SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(p.get("signal_delay_s", 30))),
                    SUBMITIT_LOCAL_NODEID="0", SUBMITIT_LOCAL_JOB_NUM_NODES="1",
                    SUBMITIT_STDERR_TO_STDOUT="1" if p.get("stderr_to_stdout") else "",
-                   SUBMITIT_EXECUTOR="local", CUDA_VISIBLE_DEVICES=",".join(map(str, gpus)),
-                   SUBMITIT_LOCAL_WITH_SHELL="1" if setup else "")
+                   SUBMITIT_EXECUTOR="local", SUBMITIT_LOCAL_WITH_SHELL="1" if setup else "",
+                   CUDA_VISIBLE_DEVICES=",".join(map(str, gpus[:p.get("gpus_per_node", 0)])))
         cmd: Any = [sys.executable, "-m", __name__, str(self.folder), "--grace",
                     repr(self.grace_s)]
         if setup:
@@ -157,7 +143,7 @@ class ResilientLocalExecutor(LocalExecutor):  # type: ignore[misc]
 
 class ResilientController(Controller):  # type: ignore[misc]
     """submitit's local controller, with the one policy deciding whether the tasks start
-    again (see the module docstring)."""
+    again."""
 
     def __init__(self, folder: Path, grace_s: float = DEFAULT_GRACE_S) -> None:
         super().__init__(folder)
@@ -166,8 +152,7 @@ class ResilientController(Controller):  # type: ignore[misc]
         self.zygote: warm.Zygote | None = None     # the warm tasks' parent, while run() runs
 
     def run(self, max_retry: int = 0) -> None:
-        """Launch until the policy says leave (``max_retry``: submitit's, unused: the run's
-        budget and guard bound the launches)."""
+        """Launch until the policy says leave (``max_retry``: submitit's, unused)."""
         set_role("submitit controller")   # its own process, not a rank (its env may say RANK)
         # Started before the channel is in the environment: the stray sweep looks for it, and
         # the warm-start process is no stray.
@@ -209,11 +194,10 @@ class ResilientController(Controller):  # type: ignore[misc]
             paths = JobPaths(self.folder, self.pid, k)
             env = dict(os.environ, SUBMITIT_LOCAL_LOCALID=str(k), SUBMITIT_LOCAL_GLOBALID=str(k),
                        SUBMITIT_LOCAL_JOB_ID=self.pid)
-            out = str(paths.stdout)
+            err = paths.stdout if self.stderr_to_stdout else paths.stderr
             try:
-                self.tasks.append(self.zygote.spawn(
-                    self.command, env, os.getcwd(), out,
-                    out if self.stderr_to_stdout else str(paths.stderr), append=True))
+                self.tasks.append(self.zygote.spawn(self.command, env, os.getcwd(),
+                                                    str(paths.stdout), str(err), append=True))
             except OSError as e:
                 log.warning("warm start unavailable (%s): starting the tasks cold", e)
                 self.kill_tasks()

@@ -1,15 +1,11 @@
-"""submitit's SLURM executor, supervised: its batch script runs our srun step loop.
-
-submitit's script runs ``srun ... python -m submitit.core._submit <folder>``: nothing outside
-the tasks decides whether the job runs again. ``ResilientSlurmExecutor`` writes instead, with
-``use_srun=False``,
+"""submitit's SLURM executor, supervised: with ``use_srun=False`` its batch script runs
 
     <python> -m kempner_resilience.cli srun --srun-args '--unbuffered --output <folder>/%j_%t_log.out
         --error <folder>/%j_%t_log.err' -- <python> -u -m submitit.core._submit <folder>
 
-so a submitit job gets what a ``kempner-resilience sbatch`` job gets: the one policy after every
-step, the channel, and ``spares``. The per-task logs stay where ``job.stdout()`` reads them.
-An array is one ``sbatch --array`` of jobs each with its own loop (its logs ``%A_%a``, not ``%j``).
+so a submitit job gets what a ``kempner-resilience sbatch`` job gets (the one policy after every
+step, the channel, ``spares``), and its per-task logs stay where ``job.stdout()`` reads them.
+An array is one ``sbatch --array`` of jobs, each with its own loop (logs ``%A_%a``, not ``%j``).
 """
 
 from __future__ import annotations
