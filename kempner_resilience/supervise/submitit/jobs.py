@@ -50,16 +50,11 @@ except ImportError:  # the class still works as a plain callable without submiti
 
 
 class ResilientJob(_Base):  # type: ignore[misc, valid-type]
-    """A submitit-submittable callable that runs ``fn(*args, **kwargs)`` under our signal
-    handling; ``fn`` trains with ``ResilientRun`` and resumes from its checkpoints.
-
-    ``fn``: a picklable top-level function or its import path (``"pkg.module:function"``).
-    ``config``: a YAML path (read in the job), a ``ResilienceConfig``, a dict, or None for the
-    defaults. ``overrides`` (``"section.key=value"``) apply after our signal defaults (the
-    preemption signal requeues, SIGTERM per ``sigterm``). Keep ``args``/``kwargs`` small. ``fn``
-    gets the resolved config as ``config=`` when it takes one; ``$KEMPNER_RESILIENCE_CONFIG``
-    names a copy for ``load_config()``.
-    """
+    """A submitit-submittable callable that runs ``fn(*args, **kwargs)`` (which trains with
+    ``ResilientRun``) under our signal handling. ``fn``: a picklable function or its import
+    path (``"pkg.module:function"``). ``config``: a YAML path, a ``ResilienceConfig``, a dict
+    or None; ``overrides`` apply after our signal defaults. ``fn`` gets the resolved config as
+    ``config=`` when it takes one. See ``docs/submitit.md``."""
 
     def __init__(self, fn: Callable[..., Any] | str, *args: Any,
                  config: str | os.PathLike[str] | ResilienceConfig | Mapping[str, Any] | None = None,
@@ -98,8 +93,8 @@ class ResilientJob(_Base):  # type: ignore[misc, valid-type]
                             sigterm=self.sigterm, **self.kwargs)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        """What submitit pickles for the requeued job: a fresh instance, never live state.
-        Only submitit's own handler calls it, when its signal lands before ``__call__``."""
+        """What submitit pickles for the requeued job: a fresh instance, never live state
+        (called by submitit's own handler when its signal lands before ``__call__``)."""
         from submitit.helpers import DelayedSubmission
 
         log.warning("submitit checkpoint() called: resubmitting %r; the training resumes from "
@@ -113,9 +108,8 @@ class ResilientJob(_Base):  # type: ignore[misc, valid-type]
         if preempt != "SIGTERM":
             out.append(f"signals.actions.SIGTERM={'off' if self.sigterm == 'ignore' else 'stop'}")
         if in_local_task() and not os.environ.get(CHANNEL_ENV):
-            # Under submitit's own controller (no channel: not submitted with ``submit``) the
-            # run's SystemExit must reach __call__, which turns REQUEUE (75) into 144; in
-            # `exit` mode the process would leave with 75. Our controller reads 81, 42, 75.
+            # Under submitit's own controller (no channel) the run's SystemExit must reach
+            # __call__, which turns REQUEUE (75) into 144. Our controller reads 81, 42, 75.
             out.append("watchdog.exit_mode=raise")
         return out
 
@@ -176,8 +170,8 @@ OUTER_JOB_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_RESTART_COUNT")
 
 def setup_local_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """A local executor's task: the rank variables from ``SUBMITIT_LOCAL_*``, a port from the
-    job id, and ``KEMPNER_RESTART_COUNT`` (submitit's controller restarts tasks without saying
-    so: from our controller's channel, else counted in a file). Returns what was set."""
+    job id, and ``KEMPNER_RESTART_COUNT`` (from our controller's channel, else counted in a
+    file: submitit's controller does not say). Returns what was set."""
     from kempner_resilience.slurm.env import master_port
     from kempner_resilience.supervise.rank import restarts_said
 
@@ -260,12 +254,10 @@ def in_submitit_job() -> bool:
 
 
 class SignalTakeover:
-    """Replaces submitit's job-process handlers for the preemption signal and SIGTERM.
-
-    The preemption signal is the run's inside a ``ResilientRun``, kept for the run to replay
-    before one, ignored after the function returned. SIGTERM: ignored as submitit does, or
-    with ``sigterm="stop"`` the default action outside a run and the run's STOP inside one.
-    """
+    """Replaces submitit's handlers for the preemption signal (the run's inside a
+    ``ResilientRun``, kept for it to replay before one, ignored after the function returned)
+    and SIGTERM (ignored as submitit does; with ``sigterm="stop"`` the default action, or the
+    run's STOP inside one)."""
 
     def __init__(self, preempt_signum: int, sigterm: str = "ignore") -> None:
         self.preempt = preempt_signum
@@ -345,9 +337,8 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
 
 
 def check_small(obj: Any, limit: int = MAX_PICKLE_BYTES) -> int:
-    """Raise TypeError if ``obj`` would pickle tensors/modules/optimizers, ValueError if its
-    pickle exceeds ``limit`` bytes; returns the pickle's size. Pickles with cloudpickle, as
-    submitit does (a notebook's function goes by value, with its globals)."""
+    """The size of ``obj``'s pickle (cloudpickle's, as submitit's); TypeError if it would hold
+    tensors/modules/optimizers, ValueError if it exceeds ``limit`` bytes."""
     try:
         from cloudpickle import Pickler
     except ImportError:  # pragma: no cover
@@ -391,9 +382,7 @@ def submit_array(jobs: Iterable[ResilientJob], *,
                  folder: str | os.PathLike[str] | None = None, executor: Any = None,
                  slurm: Mapping[str, Any] | None = None) -> list[Any]:
     """Submit several ``ResilientJob``s (a sweep) as one job array; their jobs, in order.
-    Under SLURM one ``sbatch --array``, each task a job of its own (preempted, requeued and
-    resumed alone); locally, one job per entry. A ``checkpoint.dir`` shared by two jobs is
-    refused before anything is queued: each would resume from the other's checkpoints."""
+    A ``checkpoint.dir`` shared by two jobs is refused before anything is queued."""
     jobs = list(jobs)
     if not jobs:
         raise ValueError("submit_array: no jobs given")
@@ -459,9 +448,8 @@ def is_local_job(job: Any) -> bool:
 
 
 def interrupt(job: Any) -> None:
-    """Send the preemption signal to every task of ``job``, as SLURM does: the tasks checkpoint
-    and requeue. For a local job it goes to the tasks (submitit's ``_interrupt()`` would send
-    it to the local controller, which dies of it)."""
+    """Send the preemption signal to every task of ``job``, as SLURM does: they checkpoint and
+    requeue (submitit's ``_interrupt()`` of a local job kills its controller instead)."""
     if is_local_job(job):
         from kempner_resilience.supervise.submitit.local import interrupt_tasks
 
@@ -475,9 +463,8 @@ _TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMP
 
 
 def wait(job: Any, timeout: float | None = None, poll: float = 0.5) -> Any:
-    """Wait until ``job`` has written its result, through any number of requeues; returns it.
-    ``RuntimeError`` (with the log's tail) when it ended without one: ``job.result()`` alone
-    would wait forever for a job that died. ``TimeoutError`` after ``timeout`` s."""
+    """``job``, once it has written its result, through any number of requeues. RuntimeError
+    (with the log's tail) when it ended without one, TimeoutError after ``timeout`` s."""
     from kempner_resilience.slurm import show_job
 
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -511,8 +498,8 @@ def _tasks(job: Any) -> list[Any]:
 
 
 def _check_local(job: Any, tasks: list[Any]) -> None:
-    """Raise when a local job's controller has ended without every result (it waits for all
-    its tasks first, so nothing more will come)."""
+    """Raise when a local job's controller (which waits for all its tasks) ended without
+    every result."""
     proc = getattr(job, "_process", None)
     code = None if proc is None else proc.poll()
     if proc is not None and code is None:

@@ -15,9 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-import typing as tp
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from submitit.core.utils import JobPaths
 from submitit.local.local import Controller, LocalExecutor, LocalJob, LocalJobEnvironment
@@ -34,9 +33,9 @@ __all__ = ["ResilientLocalJob", "ResilientLocalExecutor", "ResilientController",
 
 log = get_logger("kempner_resilience.supervise.submitit.jobs")
 
-#: After a task's end, the others' time to end before the controller kills them: above the
-#: hang watchdog's timeout plus the rescue's budget, so that a survivor that sees its lost
-#: peer only through its hang watchdog still commits its rescue (as ``launch``'s grace).
+#: After a task's end, the others' time to end before they are killed: above the hang
+#: watchdog's timeout plus the rescue's budget, so that a survivor that sees its lost peer
+#: only through its hang watchdog still commits its rescue (as ``launch``'s grace).
 DEFAULT_GRACE_S = 60.0
 
 
@@ -48,8 +47,8 @@ class ResilientLocalJob(LocalJob):  # type: ignore[misc]
 
 
 def interrupt_tasks(job: Any) -> None:
-    """Send submitit's preemption signal (the one its ``_interrupt()`` uses) to every running
-    task of the local ``job``, as SLURM sends it to every task."""
+    """Send submitit's preemption signal to every running task of the local ``job``, as SLURM
+    sends it to every task."""
     pids = local_task_pids(job)
     if not pids:
         log.warning("local job %s has no running task to interrupt", job.job_id)
@@ -83,8 +82,6 @@ def local_task_pids(job: Any) -> list[int]:
     return []
 
 
-# ------------------------------------------------------------------------- the executor
-
 def is_local_executor(executor: Any) -> bool:
     """``executor`` runs jobs on this machine with submitit's local controller
     (``AutoExecutor(cluster="local")`` or a ``LocalExecutor``)."""
@@ -92,8 +89,8 @@ def is_local_executor(executor: Any) -> bool:
 
 
 class ResilientLocalExecutor(LocalExecutor):  # type: ignore[misc]
-    """A ``LocalExecutor`` whose jobs are ``ResilientLocalJob``s run under
-    ``ResilientController``. ``grace_s``: see ``DEFAULT_GRACE_S``."""
+    """A ``LocalExecutor`` whose jobs run under ``ResilientController`` (``grace_s``: see
+    ``DEFAULT_GRACE_S``)."""
 
     def __init__(self, folder: str | os.PathLike[str], max_num_timeout: int = 3,
                  max_pickle_size_gb: float = 1.0, python: str | None = None,
@@ -139,8 +136,6 @@ class ResilientLocalExecutor(LocalExecutor):  # type: ignore[misc]
                                  tasks=list(range(ntasks)))
 
 
-# ------------------------------------------------------------------------- the controller
-
 class ResilientController(Controller):  # type: ignore[misc]
     """submitit's local controller, with the one policy deciding whether the tasks start
     again."""
@@ -185,8 +180,8 @@ class ResilientController(Controller):  # type: ignore[misc]
                 self.zygote.close()
 
     def start_tasks(self) -> None:
-        """submitit's, each task forked from the warm-start process where there is one (as
-        ``launch --warm`` starts its ranks): a relaunch does not start Python and torch again."""
+        """submitit's, each task forked from the warm-start process where there is one: a
+        relaunch does not start Python and torch again."""
         if self.zygote is None:
             return super().start_tasks()
         self.folder.mkdir(exist_ok=True)
@@ -209,9 +204,9 @@ class ResilientController(Controller):  # type: ignore[misc]
         """This controller's own channel in its folder (``Channel.for_controller``)."""
         return Channel.for_controller(self.pid, Path(str(self.folder).replace("%j", self.pid)))
 
-    def wait(self, freq: int = 24) -> tp.Sequence[tp.Optional[int]]:
-        """Until every task ended, bounded: submitit's time limit (its signal ``signal_delay_s``
-        before it), and ``grace_s`` after the first task's end, when the rest are killed."""
+    def wait(self, freq: int = 24) -> Sequence[int | None]:
+        """Until every task ended, within submitit's time limit (its signal ``signal_delay_s``
+        before) and ``grace_s`` after the first task's end, when the rest are killed."""
         self.killed = []
         t0 = time.monotonic()
         warned = False
