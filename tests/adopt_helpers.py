@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import REPO, free_port
+from helpers import REPO, free_port, spawn_script
 
 
 def doc_example(page: str, section: str, stop: str) -> tuple[str, str]:
@@ -33,9 +33,8 @@ def start_ranks(script: Path, work: Path, every: int) -> list[subprocess.Popen]:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
                    KEMPNER_RESILIENCE_CONFIG=str(config),
                    KEMPNER_RESILIENCE_REPORT=str(work / "report.json"), PYTHONUNBUFFERED="1")
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=work, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(spawn_script([sys.executable, str(script)], cwd=work, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
 

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import kempner_resilience as kr
 from adopt_helpers import doc_example
-from helpers import env, write_script
+from helpers import env, run_script, write_script
 from kempner_resilience.checkpoint.state import TrainState
 from kempner_resilience.checkresume.compare import diff_snapshots
 from kempner_resilience.checkresume.diagnose import likely_causes
@@ -34,7 +34,7 @@ def check_resume(tmp_path: Path, script: Path, *args: str,
                  timeout: str = "100") -> subprocess.CompletedProcess:
     """The verb on ``script``, run from ``tmp_path`` as a user would; its work directory kept
     under ``tmp_path`` (the checkpoints and rank logs of both runs)."""
-    return subprocess.run(
+    return run_script(
         [sys.executable, "-m", "kempner_resilience.cli", "check-resume", "--workdir",
          str(tmp_path / "check"), "--timeout", timeout, *args, "--", sys.executable,
          str(script)],
@@ -207,7 +207,7 @@ def accumulation_check(tmp_path_factory) -> tuple[Path, subprocess.CompletedProc
     relative --workdir (./check) as a user types it: its folder and the verb's answer."""
     tmp_path = tmp_path_factory.mktemp("accumulation")
     script = write_script(tmp_path, GRAD_ACCUMULATION, "train.py")
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, "-m", "kempner_resilience.cli", "check-resume", "--workdir", "check",
          "--timeout", "100", "--steps", "10", "--interrupt-at", "6", "--", sys.executable,
          str(script)],

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import env, require
+from helpers import env, require, run_script
 from trainers_helpers import SCRIPTS
 from kempner_resilience.exitcodes import ExitCode
 
@@ -38,9 +38,9 @@ def check_resume(tmp_path: Path, library: str, *script_args: str, ranks: int = 2
            str(ranks), "--steps", steps, "--interrupt-at", at, "--timeout", "150",
            "--workdir", str(tmp_path / "check"), "--", sys.executable,
            str(SCRIPTS / SCRIPT[library]), "--step-s", "0", *script_args]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-                                  TOKENIZERS_PARALLELISM="false", **extra_env))
+    return run_script(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                      env=env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+                              TOKENIZERS_PARALLELISM="false", **extra_env))
 
 
 def said(proc: subprocess.CompletedProcess) -> str:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from kempner_resilience.demo.launcher import free_port
+from helpers import spawn_script
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -21,9 +22,9 @@ def run_ranks(script: str, args: list[str], world: int, timeout: float = 120) ->
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", LOCAL_RANK=str(rank))
-        procs.append(subprocess.Popen([sys.executable, str(HERE / script), *args], env=env,
-                                      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(spawn_script([sys.executable, str(HERE / script), *args], env=env,
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
     outs = []
     try:
         for p in procs:
