@@ -207,7 +207,7 @@ def test_a_sigterm_before_the_workers_start_ends_the_agent_with_143_without_star
 
 def test_a_worker_still_running_at_the_agents_deadline_is_killed_with_its_children(tmp_path):
     from kempner_resilience.config import ResilienceConfig
-    from kempner_resilience.supervise.torchrun.wrapper import _Agent
+    from kempner_resilience.supervise.torchrun.agent import Agent as _Agent
 
     # A worker that ignores the signal, with a child of its own (a DataLoader worker, say).
     stuck = subprocess.Popen([sys.executable, "-c", (

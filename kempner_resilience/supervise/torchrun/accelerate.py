@@ -1,12 +1,8 @@
-"""`accelerate launch` with our torchrun agent: one word in front of the user's command line.
+"""``kempner-resilience accelerate launch ...``: accelerate's own parser and ``launch_command``,
+with our torchrun agent in the place of torch's ``run``.
 
-``accelerate launch --multi_gpu ...`` runs stock torchrun in its own process. ``kempner-resilience
-accelerate launch ...`` parses the same command line with accelerate's own parser and runs its
-``launch_command`` with our agent in the place of torch's ``run``.
-
-Several ranks on CPU: stock ``--cpu --num_processes 2`` starts ONE process, and ``--multi_gpu``
-without GPUs starts ranks that each train alone. Either, with several processes, is read here as
-N gloo ranks on CPU (``ACCELERATE_USE_CPU=1 --multi_gpu``), said in one line.
+Several CPU ranks: stock ``--cpu`` starts one process, and ``--multi_gpu`` without GPUs ranks
+that each train alone; either is read here as N gloo ranks (``ACCELERATE_USE_CPU=1``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The torchrun agent's workers: tracked, signalled once, killed only at the shutdown deadline.
 
-Every worker may exit on its own until the deadline; only those still alive then are SIGKILLed.
-``starting`` is the one place torch's module-level names are replaced.
-
-Warm workers: a relaunched worker pays Python's start-up, ``import torch``, DCP and the first
-optimizer again, most of the time from a node's death to the next step. With
-``$KEMPNER_RESILIENCE_WARM=1`` (the torchrun template sets it) each agent starts one zygote
-(``local/warm.py``) and every worker is a fresh fork of it (``WarmWorkers``). A command the
-zygote cannot run, or a zygote that is gone, starts the worker cold.
+``starting`` is the one place torch's module-level names are replaced. With
+``$KEMPNER_RESILIENCE_WARM=1`` (the torchrun template sets it) every worker is a fresh fork of
+the agent's zygote (``local/warm.py``): Python's start-up and ``import torch`` are paid once.
+A command the zygote cannot run, or a zygote that is gone, starts the worker cold.
 """
 
 from __future__ import annotations
@@ -19,8 +15,9 @@ import socket
 import subprocess
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any, Callable, Iterator
+from unittest import mock
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core import torch_private
@@ -67,8 +64,7 @@ class Agent:
             self.workers.append(proc)
 
     def stand_by(self) -> None:
-        """A group that is over is forgotten (a restart, or torch kept this agent out of a round
-        as a standby): its workers' codes are no longer the job's."""
+        """Forget a group that is over (a restart, or a round this agent stands by in)."""
         with self._lock:
             if self.workers and not self.alive():
                 self.workers, self.signals, self.deadline = [], [], None
@@ -121,7 +117,8 @@ class Agent:
                     len(self.workers), self.deadline - time.monotonic())
 
     def wait_for_workers(self) -> None:
-        """Once a signal came or a worker exited: until every worker is gone, or the deadline."""
+        """Once a signal came or a worker exited: wait until every worker is gone, or the
+        deadline."""
         if not self.signals and len(self.alive()) == len(self.workers):
             return   # torch stops healthy workers for its own reasons (a restart): its way
         self._arm(time.monotonic() + self.window(None))
@@ -174,12 +171,11 @@ class Interrupted(BaseException):
 def starting(agent: Agent, names: dict[str, Any],
              warm: Callable[..., Any] | None = None) -> Iterator[None]:
     """For one worker group's start: torch's workers' ``Popen``, its signal handler and, with
-    ``warm`` (``WarmWorkers.handler``), the subprocess handler it builds are ours.
+    ``warm`` (``WarmWorkers.handler``), its subprocess handler are ours.
 
-    No subclass can do this: module functions build the process context, install torch's
-    ``_terminate_process_handler`` and call the module's ``Popen``. Our handler installed
-    after the start would leave a window for torch's ``SignalException`` (every worker
-    SIGTERMed, SIGKILLed 30 s later)."""
+    No subclass can do this: module functions build the process context and call these
+    names. Our handler installed after the start would leave a window for torch's
+    ``SignalException`` (every worker SIGTERMed, SIGKILLed 30 s later)."""
     popen_module = importlib.import_module(torch_private.SUBPROCESS_HANDLER_MODULE)
     api_module = importlib.import_module(torch_private.MP_API_MODULE)
     stock_popen = names["Popen"]
@@ -195,21 +191,17 @@ def starting(agent: Agent, names: dict[str, Any],
         agent.add_worker(proc)
         return proc
 
-    ours = [(popen_module, "Popen", popen), (api_module, "_terminate_process_handler", agent.on_signal)]
-    if warm is not None:
-        ours.append((api_module, "get_subprocess_handler", warm))
-    saved = [(module, name, getattr(module, name)) for module, name, _ in ours]
-    for module, name, value in ours:
-        setattr(module, name, value)
-    try:
+    with ExitStack() as ours:
+        ours.enter_context(mock.patch.object(popen_module, "Popen", popen))
+        ours.enter_context(mock.patch.object(api_module, "_terminate_process_handler",
+                                             agent.on_signal))
+        if warm is not None:
+            ours.enter_context(mock.patch.object(api_module, "get_subprocess_handler", warm))
         yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 class WarmWorkers:
-    """One agent's zygote and the starting of its workers from it (``for_spec``)."""
+    """One agent's zygote; ``handler`` forks each worker from it."""
 
     def __init__(self, tracked: Agent, zygote: Zygote) -> None:
         self.tracked = tracked
@@ -220,8 +212,8 @@ class WarmWorkers:
     @classmethod
     def for_spec(cls, spec: Any, tracked: Agent) -> "WarmWorkers | None":
         """The agent's warm workers for torch's ``WorkerSpec``, zygote started; None when the
-        command cannot start warm (``warm_command``) or this torch lacks the names. Call it on
-        the agent's main thread: the zygote dies when the thread that started it ends."""
+        command cannot start warm or this torch lacks the names. Call it on the agent's main
+        thread: the zygote dies when the thread that started it ends."""
         if not isinstance(spec.entrypoint, str) \
                 or not warm_command([spec.entrypoint, *map(str, spec.args)], (UNBUFFERED,)) \
                 or torch_private.elastic("warm") is None:

@@ -1,8 +1,8 @@
 """Our torch elastic classes: the agent torchrun runs, and its rendezvous handler with spares.
 
-Subclasses, never attributes of torch's classes replaced (``wrapper.launch`` builds them);
-objects a torch function builds become instances of a subclass of their own class. Every private
-name is in ``core/torch_private.py``; a torch that lacks one keeps torch's behaviour, logged.
+Subclasses, never attributes of torch's classes replaced; an object a torch function builds
+becomes an instance of a subclass of its own class. Every private name is in
+``core/torch_private.py``; a torch that lacks one keeps torch's behaviour, logged.
 
 Why ``notice_lost_peer``: the next round opens only once every participant of the finished one
 left, and torch drops a dead node only when its heartbeat is older than the keep-alive window
@@ -23,7 +23,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (DynamicRendezvousHandler,
-                                                                     RendezvousTimeout)
+                                                                     create_handler)
 
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
@@ -36,16 +36,18 @@ log = get_logger("kempner_resilience.supervise.torchrun.wrapper")
 
 
 class ElasticAgent(LocalElasticAgent):
-    """torchrun's agent with our shutdown (``tracked``), the policy's restart decision
-    (``decides``: False when this torch lacks the names), and spares (``inplace``)."""
+    """torchrun's agent with our shutdown (``tracked``), the policy's restart decision (when
+    this torch has the names) and spares (``inplace``). Built once ``elastic("shutdown")``
+    resolved."""
 
     def __init__(self, spec: Any, logs_specs: Any, *, tracked: Agent, inplace: InPlace | None,
-                 shutdown_names: dict[str, Any], decides: bool, **kwargs: Any) -> None:
+                 **kwargs: Any) -> None:
         super().__init__(spec=spec, logs_specs=logs_specs, **kwargs)
         self.tracked = tracked
         self.inplace = inplace
-        self.shutdown_names = shutdown_names
-        self.decides = decides and not torch_private.instance_missing("restarts", self)
+        self.shutdown_names = torch_private.elastic("shutdown")
+        self.decides = torch_private.elastic("restarts") is not None \
+            and not torch_private.instance_missing("restarts", self)
         torch_private.instance_missing("shutdown", self)   # logged: torch closes at once
         # Built on the main thread, before the rendezvous: the workers' zygote (or None).
         self.warm = WarmWorkers.for_spec(spec, tracked)
@@ -65,7 +67,8 @@ class ElasticAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self.inplace is not None:
             self.inplace.before_start(worker_group.spec.rdzv_handler, worker_group.group_rank)
-        with starting(self.tracked, self.shutdown_names, None if self.warm is None else self.warm.handler):
+        with starting(self.tracked, self.shutdown_names,
+                      None if self.warm is None else self.warm.handler):
             pids = super()._start_workers(worker_group)
         pcontext = getattr(self, "_pcontext", None)
         if pcontext is not None:
@@ -113,16 +116,17 @@ class ElasticAgent(LocalElasticAgent):
 
 
 class SpareHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous handler for an agent with spares (``inplace`` set by
-    ``spare_handler``; built only when ``torch_private.elastic("spares")`` resolved)."""
+    """torch's dynamic rendezvous handler for an agent with spares (``spare_handler`` makes
+    one, only when ``torch_private.elastic("spares")`` resolved)."""
 
     inplace: InPlace | None = None
+    _names: dict[str, Any] | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def _take(self, inplace: InPlace) -> None:
+        self.inplace = inplace
         self._names = torch_private.elastic("spares")
         if self._names is not None and not torch_private.instance_missing("spares", self):
-            # torch builds its executor in __init__: ours replaces it, same arguments.
+            # torch built its executor in __init__: ours replaces it, same arguments.
             self._op_executor = _standby_executor(
                 self._names["_DistributedRendezvousOpExecutor"])(
                 self._this_node, self._state_holder, self._settings, self)
@@ -241,23 +245,19 @@ class _Notice:
             if node == self.node or beat is None:
                 continue
             ranks = self.node_ranks.get(group) if finished else None
-            if ranks:
-                if named is None:
-                    named = self._named()
-                if ranks <= named:
-                    self._drop(beats, node, f"the survivors' workers saw its rank(s) "
-                               f"{_span(ranks)} die")
-                    continue
-            if self.stale is not None and now - beat > self.stale:
+            if ranks and named is None:
+                try:
+                    named = {int(r) for r in self.died()}        # type: ignore[misc]
+                except Exception as e:   # an unreadable channel: the heartbeat rule alone
+                    log.warning("%s: cannot read the ranks the workers saw die (%s)",
+                                AGENT_NAME, e)
+                    named = set()
+            if ranks and ranks <= named:      # type: ignore[operator]
+                self._drop(beats, node, f"the survivors' workers saw its rank(s) "
+                           f"{_span(ranks)} die")
+            elif self.stale is not None and now - beat > self.stale:
                 self._drop(beats, node, f"its heartbeat is {(now - beat).total_seconds():.1f} "
                            "s old and this node's workers lost a peer")
-
-    def _named(self) -> set[int]:
-        try:
-            return {int(r) for r in self.died()}        # type: ignore[misc]
-        except Exception as e:   # an unreadable channel: the heartbeat rule alone
-            log.warning("%s: cannot read the ranks the workers saw die (%s)", AGENT_NAME, e)
-            return set()
 
     def _drop(self, beats: dict[Any, datetime], node: Any, why: str) -> None:
         beats[node] = _LONG_AGO
@@ -279,18 +279,17 @@ def _span(ranks: Collection[int]) -> str:
 @functools.lru_cache(maxsize=None)
 def _noticing_holder(base: type) -> type:
     """torch's rendezvous state holder (private, so subclassed only once resolved) whose
-    sanitize first applies the survivors' notice (``_Notice``), when one holds."""
+    sanitize first applies the survivors' notice (``_Notice``) while it holds."""
 
     class NoticingStateHolder(base):  # type: ignore[misc, valid-type]
         kr_notice: _Notice | None = None
 
         def _sanitize(self) -> None:
-            notice = self.kr_notice
+            notice = self.kr_notice     # read once: the heartbeat thread sanitizes too
+            if notice is not None and time.monotonic() > notice.until:
+                self.kr_notice = notice = None
             if notice is not None:
-                if time.monotonic() > notice.until:
-                    self.kr_notice = None
-                else:
-                    notice.expire(self._state)
+                notice.expire(self._state)
             super()._sanitize()
 
     NoticingStateHolder.__name__ = NoticingStateHolder.__qualname__ = f"Noticing{base.__name__}"
@@ -298,21 +297,12 @@ def _noticing_holder(base: type) -> type:
 
 
 def spare_handler(params: RendezvousParameters, inplace: InPlace) -> SpareHandler:
-    """The c10d rendezvous handler torch's registry would build (``create_backend``, then
-    ``dynamic_rendezvous.create_handler``'s reading of ``params``), as a ``SpareHandler``."""
+    """The c10d rendezvous handler torch's registry builds (``create_backend``, then
+    ``create_handler``), made a ``SpareHandler``."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
     backend, store = create_backend(params)
-
-    def timeout(key: str) -> timedelta | None:
-        seconds = params.get_as_int(key + "_timeout")
-        return None if seconds is None else timedelta(seconds=seconds)
-
-    handler = SpareHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr,
-        RendezvousTimeout(timeout("join"), timeout("last_call"), timeout("close"),
-                          timeout("heartbeat")),
-        keep_alive_interval=params.get_as_int("keep_alive_interval", 5),
-        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3))
-    handler.inplace = inplace
+    handler = create_handler(store, backend, params)
+    handler.__class__ = SpareHandler
+    handler._take(inplace)
     return handler

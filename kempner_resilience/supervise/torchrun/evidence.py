@@ -1,9 +1,7 @@
-"""The torchrun agent's view as the one policy's evidence (``supervise/policy.py``). Pure.
+"""The torchrun agent's view as the policy's evidence (``supervise/policy.py``). Pure.
 
-An agent sees only its own node: its workers' codes (``{global rank: code}``, -N for a death by
-signal N), whether it was signalled, torch's restarts left, and the standbys. With spares a
-relaunch takes one standby's place: this node's when it is implicated, else a peer's (``PEER``).
-"""
+An agent sees only its own node: its workers' ``{global rank: code}`` (-N: killed by signal N),
+whether it was signalled, torch's restarts left, the standbys."""
 
 from __future__ import annotations
 
@@ -47,7 +45,7 @@ def observe(codes: Mapping[int, int], *, signalled: bool, restarts_left: int,
             killed: Iterable[int] = (), commits: Commits | None = None, stalled: int = 0,
             max_no_progress: int = 0) -> Evidence:
     """The evidence of one agent's failed worker group. ``standbys``: standby agents waiting
-    (None: no spares); ``node``: this node when it is implicated, else a peer's is."""
+    (None: no spares); ``node``: this node when implicated, else a peer's (``PEER``)."""
     return Evidence(ends=ends_of(codes, killed), restarts=max(0, max_restarts - restarts_left),
                     max_restarts=max_restarts, spares=standbys, stopping=signalled,
                     implicated=frozenset() if standbys is None else frozenset({node or PEER}),

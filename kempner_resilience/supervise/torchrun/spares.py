@@ -1,18 +1,16 @@
 """The torchrun agent's glue for spare nodes: relaunch in place after a rescued failure.
 
-With ``--nnodes=N`` and N + K agents, torch keeps K in the round's redundancy list and, after a
-failure, a standby takes the free place in a new round. ``InPlace`` decides what torch does not
-(``elastic.py``'s subclasses ask it): which endings restart (the one policy, only while a standby
-waits), which node leaves to a spare, when torch may cut the survivors' rescue short
-(``nodes_waiting``), and that an unneeded standby ends with 0.
-
-The node that leaves records itself bad before it leaves the rendezvous (``record_left``), so
-the record is on disk before the next round's rank-0 agent writes the ``restart`` event
-(``record_agent_restart``). Best effort: a record that cannot be written is logged, never raised.
+With ``--nnodes=N`` and N + K agents, torch keeps K in the round's redundancy list; after a
+failure a standby takes the free place in a new round. ``InPlace`` decides what torch does not
+(``elastic.py`` asks it): which endings restart (the policy, only while a standby waits), which
+node leaves to a spare, when torch may cut the survivors' rescue short, and that an unneeded
+standby ends with 0. The node that leaves records itself bad before it leaves the rendezvous,
+so the record is on disk before the next round's rank-0 agent writes the ``restart`` event.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import asdict, replace
@@ -54,8 +52,8 @@ def restart_decision(codes: Mapping[int, int], *, signalled: bool, restarts_left
 
 
 def in_place_settings(argv: Sequence[str]) -> Relaunch | None:
-    """The relaunch torchrun's own arguments allow (None: ``--max-restarts`` 0, standalone or
-    not the c10d rendezvous): its endpoint, run id and keep-alive window."""
+    """The relaunch torchrun's arguments allow (None: ``--max-restarts`` 0, standalone or not
+    the c10d rendezvous)."""
     from torch.distributed.run import parse_args
 
     try:
@@ -105,16 +103,15 @@ class InPlace:
         self.rescue_grace_s = (rescue.budget_s + max(hang, 0.0)) if rescue.enabled else 0.0
 
     def stand_by(self) -> None:
-        """torch put this agent in a round's redundancy list: it waits as a spare."""
+        """torch put this agent (maybe one that trained) in a round's redundancy list."""
         if not self.waiting_as_spare():
             log.info("%s: standby (the rendezvous has its nodes): waiting to take a failed "
                      "node's place", AGENT_NAME)
         self.standby = True
-        # An agent that trained may be kept out of the next round: a standby like any other.
         self.agent.stand_by()
 
     def waiting_as_spare(self) -> bool:
-        """torch kept this agent out of a round and it has started no worker since."""
+        """Whether torch kept this agent out of a round and it started no worker since."""
         return self.standby and not self.agent.workers
 
     def run_paths(self) -> RunPaths:
@@ -140,7 +137,8 @@ class InPlace:
             self.final_code = first.code
         failed = sorted(set(codes.values()))
         if first.action is not Action.RELAUNCH:
-            return False, _SIGNAL_ENDING if signalled else f"workers exited with {failed}: {first.why}"
+            return False, (_SIGNAL_ENDING if signalled
+                           else f"workers exited with {failed}: {first.why}")
         mine = implicated_here(codes, self.channel.hang_seen(self.launch))
         spares = live_standbys(self.settings)
         d = self._progress.carry(decide(observe(
@@ -186,8 +184,8 @@ class InPlace:
         return 0 if now - self._waiting_since < self.rescue_grace_s else waiting
 
     def publish_ranks(self, store: Any, group_rank: int, ranks: Sequence[int]) -> None:
-        """A worker group starts: this agent's global ranks in the round's store under its
-        group rank (``node_ranks``). Never raises: the peers keep the heartbeat rule."""
+        """This agent's global ranks, in the round's store under its group rank. Never raises:
+        the peers keep the heartbeat rule."""
         try:
             store.set(f"{_RANKS_KEY}{int(group_rank)}", ",".join(str(int(r)) for r in ranks))
         except Exception as e:   # the store's host died: no relaunch follows anyway
@@ -210,12 +208,11 @@ class InPlace:
 
     def ranks_died(self) -> Callable[[], set[int]]:
         """Reads, when called, the ranks of this launch that the survivors saw die."""
-        channel, launch = self.channel, self.launch
-        return lambda: channel.ranks_died(launch)
+        return functools.partial(self.channel.ranks_died, self.launch)
 
     def before_initialize(self, restarts_left: int) -> None:
         """Before torch's rendezvous: the offer to the channel, the channel to the environment
-        (torch copies the agent's to the workers)."""
+        torch copies to the workers."""
         self.channel.offer_rendezvous(asdict(replace(self.settings, restarts_left=restarts_left)))
         os.environ.update(self.channel.env())
 
@@ -242,7 +239,7 @@ class InPlace:
             record_agent_restart(self.run_paths(), round_, spare=spare, why=self.why)
 
     def close(self) -> None:
-        """The run is over: the workers' channel goes, and the environment is as before."""
+        """The run is over: remove the workers' channel, restore the environment."""
         if self._env_before is None:
             os.environ.pop(CHANNEL_ENV, None)
         else:
@@ -268,8 +265,7 @@ def record_left(paths: RunPaths, codes: Iterable[int], why: str | None = None) -
 
 
 def _known_dir(paths: RunPaths, what: str) -> bool:
-    """Whether the run's directory exists (the workers made it). When not, the agent's config
-    names another ``checkpoint.dir`` than the workers': nothing is written, the log says why."""
+    """Whether the run's directory (the workers made it) exists; else the log says why."""
     if paths.root.is_dir():
         return True
     log.warning("not writing %s: no checkpoint directory %s; give the agent the workers' "

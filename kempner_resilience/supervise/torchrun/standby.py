@@ -1,9 +1,7 @@
-"""Relaunch in place under torchrun: is there a standby agent to take a failed node's place?
+"""Is there a standby agent to take a failed node's place (a relaunch in place under torchrun)?
 
-With spare nodes the agents past ``--nnodes`` wait in the c10d rendezvous's redundancy list;
-after a committed rescue the survivors restart their workers in a new round a standby joins.
-Whether one waits is a fact of torch's rendezvous state in its store: rank 0 reads it here
-(the agent's offer: ``Channel.offer_rendezvous``, ``supervise/rank.offered_relaunch``).
+Agents past ``--nnodes`` wait in the c10d rendezvous's redundancy list; rank 0 reads torch's
+rendezvous state in its store here (the offer: ``supervise/rank.offered_relaunch``).
 """
 
 from __future__ import annotations
@@ -35,11 +33,10 @@ class Relaunch:
 
 
 def standbys_in(state: Any, stale_s: float, now: datetime | None = None) -> list[str]:
-    """Host names of the agents outside the current round (torch's redundancy and wait lists)
-    whose heartbeat is fresh: the nodes a relaunch can take."""
+    """Host names of the agents in torch's redundancy and wait lists with a fresh heartbeat."""
     now = now or datetime.now(timezone.utc)
     beats = getattr(state, "last_heartbeats", {}) or {}
-    waiting = {*(getattr(state, "redundancy_list", ()) or ()), *(getattr(state, "wait_list", ()) or ())}
+    waiting = {n for key in ("redundancy_list", "wait_list") for n in getattr(state, key, ()) or ()}
     return sorted(str(getattr(n, "addr", n)) for n in waiting
                   if beats.get(n) is not None and now - beats[n] <= timedelta(seconds=stale_s))
 
@@ -47,12 +44,11 @@ def standbys_in(state: Any, stale_s: float, now: datetime | None = None) -> list
 def live_standbys(relaunch: Relaunch, timeout_s: float = 5.0,
                   settle_s: float = SETTLE_S) -> list[str] | None:
     """The standby agents in the rendezvous now (host names), or None when its store cannot be
-    read within ``timeout_s`` (the rendezvous host is gone: no relaunch is possible).
+    read within ``timeout_s`` (the rendezvous host is gone).
 
     An empty answer is read again for up to ``settle_s``: torch moves a standby from the
-    redundancy list to the wait list in two writes, with the standby in neither between them,
-    and the survivors ask at that very moment (a loaded CI runner read the gap and ended the
-    job with 81 instead of relaunching on the standby)."""
+    redundancy list to the wait list in two writes, and the survivors may ask between them
+    (a loaded CI runner did, and ended the job with 81 instead of relaunching)."""
     try:
         from torch.distributed import TCPStore
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import \

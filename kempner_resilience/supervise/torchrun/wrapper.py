@@ -1,19 +1,11 @@
 """torchrun under srun: one elastic agent per node whose workers shut down like srun ranks.
 
-Stock torchrun is unsafe as an srun task: a SIGUSR1 (SLURM's time-limit warning) kills its
-agent, and SLURM then kills the workers mid-save; it SIGKILLs the workers 30 s after a SIGTERM;
-when one worker exits first it SIGTERMs the others, forcing a slower rank 0 out of its shutdown.
-
-``run`` runs torchrun in this process with our agent; a torch without the private names it
-needs (``core/torch_private.py``) runs stock torchrun, logged. The agent's last line says its
-exit code (the policy's) and only what rank 0's run report says about the checkpoint
-(``what_the_workers_did``).
-
-``launch`` is torch's ``launch_agent`` (what ``torch.distributed.run.main`` runs) built from the
-same public pieces, as NVIDIA's resiliency launcher (``ft_launcher``) does, with
-``elastic.ElasticAgent`` and, with spares, ``elastic.SpareHandler``: nothing of torch's is
-replaced. Left out: torch's health-check server (off by default) and the agent thread's name.
-What a torch release lacks (2.11-2.13) is passed only where it has it.
+Stock torchrun is unsafe as an srun task: a SIGUSR1 kills its agent (SLURM then kills the
+workers mid-save), it SIGKILLs the workers 30 s after a SIGTERM, and when one worker exits it
+SIGTERMs the others. ``run`` runs torchrun in this process with our agent (stock torchrun,
+logged, on a torch without the names of ``core/torch_private.py``). ``launch`` is torch's
+``launch_agent`` built from the same public pieces, as NVIDIA's ``ft_launcher`` does, with our
+subclasses (``elastic.py``). docs/design.md has the story.
 """
 
 from __future__ import annotations
@@ -56,7 +48,6 @@ FORWARD_ENV = "KEMPNER_RESILIENCE_FORWARD_SIGNALS"
 #: Set in the workers' environment (the agent's pid): preflight knows who started them.
 AGENT_ENV = TORCHRUN_AGENT_ENV
 _YES, _NO = ("yes", "1", "true", "always"), ("no", "0", "false", "never")
-_Agent = Agent   # the name tests/test_torchrun.py knows it by
 #: Another launcher's front end (``accelerate launch``): given the function that replaces
 #: ``torch.distributed.run.run(args)``, it runs its command line, which calls that function.
 Front = Callable[[Callable[[Any], Any]], Any]
@@ -125,15 +116,15 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         report = RunReport()
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
                  "are forwarded" if forward else "are not forwarded", why)
-        shutdown_names = torch_private.elastic("shutdown")
-        decides = torch_private.elastic("restarts") is not None
+        stock = torch_private.elastic("shutdown") is None
         settings = in_place_settings(argv) if front is None else None
         inplace = None
-        if shutdown_names is not None and settings is not None and decides \
+        if not stock and settings is not None and torch_private.elastic("restarts") is not None \
                 and torch_private.elastic("spares") is not None:
             inplace = InPlace(agent, settings, Channel.from_env())
+        ended = ""
         try:
-            if shutdown_names is None:
+            if stock:
                 # Everything rests on knowing the workers: without them, torchrun stays stock.
                 _restore(previous)
                 if front is not None:
@@ -142,12 +133,12 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                 else:
                     torchrun_main(list(argv))
             elif front is not None:
-                front(lambda args: launch(args, agent, None, shutdown_names, decides))
+                front(lambda args: launch(args, agent, None))
             else:
-                launch(argv, agent, inplace, shutdown_names, decides)
+                launch(argv, agent, inplace)
         except ChildFailedError as e:
             # Every worker of the last group has ended: all their codes, not only torch's.
-            codes = {**(agent.codes() if agent.ranks else {}),
+            codes = {**agent.codes(),
                      **{int(r): int(f.exitcode) for r, f in sorted(e.failures.items())}}
             if inplace is not None and inplace.left:
                 # Not a failed task for srun: the job goes on without this node.
@@ -163,19 +154,16 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         except Exception as e:
             if inplace is None or not inplace.waiting_as_spare():
                 raise
-            # A spare whose run ended (or whose rendezvous host went): done, not failed. The
-            # job's code is the training group's.
-            code = agent_exit_code(agent.codes(), agent.killed_ranks())
-            log.info("%s: standby node not needed (%s: %s); exiting with %d", AGENT_NAME,
-                     type(e).__name__, str(e).splitlines()[0] if str(e) else "", code)
-            return code
+            # A spare whose run ended (or whose rendezvous host went): done, not failed.
+            ended = f" ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         finally:
             if inplace is not None:
                 inplace.close()
-        # The policy's code over the last group's workers (a standby has none: 0).
+        # The policy's code over the last group's workers (a standby has none: 0, or the
+        # training group's after a round it trained in).
         code = agent_exit_code(agent.codes(), agent.killed_ranks())
         if inplace is not None and inplace.waiting_as_spare():
-            log.info("%s: standby node not needed; exiting with %d", AGENT_NAME, code)
+            log.info("%s: standby node not needed%s; exiting with %d", AGENT_NAME, ended, code)
         return code
     except Interrupted as e:
         log.warning("%s: %s; exiting with %d", AGENT_NAME, e, 128 + e.signum)
@@ -219,13 +207,13 @@ def what_the_workers_did(code: int, report: Mapping[str, Any] | None) -> str:
 
 class RunReport:
     """Rank 0's run report, for the agent's last line: at the user's
-    ``$KEMPNER_RESILIENCE_REPORT`` (then only a report written during this run counts), else in
-    a directory of the agent's own, set in the environment the workers inherit."""
+    ``$KEMPNER_RESILIENCE_REPORT`` (only one written during this run counts), else in a
+    directory of the agent's own, set in the environment the workers inherit."""
 
     def __init__(self) -> None:
-        self._own_dir = None if os.environ.get(REPORT_ENV) else tempfile.mkdtemp(
-            prefix="kempner-agent-")
-        if self._own_dir is not None:
+        self._own_dir = None
+        if not os.environ.get(REPORT_ENV):
+            self._own_dir = tempfile.mkdtemp(prefix="kempner-agent-")
             os.environ[REPORT_ENV] = os.path.join(self._own_dir, "report.json")
         self.path = os.environ[REPORT_ENV]
         self._before = self._stamp()
@@ -255,8 +243,8 @@ class RunReport:
 
 # ------------------------------------------------------------------ torch's launch, ours
 
-def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent, inplace: InPlace | None,
-           shutdown_names: dict[str, Any], decides: bool) -> Any:
+def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent,
+           inplace: InPlace | None) -> Any:
     """Run torchrun's ``argv`` (or its parsed arguments, from ``accelerate launch``) with our
     agent; the workers' return values (none for a standby). Raises ``ChildFailedError`` after
     torch's own report of it, as torchrun's ``main`` does."""
@@ -276,8 +264,7 @@ def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent, inplace: In
     if args.master_port is None:    # only the static rendezvous reads it
         args.master_port = 29500
     config, entrypoint, cmd_args = config_from_args(args)
-    return record(_launch_agent)(config, entrypoint, list(cmd_args), tracked, inplace,
-                                 shutdown_names, decides)
+    return record(_launch_agent)(config, entrypoint, list(cmd_args), tracked, inplace)
 
 
 def _entrypoint_name(entrypoint: Any, args: list[Any]) -> str:
@@ -305,14 +292,14 @@ def _static_master(params: Any) -> tuple[str | None, int | None]:
 
 
 def _only(names: Iterable[str], values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` whose keys are in ``names`` (a dataclass's fields, a function's parameters)."""
+    """``values`` whose keys are in ``names``: what this torch release (2.11-2.13) takes."""
     known = set(names)
     return {k: v for k, v in values.items() if k in known}
 
 
 def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracked: Agent,
-                  inplace: InPlace | None, shutdown_names: dict[str, Any],
-                  decides: bool) -> Any:
+                  inplace: InPlace | None) -> Any:
+    # torch's launch_agent, less its health-check server (off by default).
     from torch.distributed.elastic import events, metrics
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -340,18 +327,18 @@ def _launch_agent(config: LaunchConfig, entrypoint: Any, args: list[Any], tracke
     handler = spare_handler(params, inplace) if inplace is not None and params.backend == "c10d" \
         else registry.get_rendezvous_handler(params)
     event_log = getattr(config, "event_log_handler", "null")
+    newer = {n: getattr(config, n) for n in ("numa_options", "duplicate_stdout_filters",
+                                             "duplicate_stderr_filters", "virtual_local_rank")
+             if hasattr(config, n)}
     spec = WorkerSpec(**_only((f.name for f in dataclasses.fields(WorkerSpec)), dict(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
         args=tuple(args), rdzv_handler=handler, max_restarts=config.max_restarts,
         monitor_interval=config.monitor_interval, master_addr=master_addr,
         master_port=master_port, local_addr=config.local_addr, event_log_handler=event_log,
-        numa_options=getattr(config, "numa_options", None),
-        duplicate_stdout_filters=getattr(config, "duplicate_stdout_filters", None),
-        duplicate_stderr_filters=getattr(config, "duplicate_stderr_filters", None),
-        virtual_local_rank=getattr(config, "virtual_local_rank", False))))
+        **newer)))
     torch_init = inspect.signature(ElasticAgent.__mro__[1].__init__).parameters
     agent = ElasticAgent(spec, config.logs_specs, tracked=tracked, inplace=inplace,
-                         shutdown_names=shutdown_names, decides=decides, **_only(torch_init, dict(
+                         **_only(torch_init, dict(
                              start_method=config.start_method,
                              log_line_prefix_template=config.log_line_prefix_template,
                              shutdown_timeout=getattr(config, "shutdown_timeout", 30))))
