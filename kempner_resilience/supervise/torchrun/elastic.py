@@ -3,11 +3,6 @@
 Subclasses, never attributes of torch's classes replaced; an object a torch function builds
 becomes an instance of a subclass of its own class. Every private name is in
 ``core/torch_private.py``; a torch that lacks one keeps torch's behaviour, logged.
-
-Why ``notice_lost_peer``: the next round opens only once every participant of the finished one
-left, and torch drops a dead node only when its heartbeat is older than the keep-alive window
-(10-15 s). A participant all of whose ranks the survivors saw die is dropped at once; else one
-whose heartbeat is two intervals old (a live one beats every interval).
 """
 
 from __future__ import annotations
@@ -100,12 +95,11 @@ class ElasticAgent(LocalElasticAgent):
         else:
             ok, why = restart_decision(codes, signalled=bool(self.tracked.signals),
                                        restarts_left=left, max_restarts=most)
+        handler = worker_group.spec.rdzv_handler
+        if ok and self.inplace is not None and isinstance(handler, SpareHandler):
+            handler.notice_lost_peer(self.inplace.ranks_died(), self.inplace.node_ranks(
+                worker_group.store, worker_group.group_world_size))
         if ok:
-            if self.inplace is not None:
-                handler = worker_group.spec.rdzv_handler
-                if isinstance(handler, SpareHandler):
-                    handler.notice_lost_peer(self.inplace.ranks_died(), self.inplace.node_ranks(
-                        worker_group.store, worker_group.group_world_size))
             log.warning("%s: workers failed with %s: relaunching in place (%s)", AGENT_NAME,
                         codes, why)
         else:
@@ -139,7 +133,10 @@ class SpareHandler(DynamicRendezvousHandler):
                          node_ranks: Mapping[int, Collection[int]] | None = None) -> None:
         """This node's workers lost a peer and the group relaunches in place: until the
         keep-alive window has passed once more, dead participants of the finished round are
-        dropped early (the module doc's rules)."""
+        dropped early. Why: the next round opens only once every participant of the finished
+        one left, and torch drops a dead node only after its keep-alive window (10-15 s). A
+        participant all of whose ranks the survivors saw die goes at once; else one whose
+        heartbeat is two intervals old (a live one beats every interval)."""
         holder = getattr(self, "_state_holder", None)
         settings = getattr(self, "_settings", None)
         if not hasattr(holder, "kr_notice") or settings is None:

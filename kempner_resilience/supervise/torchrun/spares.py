@@ -1,15 +1,13 @@
 """The torchrun agent's glue for spare nodes: relaunch in place after a rescued failure.
 
-With ``--nnodes=N`` and N + K agents, torch keeps K in the round's redundancy list; after a
-failure a standby takes the free place in a new round. ``InPlace`` decides what torch does not
-(``elastic.py`` asks it): which endings restart (the policy, only while a standby waits), which
-node leaves to a spare, when torch may cut the survivors' rescue short, and that an unneeded
-standby ends with 0. The node that leaves records itself bad before it leaves the rendezvous,
-so the record is on disk before the next round's rank-0 agent writes the ``restart`` event.
+With ``--nnodes=N`` and N + K agents, torch keeps K standing by. ``InPlace`` decides what torch
+does not (``elastic.py`` asks it): which endings restart, which node leaves to a spare, when
+torch may cut the survivors' rescue short; and what the run remembers. The rules: docs/slurm.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import time
@@ -51,15 +49,9 @@ def restart_decision(codes: Mapping[int, int], *, signalled: bool, restarts_left
     return d.action is Action.RELAUNCH, _SIGNAL_ENDING if signalled else d.why
 
 
-def in_place_settings(argv: Sequence[str]) -> Relaunch | None:
-    """The relaunch torchrun's arguments allow (None: ``--max-restarts`` 0, standalone or not
-    the c10d rendezvous)."""
-    from torch.distributed.run import parse_args
-
-    try:
-        args = parse_args(list(argv))
-    except SystemExit:
-        return None      # torchrun will say what is wrong with its arguments itself
+def in_place_settings(args: argparse.Namespace) -> Relaunch | None:
+    """The relaunch torchrun's parsed arguments allow (None: ``--max-restarts`` 0, standalone
+    or not the c10d rendezvous)."""
     if args.max_restarts <= 0 or args.standalone or args.rdzv_backend != "c10d" \
             or not args.rdzv_endpoint:
         return None

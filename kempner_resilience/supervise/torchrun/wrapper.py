@@ -103,7 +103,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
     report: RunReport | None = None
     try:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import main as torchrun_main
+        from torch.distributed.run import main as torchrun_main, parse_args
 
         from kempner_resilience.core import torch_private
 
@@ -117,7 +117,8 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         log.info("%s: signals %s to the workers (%s)", AGENT_NAME,
                  "are forwarded" if forward else "are not forwarded", why)
         stock = torch_private.elastic("shutdown") is None
-        settings = in_place_settings(argv) if front is None else None
+        args = None if front is not None else parse_args(list(argv))
+        settings = None if args is None else in_place_settings(args)
         inplace = None
         if not stock and settings is not None and torch_private.elastic("restarts") is not None \
                 and torch_private.elastic("spares") is not None:
@@ -133,9 +134,9 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
                 else:
                     torchrun_main(list(argv))
             elif front is not None:
-                front(lambda args: launch(args, agent, None))
+                front(lambda parsed: launch(parsed, agent, None))
             else:
-                launch(argv, agent, inplace)
+                launch(args, agent, inplace)
         except ChildFailedError as e:
             # Every worker of the last group has ended: all their codes, not only torch's.
             codes = {**agent.codes(),
@@ -159,8 +160,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
         finally:
             if inplace is not None:
                 inplace.close()
-        # The policy's code over the last group's workers (a standby has none: 0, or the
-        # training group's after a round it trained in).
+        # The policy's code over the last group's workers (a standby has none: 0).
         code = agent_exit_code(agent.codes(), agent.killed_ranks())
         if inplace is not None and inplace.waiting_as_spare():
             log.info("%s: standby node not needed%s; exiting with %d", AGENT_NAME, ended, code)
