@@ -1,10 +1,8 @@
 """A training actor's side: its torch.distributed group, the driver's stop, Ray's SIGTERM.
 
-The actors of one group are the ranks of one ResilientRun. The driver forms their group
-(``kr_address``, ``kr_setup``) and hands over the config and the stop board (``board.py``).
-``stop_context`` makes the board's stop a signal to this process and the run's ``SystemExit``
-an ``ActorEnding``. A ResilientRun needs the main thread, where only sync actor methods run:
-keep training actors single-threaded (no ``max_concurrency``, no concurrency groups).
+The actors of one group are the ranks of one ResilientRun; the driver forms their group and
+hands over the config and the stop board (``board.py``). A ResilientRun needs the main thread,
+where only sync methods run: no ``max_concurrency``, no concurrency groups.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ log = get_logger(__name__)
 
 @dataclass
 class ActorEnding:
-    """How an actor's run ended: ``code`` (0 completed, else the run's exit code), the signal
-    that stopped it (``signum``, None if none) and whether that came from the driver."""
+    """How an actor's run ended: ``code`` (0 completed), the ``signum`` that stopped it, and
+    whether that came from the driver."""
 
     code: int = 0
     signum: int | None = None
@@ -47,7 +45,7 @@ class ActorEnding:
     @property
     def leaves(self) -> bool:
         """Ray's own SIGTERM (an eviction, a drain) stopped the run: the process exits once
-        the call has returned (``stop_context``)."""
+        the call has returned."""
         return self.code == 143 and not self.from_driver
 
 
@@ -59,16 +57,17 @@ def ending_of(outcome: Any) -> Any:
 def actor_ends(outcomes: Sequence[Any], killed: Sequence[int], *, driver_stopping: bool,
                recorded: Mapping[int, RankEnding] | None = None) -> tuple[RankEnd, ...]:
     """Each training call's outcome (an ``ActorEnding``, or its exception) as its rank's
-    ending. A dead actor ended as it ``recorded`` (the hang watchdog's 42, which Ray reports
-    with no code), else as killed. A SIGTERM the driver did not send came from Ray or its
-    node (a drain, an eviction): like a preemption, it asks to run again (75)."""
+    ending. A dead actor ended as it ``recorded`` (Ray reports the watchdog's 42 with no
+    code), else as killed. A SIGTERM the driver did not send (a drain, an eviction) asks to
+    run again (75), as a preemption does."""
     ends = []
     for rank, out in enumerate(outcomes):
         ending = ending_of(out)
         if rank in killed:
             ends.append(RankEnd(int(ExitCode.HANG), by_supervisor=True))
         elif isinstance(ending, ActorEnding):
-            evicted = ending.code == int(ExitCode.SIGTERM) and not ending.from_driver and not driver_stopping
+            evicted = (ending.code == int(ExitCode.SIGTERM) and not ending.from_driver
+                       and not driver_stopping)
             ends.append(RankEnd(int(ExitCode.REQUEUE) if evicted else ending.code))
         elif actor_died(out):
             ends.append(recorded[rank].end() if recorded and rank in recorded else KILLED)
@@ -96,9 +95,8 @@ def kill_actors(actors: Iterable[Any]) -> None:
 
 def init_group(rank: int, world_size: int, addr: str, port: int, *,
                backend: str = "gloo", timeout_s: float = 120.0) -> None:
-    """Join the actors' torch.distributed group as ``rank`` of ``world_size`` (rank 0 hosts the
-    store at ``addr:port``). RANK stays unset: it would make a run in an actor pick ``exit``
-    mode; the log lines say ``[rank N]`` through ``set_role``."""
+    """Join the actors' torch.distributed group as ``rank`` (rank 0 hosts the store at
+    ``addr:port``). RANK stays unset: a run in an actor would pick ``exit`` mode."""
     import datetime
 
     import torch.distributed as dist
@@ -115,8 +113,8 @@ def init_group(rank: int, world_size: int, addr: str, port: int, *,
 def stop_context(board: Any) -> Iterator[ActorEnding]:
     """Around a training actor's ``with ResilientRun(...)``, on the main thread: the driver's
     stop reaches the run, Ray's SIGTERM handler is out of the way, and the run's
-    ``SystemExit`` becomes ``ending``. After Ray's own SIGTERM the actor exits once the method
-    returns: Ray asked for the process to go."""
+    ``SystemExit`` becomes ``ending``. After Ray's own SIGTERM the process exits once the
+    method returns."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("stop_context needs the actor's main thread: a sync actor without "
                            "max_concurrency or concurrency groups")
@@ -161,9 +159,9 @@ def stop_context(board: Any) -> Iterator[ActorEnding]:
 
 
 class TrainingActor:
-    """Mixin for a Ray training actor class: the driver forms its group and calls its methods.
-    ``kempner_resilience.ray.TrainingActor`` adds ``resilient_run``. The earlier names
-    (``address``, ``init_group``, ``stop_context``) still work; the first two warn."""
+    """Mixin for a Ray training actor class: the driver forms its group and calls its methods
+    (``kempner_resilience.ray.TrainingActor`` adds ``resilient_run``). The earlier names
+    ``address``, ``init_group`` (deprecated) and ``stop_context`` still work."""
 
     kr_config: ResilienceConfig | None = None
     kr_board: Any = None
@@ -200,7 +198,8 @@ class TrainingActor:
                       "group", DeprecationWarning, stacklevel=2)
         return self.kr_address()
 
-    def init_group(self, rank: int, world_size: int, addr: str, port: int, backend: str = "gloo") -> None:
+    def init_group(self, rank: int, world_size: int, addr: str, port: int,
+                   backend: str = "gloo") -> None:
         """Deprecated: the driver forms the group (``RayDriver.run_group``)."""
         warnings.warn("TrainingActor.init_group is deprecated: RayDriver.run_group forms the "
                       "group", DeprecationWarning, stacklevel=2)
@@ -212,8 +211,8 @@ class TrainingActor:
     kr_pid = pid    # the name the parking asks a spare by (a Worker has no ``pid``)
 
     def kr_rebirth(self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> int:
-        """Become a new actor of this class in this process (``supervise/ray/parking.py``):
-        the old process group destroyed, the object built again by its ``__init__``."""
+        """Become a new actor of this class in this process (``parking.py``): the old
+        process group destroyed, the object built again by its ``__init__``."""
         import gc
 
         import torch
@@ -221,8 +220,7 @@ class TrainingActor:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        # Ray's own attributes, if it set any on the object, stay; everything of ours and the
-        # user's goes, so nothing of the last incarnation survives but what __init__ makes.
+        # Only Ray's own attributes stay: nothing of the last incarnation survives __init__.
         kept = {k: v for k, v in self.__dict__.items() if k.startswith(("_ray", "__ray"))}
         self.__dict__.clear()
         self.__dict__.update(kept)

@@ -1,10 +1,8 @@
 """An asyncio Ray actor's work: one main task whose stop cancels everything under it.
 
-Ray owns the loop, in a thread of its own. A stop must be a cancellation, so every
-``finally`` runs; ``supervise_tasks`` is one ``asyncio.TaskGroup`` (``gather`` leaves a failed
-task's siblings running). Ray's SIGTERM handler runs on the main thread, where no actor code
-runs, and then waits for tasks that never end: ``main()`` wraps the exit function it calls so
-the main tasks are cancelled first (docs/ray.md has the measurements).
+A stop must be a cancellation, so every ``finally`` runs. Ray's SIGTERM handler runs on the
+main thread, where no actor code runs, then waits for tasks that never end: ``main()`` hooks
+the exit it calls so the main tasks are cancelled first (docs/ray.md has the measurements).
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ _MARGIN_S = 5.0
 async def supervise_tasks(coros: Iterable[Coroutine[Any, Any, Any]]) -> list[Any]:
     """Run ``coros`` as one task group and return their results in order. One that raises,
     or the caller's cancellation, cancels the others; every ``finally`` has run on return."""
+    # A TaskGroup, not gather: gather leaves a failed task's siblings running.
     tasks: list[asyncio.Task[Any]] = []
     try:
         async with asyncio.TaskGroup() as group:
@@ -91,7 +90,7 @@ class AsyncActor:
 
 
 def _hook_ray_sigterm() -> None:
-    """Make Ray's SIGTERM exit of this worker cancel the main tasks first (module docstring)."""
+    """Make Ray's SIGTERM exit of this worker cancel the main tasks first."""
     try:
         import ray._private.worker as ray_worker
     except ImportError:    # not in a Ray worker: nothing to hook
@@ -127,6 +126,7 @@ def _stop_all_actors() -> None:
     done, pending = concurrent.futures.wait(futures, timeout=bound)
     stopped = sum(f.result() for f in done if f.exception() is None)
     if pending:
-        log.error("SIGTERM: %d actor(s) still cleaning up after %.0f s; exiting anyway", len(pending), bound)
+        log.error("SIGTERM: %d actor(s) still cleaning up after %.0f s; exiting anyway",
+                  len(pending), bound)
     else:
         log.warning("SIGTERM: %d main task(s) cancelled and cleaned up", stopped)

@@ -1,14 +1,14 @@
 """The stop board: how a Ray driver's stop reaches every actor, on any node.
 
-A driver's signal never reaches its actors (processes of their own, anywhere), and Ray cannot
-interrupt a running task without force. The board is a tiny asyncio actor: ``set(signum)``
-once, and every ``wait()`` returns it. A watcher thread in each training actor, blocked on
-``wait()``, sends that signal to its own process, so its ResilientRun stops as usual, even
-while its main thread waits in a collective. Ray is imported lazily.
+A driver's signal never reaches its actors, and Ray cannot interrupt a running task without
+force. The board is a tiny asyncio actor: ``set(signum)`` once, and every ``wait()`` returns
+it. A watcher thread in each training actor sends that signal to its own process, so its
+ResilientRun stops as usual, even while its main thread waits in a collective.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -20,8 +20,6 @@ from kempner_resilience.stop.signals import active_handlers
 __all__ = ["create_board", "BoardWatcher"]
 
 log = get_logger(__name__)
-
-_board_class: Any = None
 
 
 class _StopBoard:
@@ -46,26 +44,27 @@ class _StopBoard:
         return self._signum
 
 
-def create_board() -> Any:
-    """A new stop board actor (no CPU reserved: it must start even on a full cluster)."""
-    global _board_class
+@functools.cache
+def _board_class() -> Any:
     import ray
 
-    if _board_class is None:
-        # max_concurrency: every actor's wait() is a pending coroutine; a set() must not queue
-        # behind them.
-        _board_class = ray.remote(num_cpus=0, max_concurrency=1000)(_StopBoard)
-    return _board_class.remote()
+    # max_concurrency: every actor's wait() is a pending coroutine; a set() must not queue
+    # behind them.
+    return ray.remote(num_cpus=0, max_concurrency=1000)(_StopBoard)
+
+
+def create_board() -> Any:
+    """A new stop board actor (no CPU reserved: it must start even on a full cluster)."""
+    return _board_class().remote()
 
 
 class BoardWatcher:
     """In a training actor: a thread that waits on the board and signals its own process.
 
-    The signal is sent only once a ShutdownHandler is installed in this process (a ResilientRun
-    was entered): before that, a SIGINT would be a KeyboardInterrupt at an arbitrary point. It is
-    not sent when the process's run already has a request of its own (a SIGTERM from Ray or the
-    node): a second signal could count as "repeated" and force the process out without its
-    checkpoint.
+    The signal waits for a ShutdownHandler in this process (a ResilientRun entered): before
+    it, a SIGINT is a KeyboardInterrupt anywhere. It is not sent when the run has a request of
+    its own (Ray's or the node's SIGTERM): a second signal could force the process out
+    without its checkpoint.
     """
 
     def __init__(self, board: Any, poll_s: float = 0.1) -> None:
@@ -90,9 +89,8 @@ class BoardWatcher:
         try:
             ref = self.board.wait.remote()
             while not self._done.is_set():
-                ready, _ = ray.wait([ref], timeout=self.poll_s)
-                if ready:
-                    self.signum = int(ray.get(ready[0]))
+                if ray.wait([ref], timeout=self.poll_s)[0]:
+                    self.signum = int(ray.get(ref))
                     break
             while self.signum and not self._done.is_set():
                 handlers = active_handlers()

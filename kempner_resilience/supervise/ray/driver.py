@@ -1,13 +1,13 @@
 """RayDriver: a Ray driver whose signals are always seen, and whose stop is every actor's stop.
 
-``ray.init`` installs a SIGTERM handler that raises ``SystemExit`` anywhere, Ray may ignore
-SIGINT, and ``ray.get`` blocks in C. So the driver installs the package's ShutdownHandler
-after ``ray.init`` and waits with ``ray.wait(timeout=)`` in a loop, never one blocking get.
-A stop is one sequence (``_stop_all``); the steps are in docs/ray.md. Ray is imported lazily.
+``ray.init`` installs a SIGTERM handler that raises ``SystemExit`` anywhere and ``ray.get``
+blocks in C. So the driver installs the ShutdownHandler after ``ray.init`` and waits with
+``ray.wait(timeout=)`` in a loop. The stop's steps (``_stop_all``) are in docs/ray.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -26,8 +26,7 @@ from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import REQUESTED, requeue_run
 from kempner_resilience.stop.signals import ShutdownHandler, ShutdownRequest
 from kempner_resilience.supervise.channel import newest_commit
-from kempner_resilience.supervise.policy import Action as Next
-from kempner_resilience.supervise.policy import Evidence, Guard, RankEnd, decide
+from kempner_resilience.supervise.policy import Action as Next, Evidence, Guard, RankEnd, decide
 
 __all__ = ["RayDriver", "driver_forces", "clear_ray_handlers", "shutdown_ray"]
 
@@ -57,7 +56,7 @@ class RayDriver:
         self._handler = ShutdownHandler(self.signals, forces=driver_forces)
         self._stop = threading.Event()
         self._stopping = False
-        self._role: str | None = None     # this process's log label before the driver's
+        self._role: str | None = None
         self._requeuing = False           # this driver asked SLURM to requeue the job
 
     def __enter__(self) -> "RayDriver":
@@ -112,11 +111,14 @@ class RayDriver:
         bound = (self.config.rescue.budget_s if self.config is not None else 120.0) + 30.0
         killed = self._wait_training(refs, cancel, bound, stop_on_error=True)
         if killed:
-            log.error("rank(s) %s did not end %.0f s after the loss: killing every actor", killed, bound)
+            log.error("rank(s) %s did not end %.0f s after the loss: killing every actor",
+                      killed, bound)
             kill_actors(self.actors)
         self.finish(cancel)
         results = [_result_of(r) for r in refs]
-        ends = actor_ends([_outcome(r) for r in results], killed, driver_stopping=False)
+        # Any value but an ending (or an error) is a completed call.
+        ends = actor_ends([r if isinstance(ending_of(r), (ActorEnding, BaseException))
+                           else ActorEnding(0) for r in results], killed, driver_stopping=False)
         if any(e.code != 0 for e in ends):
             self._leave_after(ends)
         return results
@@ -125,10 +127,9 @@ class RayDriver:
                   cancel: Sequence[Any] = (), backend: str = "gloo",
                   options: dict[str, Any] | None = None, warm: bool = False,
                   **kwargs: Any) -> list[Any]:
-        """What ``method`` returned on each rank of a group of ``world_size`` ``actor_cls``
-        actors (a plain class gets 1 CPU). A lost actor's group comes back while the policy
-        says so (``relaunch.supervise``), else ``SystemExit`` with its code. ``warm``: it
-        comes back with the old group's live actors, reborn in their processes."""
+        """What ``method`` returned on each rank of ``world_size`` ``actor_cls`` actors (a
+        plain class gets 1 CPU). A lost actor's group comes back while the policy says so
+        (``relaunch.supervise``; ``warm``: with the live actors, reborn), else ``SystemExit``."""
         import ray
 
         from kempner_resilience.supervise.ray.relaunch import supervise
@@ -146,9 +147,8 @@ class RayDriver:
     def wait_group(self, refs: Sequence[Any], actors: Sequence[Any], *,
                    cancel: Sequence[Any] = (), bound: float = 150.0
                    ) -> tuple[list[Any], list[int]]:
-        """Wait for one incarnation of a group: each call's outcome, and the ranks killed for
-        not ending ``bound`` s after the first failed. A failed call stops nothing: the
-        survivors rescue and end on their own."""
+        """One incarnation of a group: each call's outcome, and the ranks killed for not
+        ending ``bound`` s after the first failed (the survivors rescue and end alone)."""
         refs = list(refs)
         killed = self._wait_training(refs, list(cancel), bound, stop_on_error=False)
         for r in killed:
@@ -162,8 +162,8 @@ class RayDriver:
 
     def requeue(self, why: str, *, exclude: Iterable[str] = (),
                 ends: tuple[RankEnd, ...] = REQUESTED) -> Verdict | None:
-        """Under SLURM, requeue the job as rank 0 would (``slurm/requeue.py``): the driver is
-        the job's one SLURM process. None when no requeue was tried."""
+        """Under SLURM, requeue the job as rank 0 would (the driver is the job's one SLURM
+        process); None when no requeue was tried."""
         job = SlurmJob.from_env()
         if job is None or self.config is None:
             return None
@@ -181,12 +181,10 @@ class RayDriver:
         log.warning("%s: %s", why, result.message)
         return result.verdict
 
-    # ------------------------------------------------------------------ the wait and the stop
-
     def _wait_training(self, refs: list[Any], cancel: list[Any], bound: float, *,
                        stop_on_error: bool) -> list[int]:
-        """Wait for ``refs``; the ranks not ended ``bound`` s after the first was lost. With
-        ``stop_on_error`` a call's own error stops everything."""
+        """The ranks not ended ``bound`` s after the first was lost. ``stop_on_error``: a
+        call's own error stops everything."""
         import ray
 
         pending = refs + cancel
@@ -234,9 +232,8 @@ class RayDriver:
 
     def _stop_all(self, signum: int, refs: list[Any], cancel: list[Any], *,
                   error: BaseException | None = None, run_again: str | None = None) -> None:
-        """Stop every actor (the board), cancel other calls without force, wait within the
-        signal's grace less a margin, shut Ray down, leave with the table's code.
-        ``run_again``: why the job runs again though no signal asked (a lost helper actor)."""
+        """Post the stop on the board, cancel ``cancel``, wait within the grace, shut Ray
+        down, leave with the table's code. ``run_again``: why the job runs again unasked."""
         self._stopping = True
         started = time.monotonic()
         log.warning("%s: stopping every actor (%d training calls, %d to cancel)",
@@ -253,7 +250,9 @@ class RayDriver:
         elif error is not None:
             code = int(ExitCode.ERROR)
         else:
-            saved = _saved(self.results)
+            failed = any(isinstance(e, ActorEnding) and e.code == ExitCode.CHECKPOINT_FAILED
+                         for e in map(ending_of, self.results))
+            saved = Saved.FAILED if failed else Saved.COMMITTED
             if run_again is not None:
                 verdict = self.requeue(run_again) if saved is Saved.COMMITTED else None
                 verdict = verdict or Verdict.REQUEUED
@@ -272,9 +271,9 @@ class RayDriver:
             raise error
         raise SystemExit(code)
 
-    def _cancel_and_wait(self, cancel: list[Any], bound: float, *, also: Sequence[Any] = ()) -> list[Any]:
-        """Cancel ``cancel`` without force, wait for it and ``also`` up to ``bound`` s; what
-        is not done."""
+    def _cancel_and_wait(self, cancel: list[Any], bound: float, *,
+                         also: Sequence[Any] = ()) -> list[Any]:
+        """Cancel ``cancel`` without force; what of it and ``also`` is not done in ``bound``."""
         import ray
 
         for ref in cancel:
@@ -302,10 +301,8 @@ class RayDriver:
         log.error("forced: killing %d actors and the local Ray node", len(self.actors))
         kill_actors(self.actors)
         for pid in reversed(descendants(os.getpid())):     # the deepest first
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def driver_forces(signum: int, earlier: list[int]) -> bool:
@@ -318,12 +315,9 @@ def driver_forces(signum: int, earlier: list[int]) -> bool:
 def shutdown_ray() -> None:
     """``ray.shutdown()``, then SIGTERM's handler put back in place.
 
-    Ray's core worker installs a failure-signal handler at ``ray.init`` and, at shutdown, sets
-    SIGTERM (with SIGSEGV, SIGILL, SIGFPE and SIGABRT) back to the default action behind
-    Python's back: ``signal.getsignal`` still names the handler Python installed, but the
-    kernel's action is to end the process, and the SIGTERM SLURM answers our requeue with
-    turned a driver leaving with 75 into 143. Installing Python's handler again makes the
-    kernel's action match it."""
+    Ray's shutdown resets SIGTERM's kernel action to the default behind Python's back
+    (``getsignal`` still names Python's handler): SLURM's SIGTERM answering our requeue
+    turned a driver leaving with 75 into 143. Installing the handler again fixes the kernel's."""
     import ray
 
     ray.shutdown()
@@ -339,18 +333,6 @@ def clear_ray_handlers(signums: Sequence[int]) -> None:
         prev = signal.getsignal(signum)
         if callable(prev) and (getattr(prev, "__module__", "") or "").startswith("ray"):
             signal.signal(signum, signal.SIG_DFL)
-
-
-def _saved(results: Sequence[Any]) -> Saved:
-    """The stop's checkpoint as the training calls returned it."""
-    failed = any(isinstance(e, ActorEnding) and e.code == ExitCode.CHECKPOINT_FAILED
-                 for e in map(ending_of, results))
-    return Saved.FAILED if failed else Saved.COMMITTED
-
-
-def _outcome(result: Any) -> Any:
-    """A call's result as ``actor_ends`` reads it: any value but an ending completed."""
-    return result if isinstance(ending_of(result), (ActorEnding, BaseException)) else ActorEnding(0)
 
 
 def _cancelled(err: BaseException) -> bool:

@@ -1,11 +1,11 @@
 """A worker group: passive Ray actors (a policy, a critic, a reference model) that a driver's
 loop calls, as SkyRL's, verl's and OpenRLHF's groups are.
 
-The group is an entry of the driver's run state (``checkpoint/delegated.py``): each actor
-saves into ``<step>/<name>/`` over its own group, and the driver merges their file tables.
-Every call waits in short ``ray.wait`` slices, so the driver's handlers run between them, for
-at most ``watchdog.hang_timeout_s``. An actor gone or silent raises ``GroupLost``, a lost peer
-whose policy recreates the group (``run/ray_run.py``).
+The group is an entry of the driver's run state (``checkpoint/delegated.py``): each actor saves
+into ``<step>/<name>/`` and the driver merges their file tables. Calls wait in short
+``ray.wait`` slices, so the driver's handlers run between them, up to
+``watchdog.hang_timeout_s``. An actor gone or silent raises ``GroupLost``, a lost peer whose
+policy recreates the group (``run/ray_run.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger, set_role
-from kempner_resilience.supervise.ray.actor import TrainingActor, actor_died, init_group, kill_actors
+from kempner_resilience.supervise.ray.actor import (TrainingActor, actor_died, init_group,
+                                                    kill_actors)
 from kempner_resilience.supervise.ray.parking import (Parking, current_parking, reborn, settled,
                                                       signature)
 
@@ -57,6 +58,8 @@ class Worker:
                                   "actor's state, e.g. {'model': self.model, 'optim': self.optim}")
 
     kr_address = TrainingActor.kr_address
+    kr_pid = TrainingActor.kr_pid
+    kr_rebirth = TrainingActor.kr_rebirth
 
     def kr_setup(self, name: str, rank: int, world_size: int, addr: str, port: int,
                  config: ResilienceConfig, backend: str) -> None:
@@ -74,9 +77,6 @@ class Worker:
             self.__dict__["_kr_train_state"] = state
         return state
 
-    kr_pid = TrainingActor.kr_pid
-    kr_rebirth = TrainingActor.kr_rebirth
-
     def kr_save(self, directory: str, step: int) -> dict[str, Any]:
         """Write this actor's state of ``step`` (collective); the file table for the manifest."""
         from kempner_resilience.checkpoint.partsave import save_part
@@ -87,7 +87,8 @@ class Worker:
         """Load this actor's state from ``directory`` (collective over the group)."""
         from kempner_resilience.checkpoint.partsave import load_part
 
-        return load_part(self._kr_state(), Path(directory), manifest, self.kr_rank, self.kr_world_size)
+        return load_part(self._kr_state(), Path(directory), manifest, self.kr_rank,
+                         self.kr_world_size)
 
 
 class WorkerGroup:
@@ -104,8 +105,8 @@ class WorkerGroup:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if spares < 0:
             raise ValueError(f"spares must be >= 0, got {spares}")
-        self.spares = spares    # actors made ahead of need, under supervise_loop
-        self.warm = warm        # under supervise_loop, a lost group's live actors come back
+        self.spares = spares
+        self.warm = warm
         self._inflight: list[Any] = []   # the refs of the call under way, one per actor
         self._parking: Parking | None = None
         self.actor_cls = actor_cls
@@ -117,12 +118,9 @@ class WorkerGroup:
         self.actors: list[Any] = []
         self.bound_s = 600.0
 
-    # ------------------------------------------------------------------ the group's life
-
     def start(self, name: str, config: ResilienceConfig) -> None:
-        """Create the actors and form their group (the run does, on entry). A group already
-        started is stopped first. Under ``supervise_loop`` the actors parked by a lost
-        incarnation come back first, reborn (``supervise/ray/parking.py``)."""
+        """Create the actors and form their group (the run does, on entry); a started group
+        is stopped first. Under ``supervise_loop`` parked actors come back first, reborn."""
         import ray
 
         self.stop()
@@ -133,14 +131,12 @@ class WorkerGroup:
         # Kept for ``release``, which the run's teardown may call from a thread of its own,
         # where the supervised loop's context is not.
         self._parking = parking = current_parking() if self.warm else None
-        mine = self._signature()
-        warm = []
-        if parking is not None:
-            taken = parking.take(self._key(), self.world_size)
-            warm = reborn(taken, mine, lambda a: a.kr_rebirth.remote(self.args, self.kwargs))
-            if warm:
-                log.info("%s group: %d of %d actors warm (parked, not new processes)", name,
-                         len(warm), self.world_size)
+        key, mine = self._key(), signature(self.args, self.kwargs)
+        taken = parking.take(key, self.world_size) if parking is not None else []
+        warm = reborn(taken, mine, lambda a: a.kr_rebirth.remote(self.args, self.kwargs))
+        if warm:
+            log.info("%s group: %d of %d actors warm (parked, not new processes)", name,
+                     len(warm), self.world_size)
         self.actors = warm + [make.remote(*self.args, **self.kwargs)
                               for _ in range(self.world_size - len(warm))]
         addr, port = self._wait([self.actors[0].kr_address.remote()])[0]
@@ -148,9 +144,9 @@ class WorkerGroup:
                                       self.backend) for r, a in enumerate(self.actors)])
         log.info("%s group formed: %d actors (%s)", name, self.world_size, self.backend)
         if parking is not None:     # the spares, made now, ready by the next loss
-            missing = self.spares - parking.count(self._key(), fresh=True)
-            parking.park(self._key(), [make.remote(*self.args, **self.kwargs)
-                                       for _ in range(max(0, missing))], mine, fresh=True)
+            missing = self.spares - parking.count(key, fresh=True)
+            parking.park(key, [make.remote(*self.args, **self.kwargs)
+                               for _ in range(max(0, missing))], mine, fresh=True)
 
     def stop(self) -> None:
         """Kill every actor of the group (their processes go; a new ``start`` makes new ones)."""
@@ -159,27 +155,20 @@ class WorkerGroup:
         self._inflight = []
 
     def release(self) -> None:
-        """The run is over: under ``supervise_loop`` the actors that can be trusted are
-        parked for the next incarnation (their call ended, their process lives), the others
-        killed; elsewhere every actor is killed."""
-        parking = self._parking
-        if parking is None or not self.actors:
+        """The run is over: under ``supervise_loop`` the trusted actors (their call ended,
+        their process lives) are parked for the next incarnation, the others killed;
+        elsewhere every actor is killed."""
+        if self._parking is None or not self.actors:
             self.stop()
             return
-        kept = settled(self.actors, self._inflight)
-        kill_actors([a for a in self.actors if all(a is not k for k in kept)])
-        parking.park(self._key(), kept, self._signature())
+        self._parking.keep(self._key(), self.actors, settled(self.actors, self._inflight),
+                           signature(self.args, self.kwargs))
         self.actors, self._inflight = [], []
 
     def _key(self) -> tuple[int, str]:
         # Only an actor of the same class with the same options (resources, placement) can
         # take a rank: options by their repr, so an unhashable one compares too.
         return id(self.actor_cls), repr(sorted(self.options.items()))
-
-    def _signature(self) -> bytes:
-        return signature(self.args, self.kwargs)
-
-    # ------------------------------------------------------------------ calls
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every actor; their results in rank order (bounded)."""
@@ -190,6 +179,15 @@ class WorkerGroup:
         if len(per_rank) != self.world_size:
             raise ValueError(f"{self.name}: {len(per_rank)} shards for {self.world_size} actors")
         return self._wait([getattr(a, method).remote(x) for a, x in zip(self.actors, per_rank)])
+
+    def save_into(self, directory: Path, step: int) -> dict[str, Any]:
+        """Each actor writes its state into ``directory``; their file tables, merged."""
+        tables = self._wait([a.kr_save.remote(str(directory), step) for a in self.actors])
+        return {name: entry for table in tables for name, entry in table.items()}
+
+    def load_from(self, directory: Path, manifest: Mapping[str, Any]) -> None:
+        """Each actor loads its state from ``directory`` (a committed step's part)."""
+        self._wait([a.kr_load.remote(str(directory), dict(manifest)) for a in self.actors])
 
     def _wait(self, refs: list[Any]) -> list[Any]:
         """Every ref's result, in rank order, waiting in short slices up to the bound."""
@@ -215,45 +213,35 @@ class WorkerGroup:
     def _raise_if_failed(self, ref: Any, refs: list[Any]) -> None:
         import ray
 
-        try:
-            ray.get(ref, timeout=0)
-        except Exception as e:
-            rank, why = refs.index(ref), _why_gone(e)
-            if why:
-                raise GroupLost(self.name, rank, why) from None
-            if isinstance(e, ray.exceptions.RayTaskError) and is_peer_failure(e):
-                # A survivor's collective failed because a peer went: the group is lost, and
-                # the peer that went is named when Ray reports it within a few seconds.
-                raise self._gone_peer(refs) or GroupLost(
-                    self.name, rank, f"lost a peer ({first_line(e)})") from None
-            raise   # the actor's own code raised: its error
-
-    def _gone_peer(self, refs: list[Any]) -> GroupLost | None:
-        """The ``GroupLost`` of an actor whose process is gone; None if every one is alive."""
-        import ray
-
+        e = _error_of(ref)
+        if e is None:
+            return
+        rank, why = refs.index(ref), _why_gone(e)
+        if why:
+            raise GroupLost(self.name, rank, why) from None
+        if not (isinstance(e, ray.exceptions.RayTaskError) and is_peer_failure(e)):
+            raise e   # the actor's own code raised: its error
+        # A survivor's collective failed because a peer went: the group is lost, and the peer
+        # that went is named when Ray reports it within a few seconds.
         ray.wait(refs, num_returns=len(refs), timeout=_CAUSE_WAIT_S)
-        for rank, ref in enumerate(refs):
-            try:
-                ray.get(ref, timeout=0)
-            except Exception as e:   # done with an error, or still running
-                if why := _why_gone(e):
-                    return GroupLost(self.name, rank, why)
-        return None
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_into(self, directory: Path, step: int) -> dict[str, Any]:
-        """Each actor writes its state into ``directory``; their file tables, merged."""
-        tables = self._wait([a.kr_save.remote(str(directory), step) for a in self.actors])
-        return {name: entry for table in tables for name, entry in table.items()}
-
-    def load_from(self, directory: Path, manifest: Mapping[str, Any]) -> None:
-        """Each actor loads its state from ``directory`` (a committed step's part)."""
-        self._wait([a.kr_load.remote(str(directory), dict(manifest)) for a in self.actors])
+        for r, other in enumerate(refs):
+            if why := _why_gone(_error_of(other)):
+                raise GroupLost(self.name, r, why) from None
+        raise GroupLost(self.name, rank, f"lost a peer ({first_line(e)})") from None
 
 
-def _why_gone(error: BaseException) -> str | None:
+def _error_of(ref: Any) -> BaseException | None:
+    """The call's error (a ``GetTimeoutError`` if not done), or None."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except Exception as e:
+        return e
+    return None
+
+
+def _why_gone(error: BaseException | None) -> str | None:
     """"is gone (...)" for a call whose actor's process is gone (killed, evicted by Ray's
     SIGTERM handler, its node lost); None for the call's own error."""
     import ray

@@ -1,19 +1,10 @@
-"""Warm worker actors between the incarnations of a driver's worker groups (``supervise_loop``).
+"""Warm actors between a driver's group incarnations (``supervise_loop``; docs/ray.md).
 
-A new Ray actor is a new process: Python, Ray's worker, ``import torch``, the user's imports,
-seconds of CPU before its first call. When a group is lost, only the actor that went needs a
-new process. So the other actors are parked instead of killed, and the next incarnation's group
-of the same class and options takes them back, each reborn (``Worker.kr_rebirth``: its process
-group destroyed, its object built again by its own ``__init__``, then the newest commit loaded
-as into a new actor). A group's ``spares`` are actors made ahead of need, parked from the start:
-the actor that went is replaced by one of them, not by a cold start.
-
-Trust is the policy's rule (``supervise/policy.py``: ``reusable``): an actor is parked only if
-its process lives and its last call ended (a result, or the error of a collective whose peer
-went). An actor whose call did not end (a hang, a collective still waiting on the dead peer,
-NCCL's case) is killed: its communicator and device state cannot be trusted, and a new process
-replaces it. A rebirth that fails or does not end within its bound is the same: the actor is
-killed and replaced cold.
+A new actor is a new process (seconds of imports), so a lost group's live actors are parked,
+and the next group of the same class and options takes them back, reborn (``kr_rebirth``);
+``spares`` are parked from the start. Trust is the policy's ``reusable``: an actor whose call
+did not end (a hang, a collective waiting on a dead peer: its communicator is untrusted) is
+killed, as is one whose rebirth fails or overruns.
 """
 
 from __future__ import annotations
@@ -32,8 +23,8 @@ __all__ = ["Parking", "Parked", "current_parking", "parking_for", "signature"]
 
 log = get_logger(__name__)
 
-#: How long a parked actor's rebirth (or a spare's creation) may take before a new process
-#: replaces it. NCCL's teardown with a dead peer is what could hold it.
+#: How long a rebirth (or a spare's creation) may take before a new process replaces the
+#: actor. NCCL's teardown with a dead peer is what could hold it.
 REBIRTH_S = 60.0
 #: How long a lost group's calls still running get to end before their actors are killed.
 SETTLE_S = 5.0
@@ -41,8 +32,8 @@ SETTLE_S = 5.0
 
 @dataclass
 class Parked:
-    """A parked actor: the ``signature`` of the arguments its object was built with, and
-    whether it is ``fresh`` (a spare: built and never in a group)."""
+    """A parked actor, the ``signature`` of its object's arguments, and whether it is
+    ``fresh`` (a spare, never in a group)."""
 
     actor: Any
     signature: bytes
@@ -62,6 +53,12 @@ class Parking:
             kill_actors(actors)
             return
         self._parked.setdefault(key, []).extend(Parked(a, signature, fresh) for a in actors)
+
+    def keep(self, key: Hashable, actors: Sequence[Any], kept: Sequence[Any],
+             signature: bytes) -> None:
+        """Park ``kept`` under ``key`` and kill the rest of ``actors``."""
+        kill_actors([a for a in actors if all(a is not k for k in kept)])
+        self.park(key, kept, signature)
 
     def take(self, key: Hashable, n: int) -> list[Parked]:
         """At most ``n`` actors parked under ``key``, spares last (survivors first)."""
@@ -112,9 +109,9 @@ def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
 
 
 def settled(actors: Sequence[Any], refs: Sequence[Any], bound_s: float = SETTLE_S) -> list[Any]:
-    """The actors the policy lets serve again (``reusable``), their call in ``refs`` (one per
-    actor, or none at all) given ``bound_s`` to end: one still running then ends as its
-    supervisor's, one whose process is gone as killed."""
+    """The actors the policy lets serve again (``reusable``), once their calls ``refs`` (one
+    per actor, or none) had ``bound_s`` to end: one still running counts as hung, one whose
+    process is gone as killed."""
     import ray
 
     if not refs:
@@ -136,8 +133,8 @@ def _end_of(ray: Any, ref: Any) -> RankEnd:
 def reborn(taken: Sequence[Parked], mine: bytes, rebirth: Callable[[Any], Any],
            bound_s: float = REBIRTH_S) -> list[Any]:
     """The taken actors ready for a new group: a spare built with the same arguments as is,
-    any other reborn (``rebirth(actor)`` starts its call); the ones that fail or do not end
-    within ``bound_s`` are killed."""
+    any other reborn (``rebirth(actor)`` starts its call). Those that fail or overrun
+    ``bound_s`` are killed."""
     import ray
 
     if not taken:
