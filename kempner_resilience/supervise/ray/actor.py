@@ -179,9 +179,12 @@ class TrainingActor:
 
     def kr_setup(self, rank: int, world_size: int, addr: str, port: int,
                  config: ResilienceConfig | None = None, board: Any = None,
-                 backend: str = "gloo") -> None:
-        """Join the group as ``rank`` and keep the driver's config and stop board."""
+                 backend: str = "gloo", name: str | None = None) -> None:
+        """Join the group as ``rank`` and keep the driver's config and stop board; a worker
+        group's ``name`` makes the log lines say ``[<name> rank N]``."""
         init_group(rank, world_size, addr, port, backend=backend)
+        if name is not None:
+            set_role(f"{name} rank {rank}")
         self.kr_config, self.kr_board = config, board
         self.kr_rank, self.kr_world_size = rank, world_size
 

@@ -16,9 +16,8 @@ from typing import Any, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
-from kempner_resilience.core.log import get_logger, set_role
-from kempner_resilience.supervise.ray.actor import (TrainingActor, actor_died, init_group,
-                                                    kill_actors)
+from kempner_resilience.core.log import get_logger
+from kempner_resilience.supervise.ray.actor import TrainingActor, actor_died, kill_actors
 from kempner_resilience.supervise.ray.parking import (Parking, current_parking, reborn, settled,
                                                       signature)
 
@@ -58,15 +57,9 @@ class Worker:
                                   "actor's state, e.g. {'model': self.model, 'optim': self.optim}")
 
     kr_address = TrainingActor.kr_address
+    kr_setup = TrainingActor.kr_setup
     kr_pid = TrainingActor.kr_pid
     kr_rebirth = TrainingActor.kr_rebirth
-
-    def kr_setup(self, name: str, rank: int, world_size: int, addr: str, port: int,
-                 config: ResilienceConfig, backend: str) -> None:
-        """Join the group as ``rank``; this process's log lines say ``[<name> rank N]``."""
-        init_group(rank, world_size, addr, port, backend=backend)
-        set_role(f"{name} rank {rank}")
-        self.kr_config, self.kr_rank, self.kr_world_size = config, rank, world_size
 
     def _kr_state(self) -> Any:
         from kempner_resilience.checkpoint.state import TrainState
@@ -140,8 +133,9 @@ class WorkerGroup:
         self.actors = warm + [make.remote(*self.args, **self.kwargs)
                               for _ in range(self.world_size - len(warm))]
         addr, port = self._wait([self.actors[0].kr_address.remote()])[0]
-        self._wait([a.kr_setup.remote(name, r, self.world_size, addr, port, config,
-                                      self.backend) for r, a in enumerate(self.actors)])
+        self._wait([a.kr_setup.remote(r, self.world_size, addr, port, config,
+                                      backend=self.backend, name=name)
+                    for r, a in enumerate(self.actors)])
         log.info("%s group formed: %d actors (%s)", name, self.world_size, self.backend)
         if parking is not None:     # the spares, made now, ready by the next loss
             missing = self.spares - parking.count(key, fresh=True)
