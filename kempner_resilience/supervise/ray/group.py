@@ -1,11 +1,8 @@
 """A worker group: passive Ray actors (a policy, a critic, a reference model) that a driver's
-loop calls, as SkyRL's, verl's and OpenRLHF's groups are.
-
-The group is an entry of the driver's run state (``checkpoint/delegated.py``): each actor saves
-into ``<step>/<name>/`` and the driver merges their file tables. Calls wait in short
-``ray.wait`` slices, so the driver's handlers run between them, up to
-``watchdog.hang_timeout_s``. An actor gone or silent raises ``GroupLost``, a lost peer whose
-policy recreates the group (``run/ray_run.py``).
+loop calls, as SkyRL's, verl's and OpenRLHF's groups are; an entry of the driver's run state
+(``checkpoint/delegated.py``). Calls wait in short ``ray.wait`` slices, so the driver's
+handlers run between them, up to ``watchdog.hang_timeout_s``. An actor gone or silent raises
+``GroupLost``, a lost peer whose policy recreates the group (``run/ray_run.py``).
 """
 
 from __future__ import annotations
