@@ -82,6 +82,19 @@ def actor_died(error: Any) -> bool:
     return any(c.__name__ == "RayActorError" for c in type(error).__mro__)
 
 
+def call_error(ref: Any, kinds: tuple[type[BaseException], ...] = (Exception,)
+               ) -> BaseException | None:
+    """The error of ``kinds`` that call ``ref`` raised, or None; other errors propagate. A call
+    not done yet gives Ray's ``GetTimeoutError``."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except kinds as e:
+        return e
+    return None
+
+
 def kill_actors(actors: Iterable[Any]) -> None:
     """``ray.kill`` each actor for good; one already gone is skipped."""
     import ray

@@ -20,7 +20,7 @@ from kempner_resilience.core.procs import descendants
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
 from kempner_resilience.supervise.ray.actor import (ActorEnding, actor_died, actor_ends,
-                                                    ending_of, kill_actors)
+                                                    call_error, ending_of, kill_actors)
 from kempner_resilience.supervise.ray.board import create_board
 from kempner_resilience.slurm.env import SlurmJob
 from kempner_resilience.slurm.requeue import REQUESTED, requeue_run
@@ -187,13 +187,16 @@ class RayDriver:
         call's own error stops everything."""
         import ray
 
+        # The errors a call's outcome may be; any other one is the driver's own bug.
+        errors = (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
+                  ray.exceptions.TaskCancelledError)
         pending = refs + cancel
         until: float | None = None
         while not self._stop.is_set() and any(r in pending for r in refs) \
                 and (until is None or time.monotonic() <= until):
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
             for ref in done:
-                err = _error_of(ref)
+                err = call_error(ref, errors)
                 if err is None:
                     continue
                 if ref in cancel and (_cancelled(err) or actor_died(err)):
@@ -337,17 +340,6 @@ def clear_ray_handlers(signums: Sequence[int]) -> None:
 
 def _cancelled(err: BaseException) -> bool:
     return any(c.__name__ == "TaskCancelledError" for c in type(err).__mro__)
-
-
-def _error_of(ref: Any) -> BaseException | None:
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
-            ray.exceptions.TaskCancelledError) as e:
-        return e
-    return None
 
 
 def _result_of(ref: Any) -> Any:

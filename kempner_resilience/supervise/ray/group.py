@@ -14,7 +14,8 @@ from typing import Any, Mapping, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.faults import first_line, is_peer_failure
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.supervise.ray.actor import TrainingActor, actor_died, kill_actors
+from kempner_resilience.supervise.ray.actor import (TrainingActor, actor_died, call_error,
+                                                    kill_actors)
 from kempner_resilience.supervise.ray.parking import (Parking, current_parking, reborn, settled,
                                                       signature)
 
@@ -204,7 +205,7 @@ class WorkerGroup:
     def _raise_if_failed(self, ref: Any, refs: list[Any]) -> None:
         import ray
 
-        e = _error_of(ref)
+        e = call_error(ref)
         if e is None:
             return
         rank, why = refs.index(ref), _why_gone(e)
@@ -216,20 +217,9 @@ class WorkerGroup:
         # that went is named when Ray reports it within a few seconds.
         ray.wait(refs, num_returns=len(refs), timeout=_CAUSE_WAIT_S)
         for r, other in enumerate(refs):
-            if why := _why_gone(_error_of(other)):
+            if why := _why_gone(call_error(other)):
                 raise GroupLost(self.name, r, why) from None
         raise GroupLost(self.name, rank, f"lost a peer ({first_line(e)})") from None
-
-
-def _error_of(ref: Any) -> BaseException | None:
-    """The call's error (a ``GetTimeoutError`` if not done), or None."""
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-    except Exception as e:
-        return e
-    return None
 
 
 def _why_gone(error: BaseException | None) -> str | None:
