@@ -17,7 +17,6 @@ import threading
 import time
 from contextlib import ExitStack, contextmanager, suppress
 from typing import Any, Callable, Iterator
-from unittest import mock
 
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core import torch_private
@@ -191,12 +190,14 @@ def starting(agent: Agent, names: dict[str, Any],
         agent.add_worker(proc)
         return proc
 
-    with ExitStack() as ours:
-        ours.enter_context(mock.patch.object(popen_module, "Popen", popen))
-        ours.enter_context(mock.patch.object(api_module, "_terminate_process_handler",
-                                             agent.on_signal))
-        if warm is not None:
-            ours.enter_context(mock.patch.object(api_module, "get_subprocess_handler", warm))
+    ours = [(popen_module, "Popen", popen), (api_module, "_terminate_process_handler",
+                                             agent.on_signal)]
+    if warm is not None:
+        ours.append((api_module, "get_subprocess_handler", warm))
+    with ExitStack() as undo:
+        for module, name, value in ours:
+            undo.callback(setattr, module, name, getattr(module, name))
+            setattr(module, name, value)
         yield
 
 
