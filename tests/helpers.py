@@ -32,34 +32,22 @@ def env(**extra: str) -> dict[str, str]:
 
 
 class Forked:
-    """A test's script forked from the suite's standby, as ``subprocess.Popen`` gives it:
-    ``pid``, ``args``, ``stdout``/``stderr`` (pipes), ``poll``, ``wait``, ``communicate``,
-    ``send_signal``, ``terminate``, ``kill``, ``returncode``."""
+    """A test's script forked from the suite's standby, as ``subprocess.Popen`` gives it: the
+    rank's ``WarmProcess`` (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``,
+    ``returncode``) with ``args``, ``stdout``/``stderr`` (pipes), ``communicate`` and
+    ``terminate``."""
 
     def __init__(self, args, proc, stdout, stderr) -> None:
-        self.args, self._proc, self.pid = args, proc, proc.pid
+        self.args, self._proc = args, proc
         self.stdout, self.stderr = stdout, stderr
         self._read: dict[str, object] = {}
         self._readers: list = []
 
-    @property
-    def returncode(self):
-        return self._proc.returncode
-
-    def poll(self):
-        return self._proc.poll()
-
-    def wait(self, timeout=None):
-        return self._proc.wait(timeout)
-
-    def send_signal(self, signum):
-        self._proc.send_signal(signum)
+    def __getattr__(self, name):
+        return getattr(self._proc, name)
 
     def terminate(self):
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self):
-        self._proc.kill()
+        self._proc.send_signal(signal.SIGTERM)
 
     def communicate(self, timeout=None):
         import threading
@@ -82,7 +70,7 @@ class Forked:
 
 
 def spawn_script(args, *, env=None, cwd=None, stdout=None, stderr=None, text=False,
-          start_new_session=False, cold=False):
+                 start_new_session=False, cold=False):
     """``subprocess.Popen(args, ...)`` for a test's own Python script: forked from the suite's
     standby when one fits (``supervise/local/standby.py``), so the script does not import
     torch again (about 2 s of CPU each, hundreds of scripts); else started cold. A forked
