@@ -100,6 +100,43 @@ def test_a_ray_driver_leaving_after_a_stop_keeps_its_code_under_sigterms_until_i
     assert "SIGTERM after the stop: the driver still leaves with 75" in err
 
 
+# The same through Ray's own shutdown, which the driver's script calls after the stop: SIGTERMs
+# back to back while Ray's core worker shuts down (it used to set SIGTERM's action back to the
+# default a moment in, for a second or more).
+THROUGH_RAY_SHUTDOWN = """
+import sys
+import ray
+from kempner_resilience.run.ray_run import _keep_the_stop_code
+from kempner_resilience.supervise.ray.driver import clear_ray_handlers
+
+ray.init(num_cpus=1, include_dashboard=False)
+clear_ray_handlers([])              # what entering a RayRun or a RayDriver does
+_keep_the_stop_code(130)
+open(sys.argv[1], "w").close()
+ray.shutdown()
+sys.exit(130)
+"""
+
+
+@pytest.mark.ray
+def test_a_ray_driver_keeps_its_stop_code_under_sigterms_during_ray_shutdown(tmp_path):
+    require_modules("ray")
+    e = env()
+    e.pop("RANK", None)
+    ready = tmp_path / "ready"
+    script = write_script(tmp_path, THROUGH_RAY_SHUTDOWN)
+    driver = spawn_script([sys.executable, str(script), str(ready)], env=e,
+                          stderr=subprocess.PIPE, text=True)
+    storm = subprocess.Popen(["bash", "-c", f"until [ -e {ready} ]; do sleep 0.01; done; "
+                              f"while kill -TERM {driver.pid} 2>/dev/null; do sleep 0.005; done"])
+    try:
+        _, err = driver.communicate(timeout=120)
+    finally:
+        storm.kill()
+        storm.wait()
+    assert driver.returncode == 130, err[-2000:]
+
+
 # Ray's shutdown sets SIGTERM back to the default action behind Python's back (its core
 # worker's failure-signal handler goes); the package's shutdown puts the handler back.
 AFTER_RAY = """

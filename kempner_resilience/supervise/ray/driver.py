@@ -331,11 +331,36 @@ def shutdown_ray() -> None:
 
 
 def clear_ray_handlers(signums: Sequence[int]) -> None:
-    """Ray's handlers (``SystemExit`` at an arbitrary point) must not be chained by ours."""
+    """Ray's handlers (``SystemExit`` at an arbitrary point) must not be chained by ours, and
+    Ray's shutdown must not put SIGTERM back to its default action (``_keep_actions``)."""
     for signum in signums:
         prev = signal.getsignal(signum)
         if callable(prev) and (getattr(prev, "__module__", "") or "").startswith("ray"):
             signal.signal(signum, signal.SIG_DFL)
+    _keep_actions()
+
+
+# Ray's core worker installs abseil's failure-signal handler (SIGTERM is one of its signals)
+# when the driver connects, and its shutdown sets each of those signals back to SIG_DFL at the
+# kernel, 0.04-0.3 s into a shutdown that takes a second or more. A SIGTERM in that window (a
+# dying parent's after a Ctrl+C, SLURM's after a requeue) ends the driver with 143, whatever its
+# run decided. Ray resets them only while this flag of its C++ logger is set. The flag is a
+# private symbol of ray._raylet: where it is missing, ``shutdown_ray``'s re-install is all.
+_RAY_FAILURE_HANDLER_FLAG = "_ZN3ray6RayLog36is_failure_signal_handler_installed_E"
+
+
+def _keep_actions() -> None:
+    try:
+        import ctypes
+
+        import ray._raylet as raylet
+
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(raylet.__file__), _RAY_FAILURE_HANDLER_FLAG)
+    except (ImportError, OSError, ValueError) as e:
+        log.debug("Ray's shutdown may set SIGTERM back to its default action for about a "
+                  "second (%s not found: %s)", _RAY_FAILURE_HANDLER_FLAG, e)
+        return
+    flag.value = False
 
 
 def _cancelled(err: BaseException) -> bool:
