@@ -360,7 +360,7 @@ def _keep_actions() -> None:
         log.debug("Ray's shutdown may set SIGTERM back to its default action for about a "
                   "second (%s not found: %s)", _RAY_FAILURE_HANDLER_FLAG, e)
         return
-    flag.value = False
+    ctypes.memset(ctypes.addressof(flag), 0, ctypes.sizeof(flag))      # false
 
 
 def _cancelled(err: BaseException) -> bool:
