@@ -26,9 +26,8 @@ shard() {
     return $rc
 }
 # The rest runs on two pytest workers (pytest-xdist), a test file at a time each: its time is
-# CPU, and one worker alone would leave a core idle once the SLURM shards are done. The files go
-# out in collection order, the longest first (tests/conftest.py), not xdist's by test count.
-(shard local -n "${KR_TEST_LOCAL_WORKERS:-2}" --dist loadfile --no-loadscope-reorder) &
+# CPU, and one worker alone would leave a core idle once the SLURM shards are done.
+(shard local -n "${KR_TEST_LOCAL_WORKERS:-2}" --dist loadfile) &
 local_pid=$!
 (shard multinode) &
 multi_pid=$!

@@ -64,21 +64,6 @@ def _shard_of(item: pytest.Item) -> str:
     return "local"
 
 
-# The local shard's longest files, with their seconds in a CI run on 2 cores (rounded; only the
-# order matters). Its two workers each take the next file when they finish one (`--dist
-# loadfile`, in collection order: scripts/test.sh turns xdist's reordering off), so these go
-# first. The last files to run are then short ones, and neither worker idles for minutes while
-# the other ends a long file.
-_LONGEST_FILES = {
-    "test_ray.py": 265, "test_torchrun_spares.py": 185, "test_trainers_lightning.py": 137,
-    "test_torchrun_warm.py": 131, "test_check_resume.py": 121, "test_ray_loop.py": 120,
-    "test_trainers_hf.py": 115, "test_trainers_check_resume.py": 86, "test_torchrun.py": 86,
-    "test_submitit.py": 75, "test_ray_warm.py": 75, "test_trainers_accelerate.py": 70,
-    "test_launch.py": 47, "test_time_limit.py": 44, "test_warm.py": 42,
-    "test_quickstart.py": 38, "test_suspend.py": 37, "test_trainers_kill.py": 35,
-}
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     shard = os.environ.get("KR_TEST_SHARD", "")
     if shard not in _SHARDS:
@@ -89,8 +74,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
-    if shard == "local":        # stable: each file's tests keep their order
-        items.sort(key=lambda item: -_LONGEST_FILES.get(item.path.name, 0))
 
 
 @pytest.fixture
