@@ -7,10 +7,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 # pip warns once per package about find-links/index entries that do not exist on this machine.
-quiet_pip() { .venv/bin/pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+# --no-compile: pip byte-compiles what it installs file by file on one core; compileall below
+# does the same on every core.
+quiet_pip() { .venv/bin/pip install -q --no-compile "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
+fresh=0
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   quiet_pip "$TORCH_SPEC"
+  fresh=1
 fi
 # Installed again whenever pyproject.toml changed (a new dependency), not only when one is missing.
 stamp=.venv/.kr-pyproject.sha256
@@ -19,8 +23,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! .venv/bin/python -c \
     "import kempner_resilience, pytest, xdist, submitit, nbclient, matplotlib, wandb, torchdata, ray, accelerate, transformers, pytorch_lightning" 2>/dev/null
 then
   quiet_pip -e ".[test]"
+  fresh=1
   echo "$want" > "$stamp"
 fi
 # Bytecode for the package and the tests, written once: a shell may set PYTHONDONTWRITEBYTECODE,
 # and then every process of the suite (over a thousand) would compile what it imports again.
+# The installed packages too, after an install (pip's own compile is off, above): every process
+# that imports torch would otherwise compile it again.
+if [ "$fresh" = 1 ] || [ ! -e .venv/.kr-compiled ]; then
+  .venv/bin/python -m compileall -q -j 0 .venv/lib >/dev/null 2>&1 || true
+  touch .venv/.kr-compiled
+fi
 .venv/bin/python -m compileall -q kempner_resilience tests >/dev/null || true
