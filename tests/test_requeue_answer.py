@@ -82,21 +82,28 @@ sys.exit(75)
 """
 
 
-def test_a_ray_driver_leaving_after_a_stop_keeps_its_code_under_sigterms_until_it_is_gone(
-        tmp_path):
+def _under_sigterms(tmp_path, source: str, environ: dict[str, str], pause: str = ":",
+                    timeout: float = 60) -> tuple[int, str]:
+    """Run ``source`` (it creates the file named by its first argument once its handlers are in
+    place) with SIGTERMs back to back from then to its end; its exit code and stderr."""
     ready = tmp_path / "ready"
-    script = write_script(tmp_path, KEEPS_THE_CODE)
-    driver = spawn_script([sys.executable, str(script), str(ready)], env=env(),
-                              stderr=subprocess.PIPE, text=True)
-    # SIGTERMs back to back from the moment the handlers are in place to the driver's end.
+    script = write_script(tmp_path, source)
+    driver = spawn_script([sys.executable, str(script), str(ready)], env=environ,
+                          stderr=subprocess.PIPE, text=True)
     storm = subprocess.Popen(["bash", "-c", f"until [ -e {ready} ]; do sleep 0.01; done; "
-                              f"while kill -TERM {driver.pid} 2>/dev/null; do :; done"])
+                              f"while kill -TERM {driver.pid} 2>/dev/null; do {pause}; done"])
     try:
-        _, err = driver.communicate(timeout=60)
+        _, err = driver.communicate(timeout=timeout)
     finally:
         storm.kill()
         storm.wait()
-    assert driver.returncode == 75, err[-2000:]
+    return driver.returncode, err
+
+
+def test_a_ray_driver_leaving_after_a_stop_keeps_its_code_under_sigterms_until_it_is_gone(
+        tmp_path):
+    code, err = _under_sigterms(tmp_path, KEEPS_THE_CODE, env())
+    assert code == 75, err[-2000:]
     assert "SIGTERM after the stop: the driver still leaves with 75" in err
 
 
@@ -123,18 +130,9 @@ def test_a_ray_driver_keeps_its_stop_code_under_sigterms_during_ray_shutdown(tmp
     require_modules("ray")
     e = env()
     e.pop("RANK", None)
-    ready = tmp_path / "ready"
-    script = write_script(tmp_path, THROUGH_RAY_SHUTDOWN)
-    driver = spawn_script([sys.executable, str(script), str(ready)], env=e,
-                          stderr=subprocess.PIPE, text=True)
-    storm = subprocess.Popen(["bash", "-c", f"until [ -e {ready} ]; do sleep 0.01; done; "
-                              f"while kill -TERM {driver.pid} 2>/dev/null; do sleep 0.005; done"])
-    try:
-        _, err = driver.communicate(timeout=120)
-    finally:
-        storm.kill()
-        storm.wait()
-    assert driver.returncode == 130, err[-2000:]
+    code, err = _under_sigterms(tmp_path, THROUGH_RAY_SHUTDOWN, e, pause="sleep 0.005",
+                                timeout=120)
+    assert code == 130, err[-2000:]
 
 
 # Ray's shutdown sets SIGTERM back to the default action behind Python's back (its core
