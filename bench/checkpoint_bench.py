@@ -20,7 +20,8 @@ blocks is slower); prints each round's ratio and the median.
 CUDA model + Adam state, in one run: ``dd`` write+fsync, the run's first periodic save (which
 proves the staging path against plain copies), our emergency save of the same state from CPU
 memory, from GPU memory (through the pinned staging buffers, and unstaged: what
-``checkpoint.staging: off`` and an emergency save before the first periodic save write), stock ``dcp.save``, the time a stock
+``checkpoint.staging: off`` and an emergency save before the first periodic save write), stock
+``dcp.save``, the time a stock
 ``DefaultStager``-based ``dcp.async_save`` and our async periodic save block the caller, then
 resume onto the GPU vs stock ``dcp.load`` vs a cold ``dd`` read, with the issue's targets. The
 saves from CPU and GPU memory are paired ``--rounds`` times, the order alternating, and compared
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -202,26 +204,41 @@ def cpu_main(args: argparse.Namespace) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def paired_rounds(rounds: int, first: tuple[str, Callable[[], float]],
+                  second: tuple[str, Callable[[], float]]) -> list[tuple[float, float]]:
+    """``rounds`` pairs of two measurements (GiB/s), the order alternating (on a thin-provisioned
+    disk whichever writes first into fresh blocks is slower; writes of the same bytes in a row
+    differ by up to 2x): each round printed with its ratio second/first; the pairs returned."""
+    pairs = []
+    for r in range(rounds):
+        (a_name, a), (b_name, b) = first, second
+        if r % 2 == 0:
+            x, y = a(), b()
+        else:
+            y, x = b(), a()
+        pairs.append((x, y))
+        print(f"round {r + 1} ({a_name if r % 2 == 0 else b_name} first): {a_name} {x:.2f} "
+              f"GiB/s, {b_name} {y:.2f} GiB/s, ratio {y / x:.2f}; {load()}", flush=True)
+    return pairs
+
+
 def emergency_rounds(args: argparse.Namespace, root: Path, model: torch.nn.Module,
                      optim: torch.optim.Optimizer, nbytes: int) -> None:
-    ratios = []
-    for r in range(args.rounds):
-        cfg = CheckpointConfig(dir=str(root / f"ours{r}"), keep_last=10, io_threads=args.threads)
+    def dd() -> float:
+        rate = dd_write(root / "dd.bin", nbytes)
+        (root / "dd.bin").unlink()
+        return rate
+
+    def ours() -> float:
+        cfg = CheckpointConfig(dir=str(root / "ours"), keep_last=10, io_threads=args.threads)
         mgr = CheckpointManager(cfg, {"model": model, "optim": optim})
         mgr.check_dir()
-
-        def ours() -> float:
-            return nbytes / timed(lambda: mgr.emergency_save(1)) / GIB
-        if r % 2 == 0:
-            dd, mine = dd_write(root / "dd.bin", nbytes), ours()
-        else:
-            mine, dd = ours(), dd_write(root / "dd.bin", nbytes)
-        ratios.append(mine / dd)
-        print(f"round {r + 1} ({'dd first' if r % 2 == 0 else 'ours first'}): dd {dd:.2f} GiB/s, "
-              f"emergency save {mine:.2f} GiB/s, ratio {mine / dd:.2f}; {load()}", flush=True)
+        rate = nbytes / timed(lambda: mgr.emergency_save(1)) / GIB
         mgr.close()
-        shutil.rmtree(root / f"ours{r}", ignore_errors=True)
-        (root / "dd.bin").unlink()
+        shutil.rmtree(root / "ours", ignore_errors=True)
+        return rate
+
+    ratios = [y / x for x, y in paired_rounds(args.rounds, ("dd", dd), ("emergency save", ours))]
     print(f"emergency save vs dd write+fsync: median {statistics.median(ratios):.2f}x over "
           f"{len(ratios)} rounds ({', '.join(f'{x:.2f}' for x in ratios)}); target >= 0.9")
 
@@ -286,39 +303,35 @@ def cuda_round(args: argparse.Namespace, size_gib: float, device: torch.device,
                  nbytes / timed(lambda: gmgr.save(1)) / GIB))
     print(f"staging proven by the first periodic save: {gmgr._saver.staging_proven}", flush=True)
 
-    # The same bytes saved from CPU memory and from GPU memory, --rounds pairs, the order
-    # alternating: on this kind of virtual disk, writes of the same bytes one after the other
-    # differ by up to 2x whatever wrote them. The CPU side is a fresh manager each round (the
-    # disk holds one checkpoint of each at most, besides the dd file); the target is the median
-    # of the per-round ratios.
-    times: dict[str, list[float]] = {"cpu": [], "gpu": []}
-    for r in range(args.rounds):
-        for kind in (("cpu", "gpu") if r % 2 == 0 else ("gpu", "cpu")):
-            sync()
-            if kind == "gpu":
-                times["gpu"].append(timed(lambda: gmgr.emergency_save(2 + r)))
-                continue
-            cmgr = CheckpointManager(cfg("cpu"), {"model": cpu_model, "optim": cpu_optim})
-            times["cpu"].append(timed(lambda: cmgr.emergency_save(1)))
-            cmgr.close()
-            shutil.rmtree(root / "cpu", ignore_errors=True)
-        print(f"round {r + 1} ({'CPU' if r % 2 == 0 else 'GPU'} first): CPU state "
-              f"{nbytes / times['cpu'][-1] / GIB:.2f} GiB/s, GPU state "
-              f"{nbytes / times['gpu'][-1] / GIB:.2f} GiB/s, ratio "
-              f"{times['cpu'][-1] / times['gpu'][-1]:.2f}; {load()}", flush=True)
-    ratios = [c / g for c, g in zip(times["cpu"], times["gpu"])]
-    out["gpu_vs_cpu"] = statistics.median(ratios)
-    out["cpu_save"] = nbytes / statistics.median(times["cpu"]) / GIB
-    out["gpu_save"] = nbytes / statistics.median(times["gpu"]) / GIB
+    # The same bytes saved from CPU memory (a fresh manager each time: the disk holds one
+    # checkpoint of each at most, besides the dd file) and from GPU memory, --rounds pairs; the
+    # target is the median of the per-round ratios.
+    def cpu_save() -> float:
+        sync()
+        cmgr = CheckpointManager(cfg("cpu"), {"model": cpu_model, "optim": cpu_optim})
+        rate = nbytes / timed(lambda: cmgr.emergency_save(1)) / GIB
+        cmgr.close()
+        shutil.rmtree(root / "cpu", ignore_errors=True)
+        return rate
+
+    steps = iter(range(2, 2 + args.rounds))
+
+    def gpu_save() -> float:
+        sync()
+        step = next(steps)
+        return nbytes / timed(lambda: gmgr.emergency_save(step)) / GIB
+
+    pairs = paired_rounds(args.rounds, ("CPU state", cpu_save), ("GPU state", gpu_save))
+    out["gpu_vs_cpu"] = statistics.median(g / c for c, g in pairs)
     rows.append((f"ours: emergency save from CPU memory (median of {args.rounds})",
-                 out["cpu_save"]))
+                 statistics.median(c for c, _ in pairs)))
     rows.append((f"ours: emergency save from GPU memory (staged, median of {args.rounds})",
-                 out["gpu_save"]))
+                 statistics.median(g for _, g in pairs)))
 
     omgr = CheckpointManager(cfg("gpu_off", staging=StagingMode.OFF),
                              {"model": model, "optim": optim})
     # Also what an emergency save before the first periodic save writes (staging not proven).
-    rows.append(("ours: emergency save from GPU, unstaged (.cpu(): off, or not yet proven)",
+    rows.append(("ours: emergency save from GPU, unstaged (.cpu())",
                  nbytes / timed(lambda: omgr.emergency_save(1)) / GIB))
     omgr.close()
     shutil.rmtree(root / "gpu_off", ignore_errors=True)
