@@ -26,10 +26,9 @@ then
   fresh=1
   echo "$want" > "$stamp"
 fi
-# Bytecode for the package and the tests, written once: a shell may set PYTHONDONTWRITEBYTECODE,
-# and then every process of the suite (over a thousand) would compile what it imports again.
-# The installed packages too, after an install (pip's own compile is off, above): every process
-# that imports torch would otherwise compile it again.
+# Bytecode, written here: a shell may set PYTHONDONTWRITEBYTECODE, and then every process of the
+# suite (over a thousand) would compile what it imports again. The installed packages after an
+# install (pip's own compile is off, above), on every core; the package and the tests each time.
 if [ "$fresh" = 1 ] || [ ! -e .venv/.kr-compiled ]; then
   .venv/bin/python -m compileall -q -j 0 .venv/lib >/dev/null 2>&1 || true
   touch .venv/.kr-compiled
