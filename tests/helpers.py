@@ -189,23 +189,22 @@ def rank0_with_stuck_peer(script: Path, *args: str):
         peer.communicate()
 
 
-def require(module: str):
-    """Import ``module`` of an optional extra (wandb, matplotlib) for a test that needs it:
-    without it the test is skipped, but fails under CI, where scripts/setup.sh installs the
-    test extras."""
-    import importlib
+def require(module: str) -> None:
+    """Skip a test that needs ``module`` of an optional extra (wandb, matplotlib) when it is
+    not installed; under CI fail it instead, where scripts/setup.sh installs the test extras.
+    Looked up, not imported: at a module's top this runs at every pytest process's collection,
+    where importing Lightning alone costs a second of CPU."""
+    import importlib.util
 
     import pytest
 
     from slurm_fixtures import in_ci
 
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
+    if importlib.util.find_spec(module) is None:
         if in_ci():
-            pytest.fail(f"{module} is not installed ({e}); scripts/setup.sh installs it for the "
-                        "tests", pytrace=False)
-        pytest.skip(f"{module} is not installed")
+            pytest.fail(f"{module} is not installed; scripts/setup.sh installs it for the tests",
+                        pytrace=False)
+        pytest.skip(f"{module} is not installed", allow_module_level=True)
 
 
 # The rescue tests' job: tests/checkpoint_helpers/rescue_job.py on N local gloo ranks, relaunched

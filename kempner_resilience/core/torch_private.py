@@ -5,7 +5,8 @@ means a torch that renamed one fails here, at import, with the name and the modu
 it, instead of deep inside an emergency save after a signal. The torch versions this package is
 tested on are checked here too (``MIN_TORCH``): below it, the import fails with the fix.
 
-Required (the import fails without them):
+Required (the import fails without them; DCP's three fail the import of the checkpoint layer,
+which reaches them first, so that a process that only supervises ranks never imports DCP):
 
 - ``torch.distributed.checkpoint.filesystem._StorageInfo`` / ``_StoragePrefix``: the storage
   records our DCP writer (``checkpoint/writer.py``) returns, as ``FileSystemWriter`` does;
@@ -17,8 +18,8 @@ Required (the import fails without them):
 - ``torch._foreach_copy_``: the rescue's copy of the live state at a step boundary
   (``rescue/boundary.py``);
 - ``torch.distributed.distributed_c10d._get_default_store``: the stop agreement's store
-  (``stop/agreement.py`` calls it directly: the stop layer must not import DCP, which this
-  module does; the name is checked here all the same, as every run with state imports this).
+  (``stop/agreement.py`` calls it directly; the name is checked here all the same, as every
+  run with state imports this).
 
 - ``Tensor._version``: a tensor's in-place write counter; a gradient accumulated into since
   the optimizer's last step has a higher one (``tensor_version``, ``checkpoint/carried.py``);
@@ -78,8 +79,6 @@ from typing import Any
 import torch
 import torch.storage
 from torch.distributed import distributed_c10d as _c10d
-from torch.distributed._shard import _utils as _shard_utils
-from torch.distributed.checkpoint import filesystem as _dcp_fs
 
 from kempner_resilience.core.log import get_logger
 
@@ -122,16 +121,17 @@ _log = get_logger(__name__)
 _missing: list[str] = []
 
 
-def _need(owner: Any, name: str, user: str) -> Any:
+def _need_in(owner: Any, name: str, user: str, missing: list[str]) -> Any:
     value = getattr(owner, name, None)
     if value is None:
-        _missing.append(f"{getattr(owner, '__name__', owner)}.{name} (used by {user})")
+        missing.append(f"{owner.__name__}.{name} (used by {user})")
     return value
 
 
-StorageInfo = _need(_dcp_fs, "_StorageInfo", "checkpoint/writer.py")
-StoragePrefix = _need(_dcp_fs, "_StoragePrefix", "checkpoint/writer.py")
-narrow_tensor_by_index = _need(_shard_utils, "narrow_tensor_by_index", "checkpoint/reader.py")
+def _need(owner: Any, name: str, user: str) -> Any:
+    return _need_in(owner, name, user, _missing)
+
+
 rebuild_tensor_v2 = _need(torch._utils, "_rebuild_tensor_v2", "checkpoint/recordfmt.py")
 element_size = _need(torch._utils, "_element_size", "checkpoint/recordfmt.py")
 dtype_to_storage_type_map = _need(torch.storage, "_dtype_to_storage_type_map",
@@ -142,10 +142,42 @@ _need(_c10d, "_get_default_store", "stop/agreement.py")
 if not hasattr(torch.empty(0), "_version"):
     _missing.append("Tensor._version (used by checkpoint/carried.py)")
 
-if _missing:
-    raise ImportError(
-        f"this torch ({torch.__version__}) lacks private names kempner_resilience relies on: "
-        f"{'; '.join(_missing)}. It is tested on {TESTED_ON}: install one of those")
+
+def _refuse(missing: list[str]) -> None:
+    if missing:
+        raise ImportError(
+            f"this torch ({torch.__version__}) lacks private names kempner_resilience relies "
+            f"on: {'; '.join(missing)}. It is tested on {TESTED_ON}: install one of those")
+
+
+_refuse(_missing)
+
+# DCP's required names are checked when the checkpoint layer imports the first of them (at its
+# own import, long before a save), not here: importing DCP costs half a second of CPU, which a
+# process that only supervises (the torchrun agent) never needs.
+_DCP_NAMES = {
+    "StorageInfo": ("torch.distributed.checkpoint.filesystem", "_StorageInfo",
+                    "checkpoint/writer.py"),
+    "StoragePrefix": ("torch.distributed.checkpoint.filesystem", "_StoragePrefix",
+                      "checkpoint/writer.py"),
+    "narrow_tensor_by_index": ("torch.distributed._shard._utils", "narrow_tensor_by_index",
+                               "checkpoint/reader.py"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _dcp() -> dict[str, Any]:
+    missing: list[str] = []
+    found = {alias: _need_in(importlib.import_module(module), name, user, missing)
+             for alias, (module, name, user) in _DCP_NAMES.items()}
+    _refuse(missing)
+    return found
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DCP_NAMES:
+        return _dcp()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------- torch elastic
