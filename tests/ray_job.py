@@ -156,9 +156,10 @@ def driver(a: argparse.Namespace) -> None:
     work = Path(a.work)
     (work / "resources").mkdir(parents=True, exist_ok=True)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()     # the cluster the `ray` sbatch template started over the allocation
+        # The cluster the `ray` sbatch template started over the allocation.
+        ray.init(runtime_env=krr.warm_runtime_env())
     else:
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env=krr.warm_runtime_env())
     remote_trainer = ray.remote(num_cpus=1)(Trainer)
     remote_rollout = ray.remote(num_cpus=0)(Rollout)
     if a.supervise:

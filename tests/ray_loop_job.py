@@ -159,9 +159,10 @@ def driver(a: argparse.Namespace) -> None:
 
     (Path(a.work) / "resources").mkdir(parents=True, exist_ok=True)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()     # the cluster the `ray` sbatch template started over the allocation
+        # The cluster the `ray` sbatch template started over the allocation.
+        ray.init(runtime_env=krr.warm_runtime_env())
     else:
-        ray.init(num_cpus=2, include_dashboard=False)
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env=krr.warm_runtime_env())
     try:
         if a.supervise:
             krr.supervise_loop(train, a)

@@ -98,7 +98,7 @@ def hang(collective: bool) -> dict:
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=krr.warm_runtime_env())
     try:
         out = cycles(int(sys.argv[2])) if sys.argv[1] == "cycles" else \
             hang(sys.argv[1] == "hang-in-collective")

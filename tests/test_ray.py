@@ -40,13 +40,15 @@ def _ray_installed() -> None:
 class Job:
     """One run of tests/ray_job.py under its dying parent, in a session of its own."""
 
-    def __init__(self, root: Path, ckpt: Path, *args: str) -> None:
+    def __init__(self, root: Path, ckpt: Path, *args: str, cold: bool = False) -> None:
         self.work = root / f"work-{uuid.uuid4().hex[:6]}"
         self.work.mkdir(parents=True)
         self.ckpt = ckpt
         self.tag = f"kr-ray-test-{uuid.uuid4().hex}"
         self.log = self.work / "driver.log"
         env = {**os.environ, "KR_RAY_TEST_TAG": self.tag, "RAY_DEDUP_LOGS": "0"}
+        if cold:        # Ray's workers start as Ray starts them (no zygote: warm_runtime_env)
+            env["KEMPNER_RESILIENCE_WARM"] = "0"
         env.pop("RANK", None)
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
@@ -173,10 +175,11 @@ def _committed(ckpt: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The weights of the job's 60 steps run without a stop."""
+    """The weights of the job's 60 steps run without a stop, its workers started cold: every
+    job below forks its workers warm, and ends bitwise equal to this one."""
     root = tmp_path_factory.mktemp("ray-whole")
     whole = Job(root, root / "ckpt", "--steps", "60", "--sleep", "0",
-                "--out", str(root / "whole.pt"))
+                "--out", str(root / "whole.pt"), cold=True)
     assert whole.wait() == 0, whole.text()
     assert whole.processes() == []
     return root / "whole.pt"

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,61 @@ def test_a_rank_stuck_in_a_collective_with_a_hung_peer_is_never_reused_either():
     before = {c["pid"] for c in out["before"]}
     after = {c["pid"] for c in out["after"]}
     assert not before & after, (before, after)
+
+
+WARM_WORKERS = """
+import json, os, sys, time
+import ray
+import kempner_resilience.ray as krr
+
+ray.init(num_cpus=2, include_dashboard=False, runtime_env=krr.warm_runtime_env())
+
+@ray.remote(num_cpus=1)
+class Probe:
+    def info(self):
+        return {"torch_at_start": "torch._dynamo" in sys.modules,
+                "parent": open(f"/proc/{os.getppid()}/cmdline", "rb").read().decode(),
+                "pid": os.getpid()}
+
+first = Probe.remote()
+seen = [ray.get(first.info.remote())]
+ray.kill(first)
+seen.append(ray.get(Probe.remote().info.remote()))      # the one that replaces it
+ray.shutdown()
+print("RESULT " + json.dumps(seen), flush=True)
+"""
+
+
+def test_ray_workers_on_the_drivers_node_fork_warm_and_leave_nothing_behind(tmp_path):
+    """An actor, and the one that replaces it, starts in a process that imported torch
+    already (forked by the driver's zygote, through Ray's py_executable); once the driver
+    is gone, no process of its zygote is left."""
+    script = tmp_path / "driver.py"
+    script.write_text(WARM_WORKERS)
+    e = env(KEMPNER_RESILIENCE_WARM="1", KR_WARM_RAY_TAG=str(tmp_path))
+    e.pop("RANK", None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=e, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert [s["torch_at_start"] for s in seen] == [True, True]
+    assert all("supervise/local/warm.py" in s["parent"] for s in seen)
+    assert seen[0]["pid"] != seen[1]["pid"]
+    assert _tagged(f"KR_WARM_RAY_TAG={tmp_path}") == []
+
+
+def _tagged(needle: str, settle_s: float = 10.0) -> list[str]:
+    """Processes whose environment holds ``needle``, after up to ``settle_s`` for Ray's own
+    processes to finish going."""
+    until = time.monotonic() + settle_s
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if needle.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                    left.append(pid)
+            except OSError:
+                pass
+        if not left or time.monotonic() > until:
+            return left
+        time.sleep(0.2)

@@ -66,14 +66,15 @@ def _setup(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kempner_resilience.supervise.torchrun.wrapper import run
-
     argv = list(args.torchrun_args)
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
         raise CliError("give torchrun's arguments and the training script, e.g. "
                        "`kempner-resilience torchrun --nproc-per-node=2 train.py`", 2)
+    # Imported after the usage checks: it imports torch (1.5 s of CPU).
+    from kempner_resilience.supervise.torchrun.wrapper import run
+
     forward = {"yes": True, "no": False}.get(args.forward_signals or "auto")
     # Read outside the `try`: a ConfigError is a ValueError too, and must leave as 78 (CONFIG)
     # with its message, like the `config` verb and a training script, not as a usage error.

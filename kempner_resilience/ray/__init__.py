@@ -37,6 +37,10 @@ with krr.RayDriver(krr.load_config()) as driver:
 driver's config and stop board, and re-forms it when an actor is lost. The earlier names
 (``stop_context``, ``supervise``; ``TrainingActor.address``/``init_group`` warn) keep
 working. docs/ray.md shows both shapes.
+
+``ray.init(runtime_env=krr.warm_runtime_env())`` forks the Python workers on the driver's
+node from one process that imported torch (with ``KEMPNER_RESILIENCE_WARM=1``): an actor, and
+one that replaces a lost actor, is up in under a second.
 """
 
 from __future__ import annotations
@@ -48,9 +52,10 @@ from kempner_resilience.supervise.ray.aio import AsyncActor, supervise_tasks
 from kempner_resilience.supervise.ray.driver import RayDriver
 from kempner_resilience.supervise.ray.group import GroupLost, Worker, WorkerGroup
 from kempner_resilience.supervise.ray.relaunch import supervise
+from kempner_resilience.supervise.ray.warm import warm_runtime_env
 from kempner_resilience.run.ray_actor_run import TrainingActor
 from kempner_resilience.run.ray_run import RayRun, supervise_loop
 
 __all__ = ["RayRun", "WorkerGroup", "Worker", "GroupLost", "supervise_loop", "RayDriver",
            "TrainingActor", "AsyncActor", "ActorEnding", "stop_context", "supervise",
-           "supervise_tasks", "load_config", "ResilienceConfig", "ExitCode"]
+           "supervise_tasks", "warm_runtime_env", "load_config", "ResilienceConfig", "ExitCode"]
