@@ -311,3 +311,21 @@ def buddy_ring_of_two(woken: list[str]):
     a.connect(1, 1, addr_b, token, 30.0)
     t.join()
     return a, b
+
+
+def tagged_processes(needle: str, settle_s: float = 0.0) -> list[str]:
+    """The processes whose environment holds ``needle`` ("KEY=value": a test's tag, which every
+    process a job starts inherits), as "pid command", after up to ``settle_s`` for them to go."""
+    want = needle.encode()
+    until = time.monotonic() + settle_s
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if want in Path(f"/proc/{pid}/environ").read_bytes():
+                    found.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}")
+            except OSError:
+                continue
+        if not found or time.monotonic() > until:
+            return found
+        time.sleep(0.2)

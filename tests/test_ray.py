@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from kempner_resilience.exitcodes import ExitCode
+from helpers import tagged_processes
 from slurm_fixtures import (multinode_cluster, require_modules, slow_death, slurm_cluster,  # noqa: F401
                             submit, wait_for, wait_job)
 
@@ -126,24 +127,11 @@ class Job:
 
     def processes(self, settle_s: float = 10.0) -> list[str]:
         """Processes still carrying this job's tag, after up to ``settle_s`` for them to go."""
-        until = time.monotonic() + settle_s
-        while True:
-            left = _tagged(self.tag)
-            if not left or time.monotonic() > until:
-                return left
-            time.sleep(0.2)
+        return tagged_processes(f"KR_RAY_TEST_TAG={self.tag}", settle_s)
 
 
 def _tagged(tag: str) -> list[str]:
-    needle = f"KR_RAY_TEST_TAG={tag}".encode()
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if needle in Path(f"/proc/{pid}/environ").read_bytes():
-                found.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}")
-        except OSError:
-            continue
-    return found
+    return tagged_processes(f"KR_RAY_TEST_TAG={tag}")
 
 
 def _gone(pid: int, within_s: float) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import tagged_processes
 from slurm_fixtures import (require_modules, slurm_cluster, submit,  # noqa: F401
                             wait_for, wait_job)
 
@@ -94,19 +95,7 @@ class Job:
         return len(list((self.work / "resources").glob("sandbox*")))
 
     def processes(self, settle_s: float = 10.0) -> list[str]:
-        needle = f"KR_RAY_TEST_TAG={self.tag}".encode()
-        until = time.monotonic() + settle_s
-        while True:
-            left = []
-            for pid in filter(str.isdigit, os.listdir("/proc")):
-                try:
-                    if needle in Path(f"/proc/{pid}/environ").read_bytes():
-                        left.append(pid)
-                except OSError:
-                    continue
-            if not left or time.monotonic() > until:
-                return left
-            time.sleep(0.2)
+        return tagged_processes(f"KR_RAY_TEST_TAG={self.tag}", settle_s)
 
 
 def _committed(ckpt: Path) -> list[int]:

@@ -8,12 +8,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers import env
+from helpers import env, tagged_processes
 from slurm_fixtures import require_modules
 
 JOB = Path(__file__).with_name("ray_warm_job.py")
@@ -111,21 +110,4 @@ def test_ray_workers_on_the_drivers_node_fork_warm_and_leave_nothing_behind(tmp_
     assert [s["torch_at_start"] for s in seen] == [True, True]
     assert all("supervise/local/warm.py" in s["parent"] for s in seen)
     assert seen[0]["pid"] != seen[1]["pid"]
-    assert _tagged(f"KR_WARM_RAY_TAG={tmp_path}") == []
-
-
-def _tagged(needle: str, settle_s: float = 10.0) -> list[str]:
-    """Processes whose environment holds ``needle``, after up to ``settle_s`` for Ray's own
-    processes to finish going."""
-    until = time.monotonic() + settle_s
-    while True:
-        left = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if needle.encode() in Path(f"/proc/{pid}/environ").read_bytes():
-                    left.append(pid)
-            except OSError:
-                pass
-        if not left or time.monotonic() > until:
-            return left
-        time.sleep(0.2)
+    assert tagged_processes(f"KR_WARM_RAY_TAG={tmp_path}", settle_s=10.0) == []
