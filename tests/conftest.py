@@ -50,16 +50,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # to a SLURM shard if it is marked `slurm` or needs a cluster fixture, directly or through
 # another fixture. Ray tests without SLURM are local: each starts a Ray instance of its own and
 # finds its processes by a tag, so two can run at once. `KR_TEST_SHARD=slurm+multinode` runs
-# every SLURM test in one process.
+# every SLURM test in one process. The quickstart's install into an empty virtualenv needs no
+# cluster but runs in the single-node SLURM shard all the same: it is mostly pip's downloads and
+# unzipping, 1.5 minutes on one core, and that shard, which waits on its scheduler, ends first.
 _CLUSTER_FIXTURES = {"slurm_cluster", "multinode_cluster"}
 _SHARDS = ("slurm", "multinode", "local", "slurm+multinode")
+_BESIDE_SLURM = ("test_quickstart.py",)
 
 
 def _shard_of(item: pytest.Item) -> str:
     fixtures = set(getattr(item, "fixturenames", ()))
     if "multinode_cluster" in fixtures:
         return "multinode"
-    if item.get_closest_marker("slurm") is not None or _CLUSTER_FIXTURES & fixtures:
+    if item.get_closest_marker("slurm") is not None or _CLUSTER_FIXTURES & fixtures \
+            or item.path.name in _BESIDE_SLURM:
         return "slurm"
     return "local"
 
