@@ -121,15 +121,11 @@ _log = get_logger(__name__)
 _missing: list[str] = []
 
 
-def _need_in(owner: Any, name: str, user: str, missing: list[str]) -> Any:
+def _need(owner: Any, name: str, user: str, missing: list[str] = _missing) -> Any:
     value = getattr(owner, name, None)
     if value is None:
         missing.append(f"{owner.__name__}.{name} (used by {user})")
     return value
-
-
-def _need(owner: Any, name: str, user: str) -> Any:
-    return _need_in(owner, name, user, _missing)
 
 
 rebuild_tensor_v2 = _need(torch._utils, "_rebuild_tensor_v2", "checkpoint/recordfmt.py")
@@ -168,7 +164,7 @@ _DCP_NAMES = {
 @functools.lru_cache(maxsize=None)
 def _dcp() -> dict[str, Any]:
     missing: list[str] = []
-    found = {alias: _need_in(importlib.import_module(module), name, user, missing)
+    found = {alias: _need(importlib.import_module(module), name, user, missing)
              for alias, (module, name, user) in _DCP_NAMES.items()}
     _refuse(missing)
     return found

@@ -22,12 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from kempner_resilience.core.log import get_logger
-
 __all__ = ["DemoJob", "ClusterError", "check_cluster", "write_job", "submit", "job_info",
            "wait_until", "run_reference", "TERMINAL"]
-
-_log = get_logger(__name__)
 
 # A task's shell names its launch ("<SLURM's restart count>.<relaunch>") as its channel says.
 _LAUNCH_NAME = "from kempner_resilience.supervise.channel import launch_name; print(launch_name())"
@@ -390,6 +386,7 @@ def run_reference(workdir: Path | str, *, ranks: int, steps: int, python: str = 
     work.mkdir(parents=True, exist_ok=True)
     out = work / "weights.pt"
     from kempner_resilience.demo.launcher import free_port
+    from kempner_resilience.supervise.local.launcher import start_rank
     from kempner_resilience.supervise.local.standby import standby_or_zygote
     from kempner_resilience.supervise.local.warm import warm_command
 
@@ -404,32 +401,23 @@ def run_reference(workdir: Path | str, *, ranks: int, steps: int, python: str = 
            *(str(a) for a in train_args)]
     # With warm starts on, the ranks fork from one process that imported torch once: a cold
     # rank pays 3 s of CPU for its imports. One rank alone would pay them in that process.
-    parent = standby_or_zygote(base) if ranks > 1 and warm_command(cmd) else None
-    procs: list[Any] = []
+    own = standby_or_zygote(base) if ranks > 1 and warm_command(cmd) else None
+    parent, procs = own, []
     try:
         for rank in range(ranks):
             env = dict(base, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
             log = str(work / f"rank{rank}.log")
-            if parent is not None:
-                try:
-                    procs.append(parent.spawn(cmd, env, str(work), log, log))
-                    continue
-                except OSError as e:        # the rest start cold, as a launcher's would
-                    _log.warning("warm start unavailable (%s): the reference starts cold", e)
-                    parent.close()
-                    parent = None
-            with open(log, "w") as f:
-                procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, cwd=work))
+            proc, parent = start_rank(parent, cmd, env, str(work), log, log)
+            procs.append(proc)
         deadline = time.monotonic() + timeout
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        if parent is not None:
-            parent.close()
+        if own is not None:
+            own.close()
     if any(codes) or not out.exists():
         raise RuntimeError(f"reference run failed with exit codes {codes}; see {work}/rank*.log")
     return out

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
@@ -32,7 +32,7 @@ from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Dec
                                                  decide, ends_of, job_code)
 
 __all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "launch_evidence",
-           "warm_parent", "RELAUNCH_CODES", "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
+           "warm_parent", "start_rank", "RELAUNCH_CODES", "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
 
 _log = get_logger(__name__)
 
@@ -228,18 +228,12 @@ class LocalLauncher:
                 out, err = os.devnull, str(self.workdir / f"rank{rank}.{index}.log")
             elif self.log_dir is not None:
                 out = err = str(self.log_dir / f"rank{rank}.{index}.log")
-            if self._zygote is not None:
-                try:
-                    procs.append(self._zygote.spawn(command, env, cwd, out, err))
-                    continue
-                except OSError as e:
-                    _log.warning("warm start unavailable (%s): starting the ranks cold", e)
-                    self._zygote = None
             try:
-                procs.append(_start_cold(command, env, cwd, out, err))
+                proc, self._zygote = start_rank(self._zygote, command, env, cwd, out, err)
             except BaseException:
                 self._signal_all(procs, signal.SIGKILL)  # no rank outlives a failed start
                 raise
+            procs.append(proc)
         launch = Launch(index, [], None, 0.0)
         sent_at = None
         seen = 0
@@ -344,6 +338,18 @@ def warm_parent(command: Sequence[str], ranks: int) -> Forker | None:
     if not warm_command(command):
         return None
     return standby_or_zygote(LocalLauncher(list(command), ranks=ranks, workdir=None)._zygote_env())
+
+
+def start_rank(parent: Forker | None, command: list[str], env: dict[str, str], cwd: str | None,
+               out: str | None, err: str | None) -> tuple[Any, Forker | None]:
+    """A rank forked by ``parent``, or started cold when there is none or it fails to fork;
+    and the parent for the next rank (None once it failed: they start cold too)."""
+    if parent is not None:
+        try:
+            return parent.spawn(command, env, cwd, out, err), parent
+        except OSError as e:
+            _log.warning("warm start unavailable (%s): starting the ranks cold", e)
+    return _start_cold(command, env, cwd, out, err), None
 
 
 def _start_cold(command: list[str], env: dict[str, str], cwd: str | None, out: str | None,
