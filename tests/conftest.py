@@ -16,6 +16,11 @@ import pytest  # noqa: E402
 # default for users, set it to 0 themselves.
 os.environ.setdefault("KEMPNER_RESILIENCE_WARM", "1")
 
+# One intra-op thread per process, as torchrun and `kempner-resilience launch` give ranks that
+# share a machine: the suite runs several ranks per core, and torch's threads (one per core
+# each) spin against each other: a fifth of some shards' CPU. A test of thread counts sets its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The non-SLURM shard also keeps one standby for all its launches (supervise/local/standby.py):
 # a launch then forks its ranks at once, where its own zygote would import torch first (2-3 s
 # of CPU, hundreds of times). A launch whose ranks would import torch with other values

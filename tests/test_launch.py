@@ -145,6 +145,20 @@ def test_each_rank_gets_its_rank_and_a_rendezvous_and_relaunches_count_as_restar
         assert len(ports) == 1 and ports.pop().isdigit()
 
 
+def test_ranks_sharing_the_machine_get_one_intra_op_thread_unless_the_user_chose(monkeypatch):
+    from kempner_resilience.supervise.local.launcher import LocalLauncher
+
+    def threads(ranks: int) -> str | None:
+        launcher = LocalLauncher(["python", "train.py"], ranks=ranks, workdir=None)
+        return launcher.rank_env(0, "29500", 0).get("OMP_NUM_THREADS")
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads(2) == "1"          # as torchrun does
+    assert threads(1) is None         # one rank has the cores to itself
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert threads(2) == "4"
+
+
 def test_a_spent_restart_budget_ends_the_relaunches_with_the_budget_code_not_run_it_again(
         tmp_path):
     # The ranks said 75 (run it again) each time; after the budget nothing runs it again, and

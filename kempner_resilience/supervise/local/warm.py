@@ -146,6 +146,11 @@ class WarmProcess:
             last = {}
         # No answer: the zygote died, and its ranks with it (their parent-death signal).
         self._code = int(last.get("code", -int(signal.SIGKILL)))
+        # The zygote closes its end right after the exit line: once ``wait`` returns, it holds
+        # nothing of this rank (its descriptors are counted by whoever checks it for leaks).
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.settimeout(5.0)
+            answers.readline()
         self._conn.close()
         self._ended.set()
 
