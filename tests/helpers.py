@@ -31,6 +31,15 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
+def agent_env(**extra: str) -> dict[str, str]:
+    """``env`` for a torchrun agent whose workers a test finds in the agent's process tree
+    (``worker_pids``, ``node_pids``): without the suite's standby, the agent forks them from a
+    zygote of its own, its child."""
+    e = env(**extra)
+    e.pop("KEMPNER_RESILIENCE_STANDBY", None)
+    return e
+
+
 class Forked:
     """A test's script forked from the suite's standby, as ``subprocess.Popen`` gives it: the
     rank's ``WarmProcess`` (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import wait_for_file, write_script
+from helpers import env, wait_for_file, write_script
 from kempner_resilience.supervise.local import standby
 from kempner_resilience.supervise.local.launcher import LocalLauncher
 
@@ -113,3 +113,16 @@ def test_a_launcher_killed_outright_takes_its_standby_ranks_with_it_by_sigterm(n
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_torchrun_agent_forks_its_workers_from_the_machines_standby(node_standby, tmp_path):
+    # The agent imports nothing for its workers: no zygote of its own.
+    script = write_script(tmp_path, PARENT)
+    agent = subprocess.run(
+        [sys.executable, "-m", "kempner_resilience.cli", "torchrun", "--standalone",
+         "--nproc-per-node=2", str(script)], cwd=tmp_path, env=env(), capture_output=True,
+        text=True, timeout=180)
+    assert agent.returncode == 0, agent.stderr[-3000:]
+    assert {(tmp_path / f"parent.{r}").read_text() for r in (0, 1)} == {str(node_standby.pid)}
+    assert f"forked from the standby {os.environ[standby.STANDBY_ENV]}" in agent.stderr
+    assert node_standby.poll() is None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child_pids, env, kill_node, wait_for_file, worker_pids, write_script
+from helpers import agent_env, child_pids, kill_node, wait_for_file, worker_pids, write_script
 from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.supervise.local.warm import PRELOAD, Zygote, pristine
 
@@ -36,7 +36,7 @@ def _agent(work: Path, warm: bool, restarts: int = 1, steps: int = STEPS) -> sub
     return subprocess.Popen(cmd, stdout=open(work / "agent.out", "w"),
                             stderr=open(work / "agent.err", "w"), stdin=subprocess.DEVNULL,
                             cwd=work, start_new_session=True,
-                            env=env(KEMPNER_RESILIENCE_WARM="1" if warm else "0",
+                            env=agent_env(KEMPNER_RESILIENCE_WARM="1" if warm else "0",
                                     KEMPNER_RESILIENCE_FORWARD_SIGNALS="yes",
                                     OMP_NUM_THREADS="1"))
 

@@ -16,10 +16,13 @@ import subprocess
 import sys
 from typing import Mapping
 
+from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.local import warm
 from kempner_resilience.supervise.local.warm import Forker, Zygote
 
 __all__ = ["NodeStandby", "standby_or_zygote", "start", "STANDBY_ENV"]
+
+_log = get_logger(__name__)
 
 #: The standby's abstract socket name.
 STANDBY_ENV = "KEMPNER_RESILIENCE_STANDBY"
@@ -27,10 +30,13 @@ STANDBY_ENV = "KEMPNER_RESILIENCE_STANDBY"
 # a standby whose values differ is not used.
 _AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVIDIA", "LD_",
               "GLIBC", "MALLOC")
-# Of those, what is read only when used: the thread count (set again in each rank), and two
-# that Lightning sets in its importer's environment (torch reads them when it checks for CUDA or
-# compiles a kernel), so a process that imported Lightning once does not lose its standby.
-_AFTER_IMPORT = ("OMP_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
+# Of those, what is read only when used (names, or a prefix ending in "_"): the thread count
+# (set again in each rank); two that Lightning sets in its importer's environment (torch reads
+# them when it checks for CUDA or compiles a kernel), so a process that imported Lightning once
+# does not lose its standby; torch elastic's settings, which a torchrun agent sets for its
+# workers and torch reads when elastic's code runs (a standby never imports it).
+_AFTER_IMPORT = ("OMP_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
+                 "TORCHELASTIC_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
 class NodeStandby(Forker):
@@ -42,29 +48,41 @@ class NodeStandby(Forker):
         """The standby ``$KEMPNER_RESILIENCE_STANDBY`` names, when it answers, runs this
         Python, belongs to the SLURM job of ``env`` (or to none, as ``env``), and imported
         torch with what a rank of ``env`` would import it with (``_AT_IMPORT``); else None
-        (the launcher starts its own zygote)."""
+        (the launcher starts its own zygote, and the log says why)."""
         name = os.environ.get(STANDBY_ENV, "").strip()
         if not name:
             return None
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                probe.connect("\0" + name)
-                creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                         socket.CMSG_LEN(12))
-            pid = int.from_bytes(creds[0:4], sys.byteorder)
-            if not os.path.samefile(f"/proc/{pid}/exe", sys.executable):
-                return None
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                pairs = [e.decode(errors="replace").partition("=") for e in f.read().split(b"\0")
-                         if e]
-        except OSError:
-            return None
-        theirs = {k: v for k, _, v in pairs}
-        # Inside a SLURM job, only a standby of that job: the ranks of one outside it would
-        # live outside the allocation (no --signal, no cgroup, no cleanup by slurmd).
-        if theirs.get("SLURM_JOB_ID") != env.get("SLURM_JOB_ID"):
-            return None
-        return cls(name) if _at_import(theirs) == _at_import(env) else None
+        why = _unfit(name, env)
+        if why is None:
+            return cls(name)
+        _log.info("standby %s not used (%s): the ranks fork from a process of their own", name,
+                  why)
+        return None
+
+
+def _unfit(name: str, env: Mapping[str, str]) -> str | None:
+    """Why the standby ``name`` cannot fork the ranks of ``env``; None when it can."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect("\0" + name)
+            creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                     socket.CMSG_LEN(12))
+        pid = int.from_bytes(creds[0:4], sys.byteorder)
+        if not os.path.samefile(f"/proc/{pid}/exe", sys.executable):
+            return f"it runs another Python than {sys.executable}"
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = [e.decode(errors="replace").partition("=") for e in f.read().split(b"\0")
+                     if e]
+    except OSError as e:
+        return f"it does not answer: {e}"
+    theirs = {k: v for k, _, v in pairs}
+    # Inside a SLURM job, only a standby of that job: the ranks of one outside it would
+    # live outside the allocation (no --signal, no cgroup, no cleanup by slurmd).
+    if theirs.get("SLURM_JOB_ID") != env.get("SLURM_JOB_ID"):
+        return "it is not in this SLURM job"
+    mine, its = _at_import(env), _at_import(theirs)
+    differ = sorted(k for k in {*mine, *its} if mine.get(k) != its.get(k))
+    return f"it imported torch with other {', '.join(differ)}" if differ else None
 
 
 def start(name: str, env: Mapping[str, str], *, die_with_caller: bool = False
@@ -84,4 +102,6 @@ def standby_or_zygote(env: dict[str, str]) -> Forker:
 
 def _at_import(env: Mapping[str, str]) -> dict[str, str]:
     """What of ``env`` torch or Python may read before a rank's own code runs."""
-    return {k: v for k, v in env.items() if k.startswith(_AT_IMPORT) and k not in _AFTER_IMPORT}
+    return {k: v for k, v in env.items() if k.startswith(_AT_IMPORT)
+            and not any(k == name or name.endswith("_") and k.startswith(name)
+                        for name in _AFTER_IMPORT)}

@@ -3,7 +3,9 @@
 ``starting`` is the one place torch's module-level names are replaced. With
 ``$KEMPNER_RESILIENCE_WARM=1`` (the torchrun template sets it) every worker is a fresh fork of
 the agent's zygote (``local/warm.py``): Python's start-up and ``import torch`` are paid once.
-A command the zygote cannot run, or a zygote that is gone, starts the worker cold.
+On a machine with a standby that fits (``local/standby.py``) the workers fork from it, and the
+agent starts no zygote at all. A command the zygote cannot run, or a zygote that is gone,
+starts the worker cold.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
-from kempner_resilience.supervise.local.warm import (STEP_SIGNALS, UNBUFFERED, WarmProcess,
-                                                      Zygote, parent_death, warm_command)
+from kempner_resilience.supervise.local.standby import NodeStandby
+from kempner_resilience.supervise.local.warm import (STEP_SIGNALS, UNBUFFERED, Forker,
+                                                      WarmProcess, Zygote, parent_death,
+                                                      warm_command)
 
 __all__ = ["Agent", "Interrupted", "starting", "WarmWorkers", "MARGIN_S", "AGENT_NAME",
            "TORCH_SIGNALS"]
@@ -202,9 +206,9 @@ def starting(agent: Agent, names: dict[str, Any],
 
 
 class WarmWorkers:
-    """One agent's zygote; ``handler`` forks each worker from it."""
+    """One agent's zygote, or the machine's standby; ``handler`` forks each worker from it."""
 
-    def __init__(self, tracked: Agent, zygote: Zygote) -> None:
+    def __init__(self, tracked: Agent, zygote: Forker) -> None:
         self.tracked = tracked
         self.zygote = zygote
         self.cold_why: str | None = None     # set once the workers start cold for good
@@ -219,9 +223,16 @@ class WarmWorkers:
                 or not warm_command([spec.entrypoint, *map(str, spec.args)], (UNBUFFERED,)) \
                 or torch_private.elastic("warm") is None:
             return None
+        env = dict(os.environ)
+        standby = NodeStandby.for_env(env)
+        if standby is not None:
+            # Nothing to import here: a standby that imported torch as the workers would.
+            log.info("%s: workers start warm, forked from the standby %s (%s=1)", AGENT_NAME,
+                     standby.name, "KEMPNER_RESILIENCE_WARM")
+            return cls(tracked, standby)
         handled = {*STEP_SIGNALS, *tracked.config.signals.handled()}
         ignore = sorted(int(getattr(signal, n)) for n in handled if hasattr(signal, n))
-        zygote = Zygote(dict(os.environ), ignore=ignore, death_signal=signal.SIGKILL)
+        zygote = Zygote(env, ignore=ignore, death_signal=signal.SIGKILL)
         log.info("%s: workers start warm, forked from pid %d (%s=1)", AGENT_NAME,
                  zygote.proc.pid, "KEMPNER_RESILIENCE_WARM")
         return cls(tracked, zygote)
@@ -248,7 +259,7 @@ class WarmWorkers:
         return proc
 
     def close(self) -> None:
-        """End the zygote once the agent's workers are gone (bounded)."""
+        """End the zygote once the agent's workers are gone (bounded); a standby stays."""
         self.zygote.close()
 
 
