@@ -9,8 +9,20 @@
 # arguments it is one plain pytest run of what they select.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# SLURM's packages, for the clusters the SLURM tests start (as root), download while setup.sh
+# installs Python's: a fresh machine waits for the two at once. Its failure is the SLURM
+# tests' to report, with the reason, when their cluster cannot start.
+slurm_install=
+if [ "$#" -eq 0 ] && [ "$(id -u)" = 0 ]; then
+    bash tests/cluster/slurm_cluster.sh install >/dev/null 2>&1 &
+    slurm_install=$!
+fi
 bash scripts/setup.sh
+[ -z "$slurm_install" ] || wait "$slurm_install" || true
 PY=.venv/bin/python
+# What setup.sh did not compile (a module the suite imports for the first time) is compiled
+# once and written, not again in each of the suite's processes.
+unset PYTHONDONTWRITEBYTECODE
 if [ "$#" -gt 0 ]; then
     exec "$PY" -m pytest -q "$@"
 fi

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# A real single-node SLURM cluster for the test suite: slurm_cluster.sh start|stop|status
+# A real single-node SLURM cluster for the test suite: slurm_cluster.sh start|stop|status|install
 #
 # Facts this rests on are in slurm-cluster.md (measured on Debian 12, slurm 22.05, no systemd).
 # Idempotent: `start` on a running, correctly configured cluster only waits for the node to be
-# idle; `stop` on a stopped cluster does nothing. Needs root (daemons, /etc/slurm, apt-get).
+# idle; `stop` on a stopped cluster does nothing; `install` only installs the packages (start
+# does too, when they are missing). Needs root (daemons, /etc/slurm, apt-get).
 #
 # Environment knobs:
 #   KR_SLURM_KILLWAIT   KillWait seconds (default 10: a job whose task ignores SIGTERM blocks
@@ -183,5 +184,6 @@ case "${1:-}" in
     start) cmd_start ;;
     stop) cmd_stop ;;
     status) cmd_status ;;
-    *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+    install) install_if_missing ;;
+    *) echo "usage: $0 start|stop|status|install" >&2; exit 2 ;;
 esac
