@@ -39,7 +39,8 @@ shard() {
 }
 # The rest runs on two pytest workers (pytest-xdist), a test file at a time each: its time is
 # CPU, and one worker alone would leave a core idle once the SLURM shards are done.
-(shard local -n "${KR_TEST_LOCAL_WORKERS:-2}" --dist loadfile) &
+# In the order tests/conftest.py gives (the slowest files first), not xdist's (most tests first).
+(shard local -n "${KR_TEST_LOCAL_WORKERS:-2}" --dist loadfile --no-loadscope-reorder) &
 local_pid=$!
 (shard multinode) &
 multi_pid=$!
