@@ -18,7 +18,8 @@ os.environ.setdefault("KEMPNER_RESILIENCE_WARM", "1")
 
 # One intra-op thread per process, as torchrun and `kempner-resilience launch` give ranks that
 # share a machine: the suite runs several ranks per core, and torch's threads (one per core
-# each) spin against each other: a fifth of some shards' CPU. A test of thread counts sets its own.
+# each) spin against each other (a sixth of the CPU of the tests that launch ranks). A test of
+# thread counts sets its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The non-SLURM shard also keeps one standby for all its launches (supervise/local/standby.py):

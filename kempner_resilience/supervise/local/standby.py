@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.supervise.local import warm
@@ -30,13 +30,14 @@ STANDBY_ENV = "KEMPNER_RESILIENCE_STANDBY"
 # a standby whose values differ is not used.
 _AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVIDIA", "LD_",
               "GLIBC", "MALLOC")
-# Of those, what is read only when used (names, or a prefix ending in "_"): the thread count
-# (set again in each rank); two that Lightning sets in its importer's environment (torch reads
-# them when it checks for CUDA or compiles a kernel), so a process that imported Lightning once
-# does not lose its standby; torch elastic's settings, which a torchrun agent sets for its
-# workers and torch reads when elastic's code runs (a standby never imports it).
-_AFTER_IMPORT = ("OMP_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
-                 "TORCHELASTIC_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+# Of those, what is read only when used: the thread count (set again in each rank); two that
+# Lightning sets in its importer's environment (torch reads them when it checks for CUDA or
+# compiles a kernel), so a process that imported Lightning once does not lose its standby;
+# torch elastic's settings, which a torchrun agent sets for its workers and torch reads when
+# elastic's code runs (a standby never imports it).
+_AFTER_IMPORT = frozenset({"OMP_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK",
+                           "TORCHINDUCTOR_CACHE_DIR", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
+_AFTER_IMPORT_PREFIXES = ("TORCHELASTIC_",)
 
 
 class NodeStandby(Forker):
@@ -94,14 +95,14 @@ def start(name: str, env: Mapping[str, str], *, die_with_caller: bool = False
                       death_signal=signal.SIGKILL if die_with_caller else None)
 
 
-def standby_or_zygote(env: dict[str, str]) -> Forker:
+def standby_or_zygote(env: dict[str, str], *, ignore: Sequence[int] = (),
+                      death_signal: int = signal.SIGTERM) -> Forker:
     """The machine's standby when one fits ``env`` (``NodeStandby.for_env``), else a zygote
-    of the caller's own started with ``env``."""
-    return NodeStandby.for_env(env) or Zygote(env)
+    of the caller's own started with ``env`` (``ignore``, ``death_signal``: ``Zygote``'s)."""
+    return NodeStandby.for_env(env) or Zygote(env, ignore=ignore, death_signal=death_signal)
 
 
 def _at_import(env: Mapping[str, str]) -> dict[str, str]:
     """What of ``env`` torch or Python may read before a rank's own code runs."""
-    return {k: v for k, v in env.items() if k.startswith(_AT_IMPORT)
-            and not any(k == name or name.endswith("_") and k.startswith(name)
-                        for name in _AFTER_IMPORT)}
+    return {k: v for k, v in env.items() if k.startswith(_AT_IMPORT) and k not in _AFTER_IMPORT
+            and not k.startswith(_AFTER_IMPORT_PREFIXES)}

@@ -24,7 +24,7 @@ from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core import torch_private
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
-from kempner_resilience.supervise.local.standby import NodeStandby
+from kempner_resilience.supervise.local.standby import standby_or_zygote
 from kempner_resilience.supervise.local.warm import (STEP_SIGNALS, UNBUFFERED, Forker,
                                                       WarmProcess, Zygote, parent_death,
                                                       warm_command)
@@ -223,19 +223,14 @@ class WarmWorkers:
                 or not warm_command([spec.entrypoint, *map(str, spec.args)], (UNBUFFERED,)) \
                 or torch_private.elastic("warm") is None:
             return None
-        env = dict(os.environ)
-        standby = NodeStandby.for_env(env)
-        if standby is not None:
-            # Nothing to import here: a standby that imported torch as the workers would.
-            log.info("%s: workers start warm, forked from the standby %s (%s=1)", AGENT_NAME,
-                     standby.name, "KEMPNER_RESILIENCE_WARM")
-            return cls(tracked, standby)
         handled = {*STEP_SIGNALS, *tracked.config.signals.handled()}
         ignore = sorted(int(getattr(signal, n)) for n in handled if hasattr(signal, n))
-        zygote = Zygote(env, ignore=ignore, death_signal=signal.SIGKILL)
-        log.info("%s: workers start warm, forked from pid %d (%s=1)", AGENT_NAME,
-                 zygote.proc.pid, "KEMPNER_RESILIENCE_WARM")
-        return cls(tracked, zygote)
+        parent = standby_or_zygote(dict(os.environ), ignore=ignore, death_signal=signal.SIGKILL)
+        where = f"pid {parent.proc.pid}" if isinstance(parent, Zygote) else \
+            f"the standby {parent.name}"
+        log.info("%s: workers start warm, forked from %s (%s=1)", AGENT_NAME, where,
+                 "KEMPNER_RESILIENCE_WARM")
+        return cls(tracked, parent)
 
     def popen(self, handler: Any, args: tuple, env: dict[str, str]) -> WarmProcess | None:
         """The worker ``handler`` starts, forked from the zygote; None: start it cold."""
