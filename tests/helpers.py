@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -32,9 +33,9 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def agent_env(**extra: str) -> dict[str, str]:
-    """``env`` for a torchrun agent whose workers a test finds in the agent's process tree
-    (``worker_pids``, ``node_pids``): without the suite's standby, the agent forks them from a
-    zygote of its own, its child."""
+    """``env`` for a torchrun agent whose workers must be its own descendants (a test that
+    reaps them, or checks the agent's own zygote): without the suite's standby, the agent
+    forks them from a zygote of its own, its child."""
     e = env(**extra)
     e.pop("KEMPNER_RESILIENCE_STANDBY", None)
     return e
@@ -258,32 +259,55 @@ def rank_logs(work: Path, launch: int = 0) -> str:
 def child_pids(pid: int) -> list[int]:
     """The live processes whose parent is ``pid`` (read from /proc), sorted."""
     kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for path in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = path.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
+            kids.append(int(path.parent.name))
     return sorted(kids)
 
 
+def _stdout_file(pid: int) -> tuple[int, int] | None:
+    """The regular file ``pid`` writes its stdout to, as (device, inode); None otherwise."""
+    try:
+        st = os.stat(f"/proc/{pid}/fd/1")
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def worker_pids(agent: int) -> list[int]:
-    """A torchrun agent's live workers, sorted: its children, or, started warm, its zygote's
-    (``supervise/local/warm.py``, the agent's one child then)."""
-    workers = []
+    """A torchrun agent's live workers, sorted. Started cold they are its children; started
+    warm, its zygote's (the agent's child) or the suite standby's, which is no kin of the
+    agent: then they are found as the processes besides the agent and its zygote that write
+    to the agent's stdout, a file of its own (a warm worker is given the agent's streams)."""
+    workers = set()
     for pid in child_pids(agent):
         try:
             zygote = "supervise/local/warm.py" in Path(f"/proc/{pid}/cmdline").read_text()
         except OSError:
             continue
-        workers += child_pids(pid) if zygote else [pid]
+        workers.update(child_pids(pid) if zygote else [pid])
+    out = _stdout_file(agent)
+    if out is not None:
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+            if pid != agent and _parent(pid) != agent and _stdout_file(pid) == out:
+                workers.add(pid)
     return sorted(workers)
 
 
 def node_pids(agent: int) -> list[int]:
-    """A torchrun agent's whole tree, workers first, then its zygote, then the agent: killed in
-    this order, no worker hears its parent-death signal before its own SIGKILL."""
+    """A torchrun agent's whole "node", workers first, then its zygote, then the agent: killed
+    in this order, no worker hears its parent-death signal before its own SIGKILL."""
     workers = worker_pids(agent)
     return [*workers, *(p for p in child_pids(agent) if p not in workers), agent]
 

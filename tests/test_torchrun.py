@@ -58,7 +58,7 @@ def _start(work: Path, worker: list[str], forward: str) -> subprocess.Popen:
          "--nproc-per-node=2", "--no-python", sys.executable, *worker],
         stdout=open(work / "agent.out", "w"), stderr=open(work / "agent.err", "w"),
         stdin=subprocess.DEVNULL, cwd=work, start_new_session=True,
-        env=agent_env(KEMPNER_RESILIENCE_FORWARD_SIGNALS=forward, OMP_NUM_THREADS="1"))
+        env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS=forward, OMP_NUM_THREADS="1"))
 
 
 def _workers(agent: subprocess.Popen) -> list[int]:
@@ -369,7 +369,7 @@ def test_an_agent_killed_outright_leaves_an_emergency_checkpoint_143_on_every_wo
     (tmp_path / "progress").unlink()
     again = subprocess.run(_train(tmp_path, ckpt, resumed_at + 3), cwd=tmp_path,
                            stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                           timeout=180, env=agent_env(OMP_NUM_THREADS="1"))
+                           timeout=180, env=env(OMP_NUM_THREADS="1"))
     assert again.returncode == 0, again.stderr[-3000:]
     steps = [int(s) for s in re.findall(r"^rank 0 step (\d+)$",
                                         (tmp_path / "progress").read_text(), re.M)]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (agent_env, free_port, kill_node, node_pids, wait_for_file, worker_pids,
+from helpers import (env, free_port, kill_node, node_pids, wait_for_file, worker_pids,
                      write_script)
 from kempner_resilience.checkpoint import layout
 from kempner_resilience.cli import main as cli_main
@@ -55,7 +55,7 @@ def _agent(work: Path, i: int, port: int, nnodes: int | str, steps: int, nproc: 
     return subprocess.Popen(cmd, stdout=open(work / f"agent.{i}.out", "w"),
                             stderr=open(work / f"agent.{i}.err", "w"), stdin=subprocess.DEVNULL,
                             cwd=work, start_new_session=True,
-                            env=agent_env(KEMPNER_RESILIENCE_FORWARD_SIGNALS="yes",
+                            env=env(KEMPNER_RESILIENCE_FORWARD_SIGNALS="yes",
                                     OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}",
                                     KEMPNER_RESILIENCE_CONFIG=str(config)))
 
@@ -456,7 +456,7 @@ def _script_agent(work: Path, i: int, port: int, rdzv_id: str, script: Path,
     return subprocess.Popen(cmd, stdout=open(work / f"agent.{i}.out", "w"),
                             stderr=open(work / f"agent.{i}.err", "w"),
                             stdin=subprocess.DEVNULL, cwd=work, start_new_session=True,
-                            env=agent_env(OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}"))
+                            env=env(OMP_NUM_THREADS="1", SLURMD_NODENAME=f"node{i}"))
 
 
 # A worker that says what it learnt from its agent's channel (one JSON line per worker group).
