@@ -346,16 +346,21 @@ def buddy_ring_of_two(woken: list[str]):
     return a, b
 
 
-def tagged_processes(needle: str, settle_s: float = 0.0) -> list[str]:
+def tagged_processes(needle: str, settle_s: float = 0.0, cwd: Path | None = None) -> list[str]:
     """The processes whose environment holds ``needle`` ("KEY=value": a test's tag, which every
-    process a job starts inherits), as "pid command", after up to ``settle_s`` for them to go."""
+    process a job starts inherits), or that work in ``cwd`` or below it (a process forked from
+    the suite's standby shows the standby's environment in /proc, but works where its job
+    does), as "pid command", after up to ``settle_s`` for them to go."""
     want = needle.encode()
+    inside = None if cwd is None else str(Path(cwd).resolve())
     until = time.monotonic() + settle_s
     while True:
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
-                if want in Path(f"/proc/{pid}/environ").read_bytes():
+                if want in Path(f"/proc/{pid}/environ").read_bytes() or (
+                        inside is not None and
+                        f"{os.readlink(f'/proc/{pid}/cwd')}/".startswith(f"{inside}/")):
                     found.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}")
             except OSError:
                 continue

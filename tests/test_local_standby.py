@@ -126,3 +126,33 @@ def test_a_torchrun_agent_forks_its_workers_from_the_machines_standby(node_stand
     assert {(tmp_path / f"parent.{r}").read_text() for r in (0, 1)} == {str(node_standby.pid)}
     assert f"forked from the standby {os.environ[standby.STANDBY_ENV]}" in agent.stderr
     assert node_standby.poll() is None
+
+
+RAY_DRIVER = """
+import os, ray
+import kempner_resilience.ray as krr
+ray.init(num_cpus=1, include_dashboard=False, runtime_env=krr.warm_runtime_env())
+
+@ray.remote
+def parent():
+    return os.getppid()
+
+print("PARENT", ray.get(parent.remote()), flush=True)
+ray.shutdown()
+"""
+
+
+@pytest.mark.ray
+def test_a_ray_drivers_workers_fork_from_the_machines_standby(node_standby, tmp_path):
+    # The driver starts no zygote of its own: Ray's workers on its node fork from the standby.
+    from slurm_fixtures import require_modules
+
+    require_modules("ray")
+    script = write_script(tmp_path, RAY_DRIVER)
+    e = env()
+    e.pop("RANK", None)
+    driver = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=e,
+                            capture_output=True, text=True, timeout=180)
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    assert f"PARENT {node_standby.pid}\n" in driver.stdout, driver.stdout[-3000:]
+    assert node_standby.poll() is None

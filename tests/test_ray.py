@@ -4,7 +4,8 @@ Each test runs tests/ray_job.py (a driver, 2 training actors in one gloo group, 
 rollout actor holding 50 stand-in resources: files its episodes create and remove in
 ``finally``) in a session of its own, under a parent that SIGTERMs the driver when it dies on
 Ctrl+C, as ``uv run`` does. Every process of a test carries a tag in its environment (Ray's
-workers inherit the driver's), so "no process left behind" is a scan of /proc.
+workers inherit the driver's) or works in its directory (a worker forked from the suite's
+standby), so "no process left behind" is a scan of /proc.
 
 Skipped when ray is not installed, except under CI (``CI`` set), where that is a failure:
 scripts/setup.sh installs the ``ray`` extra.
@@ -55,7 +56,7 @@ class Job:
             self.proc = subprocess.Popen(
                 [sys.executable, str(JOB), "--parent", "--ckpt", str(ckpt), "--work",
                  str(self.work), *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, stdin=subprocess.DEVNULL)
+                start_new_session=True, stdin=subprocess.DEVNULL, cwd=self.work)
 
     def ctrl_c(self) -> float:
         """SIGINT to the job's process group, as a terminal's Ctrl+C; when it was sent."""
@@ -126,8 +127,9 @@ class Job:
         return self.log.read_text(errors="replace")
 
     def processes(self, settle_s: float = 10.0) -> list[str]:
-        """Processes still carrying this job's tag, after up to ``settle_s`` for them to go."""
-        return tagged_processes(f"KR_RAY_TEST_TAG={self.tag}", settle_s)
+        """Processes still carrying this job's tag or working in its directory (a worker
+        forked from the suite's standby), after up to ``settle_s`` for them to go."""
+        return tagged_processes(f"KR_RAY_TEST_TAG={self.tag}", settle_s, cwd=self.work)
 
 
 def _tagged(tag: str) -> list[str]:

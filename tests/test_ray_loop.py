@@ -3,8 +3,8 @@ StatefulDataLoader, rollouts by ``asyncio.run`` each step, passive worker groups
 policy, a 1-actor reference) saved by their actors into the driver's one checkpoint.
 
 Each test runs tests/ray_loop_job.py on a real local Ray, gloo on CPU, 50 rollout episodes a
-step, in a session of its own; every process carries a tag, so "every actor gone" is a scan of
-/proc. The uninterrupted reference run is shared (module fixture). Skipped without Ray, except
+step, in a session of its own; every process carries a tag or works in the job's directory,
+so "every actor gone" is a scan of /proc. The uninterrupted reference run is shared (module fixture). Skipped without Ray, except
 under CI.
 """
 
@@ -51,7 +51,7 @@ class Job:
                 [sys.executable, str(JOB), "--ckpt", str(ckpt), "--work", str(self.work),
                  "--steps", STEPS, "--out", str(self.out), *args], stdout=out,
                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                stdin=subprocess.DEVNULL)
+                stdin=subprocess.DEVNULL, cwd=self.work)
 
     def wait_step(self, step: int, timeout: float = 120.0) -> None:
         until = time.monotonic() + timeout
@@ -95,7 +95,7 @@ class Job:
         return len(list((self.work / "resources").glob("sandbox*")))
 
     def processes(self, settle_s: float = 10.0) -> list[str]:
-        return tagged_processes(f"KR_RAY_TEST_TAG={self.tag}", settle_s)
+        return tagged_processes(f"KR_RAY_TEST_TAG={self.tag}", settle_s, cwd=self.work)
 
 
 def _committed(ckpt: Path) -> list[int]:

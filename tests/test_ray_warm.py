@@ -103,6 +103,7 @@ def test_ray_workers_on_the_drivers_node_fork_warm_and_leave_nothing_behind(tmp_
     script.write_text(WARM_WORKERS)
     e = env(KEMPNER_RESILIENCE_WARM="1", KR_WARM_RAY_TAG=str(tmp_path))
     e.pop("RANK", None)
+    e.pop("KEMPNER_RESILIENCE_STANDBY", None)     # the driver's own zygote, found by the tag
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env=e, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

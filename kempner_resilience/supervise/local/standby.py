@@ -60,6 +60,9 @@ class NodeStandby(Forker):
                   why)
         return None
 
+    def __str__(self) -> str:
+        return f"the standby {self.name}"
+
 
 def _unfit(name: str, env: Mapping[str, str]) -> str | None:
     """Why the standby ``name`` cannot fork the ranks of ``env``; None when it can."""

@@ -224,6 +224,9 @@ class Forker:
     def close(self) -> None:
         """Nothing: a zygote that is not the caller's own outlives it."""
 
+    def __str__(self) -> str:
+        return f"the warm-start process {self.name}"
+
 
 class Zygote(Forker):
     """The caller's own zygote: started here, ended by ``close``."""
@@ -240,6 +243,9 @@ class Zygote(Forker):
         """End the zygote (its ranks are the launcher's to end first); bounded."""
         self.proc.kill()
         self.proc.wait()
+
+    def __str__(self) -> str:
+        return f"pid {self.proc.pid}"
 
 
 def start(name: str, env: Mapping[str, str], *, preload: Sequence[str] = PRELOAD,

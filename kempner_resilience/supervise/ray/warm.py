@@ -1,6 +1,7 @@
 """Warm Ray workers: the Python workers Ray starts on the driver's node fork from one process
-that imported torch once (a zygote, ``supervise/local/warm.py``), through Ray's own
-``runtime_env["py_executable"]``.
+that imported torch once, through Ray's own ``runtime_env["py_executable"]``: the machine's
+standby when one fits (``supervise/local/standby.py``), else a zygote of the driver's own
+(``supervise/local/warm.py``).
 
 A Ray worker that runs a training actor pays Python's start-up, ``import torch``, DCP and the
 optimizer's ``torch._dynamo`` again: 2-4 s of CPU for each actor, and again for each one that
@@ -26,7 +27,8 @@ import sys
 from typing import Any, Mapping
 
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.supervise.local.warm import Zygote, warm_on
+from kempner_resilience.supervise.local.standby import standby_or_zygote
+from kempner_resilience.supervise.local.warm import warm_on
 from kempner_resilience.supervise.srun.shim import WAIT_ENV
 from kempner_resilience.supervise.srun.standby import SHIM
 
@@ -43,11 +45,10 @@ def warm_runtime_env(runtime_env: Mapping[str, Any] | None = None) -> dict[str, 
     env = dict(runtime_env or {})
     if not warm_on() or "py_executable" in env:
         return env
-    zygote = Zygote(dict(os.environ), death_signal=signal.SIGKILL)
+    zygote = standby_or_zygote(dict(os.environ), death_signal=signal.SIGKILL)
     atexit.register(zygote.close)   # after Ray's own exit hook, registered later by ray.init
     # The shim does not wait for a zygote that is not there: on another node it starts cold.
     env["py_executable"] = shlex.join(["env", f"{WAIT_ENV}=0", sys.executable, "-S", SHIM,
                                        zygote.name, sys.executable])
-    log.info("Ray workers on this node fork from pid %d (%s=1)", zygote.proc.pid,
-             "KEMPNER_RESILIENCE_WARM")
+    log.info("Ray workers on this node fork from %s (%s=1)", zygote, "KEMPNER_RESILIENCE_WARM")
     return env

@@ -26,7 +26,7 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.stop.signals import PARENT_DEATH_ENV, PARENT_DEATH_SIGNAL
 from kempner_resilience.supervise.local.standby import standby_or_zygote
 from kempner_resilience.supervise.local.warm import (STEP_SIGNALS, UNBUFFERED, Forker,
-                                                      WarmProcess, Zygote, parent_death,
+                                                      WarmProcess, parent_death,
                                                       warm_command)
 
 __all__ = ["Agent", "Interrupted", "starting", "WarmWorkers", "MARGIN_S", "AGENT_NAME",
@@ -226,9 +226,7 @@ class WarmWorkers:
         handled = {*STEP_SIGNALS, *tracked.config.signals.handled()}
         ignore = sorted(int(getattr(signal, n)) for n in handled if hasattr(signal, n))
         parent = standby_or_zygote(dict(os.environ), ignore=ignore, death_signal=signal.SIGKILL)
-        where = f"pid {parent.proc.pid}" if isinstance(parent, Zygote) else \
-            f"the standby {parent.name}"
-        log.info("%s: workers start warm, forked from %s (%s=1)", AGENT_NAME, where,
+        log.info("%s: workers start warm, forked from %s (%s=1)", AGENT_NAME, parent,
                  "KEMPNER_RESILIENCE_WARM")
         return cls(tracked, parent)
 
