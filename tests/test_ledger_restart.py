@@ -137,3 +137,20 @@ def test_a_restart_event_naming_its_bad_nodes_as_a_list_is_read_and_reported(tmp
         ["start", "restart", "start"]
     assert cli_main(["report", str(tmp_path)]) == 0
     assert "rank 2 hung; kept out: n2,n5; spare: n9" in capsys.readouterr().out
+
+
+def test_report_says_when_the_relaunch_resumed_from_the_survivors_rescue(relaunched, tmp_path,
+                                                                          capsys):
+    work, _ = relaunched
+    events = read_ledger(work / "ckpt" / "ledger.jsonl")
+    i = next(k for k, e in enumerate(events) if e["ev"] == "restart")
+    # The same run, had a survivor's rescue committed step 10 just before the relaunch.
+    rescue = {**events[i - 1], "ev": "rescue", "step": 10, "committed": True, "seconds": 0.5}
+    for key in ("code", "ending", "signal", "relaunch"):
+        rescue.pop(key, None)
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("".join(json.dumps(e) + "\n" for e in [*events[:i], rescue, *events[i:]]))
+    assert cli_main(["report", str(ledger)]) == 0
+    assert "resumed at step 10 (the survivors' rescue)" in capsys.readouterr().out
+    assert cli_main(["report", str(work / "ckpt")]) == 0
+    assert "resumed at step 10\n" in capsys.readouterr().out     # the periodic save's

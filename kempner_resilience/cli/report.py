@@ -87,7 +87,7 @@ def _name(a: Attempt) -> str:
 def _recoveries(g: Goodput) -> list[str]:
     """Each in-job restart: what failed, what is kept out, and where its recovery went."""
     out: list[str] = []
-    for a in g.attempts:
+    for i, a in enumerate(g.attempts):
         r = a.restart
         if r is None:
             continue
@@ -100,7 +100,10 @@ def _recoveries(g: Goodput) -> list[str]:
             what.append("kept out: " + (bad if isinstance(bad, str) else ",".join(bad)))
         what.append(f"spare: {r['spare']}" if r.get("spare") else "no spare")
         if r.get("step") is not None:
-            what.append(f"resumed at step {r['step']}")
+            # The survivors' rescue or the periodic save: a user weighs the steps redone.
+            kept = any(b.rescue_step == r["step"] for b in g.attempts[:i + 1])
+            what.append(f"resumed at step {r['step']}" + (" (the survivors' rescue)" if kept
+                                                           else ""))
         out.append(f"  {_name(a)}: " + "; ".join(what))
         out.append(f"    {_hms(sum(rec.values()))} = " + " + ".join(
             f"{_RECOVERY_LABELS[k]} {_hms(rec[k])}" for k in RECOVERY))
