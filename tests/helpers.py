@@ -74,9 +74,38 @@ class Forked:
         for t in self._readers:
             t.join(None if end is None else max(end - time.monotonic(), 0.0))
             if t.is_alive():
-                raise subprocess.TimeoutExpired(self.args, timeout)
+                raise StillRunning(self.args, timeout, self._holders())
         self.wait(None if end is None else max(end - time.monotonic(), 0.0))
         return self._read.get("stdout"), self._read.get("stderr")
+
+    def _holders(self) -> str:
+        """Why the output has not ended: the script still runs, or which processes still hold
+        its pipes open (a child it left behind)."""
+        code = self._proc.poll()
+        if code is None:
+            return f"pid {self.pid} is still running"
+        pipes = {f"pipe:[{os.fstat(f.fileno()).st_ino}]"
+                 for f in (self.stdout, self.stderr) if f is not None}
+        held = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if pipes & {os.readlink(f"/proc/{pid}/fd/{fd}")
+                            for fd in os.listdir(f"/proc/{pid}/fd")}:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    held.append(f"{pid} ({cmd.decode(errors='replace')[:200]})")
+        return f"pid {self.pid} exited with {code}; its pipes are held by: " + \
+            ("; ".join(held) or "nobody (it just closed)")
+
+
+class StillRunning(subprocess.TimeoutExpired):
+    """``communicate`` timed out: the ``TimeoutExpired`` tests expect, saying why."""
+
+    def __init__(self, cmd, timeout, why: str) -> None:
+        super().__init__(cmd, timeout)
+        self.why = why
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}: {self.why}"
 
 
 def spawn_script(args, *, env=None, cwd=None, stdout=None, stderr=None, text=False,
@@ -117,6 +146,24 @@ def spawn_script(args, *, env=None, cwd=None, stdout=None, stderr=None, text=Fal
                 os.close(theirs[name])
     streams = {name: os.fdopen(r, "r" if text else "rb") for name, r in ours}
     return Forked(args, proc, streams.get("stdout"), streams.get("stderr"))
+
+
+def communicate_or_stacks(proc, timeout: float) -> tuple:
+    """``proc.communicate(timeout)``; past it, the process's every thread's stack (the
+    package's hang signal: faulthandler, then exit) and its output, as the test's failure."""
+    from kempner_resilience.exitcodes import ExitCode
+
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(int(ExitCode.HANG))
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = "(its output did not end either)"
+        raise AssertionError(f"{e}; its stacks and output:\n{str(err)[-12000:]}") from None
 
 
 def run_script(args, *, env=None, cwd=None, timeout=None, capture_output=False, text=False,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers import env, free_port, run_script, spawn_script, wait_for_file, write_script
+from helpers import (communicate_or_stacks, env, free_port, run_script, spawn_script,
+                     wait_for_file, write_script)
 from kempner_resilience.exitcodes import ExitCode
 
 EXIT_TIMEOUT_S = 3
@@ -59,7 +60,7 @@ def test_a_rank_whose_peer_is_killed_exits_peer_lost_despite_executors_that_neve
     try:
         wait_for_file(tmp_path / "progress.1", contains="step 5\n")
         procs[0].kill()
-        _, err = procs[1].communicate(timeout=BOUND_S)
+        _, err = communicate_or_stacks(procs[1], BOUND_S)
     finally:
         for p in procs:
             p.kill()
