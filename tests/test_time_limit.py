@@ -66,6 +66,27 @@ def test_end_time_is_asked_of_squeue_once_when_the_environment_lacks_it(tmp_path
     assert (tmp_path / "calls").read_text().split() == ["-h", "-j", "4242", "-o", "%e"]
 
 
+def test_a_silent_controller_is_asked_once_and_the_log_says_the_end_is_unknown(tmp_path,
+                                                                             caplog):
+    for tool, answer in (("squeue", "slurm_load_jobs error: Unable to contact slurm controller "
+                                    "(connect failure)"), ("scontrol", "")):
+        fake = tmp_path / tool
+        fake.write_text(f"#!/bin/sh\necho {tool} >> \"$(dirname \"$0\")/calls\"\n"
+                        f"echo '{answer}' >&2\nexit 1\n")
+        fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    old = os.environ["PATH"]
+    os.environ["PATH"] = f"{tmp_path}:{old}"
+    try:
+        with caplog.at_level("WARNING"):
+            assert job_end_time({"SLURM_JOB_ID": "4242"}, timeout=10) is None
+    finally:
+        os.environ["PATH"] = old
+    # scontrol would have waited as long as squeue did: it is not asked.
+    assert (tmp_path / "calls").read_text().split() == ["squeue"]
+    assert "the allocation's end is unknown (slurm_load_jobs error: Unable to contact slurm " \
+           "controller (connect failure))" in caplog.text
+
+
 def test_clock_stops_once_time_left_is_below_save_plus_one_step_plus_margin():
     clock = RunClock(time.time() + 20, margin_s=5)
     clock.set_save_estimate(3.0)
