@@ -13,6 +13,7 @@ import os
 import stat
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,25 +67,40 @@ def test_end_time_is_asked_of_squeue_once_when_the_environment_lacks_it(tmp_path
     assert (tmp_path / "calls").read_text().split() == ["-h", "-j", "4242", "-o", "%e"]
 
 
-def test_a_silent_controller_is_asked_once_and_the_log_says_the_end_is_unknown(tmp_path,
-                                                                             caplog):
-    for tool, answer in (("squeue", "slurm_load_jobs error: Unable to contact slurm controller "
-                                    "(connect failure)"), ("scontrol", "")):
+def _end_time_with(tmp_path: Path, squeue: str, timeout: float) -> tuple[float | None, list[str]]:
+    """``job_end_time`` with a fake squeue running ``squeue`` (shell) and a fake scontrol that
+    fails; the end and the tools called, in order."""
+    for tool, body in (("squeue", squeue), ("scontrol", "exit 1")):
         fake = tmp_path / tool
-        fake.write_text(f"#!/bin/sh\necho {tool} >> \"$(dirname \"$0\")/calls\"\n"
-                        f"echo '{answer}' >&2\nexit 1\n")
+        fake.write_text(f"#!/bin/sh\necho {tool} >> \"$(dirname \"$0\")/calls\"\n{body}\n")
         fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     old = os.environ["PATH"]
     os.environ["PATH"] = f"{tmp_path}:{old}"
     try:
-        with caplog.at_level("WARNING"):
-            assert job_end_time({"SLURM_JOB_ID": "4242"}, timeout=10) is None
+        end = job_end_time({"SLURM_JOB_ID": "4242"}, timeout=timeout)
     finally:
         os.environ["PATH"] = old
+    return end, (tmp_path / "calls").read_text().split()
+
+
+def test_an_unreachable_controller_is_asked_once_and_the_log_says_the_end_is_unknown(
+        tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        end, calls = _end_time_with(tmp_path, "echo 'slurm_load_jobs error: Unable to contact "
+                                              "slurm controller (connect failure)' >&2; exit 1",
+                                    timeout=10)
     # scontrol would have waited as long as squeue did: it is not asked.
-    assert (tmp_path / "calls").read_text().split() == ["squeue"]
+    assert end is None and calls == ["squeue"]
     assert "the allocation's end is unknown (slurm_load_jobs error: Unable to contact slurm " \
            "controller (connect failure))" in caplog.text
+
+
+def test_a_squeue_that_times_out_is_followed_by_scontrol_a_busy_controller_may_answer(
+        tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        end, calls = _end_time_with(tmp_path, "exec sleep 30", timeout=0.5)
+    assert end is None and calls == ["squeue", "scontrol"]
+    assert "the allocation's end is unknown (squeue did not answer within 0.5 s)" in caplog.text
 
 
 def test_clock_stops_once_time_left_is_below_save_plus_one_step_plus_margin():

@@ -8,8 +8,8 @@ time, exactly as if the warning signal had come.
 The end time is read once per attempt (a requeued job is a new process with a new end time):
 ``SLURM_JOB_END_TIME`` (epoch seconds; newer SLURM exports it), else ``squeue -h -j ID -o %e``,
 else ``scontrol show job`` — each call bounded by ``requeue.scontrol_timeout_s``, never per step;
-when squeue finds slurmctld silent, scontrol is not asked (it would wait as long), and the log
-says the end is unknown.
+when squeue could not reach slurmctld at all, scontrol is not asked (it would wait as long);
+when slurmctld did not answer, the log says the end is unknown.
 ``SLURM_JOB_END_TIME`` is honoured even outside a job, so a local run can be given an end time.
 
 Per step, ``RunClock.due`` is one comparison of ``time.monotonic()`` against a threshold that is
@@ -47,13 +47,13 @@ def _from_env(env: Mapping[str, str]) -> float | None:
     return value if value > 0 else None
 
 
-# What squeue says when slurmctld does not answer: scontrol would wait as long, for nothing.
-_NO_CONTROLLER = ("Unable to contact slurm controller", "Socket timed out",
-                  "Connection refused")
+# What squeue says when it could not reach slurmctld at all: scontrol would wait as long, for
+# nothing. A timeout is not that: a busy slurmctld may still answer scontrol's call.
+_NO_CONTROLLER = ("Unable to contact slurm controller", "Connection refused")
 
 
 def _squeue_end(job_id: str, timeout: float) -> tuple[float | None, str | None]:
-    """The end squeue gives, and why slurmctld itself did not answer (else None)."""
+    """The end squeue gives, and why slurmctld did not answer it (else None)."""
     try:
         res = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
                              text=True, timeout=timeout, stdin=subprocess.DEVNULL,
@@ -65,7 +65,7 @@ def _squeue_end(job_id: str, timeout: float) -> tuple[float | None, str | None]:
         return None, None
     if res.returncode != 0:
         said = (res.stderr or "").strip()
-        down = any(words in said for words in _NO_CONTROLLER)
+        down = any(words in said for words in _NO_CONTROLLER + ("Socket timed out",))
         return None, said.splitlines()[-1] if down else None
     lines = res.stdout.strip().splitlines()
     return (parse_slurm_time(lines[0].strip()) if lines else None), None
@@ -84,15 +84,16 @@ def job_end_time(environ: Mapping[str, str] | None = None, timeout: float = 10.0
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     end, down = _squeue_end(job_id, timeout)
-    if down is not None:
-        # Asking scontrol too would double the wait at every start of a rank, for nothing.
+    # Unreachable: asking scontrol too would double the wait at every start of a rank.
+    if end is None and not (down and any(w in down for w in _NO_CONTROLLER)):
+        info = show_job(job_id, timeout)
+        if info is not None:
+            down = None                  # slurmctld answered (a job without a limit has no end)
+            if info.get("TimeLimit") not in ("UNLIMITED", "Partition_Limit"):
+                end = parse_slurm_time(info.get("EndTime"))
+    if end is None and down is not None:
         log.warning("the allocation's end is unknown (%s): the run stops before its time "
                     "limit only on the warning signal (#SBATCH --signal)", down)
-        return None
-    if end is None:
-        info = show_job(job_id, timeout)
-        if info is not None and info.get("TimeLimit") not in ("UNLIMITED", "Partition_Limit"):
-            end = parse_slurm_time(info.get("EndTime"))
     return end
 
 
