@@ -67,28 +67,25 @@ def test_end_time_is_asked_of_squeue_once_when_the_environment_lacks_it(tmp_path
     assert (tmp_path / "calls").read_text().split() == ["-h", "-j", "4242", "-o", "%e"]
 
 
-def _end_time_with(tmp_path: Path, squeue: str, timeout: float) -> tuple[float | None, list[str]]:
+def _end_time_with(tmp_path: Path, monkeypatch, squeue: str,
+                   timeout: float) -> tuple[float | None, list[str]]:
     """``job_end_time`` with a fake squeue running ``squeue`` (shell) and a fake scontrol that
     fails; the end and the tools called, in order."""
     for tool, body in (("squeue", squeue), ("scontrol", "exit 1")):
         fake = tmp_path / tool
         fake.write_text(f"#!/bin/sh\necho {tool} >> \"$(dirname \"$0\")/calls\"\n{body}\n")
         fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    old = os.environ["PATH"]
-    os.environ["PATH"] = f"{tmp_path}:{old}"
-    try:
-        end = job_end_time({"SLURM_JOB_ID": "4242"}, timeout=timeout)
-    finally:
-        os.environ["PATH"] = old
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    end = job_end_time({"SLURM_JOB_ID": "4242"}, timeout=timeout)
     return end, (tmp_path / "calls").read_text().split()
 
 
 def test_an_unreachable_controller_is_asked_once_and_the_log_says_the_end_is_unknown(
-        tmp_path, caplog):
+        tmp_path, monkeypatch, caplog):
     with caplog.at_level("WARNING"):
-        end, calls = _end_time_with(tmp_path, "echo 'slurm_load_jobs error: Unable to contact "
-                                              "slurm controller (connect failure)' >&2; exit 1",
-                                    timeout=10)
+        end, calls = _end_time_with(
+            tmp_path, monkeypatch, "echo 'slurm_load_jobs error: Unable to contact slurm "
+                                   "controller (connect failure)' >&2; exit 1", timeout=10)
     # scontrol would have waited as long as squeue did: it is not asked.
     assert end is None and calls == ["squeue"]
     assert "the allocation's end is unknown (slurm_load_jobs error: Unable to contact slurm " \
@@ -96,9 +93,9 @@ def test_an_unreachable_controller_is_asked_once_and_the_log_says_the_end_is_unk
 
 
 def test_a_squeue_that_times_out_is_followed_by_scontrol_a_busy_controller_may_answer(
-        tmp_path, caplog):
+        tmp_path, monkeypatch, caplog):
     with caplog.at_level("WARNING"):
-        end, calls = _end_time_with(tmp_path, "exec sleep 30", timeout=0.5)
+        end, calls = _end_time_with(tmp_path, monkeypatch, "exec sleep 30", timeout=0.5)
     assert end is None and calls == ["squeue", "scontrol"]
     assert "the allocation's end is unknown (squeue did not answer within 0.5 s)" in caplog.text
 

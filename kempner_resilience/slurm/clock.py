@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import time
 from typing import Mapping
 
 from kempner_resilience.core.log import get_logger
-from kempner_resilience.slurm.scontrol import parse_slurm_time, show_job
+from kempner_resilience.slurm.scontrol import (ScontrolResult, parse_slurm_time, run_scontrol,
+                                               show_job)
 
 __all__ = ["RunClock", "job_end_time", "END_TIME_ENV"]
 
@@ -47,28 +47,11 @@ def _from_env(env: Mapping[str, str]) -> float | None:
     return value if value > 0 else None
 
 
-# What squeue says when it could not reach slurmctld at all: scontrol would wait as long, for
-# nothing. A timeout is not that: a busy slurmctld may still answer scontrol's call.
-_NO_CONTROLLER = ("Unable to contact slurm controller", "Connection refused")
-
-
-def _squeue_end(job_id: str, timeout: float) -> tuple[float | None, str | None]:
-    """The end squeue gives, and why slurmctld did not answer it (else None)."""
-    try:
-        res = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True,
-                             text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return None, f"squeue did not answer within {timeout:g} s"
-    except (OSError, subprocess.SubprocessError) as e:
-        log.debug("squeue for the end time failed: %s", e)
-        return None, None
-    if res.returncode != 0:
-        said = (res.stderr or "").strip()
-        down = any(words in said for words in _NO_CONTROLLER + ("Socket timed out",))
-        return None, said.splitlines()[-1] if down else None
-    lines = res.stdout.strip().splitlines()
-    return (parse_slurm_time(lines[0].strip()) if lines else None), None
+def _squeue_end(job_id: str, timeout: float) -> tuple[float | None, ScontrolResult]:
+    """The end squeue gives, and its call (whether slurmctld answered it)."""
+    res = run_scontrol(["-h", "-j", job_id, "-o", "%e"], timeout, tool="squeue")
+    lines = res.stdout.strip().splitlines() if res.ok else []
+    return (parse_slurm_time(lines[0].strip()) if lines else None), res
 
 
 def job_end_time(environ: Mapping[str, str] | None = None, timeout: float = 10.0) -> float | None:
@@ -83,17 +66,21 @@ def job_end_time(environ: Mapping[str, str] | None = None, timeout: float = 10.0
         return None
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    end, down = _squeue_end(job_id, timeout)
-    # Unreachable: asking scontrol too would double the wait at every start of a rank.
-    if end is None and not (down and any(w in down for w in _NO_CONTROLLER)):
+    end, asked = _squeue_end(job_id, timeout)
+    silent = asked.unanswered
+    # Unreachable: asking scontrol too would double the wait at every start of a rank. A
+    # timeout is not that: a busy slurmctld may still answer scontrol's call.
+    if end is None and not asked.unreachable:
         info = show_job(job_id, timeout)
         if info is not None:
-            down = None                  # slurmctld answered (a job without a limit has no end)
+            silent = False               # slurmctld answered (a job without a limit has no end)
             if info.get("TimeLimit") not in ("UNLIMITED", "Partition_Limit"):
                 end = parse_slurm_time(info.get("EndTime"))
-    if end is None and down is not None:
+    if end is None and silent:
+        why = f"squeue did not answer within {timeout:g} s" if asked.timed_out \
+            else asked.stderr.strip().splitlines()[-1]
         log.warning("the allocation's end is unknown (%s): the run stops before its time "
-                    "limit only on the warning signal (#SBATCH --signal)", down)
+                    "limit only on the warning signal (#SBATCH --signal)", why)
     return end
 
 

@@ -24,6 +24,10 @@ __all__ = ["ScontrolResult", "run_scontrol", "show_job", "parse_show_job", "pars
 _log = get_logger(__name__)
 
 
+# What a SLURM client prints when it could not reach slurmctld at all.
+_NO_CONTROLLER = ("Unable to contact slurm controller", "Connection refused")
+
+
 @dataclass(frozen=True)
 class ScontrolResult:
     """Outcome of one ``scontrol`` call.
@@ -44,11 +48,23 @@ class ScontrolResult:
     def ok(self) -> bool:
         return self.returncode == 0
 
+    @property
+    def unreachable(self) -> bool:
+        """The client could not reach slurmctld at all: another call now fails the same way."""
+        return self.returncode not in (0, None) and any(w in self.stderr for w in _NO_CONTROLLER)
+
+    @property
+    def unanswered(self) -> bool:
+        """slurmctld did not answer: unreachable, or too slow (the time limit, or the client's
+        own socket timeout), unlike a call it answered with an error."""
+        return self.timed_out or self.unreachable or \
+            (self.returncode not in (0, None) and "Socket timed out" in self.stderr)
+
     def describe(self) -> str:
         """One line saying what went wrong (or ``ok``), for logs and error messages."""
         cmd = " ".join(self.args)
         if self.missing:
-            return f"`{cmd}`: scontrol not found on PATH"
+            return f"`{cmd}`: {self.args[0]} not found on PATH"
         if self.timed_out:
             return f"`{cmd}`: no answer within {self.seconds:.1f}s (slurmctld slow or unreachable)"
         if self.returncode == 0:
@@ -70,16 +86,17 @@ _SHIELD_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
 
 def run_scontrol(args: list[str] | tuple[str, ...], timeout: float = 10.0, *,
                  environ: Mapping[str, str] | None = None,
-                 shield: bool = False) -> ScontrolResult:
+                 shield: bool = False, tool: str = "scontrol") -> ScontrolResult:
     """Run ``scontrol *args`` with a time limit; never raises for a missing binary or a hang.
+    ``tool``: another SLURM client (``squeue``), called the same way.
 
     ``shield``: the call survives the job's own SIGTERM (a call made right after ``scontrol
     requeue``, which makes slurmstepd signal every process of the job a few ms later): the
     child starts with those signals blocked (inherited from this thread's mask over fork and
     exec, so there is no window) and ignores them (``trap ''`` before exec). SIGKILL, after
     KillWait, still ends it; the time limit stays."""
-    exe = find_scontrol(environ)
-    full = ("scontrol", *args)
+    exe = find_scontrol(environ, tool)
+    full = (tool, *args)
     if exe is None:
         return ScontrolResult(full, None, missing=True)
     argv = [exe, *args]
