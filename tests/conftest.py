@@ -22,6 +22,11 @@ os.environ.setdefault("KEMPNER_RESILIENCE_WARM", "1")
 # thread counts sets its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Ray starts one Python worker per CPU without a runtime environment when its first driver
+# connects; the suite's Ray jobs run theirs in a warm one (krr.warm_runtime_env), so those
+# workers only cost their start (about 1 s of CPU per Ray instance here).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+
 # The non-SLURM shard also keeps one standby for all its launches (supervise/local/standby.py):
 # a launch then forks its ranks at once, where its own zygote would import torch first (2-3 s
 # of CPU, hundreds of times). A launch whose ranks would import torch with other values
@@ -29,6 +34,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # too (helpers.spawn_script, run_script). Not in the SLURM shard: a job's launcher must not
 # reach a process outside its allocation.
 _standby: "subprocess.Popen[bytes] | None" = None
+
+# The trainer adapters' ranks import transformers' Trainer or Lightning (1.6-1.8 s of CPU each
+# rank): the standby imports them once (warm.IMPORTS_ENV). Set empty, it imports torch alone.
+# The Hugging Face variables the trainer tests' ranks run with are the whole suite's, so the
+# standby, which imported transformers with them, fits those ranks.
+_STANDBY_IMPORTS = ("transformers.trainer", "pytorch_lightning")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -39,8 +52,15 @@ def pytest_configure(config: pytest.Config) -> None:
             or os.environ.get(standby.STANDBY_ENV):
         return
     name = f"kempner-resilience-test-standby-{os.getpid()}"
+    imports = os.environ.get(warm.IMPORTS_ENV)
+    if imports is None:
+        import importlib.util
+
+        imports = ",".join(m for m in _STANDBY_IMPORTS
+                           if importlib.util.find_spec(m.partition(".")[0]) is not None)
     # It ends with this session even when pytest is killed (no unconfigure then).
-    _standby = standby.start(name, os.environ, die_with_caller=True)
+    _standby = standby.start(name, {**os.environ, warm.IMPORTS_ENV: imports},
+                             die_with_caller=True)
     os.environ[standby.STANDBY_ENV] = name
 
 

@@ -156,3 +156,54 @@ def test_a_ray_drivers_workers_fork_from_the_machines_standby(node_standby, tmp_
     assert driver.returncode == 0, driver.stderr[-3000:]
     assert f"PARENT {node_standby.pid}\n" in driver.stdout, driver.stdout[-3000:]
     assert node_standby.poll() is None
+
+
+# A rank that says which modules were imported before its first line, and what the
+# environment holds that a module's import may have set.
+IMPORTED = """
+import os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, f"seen.{os.environ['RANK']}"), "w") as f:
+    f.write(" ".join([str(os.getppid()), str("wave" in sys.modules),
+                      str("kr_probe" in sys.modules), os.environ.get("KR_PROBE_SET", "-")]))
+"""
+
+
+def _seen(tmp_path: Path) -> list[list[str]]:
+    return [(tmp_path / f"seen.{r}").read_text().split() for r in (0, 1)]
+
+
+def test_a_launch_naming_imports_the_standby_lacks_forks_from_a_zygote_that_imported_them(
+        node_standby, tmp_path):
+    script = write_script(tmp_path, IMPORTED)
+    assert _launch(script, tmp_path, KEMPNER_RESILIENCE_WARM_IMPORTS="wave") == 0
+    seen = _seen(tmp_path)
+    assert {ppid for ppid, *_ in seen} != {str(node_standby.pid)}       # a zygote of its own
+    assert [wave for _, wave, _, _ in seen] == ["True", "True"]
+
+
+def test_what_a_named_import_puts_in_the_environment_is_in_each_warm_rank(node_standby,
+                                                                          tmp_path):
+    # As a cold rank's own import would have put it there.
+    (tmp_path / "kr_probe.py").write_text('import os\nos.environ["KR_PROBE_SET"] = "by-import"\n')
+    script = write_script(tmp_path, IMPORTED)
+    assert _launch(script, tmp_path, KEMPNER_RESILIENCE_WARM_IMPORTS="kr_probe",
+                   PYTHONPATH=str(tmp_path)) == 0
+    assert [seen[2:] for seen in _seen(tmp_path)] == [["True", "by-import"]] * 2
+
+
+def test_a_standby_whose_named_imports_read_other_variables_is_not_used(monkeypatch, tmp_path):
+    # It imported ``wave`` with WAVE_* unset: a rank with one set must not inherit that import.
+    name = f"kr-standby-test-{os.getpid()}-{time.monotonic_ns()}"
+    proc = standby.start(name, {**os.environ, "KEMPNER_RESILIENCE_WARM_IMPORTS": "wave"})
+    monkeypatch.setenv(standby.STANDBY_ENV, name)
+    monkeypatch.setenv("KEMPNER_RESILIENCE_WARM", "1")
+    try:
+        script = write_script(tmp_path, IMPORTED)
+        assert _launch(script, tmp_path) == 0
+        assert {ppid for ppid, *_ in _seen(tmp_path)} == {str(proc.pid)}
+        assert _launch(script, tmp_path, WAVE_MODE="other") == 0
+        assert {ppid for ppid, *_ in _seen(tmp_path)} != {str(proc.pid)}
+    finally:
+        proc.kill()
+        proc.wait()

@@ -38,6 +38,11 @@ _AT_IMPORT = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVI
 _AFTER_IMPORT = frozenset({"OMP_NUM_THREADS", "PYTORCH_NVML_BASED_CUDA_CHECK",
                            "TORCHINDUCTOR_CACHE_DIR", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
 _AFTER_IMPORT_PREFIXES = ("TORCHELASTIC_",)
+# What the frameworks a standby may also import (``warm.IMPORTS_ENV``) read at import; any other
+# module is taken to read its own name's variables (``ACCELERATE_*`` for accelerate).
+_READ_BY = {"transformers": ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "USE_TORCH",
+                             "USE_TF", "USE_FLAX", "USE_JAX"),
+            "pytorch_lightning": ("PL_", "LIGHTNING_"), "lightning": ("PL_", "LIGHTNING_")}
 
 
 class NodeStandby(Forker):
@@ -84,9 +89,17 @@ def _unfit(name: str, env: Mapping[str, str]) -> str | None:
     # live outside the allocation (no --signal, no cgroup, no cleanup by slurmd).
     if theirs.get("SLURM_JOB_ID") != env.get("SLURM_JOB_ID"):
         return "it is not in this SLURM job"
-    mine, its = _at_import(env), _at_import(theirs)
+    imported = warm.warm_imports(theirs)
+    missing = [name for name in warm.warm_imports(env) if name not in imported]
+    if missing:
+        return f"it did not import {', '.join(missing)}"
+    read = tuple(p for name in imported
+                 for p in _READ_BY.get(name.partition(".")[0],
+                                       (name.partition(".")[0].upper() + "_",)))
+    mine, its = _at_import(env, read), _at_import(theirs, read)
     differ = sorted(k for k in {*mine, *its} if mine.get(k) != its.get(k))
-    return f"it imported torch with other {', '.join(differ)}" if differ else None
+    what = ", ".join(("torch", *imported))
+    return f"it imported {what} with other {', '.join(differ)}" if differ else None
 
 
 def start(name: str, env: Mapping[str, str], *, die_with_caller: bool = False
@@ -105,7 +118,8 @@ def standby_or_zygote(env: dict[str, str], *, ignore: Sequence[int] = (),
     return NodeStandby.for_env(env) or Zygote(env, ignore=ignore, death_signal=death_signal)
 
 
-def _at_import(env: Mapping[str, str]) -> dict[str, str]:
-    """What of ``env`` torch or Python may read before a rank's own code runs."""
-    return {k: v for k, v in env.items() if k.startswith(_AT_IMPORT) and k not in _AFTER_IMPORT
-            and not k.startswith(_AFTER_IMPORT_PREFIXES)}
+def _at_import(env: Mapping[str, str], read: tuple[str, ...] = ()) -> dict[str, str]:
+    """What of ``env`` torch, Python or the standby's other imports (their variables: ``read``)
+    may read before a rank's own code runs."""
+    return {k: v for k, v in env.items() if k.startswith(_AT_IMPORT + read)
+            and k not in _AFTER_IMPORT and not k.startswith(_AFTER_IMPORT_PREFIXES)}
