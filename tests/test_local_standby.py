@@ -207,3 +207,19 @@ def test_a_standby_whose_named_imports_read_other_variables_is_not_used(monkeypa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_named_import_that_starts_a_thread_is_never_forked_and_the_ranks_start_cold(
+        node_standby, tmp_path, caplog):
+    # A fork copies only the forking thread: the module's own thread would be missing in
+    # every rank, so the process that imported it refuses to fork. faulthandler's timer is a
+    # native thread, which Python's threading module does not count.
+    (tmp_path / "kr_probe.py").write_text(
+        "import faulthandler\nfaulthandler.dump_traceback_later(600)\n")
+    # A forked rank would wait at its exit for the timer thread it lacks: it leaves at once.
+    script = write_script(tmp_path, IMPORTED + "os._exit(0)\n")
+    with caplog.at_level("WARNING"):
+        assert _launch(script, tmp_path, KEMPNER_RESILIENCE_WARM_IMPORTS="kr_probe",
+                       PYTHONPATH=str(tmp_path)) == 0
+    assert [seen[0] for seen in _seen(tmp_path)] == [str(os.getpid())] * 2   # the launcher's
+    assert "starting the ranks cold" in caplog.text and "threads" in caplog.text

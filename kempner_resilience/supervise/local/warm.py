@@ -111,18 +111,22 @@ def _threads() -> int:
 
 def pristine(threads: int = 1) -> str | None:
     """None when this process may be a zygote (it never ran a rank's code); else why not.
-    ``threads``: its count after the imports (``import torch`` starts a native one)."""
+    ``threads``: its count after torch's imports (``import torch`` starts a native one)."""
     if any(m == _PACKAGE or m.startswith(_PACKAGE + ".") for m in sys.modules):
         return f"it imported {_PACKAGE}, where a training step runs"
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return "it holds a process group"
+    # A forked CUDA context is unusable in the child; an import may have made one.
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is not None and cuda.is_initialized():
+        return "it initialised CUDA"
     import __main__
 
     if os.path.abspath(getattr(__main__, "__file__", None) or "") != os.path.abspath(__file__):
         return "a script of its own ran as __main__"
     if threading.active_count() != 1 or _threads() > threads:
-        return f"it runs {_threads()} threads, {threads} after its imports"
+        return f"it runs {_threads()} threads, {threads} after torch's imports"
     return None
 
 
@@ -315,6 +319,9 @@ def _prepare(options: dict[str, Any]) -> int:
     before = dict(os.environ)
     for name in options.get("preload", PRELOAD):
         __import__(name)
+    # Counted before the user's imports: one that starts a thread (which a fork would not
+    # copy) makes this process refuse to fork, and the ranks start cold.
+    threads = _threads()
     for name in warm_imports(os.environ):
         # A module that does not import here is the rank's to import, and to fail on with its
         # own traceback (the launcher named it in the log already).
@@ -325,7 +332,7 @@ def _prepare(options: dict[str, Any]) -> int:
     # copy every page they live on (a rank's exit collection took 2.4 s here).
     gc.collect()
     gc.freeze()
-    return _threads()
+    return threads
 
 
 def _reaped() -> list[tuple[int, int]] | None:
