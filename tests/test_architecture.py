@@ -64,6 +64,8 @@ SYS_MODULES_ALLOWED = {
                                 "where a step runs (what it loaded is the point)",
     ("supervise.local.warm", "torch.distributed"): "the zygote's own check that it holds no "
                                                 "process group; a zygote may preload no torch",
+    ("supervise.local.warm", "torch.cuda"): "the zygote's own check that no import initialised "
+                                         "CUDA; a zygote may preload no torch",
 }
 # The run.py rewrite (issue 12, shutdown/) removes run.py's "pytest"/"ipykernel" checks; until
 # it is merged into this branch, they are the only sniffing tolerated.

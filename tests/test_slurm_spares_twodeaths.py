@@ -11,6 +11,12 @@ bitwise equal to an uninterrupted run.
 Four nodes because two exclusions on the usual 3 leave 1, fewer than the 2 the training needs:
 this module restarts the shared multi-node cluster with ``KR_MN_NODES=4`` and gives it back
 with its usual size afterwards.
+
+With production's SlurmdTimeout (300 s): the package, not SLURM, notices the deaths. With 5 s,
+SLURM sometimes took the first dead node out of the job (a resize, before the test brought it
+back) just before the second requeue; slurmctld 22.05 without accounting then refuses every
+update of the job ("the DB index is being set"), the exclusion and the release of its
+requeue hold included, and the job stayed held.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ STEPS, EVERY = 130, 50
 STEP_TIME = 0.05
 
 
-def _start(nodes: str | None) -> None:
+def _start(nodes: str | None, slurmd_timeout: int | None = None) -> None:
     env = dict(os.environ)
     env.pop("KR_MN_NODES", None)
     if nodes is not None:
         env["KR_MN_NODES"] = nodes
+    if slurmd_timeout is not None:
+        env["KR_MN_SLURMD_TIMEOUT"] = str(slurmd_timeout)
     res = subprocess.run(["bash", str(MULTINODE_SCRIPT), "start"], capture_output=True,
                          text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -51,9 +59,9 @@ def _start(nodes: str | None) -> None:
 
 @pytest.fixture(scope="module")
 def four_nodes(multinode_cluster) -> MultiNodeCluster:
-    """The shared multi-node cluster grown to 4 nodes for this module (a changed config
-    restarts its daemons), then back to its usual size."""
-    _start("4")
+    """The shared multi-node cluster grown to 4 nodes for this module, with SlurmdTimeout=300
+    (a changed config restarts its daemons), then back to its usual size and timeout."""
+    _start("4", slurmd_timeout=300)
     try:
         yield MultiNodeCluster(multinode_cluster.script, multinode_cluster.conf,
                                tuple(f"krnode{k}" for k in range(1, 5)), 0.0, False)
