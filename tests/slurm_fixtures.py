@@ -316,12 +316,16 @@ def multinode_jobs(multinode_cluster):
         multinode_cluster.restart_node(node)
 
 
-def _cluster_with(slurmd_timeout: int) -> None:
-    """(Re)start the multi-node cluster's daemons with this SlurmdTimeout (a changed config
-    restarts them)."""
-    env = dict(os.environ, KR_MN_SLURMD_TIMEOUT=str(slurmd_timeout))
+def cluster_with(slurmd_timeout: int | None = None, nodes: int | None = None) -> None:
+    """(Re)start the multi-node cluster's daemons with this SlurmdTimeout and node count (a
+    changed config restarts them); None: the suite's own (``KR_MN_*``, else the script's)."""
+    env = dict(os.environ)
+    if slurmd_timeout is not None:
+        env["KR_MN_SLURMD_TIMEOUT"] = str(slurmd_timeout)
+    if nodes is not None:
+        env["KR_MN_NODES"] = str(nodes)
     res = subprocess.run(["bash", str(MULTINODE_SCRIPT), "start"], capture_output=True,
-                         text=True, timeout=180, env=env, stdin=subprocess.DEVNULL)
+                         text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stderr[-2000:]
 
 
@@ -329,9 +333,9 @@ def _cluster_with(slurmd_timeout: int) -> None:
 def slow_death(multinode_cluster):
     """The multi-node cluster with production's SlurmdTimeout=300: a dead node stays "up" for
     SLURM for five minutes. The default (5 s) comes back afterwards."""
-    _cluster_with(300)
+    cluster_with(300)
     yield multinode_cluster
-    _cluster_with(5)
+    cluster_with(5)
 
 
 def submit(script: str | os.PathLike[str], *args: str, cwd: str | os.PathLike[str] | None = None,

@@ -21,7 +21,6 @@ requeue hold included, and the job stayed held.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import subprocess
@@ -35,7 +34,7 @@ from kempner_resilience.demo.compare import compare_weights
 from kempner_resilience.demo.slurm_demo import DemoJob, wait_until, write_job
 from kempner_resilience.slurm.badnodes import bad_nodes
 from kempner_resilience.slurm.env import expand_hostlist
-from slurm_fixtures import MULTINODE_SCRIPT, MultiNodeCluster, multinode_cluster  # noqa: F401
+from slurm_fixtures import MultiNodeCluster, cluster_with, multinode_cluster  # noqa: F401
 from kempner_resilience.core.runpaths import RunPaths
 
 pytestmark = [pytest.mark.slurm]
@@ -45,28 +44,16 @@ STEPS, EVERY = 130, 50
 STEP_TIME = 0.05
 
 
-def _start(nodes: str | None, slurmd_timeout: int | None = None) -> None:
-    env = dict(os.environ)
-    env.pop("KR_MN_NODES", None)
-    if nodes is not None:
-        env["KR_MN_NODES"] = nodes
-    if slurmd_timeout is not None:
-        env["KR_MN_SLURMD_TIMEOUT"] = str(slurmd_timeout)
-    res = subprocess.run(["bash", str(MULTINODE_SCRIPT), "start"], capture_output=True,
-                         text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
-    assert res.returncode == 0, res.stderr[-2000:]
-
-
 @pytest.fixture(scope="module")
 def four_nodes(multinode_cluster) -> MultiNodeCluster:
     """The shared multi-node cluster grown to 4 nodes for this module, with SlurmdTimeout=300
     (a changed config restarts its daemons), then back to its usual size and timeout."""
-    _start("4", slurmd_timeout=300)
+    cluster_with(300, nodes=4)
     try:
         yield MultiNodeCluster(multinode_cluster.script, multinode_cluster.conf,
                                tuple(f"krnode{k}" for k in range(1, 5)), 0.0, False)
     finally:
-        _start(os.environ.get("KR_MN_NODES"))
+        cluster_with()
 
 
 @pytest.fixture(scope="module")
