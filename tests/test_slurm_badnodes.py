@@ -107,3 +107,64 @@ def test_a_job_with_a_spare_gives_it_up_rather_than_pend_forever_on_too_few_good
     runs = (tmp_path / "runs").read_text().splitlines()
     assert len(runs) == 2 and "krnode1" in expand_hostlist(runs[0].split()[-1])
     assert expand_hostlist(runs[1].split()[-1]) == ["krnode2", "krnode3"], runs
+
+
+_REQUEUE_RESIZED = r'''
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *a: None)   # as ResilientRun's handler: record, go on
+from kempner_resilience.slurm.badnodes import requeue_excluding
+r = requeue_excluding(sys.argv[1], [sys.argv[2]])
+open(sys.argv[3], "w").write(f"{r.returncode if r else None}")
+'''
+
+
+def test_a_job_slurm_shrank_after_its_node_went_down_is_requeued_not_left_held(
+        multinode_cluster, tmp_path):
+    # A --no-kill job whose node goes down keeps running on the rest: SLURM resizes it, and
+    # slurmctld 22.05 without accounting then refuses every update of it for as long as it runs
+    # ("the DB index is being set"), a release included. A requeue that held the job for its
+    # exclusion would leave it held for good; it must run again.
+    import sys
+    from pathlib import Path
+
+    from slurm_fixtures import job_info, submit, wait_for, wait_job
+
+    (tmp_path / "req.py").write_text(_REQUEUE_RESIZED)
+    root = Path(__file__).resolve().parents[1]
+    script = (f"#!/bin/bash\n#SBATCH -N 2 --no-kill --requeue -o {tmp_path}/job.out\n"
+              f'echo "${{SLURM_RESTART_COUNT:-0}} $SLURM_JOB_NODELIST" >> {tmp_path}/runs\n'
+              f'[ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] || exit 0\n'
+              "srun --ntasks-per-node=1 sleep 120 &\n"
+              "until scontrol show -o job $SLURM_JOB_ID | grep -q ResizeTime=; do sleep 0.2; done\n"
+              f"cd {root} && PYTHONPATH={root} {sys.executable} {tmp_path}/req.py "
+              f"$SLURM_JOB_ID $(cat {tmp_path}/down) {tmp_path}/requeue.txt 2> {tmp_path}/req.err\n"
+              "sleep 120\n")
+    job = submit(script, cwd=tmp_path, env=multinode_cluster.env)
+    info = wait_job(job, {"RUNNING"}, timeout=60, env=multinode_cluster.env)
+    down = expand_hostlist(info["NodeList"])[1]
+    (tmp_path / "down").write_text(down)
+    scontrol = ["scontrol", "update", f"NodeName={down}"]
+    try:
+        subprocess.run([*scontrol, "State=DOWN", "Reason=kr-test"], check=True, timeout=15,
+                       env=multinode_cluster.env)
+        seen = set()                 # every (state, reason) the job shows until it ends
+        done = wait_for(lambda: _until_ended(job, multinode_cluster, seen), 90,
+                        what=f"job {job} ended")
+    finally:
+        if job_info(job, multinode_cluster.env).get("JobState") not in (None, "COMPLETED"):
+            subprocess.run(["scancel", job], timeout=15, env=multinode_cluster.env)
+        subprocess.run([*scontrol, "State=RESUME"], timeout=15, env=multinode_cluster.env)
+        wait_for(lambda: _state(multinode_cluster, down) == "idle", 30, what=f"{down} idle")
+
+    assert done["JobState"] == "COMPLETED" and done["Restarts"] == "1", \
+        (tmp_path / "req.err").read_text()[-3000:]
+    assert not [r for r in seen if "held" in r[1].lower()], seen
+    runs = (tmp_path / "runs").read_text().splitlines()
+    assert len(runs) == 2, runs
+
+
+def _until_ended(job: str, cluster, seen: set) -> dict | None:
+    from slurm_fixtures import job_info
+    info = job_info(job, cluster.env)
+    seen.add((info.get("JobState"), info.get("Reason", "")))
+    return info if info.get("JobState") in ("COMPLETED", "FAILED") else None

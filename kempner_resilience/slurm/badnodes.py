@@ -163,7 +163,8 @@ def exclude_for_requeue(job_id: str, nodes: set[str] | Iterable[str], *,
     if not wanted:
         return None
     call: Scontrol = scontrol or _shielded_scontrol
-    args = _plan(job_id, wanted, call, timeout, current, min_nodes)
+    job = {"ExcNodeList": current} if current is not None else _show(job_id, call, timeout)
+    args = _plan(job_id, wanted, call, timeout, job, min_nodes)
     if isinstance(args, ScontrolResult):
         return args
     return _report(job_id, wanted, call(args, timeout))
@@ -182,14 +183,22 @@ def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.
     node (``--overlap``): a step's processes get SIGTERM, which they ignore, and SIGKILL only
     ``KillWait`` later. The job's exclusions and partition are read first (a running job's can
     be read). None when there is nothing to exclude or no srun (the caller requeues as usual);
-    else the step's result: exit 3 when the requeue failed, else the update's."""
+    else the step's result: exit 3 when the requeue failed, else the update's.
+
+    A job SLURM has shrunk (``--no-kill``: a node of it went down, ``ResizeTime`` shown) is
+    requeued plainly, never held: slurmctld 22.05 without accounting refuses every update of
+    such a job ("the DB index is being set"; measured: until the requeue) and the release of a
+    hold could be refused with it, leaving the job held for good. Its dead node is DOWN, so the
+    scheduler does not place it there meanwhile; the exclusion follows the requeue."""
     wanted = {n for n in nodes if n}
     srun = find_scontrol(name="srun")
     exe = find_scontrol()
     if not wanted or srun is None or exe is None:
         return None
-    args = _plan(job_id, wanted, _shielded_scontrol, timeout, None, min_nodes)
+    job = _show(job_id, _shielded_scontrol, timeout)
+    args = _plan(job_id, wanted, _shielded_scontrol, timeout, job, min_nodes)
     update = [] if isinstance(args, ScontrolResult) else args
+    resized = job.get("ResizeTime", "None") not in ("", "None", "0", "Unknown")
     host = node_name()
     # requeuehold, update, release: a job requeued plainly is pending at once, and the
     # scheduler may start it before the update lands, on the very node it must leave (seen on
@@ -198,17 +207,21 @@ def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.
     # held, said with its fix below). A requeuehold that fails (exit 3) leaves the caller's
     # usual path: a plain requeue, then the update.
     # The step is SIGKILLed KillWait after the requeuehold, so the release must come before
-    # then whatever the update does: the update gets at most _UPDATE_S. slurmctld 22.05 made an
-    # update of a job that had lost a node (--no-kill: "resizing") wait 5 s for its accounting
-    # record and then refuse it; the step died in that wait and the job stayed held for good.
-    # The release is tried again briefly when refused.
+    # then whatever the update does: the update gets at most _UPDATE_S, and a refused release
+    # is tried again briefly. A resized job is never held (see above): requeue, then the
+    # update until it lands or KillWait ends the step.
     script = ('s=$0; j=$1; shift; trap "" TERM INT HUP USR1 USR2; '
               '[ $# = 0 ] && exec "$s" requeue "$j"; '
+              + ('"$s" requeue "$j" || exit 3; exec "$s" "$@"' if resized else
               '"$s" requeuehold "$j" || exit 3; '
               f'timeout -s KILL {_UPDATE_S:g} "$s" "$@"; u=$?; '
               '[ $u = 0 ] || echo "kempner-resilience: scontrol update of job $j failed (exit '
               '$u): released without its node exclusion" >&2; '
-              'for i in 1 2 3; do "$s" release "$j" && exit $u; sleep 0.3; done; exit 4')
+              'for i in 1 2 3; do "$s" release "$j" && exit $u; sleep 0.3; done; exit 4'))
+    if resized:
+        _log.warning("job %s lost a node while running (SLURM shrank it); requeueing it without "
+                     "a hold, so the exclusion of %s lands only if SLURM accepts it in time",
+                     job_id, ",".join(sorted(wanted)))
     cmd = [srun, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={host}",
            "--job-name=kr-requeue", "--kill-on-bad-exit=0", "/bin/sh", "-c", script, exe,
            str(job_id), *update]
@@ -231,17 +244,18 @@ def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.
     return res
 
 
-def _plan(job_id: str, wanted: set[str], call: Scontrol, timeout: float, current: str | None,
+def _show(job_id: str, call: Scontrol, timeout: float) -> dict[str, str]:
+    """``scontrol show job`` as a dict; {} when it cannot be read."""
+    shown = call(["show", "-o", "job", str(job_id)], timeout)
+    jobs = parse_show_job(shown.stdout) if shown.ok else []
+    return jobs[0] if jobs else {}
+
+
+def _plan(job_id: str, wanted: set[str], call: Scontrol, timeout: float, job: dict[str, str],
           min_nodes: int | None) -> list[str] | ScontrolResult:
-    """The update's arguments, or the failed result saying why none is made."""
-    job: dict[str, str] = {}
-    if current is None:
-        shown = call(["show", "-o", "job", str(job_id)], timeout)
-        if shown.ok:
-            jobs = parse_show_job(shown.stdout)
-            job = jobs[0] if jobs else {}
-            current = job.get("ExcNodeList")
-    value = merged_exclusions(current, wanted)
+    """The update's arguments (``job``: the job as shown), or the failed result saying why
+    none is made."""
+    value = merged_exclusions(job.get("ExcNodeList"), wanted)
     args = ["update", f"JobId={job_id}", f"ExcNodeList={value}"]
     room = _room(job, value, call, timeout)
     if room is not None and room[0] < room[1]:
