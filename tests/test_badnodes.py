@@ -103,6 +103,16 @@ def test_a_refused_exclusion_is_logged_with_the_fix_and_does_not_raise(fake_scon
     assert "ExcNodeList" in caplog.text and "--exclude" in caplog.text
 
 
+def test_an_exclusion_refused_for_a_job_that_lost_a_node_says_why_and_what_still_holds(
+        fake_scontrol, caplog):
+    fake_scontrol('[ "$1" = show ] && exit 1; echo "Job update not available right now, the DB '
+                  'index is being set, try again in a bit for job 42" >&2; exit 1')
+    res = exclude_for_requeue("42", {"n2"})
+    assert res is not None and not res.ok
+    assert "lost a node under --no-kill" in caplog.text
+    assert "requeue and the checkpoint stand" in caplog.text
+
+
 def test_nothing_to_exclude_calls_no_scontrol(fake_scontrol):
     calls = fake_scontrol("exit 0")
     assert exclude_for_requeue("42", set()) is None

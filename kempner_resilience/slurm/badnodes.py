@@ -287,6 +287,10 @@ def _report(job_id: str, wanted: set[str], res: ScontrolResult) -> ScontrolResul
         if "not pending" in text or "no longer pending" in text:
             fix = ("the job was not pending: exclusions can only change after `scontrol "
                    "requeue` (a bug if you see this after one)")
+        elif "db index" in text:
+            fix = ("SLURM refuses updates of a job that lost a node under --no-kill until it "
+                   "is requeued (22.05 without accounting); the in-job relaunches still keep off "
+                   "the node(s), and `sbatch --exclude=...` does on a resubmission")
         elif "access" in text or "permission" in text or "not authorized" in text:
             fix = ("the site does not let users update their jobs' ExcNodeList; ask the admins "
                    "to drain the node(s), or resubmit with `sbatch --exclude=...`")
