@@ -91,7 +91,7 @@ def _ceil_pow2(n: int) -> int:
 
 def chunk_layout(cap_bytes: int, threads: int, state_bytes: int) -> tuple[int, int]:
     """(slots, chunk bytes) for ``threads`` I/O threads within ``cap_bytes``: one slot of two
-    chunks per thread, chunks a power of two, at most 64 MiB, no larger than a thread's share
+    chunks per thread, chunks a power of two, at most 8 MiB, no larger than a thread's share
     of the state needs (but at least 4 MiB when the cap allows). Below 8 KiB per slot, fewer
     slots (threads without one save as without staging); never less than one slot of 4 KiB
     chunks (8 KiB in all, whatever the cap)."""
@@ -288,7 +288,7 @@ class HostStaging:
         return [c.buf.data_ptr() for s in self.slots for c in s.chunks]
 
     def describe(self) -> str:
-        """``pinned, 0.50 GiB host buffers (4 x 2 x 64 MiB)``."""
+        """``pinned, 0.06 GiB host buffers (4 x 2 x 8 MiB)``."""
         return (f"{self.mode.value}, {self.nbytes / 2**30:.2f} GiB host buffers "
                 f"({len(self.slots)} x 2 x {self._size(self.chunk_bytes)})")
 

@@ -59,8 +59,8 @@ def _setup(p: argparse.ArgumentParser) -> None:
     _wrapper_args(p)
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER, metavar="TORCHRUN_ARGS",
                    help="torchrun's own arguments, then the training script and its arguments")
-    p.epilog = ("The exit status is the workers' (the lowest rank's non-zero code; 75 when the "
-                "job was requeued). Run one per node: `srun --ntasks-per-node=1 "
+    p.epilog = ("The exit status is the job's code from the workers' endings (a rank's own "
+                "code before its peers' 81; 75 when the job was requeued). Run one per node: `srun --ntasks-per-node=1 "
                 "kempner-resilience torchrun --nnodes=$SLURM_NNODES ...` (template "
                 "multi_node_torchrun).")
 
