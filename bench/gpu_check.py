@@ -14,6 +14,7 @@ Prints, each with PASS/FAIL:
    c. ``run.should_stop()`` with NCCL as the default group (both ranks exit 75 in the same
       eval batch; the package must run no collective of its own on NCCL),
    d. a hang inside ``torch.cuda.synchronize()`` (a kernel that spins for hours): exit 42;
+   e. a warm launch: 2 ranks forked from a process that imported torch init CUDA and NCCL;
 4. the save/load figures: ``bench/checkpoint_bench.py --cuda`` (4 and 12 GiB of CUDA state) and
    the CPU emergency save vs ``dd`` (``--emergency-only``), with the issue's targets.
 
@@ -171,6 +172,22 @@ cmd = [sys.executable, rank_script, "--dir", str(Path(work) / "ckpt")]
 launch = LocalLauncher(cmd, ranks=2, workdir=Path(work), max_launches=1).run()[-1]
 print(json.dumps({"exit_codes": launch.exit_codes, "interrupted": launch.interrupted,
                   "killed": launch.killed}))
+"""
+
+# A warm launch's ranks are forks of a process that imported torch and never touched CUDA:
+# each must still initialise CUDA and NCCL as a cold rank does.
+WARM_CUDA_RANK = """
+import os
+import torch, torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(rank % torch.cuda.device_count())
+dist.init_process_group("nccl")
+x = torch.ones(1, device="cuda")
+dist.all_reduce(x)
+assert x.item() == dist.get_world_size(), x
+print(f"rank {rank} parent {os.getppid()} all_reduce {x.item():g}", flush=True)
+dist.destroy_process_group()
 """
 
 # tests/test_agreement.py's TWO_RANKS with NCCL as the default group and the step's collective
@@ -520,6 +537,25 @@ def launcher_ctrl_c(work: Path, res: Results) -> None:
             print(f"  {log.name}:\n{tail(log.read_text(), 1500)}")
 
 
+def warm_cuda_ranks(work: Path, res: Results) -> None:
+    sub = work / "warm_cuda"
+    sub.mkdir()
+    rank = script(sub, "rank.py", WARM_CUDA_RANK)
+    proc = subprocess.Popen([sys.executable, "-m", "kempner_resilience.cli", "launch", "--ranks",
+                             "2", "--warm", "--", sys.executable, str(rank)], cwd=sub,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), start_new_session=True)
+    (code, err, out), = finish([proc], 180)
+    cold = "cold" in err
+    lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
+    parents = {ln.split()[3] for ln in lines}
+    ok = code == 0 and len(lines) == 2 and not cold and str(proc.pid) not in parents
+    res.add(ok, f"warm launch (ranks forked from a process that imported torch), 2 ranks, NCCL "
+                f"all_reduce: exit {code}, {lines}, {'started cold' if cold else 'forked'}")
+    if not ok:
+        print(tail(err))
+
+
 def nccl_should_stop(work: Path, res: Results) -> None:
     sub = work / "nccl_should_stop"
     sub.mkdir()
@@ -624,7 +660,8 @@ def main() -> int:
     exact_resume(work, res, fsdp=False)
     exact_resume(work, res, fsdp=True)
     print("\n--- shutdown scenarios on the GPU", flush=True)
-    for check in (peer_killed, launcher_ctrl_c, nccl_should_stop, cuda_sync_hang):
+    for check in (peer_killed, launcher_ctrl_c, warm_cuda_ranks, nccl_should_stop,
+                  cuda_sync_hang):
         try:
             check(work, res)
         except Exception as e:      # one broken scenario must not hide the others

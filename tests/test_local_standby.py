@@ -3,6 +3,7 @@ torch once and outlives the launches; each warm launch forks its ranks from it, 
 standby imported torch with other values than the ranks would."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -223,3 +224,20 @@ def test_a_named_import_that_starts_a_thread_is_never_forked_and_the_ranks_start
                        PYTHONPATH=str(tmp_path)) == 0
     assert [seen[0] for seen in _seen(tmp_path)] == [str(os.getpid())] * 2   # the launcher's
     assert "starting the ranks cold" in caplog.text and "threads" in caplog.text
+
+
+def test_a_named_import_that_loads_the_cuda_driver_is_never_forked_and_the_ranks_start_cold(
+        node_standby, tmp_path, caplog):
+    # torch.cuda.is_available() without NVML loads the CUDA driver without torch's lazy init:
+    # a rank forked after it would fail at its first CUDA call. No GPU here: the probe maps a
+    # library of that name, which is what the zygote looks for.
+    libm = next(line.split()[-1] for line in open("/proc/self/maps") if "/libm.so" in line)
+    shutil.copy(libm, tmp_path / "libcuda.so.1")
+    (tmp_path / "kr_probe.py").write_text(
+        f"import ctypes\nctypes.CDLL({str(tmp_path / 'libcuda.so.1')!r})\n")
+    script = write_script(tmp_path, IMPORTED)
+    with caplog.at_level("WARNING"):
+        assert _launch(script, tmp_path, KEMPNER_RESILIENCE_WARM_IMPORTS="kr_probe",
+                       PYTHONPATH=str(tmp_path)) == 0
+    assert [seen[0] for seen in _seen(tmp_path)] == [str(os.getpid())] * 2   # the launcher's
+    assert "starting the ranks cold" in caplog.text and "CUDA driver" in caplog.text

@@ -109,6 +109,16 @@ def _threads() -> int:
         return threading.active_count()
 
 
+def _cuda_driver_loaded() -> bool:
+    """Whether the CUDA driver library is mapped in this process: the CUDA runtime loads it
+    at its first call, which ``import torch`` never makes."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return any(b"/libcuda.so" in line for line in maps)
+    except OSError:
+        return False
+
+
 def pristine(threads: int = 1) -> str | None:
     """None when this process may be a zygote (it never ran a rank's code); else why not.
     ``threads``: its count after torch's imports (``import torch`` starts a native one)."""
@@ -117,10 +127,15 @@ def pristine(threads: int = 1) -> str | None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return "it holds a process group"
-    # A forked CUDA context is unusable in the child; an import may have made one.
+    # A forked CUDA context is unusable in the child; an import may have made one. So is a
+    # driver that ``torch.cuda.is_available()`` initialised without torch's lazy init: the
+    # child's first CUDA call would fail with an initialisation error.
     cuda = sys.modules.get("torch.cuda")
     if cuda is not None and cuda.is_initialized():
         return "it initialised CUDA"
+    if _cuda_driver_loaded():
+        return ("it loaded the CUDA driver (an import called torch.cuda.is_available(); with "
+                "PYTORCH_NVML_BASED_CUDA_CHECK=1 it asks NVML, which a fork survives)")
     import __main__
 
     if os.path.abspath(getattr(__main__, "__file__", None) or "") != os.path.abspath(__file__):
