@@ -60,9 +60,9 @@ def _setup(p: argparse.ArgumentParser) -> None:
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER, metavar="TORCHRUN_ARGS",
                    help="torchrun's own arguments, then the training script and its arguments")
     p.epilog = ("The exit status is the job's code from the workers' endings (a rank's own "
-                "code before its peers' 81; 75 when the job was requeued). Run one per node: `srun --ntasks-per-node=1 "
-                "kempner-resilience torchrun --nnodes=$SLURM_NNODES ...` (template "
-                "multi_node_torchrun).")
+                "code before its peers' 81; 75 when the job was requeued). Run one per node: "
+                "`srun --ntasks-per-node=1 kempner-resilience torchrun "
+                "--nnodes=$SLURM_NNODES ...` (template multi_node_torchrun).")
 
 
 def _run(args: argparse.Namespace) -> int:

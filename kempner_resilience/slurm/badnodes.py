@@ -187,9 +187,10 @@ def requeue_excluding(job_id: str, nodes: Iterable[str], *, timeout: float = 10.
 
     A job SLURM has shrunk (``--no-kill``: a node of it went down, ``ResizeTime`` shown) is
     requeued plainly, never held: slurmctld 22.05 without accounting refuses every update of
-    such a job ("the DB index is being set"; measured: until the requeue) and the release of a
-    hold could be refused with it, leaving the job held for good. Its dead node is DOWN, so the
-    scheduler does not place it there meanwhile; the exclusion follows the requeue."""
+    such a job ("the DB index is being set"; measured: until the requeued job has finished
+    completing) and the release of a hold could be refused with it, leaving the job held for
+    good. Its dead node is DOWN, so the scheduler does not place it there meanwhile; the
+    exclusion is still tried after the requeue, and may be refused."""
     wanted = {n for n in nodes if n}
     srun = find_scontrol(name="srun")
     exe = find_scontrol()
@@ -288,9 +289,10 @@ def _report(job_id: str, wanted: set[str], res: ScontrolResult) -> ScontrolResul
             fix = ("the job was not pending: exclusions can only change after `scontrol "
                    "requeue` (a bug if you see this after one)")
         elif "db index" in text:
-            fix = ("SLURM refuses updates of a job that lost a node under --no-kill until it "
-                   "is requeued (22.05 without accounting); the in-job relaunches still keep off "
-                   "the node(s), and `sbatch --exclude=...` does on a resubmission")
+            fix = ("SLURM refuses updates of a job that lost a node under --no-kill until the "
+                   "requeued job has finished completing (22.05 without accounting); the in-job "
+                   "relaunches still keep off the node(s), and `sbatch --exclude=...` does on a "
+                   "resubmission")
         elif "access" in text or "permission" in text or "not authorized" in text:
             fix = ("the site does not let users update their jobs' ExcNodeList; ask the admins "
                    "to drain the node(s), or resubmit with `sbatch --exclude=...`")
