@@ -54,10 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
     name = f"kempner-resilience-test-standby-{os.getpid()}"
     imports = os.environ.get(warm.IMPORTS_ENV)
     if imports is None:
-        import importlib.util
-
-        imports = ",".join(m for m in _STANDBY_IMPORTS
-                           if importlib.util.find_spec(m.partition(".")[0]) is not None)
+        imports = ",".join(m for m in _STANDBY_IMPORTS if warm.installed(m))
     # It ends with this session even when pytest is killed (no unconfigure then).
     _standby = standby.start(name, {**os.environ, warm.IMPORTS_ENV: imports},
                              die_with_caller=True)

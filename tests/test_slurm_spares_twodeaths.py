@@ -15,8 +15,8 @@ with its usual size afterwards.
 With production's SlurmdTimeout (300 s): the package, not SLURM, notices the deaths. With 5 s,
 SLURM sometimes took the first dead node out of the job (a resize, before the test brought it
 back) just before the second requeue; slurmctld 22.05 without accounting then refuses every
-update of the job ("the DB index is being set"), the exclusion and the release of its
-requeue hold included, and the job stayed held.
+update of the job ("the DB index is being set"). Such a job is requeued without a hold
+(tests/test_slurm_badnodes.py), but its exclusions cannot land, and this test asserts them.
 """
 
 from __future__ import annotations

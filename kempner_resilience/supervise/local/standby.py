@@ -93,9 +93,8 @@ def _unfit(name: str, env: Mapping[str, str]) -> str | None:
     missing = [name for name in warm.warm_imports(env) if name not in imported]
     if missing:
         return f"it did not import {', '.join(missing)}"
-    read = tuple(p for name in imported
-                 for p in _READ_BY.get(name.partition(".")[0],
-                                       (name.partition(".")[0].upper() + "_",)))
+    tops = [name.partition(".")[0] for name in imported]
+    read = tuple(p for top in tops for p in _READ_BY.get(top, (top.upper() + "_",)))
     mine, its = _at_import(env, read), _at_import(theirs, read)
     differ = sorted(k for k in {*mine, *its} if mine.get(k) != its.get(k))
     what = ", ".join(("torch", *imported))

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["Zygote", "Forker", "WarmProcess", "start", "warm_command", "listen_command", "warm_on",
-           "pristine", "parent_death", "warm_imports", "WARM_ENV", "IMPORTS_ENV", "PRELOAD",
+           "pristine", "parent_death", "warm_imports", "installed", "WARM_ENV", "IMPORTS_ENV", "PRELOAD",
            "STEP_SIGNALS", "UNBUFFERED"]
 
 WARM_ENV = "KEMPNER_RESILIENCE_WARM"
@@ -300,23 +300,27 @@ def start(name: str, env: Mapping[str, str], *, preload: Sequence[str] = PRELOAD
     return proc
 
 
+def installed(name: str) -> bool:
+    """Whether the package of module ``name`` (``transformers`` of ``transformers.trainer``)
+    is installed here, found without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name.partition(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _check_imports(env: Mapping[str, str]) -> None:
     """Name in the log what ``$KEMPNER_RESILIENCE_WARM_IMPORTS`` lists that is not installed:
     the zygote skips it, and each rank pays its import (or fails on it) as a cold one does."""
-    import importlib.util
-
     from kempner_resilience.core.log import get_logger
 
     for name in warm_imports(env):
-        top = name.partition(".")[0]
-        try:
-            found = importlib.util.find_spec(top) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
+        if not installed(name):
             get_logger(__name__).warning(
                 "%s names %s, which is not installed here: the ranks import it themselves; "
-                "fix the name or install it", IMPORTS_ENV, top)
+                "fix the name or install it", IMPORTS_ENV, name.partition(".")[0])
 
 
 # ------------------------------------------------------------------ the zygote process
