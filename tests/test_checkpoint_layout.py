@@ -3,7 +3,11 @@ deletes the newest, protected or foreign directories, and deletion that never lo
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
+
+import pytest
 
 from kempner_resilience.checkpoint import layout, retention
 from kempner_resilience.core.runpaths import RunPaths
@@ -68,6 +72,50 @@ def test_deleting_renames_to_trash_first(tmp_path: Path) -> None:
     assert layout.scan(RunPaths(tmp_path)) == []        # nothing looks committed
     retention.clean_trash(RunPaths(tmp_path))
     assert not trash.exists()
+
+
+SHARDS = 20
+CALLS = SHARDS + 4          # the shards, .metadata, the marker, the manifest, the rmdir
+
+
+def _many_files_commit(root: Path, step: int) -> Path:
+    path = layout.create_step_dir(RunPaths(root), step)
+    for i in range(SHARDS):
+        (path / f"__{i}_0.distcp").write_bytes(b"x")
+    (path / ".metadata").write_bytes(b"m")
+    layout.write_manifest(path, {"format": layout.FORMAT, "step": step, "committed_at": step,
+                                 "files": {}})
+    return path
+
+
+@pytest.mark.parametrize("killed_at", range(CALLS + 1))
+def test_a_deletion_sigkilled_at_any_file_is_finished_by_the_next_retention(
+        tmp_path: Path, killed_at: int) -> None:
+    # A real process deletes a checkpoint of 23 files and is SIGKILLed right before its
+    # ``killed_at``-th unlink or rmdir (CALLS: it finished). What is left must be finished by the
+    # next run's retention: never shards left behind for good in a directory it refuses.
+    path = _many_files_commit(tmp_path, 3)
+    pid = os.fork()
+    if pid == 0:
+        calls = [0]
+
+        def cut(real):
+            def wrapper(*args, **kwargs):
+                if calls[0] == killed_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                calls[0] += 1
+                return real(*args, **kwargs)
+            return wrapper
+        os.unlink, os.rmdir = cut(os.unlink), cut(os.rmdir)
+        try:
+            retention.remove_dir(path)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) == (killed_at < CALLS)
+    skipped = []
+    retention.clean_trash(RunPaths(tmp_path), on_skip=lambda p, why: skipped.append(why))
+    assert skipped == [] and os.listdir(tmp_path) == []
 
 
 def test_a_damaged_manifest_is_reported_and_left_alone_by_retention(tmp_path: Path) -> None:

@@ -15,11 +15,13 @@ aside (``checkpoint/quarantine.py``).
 
 Deletion renames the directory to ``.trash-...`` first (atomic, and the new name no longer matches
 the step pattern), then removes it, so a crash mid-delete never leaves a half-deleted directory
-that looks like a checkpoint; ``clean_trash`` finishes such deletions later.
+that looks like a checkpoint; ``clean_trash`` finishes such deletions later. The removal takes
+the marker and the manifest last, so what a crash leaves still shows it is ours.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -80,8 +82,10 @@ def why_not_ours(path: Path, manifest: dict[str, Any] | None = None,
         return f"it cannot be inspected ({e.strerror or e})"
     if marker is None:
         if manifest is None:
-            return (f"it has no {MARKER_NAME} and no {MANIFEST_NAME}: not created by a save of "
-                    "this package")
+            # Also what a save SIGKILLed between its mkdir and its marker leaves: nothing in it
+            # proves it ours, so it stays (it holds no data: at most the marker's temp file).
+            return (f"it has no {MARKER_NAME} and no {MANIFEST_NAME}: not written by a save of "
+                    "this package, or one cut short before its first byte")
         return None
     theirs = marker.get("run_id")
     if run_id is not None and theirs is not None and theirs != run_id:
@@ -112,7 +116,27 @@ def remove_dir(path: Path) -> None:
     trash = path.parent / RunPaths.trash_name(path.name, f"{os.getpid()}-{time.monotonic_ns()}")
     os.rename(path, trash)
     fsync_dir(path.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+    _delete(trash)
+
+
+def _delete(path: Path) -> None:
+    """Delete a directory of ours with its marker, then its manifest, last: a deletion cut short
+    (a SIGKILL, a node's death) leaves a trash directory that still proves it is ours, which the
+    next ``clean_trash`` finishes. (``shutil.rmtree`` goes in directory order: one cut short
+    after the marker left the shards behind for good, retention refusing to touch them.)"""
+    with os.scandir(path) as entries:
+        rest = [e for e in entries if e.name not in (MARKER_NAME, MANIFEST_NAME)]
+    for entry in rest:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+    for name in (MARKER_NAME, MANIFEST_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path / name)
+    with contextlib.suppress(OSError):      # not empty: something appeared, leave it
+        path.rmdir()
 
 
 def clean_trash(paths: RunPaths, run_id: str | None = None,
@@ -127,13 +151,18 @@ def clean_trash(paths: RunPaths, run_id: str | None = None,
         if not RunPaths.is_step_trash(name):
             continue
         p = paths.root / name
+        with contextlib.suppress(OSError):
+            # Empty: a deletion cut short after its last file. Nothing in it can be lost, and
+            # rmdir removes only an empty directory.
+            p.rmdir()
+            continue
         try:
             manifest: dict[str, Any] | None = read_manifest(p)
         except (CheckpointCorrupt, OSError):
             manifest = None
         why = why_not_ours(p, manifest, run_id)
         if why is None:
-            shutil.rmtree(p, ignore_errors=True)
+            _delete(p)
         elif on_skip is not None:
             on_skip(p, why)
 
