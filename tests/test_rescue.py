@@ -106,6 +106,9 @@ def test_a_rank_dying_after_its_all_reduce_but_before_its_boundary_falls_back_cl
     assert f"no state of step {FAIL_AT + 1} from rank(s) [3]" in logs(tmp_path)
     # Said as it is: the dead rank's buddy is alive and holds its older boundary.
     assert f"rank 3 is one boundary behind, at step {FAIL_AT}" in logs(tmp_path)
+    # Its buddy saw its link end without a word: the writer gave up on it at once, not after
+    # GIVE_UP_S (the survivors must leave within SLURM's KillWait).
+    assert "holds that and saw it die)" in logs(tmp_path)
     assert "both gone or stuck" not in logs(tmp_path)
     assert second.report["resumed_from"] == 20          # the periodic checkpoint
     assert_bitwise_equal(reference, weights)

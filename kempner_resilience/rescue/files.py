@@ -5,6 +5,9 @@
         rank<r>.step<S>     rank r's snapshot of boundary S, from r itself or from its buddy
         offered.<r>         rank r has offered every snapshot it holds (its own, its
                             predecessor's): what is missing then can only come from elsewhere
+        died.<p>            rank p died without a word (its link to its buddy ended with
+                            neither a goodbye nor a wake), and the buddy has offered all of p
+                            it holds: nothing more of p can come
         claim               the one rank that writes the checkpoint: its JSON (rank, step, pid,
                             host, process start) written under a temporary name, then
                             hard-linked (fails if it exists; O_CREAT|O_EXCL where links are
@@ -45,6 +48,7 @@ HEARTBEAT_S = 1.0        # how often a writer touches its claim
 STALE_S = 10.0           # a claim of another host whose mtime stood still this long: writer gone
 _SNAP_RE = re.compile(r"^rank(\d+)\.step(\d+)$")
 _OFFERED_RE = re.compile(r"^offered\.(\d+)$")
+_DIED_RE = re.compile(r"^died\.(\d+)$")
 
 
 def _write_whole(path: Path, data: bytes, *, exclusive: bool = False) -> bool:
@@ -123,11 +127,22 @@ class RescueFiles:
 
     def offered(self) -> set[int]:
         """The ranks that have offered what they hold."""
+        return self._ranks(_OFFERED_RE)
+
+    def mark_died(self, rank: int) -> None:
+        self._ensure()
+        _write_whole(self.dir / f"died.{rank}", b"")
+
+    def died(self) -> set[int]:
+        """The ranks known dead whose buddy has offered all it holds of them."""
+        return self._ranks(_DIED_RE)
+
+    def _ranks(self, pattern: re.Pattern[str]) -> set[int]:
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             return set()
-        return {int(m.group(1)) for m in map(_OFFERED_RE.match, names) if m}
+        return {int(m.group(1)) for m in map(pattern.match, names) if m}
 
     def listing(self) -> str:
         """The snapshot files offered so far, for a log line."""

@@ -14,7 +14,8 @@ failure this way). Then:
   a rank that died one boundary behind the survivors: a ring all-reduce can finish on some ranks
   before others) mean no rescue: never a checkpoint that mixes steps or guesses a rank's RNG. A
   snapshot stops being waited for ``GIVE_UP_S`` after the rank or its buddy offered all it holds
-  without it, so the fallback comes within SLURM's KillWait, not after half the budget;
+  without it, so the fallback comes within SLURM's KillWait, not after half the budget; at once
+  when the rank died without a word and its buddy offered all of it (``files.died``);
 * every other rank waits for the outcome (``done.json``) within the budget, so that rank 0 never
   requeues (which kills the job's tasks) while the writer still writes; a writer known to be
   gone (``files.claimant_gone``: its pid on this host, its claim's heartbeat elsewhere) ends
@@ -187,6 +188,7 @@ class Rescuer:
     def _offer(self) -> None:
         items = [(self.rank, s) for s in self.boundary.snapshots()]
         items += [(self.link.pred, s) for s in self.link.held()]
+        failed = False
         for rank, snap in items:
             step = snap.step
             if (rank, step) in self._offered:
@@ -195,11 +197,18 @@ class Rescuer:
                 self.files.put(rank, step, snap.whole())
                 self._offered.add((rank, step))
             except OSError as e:
+                failed = True
                 log.warning("rescue: cannot offer rank %d's state of step %d in %s: %s", rank,
                             step, self.files.dir, e)
         if self._woken:
             try:
                 self.files.mark_offered(self.rank)
+                # A link's end comes after its last byte: once the predecessor died without a
+                # word, what this rank holds of it is all there will ever be, and the writer
+                # need not wait for more (a live rank one boundary behind still gets its
+                # GIVE_UP_S to reach its boundary).
+                if self.died() and not failed:
+                    self.files.mark_died(self.link.pred)
             except OSError:
                 pass
 
@@ -353,8 +362,9 @@ class Rescuer:
             for r in missing:
                 if r in offered or (r + self.offset) % self.world_size in offered:
                     hopeless.setdefault(r, now)
-            ranks_done = missing <= hopeless.keys() and all(now - hopeless[r] >= GIVE_UP_S
-                                                            for r in missing)
+            dead = self.files.died() if missing else set()
+            ranks_done = missing <= hopeless.keys() and all(
+                r in dead or now - hopeless[r] >= GIVE_UP_S for r in missing)
             cols_done = layout is not None and sharded.hopeless(
                 self.files.dir, layout, missing_cols, offered, now - waited, GIVE_UP_S)
             if (missing and ranks_done) or cols_done:     # either one is enough to give up
@@ -413,8 +423,9 @@ class Rescuer:
             held = [s for s in self.files.steps_of(r) if s < step]
             buddy = (r + self.offset) % self.world_size
             if held and (buddy in offered or r in offered):
+                dead = " and saw it die" if r in self.files.died() else ""
                 behind.append(f"rank {r} is one boundary behind, at step {held[-1]} (its buddy, "
-                              f"rank {buddy}, holds that)")
+                              f"rank {buddy}, holds that{dead})")
         head = f"no state of step {step} from rank(s) {sorted(missing)}"
         if len(behind) == len(missing):
             return (f"{head}: {'; '.join(behind)}; it died after its step's all-reduce, before "
