@@ -151,11 +151,13 @@ def clean_trash(paths: RunPaths, run_id: str | None = None,
         if not RunPaths.is_step_trash(name):
             continue
         p = paths.root / name
-        with contextlib.suppress(OSError):
+        try:
             # Empty: a deletion cut short after its last file. Nothing in it can be lost, and
-            # rmdir removes only an empty directory.
+            # rmdir removes only an empty directory (any other fails here and is checked below).
             p.rmdir()
             continue
+        except OSError:
+            pass
         try:
             manifest: dict[str, Any] | None = read_manifest(p)
         except (CheckpointCorrupt, OSError):

@@ -362,12 +362,13 @@ class Rescuer:
             for r in missing:
                 if r in offered or (r + self.offset) % self.world_size in offered:
                     hopeless.setdefault(r, now)
-            dead = self.files.died() if missing else set()
-            ranks_done = missing <= hopeless.keys() and all(
-                r in dead or now - hopeless[r] >= GIVE_UP_S for r in missing)
+            ranks_done = False
+            if missing and missing <= hopeless.keys():    # only then can the dead matter
+                dead = self.files.died()
+                ranks_done = all(r in dead or now - hopeless[r] >= GIVE_UP_S for r in missing)
             cols_done = layout is not None and sharded.hopeless(
                 self.files.dir, layout, missing_cols, offered, now - waited, GIVE_UP_S)
-            if (missing and ranks_done) or cols_done:     # either one is enough to give up
+            if ranks_done or cols_done:     # either one is enough to give up
                 break
             if not said and time.monotonic() - waited > 1.0:
                 said = True
@@ -417,15 +418,15 @@ class Rescuer:
         one boundary behind the survivors: its buddy, alive, offered only the older boundary,
         and a checkpoint of mixed steps is never written. Otherwise the rank and its buddy are
         both gone or stuck."""
-        offered = self.files.offered()
+        offered, dead = self.files.offered(), self.files.died()
         behind = []
         for r in sorted(missing):
             held = [s for s in self.files.steps_of(r) if s < step]
             buddy = (r + self.offset) % self.world_size
             if held and (buddy in offered or r in offered):
-                dead = " and saw it die" if r in self.files.died() else ""
+                saw = " and saw it die" if r in dead else ""
                 behind.append(f"rank {r} is one boundary behind, at step {held[-1]} (its buddy, "
-                              f"rank {buddy}, holds that{dead})")
+                              f"rank {buddy}, holds that{saw})")
         head = f"no state of step {step} from rank(s) {sorted(missing)}"
         if len(behind) == len(missing):
             return (f"{head}: {'; '.join(behind)}; it died after its step's all-reduce, before "

@@ -144,8 +144,7 @@ def main() -> None:
     make_state()          # warm lazy imports (autograd, Adam) once, not in every child
     rng = random.Random(seed)
     best = 0              # newest step a child reported as committed
-    # The kill window is 0.02-0.4 s where a child commits its first step within 0.1 s (an idle
-    # machine). A child starved of CPU (a busy CI machine) is slower, not safer: the window
+    # A child starved of CPU (a busy CI machine) is slower, not safer: the kill window
     # stretches by how much slower, so the kills land in saves, commits and retention as
     # often, not mostly in the child's set-up. At most 4 times: the load may go as it came, and
     # 60 trials must still end well within the test's timeout.
