@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.rescue.files import RescueFiles
 from kempner_resilience.supervise.channel import CHANNEL_ENV
 from kempner_resilience.supervise.endings import RankEnding, note_ending, peer_decision
 from kempner_resilience.supervise.policy import Action, RankEnd
@@ -67,6 +69,32 @@ def test_an_earlier_attempt_s_ending_is_never_read(tmp_path):
     note_ending(RunPaths(tmp_path), "old", RankEnding(1, "error", 1, 7))
     decision, _ = peer_decision(RunPaths(tmp_path), "new", RankEnd(81), 0, 2, wait_s=0.0)
     assert decision.action is not Action.LEAVE
+
+
+def test_silent_peers_the_rescue_accounts_for_are_not_waited_for(tmp_path):
+    # Rank 1 offered its state to this failure's rescue (a survivor, stuck in a collective
+    # with rank 0 until rank 0 leaves); rank 2's buddy saw it die. Neither will write an
+    # ending before rank 0 exits, so rank 0 does not wait its minute for them.
+    rescue = RescueFiles(RunPaths(tmp_path), "a1")
+    rescue.mark_offered(1)
+    rescue.mark_died(2)
+    began = time.monotonic()
+    decision, seen = peer_decision(RunPaths(tmp_path), "t1", RankEnd(81), 0, 3, wait_s=60.0,
+                                   rescue=rescue)
+    assert time.monotonic() - began < 30.0 and seen == {}
+    assert decision.runs_again and decision.code == 81
+
+
+def test_a_peer_that_left_early_beside_survivors_in_the_rescue_still_ends_the_job(tmp_path):
+    # The survivors have not written their endings yet: each counts as a lost peer (81), not
+    # as killed, so the job still leaves with 1 and is not relaunched.
+    note_ending(RunPaths(tmp_path), "t1", RankEnding(1, "left-early", 0, 5))
+    rescue = RescueFiles(RunPaths(tmp_path), "a1")
+    rescue.mark_offered(2)
+    rescue.mark_offered(3)
+    decision, _ = peer_decision(RunPaths(tmp_path), "t1", RankEnd(81), 0, 4, wait_s=60.0,
+                                rescue=rescue)
+    assert (decision.action, decision.code, decision.left_early) == (Action.LEAVE, 1, (1,))
 
 
 def test_a_rank_that_raises_makes_rank_0_leave_with_1_not_81(tmp_path):

@@ -150,14 +150,18 @@ def peers_code(state: RunState, own: int = ExitCode.PEER_LOST) -> int | None:
                       "not requeued: this rank exits with it too", code)
         return code
     wait = PEER_WAIT_S if left is None else max(0.0, min(PEER_WAIT_S, left / 2))
+    # The rescue that just ran says which silent peers survived and which died (no wait).
+    rescue = parts.rescue.files if parts.rescue is not None else None
     try:
         decision, seen = peer_decision(paths, token, RankEnd(int(own)), 0,
-                                       parts.agreement.world_size, wait)
+                                       parts.agreement.world_size, wait, rescue)
+        alive = sorted(rescue.offered() - rescue.died() - set(seen) - {0}) if rescue else []
     except Exception as e:   # never let the reading stop the exit: decide as before
         log.error("could not read the other ranks' endings (%s): deciding without them", e)
         return None
     note_verdict(paths, token, decision)
-    said = ", ".join(f"rank {r}: {e.kind} {e.code}" for r, e in sorted(seen.items()))
+    said = ", ".join([f"rank {r}: {e.kind} {e.code}" for r, e in sorted(seen.items())]
+                     + [f"rank {r}: in the rescue" for r in alive])
     if decision.action is not Action.LEAVE:
         log.info("the other ranks' endings (%s; the rest killed): %s", said or "none recorded",
                  decision.why)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Collection, Iterable
+from typing import Callable, Collection, Iterable, Protocol
 
 from kempner_resilience.core.fileio import load_json_bounded
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.channel import count, hear, tell
 from kempner_resilience.supervise.policy import KILLED, Action, Decision, Evidence, RankEnd, decide
 
-__all__ = ["RankEnding", "note_ending", "read_endings", "endings_since", "peer_decision",
+__all__ = ["RankEnding", "RescueView", "note_ending", "read_endings", "endings_since", "peer_decision",
            "note_verdict", "read_verdict", "PEER_WAIT_S", "VERDICT_WAIT_S"]
 
 _log = get_logger(__name__)
@@ -38,6 +39,13 @@ PEER_WAIT_S = 2.0
 #: wait for the endings, and its rescue beside this rank's.
 VERDICT_WAIT_S = PEER_WAIT_S + 5.0
 _POLL_S = 0.2
+
+
+class RescueView(Protocol):
+    """What rank 0 reads of this failure's rescue (``rescue/files.RescueFiles``)."""
+
+    def offered(self) -> set[int]: ...
+    def died(self) -> set[int]: ...
 
 
 @dataclass(frozen=True)
@@ -78,9 +86,11 @@ def note_ending(paths: RunPaths, token: str, ending: RankEnding) -> None:
 
 
 def read_endings(paths: RunPaths, token: str, ranks: Iterable[int],
-                 wait_s: float = PEER_WAIT_S) -> dict[int, RankEnding]:
+                 wait_s: float = PEER_WAIT_S,
+                 settled: Callable[[], Collection[int]] | None = None) -> dict[int, RankEnding]:
     """The recorded endings of ``ranks`` in attempt ``token``, waiting up to ``wait_s`` for
-    those not recorded yet (polled: a rank that is still leaving writes within a moment)."""
+    those not recorded yet (polled: a rank that is still leaving writes within a moment), but
+    not for those in ``settled()`` (asked at each poll)."""
     want = set(ranks)
     seen: dict[int, RankEnding] = {}
     end = time.monotonic() + max(wait_s, 0.0)
@@ -90,7 +100,9 @@ def read_endings(paths: RunPaths, token: str, ranks: Iterable[int],
                        "not recorded", RankEnding.from_json)
             if got is not None and got.rank == r:
                 seen[r] = got
-        if set(seen) >= want or time.monotonic() >= end:
+        missing = want - set(seen)
+        if not missing or time.monotonic() >= end \
+                or (settled is not None and missing <= set(settled())):
             return seen
         time.sleep(_POLL_S)
 
@@ -112,14 +124,26 @@ def endings_since(paths: RunPaths, known: Collection[Path], ranks: Iterable[int]
 
 
 def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_size: int,
-                  wait_s: float = PEER_WAIT_S) -> tuple[Decision, dict[int, RankEnding]]:
+                  wait_s: float = PEER_WAIT_S, rescue: RescueView | None = None
+                  ) -> tuple[Decision, dict[int, RankEnding]]:
     """The one policy's decision from the ranks' endings, and the endings read: this rank's
     ``own``, each peer's recorded one, SIGKILL for a peer that recorded none (it died before it
     could: killed). Only the endings decide here (no budget, no commits): whether the job is to run again
     at all; the restart budget and the no-progress guard are the requeue's, asked of the same
-    policy (``slurm/requeue.scheduler_decision``, over the restart record)."""
-    seen = read_endings(paths, token, (r for r in range(world_size) if r != rank), wait_s)
-    ends = (own if r == rank else seen[r].end() if r in seen else KILLED for r in range(world_size))
+    policy (``slurm/requeue.scheduler_decision``, over the restart record).
+
+    ``rescue``: this failure's rescue files. A peer with no ending yet that offered its state
+    there is a survivor of the same loss: its ending can only be a lost peer (81), so it counts
+    as one, unwaited. A peer its buddy saw die never writes one. So once every silent peer is
+    one or the other, the wait ends: a survivor stuck in a collective with this rank writes its
+    ending only after this rank's exit, and srun's KillWait does not wait for both."""
+    settled = None if rescue is None else (lambda: rescue.offered() | rescue.died())
+    seen = read_endings(paths, token, (r for r in range(world_size) if r != rank), wait_s,
+                        settled)
+    alive = rescue.offered() - rescue.died() if rescue is not None else set()
+    ends = (own if r == rank else seen[r].end() if r in seen
+            else RankEnd(int(ExitCode.PEER_LOST)) if r in alive else KILLED
+            for r in range(world_size))
     return decide(Evidence(tuple(ends))), seen
 
 
