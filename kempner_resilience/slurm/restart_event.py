@@ -11,7 +11,12 @@ from typing import Any, Iterable
 from kempner_resilience.core.ledger import Ledger, read_ledger
 from kempner_resilience.core.runpaths import RunPaths
 
-__all__ = ["record_restart", "ledger_so_far", "last_rescue"]
+__all__ = ["record_restart", "ledger_so_far", "last_rescue", "num"]
+
+
+def num(value: Any) -> float | None:
+    """A ledger field as seconds or a time; None when it is not a number."""
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 def record_restart(where: RunPaths | str | os.PathLike[str], *, relaunch: int, reason: str,
@@ -50,9 +55,6 @@ def ledger_so_far(paths: RunPaths) -> tuple[list[dict[str, Any]], dict[str, Any]
 def last_rescue(events: list[dict[str, Any]], since: float) -> tuple[float | None, float | None]:
     """When the newest ``rescue`` event at or after ``since`` was written (its end) and its
     ``seconds``; None for what is unknown."""
-    def num(value: Any) -> float | None:
-        return float(value) if isinstance(value, (int, float)) else None
-
     rescue = next((e for e in reversed(events) if e.get("ev") == "rescue"
                    and (num(e.get("t")) or 0.0) >= since), None)
     return (None, None) if rescue is None else (num(rescue.get("t")), num(rescue.get("seconds")))

@@ -8,6 +8,7 @@ The directory lives as long as the job (a requeue keeps the id).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -155,10 +156,6 @@ class RunReport:
         if not isinstance(known.get("requeue", {}), dict):
             raise ValueError("run report: requeue is not a mapping")
         return cls(**known)
-
-    @property
-    def ended(self) -> bool:
-        return self.code is not None
 
 
 @dataclass(frozen=True)
@@ -316,9 +313,7 @@ class Channel:
     def offer_rendezvous(self, rendezvous: Mapping[str, Any] | None) -> None:
         """A torchrun agent's channel: the rendezvous it would relaunch its workers in
         (``standby.Relaunch``'s fields) and the job's channel it belongs to."""
-        agent = self.agent
-        if agent is None:
-            raise ValueError("only a torchrun agent's channel offers a rendezvous")
+        agent = self.agent     # set: only an agent's channel (for_agent) offers one
         tell(agent / _AGENT, {"job": None if agent == self.root else str(self.root),
                               "rendezvous": None if rendezvous is None else dict(rendezvous)},
              "the workers the rendezvous")
@@ -334,21 +329,18 @@ class Channel:
         if self.agent is not None:
             shutil.rmtree(self.agent, ignore_errors=True)
             if self.agent.parent.name == _AGENTS_DIR:
-                _rmdir(self.agent.parent)      # agents/, when this was its last agent
+                with contextlib.suppress(OSError):   # agents/, when this was its last agent
+                    self.agent.parent.rmdir()
 
     # ------------------------------------------------------------------ the ranks' hang words
 
-    def hang_seen_dir(self, launch: str) -> Path:
-        """Where the ranks of launch ``launch`` say that their hang watchdog ran."""
-        return self.root / _HANG_SEEN / launch
-
     def note_hang_seen(self, launch: str, rank: int) -> None:
         """This rank's hang watchdog ran in Python (it is not hung with the GIL held)."""
-        _mark(self.hang_seen_dir(launch), (rank,))
+        _mark(self.root / _HANG_SEEN / launch, (rank,))
 
     def hang_seen(self, launch: str) -> set[int]:
         """The ranks of launch ``launch`` whose hang watchdog said so."""
-        return _marked(self.hang_seen_dir(launch))
+        return _marked(self.root / _HANG_SEEN / launch)
 
     def note_ranks_died(self, launch: str, ranks: Iterable[int]) -> None:
         """Ranks of launch ``launch`` that this rank saw die without a word."""
@@ -372,15 +364,8 @@ class Channel:
         """The job is over for good: its channel goes."""
         shutil.rmtree(self.root, ignore_errors=True)
         if self.root.parent.name.startswith(_JOBS_DIR):
-            _rmdir(self.root.parent)      # .kempner-resilience(-<uid>)/, after its last job
-
-
-def _rmdir(path: Path) -> None:
-    """Remove ``path`` if it is an empty directory."""
-    try:
-        path.rmdir()
-    except OSError:
-        pass
+            with contextlib.suppress(OSError):   # .kempner-resilience(-<uid>)/, after its last job
+                self.root.parent.rmdir()
 
 
 @dataclass

@@ -1,12 +1,11 @@
 """The ranks' endings when no supervisor watches them: rank 0 decides from them, by the policy.
 
-Under a plain ``srun`` rank 0 sees only "a peer is gone": an exception on rank 1 ([81, 1])
-was requeued until the budget ran out. So each rank records how it ended (``RankEnding``)
-before it dies, and rank 0 reads its peers' endings (a bounded wait) and asks the policy
-(``peer_decision``): a peer with no ending was killed. srun's status is the highest task code,
-so rank 0 writes its decision (``note_verdict``) and the other survivors leave with it
-(``read_verdict``). The attempt's token names the directory: an earlier attempt's endings
-are never read. The Ray driver reads them too (``endings_since``).
+Under a plain ``srun`` rank 0 sees only "a peer is gone" ([81, 1] was requeued until the
+budget ran out). So each rank records how it ended (``RankEnding``) before it dies, rank 0 asks
+the policy with its peers' endings (``peer_decision``), and since srun's status is the highest
+task code the other survivors leave with its decision (``note_verdict``, ``read_verdict``). The
+Ray driver reads them too (``endings_since``). docs/design.md, "No supervisor: the ranks'
+endings reach rank 0".
 """
 
 from __future__ import annotations

@@ -163,10 +163,6 @@ _VERDICTS = {Guard.BUDGET: Verdict.BUDGET_SPENT, Guard.NO_PROGRESS: Verdict.NO_P
              Guard.DISABLED: Verdict.DISABLED}
 
 
-def _code_of(end: RankEnd) -> int:
-    return int(ExitCode.HANG) if end.by_supervisor else end.code
-
-
 def job_code(ends: tuple[RankEnd, ...] | list[RankEnd]) -> tuple[int, Kind, tuple[int, ...]]:
     """The job's code from its ranks' endings, the kind of ending, and the ranks that left
     ``run.steps`` early; the rule is docs/design.md's table."""
@@ -181,8 +177,8 @@ def job_code(ends: tuple[RankEnd, ...] | list[RankEnd]) -> tuple[int, Kind, tupl
     deaths = [e.code for e in ends if e.own_death]
     # Row 3: nothing but zeros and ranks that only lost a peer (or were stopped or ended by
     # the supervisor after the grace): the ranks that exited 0 left while the others ran.
-    lost_only = all(_code_of(e) in RESCUED_CODES or e.code in (0, int(ExitCode.SIGTERM))
-                    for e in ends)
+    lost_only = all((int(ExitCode.HANG) if e.by_supervisor else e.code) in RESCUED_CODES
+                    or e.code in (0, int(ExitCode.SIGTERM)) for e in ends)
     if done and not deaths and lost_only:
         return int(ExitCode.ERROR), Kind.LEFT_EARLY, done
     if any(e.code == int(ExitCode.REQUEUE) for _, e in exits):

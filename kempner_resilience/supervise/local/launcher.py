@@ -31,8 +31,8 @@ from kempner_resilience.supervise.local.warm import Forker, parent_death, warm_c
 from kempner_resilience.supervise.policy import (RUN_AGAIN, Action, Commits, Decision, Evidence,
                                                  decide, ends_of, job_code)
 
-__all__ = ["Launch", "LocalLauncher", "free_port", "job_exit_code", "launch_evidence",
-           "warm_parent", "start_rank", "RELAUNCH_CODES", "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
+__all__ = ["Launch", "LocalLauncher", "free_port", "launch_evidence", "warm_parent",
+           "start_rank", "RELAUNCH_CODES", "FORWARDED_SIGNALS", "KILL_AFTER_TERM_S"]
 
 _log = get_logger(__name__)
 
@@ -66,12 +66,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_exit_code(codes: Sequence[int], killed: Sequence[int] = ()) -> int:
-    """A launch's code from its ranks' ``Popen.returncode`` and the ranks the launcher killed
-    (``policy.job_code``'s rule)."""
-    return job_code(ends_of(codes, killed))[0]
-
-
 def launch_evidence(codes: Sequence[int], killed: Sequence[int] = (), *, index: int = 0,
                     max_launches: int = 10, commits: Commits | None = None, stalled: int = 0,
                     max_no_progress: int = 2, interrupted: bool = False,
@@ -102,8 +96,8 @@ class Launch:
 
     @property
     def exit_code(self) -> int:
-        """The job's code: the policy's decision, else the one rule (``job_exit_code``)."""
-        return job_exit_code(self.exit_codes, self.killed) if self.decision is None \
+        """The job's code: the policy's decision, else the one rule (``policy.job_code``)."""
+        return job_code(ends_of(self.exit_codes, self.killed))[0] if self.decision is None \
             else self.decision.code
 
 

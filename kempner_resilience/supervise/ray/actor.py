@@ -39,10 +39,6 @@ class ActorEnding:
     from_driver: bool = False
 
     @property
-    def stopped(self) -> bool:
-        return self.code != 0
-
-    @property
     def leaves(self) -> bool:
         """Ray's own SIGTERM (an eviction, a drain) stopped the run: the process exits once
         the call has returned."""
@@ -255,6 +251,4 @@ class TrainingActor:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    @staticmethod
-    def stop_context(board: Any) -> contextlib.AbstractContextManager[ActorEnding]:
-        return stop_context(board)
+    stop_context = staticmethod(stop_context)

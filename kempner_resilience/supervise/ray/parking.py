@@ -1,23 +1,24 @@
-"""Warm actors between a driver's group incarnations (``supervise_loop``; docs/ray.md).
+"""Warm actors between a driver's group incarnations (``supervise_loop``).
 
-A new actor is a new process (seconds of imports), so a lost group's live actors are parked,
-and the next group of the same class and options takes them back, reborn (``kr_rebirth``);
-``spares`` are parked from the start. Trust is the policy's ``reusable``: an actor whose call
-did not end (a hang, a collective waiting on a dead peer: its communicator is untrusted) is
-killed, as is one whose rebirth fails or overruns.
+A new actor is a new process (seconds of imports), so a lost group's live actors are parked and
+the next group of the same class and options takes them back, reborn (``kr_rebirth``);
+``spares`` are parked from the start. Trust is the policy's ``reusable``: one whose call did not
+end (its communicator untrusted) is killed, as is one whose rebirth fails or overruns.
+docs/ray.md, "The driver-loop shape (SkyRL's trainer)".
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.policy import KILLED, RankEnd, reusable
-from kempner_resilience.supervise.ray.actor import actor_died, kill_actors
+from kempner_resilience.supervise.ray.actor import actor_died, call_error, kill_actors
 
 __all__ = ["Parking", "Parked", "current_parking", "parking_for", "signature"]
 
@@ -86,18 +87,17 @@ def current_parking() -> Parking | None:
     return _PARKING.get()
 
 
-class parking_for:
+@contextlib.contextmanager
+def parking_for() -> Iterator[Parking]:
     """``with parking_for():`` the actors of lost groups are parked until the block ends,
     then killed with the ones still parked."""
-
-    def __enter__(self) -> Parking:
-        self.parking = Parking()
-        self._token = _PARKING.set(self.parking)
-        return self.parking
-
-    def __exit__(self, *exc: object) -> None:
-        _PARKING.reset(self._token)
-        self.parking.close()
+    parking = Parking()
+    token = _PARKING.set(parking)
+    try:
+        yield parking
+    finally:
+        _PARKING.reset(token)
+        parking.close()
 
 
 def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
@@ -123,10 +123,9 @@ def settled(actors: Sequence[Any], refs: Sequence[Any], bound_s: float = SETTLE_
 def _end_of(ray: Any, ref: Any) -> RankEnd:
     if not ray.wait([ref], timeout=0)[0]:
         return RankEnd(int(ExitCode.HANG), by_supervisor=True)
-    try:
-        ray.get(ref, timeout=0)
-    except Exception as e:
-        return KILLED if actor_died(e) else RankEnd(int(ExitCode.PEER_LOST))
+    error = call_error(ref)
+    if error is not None:
+        return KILLED if actor_died(error) else RankEnd(int(ExitCode.PEER_LOST))
     return RankEnd(0)
 
 
@@ -144,12 +143,12 @@ def reborn(taken: Sequence[Parked], mine: bytes, rebirth: Callable[[Any], Any],
     ray.wait(calls, num_returns=len(calls), timeout=bound_s)
     ready, dropped = [], []
     for p, ref in zip(taken, calls):
-        try:
-            ray.get(ref, timeout=0)
+        error = call_error(ref)     # not done, failed, or its process gone
+        if error is None:
             ready.append(p.actor)
-        except Exception as e:   # not done, failed, or its process gone
+        else:
             log.warning("a parked actor could not be reused (%s): a new one replaces it",
-                        type(e).__name__)
+                        type(error).__name__)
             dropped.append(p.actor)
     kill_actors(dropped)
     return ready

@@ -1,20 +1,14 @@
-"""Warm Ray workers: the Python workers Ray starts on the driver's node fork from one process
-that imported torch once, through Ray's own ``runtime_env["py_executable"]``: the machine's
-standby when one fits (``supervise/local/standby.py``), else a zygote of the driver's own
-(``supervise/local/warm.py``).
+"""Warm Ray workers: through Ray's own ``runtime_env["py_executable"]``, the Python workers Ray
+starts on the driver's node fork from one process that imported torch once (the machine's
+standby when one fits, ``supervise/local/standby.py``, else a zygote of the driver's own,
+``supervise/local/warm.py``). Each actor, and each that replaces a lost one, then skips Python's
+start-up, ``import torch``, DCP and the optimizer's ``torch._dynamo`` (2-4 s of CPU).
 
-A Ray worker that runs a training actor pays Python's start-up, ``import torch``, DCP and the
-optimizer's ``torch._dynamo`` again: 2-4 s of CPU for each actor, and again for each one that
-replaces a lost actor. Forked, the actor is up in well under a second.
-
-Ray runs ``py_executable`` in place of Python for each worker. Ours is the srun standby's shim
-(``supervise/srun/shim.py``): it hands the zygote the worker's command, environment and
-streams, and exits as the forked worker does. Where no zygote answers (another node of the
-cluster), the shim becomes the worker itself: a cold start, as without this.
-
-The zygote imports torch, not Ray: Ray reads its cluster's authentication token once per
-process, and a worker forked from a process that read it before the cluster existed could not
-connect.
+The ``py_executable`` is the srun standby's shim (``supervise/srun/shim.py``); where no zygote
+answers (another node) it becomes the worker itself, a cold start. The zygote imports torch, not
+Ray: Ray reads its cluster's authentication token once per process, and a worker forked from a
+process that read it before the cluster existed could not connect. docs/ray.md, "The
+driver-loop shape (SkyRL's trainer)".
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from kempner_resilience.supervise.local.warm import UNBUFFERED, warm_command
 from kempner_resilience.supervise.srun.evidence import LoopState, step_evidence
 from kempner_resilience.supervise.srun.standby import Standby
 from kempner_resilience.supervise.srun.taskends import StepReport, choose_nodes
-from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SETTLE_S,
-                                                    SrunStep, StepResult)
+from kempner_resilience.supervise.srun.step import (END_STEP_S, FINISHED_GRACE_S, SrunStep,
+                                                    StepResult)
 from kempner_resilience.supervise.channel import Channel, newest_commit
 from kempner_resilience.supervise.policy import (Action, Decision, Evidence, Guard, Kind, RankEnd,
                                                  decide, job_code)
@@ -48,8 +48,6 @@ class Relauncher:
     in_job_restarts: int = 1
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     srun: Sequence[str] = ("srun",)
-    settle_s: float = SETTLE_S
-    finished_grace_s: float = FINISHED_GRACE_S
     # Each task is a torchrun agent that restarts its own workers: a failure or a dead node
     # is theirs, so the step is never ended for it nor relaunched; a failure that ends it is
     # requeued.
@@ -321,8 +319,7 @@ class Relauncher:
         # Before its ranks start: a relaunch is an attempt of its own (core.ledger).
         self.channel.begin_relaunch(index)
         res = SrunStep(cmd, self.step_env(nodes, index), list(nodes), self.tasks_per_node,
-                       self.job.job_id, index, self.channel, settle_s=self.settle_s,
-                       finished_grace_s=self.finished_grace_s, agents=self.agents,
+                       self.job.job_id, index, self.channel, agents=self.agents,
                        stopping=lambda: self.stopping,
                        launch=f"{self.job.restart_count}.{index}").run()
         if res.finished:

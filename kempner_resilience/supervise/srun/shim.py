@@ -1,16 +1,12 @@
 """An srun task that runs its rank warm: forked by its node's standby (``standby.py``).
 
 Each task of a step is ``python -S shim.py NAME python train.py ...``: the standard library
-only, it starts in milliseconds. It hands its node's standby (an abstract unix socket, one per
-node) the rank's command, environment, working directory and standard streams, passes on the
-task's signals to the rank forked, and exits as the rank did. Without a standby that answers,
-it becomes the rank itself (``exec``): a cold start.
-
-A signal for the whole job (``--signal``, the time limit, ``scancel``) reaches a warm rank twice:
-from the standby step's slurmstepd (the rank lives in that step) and through this shim. So the
-shim passes each signal on as a real-time signal of its own (``FORWARDED_ENV`` maps them), and
-the rank's handler counts one delivery from each path as one event. A rank that does not
-handle that stand-in (yet) gets the signal itself.
+only, so it starts in milliseconds. It hands its node's standby the rank's command,
+environment, working directory and standard streams, passes the task's signals on and exits as
+the rank did; with no standby answering it becomes the rank (``exec``), a cold start. A
+job-wide signal reaches a warm rank twice (the standby's step, this shim), so each is passed on
+as a real-time stand-in (``FORWARDED_ENV``) that the rank counts as one with the other; a rank
+that does not handle the stand-in gets the signal itself. docs/slurm.md, "Warm ranks under srun".
 """
 
 from __future__ import annotations
@@ -39,12 +35,6 @@ WAIT_ENV = "KEMPNER_RESILIENCE_STANDBY_WAIT_S"
 def forwarded() -> dict[int, int]:
     """The signal the shim passes each of ``_PASSED_ON`` on as."""
     return {int(s): _FIRST_RT + i for i, s in enumerate(_PASSED_ON)}
-
-
-def address(name: str) -> str:
-    """The standby's socket: in Linux's abstract namespace, which is per network namespace
-    (a node), and leaves no file behind."""
-    return "\0" + name
 
 
 def main(argv: list[str]) -> None:
@@ -117,7 +107,8 @@ def _connect(name: str) -> socket.socket | None:
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(address(name))
+            # Linux's abstract namespace: per network namespace (a node), no file left behind.
+            sock.connect("\0" + name)
             return sock
         except OSError:
             sock.close()

@@ -251,10 +251,6 @@ class WarmWorkers:
         self.tracked.add_worker(proc)  # type: ignore[arg-type]  # Popen's interface
         return proc
 
-    def close(self) -> None:
-        """End the zygote once the agent's workers are gone (bounded); a standby stays."""
-        self.zygote.close()
-
 
 def _warm_handler(warm: WarmWorkers) -> type:
     """torch's ``SubprocessHandler`` whose ``_popen`` forks the worker from ``warm``'s zygote."""

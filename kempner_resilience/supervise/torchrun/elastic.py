@@ -51,8 +51,8 @@ class ElasticAgent(LocalElasticAgent):
         try:
             return super().run(*args, **kwargs)
         finally:
-            if self.warm is not None:
-                self.warm.close()
+            if self.warm is not None:    # its zygote ends (bounded); a standby stays
+                self.warm.zygote.close()
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         if self.inplace is not None:
@@ -99,12 +99,9 @@ class ElasticAgent(LocalElasticAgent):
         if ok and self.inplace is not None and isinstance(handler, SpareHandler):
             handler.notice_lost_peer(self.inplace.ranks_died(), self.inplace.node_ranks(
                 worker_group.store, worker_group.group_world_size))
-        if ok:
-            log.warning("%s: workers failed with %s: relaunching in place (%s)", AGENT_NAME,
-                        codes, why)
-        else:
-            log.warning("%s: workers failed with %s: no relaunch in place: %s", AGENT_NAME,
-                        codes, why)
+        log.warning("%s: workers failed with %s: %s", AGENT_NAME, codes,
+                    f"relaunching in place ({why})" if ok else f"no relaunch in place: {why}")
+        if not ok:
             torch_private.set_remaining_restarts(self, 0)   # torch stops them, returns FAILED
         return result
 
@@ -129,8 +126,8 @@ class SpareHandler(DynamicRendezvousHandler):
                     and not torch_private.instance_missing("notice", holder):
                 holder.__class__ = _noticing_holder(type(holder))
 
-    def notice_lost_peer(self, died: Callable[[], Collection[int]] | None = None,
-                         node_ranks: Mapping[int, Collection[int]] | None = None) -> None:
+    def notice_lost_peer(self, died: Callable[[], Collection[int]],
+                         node_ranks: Mapping[int, Collection[int]]) -> None:
         """This node's workers lost a peer and the group relaunches in place: until the
         keep-alive window has passed once more, dead participants of the finished round are
         dropped early. Why: the next round opens only once every participant of the finished
@@ -138,16 +135,15 @@ class SpareHandler(DynamicRendezvousHandler):
         participant all of whose ranks the survivors saw die goes at once; else one whose
         heartbeat is two intervals old (a live one beats every interval)."""
         holder = getattr(self, "_state_holder", None)
-        settings = getattr(self, "_settings", None)
-        if not hasattr(holder, "kr_notice") or settings is None:
+        if not hasattr(holder, "kr_notice"):      # _take made it so: _settings is there too
             return
-        interval = settings.keep_alive_interval
-        window = interval * settings.keep_alive_max_attempt
+        interval = self._settings.keep_alive_interval
+        window = interval * self._settings.keep_alive_max_attempt
         stale = 2 * interval if 2 * interval < window else None   # else torch's is as short
         known = {int(g): frozenset(int(r) for r in ranks)
-                 for g, ranks in (node_ranks or {}).items() if ranks}
+                 for g, ranks in node_ranks.items() if ranks}
         round_ = getattr(torch_private.rendezvous_state(self), "round", None)
-        if stale is None and (died is None or not known or round_ is None):
+        if stale is None and (not known or round_ is None):
             return
         holder.kr_notice = _Notice(self._this_node, stale, window,
                                    time.monotonic() + window.total_seconds() + 60.0,

@@ -20,7 +20,7 @@ from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
 from kempner_resilience.slurm.badnodes import bad_node_records, record_bad_nodes
 from kempner_resilience.slurm.env import node_name
-from kempner_resilience.slurm.restart_event import last_rescue, ledger_so_far, record_restart
+from kempner_resilience.slurm.restart_event import last_rescue, ledger_so_far, num, record_restart
 from kempner_resilience.supervise.torchrun.agent import AGENT_NAME, Agent
 from kempner_resilience.supervise.torchrun.evidence import implicated_here, observe
 from kempner_resilience.supervise.torchrun.standby import Relaunch, live_standbys
@@ -266,10 +266,6 @@ def _known_dir(paths: RunPaths, what: str) -> bool:
     return False
 
 
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 def record_agent_restart(paths: RunPaths, round_: int, *, spare: str | None = None,
                          why: str | None = None) -> dict[str, Any] | None:
     """Write the ``restart`` event of in-job restart ``round_`` (the rank-0 agent, before it
@@ -281,14 +277,14 @@ def record_agent_restart(paths: RunPaths, round_: int, *, spare: str | None = No
         events, ids = ledger_so_far(paths)
         # The failure happened during the previous attempt: since its start.
         starts = [e for e in events if e.get("ev") == "start"]
-        since = (_num(starts[-1].get("t0")) if starts else None) or 0.0
+        since = (num(starts[-1].get("t0")) if starts else None) or 0.0
         fresh = {n: r for n, r in bad_node_records(paths).items()
-                 if (_num(r.get("last_t")) or 0.0) >= since}
+                 if (num(r.get("last_t")) or 0.0) >= since}
         rescue_end, rescue_s = last_rescue(events, since)
         rescue_t0 = None if rescue_end is None else rescue_end - (rescue_s or 0.0)
         # When the failure happened, as best known: the leaving node recorded it as soon as
         # its monitor saw its worker dead, or the survivors' rescue began, whichever came first.
-        known = [_num(r.get("last_t")) or 0.0 for r in fresh.values()]
+        known = [num(r.get("last_t")) or 0.0 for r in fresh.values()]
         failure_t = min(known + ([rescue_t0] if rescue_t0 is not None else []), default=None)
         detect_s = None if failure_t is None or rescue_t0 is None \
             else max(0.0, rescue_t0 - failure_t)

@@ -10,11 +10,10 @@ import pickle
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
 
 from kempner_resilience.core.log import get_logger
 
-__all__ = ["Relaunch", "live_standbys", "standbys_in"]
+__all__ = ["Relaunch", "live_standbys"]
 
 log = get_logger(__name__)
 
@@ -30,15 +29,6 @@ class Relaunch:
     run_id: str            # torchrun's --rdzv-id
     restarts_left: int     # the agent's in-job restarts left (torchrun --max-restarts budget)
     stale_s: float         # a heartbeat older than this: the agent is gone (keep-alive window)
-
-
-def standbys_in(state: Any, stale_s: float, now: datetime | None = None) -> list[str]:
-    """Host names of the agents in torch's redundancy and wait lists with a fresh heartbeat."""
-    now = now or datetime.now(timezone.utc)
-    beats = getattr(state, "last_heartbeats", {}) or {}
-    waiting = {n for key in ("redundancy_list", "wait_list") for n in getattr(state, key, ()) or ()}
-    return sorted(str(getattr(n, "addr", n)) for n in waiting
-                  if beats.get(n) is not None and now - beats[n] <= timedelta(seconds=stale_s))
 
 
 def live_standbys(relaunch: Relaunch, timeout_s: float = 5.0,
@@ -61,7 +51,13 @@ def live_standbys(relaunch: Relaunch, timeout_s: float = 5.0,
         end = time.monotonic() + settle_s
         while True:
             got = backend.get_state()    # torch's own record, pickled by its rendezvous handler
-            found = [] if got is None else standbys_in(pickle.loads(got[0]), relaunch.stale_s)
+            state, now = None if got is None else pickle.loads(got[0]), datetime.now(timezone.utc)
+            # The agents in torch's redundancy and wait lists with a fresh heartbeat.
+            beats = getattr(state, "last_heartbeats", {}) or {}
+            waiting = {n for key in ("redundancy_list", "wait_list")
+                       for n in getattr(state, key, ()) or ()}
+            found = sorted(str(getattr(n, "addr", n)) for n in waiting if beats.get(n) is not None
+                           and now - beats[n] <= timedelta(seconds=relaunch.stale_s))
             if found or time.monotonic() >= end:
                 return found
             time.sleep(0.1)

@@ -23,8 +23,8 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from kempner_resilience.config import ResilienceConfig, load_config
-from kempner_resilience.supervise.torchrun.agent import (AGENT_NAME, MARGIN_S, TORCH_SIGNALS,
-                                                         Agent, Interrupted)
+from kempner_resilience.supervise.torchrun.agent import (AGENT_NAME, TORCH_SIGNALS, Agent,
+                                                         Interrupted)
 from kempner_resilience.supervise.torchrun.evidence import agent_exit_code
 from kempner_resilience.supervise.torchrun.spares import InPlace, in_place_settings
 from kempner_resilience.supervise.channel import Channel
@@ -38,15 +38,13 @@ if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = ["run", "launch", "forward_signals", "agent_exit_code", "what_the_workers_did",
-           "RunReport", "FORWARD_ENV", "AGENT_ENV", "MARGIN_S"]
+           "RunReport", "FORWARD_ENV"]
 
 log = get_logger(__name__)
 
 #: ``yes``: the agent forwards every signal to its workers; ``no``: never (SLURM delivers them
 #: to every process of the step); ``auto`` (default): decided from SLURM's ProctrackType.
 FORWARD_ENV = "KEMPNER_RESILIENCE_FORWARD_SIGNALS"
-#: Set in the workers' environment (the agent's pid): preflight knows who started them.
-AGENT_ENV = TORCHRUN_AGENT_ENV
 _YES, _NO = ("yes", "1", "true", "always"), ("no", "0", "false", "never")
 #: Another launcher's front end (``accelerate launch``): given the function that replaces
 #: ``torch.distributed.run.run(args)``, it runs its command line, which calls that function.
@@ -107,7 +105,7 @@ def run(argv: Sequence[str], config: ResilienceConfig | None = None,
 
         from kempner_resilience.core import torch_private
 
-        os.environ[AGENT_ENV] = str(os.getpid())
+        os.environ[TORCHRUN_AGENT_ENV] = str(os.getpid())   # preflight: who started the workers
         # The agent's imports and rendezvous are the job's time, not the queue's (goodput.py).
         os.environ[AGENT_START_ENV] = repr(process_start_time())
         # The workers' own store (worker rank 0's): an agent that dies would take a shared one
@@ -243,15 +241,13 @@ class RunReport:
 
 # ------------------------------------------------------------------ torch's launch, ours
 
-def launch(argv: Sequence[str] | argparse.Namespace, tracked: Agent,
-           inplace: InPlace | None) -> Any:
-    """Run torchrun's ``argv`` (or its parsed arguments, from ``accelerate launch``) with our
-    agent; the workers' return values (none for a standby). Raises ``ChildFailedError`` after
+def launch(args: argparse.Namespace, tracked: Agent, inplace: InPlace | None) -> Any:
+    """Run torchrun's parsed arguments (torchrun's or ``accelerate launch``'s) with our agent;
+    the workers' return values (none for a standby). Raises ``ChildFailedError`` after
     torch's own report of it, as torchrun's ``main`` does."""
     from torch.distributed.elastic.multiprocessing.errors import record
-    from torch.distributed.run import config_from_args, parse_args, parse_min_max_nnodes
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-    args = argv if isinstance(argv, argparse.Namespace) else parse_args(list(argv))
     # torchrun's ``run``: a standalone or single-node static rendezvous is a local c10d one.
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
                            and args.master_port is None
