@@ -20,7 +20,7 @@ import signal
 from dataclasses import dataclass
 
 __all__ = ["ExitCode", "describe", "brief", "BRIEF", "for_signal_stop", "TABLE", "RUN_AGAIN",
-           "RESCUED", "Ending", "Saved", "Verdict", "Facts", "exit_code", "Row", "ROWS", "CLI_ONLY", "endings_markdown"]
+           "RESCUED", "Ending", "Saved", "Verdict", "Facts", "exit_code", "after_requeue", "Row", "ROWS", "CLI_ONLY", "endings_markdown"]
 
 
 class ExitCode(enum.IntEnum):
@@ -284,6 +284,15 @@ def exit_code(f: Facts) -> ExitCode:
     # FORCED, or SIGNAL and not requeued (action `stop`, or requeue.enabled false).
     assert f.signum is not None, f"{f.ending.value} needs the signal"
     return for_signal_stop(f.signum)               # 130, 143, or STOPPED
+
+
+def after_requeue(code: int, verdict: Verdict | None) -> int:
+    """The code of a process that asked for the job's requeue and is the job's one SLURM process
+    (a Ray driver): ``code`` when the job was requeued or no requeue was tried, else the table's
+    word for why not (77: the budget or no progress; 79: ``scontrol`` failed, resubmit)."""
+    if verdict is None or verdict is Verdict.REQUEUED or verdict not in _REQUEUE_CODES:
+        return int(code)     # requeued, not tried, or off (requeue.enabled false)
+    return int(_REQUEUE_CODES[verdict])
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from kempner_resilience.core import startup
 from kempner_resilience.stop import watchdog
 from kempner_resilience.exitcodes import (CLI_ONLY, ROWS, Ending, ExitCode, Facts, Saved,
-                                          Verdict, endings_markdown, exit_code)
+                                          Verdict, after_requeue, endings_markdown, exit_code)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "exit-codes.md"
 
@@ -62,6 +62,16 @@ def test_a_committed_stop_exits_with_the_requeue_verdict_or_the_signal_conventio
     assert code(signal.SIGTERM) == 143
     assert code(signal.SIGINT) == 130
     assert code(signal.SIGHUP) == ExitCode.STOPPED
+
+
+def test_a_ray_driver_whose_requeue_after_a_lost_group_failed_says_so_not_81():
+    # The driver is the job's one SLURM process: its code is the job's. After a dead node the
+    # policy asks for a requeue; if that fails, "resubmit" (79), or "budget spent" (77).
+    assert after_requeue(ExitCode.PEER_LOST, Verdict.SCONTROL_FAILED) == ExitCode.REQUEUE_FAILED
+    assert after_requeue(ExitCode.PEER_LOST, Verdict.BUDGET_SPENT) == ExitCode.NO_REQUEUE
+    assert after_requeue(ExitCode.PEER_LOST, Verdict.NO_PROGRESS) == ExitCode.NO_REQUEUE
+    assert after_requeue(ExitCode.PEER_LOST, Verdict.REQUEUED) == ExitCode.PEER_LOST
+    assert after_requeue(ExitCode.PEER_LOST, None) == ExitCode.PEER_LOST     # not under SLURM
 
 
 def test_sigterm_with_action_requeue_and_requeue_disabled_exits_143_in_a_real_run(tmp_path):

@@ -18,7 +18,8 @@ from kempner_resilience.config import Action, ResilienceConfig, SignalsConfig, l
 from kempner_resilience.core.log import get_logger, set_role
 from kempner_resilience.core.procs import descendants
 from kempner_resilience.core.runpaths import RunPaths
-from kempner_resilience.exitcodes import Ending, ExitCode, Facts, Saved, Verdict, exit_code
+from kempner_resilience.exitcodes import (Ending, ExitCode, Facts, Saved, Verdict, after_requeue,
+                                          exit_code)
 from kempner_resilience.supervise.ray.actor import (ActorEnding, actor_died, actor_ends,
                                                     call_error, ending_of, kill_actors)
 from kempner_resilience.supervise.ray.board import create_board
@@ -224,10 +225,7 @@ class RayDriver:
         decision = decide(Evidence(tuple(ends)))
         code = decision.code
         if decision.action is not Next.LEAVE:
-            verdict = self.requeue(decision.why, ends=tuple(ends))
-            if verdict is not None and verdict is not Verdict.REQUEUED:
-                code = int(exit_code(Facts(Ending.SIGNAL, signum=signal.SIGTERM,
-                                           saved=Saved.COMMITTED, requeue=verdict)))
+            code = after_requeue(code, self.requeue(decision.why, ends=tuple(ends)))
         log.warning("the training group ended %s before its last step: %s; exit %d",
                     [e.code for e in ends], decision.why, code)
         shutdown_ray()

@@ -16,6 +16,7 @@ from typing import Any, Callable, Collection, Sequence
 from kempner_resilience.config import ResilienceConfig
 from kempner_resilience.core.log import get_logger
 from kempner_resilience.core.runpaths import RunPaths
+from kempner_resilience.exitcodes import after_requeue
 from kempner_resilience.supervise.ray.actor import ActorEnding, actor_died, actor_ends, ending_of
 from kempner_resilience.supervise.ray.parking import Parking, reborn
 from kempner_resilience.slurm.badnodes import record_bad_nodes
@@ -87,11 +88,14 @@ def supervise(driver: Any, make_actor: Callable[[], Any], world_size: int,
                 except OSError as e:    # the memory is lost, never the checkpoint
                     log.warning("could not record bad nodes %s: %s", sorted(hosts), e)
             if not recreates(decision):
+                code = decision.code
                 if decision.action is Action.REQUEUE:   # another allocation, no dead nodes
-                    driver.requeue(decision.why, exclude=_hostnames(ray, bad_nodes))
+                    # A requeue refused or failed says so, as the driver's own stop does.
+                    code = after_requeue(code, driver.requeue(
+                        decision.why, exclude=_hostnames(ray, bad_nodes)))
                 driver.finish(cancel)
-                if decision.code != 0:
-                    raise SystemExit(decision.code)
+                if code != 0:
+                    raise SystemExit(code)
                 return outcomes
             driver.untrack(*actors)
             # Taken back: those the policy lets (``reusable``) whose run ended them (not
