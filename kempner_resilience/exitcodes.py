@@ -290,7 +290,7 @@ def after_requeue(code: int, verdict: Verdict | None) -> int:
     """The code of a process that asked for the job's requeue and is the job's one SLURM process
     (a Ray driver): ``code`` when the job was requeued or no requeue was tried, else the table's
     word for why not (77: the budget or no progress; 79: ``scontrol`` failed, resubmit)."""
-    if verdict is None or verdict is Verdict.REQUEUED or verdict not in _REQUEUE_CODES:
+    if verdict is Verdict.REQUEUED or verdict not in _REQUEUE_CODES:
         return int(code)     # requeued, not tried, or off (requeue.enabled false)
     return int(_REQUEUE_CODES[verdict])
 

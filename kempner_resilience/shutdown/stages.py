@@ -133,7 +133,7 @@ def peers_code(state: RunState, own: int = ExitCode.PEER_LOST) -> int | None:
     requeue's budget then decides), when rank 0 is gone, or under a supervisor."""
     from kempner_resilience.supervise.endings import (PEER_WAIT_S, VERDICT_WAIT_S,
                                                       note_verdict, peer_decision,
-                                                      read_verdict)
+                                                      read_verdict, survivors)
     from kempner_resilience.supervise.policy import Action, RankEnd
 
     parts = state.parts
@@ -155,7 +155,7 @@ def peers_code(state: RunState, own: int = ExitCode.PEER_LOST) -> int | None:
     try:
         decision, seen = peer_decision(paths, token, RankEnd(int(own)), 0,
                                        parts.agreement.world_size, wait, rescue)
-        alive = sorted(rescue.offered() - rescue.died() - set(seen) - {0}) if rescue else []
+        alive = sorted(survivors(rescue) - set(seen) - {0})
     except Exception as e:   # never let the reading stop the exit: decide as before
         log.error("could not read the other ranks' endings (%s): deciding without them", e)
         return None

@@ -22,8 +22,8 @@ from kempner_resilience.exitcodes import ExitCode
 from kempner_resilience.supervise.channel import count, hear, tell
 from kempner_resilience.supervise.policy import KILLED, Action, Decision, Evidence, RankEnd, decide
 
-__all__ = ["RankEnding", "RescueView", "note_ending", "read_endings", "endings_since", "peer_decision",
-           "note_verdict", "read_verdict", "PEER_WAIT_S", "VERDICT_WAIT_S"]
+__all__ = ["RankEnding", "RescueView", "note_ending", "read_endings", "endings_since", "survivors",
+           "peer_decision", "note_verdict", "read_verdict", "PEER_WAIT_S", "VERDICT_WAIT_S"]
 
 _log = get_logger(__name__)
 
@@ -122,6 +122,12 @@ def endings_since(paths: RunPaths, known: Collection[Path], ranks: Iterable[int]
     return seen
 
 
+def survivors(rescue: RescueView | None) -> set[int]:
+    """The ranks that offered their state to this failure's rescue and did not die: survivors
+    of the same loss, whose ending can only be a lost peer (81)."""
+    return rescue.offered() - rescue.died() if rescue is not None else set()
+
+
 def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_size: int,
                   wait_s: float = PEER_WAIT_S, rescue: RescueView | None = None
                   ) -> tuple[Decision, dict[int, RankEnding]]:
@@ -139,7 +145,7 @@ def peer_decision(paths: RunPaths, token: str, own: RankEnd, rank: int, world_si
     settled = None if rescue is None else (lambda: rescue.offered() | rescue.died())
     seen = read_endings(paths, token, (r for r in range(world_size) if r != rank), wait_s,
                         settled)
-    alive = rescue.offered() - rescue.died() if rescue is not None else set()
+    alive = survivors(rescue)
     ends = (own if r == rank else seen[r].end() if r in seen
             else RankEnd(int(ExitCode.PEER_LOST)) if r in alive else KILLED
             for r in range(world_size))

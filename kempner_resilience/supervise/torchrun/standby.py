@@ -51,7 +51,8 @@ def live_standbys(relaunch: Relaunch, timeout_s: float = 5.0,
         end = time.monotonic() + settle_s
         while True:
             got = backend.get_state()    # torch's own record, pickled by its rendezvous handler
-            state, now = None if got is None else pickle.loads(got[0]), datetime.now(timezone.utc)
+            state = None if got is None else pickle.loads(got[0])
+            now = datetime.now(timezone.utc)
             # The agents in torch's redundancy and wait lists with a fresh heartbeat.
             beats = getattr(state, "last_heartbeats", {}) or {}
             waiting = {n for key in ("redundancy_list", "wait_list")
